@@ -1,0 +1,1 @@
+"""Analyses: pure functions from tables (pandas DataFrames) to tables. No I/O, no globals."""

@@ -1,0 +1,178 @@
+"""Op, kernel and category summaries, and the call-tree breakdown that the sunburst draws.
+
+GPU time of an op = the summed durations of the GPU activity it launched (attributed through the
+runtime call to the innermost enclosing op, as in `calltree`). Percentages are of the GPU busy time
+(union over streams) of the ranks involved, so they answer "what share of the time the GPU was busy".
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+
+from .. import categories as C
+from .calltree import KIND_OP
+
+US = 1000.0
+
+
+def ops_summary(tree: pd.DataFrame, gpu: pd.DataFrame, busy_ns: float) -> pd.DataFrame:
+    """By (op name, input shapes): instances, CPU inclusive/self time, GPU time, kernels, % of busy."""
+    ops = tree[tree["kind"] == KIND_OP]
+    if ops.empty:
+        return pd.DataFrame(columns=["op", "input_dims", "count", "cpu_total_us", "cpu_self_us", "gpu_total_us",
+                                     "gpu_mean_us", "kernels", "pct_gpu_busy"])
+    k = gpu[gpu["op_row"] >= 0].groupby("op_row")["dur"].agg(["sum", "size"])
+    df = pd.DataFrame(
+        {
+            "op": ops["name"].astype(str).to_numpy(),
+            "input_dims": ops["input_dims"].astype(object).fillna("").astype(str).to_numpy(),
+            "dur": ops["dur"].to_numpy(),
+            "self_dur": ops["self_dur"].to_numpy(),
+            "gpu": k["sum"].reindex(ops.index).fillna(0).to_numpy(),
+            "nk": k["size"].reindex(ops.index).fillna(0).to_numpy(),
+        }
+    )
+    agg = df.groupby(["op", "input_dims"], sort=False).agg(
+        count=("dur", "size"), cpu=("dur", "sum"), cpu_self=("self_dur", "sum"), gpu=("gpu", "sum"), kernels=("nk", "sum")
+    ).reset_index()
+    out = pd.DataFrame(
+        {
+            "op": agg["op"],
+            "input_dims": agg["input_dims"],
+            "count": agg["count"].astype(np.int64),
+            "cpu_total_us": agg["cpu"] / US,
+            "cpu_self_us": agg["cpu_self"] / US,
+            "gpu_total_us": agg["gpu"] / US,
+            "gpu_mean_us": agg["gpu"] / US / agg["count"],
+            "kernels": agg["kernels"].astype(np.int64),
+            "pct_gpu_busy": 100.0 * agg["gpu"] / busy_ns if busy_ns > 0 else np.nan,
+        }
+    )
+    return out.sort_values(["gpu_total_us", "cpu_self_us"], ascending=False, ignore_index=True)
+
+
+def kernel_summary(gpu: pd.DataFrame, busy_ns: float) -> pd.DataFrame:
+    """By (kernel name, launching op): count, total/mean/min/max, category, % of GPU busy."""
+    cols = ["kernel", "op", "category", "kind", "count", "total_us", "mean_us", "min_us", "max_us", "pct_gpu_busy"]
+    if gpu.empty:
+        return pd.DataFrame(columns=cols)
+    agg = gpu.groupby(["name", "op", "category", "kind"], observed=True, sort=False)["dur"].agg(
+        ["size", "sum", "mean", "min", "max"]
+    ).reset_index()
+    out = pd.DataFrame(
+        {
+            "kernel": agg["name"].astype(str),
+            "op": agg["op"].astype(str),
+            "category": agg["category"].astype(str),
+            "kind": agg["kind"].astype(str),
+            "count": agg["size"].astype(np.int64),
+            "total_us": agg["sum"] / US,
+            "mean_us": agg["mean"] / US,
+            "min_us": agg["min"] / US,
+            "max_us": agg["max"] / US,
+            "pct_gpu_busy": 100.0 * agg["sum"] / busy_ns if busy_ns > 0 else np.nan,
+        }
+    )
+    return out.sort_values("total_us", ascending=False, ignore_index=True)
+
+
+def category_rollup(gpu: pd.DataFrame, busy_by_rank: dict[int, float]) -> pd.DataFrame:
+    """Per rank and category: GPU event time (sum of durations), count, % of that rank's busy time."""
+    cols = ["rank", "category", "count", "total_us", "pct_gpu_busy"]
+    if gpu.empty:
+        return pd.DataFrame(columns=cols)
+    agg = gpu.groupby(["rank", "category"], observed=True)["dur"].agg(["size", "sum"]).reset_index()
+    busy = agg["rank"].map(busy_by_rank).astype(float)
+    out = pd.DataFrame(
+        {
+            "rank": agg["rank"].astype(int),
+            "category": agg["category"].astype(str),
+            "count": agg["size"].astype(np.int64),
+            "total_us": agg["sum"] / US,
+            "pct_gpu_busy": 100.0 * agg["sum"] / busy.where(busy > 0),
+        }
+    )
+    order = {c: i for i, c in enumerate(C.CATEGORIES)}
+    return out.sort_values(["rank", "category"], key=lambda s: s.map(order) if s.name == "category" else s,
+                           ignore_index=True)
+
+
+def top_level_ops(tree: pd.DataFrame, gpu: pd.DataFrame) -> pd.DataFrame:
+    """Outermost ops (e.g. aten::linear called from Python) with the GPU time of everything under them."""
+    cols = ["op", "count", "cpu_total_us", "gpu_total_us", "kernels"]
+    ops = tree[(tree["kind"] == KIND_OP) & (tree["outer_op"] == tree.index.to_numpy())]
+    if ops.empty:
+        return pd.DataFrame(columns=cols)
+    k = gpu[gpu["top_op_row"] >= 0].groupby("top_op_row")["dur"].agg(["sum", "size"])
+    df = pd.DataFrame(
+        {
+            "op": ops["name"].astype(str).to_numpy(),
+            "cpu": ops["dur"].to_numpy(),
+            "gpu": k["sum"].reindex(ops.index).fillna(0).to_numpy(),
+            "nk": k["size"].reindex(ops.index).fillna(0).to_numpy(),
+        }
+    )
+    agg = df.groupby("op").agg(count=("cpu", "size"), cpu=("cpu", "sum"), gpu=("gpu", "sum"), nk=("nk", "sum")).reset_index()
+    out = pd.DataFrame(
+        {"op": agg["op"], "count": agg["count"], "cpu_total_us": agg["cpu"] / US, "gpu_total_us": agg["gpu"] / US,
+         "kernels": agg["nk"].astype(np.int64)}
+    )
+    return out.sort_values(["gpu_total_us", "cpu_total_us"], ascending=False, ignore_index=True)
+
+
+def breakdown_tree(gpu: pd.DataFrame, tree: pd.DataFrame, max_leaves: int = 400) -> pd.DataFrame:
+    """Hierarchy for a sunburst: annotation/module path -> top-level op -> op -> kernel.
+
+    Value is GPU time (us) when the trace has GPU activity, else CPU self time of ops. Returns
+    columns id, parent, label, value, level; parents' values equal the sum of their children.
+    """
+    if not gpu.empty:
+        leaves = pd.DataFrame(
+            {
+                "path": gpu["path"].astype(str).to_numpy(),
+                "top": gpu["top_op"].astype(str).replace("", "(no op)").to_numpy(),
+                "op": gpu["op"].astype(str).to_numpy(),
+                "leaf": [C.short_kernel_name(n) for n in gpu["name"].astype(str)],
+                "value": gpu["dur"].to_numpy() / US,
+            }
+        )
+    else:
+        ops = tree[tree["kind"] == KIND_OP]
+        if ops.empty:
+            return pd.DataFrame(columns=["id", "parent", "label", "value", "level"])
+        names = tree["name"].astype(str)
+        outer = ops["outer_op"].to_numpy()
+        leaves = pd.DataFrame(
+            {
+                "path": ops["path"].astype(str).to_numpy(),
+                "top": names.reindex(outer).to_numpy(),
+                "op": ops["name"].astype(str).to_numpy(),
+                "leaf": "(self)",
+                "value": ops["self_dur"].to_numpy() / US,
+            }
+        )
+    leaves.loc[leaves["op"] == leaves["top"], "op"] = ""
+    agg = leaves.groupby(["path", "top", "op", "leaf"], sort=False)["value"].sum().reset_index()
+    agg = agg.sort_values("value", ascending=False, ignore_index=True)
+    if len(agg) > max_leaves:
+        rest = agg.iloc[max_leaves:]["value"].sum()
+        agg = agg.iloc[:max_leaves]
+        agg = pd.concat([agg, pd.DataFrame([{"path": "", "top": "(other)", "op": "", "leaf": "", "value": rest}])],
+                        ignore_index=True)
+    nodes: dict[str, list] = {}  # id -> [parent, label, value, level]
+    for path, top, op, leaf, value in agg.itertuples(index=False):
+        chain = [p for p in path.split("/") if p] + [top] + ([op] if op else []) + ([leaf] if leaf else [])
+        parent = ""
+        for level, label in enumerate(chain):
+            node_id = f"{parent}\x1f{label}" if parent else label
+            entry = nodes.get(node_id)
+            if entry is None:
+                nodes[node_id] = [parent, label, value, level]
+            else:
+                entry[2] += value
+            parent = node_id
+    return pd.DataFrame(
+        [(i, p, lbl, v, lvl) for i, (p, lbl, v, lvl) in nodes.items()],
+        columns=["id", "parent", "label", "value", "level"],
+    )

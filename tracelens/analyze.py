@@ -1,0 +1,132 @@
+"""`analyze(trace)`: run the hierarchical breakdown and return every table plus `summary.json`.
+
+    >>> import tracelens
+    >>> a = tracelens.analyze(tracelens.load("runs/demo"))
+    >>> a.timeline          # per-rank GPU busy/idle/compute/comm/exposed comm
+    >>> a.kernels.head()    # kernel summary
+    >>> a.summary()         # the stable machine interface written as summary.json
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import pandas as pd
+
+from . import __version__
+from .analysis import calltree, summaries, timeline
+from .trace import Trace
+
+SUMMARY_SCHEMA = 1
+
+
+@dataclass
+class Analysis:
+    trace: Trace
+    tree: pd.DataFrame  # host events with parent/op/path links
+    gpu: pd.DataFrame  # GPU events with launch, op, path, category, step
+    steps: pd.DataFrame  # rank, step, start, end
+    timeline: pd.DataFrame  # per rank
+    step_timeline: pd.DataFrame  # per rank and step
+    ops: pd.DataFrame
+    kernels: pd.DataFrame
+    categories: pd.DataFrame
+    top_ops: pd.DataFrame
+    breakdown: pd.DataFrame
+    warnings: list[str] = field(default_factory=list)
+
+    @property
+    def has_gpu(self) -> bool:
+        return not self.gpu.empty
+
+    def tables(self) -> dict[str, pd.DataFrame]:
+        """The tables written next to the report (Parquet/CSV)."""
+        return {
+            "timeline": self.timeline, "step_timeline": self.step_timeline, "ops": self.ops,
+            "kernels": self.kernels, "categories": self.categories, "top_ops": self.top_ops,
+            "breakdown": self.breakdown, "steps": self.steps,
+        }
+
+    def summary(self) -> dict[str, Any]:
+        """The documented machine interface (docs/summary-json.md)."""
+        ranks = []
+        tl = self.timeline.set_index("rank") if not self.timeline.empty else None
+        for info in self.trace.ranks:
+            r: dict[str, Any] = {"rank": info.rank, "file": info.path, "device": info.device_name,
+                                 "gpu_available": tl is not None and info.rank in tl.index}
+            if r["gpu_available"]:
+                row = tl.loc[info.rank]
+                r.update(_metric_fields(row))
+            else:
+                r.update({k: None for k in _FIELDS})
+            st = self.step_timeline[self.step_timeline["rank"] == info.rank]
+            r["steps"] = [dict(step=int(s["step"]), **_metric_fields(s)) for _, s in st.iterrows()]
+            ranks.append(r)
+        return {
+            "schema_version": SUMMARY_SCHEMA,
+            "tool": {"name": "tracelens", "version": __version__},
+            "world_size": _world_size(self.trace),
+            "ranks": ranks,
+            "categories": [
+                {"rank": int(c.rank), "category": c.category, "count": int(c.count), "total_us": _num(c.total_us),
+                 "pct_gpu_busy": _num(c.pct_gpu_busy)}
+                for c in self.categories.itertuples(index=False)
+            ],
+            "warnings": list(self.warnings),
+        }
+
+
+_FIELDS = ("span_us", "gpu_busy_us", "gpu_idle_us", "compute_us", "comm_us", "memcpy_us", "memset_us",
+           "exposed_comm_us", "kernel_count")
+
+
+def _num(v: Any) -> float | None:
+    try:
+        f = float(v)
+    except (TypeError, ValueError):
+        return None
+    return None if math.isnan(f) else round(f, 3)
+
+
+def _metric_fields(row: Any) -> dict[str, Any]:
+    out = {k: _num(row[k]) for k in _FIELDS}
+    out["kernel_count"] = int(row["kernel_count"])
+    return out
+
+
+def _world_size(trace: Trace) -> int | None:
+    for r in trace.ranks:
+        if r.world_size:
+            return r.world_size
+    return len(trace.ranks) if len(trace.ranks) > 1 else None
+
+
+def analyze(trace: Trace) -> Analysis:
+    """Hierarchical breakdown of a loaded trace: timeline -> ops -> kernels, per rank and step."""
+    warnings = list(trace.warnings)
+    tree = calltree.build_tree(trace.events)
+    steps = calltree.steps_table(tree)
+    gpu = calltree.attribute_gpu(calltree.gpu_events(trace.events), tree, steps)
+    tl = timeline.gpu_timeline(gpu)
+    stl = timeline.gpu_timeline(gpu, by_step=True)
+    gpu_ranks = set(gpu["rank"].unique().tolist())
+    for info in trace.ranks:
+        if info.rank not in gpu_ranks:
+            warnings.append(f"{info.path}: CPU-only trace (no GPU kernels, memcpy or memset): GPU sections unavailable")
+    busy_by_rank = {int(r.rank): r.gpu_busy_us * 1000.0 for r in tl.itertuples(index=False)}
+    busy_total = float(sum(busy_by_rank.values()))
+    if not gpu.empty and (gpu["op_row"] < 0).all():
+        warnings.append("no GPU event could be linked to a CPU op (trace lacks runtime events/correlation ids)")
+    if not steps.empty and not stl.empty and (gpu["step"] < 0).mean() > 0.5:
+        warnings.append("most GPU activity was launched outside the marked profiler steps")
+    return Analysis(
+        trace=trace, tree=tree, gpu=gpu, steps=steps, timeline=tl, step_timeline=stl,
+        ops=summaries.ops_summary(tree, gpu, busy_total),
+        kernels=summaries.kernel_summary(gpu, busy_total),
+        categories=summaries.category_rollup(gpu, busy_by_rank),
+        top_ops=summaries.top_level_ops(tree, gpu),
+        breakdown=summaries.breakdown_tree(gpu, tree),
+        warnings=warnings,
+    )

@@ -1,0 +1,246 @@
+"""Load traces: a file, a directory of per-rank files, or a run directory -> one `Trace` of tables.
+
+    >>> import tracelens
+    >>> trace = tracelens.load("runs/demo")          # run dir, trace dir, or a .json/.json.gz file
+    >>> trace.events.groupby("cat").dur.sum()
+
+Per-rank files load in parallel processes and each parsed file is cached (Parquet, keyed by content).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, field
+from multiprocessing import get_context
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+import pandas as pd
+import pyarrow as pa
+
+from .errors import TraceError
+from .io import cache as _cache
+from .io.kineto import ParsedTrace, parse_file
+
+TRACE_SUFFIXES = (".json", ".json.gz")
+_RANK_IN_NAME = re.compile(r"(?:^|[^a-z])rank[-_]?(\d+)", re.IGNORECASE)
+# Below this total size a process pool costs more than it saves.
+PARALLEL_MIN_BYTES = 16 << 20
+
+
+@dataclass
+class RankInfo:
+    rank: int
+    path: str
+    device_properties: list[dict[str, Any]] = field(default_factory=list)
+    distributed_info: dict[str, Any] = field(default_factory=dict)
+    base_time_ns: int | None = None
+    n_raw_events: int = 0
+    from_cache: bool = False
+
+    @property
+    def device_name(self) -> str | None:
+        names = {d.get("name") for d in self.device_properties if d.get("name")}
+        return ", ".join(sorted(names)) if names else None
+
+    @property
+    def world_size(self) -> int | None:
+        ws = self.distributed_info.get("world_size")
+        return int(ws) if isinstance(ws, (int, float)) else None
+
+
+@dataclass
+class Trace:
+    """All ranks' events as pandas tables (string columns are categoricals; times are int64 ns)."""
+
+    events: pd.DataFrame  # one row per ph X / i event; column `rank`
+    flows: pd.DataFrame  # ph s/t/f flow events; column `rank`
+    threads: pd.DataFrame  # process/thread names and sort order (ph M); column `rank`
+    ranks: list[RankInfo]
+    warnings: list[str] = field(default_factory=list)
+
+    @property
+    def rank_ids(self) -> list[int]:
+        return [r.rank for r in self.ranks]
+
+    def rank_info(self, rank: int) -> RankInfo:
+        for r in self.ranks:
+            if r.rank == rank:
+                return r
+        raise KeyError(rank)
+
+
+# ------------------------------------------------------------------------------------ discovery
+
+
+def _is_trace_file(p: Path) -> bool:
+    return p.is_file() and p.name.endswith(TRACE_SUFFIXES) and p.name != "manifest.json"
+
+
+def discover(paths: str | os.PathLike | Sequence[str | os.PathLike]) -> list[str]:
+    """Expand run dirs / trace dirs / files into a sorted list of trace files."""
+    if isinstance(paths, (str, os.PathLike)):
+        paths = [paths]
+    files: list[str] = []
+    for raw in paths:
+        p = Path(raw)
+        if not p.exists():
+            raise TraceError(p, "no such file or directory")
+        if p.is_file():
+            files.append(str(p))
+            continue
+        # a run dir keeps its traces under traces/; a plain directory holds them directly
+        d = p / "traces" if (p / "traces").is_dir() else p
+        found = sorted(str(f) for f in d.iterdir() if _is_trace_file(f))
+        if not found:
+            raise TraceError(p, "no trace files (*.json or *.json.gz) in this directory")
+        files.extend(found)
+    return files
+
+
+def _rank_from_name(path: str) -> int | None:
+    m = None
+    for m in _RANK_IN_NAME.finditer(os.path.basename(path)):
+        pass
+    return int(m.group(1)) if m else None
+
+
+# ------------------------------------------------------------------------------------ loading
+
+
+def _parse_one(path: str, use_cache: bool, cache_root: str | None) -> tuple[ParsedTrace, bool]:
+    root = Path(cache_root) if cache_root else None
+    key = None
+    if use_cache:
+        try:
+            key = _cache.content_key(path)
+        except OSError as e:
+            raise TraceError(path, f"cannot read: {e.strerror or e}") from None
+        hit = _cache.load(path, key, root)
+        if hit is not None:
+            return hit, True
+    parsed = parse_file(path)
+    if use_cache and key is not None:
+        _cache.store(parsed, key, root)
+    return parsed, False
+
+
+def _worker(args: tuple[str, bool, str | None]) -> tuple[str, Any]:
+    path, use_cache, cache_root = args
+    try:
+        parsed, hit = _parse_one(path, use_cache, cache_root)
+    except TraceError as e:
+        return "error", (e.path, e.problem)
+    if use_cache:  # the parent memory-maps the cache entry instead of receiving the tables by pipe
+        return "cached", None
+    return "parsed", parsed
+
+
+def _progress(total: int, desc: str, show: bool | None):
+    try:
+        from tqdm import tqdm
+    except ImportError:  # pragma: no cover - tqdm is a dependency; degrade quietly if absent
+        return None
+    return tqdm(total=total, desc=desc, unit="file", disable=(not show) if show is not None else None,
+                file=sys.stderr, leave=False)
+
+
+def load(
+    paths: str | os.PathLike | Sequence[str | os.PathLike],
+    *,
+    cache: bool = True,
+    cache_dir: str | os.PathLike | None = None,
+    jobs: int | None = None,
+    progress: bool | None = None,
+) -> Trace:
+    """Load one or more traces into a `Trace`.
+
+    paths: a trace file, a directory of per-rank trace files, a run directory, or a list of those.
+    cache: read/write the Parquet cache keyed by file content. jobs: parallel processes for many
+    files (default: CPU count). progress: True/False forces the progress bar; None shows it on a TTY.
+    """
+    files = discover(paths)
+    cache_root = os.fspath(cache_dir) if cache_dir else None
+    total_bytes = sum(os.path.getsize(f) for f in files)
+    jobs = jobs or os.cpu_count() or 1
+    parsed: list[ParsedTrace] = []
+    bar = _progress(len(files), "loading traces", progress if progress is not None else (None if total_bytes > 64 << 20 else False))
+    try:
+        if len(files) > 1 and jobs > 1 and total_bytes >= PARALLEL_MIN_BYTES:
+            ctx = get_context("forkserver") if sys.platform.startswith("linux") else get_context("spawn")
+            with ProcessPoolExecutor(max_workers=min(jobs, len(files)), mp_context=ctx) as ex:
+                results = list(ex.map(_worker, [(f, cache, cache_root) for f in files]))
+            for f, (kind, payload) in zip(files, results):
+                if kind == "error":
+                    raise TraceError(*payload)
+                if kind == "cached":
+                    p, _ = _parse_one(f, True, cache_root)
+                else:
+                    p = payload
+                parsed.append(p)
+                if bar is not None:
+                    bar.update(1)
+        else:
+            for f in files:
+                p, hit = _parse_one(f, cache, cache_root)
+                p.meta["from_cache"] = hit
+                parsed.append(p)
+                if bar is not None:
+                    bar.update(1)
+    finally:
+        if bar is not None:
+            bar.close()
+    return assemble(parsed)
+
+
+def assemble(parsed: Iterable[ParsedTrace]) -> Trace:
+    """Assign ranks, check they are consistent, and concatenate per-file tables."""
+    parsed = list(parsed)
+    warnings: list[str] = []
+    infos: list[RankInfo] = []
+    for i, p in enumerate(parsed):
+        dist = p.meta.get("distributed_info") or {}
+        rank = dist.get("rank")
+        if not isinstance(rank, int):
+            rank = _rank_from_name(p.path)
+        if rank is None:
+            rank = i if len(parsed) > 1 else 0
+        infos.append(
+            RankInfo(
+                rank=int(rank), path=p.path, device_properties=p.meta.get("device_properties") or [],
+                distributed_info=dist, base_time_ns=p.meta.get("base_time_ns"),
+                n_raw_events=int(p.meta.get("n_raw_events") or 0), from_cache=bool(p.meta.get("from_cache")),
+            )
+        )
+    seen: dict[int, str] = {}
+    for info in infos:
+        if info.rank in seen:
+            raise TraceError(info.path, f"mismatched ranks: rank {info.rank} is also claimed by {seen[info.rank]}")
+        seen[info.rank] = info.path
+    sizes = {info.world_size for info in infos if info.world_size is not None}
+    if len(sizes) > 1:
+        odd = next(i for i in infos if i.world_size is not None and i.world_size != infos[0].world_size)
+        raise TraceError(odd.path, f"mismatched ranks: world_size {odd.world_size} here, {infos[0].world_size} in {infos[0].path}")
+    if sizes and len(infos) > 1:
+        ws = sizes.pop()
+        if len(infos) != ws:
+            warnings.append(f"{len(infos)} of {ws} ranks loaded; cross-rank analyses cover only these")
+        bad = [i for i in infos if i.rank >= ws]
+        if bad:
+            raise TraceError(bad[0].path, f"mismatched ranks: rank {bad[0].rank} >= world_size {ws}")
+
+    def cat(tables: list[pa.Table]) -> pd.DataFrame:
+        tabs = [t.append_column("rank", pa.array([info.rank] * t.num_rows, type=pa.int32())) for t, info in zip(tables, infos)]
+        table = pa.concat_tables(tabs, promote_options="permissive").unify_dictionaries().combine_chunks()
+        return table.to_pandas()
+
+    order = sorted(range(len(infos)), key=lambda i: infos[i].rank)
+    parsed = [parsed[i] for i in order]
+    infos = [infos[i] for i in order]
+    events = cat([p.events for p in parsed])
+    flows = cat([p.flows for p in parsed])
+    threads = cat([p.threads for p in parsed])
+    return Trace(events=events, flows=flows, threads=threads, ranks=infos, warnings=warnings)
