@@ -1,0 +1,39 @@
+# Two commands on a fresh machine (see README.md):
+#   make demo   install into .venv, profile a small MoE run on CPU, analyze it and open the report
+#   make test   install into .venv (with test tools and Chromium) and run the whole test suite
+#
+# torch is installed first, pinned to the CPU build, so pip never pulls a multi-GB CUDA build.
+
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+TORCH  ?= torch==2.13.0
+STAMP  := $(VENV)/.installed
+
+.PHONY: demo test install browser clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q "$(TORCH)"
+	$(PIP) install -q -e ".[trainer,kernels,dev]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+# Debian's Chromium for the real-browser report test (Playwright drives /usr/bin/chromium; it never
+# downloads a browser of its own).
+browser:
+	@command -v chromium >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && apt-get install -y -qq chromium >/dev/null; \
+	  else sudo apt-get update -qq && sudo apt-get install -y -qq chromium >/dev/null; fi; }
+
+demo: $(STAMP)
+	$(VENV)/bin/tracelens analyze tests/fixtures/h200_nccl_2rank -o out/demo --open
+
+test: $(STAMP) browser
+	$(PY) -m pytest -q
+
+clean:
+	rm -rf $(VENV) out .pytest_cache

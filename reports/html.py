@@ -1,0 +1,225 @@
+"""Render an `Analysis` into one self-contained HTML file (plotly.js embedded; works offline).
+
+Escaping: every string from a trace reaches the page either through Jinja2's autoescaping (tables,
+text) or through the figures' JSON, which is written with <, > and & as \\u escapes inside a
+`type="application/json"` script and whose labels are HTML-escaped for plotly (which interprets a
+few tags in text). A kernel named `</script><script>...` shows as text.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import math
+import os
+from functools import lru_cache
+from pathlib import Path
+from typing import Any, Iterable
+
+import pandas as pd
+from jinja2 import Environment, FileSystemLoader, select_autoescape
+
+from tracelens.analyze import Analysis
+
+TEMPLATES = Path(__file__).parent / "templates"
+COLORS = {
+    "compute": "#3b7dd8", "exposed comm": "#e4572e", "memcpy": "#f3a712", "memset": "#a0a0a0", "idle": "#dfe3ea",
+    "GEMM": "#3b7dd8", "grouped GEMM": "#1b4f9c", "attention": "#8e5ad6", "elementwise": "#29a37a",
+    "reduction/norm": "#7fb800", "communication": "#e4572e", "memory": "#f3a712", "other": "#9aa6b8",
+}
+MAX_TABLE_ROWS = 200
+
+
+@lru_cache(maxsize=1)
+def plotly_js() -> str:
+    from plotly.offline import get_plotlyjs
+
+    return get_plotlyjs()
+
+
+def _env() -> Environment:
+    return Environment(loader=FileSystemLoader(str(TEMPLATES)), autoescape=select_autoescape(["html"]))
+
+
+def _plot_text(s: Any) -> str:
+    """A label for plotly: HTML-escaped (plotly renders entities, and would parse tags)."""
+    return html.escape(str(s), quote=False)
+
+
+def safe_json(obj: Any) -> str:
+    """JSON safe to embed in a <script> element: no '<', '>' or '&' appear literally."""
+    text = json.dumps(obj, separators=(",", ":"), default=_json_default, allow_nan=False)
+    return text.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
+
+
+def _json_default(o: Any) -> Any:
+    if hasattr(o, "item"):
+        return o.item()
+    if hasattr(o, "tolist"):
+        return o.tolist()
+    return str(o)
+
+
+def _clean(v: Any) -> Any:
+    if isinstance(v, float) and (math.isnan(v) or math.isinf(v)):
+        return None
+    return v
+
+
+def _fmt(v: Any, digits: int = 1) -> str:
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return "–"
+    if isinstance(v, float):
+        return f"{v:,.{digits}f}"
+    if isinstance(v, int):
+        return f"{v:,}"
+    return str(v)
+
+
+def html_table(df: pd.DataFrame, columns: Iterable[tuple[str, str, str]], max_rows: int = MAX_TABLE_ROWS) -> str:
+    """A sortable table. columns: (dataframe column, header, kind) with kind 'num', 'pct', 'name', 'text'."""
+    columns = list(columns)
+    env = _env()
+    rows = []
+    for rec in df.head(max_rows).to_dict("records"):
+        cells = []
+        for col, _, kind in columns:
+            v = rec.get(col)
+            if hasattr(v, "item"):
+                v = v.item()
+            if kind in ("num", "pct"):
+                digits = 1 if kind == "pct" else (3 if isinstance(v, float) and abs(v) < 10 else 1)
+                cells.append(("num", _fmt(v, digits), "" if v is None else str(_clean(v) if _clean(v) is not None else "")))
+            else:
+                cells.append((kind, "" if v is None or (isinstance(v, float) and math.isnan(v)) else str(v), None))
+        rows.append(cells)
+    tmpl = env.from_string(
+        '<table class="data"><thead><tr>{% for c in cols %}<th data-type="{{ "num" if c[2] in ("num","pct") else "text" }}">{{ c[1] }}</th>{% endfor %}</tr></thead>'
+        "<tbody>{% for r in rows %}<tr>{% for kind, text, v in r %}"
+        '<td class="{{ kind }}"{% if v is not none %} data-v="{{ v }}"{% endif %}>{{ text }}</td>'
+        "{% endfor %}</tr>{% endfor %}</tbody></table>"
+        "{% if more %}<p class=\"note\">Showing {{ shown }} of {{ total }} rows; all rows are in the CSV/Parquet tables.</p>{% endif %}"
+    )
+    return tmpl.render(cols=columns, rows=rows, more=len(df) > max_rows, shown=min(len(df), max_rows), total=len(df))
+
+
+# ----------------------------------------------------------------------------------- figures
+
+
+def timeline_figure(tl: pd.DataFrame) -> dict:
+    ranks = [f"rank {r}" for r in tl["rank"]]
+    parts = [
+        ("compute", tl["compute_us"]),
+        ("exposed comm", tl["exposed_comm_us"]),
+        ("memcpy", tl["excl_memcpy_us"]),
+        ("memset", tl["excl_memset_us"]),
+        ("idle", tl["gpu_idle_us"]),
+    ]
+    data = [
+        {"type": "bar", "orientation": "h", "name": name, "y": ranks, "x": [round(float(v) / 1000.0, 4) for v in vals],
+         "marker": {"color": COLORS[name]}, "hovertemplate": "%{y}: %{x:.3f} ms " + name + "<extra></extra>"}
+        for name, vals in parts
+    ]
+    layout = {"barmode": "stack", "height": 120 + 34 * len(ranks), "margin": {"l": 70, "r": 20, "t": 10, "b": 40},
+              "xaxis": {"title": {"text": "ms"}}, "yaxis": {"autorange": "reversed"}, "legend": {"orientation": "h"}}
+    return {"data": data, "layout": layout}
+
+
+def category_figure(cats: pd.DataFrame) -> dict:
+    data = []
+    for cat in cats["category"].unique():
+        sub = cats[cats["category"] == cat]
+        data.append({"type": "bar", "orientation": "h", "name": _plot_text(cat), "y": [f"rank {r}" for r in sub["rank"]],
+                     "x": [round(float(v) / 1000.0, 4) for v in sub["total_us"]], "marker": {"color": COLORS.get(cat, "#888")},
+                     "hovertemplate": "%{y}: %{x:.3f} ms " + _plot_text(cat) + "<extra></extra>"})
+    n = cats["rank"].nunique()
+    layout = {"barmode": "stack", "height": 120 + 34 * n, "margin": {"l": 70, "r": 20, "t": 10, "b": 40},
+              "xaxis": {"title": {"text": "ms (sum of durations)"}}, "yaxis": {"autorange": "reversed"},
+              "legend": {"orientation": "h"}}
+    return {"data": data, "layout": layout}
+
+
+def breakdown_figure(bd: pd.DataFrame) -> dict:
+    data = [{
+        "type": "sunburst", "ids": [_plot_text(i) for i in bd["id"]], "parents": [_plot_text(p) for p in bd["parent"]],
+        "labels": [_plot_text(lbl) for lbl in bd["label"]], "values": [round(float(v), 3) for v in bd["value"]],
+        "branchvalues": "total", "maxdepth": 4, "insidetextorientation": "radial",
+        "hovertemplate": "%{label}<br>%{value:,.1f} us (%{percentRoot:.1%} of all)<extra></extra>",
+    }]
+    return {"data": data, "layout": {"margin": {"l": 0, "r": 0, "t": 0, "b": 0}, "height": 640}}
+
+
+# ----------------------------------------------------------------------------------- page
+
+
+def render(analysis: Analysis, title: str | None = None) -> str:
+    a = analysis
+    trace = a.trace
+    has_gpu = a.has_gpu
+    devices = sorted({r.device_name for r in trace.ranks if r.device_name})
+    title = title or f"tracelens report: {os.path.basename(os.path.commonpath([r.path for r in trace.ranks])) or 'trace'}"
+    overview = [
+        ("ranks", ", ".join(str(r) for r in trace.rank_ids)),
+        ("devices", ", ".join(devices) or "–"),
+        ("files", "; ".join(r.path for r in trace.ranks[:8]) + (" …" if len(trace.ranks) > 8 else "")),
+        ("events", f"{len(trace.events):,} timed, {len(a.gpu):,} on GPU"),
+        ("profiler steps", ", ".join(str(s) for s in sorted(a.steps["step"].unique().tolist())) or "not marked"),
+    ]
+    figures: dict[str, Any] = {}
+    timeline_table = step_table = ""
+    tl_cols = [("rank", "rank", "num"), ("span_us", "span µs", "num"), ("gpu_busy_us", "busy µs", "num"),
+               ("gpu_idle_us", "idle µs", "num"), ("compute_us", "compute µs", "num"), ("comm_us", "comm µs", "num"),
+               ("exposed_comm_us", "exposed comm µs", "num"), ("memcpy_us", "memcpy µs", "num"),
+               ("memset_us", "memset µs", "num"), ("kernel_count", "kernels", "num")]
+    if has_gpu:
+        figures["plot-timeline"] = timeline_figure(a.timeline)
+        figures["plot-categories"] = category_figure(a.categories)
+        timeline_table = html_table(a.timeline, tl_cols)
+        if not a.step_timeline.empty:
+            step_table = html_table(a.step_timeline, [tl_cols[0], ("step", "step", "num")] + tl_cols[1:])
+    if not a.breakdown.empty:
+        figures["plot-breakdown"] = breakdown_figure(a.breakdown)
+    ops_cols = [("op", "op", "name"), ("input_dims", "input dims", "name"), ("count", "count", "num"),
+                ("gpu_total_us", "GPU µs", "num"), ("gpu_mean_us", "GPU mean µs", "num"),
+                ("pct_gpu_busy", "% GPU busy", "pct"), ("kernels", "kernels", "num"),
+                ("cpu_total_us", "CPU µs", "num"), ("cpu_self_us", "CPU self µs", "num")]
+    ops = a.ops if has_gpu else a.ops.sort_values("cpu_self_us", ascending=False)
+    kern_cols = [("kernel", "kernel", "name"), ("op", "launched by", "name"), ("category", "category", "text"),
+                 ("count", "count", "num"), ("total_us", "total µs", "num"), ("mean_us", "mean µs", "num"),
+                 ("min_us", "min µs", "num"), ("max_us", "max µs", "num"), ("pct_gpu_busy", "% GPU busy", "pct")]
+    top_cols = [("op", "op", "name"), ("count", "count", "num"), ("gpu_total_us", "GPU µs", "num"),
+                ("kernels", "kernels", "num"), ("cpu_total_us", "CPU µs", "num")]
+    return _env().get_template("report.html").render(
+        title=title,
+        subtitle=f"{len(trace.ranks)} rank(s) · {', '.join(devices) or 'no GPU'}",
+        version=_version(),
+        plotly_js=plotly_js(),
+        warnings=a.warnings,
+        overview=overview,
+        has_gpu=has_gpu,
+        timeline_table=timeline_table,
+        step_table=step_table,
+        breakdown_note=("GPU time by record_function / module path, top-level op, op and kernel." if has_gpu
+                        else "CPU self time of ops by record_function / module path and top-level op (no GPU events)."),
+        ops_note="" if has_gpu else "No GPU events: sorted by CPU self time.",
+        kernels_note="",
+        ops_table=html_table(ops, ops_cols),
+        kernels_table=html_table(a.kernels, kern_cols) if has_gpu else "",
+        top_ops_table=html_table(a.top_ops, top_cols),
+        figures_json=safe_json(figures),
+    )
+
+
+def _version() -> str:
+    from tracelens import __version__
+
+    return __version__
+
+
+def write_report(analysis: Analysis, path: str | os.PathLike, title: str | None = None) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(render(analysis, title), encoding="utf-8")
+    os.replace(tmp, path)
+    return path

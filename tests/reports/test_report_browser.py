@@ -1,0 +1,111 @@
+"""The HTML report in a real browser: Debian's Chromium driven by Playwright.
+
+Checks what a user sees: no JavaScript errors, every chart drawn (plotly's SVG present and non-empty),
+tables sortable, and strings from a hostile trace shown as text, never executed.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import shutil
+
+import pytest
+
+import tracelens
+from reports.html import write_report
+
+from ..conftest import CPU_ONLY, MOE_LOOP, NCCL_2RANK
+
+CHROMIUM = os.environ.get("TRACELENS_CHROMIUM", "/usr/bin/chromium")
+FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
+         "--disable-component-update", "--disable-sync"]
+
+pytestmark = pytest.mark.browser
+
+
+@pytest.fixture(scope="module")
+def browser():
+    if not shutil.which(CHROMIUM) and not os.path.exists(CHROMIUM):
+        if os.environ.get("CI"):
+            pytest.fail(f"{CHROMIUM} not installed: CI must run the browser test (apt-get install chromium)")
+        pytest.skip(f"{CHROMIUM} not installed (apt-get install chromium)")
+    sync_api = pytest.importorskip("playwright.sync_api")
+    with sync_api.sync_playwright() as p:
+        b = p.chromium.launch(executable_path=CHROMIUM, args=FLAGS, headless=True)
+        yield b
+        b.close()
+
+
+def open_report(browser, path):
+    page = browser.new_page(viewport={"width": 1400, "height": 1000})
+    errors = []
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+    page.on("request", lambda r: errors.append(f"network request: {r.url}") if not r.url.startswith(("file:", "data:", "blob:")) else None)
+    page.goto(path.resolve().as_uri())
+    page.wait_for_load_state("load")
+    return page, errors
+
+
+def plot_ok(page, div_id):
+    page.wait_for_selector(f"#{div_id} .main-svg", timeout=20000)
+    return page.evaluate(
+        """id => { const el = document.getElementById(id);
+                  return el.querySelectorAll('path, rect').length; }""", div_id)
+
+
+def test_report_renders_charts_and_sorts(browser, tmp_path):
+    a = tracelens.analyze(tracelens.load(NCCL_2RANK, cache=False))
+    report = write_report(a, tmp_path / "report.html")
+    page, errors = open_report(browser, report)
+    for div in ("plot-timeline", "plot-categories", "plot-breakdown"):
+        assert plot_ok(page, div) > 3, div
+    # the timeline has one bar row per rank and 5 stacked parts
+    assert page.evaluate("document.getElementById('plot-timeline').data.length") == 5
+    assert page.locator("#plot-breakdown .slice").count() >= 5  # sunburst sectors drawn
+    # sorting: click "count" in the kernels table twice -> ascending then descending order
+    table = page.locator("#kernels table.data")
+    header = table.locator("th", has_text="count")
+    header.click()
+    asc = [float(v) for v in table.locator("tbody tr td:nth-child(4)").evaluate_all("els => els.map(e => e.dataset.v)")]
+    assert asc == sorted(asc)
+    header.click()
+    desc = [float(v) for v in table.locator("tbody tr td:nth-child(4)").evaluate_all("els => els.map(e => e.dataset.v)")]
+    assert desc == sorted(desc, reverse=True)
+    assert errors == []
+    page.close()
+
+
+def test_cpu_only_report(browser, tmp_path):
+    a = tracelens.analyze(tracelens.load(CPU_ONLY, cache=False))
+    report = write_report(a, tmp_path / "cpu.html")
+    page, errors = open_report(browser, report)
+    assert "GPU sections unavailable" in page.inner_text("#timeline")
+    assert plot_ok(page, "plot-breakdown") > 0
+    assert errors == []
+    page.close()
+
+
+def test_hostile_strings_are_escaped(browser, tmp_path):
+    doc = json.loads(gzip.decompress(MOE_LOOP.read_bytes()))
+    evil_kernel = "</script><script>window.__pwned=1</script><img src=x onerror=\"window.__pwned=2\">"
+    evil_op = "aten::<b onmouseover=alert(1)>evil</b>"
+    for e in doc["traceEvents"]:
+        if e.get("cat") == "kernel":
+            e["name"] = evil_kernel
+        if e.get("cat") == "cpu_op" and e.get("name") == "aten::mm":
+            e["name"] = evil_op
+    src = tmp_path / "evil.json"
+    src.write_text(json.dumps(doc))
+    a = tracelens.analyze(tracelens.load(src, cache=False))
+    report = write_report(a, tmp_path / "evil.html")
+    page, errors = open_report(browser, report)
+    plot_ok(page, "plot-breakdown")
+    assert page.evaluate("window.__pwned") is None
+    text = page.inner_text("#kernels")
+    assert evil_kernel in text and evil_op in text  # shown literally, as text
+    assert page.locator("#kernels img").count() == 0 and page.locator("#ops b").count() == 0
+    assert not [e for e in errors if "pwned" in e]
+    page.close()

@@ -1,0 +1,90 @@
+"""The `tracelens analyze` command, run as a user would (subprocess), and its outputs."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pandas as pd
+import pytest
+
+from ..conftest import CPU_ONLY, MOE_LOOP, NCCL_2RANK
+
+SUMMARY_KEYS = {"rank", "span_us", "gpu_busy_us", "gpu_idle_us", "compute_us", "comm_us", "memcpy_us", "memset_us",
+                "exposed_comm_us", "kernel_count", "steps"}
+
+
+def run(*args, **kw):
+    return subprocess.run([sys.executable, "-m", "tracelens", *map(str, args)], capture_output=True, text=True, **kw)
+
+
+def test_analyze_writes_report_summary_tables(tmp_path):
+    out = tmp_path / "out"
+    p = run("analyze", NCCL_2RANK, "-o", out)
+    assert p.returncode == 0, p.stderr
+    assert "rank" in p.stdout and "wrote" in p.stdout
+    s = json.loads((out / "summary.json").read_text())
+    assert s["schema_version"] == 1 and s["world_size"] == 2
+    assert [r["rank"] for r in s["ranks"]] == [0, 1]
+    for r in s["ranks"]:
+        assert SUMMARY_KEYS <= set(r)
+        assert r["gpu_busy_us"] + r["gpu_idle_us"] == pytest.approx(r["span_us"], abs=2e-3)
+        for st in r["steps"]:
+            assert SUMMARY_KEYS - {"rank", "steps"} <= set(st)
+    html = (out / "report.html").read_text()
+    assert "<script src" not in html and "<link" not in html  # nothing fetched: works offline
+    assert len(html) > 1_000_000  # plotly.js is embedded, not linked
+    for name in ("timeline", "ops", "kernels", "categories", "breakdown"):
+        df = pd.read_parquet(out / "tables" / f"{name}.parquet")
+        csv = pd.read_csv(out / "tables" / f"{name}.csv")
+        assert len(df) == len(csv)
+    k = pd.read_parquet(out / "tables" / "kernels.parquet")
+    assert k["kernel"].str.contains("ncclDevKernel_AllReduce").any()
+
+
+def test_cpu_only_trace_gets_report_not_error(tmp_path):
+    p = run("analyze", CPU_ONLY, "-o", tmp_path / "o")
+    assert p.returncode == 0, p.stderr
+    assert "CPU-only" in p.stderr
+    html = (tmp_path / "o" / "report.html").read_text()
+    assert "GPU sections unavailable" in html
+
+
+@pytest.mark.parametrize(
+    "content,needle",
+    [(b'{"traceEvents": [{"ph": "X"', "truncated JSON"), (b"\x1f\x8b\x08\x00garbage", "corrupt or truncated gzip"),
+     (b"<html></html>", "not a JSON trace"), (b'{"traceEvents": []}', "empty trace")],
+)
+def test_bad_input_exit_2_one_line(tmp_path, content, needle):
+    f = tmp_path / ("bad.json.gz" if content.startswith(b"\x1f") else "bad.json")
+    f.write_bytes(content)
+    p = run("analyze", f, "-o", tmp_path / "o")
+    assert p.returncode == 2
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("tracelens: error: ") and str(f) in lines[0] and needle in lines[0]
+    assert "Traceback" not in p.stderr
+
+
+def test_missing_path(tmp_path):
+    p = run("analyze", tmp_path / "nope")
+    assert p.returncode == 2 and "no such file or directory" in p.stderr
+
+
+def test_default_output_dir_next_to_file(tmp_path):
+    f = tmp_path / "moe.json.gz"
+    f.write_bytes(MOE_LOOP.read_bytes())
+    p = run("analyze", f, "--no-tables", "-q")
+    assert p.returncode == 0 and p.stdout == ""
+    assert (tmp_path / "moe.tracelens" / "report.html").exists()
+    assert not (tmp_path / "moe.tracelens" / "tables").exists()
+
+
+def test_tracelens_imports_without_torch():
+    code = ("import sys, builtins\nreal = builtins.__import__\n"
+            "def guard(name, *a, **k):\n    assert not name.startswith(('torch', 'triton')), name\n    return real(name, *a, **k)\n"
+            "builtins.__import__ = guard\nimport tracelens, tracelens.cli, reports.html, reports.artifacts\n"
+            f"a = tracelens.analyze(tracelens.load({str(MOE_LOOP)!r}, cache=False))\n"
+            "import reports.html as h; h.render(a)\nprint('ok')")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert p.returncode == 0 and p.stdout.strip() == "ok", p.stderr
