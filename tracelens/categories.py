@@ -59,15 +59,38 @@ _RULES: tuple[tuple[str, re.Pattern | None, re.Pattern | None], ...] = (
 
 def is_comm_kernel(names: pd.Series) -> np.ndarray:
     """Vectorized over a (categorical) name column: True for communication kernels."""
-    return _map_names(names, lambda s: bool(COMM_RE.search(s)))
+    return map_strings(names, lambda s: bool(COMM_RE.search(s)))
 
 
-def _map_names(names: pd.Series, fn) -> np.ndarray:
-    if isinstance(names.dtype, pd.CategoricalDtype):
-        lut = np.array([fn(str(c)) for c in names.cat.categories] + [fn("")])
-        codes = names.cat.codes.to_numpy()
-        return lut[codes]  # code -1 (missing) picks the last entry
-    return np.array([fn("" if v is None or v != v else str(v)) for v in names])
+def map_strings(col: pd.Series, fn, dtype=bool) -> np.ndarray:
+    """fn applied once per distinct value of a (categorical) string column, broadcast to all rows.
+
+    Missing values are passed to fn as "". This is how every analysis tests names: per category,
+    never per row, so a 10M-event trace costs as much as its few thousand distinct names.
+    """
+    if isinstance(col.dtype, pd.CategoricalDtype):
+        lut = np.array([fn(str(c)) for c in col.cat.categories] + [fn("")], dtype=dtype)
+        return lut[col.cat.codes.to_numpy()]  # code -1 (missing) picks the last entry
+    return np.array([fn("" if v is None or v != v else str(v)) for v in col], dtype=dtype)
+
+
+def isin(col: pd.Series, values: frozenset) -> np.ndarray:
+    return map_strings(col, values.__contains__)
+
+
+def take_strings(col: pd.Series, rows: np.ndarray, fill: str = "") -> pd.Categorical:
+    """Categorical of col's values at row labels `rows` (-1 -> fill), without materializing strings."""
+    cats = col.cat.categories
+    if fill not in cats:
+        cats = cats.append(pd.Index([fill]))
+    fill_code = cats.get_loc(fill)
+    codes = np.full(len(rows), fill_code, dtype=np.int64)
+    ok = rows >= 0
+    src = col.cat.codes
+    got = src.loc[rows[ok]].to_numpy().astype(np.int64)
+    got[got < 0] = fill_code
+    codes[ok] = got
+    return pd.Categorical.from_codes(codes, categories=cats)
 
 
 def categorize(kernel_name: str, op_name: str | None = None, gpu_cat: str = "kernel") -> str:
@@ -84,13 +107,14 @@ def categorize(kernel_name: str, op_name: str | None = None, gpu_cat: str = "ker
 
 
 def categorize_frame(kernel_names: pd.Series, op_names: pd.Series, gpu_cats: pd.Series) -> pd.Series:
-    """Vectorized `categorize` over columns; evaluates each distinct (name, op, cat) once."""
-    key = pd.DataFrame({"k": kernel_names.astype(str), "o": op_names.astype(str).replace("nan", ""), "c": gpu_cats.astype(str)})
-    uniq = key.drop_duplicates()
-    uniq = uniq.assign(category=[categorize(k, o, c) for k, o, c in zip(uniq.k, uniq.o, uniq.c)])
-    out = key.merge(uniq, on=["k", "o", "c"], how="left")["category"]
-    out.index = kernel_names.index
-    return out.astype(pd.CategoricalDtype(list(CATEGORIES)))
+    """Vectorized `categorize` over categorical columns; evaluates each distinct (name, op, cat) once."""
+    codes = [pd.Series(c).astype("category") for c in (kernel_names, op_names, gpu_cats)]
+    key = np.stack([c.cat.codes.to_numpy().astype(np.int64) for c in codes], axis=1)
+    uniq, inverse = np.unique(key, axis=0, return_inverse=True)
+    cats = [list(c.cat.categories.astype(str)) + [""] for c in codes]  # code -1 -> ""
+    labels = np.array([categorize(cats[0][k], cats[1][o], cats[2][c]) for k, o, c in uniq], dtype=object)
+    out = pd.Categorical(labels[inverse.reshape(-1)], categories=list(CATEGORIES))
+    return pd.Series(out, index=kernel_names.index)
 
 
 _TEMPLATE = re.compile(r"<[^<>]*>")

@@ -25,20 +25,19 @@ _MODULE_PREFIX = "nn.Module: "
 
 def host_events(events: pd.DataFrame) -> pd.DataFrame:
     """The host-side events that form the call tree, with a `kind` column."""
-    cat = events["cat"].astype(str)
-    name = events["name"].astype(str)
-    x = events["ph"].astype(str) == "X"
-    is_op = cat.isin(C.OP_CATS)
-    is_ann = cat.isin(C.ANNOTATION_CATS)
-    is_rt = cat.isin(C.RUNTIME_CATS)
-    is_mod = cat.isin(C.PYTHON_CATS) & name.str.startswith(_MODULE_PREFIX)
+    cat = events["cat"]
+    x = C.map_strings(events["ph"], lambda s: s == "X")
+    is_op = C.isin(cat, C.OP_CATS)
+    is_ann = C.isin(cat, C.ANNOTATION_CATS)
+    is_rt = C.isin(cat, C.RUNTIME_CATS)
+    is_mod = C.isin(cat, C.PYTHON_CATS) & C.map_strings(events["name"], lambda s: s.startswith(_MODULE_PREFIX))
     sel = x & (is_op | is_ann | is_rt | is_mod)
     host = events.loc[sel, ["rank", "pid", "tid", "ts", "dur", "name", "cat", "correlation", "external_id",
                             "input_dims", "input_types", "module"]].copy()
     kind = np.full(len(host), KIND_OP, dtype=np.int8)
-    kind[is_ann[sel].to_numpy()] = KIND_ANNOTATION
-    kind[is_mod[sel].to_numpy()] = KIND_MODULE
-    kind[is_rt[sel].to_numpy()] = KIND_RUNTIME
+    kind[is_ann[sel]] = KIND_ANNOTATION
+    kind[is_mod[sel]] = KIND_MODULE
+    kind[is_rt[sel]] = KIND_RUNTIME
     host["kind"] = kind
     return host
 
@@ -66,13 +65,18 @@ def build_tree(events: pd.DataFrame) -> pd.DataFrame:
     end = ts + dur
     kind = host["kind"].to_numpy()
     names = host["name"]
-    name_codes, name_uniques = pd.factorize(names.astype(str))
-    step_of_name = np.array([_step_number(str(u)) for u in name_uniques], dtype=np.int64)
-    step_num = step_of_name[name_codes]
+    name_codes = names.cat.codes.to_numpy().astype(np.int64)
+    name_uniques = list(names.cat.categories.astype(str)) + [""]  # code -1 -> ""
+    step_num = C.map_strings(names, _step_number, dtype=np.int64)
     is_step = (step_num >= 0) & (kind == KIND_ANNOTATION)
-    group = pd.factorize(pd.MultiIndex.from_arrays([host["rank"], host["pid"], host["tid"]]))[0]
-    # parents first: by start, then longer first, then annotation < module < op < runtime
-    order = np.lexsort((kind, -dur, ts, group))
+    rank_a, pid_a, tid_a = (host[c].to_numpy() for c in ("rank", "pid", "tid"))
+    # per thread; parents first: by start, then longer first, then annotation < module < op < runtime
+    order = np.lexsort((kind, -dur, ts, tid_a, pid_a, rank_a))
+    so = (rank_a[order], pid_a[order], tid_a[order])
+    new_group = np.ones(n, dtype=bool)
+    new_group[1:] = (so[0][1:] != so[0][:-1]) | (so[1][1:] != so[1][:-1]) | (so[2][1:] != so[2][:-1])
+    group = np.empty(n, dtype=np.int64)
+    group[order] = np.cumsum(new_group)
 
     o_group = group[order].tolist()
     o_ts = ts[order].tolist()
@@ -140,7 +144,7 @@ def build_tree(events: pd.DataFrame) -> pd.DataFrame:
 
     path_str = [""] * len(path_parent)
     for pid_ in range(1, len(path_parent)):
-        nm = str(name_uniques[path_name[pid_]])
+        nm = name_uniques[path_name[pid_]]
         if nm.startswith(_MODULE_PREFIX):
             nm = nm[len(_MODULE_PREFIX):]
         pp = path_parent[pid_]
@@ -180,14 +184,12 @@ def steps_table(tree: pd.DataFrame) -> pd.DataFrame:
 
 def gpu_events(events: pd.DataFrame) -> pd.DataFrame:
     """GPU activity (kernels, memcpy, memset) with `kind` and `end` columns."""
-    cat = events["cat"].astype(str)
-    sel = (events["ph"].astype(str) == "X") & cat.isin(C.GPU_CATS)
+    sel = C.map_strings(events["ph"], lambda s: s == "X") & C.isin(events["cat"], C.GPU_CATS)
     g = events.loc[sel, ["rank", "pid", "tid", "ts", "dur", "name", "cat", "correlation", "external_id", "device",
                          "stream", "bytes", "grid", "block", "collective", "in_nelems", "out_nelems", "dtype",
                          "group_size", "pg_name", "pg_ranks"]].copy()
-    c = cat[sel]
-    kind = np.where(c.isin(C.KERNEL_CATS), "kernel", np.where(c.isin(C.MEMCPY_CATS), "memcpy", "memset"))
-    g["kind"] = pd.Categorical(kind, categories=["kernel", "memcpy", "memset"])
+    code = np.where(C.isin(g["cat"], C.KERNEL_CATS), 0, np.where(C.isin(g["cat"], C.MEMCPY_CATS), 1, 2))
+    g["kind"] = pd.Categorical.from_codes(code, categories=["kernel", "memcpy", "memset"])
     g["end"] = g["ts"] + g["dur"]
     # stream: the arg when present, else Kineto's tid on the GPU "process" (which is the stream)
     g["stream"] = np.where(g["stream"].to_numpy() >= 0, g["stream"].to_numpy(), g["tid"].to_numpy())
@@ -241,24 +243,12 @@ def attribute_gpu(gpu: pd.DataFrame, tree: pd.DataFrame, steps: pd.DataFrame) ->
     out["launch_ts"] = launch_ts
     out["op_row"] = inner
     out["top_op_row"] = outer
-    names = tree["name"].astype(str)
-    has_op = inner >= 0
-    op_name = np.full(n, "", dtype=object)
-    top_name = np.full(n, "", dtype=object)
-    path = np.full(n, "", dtype=object)
-    dims = np.full(n, None, dtype=object)
-    op_name[has_op] = names.loc[inner[has_op]].to_numpy()
-    dims[has_op] = tree.loc[inner[has_op], "input_dims"].astype(object).to_numpy()
-    has_top = outer >= 0
-    top_name[has_top] = names.loc[outer[has_top]].to_numpy()
     # path of the launch (or of the op when only the External id links it)
     src = np.where(has_launch, launch, inner)
-    has_src = src >= 0
-    path[has_src] = tree.loc[src[has_src], "path"].astype(str).to_numpy()
-    out["op"] = pd.Categorical(op_name)
-    out["top_op"] = pd.Categorical(top_name)
-    out["op_input_dims"] = pd.Categorical(dims)
-    out["path"] = pd.Categorical(path)
+    out["op"] = C.take_strings(tree["name"], inner)
+    out["top_op"] = C.take_strings(tree["name"], outer)
+    out["op_input_dims"] = C.take_strings(tree["input_dims"], inner)
+    out["path"] = C.take_strings(tree["path"], src)
     out["category"] = C.categorize_frame(out["name"], out["op"], out["cat"])
     out["step"] = assign_steps(out["rank"].to_numpy(), np.where(launch_ts >= 0, launch_ts, out["ts"].to_numpy()), steps)
     return out

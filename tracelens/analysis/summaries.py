@@ -25,8 +25,8 @@ def ops_summary(tree: pd.DataFrame, gpu: pd.DataFrame, busy_ns: float) -> pd.Dat
     k = gpu[gpu["op_row"] >= 0].groupby("op_row")["dur"].agg(["sum", "size"])
     df = pd.DataFrame(
         {
-            "op": ops["name"].astype(str).to_numpy(),
-            "input_dims": ops["input_dims"].astype(object).fillna("").astype(str).to_numpy(),
+            "op": ops["name"].cat.codes.to_numpy(),
+            "input_dims": ops["input_dims"].cat.codes.to_numpy(),
             "dur": ops["dur"].to_numpy(),
             "self_dur": ops["self_dur"].to_numpy(),
             "gpu": k["sum"].reindex(ops.index).fillna(0).to_numpy(),
@@ -38,8 +38,8 @@ def ops_summary(tree: pd.DataFrame, gpu: pd.DataFrame, busy_ns: float) -> pd.Dat
     ).reset_index()
     out = pd.DataFrame(
         {
-            "op": agg["op"],
-            "input_dims": agg["input_dims"],
+            "op": _decode(agg["op"], ops["name"]),
+            "input_dims": _decode(agg["input_dims"], ops["input_dims"]),
             "count": agg["count"].astype(np.int64),
             "cpu_total_us": agg["cpu"] / US,
             "cpu_self_us": agg["cpu_self"] / US,
@@ -50,6 +50,12 @@ def ops_summary(tree: pd.DataFrame, gpu: pd.DataFrame, busy_ns: float) -> pd.Dat
         }
     )
     return out.sort_values(["gpu_total_us", "cpu_self_us"], ascending=False, ignore_index=True)
+
+
+def _decode(codes: pd.Series, col: pd.Series) -> np.ndarray:
+    """Category codes (as grouped) back to strings; -1 -> ""."""
+    cats = np.asarray(list(col.cat.categories.astype(str)) + [""], dtype=object)
+    return cats[codes.to_numpy()]
 
 
 def kernel_summary(gpu: pd.DataFrame, busy_ns: float) -> pd.DataFrame:
@@ -107,15 +113,15 @@ def top_level_ops(tree: pd.DataFrame, gpu: pd.DataFrame) -> pd.DataFrame:
     k = gpu[gpu["top_op_row"] >= 0].groupby("top_op_row")["dur"].agg(["sum", "size"])
     df = pd.DataFrame(
         {
-            "op": ops["name"].astype(str).to_numpy(),
+            "op": ops["name"].cat.remove_unused_categories().to_numpy(),
             "cpu": ops["dur"].to_numpy(),
             "gpu": k["sum"].reindex(ops.index).fillna(0).to_numpy(),
             "nk": k["size"].reindex(ops.index).fillna(0).to_numpy(),
         }
     )
-    agg = df.groupby("op").agg(count=("cpu", "size"), cpu=("cpu", "sum"), gpu=("gpu", "sum"), nk=("nk", "sum")).reset_index()
+    agg = df.groupby("op", observed=True).agg(count=("cpu", "size"), cpu=("cpu", "sum"), gpu=("gpu", "sum"), nk=("nk", "sum")).reset_index()
     out = pd.DataFrame(
-        {"op": agg["op"], "count": agg["count"], "cpu_total_us": agg["cpu"] / US, "gpu_total_us": agg["gpu"] / US,
+        {"op": agg["op"].astype(str), "count": agg["count"], "cpu_total_us": agg["cpu"] / US, "gpu_total_us": agg["gpu"] / US,
          "kernels": agg["nk"].astype(np.int64)}
     )
     return out.sort_values(["gpu_total_us", "cpu_total_us"], ascending=False, ignore_index=True)
@@ -130,10 +136,10 @@ def breakdown_tree(gpu: pd.DataFrame, tree: pd.DataFrame, max_leaves: int = 400)
     if not gpu.empty:
         leaves = pd.DataFrame(
             {
-                "path": gpu["path"].astype(str).to_numpy(),
-                "top": gpu["top_op"].astype(str).replace("", "(no op)").to_numpy(),
-                "op": gpu["op"].astype(str).to_numpy(),
-                "leaf": [C.short_kernel_name(n) for n in gpu["name"].astype(str)],
+                "path": gpu["path"].to_numpy(),
+                "top": gpu["top_op"].to_numpy(),
+                "op": gpu["op"].to_numpy(),
+                "leaf": gpu["name"].to_numpy(),
                 "value": gpu["dur"].to_numpy() / US,
             }
         )
@@ -141,19 +147,24 @@ def breakdown_tree(gpu: pd.DataFrame, tree: pd.DataFrame, max_leaves: int = 400)
         ops = tree[tree["kind"] == KIND_OP]
         if ops.empty:
             return pd.DataFrame(columns=["id", "parent", "label", "value", "level"])
-        names = tree["name"].astype(str)
-        outer = ops["outer_op"].to_numpy()
         leaves = pd.DataFrame(
             {
-                "path": ops["path"].astype(str).to_numpy(),
-                "top": names.reindex(outer).to_numpy(),
-                "op": ops["name"].astype(str).to_numpy(),
+                "path": ops["path"].to_numpy(),
+                "top": C.take_strings(tree["name"], ops["outer_op"].to_numpy()),
+                "op": ops["name"].to_numpy(),
                 "leaf": "(self)",
                 "value": ops["self_dur"].to_numpy() / US,
             }
         )
-    leaves.loc[leaves["op"] == leaves["top"], "op"] = ""
-    agg = leaves.groupby(["path", "top", "op", "leaf"], sort=False)["value"].sum().reset_index()
+    # aggregate on categoricals first (cheap), then make labels for the few distinct rows
+    agg = leaves.groupby(["path", "top", "op", "leaf"], sort=False, observed=True)["value"].sum().reset_index()
+    for c in ("path", "top", "op", "leaf"):
+        agg[c] = agg[c].astype(str)
+    agg["top"] = agg["top"].replace({"": "(no op)", "nan": "(no op)"})
+    if not gpu.empty:
+        agg["leaf"] = agg["leaf"].map(C.short_kernel_name)
+    agg.loc[agg["op"] == agg["top"], "op"] = ""
+    agg = agg.groupby(["path", "top", "op", "leaf"], sort=False)["value"].sum().reset_index()
     agg = agg.sort_values("value", ascending=False, ignore_index=True)
     if len(agg) > max_leaves:
         rest = agg.iloc[max_leaves:]["value"].sum()
