@@ -87,7 +87,11 @@ def take_strings(col: pd.Series, rows: np.ndarray, fill: str = "") -> pd.Categor
     codes = np.full(len(rows), fill_code, dtype=np.int64)
     ok = rows >= 0
     src = col.cat.codes
-    got = src.loc[rows[ok]].to_numpy().astype(np.int64)
+    labels = col.index.to_numpy()
+    if col.index.is_monotonic_increasing:  # row labels -> positions by binary search (no hashing)
+        got = src.to_numpy()[np.searchsorted(labels, rows[ok])].astype(np.int64)
+    else:
+        got = src.loc[rows[ok]].to_numpy().astype(np.int64)
     got[got < 0] = fill_code
     codes[ok] = got
     return pd.Categorical.from_codes(codes, categories=cats)

@@ -234,13 +234,16 @@ def assemble(parsed: Iterable[ParsedTrace]) -> Trace:
 
     def cat(tables: list[pa.Table]) -> pd.DataFrame:
         tabs = [t.append_column("rank", pa.array([info.rank] * t.num_rows, type=pa.int32())) for t, info in zip(tables, infos)]
-        table = pa.concat_tables(tabs, promote_options="permissive").unify_dictionaries().combine_chunks()
-        return table.to_pandas()
+        table = pa.concat_tables(tabs, promote_options="permissive").unify_dictionaries()
+        del tabs
+        return table.to_pandas(split_blocks=True, self_destruct=True)
 
     order = sorted(range(len(infos)), key=lambda i: infos[i].rank)
     parsed = [parsed[i] for i in order]
     infos = [infos[i] for i in order]
     events = cat([p.events for p in parsed])
+    for p in parsed:  # let Arrow memory go as soon as pandas owns the data
+        p.events = None
     flows = cat([p.flows for p in parsed])
     threads = cat([p.threads for p in parsed])
     return Trace(events=events, flows=flows, threads=threads, ranks=infos, warnings=warnings)

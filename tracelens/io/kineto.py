@@ -18,6 +18,8 @@ import gzip
 import json
 import os
 import re
+import shutil
+import tempfile
 import zlib
 from operator import attrgetter
 from dataclasses import dataclass, field
@@ -253,18 +255,17 @@ def _pid_tid(values: list, names: dict[str, int]) -> np.ndarray:
     try:
         return np.asarray(values, dtype=np.int64)
     except (TypeError, ValueError, OverflowError):
-        out = np.empty(len(values), dtype=np.int64)
-        for i, v in enumerate(values):
-            if isinstance(v, int):
-                out[i] = v
-            else:
-                s = str(v)
-                m = re.fullmatch(r"(?:stream\s*)?(-?\d+)", s.strip())
-                if m:
-                    out[i] = int(m.group(1))
-                else:  # stable negative code far from real ids; names kept in the threads table
-                    out[i] = names.setdefault(s, -(1 << 40) - len(names))
-        return out
+        pass
+    fixed = list(values)
+    for i in [i for i, v in enumerate(values) if v.__class__ is not int]:
+        s = str(values[i])
+        m = re.fullmatch(r"(?:stream\s*)?(-?\d+)", s.strip())
+        if m:
+            fixed[i] = int(m.group(1))
+        else:  # a negative code far from real ids, the same in every process (crc32 of the name);
+            # names are kept in the threads table
+            fixed[i] = names.setdefault(s, -(1 << 40) - zlib.crc32(s.encode()))
+    return np.asarray(fixed, dtype=np.int64)
 
 
 def _decode_args(path: str, group: str, raws: list) -> list:
@@ -395,12 +396,148 @@ def _batch_flows(flows: list, str_ids: dict[str, int]) -> pa.RecordBatch:
 def _concat(batches: list[pa.RecordBatch], schema_from: pa.RecordBatch) -> pa.Table:
     if not batches:
         return schema_from.schema.empty_table()
-    table = pa.Table.from_batches(batches)
-    return table.unify_dictionaries().combine_chunks()
+    # chunks stay as they are (no copy); dictionaries are unified so every chunk shares one
+    return pa.Table.from_batches(batches).unify_dictionaries()
 
 
-def parse_file(path: str | os.PathLike, data: bytes | None = None) -> ParsedTrace:
-    """Parse one trace file. Raises TraceError naming the file for every kind of bad input."""
+def _parse_range(path: str, raws: list, lo: int, hi: int) -> tuple[pa.Table | None, pa.Table, list[tuple]]:
+    """Events raws[lo:hi] -> (timed events table or None, flows table, thread-metadata rows)."""
+    str_ids: dict[str, int] = {}
+    ev_batches: list[pa.RecordBatch] = []
+    flow_batches: list[pa.RecordBatch] = []
+    meta_events: list = []
+    for b_lo in range(lo, hi, BATCH):
+        try:
+            evs = _EVENTS.decode(b"[" + b",".join(raws[b_lo : min(b_lo + BATCH, hi)]) + b"]")
+        except msgspec.ValidationError as e:
+            raise TraceError(path, f"malformed event ({e})") from None
+        timed = [e for e in evs if e.ph in _TIMED_PH]
+        if len(timed) < len(evs):
+            flows = [e for e in evs if e.ph in _FLOW_PH]
+            meta_events.extend(e for e in evs if e.ph == "M")
+        else:
+            flows = []
+        del evs
+        if timed:
+            ev_batches.append(_batch_events(path, timed, str_ids))
+        if flows:
+            flow_batches.append(_batch_flows(flows, str_ids))
+        del timed, flows
+    events = _concat(ev_batches, ev_batches[0]) if ev_batches else None
+    del ev_batches
+    flows_t = _concat(flow_batches, _batch_flows([], {}))
+    rows = []  # process/thread names, sort order, labels (ph M)
+    for e in meta_events:
+        try:
+            ma = _METAARGS.decode(e.args)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            ma = _MetaArgs()
+        pid_, tid_ = _pid_tid([e.pid, e.tid], str_ids)
+        rows.append((e.name, int(pid_), int(tid_), ma.name, ma.labels, ma.sort_index))
+    for sname, code in str_ids.items():  # string pids/tids ("Spans", "Traces") keep their names
+        rows.append(("string_id", code, code, sname, None, 0))
+    return events, flows_t, rows
+
+
+# Parallel parsing of one large file: the parent forks workers that share the decoded buffer
+# (copy-on-write), each parses a contiguous range of events and hands back Arrow IPC through a file
+# in /dev/shm (memory-mapped by the parent, so nothing is copied twice).
+PARALLEL_MIN_EVENTS = 300_000
+
+
+def _parallel_workers(n_events: int) -> int:
+    if n_events < PARALLEL_MIN_EVENTS or not hasattr(os, "fork") or os.environ.get("TRACELENS_NO_FORK"):
+        return 1
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - non-Linux
+        cpus = os.cpu_count() or 1
+    return max(1, min(cpus, 8, n_events // (PARALLEL_MIN_EVENTS // 2)))
+
+
+def _shm_dir() -> str:
+    return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
+
+
+def _parse_parallel(path: str, raws: list, workers: int) -> tuple[pa.Table | None, pa.Table, list[tuple]]:
+    n = len(raws)
+    per = -(-n // workers)
+    per = -(-per // BATCH) * BATCH  # whole batches per worker
+    ranges = [(lo, min(lo + per, n)) for lo in range(0, n, per)]
+    tmpdir = tempfile.mkdtemp(prefix="tracelens-", dir=_shm_dir())
+    children: list[tuple[int, str]] = []
+    try:
+        for k, (lo, hi) in enumerate(ranges[1:], start=1):
+            out = os.path.join(tmpdir, f"part{k}")
+            pid = os.fork()
+            if pid == 0:  # child: parse, write, leave without running the parent's cleanup
+                code = 0
+                try:
+                    _write_part(out, *_parse_range(path, raws, lo, hi))
+                except TraceError as e:
+                    with open(out + ".err", "w") as f:
+                        f.write(e.problem)
+                except BaseException as e:  # noqa: BLE001 - report anything to the parent
+                    with open(out + ".err", "w") as f:
+                        f.write(f"internal error in parser worker: {type(e).__name__}: {e}")
+                finally:
+                    os._exit(code)
+            children.append((pid, out))
+        first = _parse_range(path, raws, *ranges[0])
+        parts = [first]
+        for pid, out in children:
+            _, status = os.waitpid(pid, 0)
+            if os.path.exists(out + ".err"):
+                with open(out + ".err") as f:
+                    raise TraceError(path, f.read())
+            if status != 0 or not os.path.exists(out + ".events"):
+                raise TraceError(path, f"parser worker died (status {status}); set TRACELENS_NO_FORK=1 to parse in one process")
+            parts.append(_read_part(out))
+        children = []
+    finally:
+        for pid, _ in children:  # only on error: do not leave workers behind
+            try:
+                os.kill(pid, 9)
+                os.waitpid(pid, 0)
+            except OSError:
+                pass
+        shutil.rmtree(tmpdir, ignore_errors=True)  # mapped files stay readable until unmapped
+    evs = [p[0] for p in parts if p[0] is not None]
+    events = pa.concat_tables(evs, promote_options="permissive").unify_dictionaries() if evs else None
+    flows = pa.concat_tables([p[1] for p in parts], promote_options="permissive").unify_dictionaries()
+    rows = [r for p in parts for r in p[2]]
+    return events, flows, rows
+
+
+def _write_part(out: str, events: pa.Table | None, flows: pa.Table, rows: list[tuple]) -> None:
+    for name, table in (("events", events), ("flows", flows)):
+        if table is None:
+            continue
+        with pa.OSFile(f"{out}.{name}.tmp", "wb") as sink, pa.ipc.new_file(sink, table.schema) as w:
+            w.write_table(table)
+        os.rename(f"{out}.{name}.tmp", f"{out}.{name}")
+    with open(out + ".rows", "w") as f:
+        json.dump(rows, f, default=str)
+
+
+def _read_part(out: str) -> tuple[pa.Table | None, pa.Table, list[tuple]]:
+    def read(name: str) -> pa.Table | None:
+        p = f"{out}.{name}"
+        if not os.path.exists(p):
+            return None
+        return pa.ipc.open_file(pa.memory_map(p)).read_all()
+
+    with open(out + ".rows") as f:
+        rows = [tuple(r) for r in json.load(f)]
+    return read("events"), read("flows"), rows
+
+
+def parse_file(path: str | os.PathLike, data: bytes | None = None, parallel: int | None = None) -> ParsedTrace:
+    """Parse one trace file. Raises TraceError naming the file for every kind of bad input.
+
+    parallel: worker processes for one large file (default: automatic, one per CPU above
+    PARALLEL_MIN_EVENTS events; 1 disables).
+    """
     path = os.fspath(path)
     if data is None:
         data = read_bytes(path)
@@ -417,49 +554,19 @@ def parse_file(path: str | os.PathLike, data: bytes | None = None) -> ParsedTrac
         raise TraceError(path, "not a Chrome/Kineto trace: no 'traceEvents' list")
     raws = doc.traceEvents
     doc.traceEvents = None
+    del data  # the Raw slices keep the buffer alive until `raws` goes
     if not raws:
         raise TraceError(path, "empty trace: 'traceEvents' has no events")
     n_total = len(raws)
 
-    str_ids: dict[str, int] = {}
-    ev_batches: list[pa.RecordBatch] = []
-    flow_batches: list[pa.RecordBatch] = []
-    meta_rows: list[tuple] = []
-    for lo in range(0, n_total, BATCH):
-        try:
-            evs = _EVENTS.decode(b"[" + b",".join(raws[lo : lo + BATCH]) + b"]")
-        except msgspec.ValidationError as e:
-            raise TraceError(path, f"malformed event ({e})") from None
-        timed = [e for e in evs if e.ph in _TIMED_PH]
-        if len(timed) < len(evs):
-            flows = [e for e in evs if e.ph in _FLOW_PH]
-            meta_rows.extend(e for e in evs if e.ph == "M")
-        else:
-            flows = []
-        del evs
-        if timed:
-            ev_batches.append(_batch_events(path, timed, str_ids))
-        if flows:
-            flow_batches.append(_batch_flows(flows, str_ids))
-        del timed, flows
+    workers = _parallel_workers(n_total) if parallel is None else max(1, int(parallel))
+    if workers > 1:
+        events, flows_t, rows = _parse_parallel(path, raws, workers)
+    else:
+        events, flows_t, rows = _parse_range(path, raws, 0, n_total)
     del raws
-    if not ev_batches:
+    if events is None:
         raise TraceError(path, "no timed events (ph 'X') in 'traceEvents'")
-    events = _concat(ev_batches, ev_batches[0])
-    del ev_batches
-    flows_t = _concat(flow_batches, _batch_flows([], {}))
-
-    # process/thread names, sort order, labels (ph M)
-    rows = []
-    for e in meta_rows:
-        try:
-            ma = _METAARGS.decode(e.args)
-        except (msgspec.DecodeError, msgspec.ValidationError):
-            ma = _MetaArgs()
-        pid_, tid_ = _pid_tid([e.pid, e.tid], str_ids)
-        rows.append((e.name, int(pid_), int(tid_), ma.name, ma.labels, ma.sort_index))
-    for sname, code in str_ids.items():  # string pids/tids ("Spans", "Traces") keep their names
-        rows.append(("string_id", code, code, sname, None, 0))
     threads = pa.table(
         {
             "kind": pa.array([r[0] for r in rows], type=pa.string()),
@@ -469,7 +576,7 @@ def parse_file(path: str | os.PathLike, data: bytes | None = None) -> ParsedTrac
             "labels": pa.array([None if r[4] is None else str(r[4]) for r in rows], type=pa.string()),
             "sort_index": pa.array([_int_or(r[5], 0) for r in rows], type=pa.int64()),
         }
-    )
+    ).group_by(["kind", "pid", "tid", "value", "labels", "sort_index"]).aggregate([])  # one row per fact
 
     meta = {
         "path": path,
