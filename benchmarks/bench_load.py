@@ -59,22 +59,81 @@ print(json.dumps({"load_s": t1 - t0, "analyze_s": t2 - t1, "busy_us": None, "ker
 """
 
 
-def run_isolated(code: str, *args: str) -> dict:
-    """Measure in a wrapper process so RUSAGE_CHILDREN holds exactly one child's peak."""
-    wrapper = (
-        "import json, resource, subprocess, sys, time\n"
-        "t0 = time.perf_counter()\n"
-        "p = subprocess.run([sys.executable, '-c', sys.argv[1], *sys.argv[2:]], capture_output=True)\n"
-        "wall = time.perf_counter() - t0\n"
-        "if p.returncode: sys.stderr.write(p.stderr.decode()); sys.exit(p.returncode)\n"
-        "r = json.loads(p.stdout.decode().strip().splitlines()[-1])\n"
-        "r.update(wall_s=wall, peak_mb=resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024)\n"
-        "print(json.dumps(r))\n"
-    )
-    p = subprocess.run([sys.executable, "-c", wrapper, code, *args], capture_output=True, cwd=str(ROOT))
+_WRAPPER = """
+import json, resource, subprocess, sys, threading, time
+try:
+    import psutil
+except ImportError:
+    psutil = None
+t0 = time.perf_counter()
+p = subprocess.Popen([sys.executable, '-c', sys.argv[1], *sys.argv[2:]], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+tree_peak = [0]
+def sample():  # summed PSS of the child and its descendants (forked parser workers included)
+    if psutil is None or not int(__import__('os').environ.get('BENCH_SAMPLE_PSS', '0')):
+        return
+    try:
+        root = psutil.Process(p.pid)
+    except psutil.Error:
+        return
+    while p.poll() is None:
+        try:
+            procs = [root] + root.children(recursive=True)
+            # PSS splits each shared page among the processes that map it, so pages shared
+            # copy-on-write after fork are counted once, as physical memory is used
+            tree_peak[0] = max(tree_peak[0], sum(q.memory_full_info().pss for q in procs))
+        except psutil.Error:
+            pass
+        time.sleep(0.02)
+th = threading.Thread(target=sample, daemon=True); th.start()
+out, err = p.communicate()
+wall = time.perf_counter() - t0
+th.join(1)
+if p.returncode:
+    sys.stderr.write(err.decode()); sys.exit(p.returncode)
+r = json.loads(out.decode().strip().splitlines()[-1])
+r.update(wall_s=wall, peak_mb=resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024,
+         tree_peak_mb=(tree_peak[0] / 2**20) or None)
+print(json.dumps(r))
+"""
+
+
+def run_isolated(code: str, *args: str, env: dict | None = None) -> dict:
+    """Run `code` in a fresh interpreter under a wrapper, so RUSAGE_CHILDREN holds exactly its peak
+    (the largest single process). Wall time is measured without PSS sampling (which costs CPU); a
+    second run with sampling gives the process tree's physical memory (summed PSS)."""
+    e = {**os.environ, **(env or {})}
+    p = subprocess.run([sys.executable, "-c", _WRAPPER, code, *args], capture_output=True, cwd=str(ROOT), env=e)
     if p.returncode:
         raise SystemExit(f"benchmark child failed:\n{p.stderr.decode()[-3000:]}")
-    return json.loads(p.stdout.decode().strip().splitlines()[-1])
+    timed = json.loads(p.stdout.decode().strip().splitlines()[-1])
+    p = subprocess.run([sys.executable, "-c", _WRAPPER, code, *args], capture_output=True, cwd=str(ROOT),
+                       env={**e, "BENCH_SAMPLE_PSS": "1"})
+    if p.returncode:
+        raise SystemExit(f"benchmark child failed:\n{p.stderr.decode()[-3000:]}")
+    timed["tree_peak_mb"] = json.loads(p.stdout.decode().strip().splitlines()[-1]).get("tree_peak_mb")
+    return timed
+
+
+DECODERS = """
+import sys, json, time, gzip
+data = open(sys.argv[1], 'rb').read()
+res = {}
+t = time.perf_counter(); json.loads(data); res['json'] = time.perf_counter() - t
+try:
+    import orjson
+    t = time.perf_counter(); orjson.loads(data); res['orjson'] = time.perf_counter() - t
+except ImportError:
+    pass
+import msgspec
+t = time.perf_counter(); msgspec.json.decode(data); res['msgspec (untyped)'] = time.perf_counter() - t
+from tracelens.io.kineto import _DOC, _EVENTS
+t = time.perf_counter()
+raws = _DOC.decode(data).traceEvents
+for lo in range(0, len(raws), 65536):
+    _EVENTS.decode(b'[' + b','.join(raws[lo:lo + 65536]) + b']')
+res['msgspec (typed, as tracelens)'] = time.perf_counter() - t
+print(json.dumps(res))
+"""
 
 
 def main() -> None:
@@ -84,6 +143,7 @@ def main() -> None:
     ap.add_argument("--work", default=None, help="work directory (default: a temporary one)")
     ap.add_argument("--no-hta", action="store_true", help="skip HolisticTraceAnalysis")
     ap.add_argument("--repeat", type=int, default=1, help="repeat each measurement, report the median")
+    ap.add_argument("--decoders", action="store_true", help="also time JSON decoders on the trace")
     a = ap.parse_args()
 
     work = Path(a.work or tempfile.mkdtemp(prefix="tracelens-bench-"))
@@ -109,6 +169,10 @@ def main() -> None:
     run_isolated(TRACELENS, str(trace), "1", str(cache))  # fill the cache
     warm = median([run_isolated(TRACELENS, str(trace), "1", str(cache)) for _ in range(a.repeat)])
     rows.append(("tracelens", "warm cache", warm))
+    shutil.rmtree(cache, ignore_errors=True)
+    one = median([run_isolated(TRACELENS, str(trace), "0", str(cache), env={"TRACELENS_NO_FORK": "1"})
+                  for _ in range(a.repeat)])
+    rows.append(("tracelens", "cold, 1 process", one))
     hta = None
     if not a.no_hta:
         try:
@@ -123,13 +187,21 @@ def main() -> None:
             rows.append(("HTA 0.5.0", "again (no cache)", hta2))
 
     print(f"\ntrace: {size_mb:.0f} MB uncompressed, tiled from {Path(a.src).name}; machine: {os.cpu_count()} CPUs")
-    print(f"{'tool':<11} {'run':<17} {'wall s':>7} {'load s':>7} {'analyze s':>9} {'peak RSS MB':>11}")
+    print(f"{'tool':<11} {'run':<17} {'wall s':>7} {'load s':>7} {'analyze s':>9} {'peak RSS MB':>11} {'tree PSS MB':>11}")
     for tool, kind, r in rows:
-        print(f"{tool:<11} {kind:<17} {r['wall_s']:>7.2f} {r['load_s']:>7.2f} {r['analyze_s']:>9.2f} {r['peak_mb']:>11.0f}")
+        tree = f"{r['tree_peak_mb']:>11.0f}" if r.get("tree_peak_mb") else f"{'n/a':>11}"
+        print(f"{tool:<11} {kind:<17} {r['wall_s']:>7.2f} {r['load_s']:>7.2f} {r['analyze_s']:>9.2f} {r['peak_mb']:>11.0f} {tree}")
+    print("peak RSS = the largest single process (ru_maxrss); tree PSS = physical memory of the process and"
+          " its forked parser workers together (summed proportional set size, sampled every 20 ms)")
     if hta:
         print(f"\nHTA / tracelens wall time: cold {hta['wall_s'] / cold['wall_s']:.1f}x, "
               f"vs warm cache {hta['wall_s'] / warm['wall_s']:.1f}x; "
               f"peak RSS ratio {hta['peak_mb'] / cold['peak_mb']:.1f}x")
+    if a.decoders:
+        dec = run_isolated(DECODERS, str(trace))
+        dec.pop("tree_peak_mb", None)
+        print("\nJSON decode of the whole file (s): " + ", ".join(
+            f"{k} {v:.2f}" for k, v in dec.items() if k not in ("wall_s", "peak_mb", "tree_peak_mb")))
     print(json.dumps({"size_mb": size_mb, "rows": [{"tool": t, "run": k, **r} for t, k, r in rows]}), file=sys.stderr)
 
 

@@ -111,7 +111,7 @@ def _rank_from_name(path: str) -> int | None:
 # ------------------------------------------------------------------------------------ loading
 
 
-def _parse_one(path: str, use_cache: bool, cache_root: str | None) -> tuple[ParsedTrace, bool]:
+def _parse_one(path: str, use_cache: bool, cache_root: str | None, progress=None) -> tuple[ParsedTrace, bool]:
     root = Path(cache_root) if cache_root else None
     key = None
     if use_cache:
@@ -122,7 +122,7 @@ def _parse_one(path: str, use_cache: bool, cache_root: str | None) -> tuple[Pars
         hit = _cache.load(path, key, root)
         if hit is not None:
             return hit, True
-    parsed = parse_file(path)
+    parsed = parse_file(path, progress=progress)
     if use_cache and key is not None:
         _cache.store(parsed, key, root)
     return parsed, False
@@ -139,13 +139,18 @@ def _worker(args: tuple[str, bool, str | None]) -> tuple[str, Any]:
     return "parsed", parsed
 
 
-def _progress(total: int, desc: str, show: bool | None):
+def _progress(total_bytes: int, n_files: int, show: bool | None):
+    """A byte-based bar (per file, and per batch inside one large file); None when not shown."""
+    if show is False:
+        return None
+    if show is None and (total_bytes < (64 << 20) or not sys.stderr.isatty()):
+        return None
     try:
         from tqdm import tqdm
     except ImportError:  # pragma: no cover - tqdm is a dependency; degrade quietly if absent
         return None
-    return tqdm(total=total, desc=desc, unit="file", disable=(not show) if show is not None else None,
-                file=sys.stderr, leave=False)
+    return tqdm(total=total_bytes, desc=f"loading {n_files} trace file{'s' if n_files > 1 else ''}", unit="B",
+                unit_scale=True, file=sys.stderr, leave=False, mininterval=0.2)
 
 
 def load(
@@ -167,7 +172,8 @@ def load(
     total_bytes = sum(os.path.getsize(f) for f in files)
     jobs = jobs or os.cpu_count() or 1
     parsed: list[ParsedTrace] = []
-    bar = _progress(len(files), "loading traces", progress if progress is not None else (None if total_bytes > 64 << 20 else False))
+    sizes = {f: os.path.getsize(f) for f in files}
+    bar = _progress(total_bytes, len(files), progress)
     try:
         if len(files) > 1 and jobs > 1 and total_bytes >= PARALLEL_MIN_BYTES:
             ctx = get_context("forkserver") if sys.platform.startswith("linux") else get_context("spawn")
@@ -182,14 +188,21 @@ def load(
                     p = payload
                 parsed.append(p)
                 if bar is not None:
-                    bar.update(1)
+                    bar.update(sizes[f])
         else:
             for f in files:
-                p, hit = _parse_one(f, cache, cache_root)
+                done = [0]
+
+                def tick(fraction: float, f=f, done=done) -> None:
+                    step = int(sizes[f] * fraction) - done[0]
+                    if bar is not None and step > 0:
+                        bar.update(step)
+                        done[0] += step
+
+                p, hit = _parse_one(f, cache, cache_root, tick if bar is not None else None)
                 p.meta["from_cache"] = hit
                 parsed.append(p)
-                if bar is not None:
-                    bar.update(1)
+                tick(1.0)
     finally:
         if bar is not None:
             bar.close()

@@ -400,8 +400,13 @@ def _concat(batches: list[pa.RecordBatch], schema_from: pa.RecordBatch) -> pa.Ta
     return pa.Table.from_batches(batches).unify_dictionaries()
 
 
-def _parse_range(path: str, raws: list, lo: int, hi: int) -> tuple[pa.Table | None, pa.Table, list[tuple]]:
-    """Events raws[lo:hi] -> (timed events table or None, flows table, thread-metadata rows)."""
+def _parse_range(path: str, raws: list, lo: int, hi: int, progress=None, scale: float = 1.0
+                 ) -> tuple[pa.Table | None, pa.Table, list[tuple]]:
+    """Events raws[lo:hi] -> (timed events table or None, flows table, thread-metadata rows).
+
+    progress(fraction) is called after each batch with the share of the whole file done (this range's
+    share times `scale`, which parallel parsing uses to stand for all workers).
+    """
     str_ids: dict[str, int] = {}
     ev_batches: list[pa.RecordBatch] = []
     flow_batches: list[pa.RecordBatch] = []
@@ -423,6 +428,8 @@ def _parse_range(path: str, raws: list, lo: int, hi: int) -> tuple[pa.Table | No
         if flows:
             flow_batches.append(_batch_flows(flows, str_ids))
         del timed, flows
+        if progress is not None:
+            progress(min(1.0, (min(b_lo + BATCH, hi) - lo) / max(1, len(raws)) * scale))
     events = _concat(ev_batches, ev_batches[0]) if ev_batches else None
     del ev_batches
     flows_t = _concat(flow_batches, _batch_flows([], {}))
@@ -459,7 +466,7 @@ def _shm_dir() -> str:
     return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
 
 
-def _parse_parallel(path: str, raws: list, workers: int) -> tuple[pa.Table | None, pa.Table, list[tuple]]:
+def _parse_parallel(path: str, raws: list, workers: int, progress=None) -> tuple[pa.Table | None, pa.Table, list[tuple]]:
     n = len(raws)
     per = -(-n // workers)
     per = -(-per // BATCH) * BATCH  # whole batches per worker
@@ -483,7 +490,7 @@ def _parse_parallel(path: str, raws: list, workers: int) -> tuple[pa.Table | Non
                 finally:
                     os._exit(code)
             children.append((pid, out))
-        first = _parse_range(path, raws, *ranges[0])
+        first = _parse_range(path, raws, *ranges[0], progress=progress, scale=len(ranges))
         parts = [first]
         for pid, out in children:
             _, status = os.waitpid(pid, 0)
@@ -532,11 +539,12 @@ def _read_part(out: str) -> tuple[pa.Table | None, pa.Table, list[tuple]]:
     return read("events"), read("flows"), rows
 
 
-def parse_file(path: str | os.PathLike, data: bytes | None = None, parallel: int | None = None) -> ParsedTrace:
+def parse_file(path: str | os.PathLike, data: bytes | None = None, parallel: int | None = None,
+               progress=None) -> ParsedTrace:
     """Parse one trace file. Raises TraceError naming the file for every kind of bad input.
 
     parallel: worker processes for one large file (default: automatic, one per CPU above
-    PARALLEL_MIN_EVENTS events; 1 disables).
+    PARALLEL_MIN_EVENTS events; 1 disables). progress: optional callback(fraction of the file done).
     """
     path = os.fspath(path)
     if data is None:
@@ -561,9 +569,9 @@ def parse_file(path: str | os.PathLike, data: bytes | None = None, parallel: int
 
     workers = _parallel_workers(n_total) if parallel is None else max(1, int(parallel))
     if workers > 1:
-        events, flows_t, rows = _parse_parallel(path, raws, workers)
+        events, flows_t, rows = _parse_parallel(path, raws, workers, progress)
     else:
-        events, flows_t, rows = _parse_range(path, raws, 0, n_total)
+        events, flows_t, rows = _parse_range(path, raws, 0, n_total, progress)
     del raws
     if events is None:
         raise TraceError(path, "no timed events (ph 'X') in 'traceEvents'")
