@@ -38,6 +38,10 @@ class Analysis:
     warnings: list[str] = field(default_factory=list)
 
     @property
+    def trace_rank_count(self) -> int:
+        return len(self.trace.ranks)
+
+    @property
     def has_gpu(self) -> bool:
         return not self.gpu.empty
 

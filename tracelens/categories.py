@@ -24,6 +24,13 @@ OP_CATS = frozenset({"cpu_op", "Operator"})
 ANNOTATION_CATS = frozenset({"user_annotation"})
 PYTHON_CATS = frozenset({"python_function", "Python"})
 
+# Runtime calls that block the host until the device catches up (device-to-host synchronizations).
+SYNC_RUNTIME = frozenset({
+    "cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy", "cudaMemcpy2D",
+    "cuStreamSynchronize", "cuCtxSynchronize", "cuEventSynchronize", "cuMemcpyDtoH_v2", "cuMemcpy",
+    "hipStreamSynchronize", "hipDeviceSynchronize", "hipEventSynchronize", "hipMemcpy", "hipMemcpy2D",
+})
+
 # Profiler-step markers: torch.profiler's "ProfilerStep#N" and the common "## step N" style.
 STEP_RE = re.compile(r"^(?:ProfilerStep#|##\s*step\s*#?)(\d+)\b", re.IGNORECASE)
 
@@ -122,6 +129,13 @@ def categorize_frame(kernel_names: pd.Series, op_names: pd.Series, gpu_cats: pd.
 
 
 _TEMPLATE = re.compile(r"<[^<>]*>")
+_HASHY = re.compile(r"(?<![A-Za-z])(?:0x)?[0-9a-f]{8,}(?![A-Za-z])|_[0-9a-f]{12,}\b")
+
+
+def normalize_kernel_name(name: str) -> str:
+    """Kernel identity for matching across traces: template arguments, parameter lists and hash-like
+    tokens (build ids, Triton cache hashes) dropped, so a rebuild does not make a kernel look new."""
+    return _HASHY.sub("#", short_kernel_name(name, width=10_000))
 
 
 def short_kernel_name(name: str, width: int = 80) -> str:

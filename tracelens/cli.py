@@ -91,6 +91,57 @@ def analyze(paths, out, open_browser, no_cache, no_report, no_tables, jobs, quie
         webbrowser.open(written["report"].resolve().as_uri())
 
 
+def _manifest(path: str) -> dict | None:
+    p = Path(path)
+    m = p / "manifest.json" if p.is_dir() else None
+    if m is None or not m.exists():
+        return None
+    import json
+
+    try:
+        return json.loads(m.read_text())
+    except (OSError, ValueError) as e:
+        raise TraceError(m, f"unreadable manifest ({e})") from None
+
+
+@main.command()
+@click.argument("base", type=click.Path())
+@click.argument("new", type=click.Path())
+@click.option("-o", "--out", type=click.Path(file_okay=False), help="Write diff.html, diff.md and diff.json here.")
+@click.option("--fail-on", "rules", multiple=True, metavar="RULE",
+              help="CI gate, repeatable: e.g. 'step_time>+5%' 'host_syncs>0' 'gpu.idle>+10%'. Exit 1 if any trips.")
+@click.option("--no-cache", is_flag=True, help="Do not read or write the parsed-trace cache.")
+@click.option("--top", type=click.IntRange(1, 1000), default=10, show_default=True, help="Ops and kernels to list.")
+@click.option("--quiet", "-q", is_flag=True, help="Print only the rule verdicts.")
+def diff(base, new, out, rules, no_cache, top, quiet):
+    """Compare two traces, trace directories or run dirs (BASE -> NEW), per step.
+
+    Exit status: 0 no rule tripped, 1 a --fail-on rule tripped, 2 bad input. Rule grammar:
+    METRIC OP VALUE, e.g. step_time>+5% (relative change), host_syncs>0 (absolute change per step);
+    see docs/diff.md.
+    """
+    from . import analyze as run_analysis, load
+    from .analysis.diff import check_rules, diff as run_diff, parse_rule
+    from reports import diff as render
+
+    parsed_rules = [parse_rule(r) for r in rules]  # bad rules fail before any loading
+    a = run_analysis(load(base, cache=not no_cache))
+    b = run_analysis(load(new, cache=not no_cache))
+    result = run_diff(a, b, _manifest(base), _manifest(new), base_label=str(base), new_label=str(new))
+    verdicts = check_rules(result, parsed_rules)
+    if out:
+        render.write_all(result, out, verdicts)
+    if quiet:
+        for v in verdicts:
+            click.echo(f"rule {v['rule']!r}: {'FAIL' if v['tripped'] else 'ok'}")
+    else:
+        click.echo(render.to_text(result, verdicts, top=top))
+        if out:
+            click.echo(f"wrote {out}/diff.html, diff.md, diff.json")
+    if any(v["tripped"] for v in verdicts):
+        sys.exit(1)
+
+
 def _print_summary(result) -> None:
     tl = result.timeline
     if tl.empty:

@@ -109,3 +109,22 @@ def test_hostile_strings_are_escaped(browser, tmp_path):
     assert page.locator("#kernels img").count() == 0 and page.locator("#ops b").count() == 0
     assert not [e for e in errors if "pwned" in e]
     page.close()
+
+
+def test_diff_report_renders(browser, tmp_path):
+    from reports.diff import write_all
+    from tracelens.analysis.diff import check_rules, diff, parse_rule
+
+    from ..conftest import MOE_GROUPED
+
+    b = tracelens.analyze(tracelens.load(MOE_LOOP, cache=False))
+    n = tracelens.analyze(tracelens.load(MOE_GROUPED, cache=False))
+    r = diff(b, n, base_label="loop <b>", new_label="grouped")
+    paths = write_all(r, tmp_path / "d", check_rules(r, [parse_rule("step_time>+5%")]))
+    page, errors = open_report(browser, paths["diff.html"])
+    assert plot_ok(page, "plot-bars") > 3 and plot_ok(page, "plot-waterfall") > 3
+    assert page.locator("#waterfall .waterfall").count() >= 1 or page.locator("#plot-waterfall path").count() > 3
+    assert "loop <b>" in page.inner_text("header")  # a label from the command line, shown as text
+    assert "aten::_grouped_mm" in page.inner_text("#ops")
+    assert errors == []
+    page.close()

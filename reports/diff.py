@@ -1,0 +1,221 @@
+"""Render a `DiffResult`: diff.json (machines), diff.md (PR comments), diff.html (people), terminal text."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from tracelens.analysis.diff import DiffResult
+
+from .html import _env, _plot_text, html_table, plotly_js, safe_json
+
+DIFF_SCHEMA = 1
+
+
+def _num(v: Any) -> Any:
+    if isinstance(v, float):
+        return None if math.isnan(v) or math.isinf(v) else round(v, 6)
+    if hasattr(v, "item"):
+        return _num(v.item())
+    return v
+
+
+def _records(df: pd.DataFrame, limit: int | None = None) -> list[dict]:
+    d = df if limit is None else df.head(limit)
+    return [{k: _num(v) for k, v in r.items()} for r in d.to_dict("records")]
+
+
+def to_json(r: DiffResult, rules: list[dict] | None = None) -> dict:
+    return {
+        "schema_version": DIFF_SCHEMA,
+        "base": r.info["base"], "new": r.info["new"],
+        "warnings": r.warnings,
+        "metrics": _records(r.metrics),
+        "categories": _records(r.categories),
+        "host_syncs_by_op": _records(r.syncs),
+        "top_ops": _records(r.top_ops(), 500),
+        "ops": _records(r.ops, 500),
+        "kernels": _records(r.kernels, 500),
+        "rules": rules or [],
+        "failed": any(x["tripped"] for x in rules or []),
+    }
+
+
+def _fmt_change(row: pd.Series) -> str:
+    d, rel = row["delta"], row["rel_pct"]
+    if isinstance(d, float) and math.isnan(d):
+        return "n/a"
+    s = f"{d:+.3f}" if row["unit"] == "ms" else f"{d:+.2f}"
+    if not (isinstance(rel, float) and math.isnan(rel)):
+        s += f" ({rel:+.1f}%)"
+    if row["within_noise"] and d != 0:
+        s += " ~noise"
+    return s
+
+
+def _fmt(v: Any, unit: str = "") -> str:
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return "–"
+    return f"{v:.3f}" if unit == "ms" else f"{v:.2f}"
+
+
+def to_text(r: DiffResult, rules: list[dict] | None = None, top: int = 10) -> str:
+    lines = [f"tracelens diff: {r.base_label} -> {r.new_label} (per step; base {r.info['base']['steps']} "
+             f"{r.info['base']['step_source']}, new {r.info['new']['steps']} {r.info['new']['step_source']})"]
+    for w in r.warnings:
+        lines.append(f"warning: {w}")
+    lines.append(f"{'metric':<26} {'base':>12} {'new':>12}  change")
+    for _, m in r.metrics.iterrows():
+        unit = m["unit"]
+        lines.append(f"{m['metric'] + (' (' + unit + ')' if unit else ''):<26} {_fmt(m['base'], unit):>12} "
+                     f"{_fmt(m['new'], unit):>12}  {_fmt_change(m)}")
+    moved = r.top_ops().head(top)
+    if len(moved):
+        lines.append("")
+        lines.append("top-level ops that moved the step time most (ms per step of GPU time + idle before their kernels):")
+        for _, o in moved.iterrows():
+            lines.append(f"  {o['status']:<8} {o['delta_wall_ms']:+9.3f}  {o['top_op'][:100]}")
+    if len(r.syncs):
+        lines.append("")
+        lines.append("host syncs per step by op: " + "; ".join(
+            f"{s['op']} {s['call']}: {s['base_per_step']:g} -> {s['new_per_step']:g}" for _, s in r.syncs.iterrows()))
+    ka = r.kernels[r.kernels["status"] == "added"].head(5)
+    kr = r.kernels[r.kernels["status"] == "removed"].head(5)
+    if len(ka) or len(kr):
+        lines.append("")
+        for label, df in (("kernels removed", kr), ("kernels added", ka)):
+            for _, k in df.iterrows():
+                lines.append(f"  {label[8:]:<8} {k['delta_ms']:+9.3f} ms  [{k['category']}] {k['kernel'][:90]}")
+    if rules:
+        lines.append("")
+        for x in rules:
+            state = "FAIL" if x["tripped"] else "ok"
+            ch = "n/a" if x["change"] is None else f"{x['change']:+.3f}{x['unit'] if x['unit'] == '%' else ' ' + x['unit']}"
+            lines.append(f"rule {x['rule']!r}: {state} (change {ch}{', within noise' if x['within_noise'] else ''})")
+    return "\n".join(lines)
+
+
+def _md_escape(s: str) -> str:
+    return str(s).replace("|", "\\|").replace("<", "&lt;").replace(">", "&gt;").replace("`", "'")
+
+
+def to_markdown(r: DiffResult, rules: list[dict] | None = None, top: int = 10) -> str:
+    out = []
+    failed = [x for x in rules or [] if x["tripped"]]
+    head = "❌ performance gate failed" if failed else ("✅ performance gate passed" if rules else "trace diff")
+    step = r.metrics.set_index("metric").loc["step_time"]
+    out.append(f"### tracelens: {head}")
+    if not math.isnan(step["delta"]):
+        out.append(f"Step time **{step['base']:.3f} → {step['new']:.3f} ms** ({_fmt_change(step)}), "
+                   f"{_md_escape(r.base_label)} → {_md_escape(r.new_label)}.")
+    for w in r.warnings:
+        out.append(f"> ⚠️ {_md_escape(w)}")
+    if rules:
+        out.append("")
+        out.append("| rule | result | change |")
+        out.append("|---|---|---|")
+        for x in rules:
+            ch = "n/a" if x["change"] is None else f"{x['change']:+.3f} {x['unit']}"
+            out.append(f"| `{_md_escape(x['rule'])}` | {'**FAIL**' if x['tripped'] else 'ok'} | {ch}"
+                       f"{' (noise)' if x['within_noise'] else ''} |")
+    out.append("")
+    out.append("| metric (per step) | base | new | change |")
+    out.append("|---|---:|---:|---|")
+    for _, m in r.metrics.iterrows():
+        out.append(f"| {m['metric']} ({m['unit']}) | {_fmt(m['base'], m['unit'])} | {_fmt(m['new'], m['unit'])} | "
+                   f"{_fmt_change(m)} |")
+    moved = r.top_ops().head(top)
+    if len(moved):
+        out.append("")
+        out.append("<details><summary>Top-level ops that moved the step time most</summary>\n")
+        out.append("| status | Δ ms/step | top-level op |")
+        out.append("|---|---:|---|")
+        for _, o in moved.iterrows():
+            out.append(f"| {o['status']} | {o['delta_wall_ms']:+.3f} | {_md_escape(o['top_op'])} |")
+        out.append("\n</details>")
+    return "\n".join(out) + "\n"
+
+
+def waterfall_figure(r: DiffResult) -> dict:
+    """Step-time delta split into GPU time by category and idle time (and overlap correction)."""
+    m = r.metrics.set_index("metric")
+    base, new = m.loc["step_time", "base"], m.loc["step_time", "new"]
+    steps = [("base step", base, "absolute")]
+    cat_total = 0.0
+    for _, c in r.categories.iterrows():
+        if abs(c["delta_ms"]) > 1e-9:
+            steps.append((c["category"], c["delta_ms"], "relative"))
+            cat_total += c["delta_ms"]
+    idle = m.loc["gpu.idle", "delta"] if not math.isnan(m.loc["gpu.idle", "delta"]) else 0.0
+    steps.append(("GPU idle", idle, "relative"))
+    rest = (new - base) - cat_total - idle
+    if abs(rest) > 1e-6:
+        steps.append(("overlap / other", rest, "relative"))
+    steps.append(("new step", new, "total"))
+    data = [{
+        "type": "waterfall", "orientation": "v", "x": [_plot_text(s[0]) for s in steps],
+        "y": [round(float(s[1]), 6) for s in steps], "measure": [s[2] for s in steps],
+        "increasing": {"marker": {"color": "#e4572e"}}, "decreasing": {"marker": {"color": "#29a37a"}},
+        "totals": {"marker": {"color": "#3b7dd8"}}, "hovertemplate": "%{x}: %{y:.3f} ms<extra></extra>",
+    }]
+    return {"data": data, "layout": {"height": 420, "margin": {"l": 60, "r": 20, "t": 10, "b": 80},
+                                     "yaxis": {"title": {"text": "ms per step"}}}}
+
+
+def bars_figure(r: DiffResult) -> dict:
+    m = r.metrics[r.metrics["unit"] == "ms"]
+    data = []
+    for side, color in (("base", "#9aa6b8"), ("new", "#3b7dd8")):
+        data.append({"type": "bar", "name": _plot_text(getattr(r, f"{side}_label")), "x": [_plot_text(x) for x in m["metric"]],
+                     "y": [None if math.isnan(v) else round(float(v), 6) for v in m[side]], "marker": {"color": color},
+                     "hovertemplate": "%{x}: %{y:.3f} ms<extra></extra>"})
+    return {"data": data, "layout": {"barmode": "group", "height": 420, "margin": {"l": 60, "r": 20, "t": 10, "b": 120},
+                                     "yaxis": {"title": {"text": "ms per step"}}}}
+
+
+def render_html(r: DiffResult, rules: list[dict] | None = None) -> str:
+    metrics = r.metrics.assign(change=[_fmt_change(row) for _, row in r.metrics.iterrows()])
+    figures = {"plot-bars": bars_figure(r), "plot-waterfall": waterfall_figure(r)}
+    tables = {
+        "metrics": html_table(metrics, [("metric", "metric", "text"), ("unit", "unit", "text"), ("base", "base", "num"),
+                                        ("new", "new", "num"), ("delta", "Δ", "num"), ("rel_pct", "Δ %", "pct"),
+                                        ("spread", "noise spread", "num"), ("change", "verdict", "text")]),
+        "top_ops": html_table(r.top_ops(), [("status", "status", "text"), ("delta_wall_ms", "Δ wall ms/step", "num"),
+                                            ("top_op", "top-level op", "name"), ("base_wall_ms", "base wall ms", "num"),
+                                            ("new_wall_ms", "new wall ms", "num")]),
+        "ops": html_table(r.ops[r.ops["status"] != "same"], [
+            ("status", "status", "text"), ("delta_wall_ms", "Δ wall ms/step", "num"), ("top_op", "top-level op", "name"),
+            ("op", "op", "name"), ("input_dims", "input dims", "name"), ("base_wall_ms", "base wall ms", "num"),
+            ("new_wall_ms", "new wall ms", "num"), ("base_gpu_ms", "base GPU ms", "num"), ("new_gpu_ms", "new GPU ms", "num"),
+            ("path", "path", "name")]),
+        "kernels": html_table(r.kernels, [("status", "status", "text"), ("delta_ms", "Δ ms/step", "num"),
+                                          ("kernel", "kernel (normalized)", "name"), ("category", "category", "text"),
+                                          ("base_count", "base count", "num"), ("new_count", "new count", "num"),
+                                          ("base_ms", "base ms", "num"), ("new_ms", "new ms", "num")]),
+        "syncs": html_table(r.syncs, [("op", "op", "name"), ("call", "sync call", "text"),
+                                      ("base_per_step", "base / step", "num"), ("new_per_step", "new / step", "num"),
+                                      ("delta", "Δ", "num")]),
+    }
+    return _env().get_template("diff.html").render(
+        title=f"tracelens diff: {r.base_label} → {r.new_label}", info=r.info, warnings=r.warnings, rules=rules or [],
+        plotly_js=plotly_js(), figures_json=safe_json(figures), tables=tables,
+    )
+
+
+def write_all(r: DiffResult, out: str | os.PathLike, rules: list[dict] | None = None) -> dict[str, Path]:
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {}
+    for name, text in (("diff.json", json.dumps(to_json(r, rules), indent=2)), ("diff.md", to_markdown(r, rules)),
+                       ("diff.html", render_html(r, rules))):
+        p = out / name
+        tmp = p.with_suffix(p.suffix + ".tmp")
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, p)
+        paths[name] = p
+    return paths

@@ -1,0 +1,157 @@
+"""`tracelens diff`: numbers against the raw JSON, self-diff, cross-device warnings, the CI gate."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import subprocess
+import sys
+from decimal import Decimal
+
+import pytest
+
+import tracelens
+from tracelens.analysis.diff import check_rules, diff, parse_rule
+from tracelens.errors import TraceError
+
+from ..conftest import DIFF_CONTROL, DIFF_TEST, MOE_GROUPED, MOE_LOOP, NCCL_2RANK, raw_events
+
+GPU = {"kernel", "gpu_memcpy", "gpu_memset"}
+
+
+def raw_step_time_ms(path):
+    """GPU span / optimizer steps, from the raw events (the fixtures mark no profiler steps)."""
+    ev = raw_events(path)
+    g = [e for e in ev if e.get("cat") in GPU]
+    span = max(Decimal(e["ts"]) + Decimal(e["dur"]) for e in g) - min(Decimal(e["ts"]) for e in g)
+    steps = sum(1 for e in ev if e.get("cat") == "user_annotation" and e["name"].startswith("Optimizer.step#"))
+    return float(span / steps / 1000), steps
+
+
+def raw_syncs_per_step(path, steps):
+    ev = [e for e in raw_events(path) if e.get("ph") == "X"]
+    ops = [(Decimal(e["ts"]), Decimal(e["ts"]) + Decimal(e["dur"])) for e in ev if e.get("cat") in ("cpu_op", "user_annotation")]
+    syncs = [e for e in ev if e.get("cat") == "cuda_runtime" and e["name"] == "cudaStreamSynchronize"]
+    inside = [s for s in syncs if any(a <= Decimal(s["ts"]) < b for a, b in ops)]
+    return len(inside) / steps
+
+
+@pytest.fixture(scope="module")
+def moe():
+    b = tracelens.analyze(tracelens.load(MOE_LOOP, cache=False))
+    n = tracelens.analyze(tracelens.load(MOE_GROUPED, cache=False))
+    return b, n, diff(b, n, base_label="loop", new_label="grouped")
+
+
+def test_loop_to_grouped_numbers_match_raw(moe):
+    _, _, r = moe
+    st = r.metric("step_time")
+    base_ms, base_steps = raw_step_time_ms(MOE_LOOP)
+    new_ms, new_steps = raw_step_time_ms(MOE_GROUPED)
+    assert (base_steps, new_steps) == (2, 2)
+    assert st["base"] == pytest.approx(base_ms, abs=1e-6) and st["new"] == pytest.approx(new_ms, abs=1e-6)
+    assert st["delta"] < 0 and st["rel_pct"] < -40  # the step got much faster
+    hs = r.metric("host_syncs")
+    assert hs["base"] == raw_syncs_per_step(MOE_LOOP, 2) and hs["new"] == raw_syncs_per_step(MOE_GROUPED, 2)
+    assert hs["delta"] < 0
+
+
+def test_per_expert_gemms_replaced_by_grouped(moe):
+    _, _, r = moe
+    k = r.kernels
+    removed = k[(k["status"] == "removed") & (k["category"] == "GEMM")]
+    added = k[(k["status"] == "added") & (k["category"] == "grouped GEMM")]
+    assert len(removed) >= 3 and len(added) >= 3
+    raw_nvjet = {e["name"] for e in raw_events(MOE_LOOP) if e.get("cat") == "kernel" and e["name"].startswith("nvjet")}
+    raw_nvjet_new = {e["name"] for e in raw_events(MOE_GROUPED) if e.get("cat") == "kernel" and e["name"].startswith("nvjet")}
+    assert set(removed["kernel"]) <= raw_nvjet - raw_nvjet_new
+    ops = r.ops
+    assert (ops[(ops["status"] == "added")]["op"] == "aten::_grouped_mm").any()
+    assert (ops[(ops["status"] == "removed")]["op"] == "aten::mm").any()
+
+
+def test_tolist_syncs_gone(moe):
+    _, _, r = moe
+    s = r.syncs.set_index(["op", "call"])
+    # the .tolist() copies to the host (aten::copy_ + cudaStreamSynchronize) drop; .item() ones stay
+    assert s.loc[("aten::copy_", "cudaStreamSynchronize"), "delta"] < 0
+
+
+def test_delta_attributed_to_expert_computation(moe):
+    _, _, r = moe
+    top = r.top_ops().set_index("top_op")["delta_wall_ms"]
+    expert = [o for o in top.index if any(k in o for k in ("Mm", "matmul", "grouped_mm", "Select", "Slice"))]
+    step_delta = r.metric("step_time")["delta"]
+    assert r.ops["delta_wall_ms"].sum() == pytest.approx(step_delta, abs=1e-6)  # shares add up to the step
+    assert top[expert].sum() / step_delta > 0.6
+
+
+def test_self_diff_no_change_any_rule_passes():
+    a = tracelens.analyze(tracelens.load(NCCL_2RANK, cache=False))
+    r = diff(a, a)
+    assert (r.metrics["delta"].fillna(0) == 0).all()
+    assert set(r.ops["status"]) <= {"same"} and set(r.kernels["status"]) <= {"changed"}
+    rules = [parse_rule(x) for x in ("step_time>+5%", "host_syncs>0", "gpu.idle>+10%", "step_time>=0", "kernels<=0",
+                                     "gpu.busy<-1%")]
+    assert not any(v["tripped"] for v in check_rules(r, rules))
+
+
+def test_noise_from_several_steps(tmp_path):
+    a = tracelens.analyze(tracelens.load(NCCL_2RANK, cache=False))
+    r = diff(a, a)
+    st = r.metric("step_time")
+    assert st["steps_base"] == 3 and st["spread"] > 0
+    # slow one kernel of one step by less than the spread: within noise, no rule trips
+    d = tmp_path / "new"
+    d.mkdir()
+    for f in ("rank0.json.gz", "rank1.json.gz"):
+        doc = json.loads(gzip.decompress((NCCL_2RANK / f).read_bytes()))
+        for e in doc["traceEvents"]:
+            if e.get("cat") == "kernel" and "nvjet" in e["name"]:
+                e["dur"] = e["dur"] + 1.0  # +1 us on each GEMM
+                break
+        (d / f).write_bytes(gzip.compress(json.dumps(doc).encode()))
+    r2 = diff(a, tracelens.analyze(tracelens.load(d, cache=False)))
+    busy = r2.metric("gpu.busy")
+    assert busy["within_noise"]
+    assert not check_rules(r2, [parse_rule("gpu.busy>0")])[0]["tripped"]
+
+
+def test_cross_device_diff_warns():
+    a = tracelens.analyze(tracelens.load(DIFF_CONTROL, cache=False))
+    b = tracelens.analyze(tracelens.load(DIFF_TEST, cache=False))
+    r = diff(a, b)
+    assert any("different devices" in w for w in r.warnings)
+    assert any("different world sizes" in w for w in r.warnings)
+    assert r.info["base"]["steps"] == r.info["new"]["steps"] == 6  # ProfilerStep#1009..1014
+    assert r.metric("step_time")["spread"] > 0
+    assert not r.metrics.empty
+
+
+def test_bad_rules():
+    for bad in ("step_time", "step_time>>5", "nosuch>5", "step_time>5%%", ""):
+        with pytest.raises(TraceError):
+            parse_rule(bad)
+    assert parse_rule("category.grouped_gemm > -2.5").value == -2.5
+
+
+def run(*args):
+    return subprocess.run([sys.executable, "-m", "tracelens", *map(str, args)], capture_output=True, text=True)
+
+
+def test_cli_exit_codes_and_outputs(tmp_path):
+    p = run("diff", MOE_LOOP, MOE_GROUPED, "-o", tmp_path / "d", "--fail-on", "step_time>+5%", "--fail-on", "host_syncs>0")
+    assert p.returncode == 0, p.stderr
+    j = json.loads((tmp_path / "d" / "diff.json").read_text())
+    assert j["failed"] is False and {m["metric"] for m in j["metrics"]} >= {"step_time", "host_syncs", "gpu.idle"}
+    md = (tmp_path / "d" / "diff.md").read_text()
+    assert "performance gate passed" in md and "| step_time (ms) |" in md
+    assert "<script" in (tmp_path / "d" / "diff.html").read_text()
+    p = run("diff", MOE_GROUPED, MOE_LOOP, "--fail-on", "step_time>+5%", "-q")
+    assert p.returncode == 1 and "FAIL" in p.stdout
+    p = run("diff", MOE_LOOP, MOE_LOOP, "--fail-on", "step_time>+5%", "--fail-on", "host_syncs>0", "-q")
+    assert p.returncode == 0
+    p = run("diff", MOE_LOOP, tmp_path / "missing.json", "--fail-on", "step_time>+5%")
+    assert p.returncode == 2 and "no such file" in p.stderr
+    p = run("diff", MOE_LOOP, MOE_GROUPED, "--fail-on", "step_time>>5")
+    assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1
