@@ -142,6 +142,49 @@ def diff(base, new, out, rules, no_cache, top, quiet):
         sys.exit(1)
 
 
+@main.command()
+@click.argument("paths", nargs=-1, required=True, type=click.Path())
+@click.option("--json", "json_out", type=click.Path(dir_okay=False), help="Write every (instance, rank) record and the summaries here.")
+@click.option("--no-cache", is_flag=True, help="Do not read or write the parsed-trace cache.")
+def comm(paths, json_out, no_cache):
+    """Communication vs synchronization across ranks: each collective's wait for the last rank and its
+    pure communication time, bandwidths (NCCL's busbw), skew and stragglers. See docs/comm.md."""
+    import json
+
+    from . import analyze as run_analysis, load
+    from .analysis.comm import collective_instances, comm_summary, exposed_comm, stragglers
+
+    a = run_analysis(load(list(paths), cache=not no_cache))
+    inst = collective_instances(a)
+    if inst.empty:
+        click.echo("no communication kernels (NCCL/RCCL) in these traces")
+    else:
+        summ, strag = comm_summary(inst), stragglers(inst)
+        n_start = int(inst.drop_duplicates(["group", "family", "instance"])["startup"].sum())
+        if n_start:
+            click.echo(f"note: {n_start} collective instance(s) began before every rank was profiling "
+                       "(start-up wait); excluded from the totals below")
+        click.echo(f"{'rank':>4} {'collective':<16} {'count':>5} {'comm ms':>9} {'sync ms':>9} {'sync %':>7} {'busbw GB/s':>10} {'last':>5}")
+        for r in summ.itertuples(index=False):
+            click.echo(f"{r.rank:>4} {r.collective[:16]:<16} {r.count:>5} {r.comm_us / 1e3:>9.3f} {r.sync_us / 1e3:>9.3f} "
+                       f"{r.sync_pct:>7.1f} {r.mean_busbw_gbps:>10.1f} {r.times_last:>5}")
+        for r in strag.itertuples(index=False):
+            click.echo(f"{r.family}: skew mean {r.mean_skew_us / 1e3:.3f} ms, max {r.max_skew_us / 1e3:.3f} ms; "
+                       f"rank {r.straggler_rank} arrives last in {100 * r.straggler_share:.0f}% of {r.instances}")
+        exposed = exposed_comm(a, inst)
+        click.echo("exposed communication (not overlapped by compute, start-up excluded): " + ", ".join(
+            f"rank {int(x.rank)} {x.exposed_comm_us / 1e3:.3f} of {x.comm_us / 1e3:.3f} ms" for x in exposed.itertuples()))
+    if json_out:
+        def recs(df):
+            return json.loads(df.to_json(orient="records"))
+        doc = {"schema_version": 1, "records": recs(inst),
+               "summary": recs(comm_summary(inst)) if not inst.empty else [],
+               "stragglers": recs(stragglers(inst)) if not inst.empty else [],
+               "exposed_comm": recs(exposed_comm(a, inst))}
+        Path(json_out).write_text(json.dumps(doc, indent=1))
+        click.echo(f"wrote {json_out}")
+
+
 def _print_summary(result) -> None:
     tl = result.timeline
     if tl.empty:
