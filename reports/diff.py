@@ -83,7 +83,7 @@ def to_text(r: DiffResult, rules: list[dict] | None = None, top: int = 10) -> st
     if len(r.syncs):
         lines.append("")
         lines.append("host syncs per step by op: " + "; ".join(
-            f"{s['op']} {s['call']}: {s['base_per_step']:g} -> {s['new_per_step']:g}" for _, s in r.syncs.iterrows()))
+            f"{s['op']} (via {s['via']}): {s['base_per_step']:g} -> {s['new_per_step']:g}" for _, s in r.syncs.iterrows()))
     ka = r.kernels[r.kernels["status"] == "added"].head(5)
     kr = r.kernels[r.kernels["status"] == "removed"].head(5)
     if len(ka) or len(kr):
@@ -197,7 +197,7 @@ def render_html(r: DiffResult, rules: list[dict] | None = None) -> str:
                                           ("kernel", "kernel (normalized)", "name"), ("category", "category", "text"),
                                           ("base_count", "base count", "num"), ("new_count", "new count", "num"),
                                           ("base_ms", "base ms", "num"), ("new_ms", "new ms", "num")]),
-        "syncs": html_table(r.syncs, [("op", "op", "name"), ("call", "sync call", "text"),
+        "syncs": html_table(r.syncs, [("op", "op", "name"), ("via", "via", "name"), ("call", "sync call", "text"),
                                       ("base_per_step", "base / step", "num"), ("new_per_step", "new / step", "num"),
                                       ("delta", "Δ", "num")]),
     }

@@ -189,7 +189,9 @@ def render(analysis: Analysis, title: str | None = None) -> str:
                  ("min_us", "min µs", "num"), ("max_us", "max µs", "num"), ("pct_gpu_busy", "% GPU busy", "pct")]
     top_cols = [("op", "op", "name"), ("count", "count", "num"), ("gpu_total_us", "GPU µs", "num"),
                 ("kernels", "kernels", "num"), ("cpu_total_us", "CPU µs", "num")]
+    extra = _deep_sections(a)
     return _env().get_template("report.html").render(
+        **extra,
         title=title,
         subtitle=f"{len(trace.ranks)} rank(s) · {', '.join(devices) or 'no GPU'}",
         version=_version(),
@@ -208,6 +210,48 @@ def render(analysis: Analysis, title: str | None = None) -> str:
         top_ops_table=html_table(a.top_ops, top_cols),
         figures_json=safe_json(figures),
     )
+
+
+def _deep_sections(a: Analysis) -> dict:
+    """Findings, communication and host sections (empty when the trace has nothing for them)."""
+    from tracelens.analysis import comm as CM, host as H
+    from tracelens.analysis.findings import _short
+
+    out: dict = {"findings": [], "comm_table": "", "straggler_table": "", "comm_note": "", "host_table": "",
+                 "idle_table": "", "launch_table": ""}
+    if not a.has_gpu:
+        return out
+    out["findings"] = [dict(f, evidence_text=_short(f["evidence"])) for f in a.findings()]
+    inst = CM.collective_instances(a)
+    if not inst.empty:
+        summ = CM.comm_summary(inst)
+        out["comm_table"] = html_table(summ, [("rank", "rank", "num"), ("collective", "collective", "text"),
+                                              ("count", "count", "num"), ("comm_us", "comm µs", "num"),
+                                              ("sync_us", "sync wait µs", "num"), ("sync_pct", "sync %", "pct"),
+                                              ("mean_busbw_gbps", "busbw GB/s", "num"), ("times_last", "times last", "num"),
+                                              ("startup_excluded", "start-up excluded", "num")])
+        out["straggler_table"] = html_table(CM.stragglers(inst), [
+            ("family", "collective", "text"), ("instances", "instances", "num"), ("mean_skew_us", "mean skew µs", "num"),
+            ("max_skew_us", "max skew µs", "num"), ("straggler_rank", "last rank", "num"), ("straggler_share", "share", "num")])
+        n = int(inst.drop_duplicates(["group", "family", "instance"])["startup"].sum())
+        out["comm_note"] = (f"{n} instance(s) began before every rank was profiling (start-up wait) and are left out."
+                            if n else "")
+    syncs = H.host_syncs(a)
+    if not syncs.empty:
+        out["host_table"] = html_table(H.sync_summary(syncs), [
+            ("op", "op", "name"), ("via", "via", "name"), ("call", "sync call", "text"), ("count", "count", "num"),
+            ("host_blocked_us", "host blocked µs", "num"), ("gpu_idle_caused_us", "GPU idle caused µs", "num"),
+            ("path", "path", "name")])
+    gaps = H.idle_gaps(a, syncs)
+    if not gaps.empty:
+        out["idle_table"] = html_table(H.idle_summary(gaps, a.timeline), [
+            ("rank", "rank", "num"), ("cause", "idle cause", "text"), ("gaps", "gaps", "num"), ("idle_us", "idle µs", "num"),
+            ("pct_of_span", "% of span", "pct")])
+    out["launch_table"] = html_table(H.launch_stats(a), [
+        ("rank", "rank", "num"), ("kernels", "kernels", "num"), ("launch_p50_us", "launch latency p50 µs", "num"),
+        ("launch_p90_us", "p90 µs", "num"), ("small_kernels", "small kernels", "num"), ("small_share", "small share", "num"),
+        ("small_time_share", "small time share", "num")])
+    return out
 
 
 def _version() -> str:

@@ -36,6 +36,15 @@ class Analysis:
     top_ops: pd.DataFrame
     breakdown: pd.DataFrame
     warnings: list[str] = field(default_factory=list)
+    _findings: list | None = field(default=None, repr=False)
+
+    def findings(self) -> list[dict[str, Any]]:
+        """Ranked, structured findings (tracelens.analysis.findings); computed once."""
+        if self._findings is None:
+            from .analysis.findings import findings
+
+            self._findings = findings(self)
+        return self._findings
 
     @property
     def trace_rank_count(self) -> int:
@@ -78,6 +87,7 @@ class Analysis:
                  "pct_gpu_busy": _num(c.pct_gpu_busy)}
                 for c in self.categories.itertuples(index=False)
             ],
+            "findings": self.findings(),
             "warnings": list(self.warnings),
         }
 

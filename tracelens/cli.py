@@ -185,6 +185,56 @@ def comm(paths, json_out, no_cache):
         click.echo(f"wrote {json_out}")
 
 
+@main.command()
+@click.argument("paths", nargs=-1, required=True, type=click.Path())
+@click.option("--json", "json_out", type=click.Path(dir_okay=False), help="Write syncs, idle gaps summary, launch stats and findings here.")
+@click.option("--small-us", type=float, default=10.0, show_default=True, help="Kernels shorter than this count as small.")
+@click.option("--no-cache", is_flag=True, help="Do not read or write the parsed-trace cache.")
+def host(paths, json_out, small_us, no_cache):
+    """Host side: device-to-host syncs and the GPU idle they cause, launch latency, idle gaps by cause,
+    small kernels, and ranked findings. See docs/host.md."""
+    import json
+
+    from . import analyze as run_analysis, load
+    from .analysis import host as H
+    from .analysis.findings import findings
+
+    a = run_analysis(load(list(paths), cache=not no_cache))
+    syncs = H.host_syncs(a)
+    ss = H.sync_summary(syncs)
+    if ss.empty:
+        click.echo("host syncs: none issued by the workload")
+    else:
+        click.echo("host syncs (blocking device-to-host), by the op that issued them:")
+        for r in ss.itertuples(index=False):
+            click.echo(f"  {r.count:>4} x {r.op} (via {r.via}, {r.call}): host blocked {r.host_blocked_us / 1e3:.3f} ms, "
+                       f"GPU idle caused {r.gpu_idle_caused_us / 1e3:.3f} ms")
+    gaps = H.idle_gaps(a, syncs)
+    isum = H.idle_summary(gaps, a.timeline)
+    for r in isum.itertuples(index=False):
+        click.echo(f"rank {r.rank}: GPU idle {r.cause:<12} {r.gaps:>6} gaps {r.idle_us / 1e3:>9.3f} ms ({r.pct_of_span:.1f}% of span)")
+    ls = H.launch_stats(a, small_us)
+    for r in ls.itertuples(index=False):
+        click.echo(f"rank {r.rank}: {r.kernels} kernels, launch latency p50 {r.launch_p50_us:.1f} us p90 {r.launch_p90_us:.1f} us, "
+                   f"{100 * r.small_share:.0f}% under {small_us:g} us ({100 * r.small_time_share:.0f}% of kernel time)")
+    kpo = H.kernels_per_op(a, small_us).head(5)
+    if len(kpo):
+        click.echo("ops launching the most kernels: " + "; ".join(f"{r.top_op} {r.kernels} ({r.small_kernels} small)"
+                                                               for r in kpo.itertuples(index=False)))
+    items = findings(a, small_us)
+    if items:
+        click.echo("findings:")
+        for f in items:
+            click.echo(f"  [{f['severity']}] {f['title']} (recoverable ~{f['recoverable_us'] / 1e3:.3f} ms/rank)")
+    if json_out:
+        recs = lambda df: json.loads(df.to_json(orient="records"))  # noqa: E731
+        doc = {"schema_version": 1, "syncs": recs(syncs.drop(columns=["stack"])), "sync_summary": recs(ss),
+               "idle": recs(isum), "launch": recs(ls), "kernels_per_op": recs(H.kernels_per_op(a, small_us)),
+               "findings": items}
+        Path(json_out).write_text(json.dumps(doc, indent=1, default=str))
+        click.echo(f"wrote {json_out}")
+
+
 def _print_summary(result) -> None:
     tl = result.timeline
     if tl.empty:

@@ -58,7 +58,7 @@ class DiffResult:
     categories: pd.DataFrame  # category, base_ms, new_ms, delta_ms (per step)
     ops: pd.DataFrame  # key columns, status, base/new GPU and wall ms per step, delta_wall_ms
     kernels: pd.DataFrame  # kernel (normalized), status, base/new count and ms per step
-    syncs: pd.DataFrame  # op, call, base/new host syncs per step
+    syncs: pd.DataFrame  # op (top-level), via (innermost), call, base/new host syncs per step
     info: dict[str, Any] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
 
@@ -150,8 +150,9 @@ def diff(base, new, base_manifest: dict | None = None, new_manifest: dict | None
 
 def _diff_syncs(base, new, nb: int, nn: int) -> pd.DataFrame:
     b, n = sync_ops(base.tree), sync_ops(new.tree)
-    m = b.merge(n, on=["op", "call"], how="outer", suffixes=("_base", "_new")).fillna({"count_base": 0, "count_new": 0})
-    out = pd.DataFrame({"op": m["op"], "call": m["call"],
+    m = b.merge(n, on=["op", "via", "call"], how="outer", suffixes=("_base", "_new")).fillna(
+        {"count_base": 0, "count_new": 0})
+    out = pd.DataFrame({"op": m["op"], "via": m["via"], "call": m["call"],
                         "base_per_step": m["count_base"] / nb / max(1, base.trace_rank_count),
                         "new_per_step": m["count_new"] / nn / max(1, new.trace_rank_count)})
     out["delta"] = out["new_per_step"] - out["base_per_step"]

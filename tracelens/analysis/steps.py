@@ -39,13 +39,16 @@ def host_sync_calls(tree: pd.DataFrame) -> pd.DataFrame:
 
 
 def sync_ops(tree: pd.DataFrame) -> pd.DataFrame:
-    """Host syncs per issuing op: op (innermost), sync call name, count."""
+    """Host syncs per issuing op: op (the top-level op the program called, e.g. aten::bincount or
+    aten::to for a .tolist()), via (the innermost op, e.g. aten::_local_scalar_dense), call, count."""
     s = host_sync_calls(tree)
     if s.empty:
-        return pd.DataFrame(columns=["op", "call", "count"])
-    op = C.take_strings(tree["name"], s["inner_op"].to_numpy(), fill="(no op)")
-    df = pd.DataFrame({"op": np.asarray(op, dtype=object), "call": s["name"].astype(str).to_numpy()})
-    return df.groupby(["op", "call"]).size().rename("count").reset_index()
+        return pd.DataFrame(columns=["op", "via", "call", "count"])
+    top = C.take_strings(tree["name"], s["outer_op"].to_numpy(), fill="(no op)")
+    via = C.take_strings(tree["name"], s["inner_op"].to_numpy(), fill="(no op)")
+    df = pd.DataFrame({"op": np.asarray(top, dtype=object), "via": np.asarray(via, dtype=object),
+                       "call": s["name"].astype(str).to_numpy()})
+    return df.groupby(["op", "via", "call"]).size().rename("count").reset_index()
 
 
 def optimizer_steps(events: pd.DataFrame) -> int:

@@ -1,0 +1,95 @@
+"""Host syncs, idle-gap causes, launch statistics and findings on the H200 MoE fixtures."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from decimal import Decimal
+
+import pytest
+
+import tracelens
+from tracelens.analysis import host as H
+from tracelens.analysis.findings import findings
+
+from ..conftest import CPU_ONLY, MOE_GROUPED, MOE_LOOP, NCCL_2RANK, raw_events
+
+
+@pytest.fixture(scope="module")
+def loop():
+    return tracelens.analyze(tracelens.load(MOE_LOOP, cache=False))
+
+
+@pytest.fixture(scope="module")
+def grouped():
+    return tracelens.analyze(tracelens.load(MOE_GROUPED, cache=False))
+
+
+def test_tolist_syncs_per_layer_in_loop_only(loop, grouped):
+    sl = H.sync_summary(H.host_syncs(loop)).set_index("op")
+    sg = H.sync_summary(H.host_syncs(grouped)).set_index("op")
+    # .tolist() of the per-expert counts: aten::to -> copy_ -> cudaStreamSynchronize, 2 layers x 2 steps
+    assert sl.loc["aten::to", "count"] == 4 and sl.loc["aten::to", "via"] == "aten::copy_"
+    assert "aten::to" not in sg.index
+    assert sl.loc["aten::to", "gpu_idle_caused_us"] > 0
+
+
+def test_sync_count_matches_raw(loop):
+    raw = [e for e in raw_events(MOE_LOOP) if e.get("ph") == "X"]
+    ops = [(Decimal(e["ts"]), Decimal(e["ts"]) + Decimal(e["dur"])) for e in raw if e.get("cat") == "cpu_op"]
+    syncs = [e for e in raw if e.get("cat") == "cuda_runtime" and e["name"] == "cudaStreamSynchronize"
+             and any(a <= Decimal(e["ts"]) < b for a, b in ops)]
+    got = H.host_syncs(loop)
+    assert len(got) == len(syncs)
+    assert sorted(got["host_blocked_us"].round(3)) == sorted(round(float(e["dur"]), 3) for e in syncs)
+
+
+def test_idle_gaps_partition_idle_time(loop):
+    gaps = H.idle_gaps(loop)
+    idle = loop.timeline.iloc[0]["gpu_idle_us"]
+    assert gaps["dur_us"].sum() == pytest.approx(idle, rel=1e-9)  # every idle ns is in exactly one gap
+    assert set(gaps["cause"]) <= {"sync", "launch-bound", "other"}
+    assert (gaps["cause"] == "sync").sum() >= 4
+
+
+def test_small_kernel_share_larger_in_loop(loop, grouped):
+    ll, lg = H.launch_stats(loop).iloc[0], H.launch_stats(grouped).iloc[0]
+    raw = [e for e in raw_events(MOE_LOOP) if e.get("cat") == "kernel"]
+    assert ll["small_kernels"] == sum(1 for e in raw if Decimal(e["dur"]) < 10)
+    assert ll["small_share"] > lg["small_share"] and ll["small_kernels"] > 2 * lg["small_kernels"]
+    assert 0 < ll["launch_p50_us"] < ll["launch_p90_us"]
+
+
+def test_findings_structured_and_ranked(loop, grouped):
+    fl = findings(loop)
+    assert {f["type"] for f in fl} >= {"host_sync", "small_kernels", "launch_bound"}
+    for f in fl:
+        assert set(f) >= {"type", "severity", "title", "evidence", "recoverable_us", "ranks", "share_of_span"}
+        assert f["severity"] in ("high", "medium", "low") and f["recoverable_us"] >= 0
+    sev = ["high", "medium", "low"]
+    keys = [(sev.index(f["severity"]), -f["recoverable_us"]) for f in fl]
+    assert keys == sorted(keys)
+    assert not [f for f in findings(grouped) if f["type"] == "host_sync" and f["evidence"]["op"] == "aten::to"]
+    small = next(f for f in fl if f["type"] == "small_kernels")
+    assert "aten::matmul" in small["evidence"]["ops"]
+
+
+def test_findings_in_summary_and_multi_rank():
+    a = tracelens.analyze(tracelens.load(NCCL_2RANK, cache=False))
+    s = a.summary()
+    types = {f["type"] for f in s["findings"]}
+    assert {"sync_wait", "host_sync"} <= types
+    json.dumps(s)  # serializable
+    cpu = tracelens.analyze(tracelens.load(CPU_ONLY, cache=False))
+    assert cpu.summary()["findings"] == []
+
+
+def test_cli_host(tmp_path):
+    out = tmp_path / "host.json"
+    p = subprocess.run([sys.executable, "-m", "tracelens", "host", str(MOE_LOOP), "--json", str(out)],
+                       capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr
+    assert "aten::to" in p.stdout and "findings:" in p.stdout
+    doc = json.loads(out.read_text())
+    assert doc["findings"] and doc["sync_summary"]

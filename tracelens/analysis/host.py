@@ -1,0 +1,159 @@
+"""Host side: device-to-host syncs, launch latency, why the GPU sat idle, too many small kernels.
+
+- Host syncs: every blocking runtime call (cudaStreamSynchronize, cudaDeviceSynchronize,
+  cudaEventSynchronize, synchronous cudaMemcpy, hip*), with the op that issued it (top-level op as
+  the program called it, e.g. `aten::to` for `.tolist()`, and the innermost, e.g. `aten::copy_`), its
+  record_function / module path, the Python stack when recorded, how long the host was blocked, and
+  the GPU idle time it caused: from the sync (or the moment the GPU drained, if later) until the GPU
+  ran its next kernel.
+- Idle gaps on each rank's GPU are classified by what the GPU waited for:
+    sync          the gap follows a host sync (the host had to wait, then relaunch)
+    launch-bound  the kernel ending the gap was launched by the host after the gap began
+    other         it was launched before (stream dependencies, events, another rank)
+- Launch latency: runtime launch start -> kernel start.
+- Small kernels: share of kernels shorter than a threshold (default 10 us) and the ops launching most.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+
+from .. import categories as C
+from . import intervals as I
+from .calltree import KIND_RUNTIME
+
+US = 1000.0
+SMALL_KERNEL_US = 10.0
+SYNC_TOLERANCE_NS = 20_000  # GPU draining and the sync returning are not simultaneous on the timeline
+
+
+def _op_names(tree: pd.DataFrame, rows: np.ndarray) -> np.ndarray:
+    return np.asarray(C.take_strings(tree["name"], rows, fill="(no op)"), dtype=object)
+
+
+def host_syncs(analysis) -> pd.DataFrame:
+    """One row per blocking sync call issued by the workload."""
+    cols = ["rank", "call", "op", "via", "path", "stack", "ts", "host_blocked_us", "gpu_idle_caused_us", "step"]
+    t = analysis.tree
+    rt = t[(t["kind"] == KIND_RUNTIME)]
+    s = rt[C.isin(rt["name"], C.SYNC_RUNTIME) & (rt["parent"].to_numpy() >= 0)]
+    if s.empty:
+        return pd.DataFrame(columns=cols)
+    stack = np.full(len(s), "", dtype=object)
+    if "call_stack" in analysis.trace.events:
+        inner = s["inner_op"].to_numpy()
+        ok = inner >= 0
+        cs = analysis.trace.events["call_stack"]
+        stack[ok] = np.asarray(C.take_strings(cs, inner[ok], fill=""), dtype=object)
+    out = pd.DataFrame({
+        "rank": s["rank"].to_numpy(), "call": s["name"].astype(str).to_numpy(),
+        "op": _op_names(t, s["outer_op"].to_numpy()), "via": _op_names(t, s["inner_op"].to_numpy()),
+        "path": s["path"].astype(str).to_numpy(), "stack": stack,
+        "ts": s["ts"].to_numpy(), "host_blocked_us": s["dur"].to_numpy() / US,
+    })
+    end = s["ts"].to_numpy() + s["dur"].to_numpy()
+    caused = np.zeros(len(s))
+    g = analysis.gpu
+    for r in np.unique(out["rank"]):
+        m = out["rank"].to_numpy() == r
+        gr = g[g["rank"] == r]
+        if gr.empty:
+            continue
+        gs, ge = I.gaps(gr["ts"].to_numpy(), gr["end"].to_numpy())
+        # the gap during which the sync returned: it began before the sync ended, ended after
+        idx = np.searchsorted(gs, end[m] + SYNC_TOLERANCE_NS, side="right") - 1
+        ok = (idx >= 0) & (ge[np.maximum(idx, 0)] > end[m])
+        val = np.where(ok, ge[np.maximum(idx, 0)] - np.maximum(gs[np.maximum(idx, 0)], s["ts"].to_numpy()[m]), 0)
+        caused[m] = np.maximum(val, 0) / US
+    out["gpu_idle_caused_us"] = caused
+    from .calltree import assign_steps
+
+    out["step"] = assign_steps(out["rank"].to_numpy(), out["ts"].to_numpy(), analysis.steps)
+    return out[cols]
+
+
+def sync_summary(syncs: pd.DataFrame) -> pd.DataFrame:
+    cols = ["op", "via", "call", "count", "host_blocked_us", "gpu_idle_caused_us", "path", "stack"]
+    if syncs.empty:
+        return pd.DataFrame(columns=cols)
+    g = syncs.groupby(["op", "via", "call"], sort=False)
+    out = g.agg(count=("ts", "size"), host_blocked_us=("host_blocked_us", "sum"),
+                gpu_idle_caused_us=("gpu_idle_caused_us", "sum"), path=("path", "first"), stack=("stack", "first"))
+    return out.reset_index().sort_values("gpu_idle_caused_us", ascending=False, ignore_index=True)[cols]
+
+
+def idle_gaps(analysis, syncs: pd.DataFrame | None = None) -> pd.DataFrame:
+    """Every GPU idle gap per rank with its cause and the op whose kernel ended it."""
+    cols = ["rank", "start_ns", "end_ns", "dur_us", "cause", "next_op", "next_top_op"]
+    g = analysis.gpu
+    if g.empty:
+        return pd.DataFrame(columns=cols)
+    syncs = host_syncs(analysis) if syncs is None else syncs
+    rows = []
+    for r, gr in g.groupby("rank", sort=True):
+        order = np.argsort(gr["ts"].to_numpy(), kind="stable")
+        ts, end = gr["ts"].to_numpy()[order], gr["end"].to_numpy()[order]
+        launch = gr["launch_ts"].to_numpy()[order]
+        run_end = np.maximum.accumulate(end)
+        gap_after = np.flatnonzero(ts[1:] > run_end[:-1])  # gap between run_end[i] and ts[i+1]
+        if not len(gap_after):
+            continue
+        gs, ge = run_end[gap_after], ts[gap_after + 1]
+        nxt = gap_after + 1
+        sr = syncs[syncs["rank"] == r]
+        s_end = np.sort((sr["ts"] + (sr["host_blocked_us"] * US).astype(np.int64)).to_numpy())
+        # a sync that returned inside the gap (or just before it began)
+        if len(s_end):
+            k = np.searchsorted(s_end, ge, side="left") - 1
+            after_sync = (k >= 0) & (s_end[np.maximum(k, 0)] >= gs - SYNC_TOLERANCE_NS)
+        else:
+            after_sync = np.zeros(len(gs), dtype=bool)
+        launched_late = (launch[nxt] >= 0) & (launch[nxt] > gs)
+        cause = np.where(after_sync, "sync", np.where(launched_late, "launch-bound", "other"))
+        ops = gr["op"].astype(str).to_numpy()[order][nxt]
+        tops = gr["top_op"].astype(str).to_numpy()[order][nxt]
+        rows.append(pd.DataFrame({"rank": int(r), "start_ns": gs, "end_ns": ge, "dur_us": (ge - gs) / US,
+                                  "cause": cause, "next_op": ops, "next_top_op": tops}))
+    return pd.concat(rows, ignore_index=True)[cols] if rows else pd.DataFrame(columns=cols)
+
+
+def idle_summary(gaps: pd.DataFrame, timeline: pd.DataFrame) -> pd.DataFrame:
+    cols = ["rank", "cause", "gaps", "idle_us", "pct_of_span"]
+    if gaps.empty:
+        return pd.DataFrame(columns=cols)
+    out = gaps.groupby(["rank", "cause"]).agg(gaps=("dur_us", "size"), idle_us=("dur_us", "sum")).reset_index()
+    span = out["rank"].map(timeline.set_index("rank")["span_us"])
+    out["pct_of_span"] = 100.0 * out["idle_us"] / span
+    return out[cols]
+
+
+def launch_stats(analysis, small_us: float = SMALL_KERNEL_US) -> pd.DataFrame:
+    """Per rank: kernels, launch latency percentiles, small-kernel count and shares."""
+    cols = ["rank", "kernels", "launch_p50_us", "launch_p90_us", "small_kernels", "small_share",
+            "small_time_share"]
+    k = analysis.gpu[analysis.gpu["kind"] == "kernel"]
+    rows = []
+    for r, kr in k.groupby("rank"):
+        lat = (kr["ts"] - kr["launch_ts"])[kr["launch_ts"] >= 0] / US
+        small = kr["dur"] < small_us * US
+        rows.append({"rank": int(r), "kernels": len(kr),
+                     "launch_p50_us": float(lat.median()) if len(lat) else np.nan,
+                     "launch_p90_us": float(lat.quantile(0.9)) if len(lat) else np.nan,
+                     "small_kernels": int(small.sum()), "small_share": float(small.mean()),
+                     "small_time_share": float(kr["dur"][small].sum() / max(1, kr["dur"].sum()))})
+    return pd.DataFrame(rows, columns=cols)
+
+
+def kernels_per_op(analysis, small_us: float = SMALL_KERNEL_US) -> pd.DataFrame:
+    """Ops (as called from Python) by how many kernels they launch, and how many are small."""
+    cols = ["top_op", "kernels", "small_kernels", "gpu_us", "mean_kernel_us"]
+    k = analysis.gpu[analysis.gpu["kind"] == "kernel"]
+    if k.empty:
+        return pd.DataFrame(columns=cols)
+    df = pd.DataFrame({"top_op": k["top_op"].astype(str).replace("", "(no op)").to_numpy(),
+                       "dur": k["dur"].to_numpy(), "small": (k["dur"] < small_us * US).to_numpy()})
+    out = df.groupby("top_op").agg(kernels=("dur", "size"), small_kernels=("small", "sum"), gpu=("dur", "sum")).reset_index()
+    out["gpu_us"] = out.pop("gpu") / US
+    out["mean_kernel_us"] = out["gpu_us"] / out["kernels"]
+    return out.sort_values("kernels", ascending=False, ignore_index=True)[cols]
