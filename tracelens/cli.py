@@ -235,6 +235,25 @@ def host(paths, json_out, small_us, no_cache):
         click.echo(f"wrote {json_out}")
 
 
+@main.command()
+@click.argument("paths", nargs=-1, required=True, type=click.Path())
+@click.option("--perfetto", "perfetto_out", type=click.Path(dir_okay=False), required=True,
+              help="Write a Perfetto trace (.pftrace) with every rank's GPU streams, CPU threads and analysis tracks.")
+@click.option("--no-cache", is_flag=True, help="Do not read or write the parsed-trace cache.")
+def export(paths, perfetto_out, no_cache):
+    """Export traces plus findings (sync waits, exposed comm, host syncs, idle causes) for ui.perfetto.dev."""
+    from . import analyze as run_analysis, load
+    from .export_perfetto import export_perfetto
+
+    try:
+        import perfetto  # noqa: F401
+    except ImportError:
+        _fail("the perfetto package is not installed: pip install perfetto")
+    a = run_analysis(load(list(paths), cache=not no_cache))
+    res = export_perfetto(a, perfetto_out)
+    click.echo(f"wrote {res['path']}: {res['tracks']} tracks, {res['slices']} slices; open it in https://ui.perfetto.dev")
+
+
 def _print_summary(result) -> None:
     tl = result.timeline
     if tl.empty:

@@ -70,16 +70,25 @@ class Args:
     dims: list
     types: list
     concrete: list = field(default_factory=list)
+    strides: list = field(default_factory=list)
 
     def is_tensor(self, i: int) -> bool:
         return (i < len(self.types) and self.types[i] in DTYPE_SIZES and i < len(self.dims)
                 and isinstance(self.dims[i], list) and all(isinstance(d, int) and d >= 0 for d in self.dims[i]))
 
-    def tensor(self, i: int, what: str = "") -> tuple[list[int], int]:
+    def tensor(self, i: int, what: str = "") -> tuple[list[int], int, int]:
         """(shape, itemsize) of argument i, or Unmodeled."""
         if not self.is_tensor(i):
             raise Unmodeled(f"argument {i}{' (' + what + ')' if what else ''} is not a recorded tensor")
-        return self.dims[i], DTYPE_SIZES[self.types[i]]
+        return self.dims[i], DTYPE_SIZES[self.types[i]], self.unique_elems(i)
+
+    def unique_elems(self, i: int) -> int:
+        """Distinct elements of argument i: broadcast (stride-0) dimensions, as in expand(), count once."""
+        shape = self.dims[i]
+        st = self.strides[i] if i < len(self.strides) else None
+        if isinstance(st, list) and len(st) == len(shape) and all(isinstance(v, int) for v in st):
+            return numel([d for d, s in zip(shape, st) if s != 0])
+        return numel(shape)
 
     def opt_tensor(self, i: int) -> tuple[list[int], int] | None:
         return self.tensor(i) if self.is_tensor(i) else None
@@ -114,8 +123,11 @@ def numel(shape: Sequence[int]) -> int:
     return int(math.prod(shape)) if shape else 1
 
 
-def nbytes(t: tuple[list[int], int] | None) -> int:
-    return numel(t[0]) * t[1] if t is not None else 0
+def nbytes(t: tuple | None) -> int:
+    """Bytes read for a tensor argument (shape, itemsize, distinct elements): stride-0 dims count once."""
+    if t is None:
+        return 0
+    return (t[2] if len(t) > 2 else numel(t[0])) * t[1]
 
 
 def broadcast(*shapes: Sequence[int]) -> list[int]:
@@ -587,7 +599,8 @@ def has_model(name: str) -> bool:
 
 
 @lru_cache(maxsize=65536)
-def model(name: str, input_dims: Any = "", input_types: Any = "", concrete_inputs: Any = "") -> Result:
+def model(name: str, input_dims: Any = "", input_types: Any = "", concrete_inputs: Any = "",
+          input_strides: Any = "") -> Result:
     """FLOPs and bytes of one op call from its recorded arguments (JSON text, as in the trace), or the
     reason it cannot be modeled. Never raises."""
     fn = MODELS.get(name)
@@ -595,6 +608,14 @@ def model(name: str, input_dims: Any = "", input_types: Any = "", concrete_input
         return Result(None, "no model for this op")
     try:
         args = Args(_loads(input_dims), _loads(input_types), _loads(concrete_inputs))
+    except (ValueError, TypeError):
+        return Result(None, "malformed Input Dims / Input type / Concrete Inputs")
+    try:
+        args.strides = _loads(input_strides)
+    except (ValueError, TypeError):
+        args.strides = []
+    try:
+        pass
     except (ValueError, TypeError):
         return Result(None, "malformed Input Dims / Input type / Concrete Inputs")
     if not args.dims or not args.types:
@@ -610,6 +631,7 @@ def model(name: str, input_dims: Any = "", input_types: Any = "", concrete_input
     return Result(perf)
 
 
-def model_args(name: str, dims: list, types: list, concrete: list | None = None) -> Result:
+def model_args(name: str, dims: list, types: list, concrete: list | None = None,
+               strides: list | None = None) -> Result:
     """`model` for already-parsed lists (tests, callers that build arguments by hand)."""
-    return model(name, json.dumps(dims), json.dumps(types), json.dumps(concrete or []))
+    return model(name, json.dumps(dims), json.dumps(types), json.dumps(concrete or []), json.dumps(strides or []))

@@ -1,0 +1,285 @@
+"""Roofline: achieved TFLOP/s and TB/s of every modeled op group against the device's ceilings.
+
+    >>> import tracelens
+    >>> from tracelens.analysis import roofline
+    >>> a = tracelens.analyze(tracelens.load("runs/demo"))
+    >>> r = roofline.roofline_result(a)                  # or roofline.roofline(a) for the main table only
+    >>> r.table        # one row per (device, op, input dims, input types, concrete inputs)
+    >>> r.unmodeled    # ops whose kernels ran but that have no model (or unusable shapes), with the reason
+    >>> r.families     # GEMM shape families: per-expert loops (one dim varying) rolled up
+    >>> roofline.roofline(a, ceilings="measured.json")  # measured ceilings override the datasheet
+
+Time attribution: each GPU event (kernel, memcpy, memset; communication kernels excluded) belongs to the
+innermost op on its launch stack that has a perf model (`tracelens.perfmodels.MODELS`); kernels with no
+modeled op above them belong to their innermost op, which is then listed as unmodeled. So
+`scaled_dot_product_attention -> _scaled_dot_product_cudnn_attention -> _cudnn_attention_forward` counts
+once, at the innermost (most specific) op, and backward kernels are counted at the aten ops the autograd
+engine calls (e.g. `aten::mm` inside `MmBackward0`), with the shapes of that call.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import numpy as np
+import pandas as pd
+
+from .. import categories as C
+from .. import devices, perfmodels
+from . import calltree
+
+TABLE_COLUMNS = (
+    "device", "op", "kind", "dtype", "input_dims", "input_types", "concrete_inputs", "note", "family", "count",
+    "kernels", "gpu_us", "flops", "bytes", "total_flops", "total_bytes", "tflops", "tbps", "intensity",
+    "peak_tflops", "peak_tbps", "ridge", "roof_tflops", "pct_peak_compute", "pct_peak_memory", "pct_roof", "bound",
+    "share_gpu_time",
+)
+UNMODELED_COLUMNS = ("device", "op", "input_dims", "input_types", "reason", "count", "kernels", "gpu_us",
+                     "share_gpu_time")
+FAMILY_COLUMNS = ("device", "family", "op", "dtype", "shapes", "count", "gpu_us", "total_flops", "total_bytes",
+                  "tflops", "tbps", "intensity", "pct_peak_compute", "pct_roof", "bound")
+
+
+@dataclass
+class RooflineResult:
+    table: pd.DataFrame
+    unmodeled: pd.DataFrame
+    families: pd.DataFrame
+    ceilings: dict[str, devices.Ceilings | None]  # device name in the trace -> ceilings (None: unknown)
+    warnings: list[str] = field(default_factory=list)
+    modeled_gpu_us: float = 0.0
+    unmodeled_gpu_us: float = 0.0
+    unattributed_gpu_us: float = 0.0  # GPU time launched outside any op
+
+    def summary(self) -> dict[str, Any]:
+        """Small JSON-able summary (coverage, devices, warnings) for summary.json / the CLI."""
+        total = self.modeled_gpu_us + self.unmodeled_gpu_us + self.unattributed_gpu_us
+        return {
+            "modeled_gpu_us": round(self.modeled_gpu_us, 3),
+            "unmodeled_gpu_us": round(self.unmodeled_gpu_us, 3),
+            "unattributed_gpu_us": round(self.unattributed_gpu_us, 3),
+            "modeled_share": round(self.modeled_gpu_us / total, 4) if total else None,
+            "devices": {k: (v.to_dict() if v else None) for k, v in self.ceilings.items()},
+            "warnings": list(self.warnings),
+        }
+
+
+def _rank_ceilings(analysis, ceilings) -> tuple[dict[int, str], dict[str, devices.Ceilings | None], list[str]]:
+    """Device name per rank and ceilings per device name. `ceilings`: None (datasheet), a `Ceilings`
+    (used for every rank), or measured ceilings as a dict / JSON path (override the datasheet)."""
+    rank_dev: dict[int, str] = {}
+    props: dict[str, Mapping[str, Any]] = {}
+    for info in analysis.trace.ranks:
+        name = info.device_name or "unknown device"
+        rank_dev[info.rank] = name
+        if info.device_properties:
+            props.setdefault(name, info.device_properties[0])
+    ceil: dict[str, devices.Ceilings | None] = {}
+    warnings: list[str] = []
+    measured = None
+    if isinstance(ceilings, (str, os.PathLike, Mapping)):
+        measured = devices.load_measured(ceilings)
+    for name in sorted(set(rank_dev.values())):
+        if isinstance(ceilings, devices.Ceilings):
+            ceil[name] = ceilings
+        else:
+            ceil[name] = devices.resolve(None if name == "unknown device" else name, props.get(name), measured)
+        if ceil[name] is None:
+            warnings.append(devices.no_ceilings_message(None if name == "unknown device" else name))
+    return rank_dev, ceil, warnings
+
+
+def _owner_rows(tree: pd.DataFrame, op_rows: np.ndarray) -> np.ndarray:
+    """For each op row label, the innermost op on its ancestor chain (itself included) with a model;
+    the op itself when none has one. Vectorized: one numpy step per nesting level."""
+    labels = tree.index
+    pos_of = lambda lab: labels.get_indexer(lab)  # noqa: E731
+    modeled = C.map_strings(tree["name"], perfmodels.has_model) & (tree["kind"].to_numpy() == calltree.KIND_OP)
+    parent = tree["parent"].to_numpy()
+    inner = tree["inner_op"].to_numpy()
+    # parent op of each row: the innermost op enclosing its parent
+    ppos = pos_of(parent)
+    parent_op = np.where((parent >= 0) & (ppos >= 0), inner[np.maximum(ppos, 0)], -1)
+    start = pos_of(op_rows)
+    cur = start.copy()
+    for _ in range(256):
+        p = parent_op[cur]
+        need = ~modeled[cur] & (p >= 0)
+        if not need.any():
+            break
+        cur[need] = pos_of(p[need])
+    cur = np.where(modeled[cur], cur, start)
+    return labels.to_numpy()[cur]
+
+
+def _empty(cols) -> pd.DataFrame:
+    return pd.DataFrame({c: pd.Series(dtype=object) for c in cols})
+
+
+def roofline_result(analysis, ceilings: Any = None) -> RooflineResult:
+    """Roofline of every op group in `analysis` (a `tracelens.Analysis`).
+
+    ceilings: None (datasheet ceilings of each rank's device), a `devices.Ceilings` for all ranks, or
+    measured ceilings (dict or JSON file path, see `tracelens.devices`) overriding the datasheet.
+    """
+    rank_dev, ceil, warnings = _rank_ceilings(analysis, ceilings)
+    g = analysis.gpu
+    tree = analysis.tree
+    if g.empty:
+        warnings.append("no GPU activity in the trace: roofline unavailable")
+        return RooflineResult(_empty(TABLE_COLUMNS), _empty(UNMODELED_COLUMNS), _empty(FAMILY_COLUMNS), ceil, warnings)
+    is_comm = g["is_comm"].to_numpy() if "is_comm" in g else np.zeros(len(g), bool)
+    g = g.loc[~is_comm]
+    op_row = g["op_row"].to_numpy()
+    linked = op_row >= 0
+    unattributed_us = float(g["dur"].to_numpy()[~linked].sum()) / 1e3
+    if unattributed_us > 0:
+        warnings.append(f"{unattributed_us:.1f} us of GPU time launched outside any op (not in the roofline)")
+    g = g.loc[linked]
+    if g.empty:
+        warnings.append("no GPU event is linked to an op: roofline unavailable")
+        return RooflineResult(_empty(TABLE_COLUMNS), _empty(UNMODELED_COLUMNS), _empty(FAMILY_COLUMNS), ceil,
+                              warnings, unattributed_gpu_us=unattributed_us)
+    uniq, inv = np.unique(g["op_row"].to_numpy(), return_inverse=True)
+    owner_u = _owner_rows(tree, uniq)
+    owner = owner_u[inv.reshape(-1)]
+    per = pd.DataFrame({"owner": owner, "dur": g["dur"].to_numpy()}).groupby("owner")["dur"].agg(["sum", "size"])
+    rows = per.index.to_numpy()
+    ev = analysis.trace.events
+    ops = pd.DataFrame({
+        "rank": tree.loc[rows, "rank"].to_numpy(),
+        "op": tree.loc[rows, "name"].astype(str).to_numpy(),
+        "input_dims": tree.loc[rows, "input_dims"].astype(object).to_numpy(),
+        "input_types": tree.loc[rows, "input_types"].astype(object).to_numpy(),
+        "concrete_inputs": (ev.loc[rows, "concrete_inputs"].astype(object).to_numpy()
+                            if "concrete_inputs" in ev else np.full(len(rows), "", dtype=object)),
+        "dur_ns": per["sum"].to_numpy(),
+        "kernels": per["size"].to_numpy(),
+    })
+    for c in ("input_dims", "input_types", "concrete_inputs"):
+        ops[c] = ops[c].where(ops[c].notna(), "").astype(str)
+    ops["device"] = ops["rank"].map(rank_dev).fillna("unknown device")
+    keys = ["device", "op", "input_dims", "input_types", "concrete_inputs"]
+    grp = ops.groupby(keys, sort=False).agg(count=("dur_ns", "size"), kernels=("kernels", "sum"),
+                                            dur_ns=("dur_ns", "sum")).reset_index()
+    total_us = float(grp["dur_ns"].sum()) / 1e3
+    results = [perfmodels.model(o, d, t, c) for o, d, t, c in
+               zip(grp["op"], grp["input_dims"], grp["input_types"], grp["concrete_inputs"])]
+    ok = np.array([r.perf is not None for r in results], dtype=bool)
+    grp["gpu_us"] = grp["dur_ns"] / 1e3
+    grp["share_gpu_time"] = grp["gpu_us"] / total_us if total_us else np.nan
+
+    um = grp.loc[~ok].copy()
+    um["reason"] = [r.reason for r, k in zip(results, ok) if not k]
+    um = um.sort_values("gpu_us", ascending=False)[list(UNMODELED_COLUMNS)].reset_index(drop=True)
+
+    m = grp.loc[ok].copy()
+    perfs = [r.perf for r, k in zip(results, ok) if k]
+    m["kind"] = [p.kind for p in perfs]
+    m["dtype"] = [p.dtype for p in perfs]
+    m["note"] = [p.note for p in perfs]
+    m["flops"] = np.array([p.flops for p in perfs], dtype=float)
+    m["bytes"] = np.array([p.bytes for p in perfs], dtype=float)
+    m["total_flops"] = m["flops"] * m["count"]
+    m["total_bytes"] = m["bytes"] * m["count"]
+    sec = m["dur_ns"].to_numpy() / 1e9
+    with np.errstate(divide="ignore", invalid="ignore"):
+        m["tflops"] = np.where(sec > 0, m["total_flops"] / sec / 1e12, np.nan)
+        m["tbps"] = np.where(sec > 0, m["total_bytes"] / sec / 1e12, np.nan)
+        m["intensity"] = np.where(m["total_bytes"] > 0, m["total_flops"] / m["total_bytes"], np.nan)
+    peak = []
+    bw = []
+    for dev, p in zip(m["device"], perfs):
+        c = ceil.get(dev)
+        peak.append(c.peak_tflops(p.dtype, p.matrix) if c else None)
+        bw.append(c.hbm_tbps if c else None)
+    m["peak_tflops"] = pd.to_numeric(pd.Series(peak, index=m.index, dtype=object), errors="coerce").astype(float)
+    m["peak_tbps"] = pd.to_numeric(pd.Series(bw, index=m.index, dtype=object), errors="coerce").astype(float)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        m["ridge"] = m["peak_tflops"] / m["peak_tbps"]
+        m["roof_tflops"] = np.minimum(m["peak_tflops"], m["intensity"] * m["peak_tbps"])
+        m["pct_peak_compute"] = 100.0 * m["tflops"] / m["peak_tflops"]
+        m["pct_peak_memory"] = 100.0 * m["tbps"] / m["peak_tbps"]
+        m["pct_roof"] = np.where(m["roof_tflops"] > 0, 100.0 * m["tflops"] / m["roof_tflops"], m["pct_peak_memory"])
+    bound = np.where(m["intensity"].isna() | (m["flops"] <= 0), "memory",
+                     np.where(m["intensity"] >= m["ridge"], "compute", "memory"))
+    bound = np.where(m["ridge"].isna(), "unknown", bound)
+    m["bound"] = bound
+    m["family"] = _families(m, perfs)
+    m = m.sort_values("gpu_us", ascending=False)
+    table = m[list(TABLE_COLUMNS)].reset_index(drop=True)
+
+    over = table[(table["pct_peak_compute"] > 100.0) | (table["pct_peak_memory"] > 100.0)]
+    for r in over.head(5).itertuples(index=False):
+        warnings.append(f"{r.op} {r.input_dims}: achieved {r.tflops:.1f} TFLOP/s / {r.tbps:.2f} TB/s exceeds the "
+                        f"device ceiling ({r.peak_tflops} TFLOP/s, {r.peak_tbps} TB/s): model or attribution suspect")
+    modeled_us = float(table["gpu_us"].sum())
+    return RooflineResult(table=table, unmodeled=um, families=family_table(table), ceilings=ceil, warnings=warnings,
+                          modeled_gpu_us=modeled_us, unmodeled_gpu_us=float(um["gpu_us"].sum()),
+                          unattributed_gpu_us=unattributed_us)
+
+
+def roofline(analysis, ceilings: Any = None) -> pd.DataFrame:
+    """The roofline table (see `roofline_result` for the unmodeled ops, families and warnings)."""
+    return roofline_result(analysis, ceilings).table
+
+
+# ------------------------------------------------------------------------------------ GEMM shape families
+
+
+def _families(m: pd.DataFrame, perfs: list[perfmodels.Perf]) -> list[str]:
+    """Label GEMM groups that differ in one dimension only (per-expert loops: M varies in the forward
+    and input-gradient GEMMs, K in the weight-gradient GEMM) as one family, e.g.
+    'aten::mm bf16 [M=*, N=1536, K=768]'. A family needs >= 3 distinct shapes; otherwise the label is the
+    group's own shape."""
+    out = []
+    for p, op in zip(perfs, m["op"]):
+        out.append(f"{op} {p.dtype} [M={p.mnk[0]}, N={p.mnk[1]}, K={p.mnk[2]}]" if p.mnk else "")
+    gem = [(i, p) for i, p in enumerate(perfs) if p.mnk is not None]
+    if not gem:
+        return out
+    devs = m["device"].tolist()
+    ops = m["op"].tolist()
+    from collections import defaultdict
+    pattern_sets: dict[tuple, set] = defaultdict(set)
+    names = ("M", "N", "K")
+    for i, p in gem:
+        for free in range(3):
+            key = (devs[i], ops[i], p.dtype, p.batch, free) + tuple(v for j, v in enumerate(p.mnk) if j != free)
+            pattern_sets[key].add(p.mnk)
+    for i, p in gem:
+        best = None
+        for free in range(3):
+            key = (devs[i], ops[i], p.dtype, p.batch, free) + tuple(v for j, v in enumerate(p.mnk) if j != free)
+            n = len(pattern_sets[key])
+            if n >= 3 and (best is None or n > best[0]):
+                best = (n, free)
+        if best is not None:
+            free = best[1]
+            dims = ", ".join(f"{names[j]}={'*' if j == free else p.mnk[j]}" for j in range(3))
+            out[i] = f"{ops[i]} {p.dtype} [{dims}]"
+    return out
+
+
+def family_table(table: pd.DataFrame) -> pd.DataFrame:
+    """Roll the roofline table up by GEMM shape family (rows without a family are left out)."""
+    t = table[table["family"] != ""]
+    if t.empty:
+        return _empty(FAMILY_COLUMNS)
+    f = t.groupby(["device", "family"], sort=False).agg(
+        op=("op", "first"), dtype=("dtype", "first"), shapes=("input_dims", "nunique"), count=("count", "sum"),
+        gpu_us=("gpu_us", "sum"), total_flops=("total_flops", "sum"), total_bytes=("total_bytes", "sum"),
+        peak_tflops=("peak_tflops", "first"), peak_tbps=("peak_tbps", "first")).reset_index()
+    sec = f["gpu_us"] / 1e6
+    with np.errstate(divide="ignore", invalid="ignore"):
+        f["tflops"] = f["total_flops"] / sec / 1e12
+        f["tbps"] = f["total_bytes"] / sec / 1e12
+        f["intensity"] = f["total_flops"] / f["total_bytes"]
+        f["pct_peak_compute"] = 100.0 * f["tflops"] / f["peak_tflops"]
+        roof = np.minimum(f["peak_tflops"], f["intensity"] * f["peak_tbps"])
+        f["pct_roof"] = 100.0 * f["tflops"] / roof
+        ridge = f["peak_tflops"] / f["peak_tbps"]
+    f["bound"] = np.where(ridge.isna(), "unknown", np.where(f["intensity"] >= ridge, "compute", "memory"))
+    return f.sort_values("gpu_us", ascending=False)[list(FAMILY_COLUMNS)].reset_index(drop=True)
