@@ -206,6 +206,10 @@ def render(analysis: Analysis, title: str | None = None) -> str:
         ops_note="" if has_gpu else "No GPU events: sorted by CPU self time.",
         kernels_note="",
         ops_table=html_table(ops, ops_cols),
+        annotations_table=html_table(a.annotations, [
+            ("path", "path", "name"), ("count", "count", "num"), ("host_total_us", "host µs", "num"),
+            ("host_mean_us", "host mean µs", "num"), ("gpu_total_us", "GPU µs", "num"), ("kernels", "kernels", "num")])
+        if not a.annotations.empty else "",
         kernels_table=html_table(a.kernels, kern_cols) if has_gpu else "",
         top_ops_table=html_table(a.top_ops, top_cols),
         figures_json=safe_json(figures),

@@ -35,6 +35,7 @@ class Analysis:
     categories: pd.DataFrame
     top_ops: pd.DataFrame
     breakdown: pd.DataFrame
+    annotations: pd.DataFrame  # record_function ranges / nn.Module scopes with host and GPU time
     warnings: list[str] = field(default_factory=list)
     _findings: list | None = field(default=None, repr=False)
 
@@ -59,7 +60,7 @@ class Analysis:
         return {
             "timeline": self.timeline, "step_timeline": self.step_timeline, "ops": self.ops,
             "kernels": self.kernels, "categories": self.categories, "top_ops": self.top_ops,
-            "breakdown": self.breakdown, "steps": self.steps,
+            "breakdown": self.breakdown, "steps": self.steps, "annotations": self.annotations,
         }
 
     def summary(self) -> dict[str, Any]:
@@ -142,5 +143,6 @@ def analyze(trace: Trace) -> Analysis:
         categories=summaries.category_rollup(gpu, busy_by_rank),
         top_ops=summaries.top_level_ops(tree, gpu),
         breakdown=summaries.breakdown_tree(gpu, tree),
+        annotations=summaries.annotation_summary(tree, gpu),
         warnings=warnings,
     )

@@ -91,6 +91,41 @@ def analyze(paths, out, open_browser, no_cache, no_report, no_tables, jobs, quie
         webbrowser.open(written["report"].resolve().as_uri())
 
 
+@main.command(context_settings={"ignore_unknown_options": True})
+@click.option("--config", "config", required=True, help="Trainer config: a YAML file or a name under trainer/configs (tiny, gpu_proxy, ...).")
+@click.option("--nproc", type=click.IntRange(1, 1024), default=1, show_default=True, help="Processes (GPUs); above 1 the trainer runs under torchrun.")
+@click.option("-o", "--out", required=True, type=click.Path(file_okay=False), help="Run directory to write (runs/NAME).")
+@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Override a config key (repeatable).")
+@click.option("--open", "open_browser", is_flag=True, help="Open the report when done.")
+@click.argument("trainer_args", nargs=-1, type=click.UNPROCESSED)
+def profile(config, nproc, out, overrides, open_browser, trainer_args):
+    """Run the MoE trainer with its profiling window, then analyze the run dir (report.html beside it).
+
+    Extra arguments are passed to the trainer (e.g. --sync-free-level 3 --grouped-gemm-backend torch).
+    """
+    import subprocess
+
+    cmd = [sys.executable, "-m", "trainer.launch", "--config", config, "--nproc", str(nproc), "-o", out]
+    for o in overrides:
+        cmd += ["--set", o]
+    cmd += list(trainer_args)
+    click.echo("$ " + " ".join(cmd), err=True)
+    rc = subprocess.call(cmd)
+    if rc != 0:
+        _fail(f"{out}: the trainer exited with status {rc} (see its output above)", 2 if rc == 2 else 1)
+    from . import analyze as run_analysis, load
+    from reports.artifacts import write_all
+
+    result = run_analysis(load(out))
+    written = write_all(result, out)
+    for w in result.warnings:
+        click.echo(f"tracelens: warning: {w}", err=True)
+    _print_summary(result)
+    click.echo(f"wrote {out} ({', '.join(p.name for p in written.values())})")
+    if open_browser:
+        webbrowser.open(written["report"].resolve().as_uri())
+
+
 def _manifest(path: str) -> dict | None:
     p = Path(path)
     m = p / "manifest.json" if p.is_dir() else None

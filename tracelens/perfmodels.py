@@ -614,10 +614,6 @@ def model(name: str, input_dims: Any = "", input_types: Any = "", concrete_input
         args.strides = _loads(input_strides)
     except (ValueError, TypeError):
         args.strides = []
-    try:
-        pass
-    except (ValueError, TypeError):
-        return Result(None, "malformed Input Dims / Input type / Concrete Inputs")
     if not args.dims or not args.types:
         return Result(None, "shapes not recorded (profile with record_shapes=True)")
     try:

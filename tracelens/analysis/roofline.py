@@ -4,7 +4,7 @@
     >>> from tracelens.analysis import roofline
     >>> a = tracelens.analyze(tracelens.load("runs/demo"))
     >>> r = roofline.roofline_result(a)                  # or roofline.roofline(a) for the main table only
-    >>> r.table        # one row per (device, op, input dims, input types, concrete inputs)
+    >>> r.table        # one row per (device, op, input dims, input types, concrete inputs, input strides)
     >>> r.unmodeled    # ops whose kernels ran but that have no model (or unusable shapes), with the reason
     >>> r.families     # GEMM shape families: per-expert loops (one dim varying) rolled up
     >>> roofline.roofline(a, ceilings="measured.json")  # measured ceilings override the datasheet
@@ -31,12 +31,12 @@ from .. import devices, perfmodels
 from . import calltree
 
 TABLE_COLUMNS = (
-    "device", "op", "kind", "dtype", "input_dims", "input_types", "concrete_inputs", "note", "family", "count",
+    "device", "op", "kind", "dtype", "input_dims", "input_types", "concrete_inputs", "input_strides", "note", "family", "count",
     "kernels", "gpu_us", "flops", "bytes", "total_flops", "total_bytes", "tflops", "tbps", "intensity",
     "peak_tflops", "peak_tbps", "ridge", "roof_tflops", "pct_peak_compute", "pct_peak_memory", "pct_roof", "bound",
     "share_gpu_time",
 )
-UNMODELED_COLUMNS = ("device", "op", "input_dims", "input_types", "reason", "count", "kernels", "gpu_us",
+UNMODELED_COLUMNS = ("device", "op", "input_dims", "input_types", "concrete_inputs", "reason", "count", "kernels", "gpu_us",
                      "share_gpu_time")
 FAMILY_COLUMNS = ("device", "family", "op", "dtype", "shapes", "count", "gpu_us", "total_flops", "total_bytes",
                   "tflops", "tbps", "intensity", "pct_peak_compute", "pct_roof", "bound")
@@ -114,6 +114,12 @@ def _owner_rows(tree: pd.DataFrame, op_rows: np.ndarray) -> np.ndarray:
     return labels.to_numpy()[cur]
 
 
+def _event_col(ev: pd.DataFrame, rows: np.ndarray, col: str) -> np.ndarray:
+    if col not in ev:
+        return np.full(len(rows), "", dtype=object)
+    return ev.loc[rows, col].astype(object).to_numpy()
+
+
 def _empty(cols) -> pd.DataFrame:
     return pd.DataFrame({c: pd.Series(dtype=object) for c in cols})
 
@@ -153,20 +159,20 @@ def roofline_result(analysis, ceilings: Any = None) -> RooflineResult:
         "op": tree.loc[rows, "name"].astype(str).to_numpy(),
         "input_dims": tree.loc[rows, "input_dims"].astype(object).to_numpy(),
         "input_types": tree.loc[rows, "input_types"].astype(object).to_numpy(),
-        "concrete_inputs": (ev.loc[rows, "concrete_inputs"].astype(object).to_numpy()
-                            if "concrete_inputs" in ev else np.full(len(rows), "", dtype=object)),
+        "concrete_inputs": _event_col(ev, rows, "concrete_inputs"),
+        "input_strides": _event_col(ev, rows, "input_strides"),
         "dur_ns": per["sum"].to_numpy(),
         "kernels": per["size"].to_numpy(),
     })
-    for c in ("input_dims", "input_types", "concrete_inputs"):
+    for c in ("input_dims", "input_types", "concrete_inputs", "input_strides"):
         ops[c] = ops[c].where(ops[c].notna(), "").astype(str)
     ops["device"] = ops["rank"].map(rank_dev).fillna("unknown device")
-    keys = ["device", "op", "input_dims", "input_types", "concrete_inputs"]
+    keys = ["device", "op", "input_dims", "input_types", "concrete_inputs", "input_strides"]
     grp = ops.groupby(keys, sort=False).agg(count=("dur_ns", "size"), kernels=("kernels", "sum"),
                                             dur_ns=("dur_ns", "sum")).reset_index()
     total_us = float(grp["dur_ns"].sum()) / 1e3
-    results = [perfmodels.model(o, d, t, c) for o, d, t, c in
-               zip(grp["op"], grp["input_dims"], grp["input_types"], grp["concrete_inputs"])]
+    results = [perfmodels.model(o, d, t, c, s) for o, d, t, c, s in
+               zip(grp["op"], grp["input_dims"], grp["input_types"], grp["concrete_inputs"], grp["input_strides"])]
     ok = np.array([r.perf is not None for r in results], dtype=bool)
     grp["gpu_us"] = grp["dur_ns"] / 1e3
     grp["share_gpu_time"] = grp["gpu_us"] / total_us if total_us else np.nan
@@ -211,10 +217,15 @@ def roofline_result(analysis, ceilings: Any = None) -> RooflineResult:
     m = m.sort_values("gpu_us", ascending=False)
     table = m[list(TABLE_COLUMNS)].reset_index(drop=True)
 
-    over = table[(table["pct_peak_compute"] > 100.0) | (table["pct_peak_memory"] > 100.0)]
+    over = table[table["pct_peak_compute"] > 100.0]
     for r in over.head(5).itertuples(index=False):
-        warnings.append(f"{r.op} {r.input_dims}: achieved {r.tflops:.1f} TFLOP/s / {r.tbps:.2f} TB/s exceeds the "
-                        f"device ceiling ({r.peak_tflops} TFLOP/s, {r.peak_tbps} TB/s): model or attribution suspect")
+        warnings.append(f"{r.op} {r.input_dims}: achieved {r.tflops:.1f} TFLOP/s exceeds the device's compute "
+                        f"ceiling ({r.peak_tflops} TFLOP/s): FLOP model or time attribution suspect")
+    over_bw = table[(table["pct_peak_memory"] > 100.0) & ~(table["pct_peak_compute"] > 100.0)]
+    if len(over_bw):
+        warnings.append(f"{len(over_bw)} op group(s) moved more than HBM bandwidth allows for their minimum bytes "
+                        f"(e.g. {over_bw.iloc[0]['op']} at {over_bw.iloc[0]['tbps']:.2f} TB/s): operands served "
+                        f"from L2 cache")
     modeled_us = float(table["gpu_us"].sum())
     return RooflineResult(table=table, unmodeled=um, families=family_table(table), ceilings=ceil, warnings=warnings,
                           modeled_gpu_us=modeled_us, unmodeled_gpu_us=float(um["gpu_us"].sum()),
@@ -227,6 +238,9 @@ def roofline(analysis, ceilings: Any = None) -> pd.DataFrame:
 
 
 # ------------------------------------------------------------------------------------ GEMM shape families
+
+
+FAMILY_MAX_RATIO = 8  # the varying dim of a family spans at most this ratio (expert loads, not unrelated layers)
 
 
 def _families(m: pd.DataFrame, perfs: list[perfmodels.Perf]) -> list[str]:
@@ -253,8 +267,9 @@ def _families(m: pd.DataFrame, perfs: list[perfmodels.Perf]) -> list[str]:
         best = None
         for free in range(3):
             key = (devs[i], ops[i], p.dtype, p.batch, free) + tuple(v for j, v in enumerate(p.mnk) if j != free)
-            n = len(pattern_sets[key])
-            if n >= 3 and (best is None or n > best[0]):
+            vals = [s[free] for s in pattern_sets[key]]
+            n = len(vals)
+            if n >= 3 and max(vals) <= FAMILY_MAX_RATIO * max(min(vals), 1) and (best is None or n > best[0]):
                 best = (n, free)
         if best is not None:
             free = best[1]

@@ -187,3 +187,34 @@ def breakdown_tree(gpu: pd.DataFrame, tree: pd.DataFrame, max_leaves: int = 400)
         [(i, p, lbl, v, lvl) for i, (p, lbl, v, lvl) in nodes.items()],
         columns=["id", "parent", "label", "value", "level"],
     )
+
+
+def annotation_summary(tree: pd.DataFrame, gpu: pd.DataFrame) -> pd.DataFrame:
+    """record_function ranges and nn.Module scopes (e.g. moe/router, moe/dispatch): instances, host
+    time (inclusive) and the GPU time of everything launched inside them, per annotation path."""
+    from .calltree import KIND_ANNOTATION, KIND_MODULE
+
+    cols = ["path", "name", "count", "host_total_us", "host_mean_us", "gpu_total_us", "kernels"]
+    ann = tree[tree["kind"].isin([KIND_ANNOTATION, KIND_MODULE]) & ~tree["is_step"]]
+    if ann.empty:
+        return pd.DataFrame(columns=cols)
+    agg = pd.DataFrame({"path": ann["path"].astype(str).to_numpy(), "name": ann["name"].astype(str).to_numpy(),
+                        "dur": ann["dur"].to_numpy()})
+    agg = agg[agg["path"] != ""].groupby(["path", "name"], sort=False)["dur"].agg(["size", "sum"]).reset_index()
+    if gpu.empty:
+        gp = pd.Series(dtype=float)
+        gk = pd.Series(dtype=float)
+    else:
+        by_path = gpu.groupby("path", observed=True)["dur"].agg(["sum", "size"])
+        by_path.index = by_path.index.astype(str)
+        gp, gk = by_path["sum"], by_path["size"]
+    gpu_us, kernels = [], []
+    for p in agg["path"]:
+        m = [q for q in gp.index if q == p or q.startswith(p + "/")]
+        gpu_us.append(float(gp[m].sum()) / US if m else 0.0)
+        kernels.append(int(gk[m].sum()) if m else 0)
+    out = pd.DataFrame({"path": agg["path"], "name": agg["name"], "count": agg["size"].astype(np.int64),
+                        "host_total_us": agg["sum"] / US, "host_mean_us": agg["sum"] / US / agg["size"],
+                        "gpu_total_us": gpu_us, "kernels": kernels})
+    key = "gpu_total_us" if out["gpu_total_us"].sum() > 0 else "host_total_us"
+    return out.sort_values(key, ascending=False, ignore_index=True)[cols]
