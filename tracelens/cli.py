@@ -289,6 +289,30 @@ def export(paths, perfetto_out, no_cache):
     click.echo(f"wrote {res['path']}: {res['tracks']} tracks, {res['slices']} slices; open it in https://ui.perfetto.dev")
 
 
+@main.command()
+@click.option("--pp", type=click.IntRange(1), required=True, help="Pipeline stages.")
+@click.option("--vpp", type=click.IntRange(1), default=1, show_default=True, help="Virtual stages per rank (interleaved).")
+@click.option("--ga", type=click.IntRange(1), default=None, help="Microbatches per step (gradient accumulation).")
+@click.option("--global-tokens", type=click.IntRange(1), default=None, help="Global batch in tokens (GA is derived).")
+@click.option("--seq", type=click.IntRange(1), default=None, help="Sequence length (with --global-tokens).")
+@click.option("--mbs", type=click.IntRange(1), default=1, show_default=True, help="Micro-batch size (with --global-tokens).")
+@click.option("--world", type=click.IntRange(1), default=None, help="World size (with --global-tokens).")
+@click.option("--tp", type=click.IntRange(1), default=1, show_default=True)
+@click.option("--cp", type=click.IntRange(1), default=1, show_default=True)
+def bubble(pp, vpp, ga, global_tokens, seq, mbs, world, tp, cp):
+    """Theoretical pipeline bubble ratio per schedule (GPipe, 1F1B, interleaved, ZB-H1, ZBV)."""
+    from .analysis.bubble import bubble_table, fmt_pct, gradient_accumulation
+
+    if ga is None:
+        if not (global_tokens and seq and world):
+            _fail("bubble: give --ga, or --global-tokens with --seq and --world (and --mbs, --tp, --cp)")
+        ga, dp = gradient_accumulation(global_tokens, seq, mbs, world, pp, tp, cp)
+        click.echo(f"DP = {world} / (pp {pp} x tp {tp} x cp {cp}) = {dp}; GA = {global_tokens} / ({seq} x {mbs} x {dp}) = {ga}")
+    for r in bubble_table(pp, ga, vpp).itertuples(index=False):
+        extra = f", vpp {r.vpp}" if r.vpp > 1 else ""
+        click.echo(f"{r.schedule:<6} pp {r.pp}, {r.microbatches} microbatches{extra}: bubble {fmt_pct(r.bubble_ratio)}")
+
+
 def _print_summary(result) -> None:
     tl = result.timeline
     if tl.empty:

@@ -42,6 +42,10 @@ FAMILY_COLUMNS = ("device", "family", "op", "dtype", "shapes", "count", "gpu_us"
                   "tflops", "tbps", "intensity", "pct_peak_compute", "pct_roof", "bound")
 
 
+NESTED_REASON = ("encloses other modeled ops with their own GPU work: its FLOPs cannot be split between them "
+                 "(the sub-ops are in the roofline table)")
+
+
 @dataclass
 class RooflineResult:
     table: pd.DataFrame
@@ -91,9 +95,14 @@ def _rank_ceilings(analysis, ceilings) -> tuple[dict[int, str], dict[str, device
     return rank_dev, ceil, warnings
 
 
-def _owner_rows(tree: pd.DataFrame, op_rows: np.ndarray) -> np.ndarray:
+def _owner_rows(tree: pd.DataFrame, op_rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """For each op row label, the innermost op on its ancestor chain (itself included) with a model;
-    the op itself when none has one. Vectorized: one numpy step per nesting level."""
+    the op itself when none has one. Vectorized: one numpy step per nesting level.
+
+    Returns (owner labels, nested): nested is True where the owner is a modeled op that also encloses
+    other modeled ops owning GPU work (e.g. a math-fallback SDPA around bmm/softmax): its FLOP model
+    covers the whole op while only part of the time is left to it, so it must not be reported as modeled.
+    """
     labels = tree.index
     pos_of = lambda lab: labels.get_indexer(lab)  # noqa: E731
     modeled = C.map_strings(tree["name"], perfmodels.has_model) & (tree["kind"].to_numpy() == calltree.KIND_OP)
@@ -111,7 +120,19 @@ def _owner_rows(tree: pd.DataFrame, op_rows: np.ndarray) -> np.ndarray:
             break
         cur[need] = pos_of(p[need])
     cur = np.where(modeled[cur], cur, start)
-    return labels.to_numpy()[cur]
+    # modeled strict ancestors of modeled owners: those enclose other modeled work
+    enclosing = np.zeros(len(labels), dtype=bool)
+    walk = np.unique(cur[modeled[cur]])
+    for _ in range(256):
+        p = parent_op[walk]
+        walk = pos_of(p[p >= 0])
+        if not len(walk):
+            break
+        enclosing[walk[modeled[walk]]] = True
+        walk = np.unique(walk)
+    nested = enclosing[cur]
+    cur = np.where(nested & (cur != start), start, cur)  # unmodeled descendants' kernels stay with them
+    return labels.to_numpy()[cur], enclosing[cur]
 
 
 def _event_col(ev: pd.DataFrame, rows: np.ndarray, col: str) -> np.ndarray:
@@ -149,10 +170,11 @@ def roofline_result(analysis, ceilings: Any = None) -> RooflineResult:
         return RooflineResult(_empty(TABLE_COLUMNS), _empty(UNMODELED_COLUMNS), _empty(FAMILY_COLUMNS), ceil,
                               warnings, unattributed_gpu_us=unattributed_us)
     uniq, inv = np.unique(g["op_row"].to_numpy(), return_inverse=True)
-    owner_u = _owner_rows(tree, uniq)
+    owner_u, nested_u = _owner_rows(tree, uniq)
     owner = owner_u[inv.reshape(-1)]
     per = pd.DataFrame({"owner": owner, "dur": g["dur"].to_numpy()}).groupby("owner")["dur"].agg(["sum", "size"])
     rows = per.index.to_numpy()
+    nested_rows = set(owner_u[nested_u].tolist())
     ev = analysis.trace.events
     ops = pd.DataFrame({
         "rank": tree.loc[rows, "rank"].to_numpy(),
@@ -163,16 +185,18 @@ def roofline_result(analysis, ceilings: Any = None) -> RooflineResult:
         "input_strides": _event_col(ev, rows, "input_strides"),
         "dur_ns": per["sum"].to_numpy(),
         "kernels": per["size"].to_numpy(),
+        "nested": np.array([r in nested_rows for r in rows.tolist()], dtype=bool),
     })
     for c in ("input_dims", "input_types", "concrete_inputs", "input_strides"):
         ops[c] = ops[c].where(ops[c].notna(), "").astype(str)
     ops["device"] = ops["rank"].map(rank_dev).fillna("unknown device")
-    keys = ["device", "op", "input_dims", "input_types", "concrete_inputs", "input_strides"]
+    keys = ["device", "op", "input_dims", "input_types", "concrete_inputs", "input_strides", "nested"]
     grp = ops.groupby(keys, sort=False).agg(count=("dur_ns", "size"), kernels=("kernels", "sum"),
                                             dur_ns=("dur_ns", "sum")).reset_index()
     total_us = float(grp["dur_ns"].sum()) / 1e3
-    results = [perfmodels.model(o, d, t, c, s) for o, d, t, c, s in
-               zip(grp["op"], grp["input_dims"], grp["input_types"], grp["concrete_inputs"], grp["input_strides"])]
+    results = [perfmodels.Result(None, NESTED_REASON) if n else perfmodels.model(o, d, t, c, s) for o, d, t, c, s, n in
+               zip(grp["op"], grp["input_dims"], grp["input_types"], grp["concrete_inputs"], grp["input_strides"],
+                   grp["nested"])]
     ok = np.array([r.perf is not None for r in results], dtype=bool)
     grp["gpu_us"] = grp["dur_ns"] / 1e3
     grp["share_gpu_time"] = grp["gpu_us"] / total_us if total_us else np.nan
