@@ -118,6 +118,30 @@ def _world_size(trace: Trace) -> int | None:
     return len(trace.ranks) if len(trace.ranks) > 1 else None
 
 
+def _mark_startup_waits(trace: Trace, gpu: pd.DataFrame, stl: pd.DataFrame, warnings: list[str]) -> pd.DataFrame:
+    """Collectives one rank began before another rank's profiled window started wait partly outside the
+    trace: say so, and give each step its start-up wait so per-step figures can be read without it."""
+    stl = stl.assign(startup_wait_us=0.0)
+    if len(trace.ranks) < 2 or gpu.empty or not gpu["is_comm"].any():
+        return stl
+    from .analysis.comm import collective_instances
+
+    class _A:  # the few fields collective_instances reads
+        pass
+
+    a = _A()
+    a.gpu, a.trace = gpu, trace
+    inst = collective_instances(a)
+    su = inst[inst["startup"] & (inst["sync_us"] > 0)]
+    for r in su.itertuples(index=False):
+        warnings.append(f"rank {r.rank}: {r.collective} #{r.instance} waited {r.sync_us / 1e3:.3f} ms for ranks that had not "
+                        f"started profiling yet (start-up wait); comm analyses leave it out, and step {r.step}'s "
+                        f"figures on this rank include it (startup_wait_us)")
+        m = (stl["rank"] == r.rank) & (stl["step"] == r.step)
+        stl.loc[m, "startup_wait_us"] += r.sync_us
+    return stl
+
+
 def analyze(trace: Trace) -> Analysis:
     """Hierarchical breakdown of a loaded trace: timeline -> ops -> kernels, per rank and step."""
     warnings = list(trace.warnings)
@@ -130,6 +154,7 @@ def analyze(trace: Trace) -> Analysis:
     for info in trace.ranks:
         if info.rank not in gpu_ranks:
             warnings.append(f"{info.path}: CPU-only trace (no GPU kernels, memcpy or memset): GPU sections unavailable")
+    stl = _mark_startup_waits(trace, gpu, stl, warnings)
     busy_by_rank = {int(r.rank): r.gpu_busy_us * 1000.0 for r in tl.itertuples(index=False)}
     busy_total = float(sum(busy_by_rank.values()))
     if not gpu.empty and (gpu["op_row"] < 0).all():

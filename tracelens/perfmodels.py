@@ -598,11 +598,25 @@ def has_model(name: str) -> bool:
     return name in MODELS
 
 
-@lru_cache(maxsize=65536)
 def model(name: str, input_dims: Any = "", input_types: Any = "", concrete_inputs: Any = "",
           input_strides: Any = "") -> Result:
-    """FLOPs and bytes of one op call from its recorded arguments (JSON text, as in the trace), or the
-    reason it cannot be modeled. Never raises."""
+    """FLOPs and bytes of one op call from its recorded arguments (JSON text as in the trace, or
+    already-parsed lists), or the reason it cannot be modeled. Never raises; cached per distinct call."""
+    args = []
+    for v in (input_dims, input_types, concrete_inputs, input_strides):
+        if v is None or (isinstance(v, float) and math.isnan(v)):
+            v = ""
+        elif not isinstance(v, str):
+            try:
+                v = json.dumps(v)
+            except (TypeError, ValueError):
+                return Result(None, "malformed Input Dims / Input type / Concrete Inputs")
+        args.append(v)
+    return _model(str(name), *args)
+
+
+@lru_cache(maxsize=65536)
+def _model(name: str, input_dims: str, input_types: str, concrete_inputs: str, input_strides: str) -> Result:
     fn = MODELS.get(name)
     if fn is None:
         return Result(None, "no model for this op")

@@ -84,3 +84,14 @@ def test_cli_json(tmp_path):
     rec = doc["records"][0]
     assert {"rank", "collective", "instance", "bytes", "start_us", "comm_us", "sync_us"} <= set(rec)
     assert {s["collective"] for s in doc["summary"]} >= {"allreduce", "all_to_allv"}
+
+
+def test_startup_wait_does_not_poison_per_step_figures():
+    from tracelens.analysis.steps import step_figures
+
+    a = tracelens.analyze(tracelens.load(NCCL_2RANK, cache=False))
+    st = a.step_timeline.set_index(["rank", "step"])
+    assert st.loc[(1, 0), "startup_wait_us"] > 700_000 and st.loc[(0, 0), "startup_wait_us"] == 0
+    assert any("start-up wait" in w for w in a.warnings)
+    per = step_figures(a).per_step.set_index("step")
+    assert per["step_time_us"].max() < 10_000  # ~5 ms steps, not 1.4 s

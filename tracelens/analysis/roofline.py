@@ -20,6 +20,7 @@ engine calls (e.g. `aten::mm` inside `MmBackward0`), with the shapes of that cal
 from __future__ import annotations
 
 import os
+from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -56,6 +57,10 @@ class RooflineResult:
     modeled_gpu_us: float = 0.0
     unmodeled_gpu_us: float = 0.0
     unattributed_gpu_us: float = 0.0  # GPU time launched outside any op
+
+    def tables(self) -> dict[str, pd.DataFrame]:
+        """The tables to write next to the report (Parquet/CSV), named like `Analysis.tables()`."""
+        return {"roofline": self.table, "roofline_unmodeled": self.unmodeled, "roofline_families": self.families}
 
     def summary(self) -> dict[str, Any]:
         """Small JSON-able summary (coverage, devices, warnings) for summary.json / the CLI."""
@@ -280,7 +285,6 @@ def _families(m: pd.DataFrame, perfs: list[perfmodels.Perf]) -> list[str]:
         return out
     devs = m["device"].tolist()
     ops = m["op"].tolist()
-    from collections import defaultdict
     pattern_sets: dict[tuple, set] = defaultdict(set)
     names = ("M", "N", "K")
     for i, p in gem:

@@ -86,12 +86,16 @@ def step_figures(analysis) -> StepFigures:
         host_steps = a.steps.assign(step_time_us=(a.steps["end"] - a.steps["start"]) / US)
         rows = []
         for step, g in st.groupby("step"):
-            hs = host_steps[host_steps["step"] == step]
+            # a start-up wait (a collective waiting for ranks not yet profiling) is not the step's cost
+            wait = g.set_index("rank")["startup_wait_us"] if "startup_wait_us" in g else pd.Series(dtype=float)
+            hs = host_steps[host_steps["step"] == step].set_index("rank")["step_time_us"]
+            hs = hs - wait.reindex(hs.index).fillna(0.0)
+            span = g.set_index("rank")["span_us"] - wait.reindex(g["rank"]).fillna(0.0).to_numpy()
             sync_n = _count_in_steps(syncs, a.steps, step)
             rows.append({
                 "step": int(step),
-                "step_time_us": float(hs["step_time_us"].max()) if len(hs) else float(g["span_us"].max()),
-                "gpu_span_us": float(g["span_us"].max()),
+                "step_time_us": float(hs.max()) if len(hs) else float(span.max()),
+                "gpu_span_us": float(span.max()),
                 "gpu_busy_us": float(g["gpu_busy_us"].mean()),
                 "gpu_idle_us": float(g["gpu_idle_us"].mean()),
                 "compute_us": float(g["compute_us"].mean()),
