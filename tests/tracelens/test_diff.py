@@ -157,3 +157,23 @@ def test_cli_exit_codes_and_outputs(tmp_path):
     assert p.returncode == 2 and "no such file" in p.stderr
     p = run("diff", MOE_LOOP, MOE_GROUPED, "--fail-on", "step_time>>5")
     assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1
+
+
+def test_run_dirs_compare_manifest_metrics(tmp_path):
+    for name, tps, loss in (("base", 1000.0, [5.0, 4.0, 3.5]), ("new", 900.0, [5.0, 4.1, 3.6, 3.0])):
+        run = tmp_path / name
+        (run / "traces").mkdir(parents=True)
+        for f in ("rank0.json.gz", "rank1.json.gz"):
+            (run / "traces" / f).write_bytes((NCCL_2RANK / f).read_bytes())
+        (run / "manifest.json").write_text(json.dumps({"schema_version": 1, "metrics": {
+            "tokens_per_s": tps, "mfu": 0.4, "loss": loss, "peak_memory_bytes": [2**30, 3 * 2**30]}}))
+    p = run_cli = subprocess.run([sys.executable, "-m", "tracelens", "diff", str(tmp_path / "base"), str(tmp_path / "new"),
+                                  "-o", str(tmp_path / "d"), "--fail-on", "run.tokens_per_s<-5%"],
+                                 capture_output=True, text=True)
+    assert run_cli.returncode == 1, p.stderr  # throughput dropped 10 %
+    j = json.loads((tmp_path / "d" / "diff.json").read_text())
+    m = {x["metric"]: x for x in j["metrics"]}
+    assert m["run.tokens_per_s"]["rel_pct"] == pytest.approx(-10.0)
+    assert m["run.loss_at_step_2"]["base"] == 3.5 and m["run.loss_at_step_2"]["new"] == 3.6
+    assert m["run.peak_memory_gb"]["new"] == pytest.approx(3.0)
+    assert m["step_time"]["delta"] == 0  # same traces

@@ -172,10 +172,23 @@ def _metric_row(name: str, unit: str, bvals: np.ndarray, nvals: np.ndarray) -> d
 
 
 def _manifest_metrics(bm: dict | None, nm: dict | None):
+    """Run-level metrics of two run dirs: every scalar under `metrics`, plus the loss at the last step
+    both runs reached, peak memory (max over ranks, GB) and the mean step time (ms)."""
     if not bm or not nm:
         return []
-    b, n = _flat_numbers(bm.get("metrics", {})), _flat_numbers(nm.get("metrics", {}))
-    return [(k, b[k], n[k], "") for k in sorted(set(b) & set(n))]
+    mb, mn = bm.get("metrics", {}) or {}, nm.get("metrics", {}) or {}
+    b, n = _flat_numbers(mb), _flat_numbers(mn)
+    out = [(k, b[k], n[k], "") for k in sorted(set(b) & set(n))]
+    lb, ln = mb.get("loss"), mn.get("loss")
+    if isinstance(lb, list) and isinstance(ln, list) and lb and ln:
+        k = min(len(lb), len(ln)) - 1
+        if isinstance(lb[k], (int, float)) and isinstance(ln[k], (int, float)):
+            out.append((f"loss_at_step_{k}", float(lb[k]), float(ln[k]), ""))
+            out.append(("loss_final", float(lb[k]), float(ln[k]), ""))
+    pb, pn = mb.get("peak_memory_bytes"), mn.get("peak_memory_bytes")
+    if isinstance(pb, list) and isinstance(pn, list) and pb and pn:
+        out.append(("peak_memory_gb", max(pb) / 2**30, max(pn) / 2**30, "GB"))
+    return out
 
 
 def _flat_numbers(d: Any, prefix: str = "") -> dict[str, float]:
