@@ -179,6 +179,9 @@ def render(analysis: Analysis, title: str | None = None) -> str:
             step_table = html_table(a.step_timeline, [tl_cols[0], ("step", "step", "num")] + tl_cols[1:])
     if not a.breakdown.empty:
         figures["plot-breakdown"] = breakdown_figure(a.breakdown)
+    extra = _deep_sections(a)
+    if extra.get("roofline_figure"):
+        figures["plot-roofline"] = extra.pop("roofline_figure")
     ops_cols = [("op", "op", "name"), ("input_dims", "input dims", "name"), ("count", "count", "num"),
                 ("gpu_total_us", "GPU µs", "num"), ("gpu_mean_us", "GPU mean µs", "num"),
                 ("pct_gpu_busy", "% GPU busy", "pct"), ("kernels", "kernels", "num"),
@@ -189,7 +192,6 @@ def render(analysis: Analysis, title: str | None = None) -> str:
                  ("min_us", "min µs", "num"), ("max_us", "max µs", "num"), ("pct_gpu_busy", "% GPU busy", "pct")]
     top_cols = [("op", "op", "name"), ("count", "count", "num"), ("gpu_total_us", "GPU µs", "num"),
                 ("kernels", "kernels", "num"), ("cpu_total_us", "CPU µs", "num")]
-    extra = _deep_sections(a)
     return _env().get_template("report.html").render(
         **extra,
         title=title,
@@ -221,11 +223,22 @@ def _deep_sections(a: Analysis) -> dict:
     from tracelens.analysis import comm as CM, host as H
     from tracelens.analysis.findings import _short
 
-    out: dict = {"findings": [], "comm_table": "", "straggler_table": "", "comm_note": "", "host_table": "",
+    out: dict = {"roofline_table": "", "roofline_unmodeled": "", "roofline_note": "", "findings": [], "comm_table": "", "straggler_table": "", "comm_note": "", "host_table": "",
                  "idle_table": "", "launch_table": ""}
     if not a.has_gpu:
         return out
     out["findings"] = [dict(f, evidence_text=_short(f["evidence"])) for f in a.findings()]
+    from . import roofline as RR
+
+    r = a.roofline()
+    if not r.table.empty:
+        out["roofline_figure"] = RR.roofline_figure(r.table, r.ceilings)
+        out["roofline_table"] = html_table(r.table, RR.roofline_table_columns())
+        s = r.summary()
+        out["roofline_note"] = (f"{100 * s['modeled_share']:.0f}% of non-communication GPU time is in modeled ops. "
+                                + " ".join(r.warnings))
+    if not r.unmodeled.empty:
+        out["roofline_unmodeled"] = html_table(r.unmodeled, RR.unmodeled_table_columns())
     inst = CM.collective_instances(a)
     if not inst.empty:
         summ = CM.comm_summary(inst)

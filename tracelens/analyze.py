@@ -38,6 +38,18 @@ class Analysis:
     annotations: pd.DataFrame  # record_function ranges / nn.Module scopes with host and GPU time
     warnings: list[str] = field(default_factory=list)
     _findings: list | None = field(default=None, repr=False)
+    _roofline: Any = field(default=None, repr=False)
+
+    def roofline(self, ceilings: Any = None):
+        """Roofline of every modeled op group (tracelens.analysis.roofline); computed once per ceilings."""
+        if self._roofline is None or ceilings is not None:
+            from .analysis.roofline import roofline_result
+
+            r = roofline_result(self, ceilings=ceilings)
+            if ceilings is not None:
+                return r
+            self._roofline = r
+        return self._roofline
 
     def findings(self) -> list[dict[str, Any]]:
         """Ranked, structured findings (tracelens.analysis.findings); computed once."""
@@ -61,6 +73,7 @@ class Analysis:
             "timeline": self.timeline, "step_timeline": self.step_timeline, "ops": self.ops,
             "kernels": self.kernels, "categories": self.categories, "top_ops": self.top_ops,
             "breakdown": self.breakdown, "steps": self.steps, "annotations": self.annotations,
+            **(self.roofline().tables() if self.has_gpu else {}),
         }
 
     def summary(self) -> dict[str, Any]:
@@ -89,6 +102,7 @@ class Analysis:
                 for c in self.categories.itertuples(index=False)
             ],
             "findings": self.findings(),
+            "roofline": self.roofline().summary() if self.has_gpu else None,
             "warnings": list(self.warnings),
         }
 

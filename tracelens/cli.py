@@ -313,6 +313,64 @@ def bubble(pp, vpp, ga, global_tokens, seq, mbs, world, tp, cp):
         click.echo(f"{r.schedule:<6} pp {r.pp}, {r.microbatches} microbatches{extra}: bubble {fmt_pct(r.bubble_ratio)}")
 
 
+@main.command()
+@click.argument("space_file", type=click.Path())
+@click.option("-o", "--out", required=True, type=click.Path(file_okay=False), help="Sweep directory (results store, trials, report).")
+@click.option("--strategy", type=click.Choice(["guided", "grid", "random"]), default="guided", show_default=True)
+@click.option("--resume", is_flag=True, help="Continue a killed sweep in OUT: finished trials are not run again.")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the random strategy.")
+def autotune(space_file, out, strategy, resume, seed):
+    """Run a sweep of real trainer runs over the knobs in SPACE_FILE (YAML; see docs/autotune.md),
+    steered by the analyzer's findings, and write OUT/sweep.html, OUT/best.yaml and the results store."""
+    from autotune.space import SpaceError, load_space
+    from autotune.sweep import run_sweep
+    from reports import sweep as sweep_report
+
+    try:
+        space = load_space(space_file)
+    except SpaceError as e:
+        _fail(str(e))
+    res = run_sweep(space, out, strategy=strategy, resume=resume, seed=seed, log=lambda m: click.echo(m))
+    paths = sweep_report.write(res, space)
+    if res.best:
+        click.echo(f"best: trial {res.best['id']} {res.best['knobs']} -> {space.objective} {res.best['objective']:.6g}")
+    click.echo(f"stopped: {res.stopped}; wrote {', '.join(str(p) for p in paths.values())}")
+
+
+@main.command()
+@click.argument("paths", nargs=-1, required=True, type=click.Path())
+@click.option("--ceilings", type=click.Path(dir_okay=False), help="Measured ceilings JSON (see docs/roofline.md), overriding the datasheet.")
+@click.option("--json", "json_out", type=click.Path(dir_okay=False), help="Write the roofline tables and summary here.")
+@click.option("--top", type=click.IntRange(1, 10000), default=15, show_default=True)
+@click.option("--no-cache", is_flag=True, help="Do not read or write the parsed-trace cache.")
+def roofline(paths, ceilings, json_out, top, no_cache):
+    """Roofline: FLOPs and bytes of each op from its recorded shapes, achieved TFLOP/s and TB/s, % of the
+    device's ceilings, compute- vs memory-bound. See docs/roofline.md."""
+    import json
+
+    from . import analyze as run_analysis, load
+
+    a = run_analysis(load(list(paths), cache=not no_cache))
+    try:
+        r = a.roofline(ceilings=ceilings) if ceilings else a.roofline()
+    except (OSError, ValueError) as e:
+        _fail(f"{ceilings}: {e}")
+    for w in r.warnings:
+        click.echo(f"tracelens: warning: {w}", err=True)
+    t = r.table.sort_values("gpu_us", ascending=False).head(top)
+    click.echo(f"{'op':<36} {'GPU ms':>8} {'TFLOP/s':>8} {'TB/s':>6} {'AI':>7} {'% roof':>7} bound")
+    for x in t.itertuples(index=False):
+        click.echo(f"{x.op[:36]:<36} {x.gpu_us / 1e3:>8.3f} {x.tflops:>8.1f} {x.tbps:>6.2f} {x.intensity:>7.1f} "
+                   f"{x.pct_roof:>7.1f} {x.bound}")
+    s = r.summary()
+    click.echo(f"modeled: {100 * s['modeled_share']:.0f}% of non-communication GPU time; {len(r.unmodeled)} op group(s) unmodeled")
+    if json_out:
+        recs = lambda df: json.loads(df.to_json(orient="records"))  # noqa: E731
+        Path(json_out).write_text(json.dumps({"schema_version": 1, "summary": s, "roofline": recs(r.table),
+                                              "unmodeled": recs(r.unmodeled), "families": recs(r.families)}, indent=1, default=str))
+        click.echo(f"wrote {json_out}")
+
+
 def _print_summary(result) -> None:
     tl = result.timeline
     if tl.empty:

@@ -60,8 +60,10 @@ def test_report_renders_charts_and_sorts(browser, tmp_path):
     a = tracelens.analyze(tracelens.load(NCCL_2RANK, cache=False))
     report = write_report(a, tmp_path / "report.html")
     page, errors = open_report(browser, report)
-    for div in ("plot-timeline", "plot-categories", "plot-breakdown"):
+    for div in ("plot-timeline", "plot-categories", "plot-breakdown", "plot-roofline"):
         assert plot_ok(page, div) > 3, div
+    assert page.locator("#findings li").count() >= 3  # ranked findings rendered
+    assert "allreduce" in page.inner_text("#comm")
     # the timeline has one bar row per rank and 5 stacked parts
     assert page.evaluate("document.getElementById('plot-timeline').data.length") == 5
     assert page.locator("#plot-breakdown .slice").count() >= 5  # sunburst sectors drawn

@@ -44,6 +44,8 @@ def check_run_dir(run: Path, world: int, steps: int, profiled: range) -> dict:
             assert names[rng] >= n_moe * len(profiled), (rng, names[rng])
         if cfg["ep"] > 1:
             assert names["moe/dispatch"] >= n_moe * len(profiled) and names["moe/combine"] >= n_moe * len(profiled)
+            # per MoE layer and step: counts exchange + dispatch + combine forward, dispatch + combine backward
+            assert names["c10d::alltoall_base_"] == 5 * n_moe * len(profiled), names["c10d::alltoall_base_"]
         assert names["aten::mm"] > 0
         if world > 1:
             assert doc["distributedInfo"]["world_size"] == world and doc["distributedInfo"]["rank"] == r

@@ -123,7 +123,14 @@ def _owner_rows(tree: pd.DataFrame, op_rows: np.ndarray) -> tuple[np.ndarray, np
         need = ~modeled[cur] & (p >= 0)
         if not need.any():
             break
-        cur[need] = pos_of(p[need])
+        nxt = pos_of(p[need])
+        idx = np.flatnonzero(need)
+        ok = nxt >= 0
+        cur[idx[ok]] = nxt[ok]
+        if not ok.all():  # a parent label outside the tree (cannot happen with build_tree): stop there
+            stop = np.zeros(len(labels), dtype=bool)
+            stop[cur[idx[~ok]]] = True
+            parent_op = np.where(stop, -1, parent_op)
     cur = np.where(modeled[cur], cur, start)
     # modeled strict ancestors of modeled owners: those enclose other modeled work
     enclosing = np.zeros(len(labels), dtype=bool)
@@ -131,6 +138,7 @@ def _owner_rows(tree: pd.DataFrame, op_rows: np.ndarray) -> tuple[np.ndarray, np
     for _ in range(256):
         p = parent_op[walk]
         walk = pos_of(p[p >= 0])
+        walk = walk[walk >= 0]
         if not len(walk):
             break
         enclosing[walk[modeled[walk]]] = True

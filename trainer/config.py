@@ -1,0 +1,260 @@
+"""Strict configuration: defaults, YAML loading, ``key=value`` overrides and fail-fast validation.
+
+Every knob is a flat key (so ``--set key=value`` can reach all of them). Unknown keys and inconsistent
+values raise :class:`ConfigError`, whose message is one line naming the offending key. This module
+imports only the standard library and PyYAML, so the launcher can validate without torch.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+CONFIG_DIR = Path(__file__).parent / "configs"
+
+GROUPED_GEMM_BACKENDS = ("loop", "multistream", "torch", "triton")
+
+
+class ConfigError(ValueError):
+    """A bad configuration value. ``key`` names the offending key; ``str(err)`` is one line."""
+
+    def __init__(self, key: str, message: str):
+        self.key = key
+        super().__init__(f"config error: {key}: {message}")
+
+
+# key -> default. Grouped only by comment; the manifest records the full resolved dict.
+DEFAULTS: dict[str, Any] = {
+    # ---- model ----
+    "vocab_size": 512,
+    "d_model": 64,
+    "n_layers": 3,
+    "n_heads": 4,
+    "n_kv_heads": None,          # None -> n_heads (MHA); fewer -> GQA
+    "head_dim": None,            # None -> d_model // n_heads
+    "attn_type": "gqa",          # gqa (MHA/GQA) | mla (DeepSeek multi-head latent attention)
+    "q_lora_rank": None,         # MLA: None -> full-rank q projection
+    "kv_lora_rank": 32,          # MLA
+    "qk_nope_head_dim": 16,      # MLA
+    "qk_rope_head_dim": 8,       # MLA
+    "v_head_dim": 16,            # MLA
+    "d_ff": 128,                 # dense FFN intermediate size (first_k_dense layers)
+    "moe_d_ff": 32,              # per-expert intermediate size
+    "n_routed_experts": 8,
+    "n_shared_experts": 1,
+    "top_k": 2,
+    "score_func": "softmax",     # softmax | sigmoid
+    "n_group": 1,                # group-limited routing: experts split in n_group groups
+    "topk_group": 1,             # ... and tokens pick experts only from the best topk_group groups
+    "norm_topk_prob": False,     # renormalise the top-k weights to sum to 1 (always done for sigmoid)
+    "routed_scaling_factor": 1.0,
+    "aux_loss_coef": 0.01,       # load-balancing loss weight (0 disables)
+    "first_k_dense": 1,          # the first k layers use a dense FFN instead of MoE
+    "tie_embeddings": False,
+    "rms_eps": 1e-6,
+    "rope_theta": 10000.0,
+    "init_std": 0.02,
+    # ---- training ----
+    "seq_len": 64,
+    "micro_batch_size": 2,
+    "steps": 10,
+    "lr": 3e-3,
+    "min_lr_ratio": 0.1,
+    "warmup_steps": 2,
+    "weight_decay": 0.0,
+    "adam_beta1": 0.9,
+    "adam_beta2": 0.95,
+    "grad_clip": 1.0,
+    "seed": 1234,
+    "dtype": "fp32",             # fp32 | bf16 (bf16: FSDP2 mixed precision or autocast under DDP)
+    "device": "auto",            # auto | cpu | cuda
+    "log_every": 1,
+    "timing_warmup_steps": 1,    # steps excluded from tokens/s and MFU
+    # ---- parallelism ----
+    "dp": None,                  # None -> world_size // ep
+    "ep": 1,
+    "dp_mode": "fsdp",           # fsdp (FSDP2 fully_shard) | ddp
+    # ---- MoE toggles ----
+    "sync_free_level": 0,        # 0..3, see docs/trainer.md
+    "grouped_gemm_backend": "loop",  # loop | multistream | torch | triton
+    "multistream_num_streams": 4,
+    "grouped_gemm_align": 0,     # torch/triton: pad each expert's rows to a multiple of this (0/1 = off)
+    "recompute_layer_ids": [],   # activation checkpointing of these layer indices
+    "loss_fusion": False,        # chunked cross-entropy, never materialises full fp32 logits
+    "loss_chunk_size": 1024,     # tokens per chunk when loss_fusion is on
+    "manual_gc": 0,              # 0: Python GC as usual; N>0: gc disabled, gc.collect() every N steps
+    "numa_bind": False,          # pin each rank to its GPU's NUMA node when known
+    "env": {},                   # extra environment knobs set before init, recorded in the manifest
+    # ---- data ----
+    "data": "synthetic",         # synthetic | memmap
+    "data_path": None,           # memmap: flat token file
+    "data_dtype": "uint16",      # memmap token dtype
+    # ---- profiling ----
+    "profile_step_start": 3,     # first profiled step (0-based, inclusive)
+    "profile_step_end": 5,       # end of the profiled window (exclusive); <= start disables profiling
+}
+
+_LEVEL_KEYS = {"sync_free_level"}
+_INT_KEYS = {"vocab_size", "d_model", "n_layers", "n_heads", "d_ff", "moe_d_ff", "n_routed_experts",
+             "n_shared_experts", "top_k", "n_group", "topk_group", "first_k_dense", "seq_len",
+             "micro_batch_size", "steps", "warmup_steps", "seed", "log_every", "timing_warmup_steps",
+             "ep", "sync_free_level", "multistream_num_streams", "grouped_gemm_align", "loss_chunk_size", "manual_gc",
+             "profile_step_start", "profile_step_end", "kv_lora_rank", "qk_nope_head_dim",
+             "qk_rope_head_dim", "v_head_dim"}
+_OPT_INT_KEYS = {"n_kv_heads", "head_dim", "dp", "q_lora_rank"}
+_FLOAT_KEYS = {"routed_scaling_factor", "aux_loss_coef", "rms_eps", "rope_theta", "init_std", "lr",
+               "min_lr_ratio", "weight_decay", "adam_beta1", "adam_beta2", "grad_clip"}
+_BOOL_KEYS = {"norm_topk_prob", "tie_embeddings", "loss_fusion", "numa_bind"}
+_CHOICES = {
+    "attn_type": ("gqa", "mla"),
+    "score_func": ("softmax", "sigmoid"),
+    "dtype": ("fp32", "bf16"),
+    "device": ("auto", "cpu", "cuda"),
+    "dp_mode": ("fsdp", "ddp"),
+    "grouped_gemm_backend": GROUPED_GEMM_BACKENDS,
+    "data": ("synthetic", "memmap"),
+    "data_dtype": ("uint16", "uint32", "int32", "int64"),
+}
+
+# Keys that also get a dedicated CLI flag (``--sync-free-level 2`` == ``--set sync_free_level=2``).
+CLI_FLAG_KEYS = ("sync_free_level", "grouped_gemm_backend", "recompute_layer_ids", "loss_fusion",
+                 "manual_gc", "numa_bind", "steps", "ep", "dp", "dp_mode", "dtype", "device",
+                 "profile_step_start", "profile_step_end")
+
+
+def _parse_value(text: str) -> Any:
+    import yaml
+
+    return yaml.safe_load(text)
+
+
+def parse_override(item: str) -> tuple[str, Any]:
+    if "=" not in item:
+        raise ConfigError(item, "override must look like key=value")
+    key, _, value = item.partition("=")
+    return key.strip(), _parse_value(value)
+
+
+def resolve_config_path(name: str | Path) -> Path:
+    p = Path(name)
+    if p.exists():
+        return p
+    for cand in (CONFIG_DIR / p.name, CONFIG_DIR / f"{p.name}.yaml"):
+        if cand.exists():
+            return cand
+    raise ConfigError("config", f"file not found: {name}")
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | dict | None = None) -> dict:
+    """Defaults <- YAML file <- overrides, then type/consistency checks (not the world size)."""
+    import yaml
+
+    cfg = copy.deepcopy(DEFAULTS)
+    if path is not None:
+        p = resolve_config_path(path)
+        with open(p) as f:
+            data = yaml.safe_load(f) or {}
+        if not isinstance(data, dict):
+            raise ConfigError("config", f"{p} must hold a mapping")
+        _merge(cfg, data)
+    if overrides:
+        items = overrides.items() if isinstance(overrides, dict) else (parse_override(o) for o in overrides)
+        _merge(cfg, dict(items))
+    validate(cfg)
+    return cfg
+
+
+def _merge(cfg: dict, data: dict) -> None:
+    for key, value in data.items():
+        if key not in DEFAULTS:
+            raise ConfigError(key, "unknown config key")
+        cfg[key] = value
+
+
+def _check_type(cfg: dict, key: str) -> None:
+    v = cfg[key]
+    if key in _INT_KEYS and (not isinstance(v, int) or isinstance(v, bool)):
+        raise ConfigError(key, f"expected an integer, got {v!r}")
+    if key in _OPT_INT_KEYS and v is not None and (not isinstance(v, int) or isinstance(v, bool)):
+        raise ConfigError(key, f"expected an integer or null, got {v!r}")
+    if key in _FLOAT_KEYS:
+        if isinstance(v, str):  # YAML 1.1 reads "1e-2" as a string
+            try:
+                v = float(v)
+            except ValueError:
+                pass
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise ConfigError(key, f"expected a number, got {v!r}")
+        cfg[key] = float(v)
+    if key in _BOOL_KEYS and not isinstance(v, bool):
+        raise ConfigError(key, f"expected true/false, got {v!r}")
+    if key in _CHOICES and v not in _CHOICES[key]:
+        raise ConfigError(key, f"{v!r} is not one of {', '.join(map(str, _CHOICES[key]))}")
+
+
+def validate(cfg: dict) -> None:
+    for key in DEFAULTS:
+        _check_type(cfg, key)
+    E, k = cfg["n_routed_experts"], cfg["top_k"]
+    for key in ("vocab_size", "d_model", "n_layers", "n_heads", "seq_len", "micro_batch_size", "ep",
+                "n_routed_experts", "top_k", "n_group", "topk_group", "moe_d_ff", "d_ff"):
+        if cfg[key] < 1:
+            raise ConfigError(key, f"must be >= 1, got {cfg[key]}")
+    if cfg["steps"] < 0:
+        raise ConfigError("steps", "must be >= 0")
+    if k > E:
+        raise ConfigError("top_k", f"top_k={k} exceeds n_routed_experts={E}")
+    if E % cfg["ep"]:
+        raise ConfigError("ep", f"n_routed_experts={E} is not divisible by ep={cfg['ep']}")
+    if not 0 <= cfg["sync_free_level"] <= 3:
+        raise ConfigError("sync_free_level", f"must be 0, 1, 2 or 3, got {cfg['sync_free_level']}")
+    nkv = cfg["n_kv_heads"] or cfg["n_heads"]
+    if cfg["n_heads"] % nkv:
+        raise ConfigError("n_kv_heads", f"n_heads={cfg['n_heads']} is not divisible by n_kv_heads={nkv}")
+    if cfg["head_dim"] is None and cfg["attn_type"] == "gqa" and cfg["d_model"] % cfg["n_heads"]:
+        raise ConfigError("n_heads", "d_model is not divisible by n_heads (set head_dim)")
+    if cfg["attn_type"] == "gqa":
+        hd = cfg["head_dim"] or cfg["d_model"] // cfg["n_heads"]
+        if hd % 2:
+            raise ConfigError("head_dim", f"RoPE needs an even head_dim, got {hd}")
+    elif cfg["qk_rope_head_dim"] % 2:
+        raise ConfigError("qk_rope_head_dim", "RoPE needs an even qk_rope_head_dim")
+    if E % cfg["n_group"]:
+        raise ConfigError("n_group", f"n_routed_experts={E} is not divisible by n_group={cfg['n_group']}")
+    if cfg["topk_group"] > cfg["n_group"]:
+        raise ConfigError("topk_group", f"topk_group={cfg['topk_group']} exceeds n_group={cfg['n_group']}")
+    if k > cfg["topk_group"] * (E // cfg["n_group"]):
+        raise ConfigError("topk_group", f"top_k={k} exceeds the experts in topk_group groups")
+    if not 0 <= cfg["first_k_dense"] <= cfg["n_layers"]:
+        raise ConfigError("first_k_dense", "must be between 0 and n_layers")
+    ids = cfg["recompute_layer_ids"]
+    if not isinstance(ids, list) or any(not isinstance(i, int) or not 0 <= i < cfg["n_layers"] for i in ids):
+        raise ConfigError("recompute_layer_ids",
+                          f"must be a list of layer indices in [0, {cfg['n_layers']}), got {ids!r}")
+    if cfg["manual_gc"] < 0:
+        raise ConfigError("manual_gc", "must be >= 0")
+    if cfg["loss_chunk_size"] < 1:
+        raise ConfigError("loss_chunk_size", "must be >= 1")
+    if cfg["grouped_gemm_align"] < 0:
+        raise ConfigError("grouped_gemm_align", "must be >= 0")
+    if cfg["multistream_num_streams"] < 1:
+        raise ConfigError("multistream_num_streams", "must be >= 1")
+    if not isinstance(cfg["env"], dict):
+        raise ConfigError("env", "must be a mapping of environment variable -> value")
+    if cfg["data"] == "memmap" and not cfg["data_path"]:
+        raise ConfigError("data_path", "data=memmap needs data_path")
+    if cfg["profile_step_start"] < 0:
+        raise ConfigError("profile_step_start", "must be >= 0")
+    if cfg["dp"] is not None and cfg["dp"] < 1:
+        raise ConfigError("dp", "must be >= 1")
+
+
+def resolve_world(cfg: dict, world_size: int) -> tuple[int, int]:
+    """(dp, ep) for this world size; fails when dp * ep != world_size."""
+    ep = cfg["ep"]
+    dp = cfg["dp"] if cfg["dp"] is not None else world_size // ep
+    if dp * ep != world_size:
+        key = "dp" if cfg["dp"] is not None else "ep"
+        raise ConfigError(key, f"world size {world_size} != dp*ep = {dp}*{ep}")
+    return dp, ep

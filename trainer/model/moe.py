@@ -1,0 +1,220 @@
+"""Mixture-of-Experts FFN: router, permutation, EP dispatch/combine, grouped experts, sync-free levels.
+
+Stages (each a ``record_function`` range ``moe/<stage>``): router -> permute -> dispatch ->
+(permute, the receive-side regroup under EP) -> experts -> combine -> unpermute.
+
+Host syncs by ``sync_free_level`` (per MoE layer, forward; see docs/trainer.md):
+
+=====  ====================================================  ==================================
+level  EP = 1                                                EP > 1
+=====  ====================================================  ==================================
+0      permute: ``counts.tolist()``                          + dispatch: ``recv_counts.tolist()``
+1      experts: ``counts.tolist()`` (router/permute on dev)  dispatch: one ``tolist()`` of both
+2      none (grouped MLP on device offsets)                  permute (receive side): ``.item()``
+                                                             of the received-token total, to trim
+                                                             the worst-case padded buffer
+3      none                                                  none: experts run on the whole
+                                                             worst-case buffer
+=====  ====================================================  ==================================
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from trainer.model.experts import expert_swiglu
+from trainer.model.layers import SwiGLU
+from trainer.parallel.ep import all_to_all, exchange_counts, scale_grad
+from trainer.syncs import moe_stage
+
+
+def route(logits: torch.Tensor, *, top_k: int, score_func: str, n_group: int = 1, topk_group: int = 1,
+          norm_topk_prob: bool = False, routed_scaling_factor: float = 1.0):
+    """Top-k routing on fp32 logits [T, E] -> (topk_idx [T,k] int64, topk_w [T,k] fp32, scores [T,E]).
+
+    Group-limited top-k (DeepSeek): experts form ``n_group`` groups; a group's score is its best
+    expert (softmax, V2) or the sum of its top-2 (sigmoid, V3); each token keeps ``topk_group`` groups.
+    Sync-free: topk / scatter / gather only.
+    """
+    logits = logits.float()
+    scores = logits.softmax(dim=-1) if score_func == "softmax" else logits.sigmoid()
+    T, E = scores.shape
+    sel = scores
+    if n_group > 1:
+        grouped = scores.view(T, n_group, E // n_group)
+        if score_func == "sigmoid" and E // n_group >= 2:
+            gscore = grouped.topk(2, dim=-1).values.sum(-1)
+        else:
+            gscore = grouped.amax(dim=-1)
+        gidx = gscore.topk(topk_group, dim=-1).indices
+        gmask = torch.zeros_like(gscore, dtype=torch.bool).scatter_(1, gidx, True)
+        emask = gmask.unsqueeze(-1).expand(T, n_group, E // n_group).reshape(T, E)
+        sel = scores.masked_fill(~emask, float("-inf"))
+    topk_idx = sel.topk(top_k, dim=-1).indices
+    topk_w = scores.gather(1, topk_idx)
+    if score_func == "sigmoid" or norm_topk_prob:
+        topk_w = topk_w / (topk_w.sum(-1, keepdim=True) + 1e-20)
+    return topk_idx, topk_w * routed_scaling_factor, scores
+
+
+def expert_counts(topk_idx: torch.Tensor, n_experts: int) -> torch.Tensor:
+    """Tokens per expert [E] (int64) on device; scatter_add, not bincount (which syncs on CUDA)."""
+    flat = topk_idx.reshape(-1)
+    return torch.zeros(n_experts, dtype=torch.int64, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
+
+
+def load_balance_loss(scores: torch.Tensor, counts: torch.Tensor, top_k: int, score_func: str) -> torch.Tensor:
+    """Switch/DeepSeek aux loss ``E * sum_i f_i * P_i``; f_i = fraction of routed slots to expert i
+    (scaled so uniform = 1), P_i = mean router probability of expert i."""
+    T, E = scores.shape
+    probs = scores if score_func == "softmax" else scores / (scores.sum(-1, keepdim=True) + 1e-20)
+    f = counts.to(probs.dtype) * (E / (T * top_k))
+    return (f * probs.mean(0)).sum()
+
+
+def permutation(topk_idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(order, inverse, sorted_expert): ``order`` sorts the T*k (token, slot) pairs by expert (stable)."""
+    flat = topk_idx.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+    return order, inverse, flat.index_select(0, order)
+
+
+class GroupedExperts(nn.Module):
+    """The routed experts that live on this EP rank: ``w13[E_local, 2F, D]``, ``w2[E_local, D, F]``."""
+
+    def __init__(self, n_local: int, d: int, ff: int, backend: str, n_streams: int = 4, grad_scale: float = 1.0,
+                 align: int = 0):
+        super().__init__()
+        self.align = align
+        self.w13 = nn.Parameter(torch.empty(n_local, 2 * ff, d))
+        self.w2 = nn.Parameter(torch.empty(n_local, d, ff))
+        self.backend, self.n_streams, self.grad_scale = backend, n_streams, grad_scale
+
+    def forward(self, x, counts=None, offs=None):
+        w13, w2 = scale_grad(self.w13, self.grad_scale), scale_grad(self.w2, self.grad_scale)
+        if torch.is_autocast_enabled(x.device.type):
+            dt = torch.get_autocast_dtype(x.device.type)
+            x, w13, w2 = x.to(dt), w13.to(dt), w2.to(dt)
+        else:
+            x = x.to(w13.dtype)
+        return expert_swiglu(x, w13, w2, backend=self.backend, counts=counts, offs=offs, n_streams=self.n_streams,
+                             align=self.align)
+
+
+class MoE(nn.Module):
+    def __init__(self, cfg: dict, ep_group=None, ep_size: int = 1, ep_rank: int = 0):
+        super().__init__()
+        d, ff = cfg["d_model"], cfg["moe_d_ff"]
+        self.E, self.k = cfg["n_routed_experts"], cfg["top_k"]
+        self.ep_group, self.ep_size, self.ep_rank = ep_group, ep_size, ep_rank
+        self.E_local = self.E // ep_size
+        self.level = cfg["sync_free_level"]
+        self.cfg = cfg
+        self.gate = nn.Linear(d, self.E, bias=False)
+        self.experts = GroupedExperts(self.E_local, d, ff, cfg["grouped_gemm_backend"],
+                                      cfg["multistream_num_streams"], grad_scale=1.0 / ep_size,
+                                      align=cfg["grouped_gemm_align"])
+        ns = cfg["n_shared_experts"]
+        self.shared = SwiGLU(d, ff * ns) if ns else None
+
+    def init_weights(self, std: float, generator: torch.Generator | None = None):
+        """Initialise this rank's slice of the *global* expert weights (same result for any EP size)."""
+        E, (two_ff, d), ff = self.E, self.experts.w13.shape[1:], self.experts.w2.shape[2]
+        w13 = torch.empty(E, two_ff, d).normal_(0, std, generator=generator)
+        w2 = torch.empty(E, d, ff).normal_(0, std, generator=generator)
+        lo, hi = self.ep_rank * self.E_local, (self.ep_rank + 1) * self.E_local
+        with torch.no_grad():
+            self.experts.w13.copy_(w13[lo:hi])
+            self.experts.w2.copy_(w2[lo:hi])
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        B, S, D = x.shape
+        T, k, E, level = B * S, self.k, self.E, self.level
+        xf = x.reshape(T, D)
+        c = self.cfg
+        with moe_stage("router"):
+            logits = F.linear(xf.float(), self.gate.weight.float())
+            topk_idx, topk_w, scores = route(logits, top_k=k, score_func=c["score_func"], n_group=c["n_group"],
+                                             topk_group=c["topk_group"], norm_topk_prob=c["norm_topk_prob"],
+                                             routed_scaling_factor=c["routed_scaling_factor"])
+            counts = expert_counts(topk_idx, E)
+            aux = load_balance_loss(scores, counts, k, c["score_func"]) if c["aux_loss_coef"] > 0 else logits.new_zeros(())
+        with moe_stage("permute"):
+            counts_host = counts.tolist() if level == 0 else None
+            order, inverse, sorted_exp = permutation(topk_idx)
+            x_perm = xf.index_select(0, order // k)  # [T*k, D] sorted by global expert
+        if self.ep_size == 1:
+            y_perm = self._local_experts(x_perm, counts, counts_host)
+        else:
+            y_perm = self._ep_experts(x_perm, counts, counts_host, sorted_exp, T)
+        with moe_stage("unpermute"):
+            y = y_perm.index_select(0, inverse).view(T, k, D)
+            y = (y * topk_w.to(y.dtype).unsqueeze(-1)).sum(1)
+        if self.shared is not None:
+            y = y + self.shared(xf).to(y.dtype)
+        return y.view(B, S, D).to(x.dtype), aux
+
+    def _local_experts(self, x_perm, counts, counts_host):
+        with moe_stage("experts"):
+            if self.level <= 1:
+                if counts_host is None:
+                    counts_host = counts.tolist()
+                return self.experts(x_perm, counts=counts_host)
+            return self.experts(x_perm, offs=counts.cumsum(0).to(torch.int32))
+
+    def _ep_experts(self, x_perm, counts, counts_host, sorted_exp, T):
+        P, El, k, g = self.ep_size, self.E_local, self.k, self.ep_group
+        with moe_stage("dispatch"):
+            recv_counts = exchange_counts(counts, g)  # [P * El]: what each peer sends to my experts
+            if self.level <= 1:
+                if self.level == 0:
+                    recv_host = recv_counts.tolist()
+                else:
+                    both = torch.cat([counts, recv_counts]).tolist()
+                    counts_host, recv_host = both[:self.E], both[self.E:]
+                send_splits = [sum(counts_host[p * El:(p + 1) * El]) for p in range(P)]
+                recv_splits = [sum(recv_host[p * El:(p + 1) * El]) for p in range(P)]
+                x_recv = all_to_all(x_perm, recv_splits, send_splits, g)
+            else:
+                # worst case per peer: every local token picks min(k, El) experts on that peer
+                cap = T * min(k, El)
+                dest = sorted_exp // El
+                rank_counts = counts.view(P, El).sum(1)
+                rank_start = rank_counts.cumsum(0) - rank_counts
+                pos = torch.arange(x_perm.shape[0], device=x_perm.device) - rank_start.index_select(0, dest)
+                slot = dest * cap + pos
+                send = x_perm.new_zeros(P * cap, x_perm.shape[1]).index_copy(0, slot, x_perm)
+                x_recv = all_to_all(send, None, None, g)
+        with moe_stage("permute"):  # receive side: regroup rows (source, expert) -> (expert, source)
+            rc = recv_counts.view(P, El)
+            if self.level <= 1:
+                R = sum(recv_splits)
+                seg = torch.repeat_interleave(torch.arange(P * El, device=x_recv.device) % El, recv_counts,
+                                              output_size=R)
+                order2 = torch.argsort(seg, stable=True)
+                local_host = [sum(recv_host[p * El + j] for p in range(P)) for j in range(El)]
+            else:
+                j = torch.arange(cap, device=x_recv.device).expand(P, cap).contiguous()
+                seg = torch.searchsorted(rc.cumsum(1).contiguous(), j, right=True).reshape(-1)  # El = padding
+                order2 = torch.argsort(seg, stable=True)
+                offs = rc.sum(0).cumsum(0).to(torch.int32)
+                if self.level == 2:
+                    n = int(offs[-1].item())  # the one sync left at level 2: trim the padded buffer
+                    order2 = order2[:n]
+                else:
+                    offs = torch.cat([offs[:-1], offs.new_full((1,), P * cap)])  # padding -> last expert
+            x2 = x_recv.index_select(0, order2)
+        with moe_stage("experts"):
+            if self.level <= 1:
+                y2 = self.experts(x2, counts=local_host)
+            else:
+                y2 = self.experts(x2, offs=offs)
+        with moe_stage("combine"):
+            y_recv = y2.new_zeros(x_recv.shape[0], y2.shape[1]).index_copy(0, order2, y2)
+            if self.level <= 1:
+                return all_to_all(y_recv, send_splits, recv_splits, g)
+            y_back = all_to_all(y_recv, None, None, g)
+            return y_back.index_select(0, slot)

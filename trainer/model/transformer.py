@@ -1,0 +1,108 @@
+"""The decoder: embedding -> [attention + (dense | MoE) FFN] x L -> RMSNorm -> LM head -> loss."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from trainer.flops import count_params, model_flops_per_token  # noqa: F401  (re-exported)
+from trainer.model.layers import Attention, MLAttention, RMSNorm, SwiGLU, rope_cache
+from trainer.model.moe import MoE
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: dict, layer_id: int, ep_group=None, ep_size=1, ep_rank=0):
+        super().__init__()
+        self.layer_id = layer_id
+        self.attn_norm = RMSNorm(cfg["d_model"], cfg["rms_eps"])
+        self.attn = MLAttention(cfg) if cfg["attn_type"] == "mla" else Attention(cfg)
+        self.ffn_norm = RMSNorm(cfg["d_model"], cfg["rms_eps"])
+        self.is_moe = layer_id >= cfg["first_k_dense"]
+        self.ffn = MoE(cfg, ep_group, ep_size, ep_rank) if self.is_moe else SwiGLU(cfg["d_model"], cfg["d_ff"])
+        self.recompute = layer_id in cfg["recompute_layer_ids"]
+
+    def _forward(self, x, cos, sin):
+        x = x + self.attn(self.attn_norm(x), cos, sin)
+        h = self.ffn_norm(x)
+        if self.is_moe:
+            y, aux = self.ffn(h)
+        else:
+            y, aux = self.ffn(h), x.new_zeros((), dtype=torch.float32)
+        return x + y, aux
+
+    def forward(self, x, cos, sin):
+        if self.recompute and torch.is_grad_enabled():
+            return checkpoint(self._forward, x, cos, sin, use_reentrant=False)
+        return self._forward(x, cos, sin)
+
+
+def cross_entropy(h: torch.Tensor, w: torch.Tensor, targets: torch.Tensor, fused: bool, chunk: int) -> torch.Tensor:
+    """Mean token cross-entropy of ``h @ w.T``.
+
+    ``fused``: logits are produced, upcast and reduced one chunk of ``chunk`` tokens at a time under
+    activation checkpointing, so neither full logits nor full fp32 logits are ever alive (backward
+    recomputes each chunk's logits).
+    """
+    if not fused:
+        return F.cross_entropy(F.linear(h, w).float(), targets)
+    total = h.new_zeros((), dtype=torch.float32)
+    for i in range(0, h.shape[0], chunk):
+        total = total + checkpoint(_chunk_ce, h[i:i + chunk], w, targets[i:i + chunk], use_reentrant=False)
+    return total / h.shape[0]
+
+
+def _chunk_ce(h, w, t):
+    return F.cross_entropy(F.linear(h, w).float(), t, reduction="sum")
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: dict, ep_group=None, ep_size: int = 1, ep_rank: int = 0):
+        super().__init__()
+        self.cfg = cfg
+        d, V = cfg["d_model"], cfg["vocab_size"]
+        self.embed = nn.Embedding(V, d)
+        self.layers = nn.ModuleList(Block(cfg, i, ep_group, ep_size, ep_rank) for i in range(cfg["n_layers"]))
+        self.norm = RMSNorm(d, cfg["rms_eps"])
+        self.head = None if cfg["tie_embeddings"] else nn.Linear(d, V, bias=False)
+        rope_dim = cfg["qk_rope_head_dim"] if cfg["attn_type"] == "mla" else (cfg["head_dim"] or d // cfg["n_heads"])
+        cos, sin = rope_cache(cfg["seq_len"], rope_dim, cfg["rope_theta"])
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    @torch.no_grad()
+    def init_weights(self, seed: int):
+        """Deterministic init: identical dense weights on every rank, expert slices of one global init."""
+        std = self.cfg["init_std"]
+        g = torch.Generator().manual_seed(seed)
+        for name, p in self.named_parameters():
+            if ".experts." in name:
+                continue
+            if p.dim() == 1:
+                p.fill_(1.0)  # RMSNorm weights
+            else:
+                p.copy_(torch.empty(p.shape).normal_(0, std, generator=g))
+        for layer in self.layers:
+            if layer.is_moe:
+                layer.ffn.init_weights(std, generator=g)
+
+    def output_weight(self) -> torch.Tensor:
+        return self.embed.weight if self.head is None else self.head.weight
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None):
+        """Returns (lm_loss, aux_loss) when targets are given, else logits."""
+        S = tokens.shape[1]
+        x = self.embed(tokens)
+        cos, sin = self.rope_cos[:S], self.rope_sin[:S]
+        aux_total = x.new_zeros((), dtype=torch.float32)
+        for layer in self.layers:
+            x, aux = layer(x, cos, sin)
+            aux_total = aux_total + aux
+        h = self.norm(x)
+        w = self.output_weight()
+        if targets is None:
+            return F.linear(h, w)
+        h2 = h.reshape(-1, h.shape[-1])
+        loss = cross_entropy(h2, w.to(h2.dtype), targets.reshape(-1), self.cfg["loss_fusion"], self.cfg["loss_chunk_size"])
+        return loss, aux_total

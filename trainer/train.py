@@ -1,0 +1,258 @@
+"""The training loop: build, wrap, train, profile a window of steps, write the run directory."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from trainer import runtime
+from trainer.data import make_data
+from trainer.flops import count_params, model_flops_per_token, peak_bf16_flops
+from trainer.model import Transformer
+from trainer.parallel import Dist, init_distributed, sync_expert_grads, wrap_data_parallel
+
+SCHEMA_VERSION = 1
+log = logging.getLogger("trainer")
+
+
+class _Notes(logging.Handler):
+    """Collects the trainer's one-time notes (backend fallbacks...) for the manifest and echoes them."""
+
+    def __init__(self, echo: bool):
+        super().__init__(logging.INFO)
+        self.messages: list[str] = []
+        self.echo = echo
+
+    def emit(self, record):
+        msg = record.getMessage()
+        if msg not in self.messages:
+            self.messages.append(msg)
+            if self.echo:
+                print(f"[trainer] note: {msg}", file=sys.stderr, flush=True)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def clip_grad_norm(model, max_norm: float, cfg: dict, d: Dist) -> torch.Tensor:
+    """Global grad-norm clip that knows the layout: FSDP2 shards (dense over the world, experts over
+    dp) or DDP replicas (dense replicated, experts split over ep). No host sync."""
+    dense, expert = [], []
+    for n, p in model.named_parameters():
+        if p.grad is not None:
+            (expert if ".experts." in n else dense).append(_local(p.grad))
+    dev = d.device
+    sq_dense = sum((g.float().pow(2).sum() for g in dense), torch.zeros((), device=dev))
+    sq_exp = sum((g.float().pow(2).sum() for g in expert), torch.zeros((), device=dev))
+    if d.world_size > 1:
+        if cfg["dp_mode"] == "fsdp":
+            both = torch.stack([sq_dense, sq_exp])
+            dist.all_reduce(both)
+            sq_dense, sq_exp = both[0], both[1]
+        elif d.ep > 1:
+            dist.all_reduce(sq_exp, group=d.ep_group)
+    norm = (sq_dense + sq_exp).sqrt()
+    if max_norm > 0:
+        coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+        for g in dense + expert:
+            g.mul_(coef.to(g.dtype))
+    return norm
+
+
+def lr_at(step: int, cfg: dict) -> float:
+    base, warm, total = cfg["lr"], cfg["warmup_steps"], max(cfg["steps"], 1)
+    if step < warm:
+        return base * (step + 1) / warm
+    frac = (step - warm) / max(total - warm, 1)
+    return base * (cfg["min_lr_ratio"] + (1 - cfg["min_lr_ratio"]) * 0.5 * (1 + math.cos(math.pi * min(frac, 1.0))))
+
+
+def _profiler(cfg: dict, d: Dist, trace_path: Path):
+    start, end = cfg["profile_step_start"], min(cfg["profile_step_end"], cfg["steps"])
+    if end <= start:
+        return None
+    from torch.profiler import ProfilerActivity, profile, schedule
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if d.device.type == "cuda" else [])
+    wait, warmup = (start - 1, 1) if start >= 1 else (0, 0)
+
+    def ready(prof):
+        trace_path.parent.mkdir(parents=True, exist_ok=True)
+        prof.export_chrome_trace(str(trace_path))  # .gz suffix -> gzipped
+
+    return profile(activities=acts, schedule=schedule(wait=wait, warmup=warmup, active=end - start, repeat=1),
+                   on_trace_ready=ready, record_shapes=True, with_flops=True, with_modules=True,
+                   profile_memory=False, with_stack=False)
+
+
+def train(cfg: dict, out_dir: str | Path) -> dict | None:
+    """Train ``cfg['steps']`` steps; rank 0 writes ``out_dir/manifest.json``, every rank its trace.
+    Returns the manifest on rank 0 (None elsewhere)."""
+    out = Path(out_dir)
+    notes = _Notes(echo=int(os.environ.get("RANK", 0)) == 0)
+    logging.getLogger("trainer").addHandler(notes)
+    env_knobs = runtime.apply_env(cfg["env"])
+    d = init_distributed(cfg)
+    if d.rank == 0:
+        out.mkdir(parents=True, exist_ok=True)
+    numa = runtime.numa_bind(d.device) if cfg["numa_bind"] else {"bound": False, "reason": "numa_bind off"}
+    if cfg["numa_bind"] and not numa["bound"] and d.rank == 0:
+        print(f"[trainer] numa_bind: {numa['reason']}", flush=True)
+    gcm = runtime.ManualGC(cfg["manual_gc"])
+
+    torch.manual_seed(cfg["seed"])
+    model = Transformer(cfg, d.ep_group, d.ep, d.ep_rank)
+    model.init_weights(cfg["seed"])
+    model.to(d.device)
+    model = wrap_data_parallel(model, cfg, d)
+    core = model.module if hasattr(model, "module") else model
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg["lr"], betas=(cfg["adam_beta1"], cfg["adam_beta2"]),
+                            weight_decay=cfg["weight_decay"])
+    data = make_data(cfg, d.rank)
+    autocast = cfg["dtype"] == "bf16" and cfg["dp_mode"] == "ddp"
+
+    trace_path = out / "traces" / f"rank{d.rank}.json.gz"
+    prof = _profiler(cfg, d, trace_path)
+    if prof is not None:
+        prof.start()
+    losses, auxes, gnorms, step_times = [], [], [], []
+    try:
+        for step in range(cfg["steps"]):
+            gcm.step(step)
+            for group in opt.param_groups:
+                group["lr"] = lr_at(step, cfg)
+            tokens, targets = data.batch(step)
+            tokens = tokens.to(d.device, non_blocking=True)
+            targets = targets.to(d.device, non_blocking=True)
+            t0 = time.perf_counter()
+            with torch.autocast(d.device.type, dtype=torch.bfloat16, enabled=autocast):
+                loss, aux = model(tokens, targets)
+                total = loss + cfg["aux_loss_coef"] * aux
+            total.backward()
+            sync_expert_grads(core, cfg, d)
+            gnorms.append(clip_grad_norm(core, cfg["grad_clip"], cfg, d).detach())
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            if d.device.type == "cuda":
+                torch.cuda.synchronize(d.device)
+            step_times.append(time.perf_counter() - t0)
+            losses.append(loss.detach().float())
+            auxes.append(aux.detach().float())
+            if prof is not None:
+                prof.step()
+            if d.rank == 0 and cfg["log_every"] > 0 and (step % cfg["log_every"] == 0 or step == cfg["steps"] - 1):
+                print(f"[trainer] step {step} loss {loss.item():.4f} aux {aux.item():.4f} "
+                      f"time {step_times[-1] * 1e3:.1f} ms", flush=True)
+    finally:
+        if prof is not None:
+            prof.stop()
+        gcm.close()
+    manifest = _finish(cfg, d, out, core, losses, auxes, gnorms, step_times, trace_path if prof else None,
+                       env_knobs, numa, notes.messages)
+    logging.getLogger("trainer").removeHandler(notes)
+    return manifest
+
+
+def _finish(cfg, d: Dist, out: Path, model, losses, auxes, gnorms, step_times, trace_path, env_knobs, numa, notes):
+    n = len(losses)
+    dev = d.device
+    stats = torch.stack([torch.stack(losses), torch.stack(auxes)]) if n else torch.zeros(2, 0, device=dev)
+    times = torch.tensor(step_times, dtype=torch.float64, device=dev)
+    peak, peak_kind = runtime.peak_memory_bytes(dev)
+    if d.world_size > 1:
+        dist.all_reduce(stats)
+        stats /= d.world_size
+        dist.all_reduce(times, op=dist.ReduceOp.MAX)  # a step ends when its slowest rank does
+        peaks = [None] * d.world_size
+        dist.all_gather_object(peaks, peak)
+        traces = [None] * d.world_size
+        dist.all_gather_object(traces, trace_path is not None and trace_path.exists())
+    else:
+        peaks, traces = [peak], [trace_path is not None and trace_path.exists()]
+    if d.rank != 0:
+        dist.barrier()
+        return None
+    loss_l, aux_l = stats.tolist()
+    times_l = times.tolist()
+    prof_lo, prof_hi = cfg["profile_step_start"], min(cfg["profile_step_end"], cfg["steps"])
+    warm = min(cfg["timing_warmup_steps"], max(n - 1, 0))
+    timed = [i for i in range(warm, n) if not prof_lo <= i < prof_hi] or list(range(warm, n))
+    mean_t = sum(times_l[i] for i in timed) / len(timed) if timed else None
+    tokens_rank = cfg["micro_batch_size"] * cfg["seq_len"]
+    fpt = model_flops_per_token(cfg)
+    dev_name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else platform_cpu_name()
+    peak_flops = peak_bf16_flops(dev_name) if dev.type == "cuda" else None
+    tps_gpu = tokens_rank / mean_t if mean_t else None
+    manifest = {
+        "schema_version": SCHEMA_VERSION,
+        "name": out.name,
+        "created_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "config": cfg,
+        "versions": runtime.versions(),
+        "device": {"type": dev.type, "name": dev_name, "count": d.world_size, "peak_bf16_flops": peak_flops},
+        "world_size": d.world_size,
+        "mesh": d.mesh_info,
+        "parallel": {"dp": d.dp, "ep": d.ep, "dp_mode": cfg["dp_mode"], "launched_by_torchrun": d.launched},
+        "toggles": {k: cfg[k] for k in ("sync_free_level", "grouped_gemm_backend", "recompute_layer_ids",
+                                        "loss_fusion", "manual_gc", "numa_bind", "dtype")},
+        "numa": numa,
+        "env": {"knobs": env_knobs, "recorded": runtime.recorded_env()},
+        "params": {**count_params(cfg), "local_routed_experts": cfg["n_routed_experts"] // d.ep},
+        "metrics": {
+            "steps": n,
+            "tokens_per_step": tokens_rank * d.world_size,
+            "tokens_per_step_per_gpu": tokens_rank,
+            "step_times_s": times_l,
+            "timed_steps": timed,
+            "mean_step_time_s": mean_t,
+            "tokens_per_s": tps_gpu * d.world_size if tps_gpu else None,
+            "tokens_per_s_per_gpu": tps_gpu,
+            "model_flops_per_token": fpt,
+            "mfu": (tps_gpu * fpt / peak_flops) if (tps_gpu and peak_flops) else None,
+            "loss": loss_l,
+            "aux_loss": aux_l,
+            "grad_norm": torch.stack(gnorms).tolist() if gnorms else [],  # global, before clipping
+            "peak_memory_bytes": peaks,
+            "peak_memory_kind": peak_kind,
+        },
+        "profile": {"step_start": prof_lo, "step_end": prof_hi,
+                    "traces": [f"traces/rank{r}.json.gz" for r, ok in enumerate(traces) if ok]},
+        "notes": notes,
+    }
+    (out / "manifest.json").write_text(json.dumps(manifest, indent=2, default=str))
+    mt = manifest["metrics"]
+    mfu = f"{100 * mt['mfu']:.1f}%" if mt["mfu"] is not None else "n/a"
+    tps = f"{tps_gpu:,.0f}" if tps_gpu else "n/a"
+    print(f"[trainer] wrote {out}: tokens/s/GPU {tps}, MFU {mfu}, "
+          f"peak memory {max(peaks) / 2**30:.2f} GiB ({peak_kind}), final loss {loss_l[-1] if loss_l else 'n/a'}",
+          flush=True)
+    if d.world_size > 1:
+        dist.barrier()
+    return manifest
+
+
+def platform_cpu_name() -> str:
+    import platform
+
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "cpu"
+
+
+def shutdown() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
