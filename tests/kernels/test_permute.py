@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from kernels import grouped_mm, permute, unpermute
-from kernels.permute import route_indices
+from kernels.permutation import route_indices
 from kernels.reference import permute_ref, unpermute_ref
 
 from .conftest import assert_close
@@ -77,3 +77,20 @@ def test_moe_layer_end_to_end(needs_triton):
     g = torch.randn(T, H)
     for a, b in zip(torch.autograd.grad(out, (x, w, gate), g), torch.autograd.grad(dense, (x, w, gate), g)):
         assert_close(a, b, torch.float32, "moe grad")
+
+
+def test_out_of_range_ids_are_dropped_safely(needs_triton):
+    ids = torch.tensor([[0, -1], [3, 1], [7, 1]], dtype=torch.int32)  # -1 and 7 are not experts of E=4
+    x = torch.randn(3, 16)
+    p = permute(x, ids, 4)
+    assert p.counts.tolist() == [1, 2, 0, 1] and p.offs.tolist() == [1, 3, 3, 4]
+    assert p.row_map[1] == -1 and p.row_map[4] == -1
+    assert torch.equal(p.x_perm[:4], x[[0, 1, 2, 1]])
+    assert torch.all(p.x_perm[4:] == 0)  # rows past offs[-1] belong to no expert
+    w = torch.ones(3, 2, requires_grad=True)
+    y = p.x_perm.detach().clone().requires_grad_()
+    out = unpermute(y, p, w)
+    assert torch.allclose(out, torch.stack([x[0], 2 * x[1], x[2]]))
+    gw, gy = torch.autograd.grad(out.sum(), (w, y))
+    assert gw[0, 1] == 0 and gw[2, 0] == 0  # dropped slots get no weight gradient
+    assert torch.allclose(gw[1, 0], x[1].sum()) and torch.all(gy[4:] == 0)

@@ -1,0 +1,452 @@
+"""Backend registry and per-shape tuner for the grouped GEMM (Primus-Turbo style).
+
+A grouped GEMM runs three products, and the fastest implementation differs between them and
+between shapes, so each *pass* picks its own backend:
+
+====== ============================== =====================================
+pass   computes                       arguments
+====== ============================== =====================================
+fwd    ``out[rows_i] = x_i @ w[i]``     ``(x [T,K], w [E,K,N], offs [E])``
+dx     ``dx[rows_i] = dy_i @ w[i]^T``   ``(dy [T,N], w [E,K,N], offs [E])``
+dw     ``dw[i] = x_i^T @ dy_i``         ``(x [T,K], dy [T,N], offs [E])``
+====== ============================== =====================================
+
+Backends (see :data:`BACKENDS`): ``triton`` (this package's kernels), ``torch``
+(``torch._grouped_mm``: CUDA, bf16, sm_90+), ``loop`` (one matmul per expert; reads ``offs`` back
+to the host), ``multistream`` (the loop spread over CUDA streams), ``reference`` (the plain
+PyTorch specification).  :func:`tune` times every available backend on given shapes, separately
+per pass, and writes the winners to a JSON cache keyed by (device name, dtype, shape bucket, pass)
+in ``$TRACELENS_CACHE_DIR/kernels/`` (default ``~/.cache/tracelens/kernels/``).
+:func:`select_backend` is what ``grouped_gemm_backend=auto`` uses: cached winner, else tune once.
+
+May import: torch, triton, stdlib.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import os
+import statistics
+import tempfile
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ._runtime import m_bucket, triton_ok
+
+log = logging.getLogger("kernels")
+
+PASSES = ("fwd", "dx", "dw")
+CACHE_VERSION = 1
+
+__all__ = [
+    "PASSES", "BACKENDS", "Backend", "register_backend", "available_backends", "run_pass", "resolve_passes",
+    "cache_dir", "cache_path", "cache_key", "load_cache", "clear_cache", "tune", "select_backend", "tune_table",
+    "balanced_offs",
+]
+
+
+# ----------------------------------------------------------------------------------------------- passes
+def _bounds(offs: torch.Tensor) -> list[tuple[int, int]]:
+    ends = [int(v) for v in offs.tolist()]  # host sync: the loop backends need Python ints
+    return list(zip([0] + ends[:-1], ends))
+
+
+def _loop_pass(pass_: str, a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, streams=None) -> torch.Tensor:
+    bounds = _bounds(offs)
+    if pass_ == "dw":
+        x, dy = a, b
+        out = torch.zeros(offs.shape[0], x.shape[1], dy.shape[1], device=x.device, dtype=x.dtype)
+    else:
+        x, w = a, b
+        n = w.shape[2] if pass_ == "fwd" else w.shape[1]
+        out = torch.zeros(x.shape[0], n, device=x.device, dtype=x.dtype)
+    cur = torch.cuda.current_stream() if streams else None
+    for i, (s, e) in enumerate(bounds):
+        if e <= s:
+            continue
+        if streams:
+            st = streams[i % len(streams)]
+            st.wait_stream(cur)
+            ctx = torch.cuda.stream(st)
+        else:
+            ctx = _null
+        with ctx:
+            if pass_ == "fwd":
+                torch.mm(a[s:e], b[i], out=out[s:e])
+            elif pass_ == "dx":
+                torch.mm(a[s:e], b[i].t(), out=out[s:e])
+            else:
+                torch.mm(a[s:e].t(), b[s:e], out=out[i])
+    if streams:
+        for st in streams:
+            cur.wait_stream(st)
+        for t in (a, b, out):
+            t.record_stream(cur)
+    return out
+
+
+class _Null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+_null = _Null()
+_STREAMS: dict[tuple, list] = {}
+
+
+def _multistream_pass(pass_, a, b, offs):
+    if a.device.type != "cuda":
+        return _loop_pass(pass_, a, b, offs)
+    key = (a.device.index,)
+    if key not in _STREAMS:
+        _STREAMS[key] = [torch.cuda.Stream(device=a.device) for _ in range(4)]
+    return _loop_pass(pass_, a, b, offs, streams=_STREAMS[key])
+
+
+def _torch_pass(pass_, a, b, offs):
+    offs = offs.to(torch.int32)
+    if pass_ == "fwd":
+        return torch._grouped_mm(a, b, offs=offs)
+    if pass_ == "dx":
+        return torch._grouped_mm(a, b.transpose(1, 2), offs=offs)
+    return torch._grouped_mm(a.t(), b, offs=offs)
+
+
+def _triton_pass(pass_, a, b, offs, out=None):
+    from . import grouped_gemm as g
+
+    if pass_ == "fwd":
+        return g.grouped_mm_triton(a, b, offs)
+    if pass_ == "dx":
+        return g.grouped_mm_dx_triton(a, b, offs)
+    return g.grouped_mm_dw_triton(a, b, offs, out=out)
+
+
+def _triton_tma_pass(pass_, a, b, offs):
+    from . import grouped_gemm as g
+
+    if pass_ == "fwd":
+        return g.grouped_mm_tma(a, b, offs)
+    if pass_ == "dx":
+        return g.grouped_mm_dx_tma(a, b, offs)
+    return g.grouped_mm_dw_triton(a, b, offs)  # dW sums over a group's rows: needs exact row masking
+
+
+def _tma_available(t: torch.Tensor) -> bool:
+    from . import grouped_gemm as g
+
+    if not (g.HAS_TMA and triton_ok(t)) or t.dtype not in (torch.bfloat16, torch.float16):
+        return False
+    return t.device.type != "cuda" or torch.cuda.get_device_capability(t.device) >= (9, 0)
+
+
+def _reference_pass(pass_, a, b, offs):
+    from .reference import grouped_mm_ref
+
+    if pass_ == "fwd":
+        return grouped_mm_ref(a, b, offs)
+    if pass_ == "dx":
+        return grouped_mm_ref(a, b.transpose(1, 2), offs)
+    # dw[i] = x_i^T dy_i, built from the forward reference by autograd-free slicing
+    out = torch.zeros(offs.shape[0], a.shape[1], b.shape[1], device=a.device, dtype=a.dtype)
+    for i, (s, e) in enumerate(_bounds(offs)):
+        if e > s:
+            out[i] = (a[s:e].float().t() @ b[s:e].float()).to(a.dtype)
+    return out
+
+
+def _torch_available(t: torch.Tensor) -> bool:
+    if not hasattr(torch, "_grouped_mm") or t.device.type != "cuda" or t.dtype != torch.bfloat16:
+        return False
+    return torch.cuda.get_device_capability(t.device) >= (9, 0)
+
+
+@dataclass(frozen=True)
+class Backend:
+    name: str
+    fn: Callable  # fn(pass_, a, b, offs) -> Tensor
+    available: Callable[[torch.Tensor], bool]
+    syncs_host: bool
+    doc: str
+
+
+BACKENDS: dict[str, Backend] = {}
+
+
+def register_backend(name: str, fn: Callable, available: Callable[[torch.Tensor], bool] = lambda t: True,
+                     syncs_host: bool = False, doc: str = "") -> None:
+    """Add (or replace) a grouped-GEMM backend: ``fn(pass_, a, b, offs)`` for ``pass_`` in :data:`PASSES`."""
+    BACKENDS[name] = Backend(name, fn, available, syncs_host, doc)
+
+
+register_backend("triton", _triton_pass, triton_ok, False, "Triton kernels of this package (sync-free)")
+register_backend("triton_tma", _triton_tma_pass, _tma_available, False,
+                 "Triton kernels with TMA tile loads for fwd/dX (sm_90+, bf16/fp16)")
+register_backend("torch", _torch_pass, _torch_available, False, "torch._grouped_mm (CUDA bf16, sm_90+)")
+register_backend("loop", _loop_pass, lambda t: True, True, "one torch.mm per expert (reads offs on the host)")
+register_backend("multistream", _multistream_pass, lambda t: t.device.type == "cuda", True,
+                 "per-expert torch.mm spread over 4 CUDA streams")
+register_backend("reference", _reference_pass, lambda t: True, True, "plain-PyTorch specification (fp32 accumulate)")
+
+
+def available_backends(t: torch.Tensor, names: Iterable[str] | None = None) -> list[str]:
+    """Names of registered backends that can run on tensors like ``t`` (in registry order)."""
+    names = list(BACKENDS) if names is None else list(names)
+    return [n for n in names if n in BACKENDS and n != "reference" and BACKENDS[n].available(t)]
+
+
+def run_pass(name: str, pass_: str, a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """Run one pass with backend ``name``."""
+    if pass_ not in PASSES:
+        raise ValueError(f"unknown pass {pass_!r}; expected one of {PASSES}")
+    try:
+        bk = BACKENDS[name]
+    except KeyError:
+        raise ValueError(f"unknown grouped-GEMM backend {name!r}; registered: {sorted(BACKENDS)}") from None
+    return bk.fn(pass_, a, b, offs)
+
+
+def resolve_passes(backend, x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> tuple[str, str, str]:
+    """Turn a user's backend choice into a backend name per pass (fwd, dx, dw)."""
+    if backend is None or backend == "triton":
+        name = "triton" if triton_ok(x) else "reference"
+        return (name, name, name)
+    if isinstance(backend, (tuple, list)):
+        if len(backend) != 3:
+            raise ValueError("backend tuple must be (fwd, dx, dw)")
+        return tuple(backend)  # type: ignore[return-value]
+    if backend == "auto":
+        T, K = x.shape
+        N = w.shape[2]
+        return tuple(select_backend(T, K, N, w.shape[0], x.dtype, x.device, p) for p in PASSES)  # type: ignore
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown grouped-GEMM backend {backend!r}; registered: {sorted(BACKENDS)} or 'auto'")
+    return (backend, backend, backend)
+
+
+# ----------------------------------------------------------------------------------------------- cache
+def cache_dir() -> Path:
+    """``$TRACELENS_CACHE_DIR/kernels`` or ``~/.cache/tracelens/kernels``."""
+    root = os.environ.get("TRACELENS_CACHE_DIR")
+    base = Path(root) if root else Path.home() / ".cache" / "tracelens"
+    return base / "kernels"
+
+
+def cache_path() -> Path:
+    return cache_dir() / "grouped_mm.json"
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_name(index: int) -> str:
+    return torch.cuda.get_device_name(index)
+
+
+def device_name(device: torch.device | str) -> str:
+    """The device's marketing name for CUDA (e.g. ``NVIDIA H100 80GB HBM3``), else its type."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return _cuda_name(device.index if device.index is not None else torch.cuda.current_device())
+    return device.type
+
+
+def cache_key(device: torch.device | str, dtype: torch.dtype, T: int, K: int, N: int, E: int, pass_: str) -> str:
+    """(device name, dtype, shape bucket, pass) as one string.  Rows are bucketed to a power of two;
+    K, N, E are the model's fixed dimensions and stay exact."""
+    return f"{device_name(device)}|{str(dtype).replace('torch.', '')}|T{m_bucket(T)}|K{K}|N{N}|E{E}|{pass_}"
+
+
+def load_cache() -> dict:
+    p = cache_path()
+    try:
+        doc = json.loads(p.read_text())
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(doc, dict) or doc.get("version") != CACHE_VERSION:
+        return {}
+    return doc.get("entries", {})
+
+
+def _store(entries: dict) -> None:
+    p = cache_path()
+    p.parent.mkdir(parents=True, exist_ok=True)
+    merged = load_cache()  # merge: several ranks may tune at once
+    merged.update(entries)
+    fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=".grouped_mm.", suffix=".json")
+    with os.fdopen(fd, "w") as f:
+        json.dump({"version": CACHE_VERSION, "entries": merged}, f, indent=1, sort_keys=True)
+    os.replace(tmp, p)
+
+
+def clear_cache() -> None:
+    try:
+        cache_path().unlink()
+    except FileNotFoundError:
+        pass
+    _MEMO.clear()
+
+
+_MEMO: dict[str, str] = {}
+
+
+# ----------------------------------------------------------------------------------------------- tuner
+def balanced_offs(T: int, E: int, device, skew: float = 0.0, seed: int = 0) -> torch.Tensor:
+    """Cumulative END offsets splitting ``T`` rows over ``E`` experts: even, or Zipf-like with ``skew``."""
+    if skew <= 0:
+        counts = torch.full((E,), T // E, dtype=torch.int64)
+        counts[: T % E] += 1
+    else:
+        g = torch.Generator().manual_seed(seed)
+        p = torch.arange(1, E + 1, dtype=torch.float64) ** (-skew)
+        p = p[torch.randperm(E, generator=g)]
+        counts = torch.floor(p / p.sum() * T).long()
+        counts[0] += T - counts.sum()
+    return torch.cumsum(counts, 0).to(torch.int32).to(device)
+
+
+def _inputs(pass_, T, K, N, E, dtype, device, offs):
+    g = torch.Generator(device="cpu").manual_seed(0)
+    mk = lambda *s: (torch.randn(*s, generator=g) * 0.1).to(device=device, dtype=dtype)  # noqa: E731
+    if pass_ == "fwd":
+        return mk(T, K), mk(E, K, N), offs
+    if pass_ == "dx":
+        return mk(T, N), mk(E, K, N), offs
+    return mk(T, K), mk(T, N), offs
+
+
+def _time_ms(fn, warmup: int, reps: int, device) -> float:
+    cuda = torch.device(device).type == "cuda"
+    for _ in range(warmup):
+        fn()
+    if cuda:
+        torch.cuda.synchronize(device)
+    times = []
+    for _ in range(reps):
+        if cuda:
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            fn()
+            e.record()
+            e.synchronize()
+            times.append(s.elapsed_time(e))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def tune(T: int, K: int, N: int, E: int, dtype: torch.dtype = torch.bfloat16, device="cuda",
+         passes: Sequence[str] = PASSES, backends: Sequence[str] | None = None, warmup: int = 3, reps: int = 10,
+         offs: torch.Tensor | None = None, save: bool = True, check: bool = True) -> list[dict]:
+    """Time every available backend on one shape, per pass; cache and return one row per (pass, backend).
+
+    A backend that raises, or (with ``check``) disagrees with the reference beyond dtype tolerance,
+    is recorded with ``ms=None`` and an ``error`` and never wins.
+    """
+    device = torch.device(device)
+    offs = balanced_offs(T, E, device) if offs is None else offs.to(device=device, dtype=torch.int32)
+    probe = torch.empty(0, device=device, dtype=dtype)
+    names = available_backends(probe, backends)
+    rows, winners = [], {}
+    flops = 2.0 * T * K * N
+    tol = {torch.float32: 1e-3, torch.float16: 2e-2, torch.bfloat16: 5e-2}.get(dtype, 5e-2)
+    for p in passes:
+        a, b, o = _inputs(p, T, K, N, E, dtype, device, offs)
+        ref = None
+        if check:
+            ref = _reference_pass(p, a, b, o).float()
+            scale = ref.abs().max().item() + 1e-6
+        best = None
+        for name in names:
+            row = {"op": "grouped_mm", "pass": p, "T": T, "K": K, "N": N, "E": E,
+                   "dtype": str(dtype).replace("torch.", ""), "device": device_name(device), "backend": name,
+                   "ms": None, "tflops": None, "winner": False, "error": None}
+            try:
+                if check:
+                    got = run_pass(name, p, a, b, o).float()
+                    err = (got[: ref.shape[0]] - ref).abs().max().item() / scale if ref.numel() else 0.0
+                    if err > tol:
+                        raise RuntimeError(f"mismatch vs reference: rel err {err:.3g} > {tol}")
+                ms = _time_ms(lambda: run_pass(name, p, a, b, o), warmup, reps, device)
+                row["ms"] = ms
+                row["tflops"] = flops / (ms * 1e-3) / 1e12 if ms > 0 else None
+                if best is None or ms < best[1]:
+                    best = (name, ms)
+            except Exception as exc:  # a backend that cannot run this shape simply loses
+                row["error"] = f"{type(exc).__name__}: {exc}"[:200]
+            rows.append(row)
+        if best is not None:
+            winners[cache_key(device, dtype, T, K, N, E, p)] = {
+                "backend": best[0], "ms": best[1],
+                "times_ms": {r["backend"]: r["ms"] for r in rows if r["pass"] == p},
+                "tuned_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            }
+            for r in rows:
+                if r["pass"] == p and r["backend"] == best[0]:
+                    r["winner"] = True
+    if winners:
+        _MEMO.update({k: v["backend"] for k, v in winners.items()})
+        if save:
+            _store(winners)
+    return rows
+
+
+def select_backend(T: int, K: int, N: int, E: int, dtype: torch.dtype, device, pass_: str,
+                   tune_if_missing: bool = True) -> str:
+    """The backend to use for one pass on this shape: cached winner, else tune now (once), else a default.
+
+    The default (no cache entry and ``tune_if_missing=False``) is ``triton`` where it can run, else
+    ``torch`` where it can, else ``loop``.
+    """
+    key = cache_key(device, dtype, T, K, N, E, pass_)
+    hit = _MEMO.get(key)
+    if hit is None:
+        entry = load_cache().get(key)
+        if entry is not None and entry.get("backend") in BACKENDS:
+            hit = entry["backend"]
+        elif tune_if_missing:
+            log.info("tuning grouped_mm backends for %s", key)
+            tune(m_bucket(T), K, N, E, dtype, device, passes=(pass_,))
+            hit = _MEMO.get(key)
+        if hit is not None:
+            _MEMO[key] = hit
+    if hit is None:
+        probe = torch.empty(0, device=device, dtype=dtype)
+        hit = next(n for n in ("triton", "torch", "loop") if BACKENDS[n].available(probe))
+    return hit
+
+
+def tune_table(shapes: Sequence[tuple[int, int, int, int]] | None = None, dtype: torch.dtype | str = "bfloat16",
+               device=None, passes: Sequence[str] = PASSES, backends: Sequence[str] | None = None,
+               warmup: int = 3, reps: int = 10, save: bool = True) -> list[dict]:
+    """Tune each ``(T, K, N, E)`` shape and return rows for the CLI to print.
+
+    Defaults: on CUDA the DeepSeek-V2-Lite expert GEMMs (hidden 2048, ffn 1408, E=64: up-projection
+    K=2048 N=2816, down-projection K=1408 N=2048) for 4K and 16K tokens x top-6; elsewhere a tiny shape.  Each row: op, pass, T, K, N, E, dtype, device,
+    backend, ms, tflops, winner, error.
+    """
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype)
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if shapes is None:
+        if torch.device(device).type == "cuda":
+            # expert up-projection (gate and up fused: N = 2 * 1408) and down-projection
+            shapes = [(4096 * 6, 2048, 2816, 64), (4096 * 6, 1408, 2048, 64),
+                      (16384 * 6, 2048, 2816, 64), (16384 * 6, 1408, 2048, 64)]
+        else:
+            shapes = [(64, 32, 32, 4)]
+    rows: list[dict] = []
+    for T, K, N, E in shapes:
+        rows += tune(T, K, N, E, dtype, device, passes=passes, backends=backends, warmup=warmup, reps=reps,
+                     save=save)
+    return rows
