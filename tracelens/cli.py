@@ -371,6 +371,115 @@ def roofline(paths, ceilings, json_out, top, no_cache):
         click.echo(f"wrote {json_out}")
 
 
+@main.command()
+@click.argument("config")
+@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Override a trainer config key (repeatable).")
+@click.option("--world", type=int, default=None, help="GPUs (default: the manifest's world size, else pp*tp*cp*dp).")
+@click.option("--pp", type=int, default=None, help="Pipeline stages.")
+@click.option("--vpp", type=int, default=None, help="Virtual stages per rank (interleaved schedule).")
+@click.option("--ep", type=int, default=None, help="Expert parallel size (default: the config's ep).")
+@click.option("--tp", type=int, default=None, help="Tensor parallel size (with sequence parallelism).")
+@click.option("--cp", type=int, default=None, help="Context parallel size.")
+@click.option("--dp", type=int, default=None, help="Data parallel size (gives the world size with pp, tp, cp).")
+@click.option("--mbs", type=int, default=None, help="Micro-batch size (default: micro_batch_size).")
+@click.option("--seq", type=int, default=None, help="Sequence length (default: seq_len).")
+@click.option("--ga", "microbatches", type=int, default=None, help="Microbatches per step (default 1, or 4*pp with pp > 1).")
+@click.option("--global-batch", type=int, default=None, help="Global batch in sequences (GA = global / (mbs*dp)); needed by --sweep.")
+@click.option("--schedule", type=click.Choice(["1f1b", "gpipe", "vpp", "zb1p", "zbv"]), default=None)
+@click.option("--recompute", default=None, help="none, full, or comma-separated layer ids (default: recompute_layer_ids).")
+@click.option("--sync-free-level", type=int, default=None)
+@click.option("--loss-fusion/--no-loss-fusion", default=None)
+@click.option("--dtype", type=click.Choice(["bf16", "fp32"]), default=None)
+@click.option("--dp-mode", type=click.Choice(["fsdp", "ddp"]), default=None, help="fsdp = ZeRO-3 (FSDP2), ddp = ZeRO-0.")
+@click.option("--zero", type=click.IntRange(0, 3), default=None, help="ZeRO level (overrides --dp-mode).")
+@click.option("--device-memory", default=None, help="Device memory, e.g. 80GiB or 141GB.")
+@click.option("--device", "device_name", default=None, help="Device name for its memory (H100, H200, B200, MI300X...).")
+@click.option("--headroom", type=click.FloatRange(0, 0.9), default=0.05, show_default=True, help="Share of device memory kept free when deciding what fits.")
+@click.option("--sweep", "do_sweep", is_flag=True, help="Enumerate layouts for --world that fit the device, ranked by bubble then communication.")
+@click.option("--top", type=click.IntRange(1, 10000), default=15, show_default=True, help="Sweep: layouts to print.")
+@click.option("--json", "json_out", type=click.Path(dir_okay=False), help="Write the projection (or sweep) as JSON.")
+@click.option("-o", "--out", type=click.Path(), default=None, help="Write an HTML report (a .html path, or a directory for memory.html).")
+def memory(config, overrides, world, pp, vpp, ep, tp, cp, dp, mbs, seq, microbatches, global_batch, schedule, recompute,
+           sync_free_level, loss_fusion, dtype, dp_mode, zero, device_memory, device_name, headroom, do_sweep, top,
+           json_out, out):
+    """Projected per-GPU memory by component for CONFIG (a trainer YAML, a config name, a run's
+    manifest.json or run dir) under a parallel layout; --sweep lists the layouts that fit. See docs/memory.md."""
+    import json
+
+    from .analysis import memory as M
+
+    mc = M.load_model_config(config, overrides)
+    cfg = mc.config
+    if dp_mode is not None:
+        cfg = {**cfg, "dp_mode": dp_mode}
+    world = world or (mc.world if dp is None else None)
+    if global_batch is not None and microbatches is None and not do_sweep:
+        lay0 = M.resolve_layout(cfg, world=world, source=config, pp=pp, tp=tp, cp=cp, dp=dp, ep=ep, mbs=mbs, vpp=vpp)
+        if global_batch % (lay0.mbs * lay0.dp):
+            _fail(f"memory: global batch {global_batch} is not a multiple of mbs*dp = {lay0.mbs}*{lay0.dp}")
+        microbatches = global_batch // (lay0.mbs * lay0.dp)
+    lay = M.resolve_layout(cfg, world=world, source=config, pp=pp, vpp=vpp, ep=ep, tp=tp, cp=cp, dp=dp, mbs=mbs,
+                           seq=seq, microbatches=microbatches, schedule=schedule, recompute=recompute,
+                           sync_free_level=sync_free_level, loss_fusion=loss_fusion, dtype=dtype, zero=zero)
+    dev_bytes = None
+    if device_memory:
+        dev_bytes = M.parse_bytes(device_memory)
+    elif device_name:
+        dev_bytes = M.device_memory(device_name)
+    if do_sweep:
+        if dev_bytes is None or global_batch is None:
+            _fail("memory: --sweep needs --device-memory (or --device) and --global-batch")
+        df = M.sweep(cfg, lay.world, dev_bytes, global_batch, base=lay, headroom=headroom)
+        click.echo(f"{len(df)} layout(s) of {lay.world} GPUs fit {dev_bytes / M.GIB:.1f} GiB "
+                   f"(headroom {100 * headroom:.0f}%), ranked by bubble then communication per step:")
+        click.echo(f"{'layout':<58} {'peak GiB':>8} {'bubble':>7} {'comm GiB':>9}")
+        for r in df.head(top).itertuples(index=False):
+            click.echo(f"{r.label:<58} {r.peak_gib:>8.2f} {100 * r.bubble:>6.1f}% {r.comm_gib:>9.2f}")
+        best = [M.project(cfg, M.resolve_layout(cfg, world=lay.world, pp=r.pp, vpp=r.vpp, ep=r.ep, tp=r.tp, cp=r.cp,
+                                                 mbs=r.mbs, seq=lay.seq, microbatches=r.microbatches, schedule=r.schedule,
+                                                 recompute=r.recompute, sync_free_level=lay.sync_free_level,
+                                                 loss_fusion=lay.loss_fusion, dtype=lay.dtype, zero=lay.zero))
+                for r in df.head(min(top, 8)).itertuples(index=False)]
+        if json_out:
+            Path(json_out).write_text(json.dumps({"schema_version": M.SCHEMA_VERSION, "config": mc.source,
+                                                  "world": lay.world, "device_bytes": dev_bytes, "headroom": headroom,
+                                                  "global_batch": global_batch,
+                                                  "fits": json.loads(df.head(top).to_json(orient="records")),
+                                                  "projections": [p.summary() for p in best]}, indent=1))
+            click.echo(f"wrote {json_out}")
+        projections = best
+    else:
+        p = M.project(cfg, lay)
+        projections = [p]
+        click.echo(f"{mc.source}: {lay.label()}, world {lay.world}; stage {p.stage} of {lay.pp} "
+                   f"({p.info['in_flight']:g} microbatch(es) in flight)")
+        click.echo(f"{'component':<52} {'phase':<7} {'GiB':>9}  in peak")
+        for r in p.table.itertuples(index=False):
+            click.echo(f"{r.component:<52} {r.phase:<7} {r.bytes / M.GIB:>9.3f}  {'*' if r.in_peak else ''}")
+        click.echo(f"projected peak: {p.peak_bytes / M.GIB:.2f} GiB ({p.phase} phase)")
+        summary = {"schema_version": M.SCHEMA_VERSION, "config": mc.source, **p.summary()}
+        if mc.measured_peak_bytes:
+            ratio = p.peak_bytes / mc.measured_peak_bytes
+            summary.update(measured_peak_bytes=mc.measured_peak_bytes, measured_kind=mc.measured_kind,
+                           projected_over_measured=round(ratio, 4))
+            click.echo(f"measured peak ({mc.measured_kind}): {mc.measured_peak_bytes / M.GIB:.2f} GiB; "
+                       f"projected / measured = {ratio:.3f}")
+        if dev_bytes is not None:
+            fits = p.peak_bytes <= dev_bytes * (1 - headroom)
+            summary.update(device_bytes=dev_bytes, fits=fits)
+            click.echo(f"{'fits' if fits else 'does NOT fit'} {dev_bytes / M.GIB:.1f} GiB (headroom {100 * headroom:.0f}%)")
+        if json_out:
+            Path(json_out).write_text(json.dumps(summary, indent=1))
+            click.echo(f"wrote {json_out}")
+    if out:
+        from reports.memory import write_memory_report
+
+        path = Path(out) if out.endswith(".html") else Path(out) / "memory.html"
+        write_memory_report(projections, path, title=f"tracelens memory: {Path(mc.source).name}",
+                            device_bytes=dev_bytes, measured_bytes=mc.measured_peak_bytes)
+        click.echo(f"wrote {path}")
+
+
 def _print_summary(result) -> None:
     tl = result.timeline
     if tl.empty:

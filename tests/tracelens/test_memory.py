@@ -1,0 +1,228 @@
+"""Memory projection: hand-computed tiny cases per component, parameter counts against the trainer, the
+seed's qualitative findings on the 1T/2T proxies at 768 GPUs, the sweep, and the CLI's exit codes."""
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from trainer.config import DEFAULTS, load_config
+from trainer.flops import count_params
+from tracelens.analysis import memory as M
+from tracelens.cli import main
+from tracelens.errors import TraceError
+
+GIB = 2**30
+
+# A model small enough to do by hand: d=8, 2 layers (dense, MoE), 2 heads of 4, MHA, 4 experts top-2,
+# 1 shared expert, vocab 32, 4 tokens per microbatch.
+TINY = {**DEFAULTS, "vocab_size": 32, "d_model": 8, "n_layers": 2, "n_heads": 2, "n_kv_heads": 2, "head_dim": 4,
+        "d_ff": 16, "moe_d_ff": 4, "n_routed_experts": 4, "n_shared_experts": 1, "top_k": 2, "n_group": 1,
+        "topk_group": 1, "first_k_dense": 1, "seq_len": 4, "micro_batch_size": 1, "ep": 2, "dtype": "bf16",
+        "loss_fusion": False, "recompute_layer_ids": []}
+
+
+def _row(p, component):
+    rows = p.table[p.table["component"] == component]
+    assert len(rows) == 1, component
+    return float(rows["bytes"].iloc[0])
+
+
+def test_tiny_params_by_hand():
+    # attention 4 x 8x8 = 256; norms 2x8 = 16; dense FFN 3x8x16 = 384;
+    # MoE: router 8x4 = 32, shared 3x8x4 = 96, experts 4 x 96 = 384; embedding + head 2 x 32x8; final norm 8
+    assert M.total_params(TINY) == (256 + 16 + 384) + (256 + 16 + 32 + 96 + 384) + 2 * 256 + 8 == 1960
+    assert M.total_params(TINY) == count_params(TINY)["total"]
+
+
+def test_tiny_state_and_activations_by_hand():
+    lay = M.resolve_layout(TINY, world=2)          # ep 2, FSDP: dense over 2 ranks, experts over edp 1
+    assert (lay.dp, lay.edp, lay.zero) == (2, 1, 3)
+    p = M.project(TINY, lay)
+    dense_shard = (1960 - 384) / 2                  # 788 params
+    expert_local = 384 / 2                          # 192 params, not sharded further (edp = 1)
+    assert _row(p, "params: dense (sharded)") == 4 * dense_shard
+    assert _row(p, "params: experts (sharded)") == 4 * expert_local
+    assert _row(p, "grads: dense") == 4 * dense_shard
+    assert _row(p, "optimizer: Adam exp_avg + exp_avg_sq") == 8 * (dense_shard + expert_local)
+    assert _row(p, "optimizer step temporary") == 4 * (dense_shard + expert_local)
+    t, d, a = 4, 8, 2
+    # two RMSNorms per layer, each keeps x.float() and y (fp32): 2 layers x 2 x 8 bytes x t x d
+    assert _row(p, "activations: layer norms") == 2 * 2 * 8 * t * d
+    # attention (MHA): normed input, q/k/v/out/wo-input (5 x t x H x hd), fp32 log-sum-exp; per layer
+    attn = a * t * d + 5 * a * t * 2 * 4 + 4 * t * 2
+    assert _row(p, "activations: attention") == 2 * attn
+    assert _row(p, "activations: dense FFN") == a * t * d + 4 * a * t * 16
+    tk = t * 2
+    moe = (4 * t * d            # router's fp32 copy of the input
+           + a * t * d          # ffn_norm output kept by the shared expert
+           + 4 * t * 4          # router scores [t, E] fp32
+           + 8 * tk + 4 * tk + 4 * t + a * tk   # gather index, top-k weights, their sum, bf16 copy
+           + 2 * 8 * tk         # permutation index and its inverse
+           + tk * (a * (d + 4 * 4) + 8)         # expert rows: input, w13 out, silu, product; receive index
+           + a * tk * d         # top-k output copies
+           + 4 * a * t * 4)     # shared expert SwiGLU
+    assert _row(p, "activations: MoE (router, experts, top-k copies)") == moe
+    # non-fused loss keeps the fp32 log-softmax [t, V] plus the final norm and the head input
+    assert _row(p, "activations: final norm + loss") == 8 * t * d + a * t * d + 4 * t * 32
+    # peak = the larger phase; here the step (state + grads + temporary) or train: check the sum
+    always = 4 * dense_shard + 4 * expert_local + 8 * (dense_shard + expert_local)
+    step = always + 4 * (dense_shard + expert_local) + 4 * (dense_shard + expert_local)
+    assert p.stages["step_bytes"].iloc[0] == pytest.approx(step)
+    assert p.peak_bytes == pytest.approx(max(step, p.stages["train_bytes"].iloc[0]))
+
+
+def test_level3_worst_case_buffer_by_hand():
+    lay = M.resolve_layout({**TINY, "sync_free_level": 3}, world=2)
+    p = M.project({**TINY, "sync_free_level": 3}, lay)
+    t, tk, ep = 4, 8, 2
+    worst = ep * t * min(2, 4 // ep)               # ep * T * min(k, E/ep) = 16 rows vs 8 balanced
+    per_row = 2 * (8 + 4 * 4) + 8
+    assert _row(p, "activations: MoE level-3 worst-case buffer") == (worst - tk) * per_row
+    assert _row(p, "transient: MoE dispatch/combine buffers") == 2 * 2 * worst * 8
+
+
+def test_recompute_full_keeps_layer_inputs():
+    lay = M.resolve_layout(TINY, world=2, recompute="full")
+    p = M.project(TINY, lay)
+    assert _row(p, "activations: recomputed layers' inputs") == 2 * (2 * 4 * 8)  # 2 layers x a*t*d
+    assert p.table.loc[p.table["component"] == "activations: attention", "bytes"].iloc[0] == 0
+    assert _row(p, "recompute savings (not allocated)") > 0
+
+
+def test_pipeline_in_flight():
+    lay = M.Layout(world=16, pp=4, microbatches=8)
+    assert [M.in_flight(lay, s) for s in range(4)] == [4, 3, 2, 1]
+    gp = M.Layout(world=16, pp=4, microbatches=8, schedule="gpipe")
+    assert M.in_flight(gp, 0) == 8
+    # interleaved, v=2, p=4: warm-up 2(p-1) + (v-1)p = 10 chunks, +1, each half a stage
+    il = M.Layout(world=16, pp=4, vpp=2, microbatches=8, schedule="vpp")
+    assert M.in_flight(il, 0) == 11 / 2
+    assert M.stage_layers(10, 4) == [[0, 1, 2], [3, 4, 5], [6, 7], [8, 9]]
+    assert M.stage_layers(8, 2, 2) == [[0, 1, 4, 5], [2, 3, 6, 7]]
+
+
+@pytest.mark.parametrize("name", ["tiny", "gpu_proxy", "deepseek_v2_lite", "deepseek_v2", "proxy_1t", "proxy_2t"])
+def test_param_counts_match_trainer(name):
+    cfg = load_config(name)
+    assert M.total_params(cfg) == count_params(cfg)["total"]
+    # every stage's parameters add up to the model's, for an uneven split too
+    lay = M.Layout(world=8, pp=min(8, cfg["n_layers"]), microbatches=8)
+    stages = [M.stage_params(cfg, lay, s) for s in range(lay.pp)]
+    assert sum(s["dense"] + s["experts"] for s in stages) == count_params(cfg)["total"]
+    assert sum(s["experts"] for s in stages) == count_params(cfg)["routed_experts"]
+
+
+def test_param_count_matches_torch_module():
+    torch = pytest.importorskip("torch")  # noqa: F841
+    from trainer.model import Transformer
+
+    cfg = load_config("tiny")
+    n = sum(p.numel() for p in Transformer(cfg).parameters())
+    assert M.total_params(cfg) == n
+
+
+def _big(name, **kw):
+    cfg = load_config(name)
+    base = dict(world=768, pp=16, ep=8, mbs=1, microbatches=32, sync_free_level=1, loss_fusion=True)
+    base.update(kw)
+    return cfg, M.project(cfg, M.resolve_layout(cfg, **base))
+
+
+@pytest.mark.parametrize("name", ["proxy_1t", "proxy_2t"])
+def test_seed_findings_on_768_gpus(name):
+    cfg, p = _big(name)
+    groups = p.table[p.table["in_peak"]].groupby("group")["bytes"].sum()
+    assert groups.idxmax() == "activations"           # activations dominate
+    acts = p.component_bytes("activations") - p.component_bytes(component="recompute savings (not allocated)")
+    _, p_cp = _big(name, cp=2)
+    acts_cp = p_cp.component_bytes("activations")
+    attn = p.component_bytes(component="activations: attention")
+    attn_cp = p_cp.component_bytes(component="activations: attention")
+    assert 0.4 <= attn_cp / attn <= 0.6                 # CP2 halves attention activations
+    assert acts_cp <= 0.7 * acts                        # and takes >= 30% off all activations
+    _, p16 = _big(name, ep=16)
+    assert abs(p16.peak_bytes / p.peak_bytes - 1) < 0.10  # EP 8 -> 16 barely changes memory
+
+
+def test_level3_buffer_grows_with_ep_on_1t():
+    cfg = load_config("proxy_1t")
+    b = {}
+    for ep in (8, 16):
+        p = M.project(cfg, M.resolve_layout(cfg, world=768, pp=16, ep=ep, microbatches=32, sync_free_level=3))
+        b[ep] = p.component_bytes(component="transient: MoE dispatch/combine buffers")
+    assert b[16] == pytest.approx(2 * b[8])             # ep * T * min(k, E/ep) rows, min(8, 24) = min(8, 48)
+
+
+def test_sweep_only_fitting_sorted():
+    cfg = load_config("deepseek_v2_lite")
+    dev = 80 * GIB
+    space = M.SweepSpace(tp=(1, 2), cp=(1, 2), vpp=(1, 2), mbs=(1,))
+    df = M.sweep(cfg, world=16, device_bytes=dev, global_batch=64, space=space, headroom=0.05)
+    assert len(df) > 0
+    assert (df["peak_bytes"] <= dev * 0.95).all()
+    keys = list(zip(df["bubble"], df["comm_bytes"]))
+    assert keys == sorted(keys)
+    assert df["pp"].min() == 1 and df["bubble"].iloc[0] == 0.0
+    # every returned row re-projects to its peak and GA = 64 / (mbs * dp)
+    for r in df.head(5).itertuples(index=False):
+        lay = M.resolve_layout(cfg, world=16, pp=r.pp, vpp=r.vpp, tp=r.tp, cp=r.cp, ep=r.ep, mbs=r.mbs,
+                               microbatches=r.microbatches, schedule=r.schedule, recompute=r.recompute)
+        assert M.project(cfg, lay).peak_bytes == pytest.approx(r.peak_bytes)
+        assert r.microbatches == 64 // (r.mbs * r.dp)
+    # a 10 GiB device fits fewer layouts, all of them under the limit
+    small = M.sweep(cfg, world=16, device_bytes=10 * GIB, global_batch=64, space=space)
+    assert len(small) < len(df) and (small["peak_bytes"] <= 10 * GIB * 0.95).all()
+
+
+def test_bad_layouts_one_line():
+    cfg = load_config("proxy_1t")
+    with pytest.raises(TraceError, match="ep=7 does not divide"):
+        M.resolve_layout(cfg, world=768, pp=16, ep=7)
+    with pytest.raises(TraceError, match="not divisible by pp"):
+        M.resolve_layout(cfg, world=768, pp=5)
+    with pytest.raises(TraceError, match="n_heads=64 is not divisible by tp=3"):
+        M.resolve_layout(cfg, world=768, tp=3)
+    with pytest.raises(TraceError, match="unknown layout key"):
+        M.resolve_layout(cfg, world=8, bogus=1)
+    with pytest.raises(TraceError, match="recompute"):
+        M.resolve_layout(cfg, world=8, recompute="sometimes")
+    assert M.parse_bytes("80GiB") == 80 * GIB and M.parse_bytes("141GB") == 141 * 10**9
+    with pytest.raises(TraceError):
+        M.parse_bytes("lots")
+
+
+def test_cli(tmp_path):
+    r = CliRunner()
+    out = r.invoke(main, ["memory", "gpu_proxy", "--json", str(tmp_path / "m.json"), "--device", "H100"])
+    assert out.exit_code == 0, out.output
+    js = json.loads((tmp_path / "m.json").read_text())
+    assert js["peak_bytes"] == max(c for c in [sum(x["bytes"] for x in js["components"] if x["in_peak"])])
+    assert js["fits"] is True and js["layout"]["world"] == 1
+    for args, msg in ((["memory", "gpu_proxy", "--set", "nope=1"], "nope: unknown config key"),
+                      (["memory", "proxy_1t", "--world", "768", "--pp", "16", "--ep", "7"], "ep=7 does not divide"),
+                      (["memory", "no_such_config"], "file not found"),
+                      (["memory", "gpu_proxy", "--sweep"], "--sweep needs")):
+        res = r.invoke(main, args)
+        assert res.exit_code == 2, (args, res.output)
+        lines = [ln for ln in res.output.splitlines() if ln.strip()]
+        assert len(lines) == 1 and msg in lines[0] and lines[0].startswith("tracelens: error:")
+
+
+def test_cli_manifest_and_sweep(tmp_path):
+    cfg = load_config("gpu_proxy")
+    man = {"config": cfg, "world_size": 1, "metrics": {"peak_memory_bytes": [40 * GIB],
+                                                         "peak_memory_kind": "cuda_max_memory_allocated"}}
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "manifest.json").write_text(json.dumps(man))
+    r = CliRunner()
+    res = r.invoke(main, ["memory", str(tmp_path / "run"), "--json", str(tmp_path / "m.json")])
+    assert res.exit_code == 0, res.output
+    js = json.loads((tmp_path / "m.json").read_text())
+    assert js["measured_peak_bytes"] == 40 * GIB
+    assert js["projected_over_measured"] == pytest.approx(js["peak_bytes"] / (40 * GIB), rel=1e-3)
+    res = r.invoke(main, ["memory", "deepseek_v2_lite", "--world", "16", "--sweep", "--device-memory", "80GiB",
+                          "--global-batch", "64", "--json", str(tmp_path / "s.json"), "--top", "5"])
+    assert res.exit_code == 0, res.output
+    s = json.loads((tmp_path / "s.json").read_text())
+    assert 0 < len(s["fits"]) <= 5 and all(f["peak_bytes"] <= 80 * GIB * 0.95 for f in s["fits"])
