@@ -182,6 +182,12 @@ def render(analysis: Analysis, title: str | None = None) -> str:
     extra = _deep_sections(a)
     if extra.get("roofline_figure"):
         figures["plot-roofline"] = extra.pop("roofline_figure")
+    pipeline = None
+    if getattr(a, "pipeline", None) is not None:  # run dir with pipeline data: reports/pipeline.py
+        from .pipeline import section_context
+
+        pipeline = section_context(a.pipeline)
+        figures.update(pipeline.pop("figures"))
     ops_cols = [("op", "op", "name"), ("input_dims", "input dims", "name"), ("count", "count", "num"),
                 ("gpu_total_us", "GPU µs", "num"), ("gpu_mean_us", "GPU mean µs", "num"),
                 ("pct_gpu_busy", "% GPU busy", "pct"), ("kernels", "kernels", "num"),
@@ -214,6 +220,7 @@ def render(analysis: Analysis, title: str | None = None) -> str:
         if not a.annotations.empty else "",
         kernels_table=html_table(a.kernels, kern_cols) if has_gpu else "",
         top_ops_table=html_table(a.top_ops, top_cols),
+        pipeline=pipeline,
         figures_json=safe_json(figures),
     )
 

@@ -39,6 +39,7 @@ class Analysis:
     warnings: list[str] = field(default_factory=list)
     _findings: list | None = field(default=None, repr=False)
     _roofline: Any = field(default=None, repr=False)
+    pipeline: Any = field(default=None, repr=False)  # PipelineAnalysis when the run has pipeline data
 
     def roofline(self, ceilings: Any = None):
         """Roofline of every modeled op group (tracelens.analysis.roofline); computed once per ceilings."""
@@ -74,6 +75,7 @@ class Analysis:
             "kernels": self.kernels, "categories": self.categories, "top_ops": self.top_ops,
             "breakdown": self.breakdown, "steps": self.steps, "annotations": self.annotations,
             **(self.roofline().tables() if self.has_gpu else {}),
+            **(self.pipeline.tables() if self.pipeline is not None else {}),
         }
 
     def summary(self) -> dict[str, Any]:
@@ -156,6 +158,22 @@ def _mark_startup_waits(trace: Trace, gpu: pd.DataFrame, stl: pd.DataFrame, warn
     return stl
 
 
+def _pipeline(trace: Trace, warnings: list[str]):
+    """Pipeline schedule analysis when the run dir has pipeline/rank<N>.jsonl or the traces have pipeline
+    ranges (tracelens.analysis.pipeline); a problem with that data becomes a warning, not a failure."""
+    from .analysis.pipeline import pipeline_for_trace
+    from .errors import TraceError
+
+    try:
+        res = pipeline_for_trace(trace)
+    except TraceError as e:
+        warnings.append(f"pipeline section skipped: {e.one_line()}")
+        return None
+    if res is not None:
+        warnings.extend(f"pipeline: {w}" for w in res.warnings)
+    return res
+
+
 def analyze(trace: Trace) -> Analysis:
     """Hierarchical breakdown of a loaded trace: timeline -> ops -> kernels, per rank and step."""
     warnings = list(trace.warnings)
@@ -184,4 +202,5 @@ def analyze(trace: Trace) -> Analysis:
         breakdown=summaries.breakdown_tree(gpu, tree),
         annotations=summaries.annotation_summary(tree, gpu),
         warnings=warnings,
+        pipeline=_pipeline(trace, warnings),
     )

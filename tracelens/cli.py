@@ -290,6 +290,70 @@ def export(paths, perfetto_out, no_cache):
 
 
 @main.command()
+@click.argument("run", type=click.Path())
+@click.option("-o", "--out", type=click.Path(), help="ppvis.html path, or a directory to write ppvis.html into (default: RUN/ppvis.html, or NAME.ppvis.html beside a trace file).")
+@click.option("--open", "open_browser", is_flag=True, help="Open the page in a browser when done.")
+@click.option("--perfetto", "perfetto_out", type=click.Path(dir_okay=False), help="Also write a Perfetto trace: one track per rank and stage, plus bubbles.")
+@click.option("--json", "json_out", type=click.Path(dir_okay=False), help="Write bubbles, stage balance and the statement as JSON.")
+@click.option("--step", type=click.IntRange(0), default=None, help="Analyze this step only (default: all but the first, warm-up, step).")
+@click.option("--no-cache", is_flag=True, help="Do not read or write the parsed-trace cache.")
+def ppvis(run, out, open_browser, perfetto_out, json_out, step, no_cache):
+    """Pipeline schedule of RUN (a run dir, or traces with pipeline/{F|B|W}/s<stage>/mb<n> ranges): per-rank
+    lanes, bubble ratio per rank vs theory, stage imbalance and the stage to fix. See docs/pipeline.md."""
+    import json
+
+    from .analysis.pipeline import fmt_ns, load_pipeline
+    from reports.pipeline import write_ppvis
+
+    res = load_pipeline(run, step=step, cache=not no_cache)
+    for w in res.warnings:
+        click.echo(f"tracelens: warning: {w}", err=True)
+    _print_pipeline(res, fmt_ns)
+    if out and not out.endswith(".html"):
+        html_path = Path(out) / "ppvis.html"
+    elif out:
+        html_path = Path(out)
+    elif Path(run).is_dir():
+        html_path = Path(run) / "ppvis.html"
+    else:
+        html_path = _default_out((run,)).with_suffix(".ppvis.html")
+    written = [write_ppvis(res, html_path, title=f"tracelens ppvis: {Path(run).resolve().name}")]
+    if perfetto_out:
+        from .export_perfetto import export_pipeline_perfetto
+
+        written.append(Path(export_pipeline_perfetto(res, perfetto_out)["path"]))
+    if json_out:
+        Path(json_out).write_text(json.dumps(res.to_dict(), indent=1, default=str))
+        written.append(Path(json_out))
+    click.echo(f"wrote {', '.join(str(p) for p in written)}")
+    if open_browser:
+        webbrowser.open(written[0].resolve().as_uri())
+
+
+def _print_pipeline(res, fmt_ns) -> None:
+    import math
+
+    m = res.meta
+    skipped = f"; step {', '.join(map(str, res.skipped_steps))} skipped as warm-up" if res.skipped_steps else ""
+    click.echo(f"pipeline: {m.schedule}{f' ({m.torch_schedule})' if m.torch_schedule else ''}, pp {m.pp}, vpp {m.vpp}, "
+               f"{m.microbatches} microbatches; {len(res.steps)} step(s) analyzed{skipped}"
+               + (f" [inferred: {', '.join(m.inferred)}]" if m.inferred else ""))
+    pct = lambda v: "n/a" if v is None or math.isnan(v) else f"{100 * v:.1f}%"  # noqa: E731
+    click.echo(f"{'rank':>4} {'pp':>3} {'window':>12} {'busy':>12} {'idle':>12} {'bubble':>7} {'theory':>7}")
+    for r in res.per_rank.sort_values("rank").itertuples(index=False):
+        click.echo(f"{r.rank:>4} {r.pp_rank:>3} {fmt_ns(r.window_ns / r.steps):>12} {fmt_ns(r.busy_ns / r.steps):>12} "
+                   f"{fmt_ns(r.idle_ns / r.steps):>12} {pct(r.bubble_ratio):>7} {pct(r.theory_ratio):>7}")
+    click.echo(f"overall bubble {pct(res.overall_ratio)} (theory {pct(res.theory_ratio)}"
+               + (f": {res.theory_note}" if res.theory_note else "") + "); times are per step")
+    click.echo(f"{'stage':>5} {'pp':>3} {'layers':>6} {'F/mb':>11} {'B/mb':>11} {'W/mb':>11} {'total/mb':>11} {'x mean':>6} {'crit %':>6}")
+    for s in res.balance.table.itertuples(index=False):
+        layers = "–" if s.layers is None or (isinstance(s.layers, float) and math.isnan(s.layers)) else str(int(s.layers))
+        click.echo(f"{s.stage:>5} {s.pp_rank:>3} {layers:>6} {fmt_ns(s.f_ns):>11} {fmt_ns(s.b_ns):>11} {fmt_ns(s.w_ns):>11} "
+                   f"{fmt_ns(s.total_ns):>11} {s.ratio_to_mean:>6.2f} {100 * s.critical_share:>6.1f}")
+    click.echo(res.balance.statement)
+
+
+@main.command()
 @click.option("--pp", type=click.IntRange(1), required=True, help="Pipeline stages.")
 @click.option("--vpp", type=click.IntRange(1), default=1, show_default=True, help="Virtual stages per rank (interleaved).")
 @click.option("--ga", type=click.IntRange(1), default=None, help="Microbatches per step (gradient accumulation).")

@@ -227,3 +227,51 @@ def _thread_name(threads: pd.DataFrame, rank: int, pid: int, tid: int) -> str:
                 (threads["kind"] == "thread_name")]
     name = str(t["value"].iloc[0]) if len(t) else ""
     return f"CPU {name}" if name and name != "None" else f"CPU thread {tid}"
+
+
+def export_pipeline_perfetto(result, out: str | os.PathLike) -> dict:
+    """Write a pipeline schedule (`tracelens.analysis.pipeline.PipelineAnalysis`) as a Perfetto trace.
+
+    One process per rank ("rank N (pp rank P)"); under it one track per pipeline stage the rank runs
+    ("stage S"), with every action of the analyzed steps as a slice named "F mb3" (args: kind, stage,
+    microbatch, step), and a "bubbles" track with the rank's idle intervals inside each step's window.
+    Times are ns since the first action, on the run's shared clock. Returns counts of tracks and slices.
+    """
+    from .analysis.pipeline import bubble_gaps
+
+    acts = result.selected
+    if acts.empty:
+        raise TraceError(None, "nothing to export: no pipeline actions in the analyzed steps")
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    t0 = int(acts["start_ns"].min())
+    gaps = bubble_gaps(acts)
+    tracks = 0
+    tmp = out.with_suffix(out.suffix + ".tmp")
+    with open(tmp, "wb") as f:
+        w = _Writer(f, t0)
+        for (rank, pp_rank), ra in acts.groupby(["rank", "pp_rank"], sort=True):
+            proc = w.process(200_000 + int(rank), f"rank {rank} (pp rank {pp_rank})")
+            order = 0
+            for stage, sa in ra.groupby("stage", sort=True):
+                t = w.track(proc, f"stage {stage}", order)
+                order += 1
+                tracks += 1
+                sa = sa.sort_values(["start_ns", "end_ns"])
+                kinds = sa["kind"].astype(str).tolist()
+                mbs = sa["microbatch"].tolist()
+                starts = sa["start_ns"].to_numpy()
+                # slices on one track must not partly overlap: cut an end at the next action's start
+                ends = np.maximum(np.minimum(sa["end_ns"].to_numpy(), np.r_[starts[1:], np.iinfo(np.int64).max]), starts)
+                w.slices_on(t, starts, ends,
+                            [f"{k} mb{m}" for k, m in zip(kinds, mbs)],
+                            args=[{"kind": k, "stage": int(stage), "microbatch": int(m), "step": int(s)}
+                                  for k, m, s in zip(kinds, mbs, sa["step"].tolist())])
+            g = gaps[gaps["rank"] == rank]
+            if len(g):
+                t = w.track(proc, "bubbles", order)
+                tracks += 1
+                w.slices_on(t, g["start_ns"].to_numpy(), g["end_ns"].to_numpy(), [f"bubble ({x})" for x in g["where"]],
+                            args=[{"step": int(s)} for s in g["step"]])
+    os.replace(tmp, out)
+    return {"tracks": tracks, "slices": w.slices, "path": str(out)}

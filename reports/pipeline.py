@@ -1,0 +1,200 @@
+"""Pipeline schedule figures and the standalone ``ppvis.html`` (and the pipeline section of report.html).
+
+    >>> from tracelens.analysis.pipeline import load_pipeline
+    >>> from reports.pipeline import write_ppvis
+    >>> write_ppvis(load_pipeline("runs/pp4"), "runs/pp4/ppvis.html")
+
+Figures are plain plotly dicts embedded as JSON by `reports.html.safe_json`; every label that comes from
+the data is HTML-escaped for plotly. Three figures:
+    lanes     one row per rank, one bar per action (colour = F/B/W, text = microbatch), idle gaps as
+              hatched grey "bubble" bars, for one step (the last analyzed one, or --step)
+    bubble    measured bubble ratio per rank and overall next to the theoretical ratio
+    stages    mean F/B/W time per microbatch of each stage, with the mean of stages as a line
+"""
+
+from __future__ import annotations
+
+import html
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+from tracelens.analysis.pipeline import PipelineAnalysis, _ranges, fmt_ns
+
+KIND_COLORS = {"F": "#3b7dd8", "B": "#e4572e", "W": "#8e5ad6", "bubble": "#c9ced8"}
+KIND_NAMES = {"F": "forward (F)", "B": "backward (B)", "W": "weight grad (W)"}
+
+
+def _esc(v: Any) -> str:
+    return html.escape(str(v), quote=False)
+
+
+def _ms(ns: Any) -> float:
+    return round(float(ns) / 1e6, 6)
+
+
+def _lane(rank: int, pp_rank: int) -> str:
+    return f"rank {rank} · pp {pp_rank}"
+
+
+def lanes_figure(res: PipelineAnalysis) -> dict:
+    """Gantt of the shown step: one lane per rank, bars per action, bubbles between them."""
+    acts = res.selected[res.selected["step"] == res.shown_step]
+    t0 = int(acts["start_ns"].min())
+    lanes = acts[["rank", "pp_rank"]].drop_duplicates().sort_values("rank")
+    lane_of = {int(r): _lane(int(r), int(p)) for r, p in zip(lanes["rank"], lanes["pp_rank"])}
+    data = []
+    for kind in ("F", "B", "W"):
+        k = acts[acts["kind"] == kind]
+        if k.empty:
+            continue
+        dur = (k["end_ns"] - k["start_ns"]).to_numpy()
+        data.append({
+            "type": "bar", "orientation": "h", "name": KIND_NAMES[kind],
+            "y": [lane_of[int(r)] for r in k["rank"]],
+            "base": [_ms(s - t0) for s in k["start_ns"]], "x": [_ms(d) for d in dur],
+            "text": [str(int(m)) for m in k["microbatch"]], "textposition": "inside", "insidetextanchor": "middle",
+            "textfont": {"color": "#ffffff"},
+            "customdata": [[int(s), int(m), _ms(d)] for s, m, d in zip(k["stage"], k["microbatch"], dur)],
+            "hovertemplate": f"{kind} · stage %{{customdata[0]}} · microbatch %{{customdata[1]}}<br>"
+                             "start %{base:.3f} ms · %{customdata[2]:.3f} ms<extra>%{y}</extra>",
+            "marker": {"color": KIND_COLORS[kind], "line": {"color": "#ffffff", "width": 1}},
+        })
+    g = res.gaps
+    if not g.empty:
+        data.append({
+            "type": "bar", "orientation": "h", "name": "bubble (idle)",
+            "y": [lane_of.get(int(r), f"rank {int(r)}") for r in g["rank"]],
+            "base": [_ms(s - t0) for s in g["start_ns"]], "x": [_ms(e - s) for s, e in zip(g["start_ns"], g["end_ns"])],
+            "customdata": [[w] for w in g["where"]],
+            "hovertemplate": "idle (%{customdata[0]}) · %{x:.3f} ms<extra>%{y}</extra>",
+            "marker": {"color": KIND_COLORS["bubble"], "pattern": {"shape": "/", "fgcolor": "#9aa6b8"}},
+        })
+    n = len(lanes)
+    layout = {
+        "barmode": "overlay", "bargap": 0.25, "height": 140 + 46 * n,
+        "margin": {"l": 110, "r": 20, "t": 10, "b": 40}, "uniformtext": {"mode": "hide", "minsize": 8},
+        "xaxis": {"title": {"text": f"ms since the start of step {res.shown_step}"}, "zeroline": False},
+        "yaxis": {"autorange": "reversed", "categoryorder": "array", "categoryarray": list(lane_of.values())},
+        "legend": {"orientation": "h", "y": -0.25 if n < 4 else -0.12},
+    }
+    return {"data": data, "layout": layout}
+
+
+def bubble_figure(res: PipelineAnalysis) -> dict:
+    """Measured bubble ratio per rank (and overall) next to the schedule's theoretical ratio."""
+    pr = res.per_rank.sort_values("rank")
+    x = [_lane(int(r), int(p)) for r, p in zip(pr["rank"], pr["pp_rank"])] + ["overall"]
+    measured = [round(100 * float(v), 3) for v in pr["bubble_ratio"]] + [round(100 * res.overall_ratio, 3)]
+    data = [{"type": "bar", "name": "measured", "x": x, "y": measured, "marker": {"color": "#3b7dd8"},
+             "text": [f"{v:.1f}%" for v in measured], "textposition": "outside",
+             "hovertemplate": "%{x}: %{y:.2f}% idle<extra>measured</extra>"}]
+    if not math.isnan(res.theory_ratio):
+        th = round(100 * res.theory_ratio, 3)
+        data.append({"type": "bar", "name": _esc(f"theory ({res.meta.schedule})"), "x": x, "y": [th] * len(x),
+                     "marker": {"color": "#9aa6b8"}, "hovertemplate": "%{y:.2f}%<extra>theory</extra>"})
+    top = max(measured + [100 * res.theory_ratio if not math.isnan(res.theory_ratio) else 0.0, 1.0])
+    layout = {"barmode": "group", "height": 320, "margin": {"l": 60, "r": 20, "t": 20, "b": 60},
+              "yaxis": {"title": {"text": "bubble (% of step window)"}, "range": [0, top * 1.2]},
+              "legend": {"orientation": "h", "y": -0.25}}
+    return {"data": data, "layout": layout}
+
+
+def stage_figure(res: PipelineAnalysis) -> dict:
+    """Stacked F/B/W time per microbatch per stage; the mean of stages as a dashed line."""
+    t = res.balance.table
+    x = [f"stage {int(s)}" for s in t["stage"]]
+    data = []
+    for kind, col in (("F", "f_ns"), ("B", "b_ns"), ("W", "w_ns")):
+        if float(t[col].fillna(0).sum()) == 0:
+            continue
+        data.append({"type": "bar", "name": KIND_NAMES[kind], "x": x, "y": [_ms(v) if not math.isnan(v) else 0 for v in t[col]],
+                     "marker": {"color": KIND_COLORS[kind]}, "hovertemplate": "%{x}: %{y:.3f} ms " + kind + "<extra></extra>"})
+    mean = float(t["total_ns"].mean())
+    shapes = [{"type": "line", "xref": "paper", "x0": 0, "x1": 1, "y0": _ms(mean), "y1": _ms(mean),
+               "line": {"color": "#1d2430", "dash": "dash", "width": 1.5}}]
+    slow = res.balance.slowest_stage
+    annotations = [{"x": f"stage {slow}", "y": _ms(t.at[slow, "total_ns"]), "yanchor": "bottom", "showarrow": False,
+                    "text": f"{res.balance.slowest_ratio:.2f}x mean", "font": {"color": "#c0392b" if res.balance.flagged else "#5b6475"}},
+                   {"xref": "paper", "x": 1, "xanchor": "right", "y": _ms(mean), "yanchor": "bottom", "showarrow": False,
+                    "text": "mean of stages", "font": {"size": 11}}]
+    layout = {"barmode": "stack", "height": 340, "margin": {"l": 60, "r": 20, "t": 24, "b": 60},
+              "yaxis": {"title": {"text": "ms per microbatch"}}, "shapes": shapes, "annotations": annotations,
+              "legend": {"orientation": "h", "y": -0.25}}
+    return {"data": data, "layout": layout}
+
+
+def _pct(v: Any) -> float:
+    return math.nan if v is None or (isinstance(v, float) and math.isnan(v)) else 100.0 * float(v)
+
+
+def section_context(res: PipelineAnalysis, id_prefix: str = "plot-pp") -> dict[str, Any]:
+    """Template variables of the pipeline section (`_pipeline.html`) and its figures by element id."""
+    from .html import html_table
+
+    m = res.meta
+    pr = res.per_rank.sort_values("rank").assign(
+        window_us=lambda d: d["window_ns"] / 1e3, busy_us=lambda d: d["busy_ns"] / 1e3, idle_us=lambda d: d["idle_ns"] / 1e3,
+        lead_us=lambda d: d["lead_ns"] / 1e3, inner_us=lambda d: d["inner_ns"] / 1e3, tail_us=lambda d: d["tail_ns"] / 1e3,
+        bubble_pct=lambda d: d["bubble_ratio"].map(_pct), theory_pct=lambda d: d["theory_ratio"].map(_pct))
+    rank_table = html_table(pr, [
+        ("rank", "rank", "num"), ("pp_rank", "pp rank", "num"), ("steps", "steps", "num"), ("window_us", "window µs", "num"),
+        ("busy_us", "busy µs", "num"), ("idle_us", "idle µs", "num"), ("lead_us", "idle before first µs", "num"),
+        ("inner_us", "idle between µs", "num"), ("tail_us", "idle after last µs", "num"),
+        ("bubble_pct", "bubble %", "pct"), ("theory_pct", "theory %", "pct")])
+    st = res.balance.table.assign(
+        f_us=lambda d: d["f_ns"] / 1e3, b_us=lambda d: d["b_ns"] / 1e3, w_us=lambda d: d["w_ns"] / 1e3,
+        total_us=lambda d: d["total_ns"] / 1e3, layer_us=lambda d: d["layer_ns"] / 1e3,
+        critical_us=lambda d: d["critical_ns"] / 1e3, critical_pct=lambda d: 100 * d["critical_share"])
+    cols = [("stage", "stage", "num"), ("pp_rank", "pp rank", "num"), ("modules", "modules", "name"),
+            ("layers", "layers", "num"), ("f_us", "F µs/mb", "num"), ("b_us", "B µs/mb", "num"),
+            ("w_us", "W µs/mb", "num"), ("total_us", "total µs/mb", "num"), ("ratio_to_mean", "x mean", "num"),
+            ("layer_us", "µs/layer/mb", "num"), ("critical_us", "critical path µs/step", "num"),
+            ("critical_pct", "% of critical path", "pct")]
+    if not st["modules"].astype(bool).any():
+        cols = [c for c in cols if c[0] not in ("modules", "layers", "layer_us")]
+    if float(st["w_ns"].fillna(0).sum()) == 0:
+        cols = [c for c in cols if c[0] != "w_us"]
+    stage_table = html_table(st, cols)
+    theory = ("n/a" + (f" ({res.theory_note})" if res.theory_note else "") if math.isnan(res.theory_ratio)
+              else f"{100 * res.theory_ratio:.1f}%")
+    inferred = f" (inferred from the actions: {', '.join(m.inferred)})" if m.inferred else ""
+    overview = [
+        ("schedule", m.schedule + (f" ({m.torch_schedule})" if m.torch_schedule else "")),
+        ("pp × vpp", f"{m.pp} × {m.vpp} = {m.n_stages} stages"),
+        ("microbatches per step", str(m.microbatches)),
+        ("layout", m.layout or "–"),
+        ("steps analyzed", _ranges(res.steps) + (f" (step {_ranges(res.skipped_steps)} skipped as warm-up)"
+                                                  if res.skipped_steps else "")),
+        ("source", "pipeline/rank<N>.jsonl" if res.source == "jsonl" else "record_function ranges in the traces"),
+        ("bubble overall", f"{100 * res.overall_ratio:.1f}% measured vs {theory} theoretical"),
+        ("mean step window", fmt_ns(float(res.per_step.groupby("step")["window_ns"].first().mean()))),
+    ]
+    figures = {f"{id_prefix}-lanes": lanes_figure(res), f"{id_prefix}-bubble": bubble_figure(res),
+               f"{id_prefix}-stages": stage_figure(res)}
+    return {"statement": res.balance.statement, "flagged": res.balance.flagged, "overview": overview,
+            "inferred_note": inferred, "rank_table": rank_table, "stage_table": stage_table,
+            "shown_step": res.shown_step, "id_prefix": id_prefix, "warnings": list(res.warnings), "figures": figures}
+
+
+def render_ppvis(res: PipelineAnalysis, title: str | None = None) -> str:
+    """The standalone pipeline report (plotly.js inlined; works offline)."""
+    from .html import _env, _version, plotly_js, safe_json
+
+    ctx = section_context(res)
+    figures = ctx.pop("figures")
+    m = res.meta
+    return _env().get_template("ppvis.html").render(
+        title=title or "tracelens ppvis", subtitle=f"pipeline {m.schedule}, pp {m.pp}, vpp {m.vpp}, "
+                                                   f"{m.microbatches} microbatches · tracelens {_version()}",
+        plotly_js=plotly_js(), warnings=ctx["warnings"], pipeline=ctx, figures_json=safe_json(figures))
+
+
+def write_ppvis(res: PipelineAnalysis, path: str | os.PathLike, title: str | None = None) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(render_ppvis(res, title), encoding="utf-8")
+    os.replace(tmp, path)
+    return path

@@ -1,0 +1,858 @@
+"""Pipeline-parallel schedules as measured: per-rank lanes, bubbles, stage balance, critical path.
+
+Input is one table of pipeline *actions*, one row per forward/backward of one microbatch on one stage:
+
+    step  rank  pp_rank  stage  microbatch  kind  start_ns  end_ns
+    kind: F forward, B backward (for inputs, or the whole backward), W backward for weights (zero bubble)
+
+It comes from the run directory's ``pipeline/rank<N>.jsonl`` files (`read_pipeline_jsonl`), or, when
+those are absent, is rebuilt from ``record_function`` ranges named ``pipeline/{kind}/s{stage}/mb{mb}``
+in the traces (`actions_from_trace`). Everything after loading is a pure function of that table:
+
+    >>> from tracelens.analysis import pipeline as P
+    >>> actions = P.load_pipeline_actions("runs/pp4")          # jsonl, else the trace ranges
+    >>> meta = P.pipeline_meta("runs/pp4", actions)            # manifest["pipeline"], else inferred
+    >>> per_step = P.bubbles(actions)                          # per (step, rank): window, busy, idle
+    >>> bal = P.stage_balance(actions, meta)                   # per-stage time, slowest, critical path
+    >>> print(bal.statement)       # "stage 3 is 1.40x slower than the mean: move 1 layer to stage 2"
+    >>> res = P.analyze_pipeline(actions, meta)                # all of the above, warm-up step skipped
+
+Definitions (docs/pipeline.md):
+- window of a step: first action start to last action end over all ranks of that step;
+- busy of a rank: the union of its action intervals in the window; idle = window - busy; bubble
+  ratio = idle / window, per rank, and overall as the sum of idle over the sum of windows;
+- theoretical bubble: `tracelens.analysis.bubble.bubble_ratio` for the schedule, pp, vpp and
+  microbatches (from the manifest, or inferred from the actions);
+- stage time: mean over microbatches of the F + B + W time of one microbatch on that stage;
+- critical path: walking back from the action that ends the step, at each action the predecessor that
+  finished last among its data dependency (F from the previous stage, B from the next stage, W from
+  its B) and the previous action on the same rank (preferred on a tie); the stage with most compute
+  on that path is the one that sets the step time.
+- warm-up: when several steps exist and no step is chosen, the first step is left out (it pays for
+  allocator growth, communicator set-up and kernel autotuning).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from .. import categories as C
+from ..errors import TraceError
+from . import intervals as I
+from .bubble import bubble_ratio
+
+KINDS = ("F", "B", "W")
+ACTION_COLUMNS = ("step", "rank", "pp_rank", "stage", "microbatch", "kind", "start_ns", "end_ns")
+RANGE_RE = re.compile(r"^pipeline/([FBW])/s(\d+)/mb(\d+)$")
+_JSONL_NAME = re.compile(r"^rank(\d+)\.jsonl$")
+# A stage is flagged when its time per microbatch is at least this many times the mean of all stages.
+IMBALANCE_THRESHOLD = 1.10
+# Module letters of Megatron-style layout strings ("Et|tt|tt|tL"): E embedding, t transformer layer,
+# m MTP layer, L loss/output head.
+_LAYOUT_MODULES = {"E": "embedding", "t": "layer", "m": "mtp", "L": "loss"}
+# torch.distributed.pipelining class names -> the preset names `bubble_ratio` knows.
+_TORCH_SCHEDULES = {
+    "schedulegpipe": "gpipe", "schedule1f1b": "1f1b", "scheduleinterleaved1f1b": "vpp",
+    "scheduleloopedbfs": "vpp", "scheduleinterleavedzerobubble": "zb1p", "schedulezbvzerobubble": "zbv",
+    "scheduledualpipev": "zbv",
+}
+
+
+# ------------------------------------------------------------------------------------ loading
+
+
+def _empty_actions() -> pd.DataFrame:
+    df = pd.DataFrame({c: pd.Series(dtype=np.int64) for c in ACTION_COLUMNS})
+    df["kind"] = pd.Categorical([], categories=list(KINDS))
+    return df[list(ACTION_COLUMNS)]
+
+
+def _finish(df: pd.DataFrame) -> pd.DataFrame:
+    """Typed, sorted actions table with the standard columns."""
+    for c in ACTION_COLUMNS:
+        if c != "kind":
+            df[c] = df[c].astype(np.int64)
+    df["kind"] = pd.Categorical(df["kind"].astype(str), categories=list(KINDS))
+    return df[list(ACTION_COLUMNS)].sort_values(["step", "rank", "start_ns", "end_ns"], kind="stable").reset_index(drop=True)
+
+
+def _jsonl_files(run_dir: Path) -> list[tuple[int, Path]]:
+    d = run_dir / "pipeline"
+    if not d.is_dir():
+        return []
+    out = []
+    for f in d.iterdir():
+        m = _JSONL_NAME.match(f.name)
+        if m and f.is_file():
+            out.append((int(m.group(1)), f))
+    return sorted(out)
+
+
+def read_pipeline_jsonl(run_dir: str | os.PathLike) -> pd.DataFrame | None:
+    """Actions from ``RUN/pipeline/rank<N>.jsonl``; None when the run dir has no such files.
+
+    Each line is one JSON object with the contract's keys (step, rank, pp_rank, stage, microbatch, kind,
+    start_ns, end_ns). A line that is not such an object raises `TraceError` naming the file and the
+    line number; blank lines are skipped.
+    """
+    import msgspec
+
+    files = _jsonl_files(Path(run_dir))
+    if not files:
+        return None
+    cols: dict[str, list] = {c: [] for c in ACTION_COLUMNS}
+    ints = [c for c in ACTION_COLUMNS if c != "kind"]
+    for file_rank, path in files:
+        try:
+            text = path.read_bytes()
+        except OSError as e:
+            raise TraceError(path, f"cannot read: {e.strerror or e}") from None
+        for lineno, line in enumerate(text.splitlines(), 1):
+            if not line.strip():
+                continue
+            where = f"{path}:{lineno}"
+            try:
+                rec = msgspec.json.decode(line)
+            except msgspec.DecodeError as e:
+                raise TraceError(where, f"not valid JSON ({e})") from None
+            if not isinstance(rec, dict):
+                raise TraceError(where, f"expected a JSON object, got {type(rec).__name__}")
+            missing = [c for c in ACTION_COLUMNS if c not in rec]
+            if missing:
+                raise TraceError(where, f"missing key(s) {', '.join(repr(m) for m in missing)}")
+            for c in ints:
+                v = rec[c]
+                if not isinstance(v, int) or isinstance(v, bool):
+                    raise TraceError(where, f"{c!r} must be an integer, got {v!r}")
+                if v < 0:
+                    raise TraceError(where, f"{c!r} must be >= 0, got {v}")
+            if rec["kind"] not in KINDS:
+                raise TraceError(where, f"'kind' must be one of F, B, W, got {rec['kind']!r}")
+            if rec["end_ns"] < rec["start_ns"]:
+                raise TraceError(where, f"'end_ns' {rec['end_ns']} is before 'start_ns' {rec['start_ns']}")
+            if rec["rank"] != file_rank:
+                raise TraceError(where, f"'rank' is {rec['rank']} in the file of rank {file_rank}")
+            for c in ACTION_COLUMNS:
+                cols[c].append(rec[c])
+    if not cols["step"]:
+        return None
+    return _finish(pd.DataFrame(cols))
+
+
+def actions_from_trace(trace) -> pd.DataFrame:
+    """Actions rebuilt from ``pipeline/{kind}/s{stage}/mb{mb}`` ranges in a loaded `Trace`.
+
+    On a rank whose trace has GPU copies of the ranges (``gpu_user_annotation``) those are used, as they
+    time the device's work; otherwise the host ranges (``user_annotation``). Copies of one range on
+    several GPU streams that overlap are merged. The k-th occurrence of a range on a rank belongs to the
+    k-th step: numbered by the rank's ``ProfilerStep#N`` markers when there are enough of them, else from 0.
+    pp_rank is the lowest stage a rank holds (true of GPipe, 1F1B, interleaved and V schedules).
+    """
+    ev = trace.events
+    if ev.empty:
+        return _empty_actions()
+    is_ann = C.isin(ev["cat"], frozenset({"user_annotation", "gpu_user_annotation"}))
+    is_pipe = C.map_strings(ev["name"], lambda s: bool(RANGE_RE.match(s)))
+    sel = ev.loc[is_ann & is_pipe, ["rank", "cat", "name", "ts", "dur"]]
+    if sel.empty:
+        return _empty_actions()
+    sel = sel.assign(gpu=(sel["cat"].astype(str) == "gpu_user_annotation").to_numpy())
+    has_gpu = sel.groupby("rank")["gpu"].transform("any").to_numpy()
+    sel = sel[sel["gpu"].to_numpy() == has_gpu]
+    names = sel["name"].astype(str)
+    parts = names.str.extract(RANGE_RE)
+    df = pd.DataFrame({"rank": sel["rank"].to_numpy().astype(np.int64), "name": names.to_numpy(),
+                       "kind": parts[0].to_numpy(), "stage": parts[1].astype(np.int64).to_numpy(),
+                       "microbatch": parts[2].astype(np.int64).to_numpy(),
+                       "start_ns": sel["ts"].to_numpy().astype(np.int64),
+                       "end_ns": (sel["ts"] + sel["dur"].clip(lower=0)).to_numpy().astype(np.int64)})
+    df = df.sort_values(["rank", "name", "start_ns"], kind="stable").reset_index(drop=True)
+    # merge overlapping copies of the same range (one per GPU stream), then number the occurrences
+    g = df.groupby(["rank", "name"], sort=False)
+    prev_end = g["end_ns"].transform(lambda e: e.cummax().shift(1)).fillna(-1).to_numpy()
+    new = df["start_ns"].to_numpy() >= prev_end
+    df["occ"] = pd.Series(new.astype(np.int64)).groupby([df["rank"], df["name"]]).cumsum().to_numpy() - 1
+    df = df.groupby(["rank", "name", "occ"], as_index=False, sort=False).agg(
+        kind=("kind", "first"), stage=("stage", "first"), microbatch=("microbatch", "first"),
+        start_ns=("start_ns", "min"), end_ns=("end_ns", "max"))
+    step_names = C.map_strings(ev["name"], lambda s: bool(C.STEP_RE.match(s))) & C.isin(ev["cat"], C.ANNOTATION_CATS)
+    markers = ev.loc[step_names, ["rank", "name", "ts"]]
+    step_no: dict[int, list[int]] = {}
+    for r, mk in markers.groupby("rank"):
+        nums = mk.sort_values("ts")["name"].astype(str).map(lambda s: int(C.STEP_RE.match(s).group(1)))
+        step_no[int(r)] = list(dict.fromkeys(nums.tolist()))  # in time order, each once
+    steps = np.empty(len(df), dtype=np.int64)
+    for r, idx in df.groupby("rank").indices.items():
+        occ = df["occ"].to_numpy()[idx]
+        nums = step_no.get(int(r), [])
+        steps[idx] = np.asarray(nums, dtype=np.int64)[occ] if len(nums) > occ.max() else occ
+    df["step"] = steps
+    df["pp_rank"] = df.groupby("rank")["stage"].transform("min")
+    return _finish(df)
+
+
+def load_pipeline_actions(source, *, cache: bool = True) -> pd.DataFrame:
+    """Actions from a run dir's jsonl files, else from the pipeline ranges of its traces.
+
+    source: a run directory, a trace directory or file, or a loaded `tracelens.trace.Trace`. Raises
+    `TraceError` when neither holds pipeline data.
+    """
+    if not isinstance(source, (str, os.PathLike)):
+        df = actions_from_trace(source)
+        if df.empty:
+            raise TraceError(None, "no pipeline data: the traces have no 'pipeline/{F|B|W}/s<stage>/mb<n>' ranges")
+        return df
+    p = Path(source)
+    if not p.exists():
+        raise TraceError(p, "no such file or directory")
+    if p.is_dir():
+        df = read_pipeline_jsonl(p)
+        if df is not None:
+            return df
+    from ..trace import discover, load
+
+    try:
+        discover(p)
+    except TraceError:
+        raise TraceError(p, "no pipeline data: no pipeline/rank<N>.jsonl and no trace files to rebuild it from") from None
+    df = actions_from_trace(load(p, cache=cache, progress=False))
+    if df.empty:
+        raise TraceError(p, "no pipeline data: no pipeline/rank<N>.jsonl, and the traces have no "
+                            "'pipeline/{F|B|W}/s<stage>/mb<n>' ranges")
+    return df
+
+
+# ------------------------------------------------------------------------------------ metadata
+
+
+@dataclass
+class PipelineMeta:
+    """What the analysis knows about the pipeline set-up; `inferred` lists fields guessed from actions."""
+
+    pp: int
+    vpp: int
+    microbatches: int
+    schedule: str
+    torch_schedule: str = ""
+    layout: str = ""
+    stage_layers: list[list[int]] | None = None
+    stage_modules: list[list[str]] | None = None
+    stage_to_rank: list[int] | None = None
+    inferred: list[str] = field(default_factory=list)
+
+    @property
+    def n_stages(self) -> int:
+        return self.pp * self.vpp
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in ("pp", "vpp", "microbatches", "schedule", "torch_schedule", "layout",
+                                              "stage_layers", "stage_modules", "stage_to_rank", "inferred")}
+
+
+def parse_layout(layout: str) -> list[list[str]]:
+    """Modules per stage from a Megatron-style layout string.
+
+    ``"Et|tt|tt|tL"`` -> [["embedding", "layer"], ["layer", "layer"], ...]. Supports repetition of a
+    letter (``t*3``) or a group (``(tt|)*2``); letters E embedding, t layer, m MTP layer, L loss.
+    """
+    src = layout.replace(" ", "")
+    expanded = _expand_layout(src, layout)
+    stages = expanded.split("|")
+    out = []
+    for i, s in enumerate(stages):
+        if not s:
+            raise TraceError(None, f"layout {layout!r}: stage {i} is empty")
+        out.append([_LAYOUT_MODULES[ch] for ch in s])
+    return out
+
+
+def _expand_layout(s: str, original: str) -> str:
+    pat = re.compile(r"\(([^()]*)\)\*(\d+)|([EtmL])\*(\d+)")
+    prev = None
+    while prev != s:
+        prev = s
+        s = pat.sub(lambda m: (m.group(1) * int(m.group(2))) if m.group(1) is not None else m.group(3) * int(m.group(4)), s)
+    bad = sorted(set(s) - set(_LAYOUT_MODULES) - {"|"})
+    if bad:
+        raise TraceError(None, f"layout {original!r}: unexpected {''.join(bad)!r} (letters E, t, m, L, '|', '(..)*N')")
+    return s
+
+
+def _int_field(pipe: dict, key: str, where: Path) -> int:
+    v = pipe.get(key)
+    if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+        raise TraceError(where, f"pipeline.{key} must be an integer >= 1, got {v!r}")
+    return v
+
+
+def _schedule_name(schedule: str, torch_schedule: str) -> str:
+    s = (schedule or "").strip().lower()
+    if s:
+        return s
+    return _TORCH_SCHEDULES.get((torch_schedule or "").strip().lower(), "")
+
+
+def infer_meta(actions: pd.DataFrame) -> PipelineMeta:
+    """pp, vpp, microbatches and schedule read off the actions (no manifest).
+
+    pp = number of distinct pp_ranks; vpp = stages / pp; microbatches = most distinct microbatches any
+    rank runs in a step; schedule: any W action -> "zbv" when rank 0 also holds the last stage (V shape)
+    else "zb1p"; vpp > 1 -> "vpp"; all forwards before all backwards on every rank -> "gpipe"; else "1f1b".
+    """
+    if actions.empty:
+        raise TraceError(None, "no pipeline actions to infer the pipeline set-up from")
+    pp = int(actions["pp_rank"].nunique())
+    n_stages = int(actions["stage"].max()) + 1
+    vpp = max(1, n_stages // pp)
+    m = int(actions.groupby(["step", "rank"])["microbatch"].nunique().max())
+    s2r = _stage_to_pp_rank(actions, n_stages)
+    if (actions["kind"] == "W").any():
+        schedule = "zbv" if vpp == 2 and s2r[-1] == s2r[0] else "zb1p"
+    elif vpp > 1:
+        schedule = "vpp"
+    else:
+        first_b = actions[actions["kind"] == "B"].groupby(["step", "rank"])["start_ns"].min()
+        last_f = actions[actions["kind"] == "F"].groupby(["step", "rank"])["start_ns"].max()
+        both = pd.concat([first_b.rename("b"), last_f.rename("f")], axis=1).dropna()
+        schedule = "gpipe" if len(both) and (both["f"] < both["b"]).all() else "1f1b"
+    return PipelineMeta(pp=pp, vpp=vpp, microbatches=m, schedule=schedule, stage_to_rank=s2r,
+                        inferred=["pp", "vpp", "microbatches", "schedule", "stage_to_rank"])
+
+
+def _stage_to_pp_rank(actions: pd.DataFrame, n_stages: int) -> list[int]:
+    owner = actions.groupby("stage")["pp_rank"].agg(lambda x: int(x.mode().iloc[0]))
+    return [int(owner.get(s, -1)) for s in range(n_stages)]
+
+
+def pipeline_meta(run_dir: str | os.PathLike | None, actions: pd.DataFrame) -> PipelineMeta:
+    """The manifest's ``pipeline`` object (validated), else `infer_meta`; fields absent from the
+    manifest are inferred. Bad manifest values raise `TraceError` naming manifest.json and the key."""
+    inferred = infer_meta(actions)
+    if run_dir is None:
+        return inferred
+    p = Path(run_dir)
+    mf = p / "manifest.json" if p.is_dir() else None
+    if mf is None or not mf.exists():
+        return inferred
+    try:
+        doc = json.loads(mf.read_text())
+    except (OSError, ValueError) as e:
+        raise TraceError(mf, f"unreadable manifest ({e})") from None
+    pipe = doc.get("pipeline") if isinstance(doc, dict) else None
+    if pipe is None:
+        return inferred
+    if not isinstance(pipe, dict):
+        raise TraceError(mf, f"'pipeline' must be an object, got {type(pipe).__name__}")
+    out = PipelineMeta(pp=inferred.pp, vpp=inferred.vpp, microbatches=inferred.microbatches,
+                       schedule=inferred.schedule, stage_to_rank=inferred.stage_to_rank, inferred=[])
+    for key in ("pp", "vpp", "microbatches"):
+        if key in pipe:
+            setattr(out, key, _int_field(pipe, key, mf))
+        else:
+            out.inferred.append(key)
+    for key in ("schedule", "torch_schedule", "layout"):
+        v = pipe.get(key, "")
+        if not isinstance(v, str):
+            raise TraceError(mf, f"pipeline.{key} must be a string, got {v!r}")
+        setattr(out, key, v)
+    name = _schedule_name(out.schedule, out.torch_schedule)
+    if name:
+        out.schedule = name
+    else:
+        out.schedule = inferred.schedule
+        out.inferred.append("schedule")
+    n_stages = out.pp * out.vpp
+    for key in ("stage_layers", "stage_modules"):
+        v = pipe.get(key)
+        if v is None:
+            continue
+        if not (isinstance(v, list) and all(isinstance(x, list) for x in v)) or len(v) != n_stages:
+            raise TraceError(mf, f"pipeline.{key} must be a list of {n_stages} lists (one per stage), got {str(v)[:80]}")
+        setattr(out, key, v)
+    s2r = pipe.get("stage_to_rank")
+    if s2r is not None:
+        if not (isinstance(s2r, list) and len(s2r) == n_stages and all(isinstance(x, int) for x in s2r)):
+            raise TraceError(mf, f"pipeline.stage_to_rank must be a list of {n_stages} integers, got {str(s2r)[:80]}")
+        out.stage_to_rank = s2r
+    else:
+        out.inferred.append("stage_to_rank")
+    if out.stage_modules is None and out.layout:
+        try:
+            mods = parse_layout(out.layout)
+        except TraceError as e:
+            raise TraceError(mf, f"pipeline.layout: {e.problem}") from None
+        if len(mods) == n_stages:
+            out.stage_modules = mods
+    return out
+
+
+# ------------------------------------------------------------------------------------ steps
+
+
+def select_steps(actions: pd.DataFrame, step: int | None = None) -> tuple[pd.DataFrame, list[int], list[int]]:
+    """(actions of the analyzed steps, analyzed step numbers, steps skipped as warm-up).
+
+    step given: that step only (`TraceError` if absent). Otherwise every step but the first when there
+    are two or more (the first is warm-up).
+    """
+    all_steps = sorted(actions["step"].unique().tolist())
+    if not all_steps:
+        raise TraceError(None, "empty window: no pipeline actions")
+    if step is not None:
+        if step not in all_steps:
+            raise TraceError(None, f"step {step} is not in the pipeline data (steps {_ranges(all_steps)})")
+        return actions[actions["step"] == step], [step], []
+    skipped = all_steps[:1] if len(all_steps) > 1 else []
+    keep = [s for s in all_steps if s not in skipped]
+    return actions[actions["step"].isin(keep)], keep, skipped
+
+
+def _ranges(nums: list[int]) -> str:
+    """[0,1,2,5] -> '0-2, 5'."""
+    out = []
+    for n in nums:
+        if out and n == out[-1][1] + 1:
+            out[-1][1] = n
+        else:
+            out.append([n, n])
+    return ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in out)
+
+
+def check_actions(actions: pd.DataFrame, meta: PipelineMeta | None = None) -> list[str]:
+    """Warnings about inconsistent data: ranks that disagree on the microbatches of a step, duplicate
+    actions, a stage count that does not match the manifest."""
+    warns: list[str] = []
+    nmb = actions.groupby(["step", "rank"])["microbatch"].nunique().rename("mb").reset_index()
+    for s, g in nmb.groupby("step"):
+        if g["mb"].nunique() > 1:
+            detail = ", ".join(f"rank {int(r)}: {int(m)}" for r, m in zip(g["rank"], g["mb"]))
+            warns.append(f"step {s}: ranks disagree on the number of microbatches ({detail})")
+            if len(warns) >= 5:
+                warns.append("further microbatch disagreements not listed")
+                break
+    dup = actions.duplicated(["step", "rank", "stage", "microbatch", "kind"])
+    if dup.any():
+        warns.append(f"{int(dup.sum())} action(s) appear more than once for the same step, rank, stage, microbatch and kind")
+    if meta is not None and "pp" not in meta.inferred:
+        n_stages = int(actions["stage"].max()) + 1
+        if n_stages != meta.n_stages:
+            warns.append(f"the manifest says pp={meta.pp} x vpp={meta.vpp} = {meta.n_stages} stages, the actions have {n_stages}")
+        if "microbatches" not in meta.inferred:
+            seen = int(nmb["mb"].max())
+            if seen != meta.microbatches:
+                warns.append(f"the manifest says {meta.microbatches} microbatches per step, the actions have {seen}")
+    return warns
+
+
+# ------------------------------------------------------------------------------------ bubbles
+
+
+def step_windows(actions: pd.DataFrame) -> pd.DataFrame:
+    """Per step: window_start_ns (first start over all ranks), window_end_ns (last end), window_ns."""
+    w = actions.groupby("step").agg(window_start_ns=("start_ns", "min"), window_end_ns=("end_ns", "max")).reset_index()
+    w["window_ns"] = w["window_end_ns"] - w["window_start_ns"]
+    return w
+
+
+def bubbles(actions: pd.DataFrame) -> pd.DataFrame:
+    """Per (step, rank): window, busy (union of the rank's actions), idle and bubble ratio, with the idle
+    split into lead (before the rank's first action), inner (between actions) and tail (after its last)."""
+    cols = ["step", "rank", "pp_rank", "window_start_ns", "window_end_ns", "window_ns", "busy_ns", "idle_ns",
+            "lead_ns", "inner_ns", "tail_ns", "bubble_ratio", "actions"]
+    if actions.empty:
+        return pd.DataFrame(columns=cols)
+    win = step_windows(actions).set_index("step")
+    rows = []
+    for (s, r), g in actions.groupby(["step", "rank"], sort=True):
+        ws, we = int(win.at[s, "window_start_ns"]), int(win.at[s, "window_end_ns"])
+        us, ue = I.union(g["start_ns"].to_numpy(), g["end_ns"].to_numpy())
+        busy = int((ue - us).sum())
+        window = we - ws
+        lead, tail = int(us[0] - ws), int(we - ue[-1])
+        idle = window - busy
+        rows.append({"step": int(s), "rank": int(r), "pp_rank": int(g["pp_rank"].iloc[0]), "window_start_ns": ws,
+                     "window_end_ns": we, "window_ns": window, "busy_ns": busy, "idle_ns": idle, "lead_ns": lead,
+                     "inner_ns": idle - lead - tail, "tail_ns": tail,
+                     "bubble_ratio": idle / window if window > 0 else math.nan, "actions": len(g)})
+    return pd.DataFrame(rows, columns=cols)
+
+
+def bubble_gaps(actions: pd.DataFrame) -> pd.DataFrame:
+    """Every idle interval of every rank inside its step's window (lead, inner and tail gaps):
+    step, rank, start_ns, end_ns, where ('lead' | 'inner' | 'tail')."""
+    out = []
+    if actions.empty:
+        return pd.DataFrame(columns=["step", "rank", "start_ns", "end_ns", "where"])
+    win = step_windows(actions).set_index("step")
+    for (s, r), g in actions.groupby(["step", "rank"], sort=True):
+        ws, we = int(win.at[s, "window_start_ns"]), int(win.at[s, "window_end_ns"])
+        us, ue = I.union(g["start_ns"].to_numpy(), g["end_ns"].to_numpy())
+        if us[0] > ws:
+            out.append((int(s), int(r), ws, int(us[0]), "lead"))
+        out += [(int(s), int(r), int(a), int(b), "inner") for a, b in zip(ue[:-1], us[1:])]
+        if ue[-1] < we:
+            out.append((int(s), int(r), int(ue[-1]), we, "tail"))
+    return pd.DataFrame(out, columns=["step", "rank", "start_ns", "end_ns", "where"])
+
+
+def rank_bubbles(per_step: pd.DataFrame, theory: float = math.nan) -> pd.DataFrame:
+    """Per rank over the given steps: window, busy, idle (sums) and bubble ratio = idle / window,
+    next to the theoretical ratio."""
+    g = per_step.groupby(["rank", "pp_rank"], as_index=False)[["window_ns", "busy_ns", "idle_ns", "lead_ns", "inner_ns",
+                                                               "tail_ns"]].sum()
+    g["steps"] = per_step.groupby(["rank", "pp_rank"]).size().to_numpy()
+    g["bubble_ratio"] = g["idle_ns"] / g["window_ns"].where(g["window_ns"] > 0)
+    g["theory_ratio"] = theory
+    return g
+
+
+def theoretical_bubble(meta: PipelineMeta) -> tuple[float, str]:
+    """(ratio, note). NaN with a note when the schedule is unknown or not modelled."""
+    try:
+        r = bubble_ratio(meta.schedule, meta.pp, meta.microbatches, meta.vpp)
+    except TraceError as e:
+        return math.nan, e.problem
+    if math.isnan(r):
+        return r, f"{meta.schedule} with {meta.microbatches} microbatches < 2 x pp is not modelled"
+    return r, ""
+
+
+# ------------------------------------------------------------------------------------ stage balance
+
+
+@dataclass
+class StageBalance:
+    """Per-stage compute and what to do about the slowest stage."""
+
+    table: pd.DataFrame  # one row per stage
+    slowest_stage: int
+    slowest_ratio: float  # its time per microbatch / mean over stages
+    critical_stage: int  # most compute on the critical path
+    flagged: bool  # slowest_ratio >= IMBALANCE_THRESHOLD
+    move: dict[str, Any] | None  # {"layers": k, "from": s, "to": n, "layer_ns": .., "bottleneck_before_ns", "after"}
+    statement: str
+    critical_path: pd.DataFrame = field(default_factory=pd.DataFrame)
+
+
+def critical_path(actions: pd.DataFrame) -> pd.DataFrame:
+    """The chain of actions that sets each step's time (see the module docstring), with `wait_ns`: the
+    gap between the predecessor's end and the action's start (transfer or scheduling delay)."""
+    out = []
+    for s, st in actions.groupby("step", sort=True):
+        out.append(_critical_path_step(st.reset_index(drop=True)))
+    return pd.concat(out, ignore_index=True) if out else actions.iloc[:0].assign(wait_ns=pd.Series(dtype=np.int64))
+
+
+def _critical_path_step(st: pd.DataFrame) -> pd.DataFrame:
+    # replica: ranks holding the same pp_rank belong to different data-parallel pipelines (by rank order)
+    ranks = st[["rank", "pp_rank"]].drop_duplicates().sort_values("rank")
+    ranks["replica"] = ranks.groupby("pp_rank").cumcount()
+    rep = dict(zip(ranks["rank"], ranks["replica"]))
+    replica = st["rank"].map(rep).to_numpy()
+    stage = st["stage"].to_numpy()
+    mb = st["microbatch"].to_numpy()
+    kind = st["kind"].astype(str).to_numpy()
+    start = st["start_ns"].to_numpy()
+    end = st["end_ns"].to_numpy()
+    last_stage = int(stage.max())
+    index = {(int(replica[i]), int(stage[i]), int(mb[i]), kind[i]): i for i in range(len(st))}
+    prev_on_rank: dict[int, int] = {}
+    for _, g in st.groupby("rank"):
+        order = g.sort_values(["start_ns", "end_ns"]).index.to_numpy()
+        for a, b in zip(order[:-1], order[1:]):
+            prev_on_rank[int(b)] = int(a)
+
+    def deps(i: int) -> list[int]:
+        rp, s, m, k = int(replica[i]), int(stage[i]), int(mb[i]), kind[i]
+        keys = []
+        if k == "F" and s > 0:
+            keys.append((rp, s - 1, m, "F"))
+        elif k == "B":
+            keys.append((rp, s, m, "F"))
+            if s < last_stage:
+                keys.append((rp, s + 1, m, "B"))
+        elif k == "W":
+            keys.append((rp, s, m, "B"))
+        out = [index[k_] for k_ in keys if k_ in index]
+        if i in prev_on_rank:
+            out.append(prev_on_rank[i])
+        return out
+
+    cur = int(np.argmax(end))
+    path = []
+    seen = set()
+    while cur not in seen:
+        seen.add(cur)
+        prev = prev_on_rank.get(cur)
+        cands = [j for j in deps(cur) if end[j] <= end[cur] and j not in seen]
+        # the latest-finishing predecessor; on a tie the rank's own previous action (the rank was busy)
+        nxt = max(cands, key=lambda j: (end[j], j == prev, start[j])) if cands else None
+        wait = max(0, int(start[cur] - end[nxt])) if nxt is not None else 0
+        path.append((cur, wait))
+        if nxt is None:
+            break
+        cur = nxt
+    path.reverse()
+    rows = st.iloc[[i for i, _ in path]].copy()
+    rows["wait_ns"] = np.asarray([w for _, w in path], dtype=np.int64)
+    return rows.reset_index(drop=True)
+
+
+def stage_layout(meta: PipelineMeta | str | None, n_stages: int) -> tuple[list[int] | None, list[list[str]] | None]:
+    """(transformer layers per stage, modules per stage) from PipelineMeta or a layout string."""
+    if meta is None:
+        return None, None
+    if isinstance(meta, str):
+        mods = parse_layout(meta)
+        if len(mods) != n_stages:
+            raise TraceError(None, f"layout {meta!r} has {len(mods)} stages, the actions have {n_stages}")
+        return [sum(1 for x in m if x in ("layer", "mtp")) for m in mods], mods
+    mods = meta.stage_modules
+    if meta.stage_layers is not None and len(meta.stage_layers) == n_stages:
+        layers = [len(x) for x in meta.stage_layers]
+    elif mods is not None and len(mods) == n_stages:
+        layers = [sum(1 for x in m if _is_layer_module(x)) for m in mods]
+    else:
+        layers = None
+    if mods is not None and len(mods) != n_stages:
+        mods = None
+    return layers, mods
+
+
+def _is_layer_module(name: Any) -> bool:
+    s = str(name).lower()
+    return s.startswith(("layer", "mtp")) or s in ("t", "m")
+
+
+def stage_balance(actions: pd.DataFrame, layout: PipelineMeta | str | None = None) -> StageBalance:
+    """Per-stage mean compute per microbatch (F + B + W), ratio to the mean of stages, the slowest stage,
+    the stage with most compute on the critical path, and a recommendation.
+
+    layout: `PipelineMeta` (stage_layers / stage_modules), a Megatron layout string, or None. With layer
+    counts, the number of layers k to move from the slowest stage to a neighbour is the one that most
+    lowers the slowest stage time, with a layer costing the per-layer time of the slowest stage (or of a
+    neighbour holding only layers, when the slowest stage also holds the embedding or the loss head).
+    Without them the statement gives only the ratio.
+    """
+    if actions.empty:
+        raise TraceError(None, "empty window: no pipeline actions to balance")
+    n_stages = int(actions["stage"].max()) + 1
+    per_mb = actions.assign(dur=actions["end_ns"] - actions["start_ns"]).pivot_table(
+        index=["step", "stage", "microbatch", "rank"], columns="kind", values="dur", aggfunc="sum", fill_value=0,
+        observed=False)
+    for k in KINDS:
+        if k not in per_mb.columns:
+            per_mb[k] = 0
+    per_mb = per_mb[list(KINDS)].astype(np.float64)
+    per_mb["total"] = per_mb.sum(axis=1)
+    stage_mean = per_mb.groupby(level="stage").mean()
+    owner = actions.groupby("stage")["pp_rank"].agg(lambda x: int(x.mode().iloc[0]))
+    tab = pd.DataFrame({"stage": np.arange(n_stages)})
+    tab["pp_rank"] = [int(owner.get(s, -1)) for s in range(n_stages)]
+    for k, col in (("F", "f_ns"), ("B", "b_ns"), ("W", "w_ns"), ("total", "total_ns")):
+        tab[col] = [float(stage_mean.at[s, k]) if s in stage_mean.index else math.nan for s in range(n_stages)]
+    tab["microbatches"] = [int(per_mb.xs(s, level="stage").index.get_level_values("microbatch").nunique())
+                           if s in stage_mean.index else 0 for s in range(n_stages)]
+    mean = float(np.nanmean(tab["total_ns"]))
+    tab["ratio_to_mean"] = tab["total_ns"] / mean if mean > 0 else math.nan
+    layers, mods = stage_layout(layout, n_stages)
+    tab["layers"] = layers if layers is not None else [None] * n_stages
+    tab["modules"] = [" ".join(str(x) for x in m) for m in mods] if mods is not None else [""] * n_stages
+    tab["layer_ns"] = [t / n if n else math.nan for t, n in zip(tab["total_ns"], layers)] if layers else math.nan
+
+    cp = critical_path(actions)
+    n_steps = max(1, actions["step"].nunique())
+    cp_stage = cp.assign(dur=cp["end_ns"] - cp["start_ns"]).groupby("stage")["dur"].sum()
+    tab["critical_ns"] = [float(cp_stage.get(s, 0)) / n_steps for s in range(n_stages)]
+    cp_total = float(cp_stage.sum())
+    tab["critical_share"] = tab["critical_ns"] * n_steps / cp_total if cp_total > 0 else 0.0
+
+    slowest = int(tab["total_ns"].idxmax())
+    ratio = float(tab.at[slowest, "ratio_to_mean"])
+    critical = int(tab["critical_ns"].idxmax())
+    flagged = ratio >= IMBALANCE_THRESHOLD
+    move = _layer_move(tab, slowest, layers, mods) if flagged and layers is not None else None
+    statement = _statement(tab, slowest, ratio, critical, flagged, move, layers is not None)
+    return StageBalance(table=tab, slowest_stage=slowest, slowest_ratio=ratio, critical_stage=critical, flagged=flagged,
+                        move=move, statement=statement, critical_path=cp)
+
+
+def _layer_move(tab: pd.DataFrame, s: int, layers: list[int], mods: list[list[str]] | None) -> dict[str, Any] | None:
+    """Best k layers to move from stage s to one neighbour: minimises the slowest stage time afterwards."""
+    t = tab["total_ns"].to_numpy(dtype=np.float64)
+    n_s = layers[s]
+    if n_s <= 0:
+        return None
+
+    def pure(i: int) -> bool:  # holds only transformer layers
+        return mods is None or all(_is_layer_module(x) for x in mods[i])
+
+    neighbours = [n for n in (s - 1, s + 1) if 0 <= n < len(t)]
+    if pure(s) or not mods:
+        layer_ns = t[s] / n_s
+    else:
+        clean = [t[n] / layers[n] for n in neighbours if layers[n] > 0 and pure(n)]
+        layer_ns = float(np.mean(clean)) if clean else t[s] / n_s
+    before = float(np.nanmax(t))
+    best = None
+    keep_min = 1 if pure(s) else 0  # a stage keeps at least one module
+    for n in neighbours:
+        for k in range(1, n_s - keep_min + 1):
+            new = t.copy()
+            new[s] -= k * layer_ns
+            new[n] += k * layer_ns
+            after = float(np.nanmax(new))
+            if best is None or after < best["bottleneck_after_ns"] - 1e-9 * before:
+                best = {"layers": k, "from": s, "to": n, "layer_ns": layer_ns, "bottleneck_before_ns": before,
+                        "bottleneck_after_ns": after, "from_after_ns": float(new[s]), "to_after_ns": float(new[n])}
+    if best is None or best["bottleneck_after_ns"] >= before * 0.99:
+        return {"layers": 0, "from": s, "to": None, "layer_ns": layer_ns, "bottleneck_before_ns": before,
+                "bottleneck_after_ns": before}
+    return best
+
+
+def _statement(tab, slowest, ratio, critical, flagged, move, has_layout) -> str:
+    crit = (f"; stage {critical} has the most compute on the critical path"
+            + (f" ({100 * tab.at[critical, 'critical_share']:.0f}%)" if tab.at[critical, "critical_share"] else ""))
+    if not flagged:
+        return f"stages are balanced: the slowest, stage {slowest}, is {ratio:.2f}x the mean{crit}"
+    head = f"stage {slowest} is {ratio:.2f}x slower than the mean"
+    if not has_layout:
+        return f"{head} (no layer layout known, so no layer move is suggested){crit}"
+    if move is None or not move["layers"]:
+        per = fmt_ns(move["layer_ns"]) if move else "?"
+        return (f"{head}: moving whole layers to a neighbour would not lower the slowest stage "
+                f"(one layer ≈ {per}){crit}")
+    k = move["layers"]
+    return (f"{head}: move {k} layer{'s' if k > 1 else ''} to stage {move['to']} "
+            f"(≈ {fmt_ns(move['layer_ns'])} per layer per microbatch; slowest stage "
+            f"{fmt_ns(move['bottleneck_before_ns'])} -> {fmt_ns(move['bottleneck_after_ns'])}){crit}")
+
+
+def fmt_ns(ns: float) -> str:
+    """A duration with a readable unit: '1.234 ms', '12.3 µs', '850 ns'."""
+    if ns is None or (isinstance(ns, float) and math.isnan(ns)):
+        return "–"
+    if abs(ns) >= 1e6:
+        return f"{ns / 1e6:.3f} ms"
+    if abs(ns) >= 1e3:
+        return f"{ns / 1e3:.1f} µs"
+    return f"{ns:.0f} ns"
+
+
+# ------------------------------------------------------------------------------------ everything
+
+
+@dataclass
+class PipelineAnalysis:
+    """Everything `tracelens ppvis` shows, for the analyzed steps."""
+
+    actions: pd.DataFrame  # every action loaded
+    selected: pd.DataFrame  # the analyzed steps' actions
+    steps: list[int]
+    skipped_steps: list[int]
+    shown_step: int  # the step drawn in the lanes figure
+    meta: PipelineMeta
+    per_step: pd.DataFrame  # bubbles per (step, rank)
+    per_rank: pd.DataFrame  # bubbles per rank over the analyzed steps
+    overall_ratio: float
+    theory_ratio: float
+    theory_note: str
+    gaps: pd.DataFrame  # idle intervals of the shown step
+    balance: StageBalance
+    source: str  # "jsonl" | "trace"
+    warnings: list[str] = field(default_factory=list)
+
+    def tables(self) -> dict[str, pd.DataFrame]:
+        return {"pipeline_actions": self.actions, "pipeline_bubbles": self.per_step,
+                "pipeline_ranks": self.per_rank, "pipeline_stages": self.balance.table}
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready summary (the `--json` file)."""
+        def recs(df):
+            return json.loads(df.to_json(orient="records"))
+
+        b = self.balance
+        return {
+            "schema_version": 1, "source": self.source, "meta": self.meta.to_dict(), "steps": self.steps,
+            "skipped_steps": self.skipped_steps, "shown_step": self.shown_step,
+            "bubble": {"overall_ratio": _num(self.overall_ratio), "theory_ratio": _num(self.theory_ratio),
+                       "theory_note": self.theory_note, "per_rank": recs(self.per_rank), "per_step": recs(self.per_step)},
+            "stages": {"table": recs(b.table), "slowest_stage": b.slowest_stage, "slowest_ratio": _num(b.slowest_ratio),
+                       "critical_stage": b.critical_stage, "flagged": b.flagged, "move": b.move, "statement": b.statement},
+            "warnings": list(self.warnings),
+        }
+
+
+def _num(v: float) -> float | None:
+    return None if v is None or (isinstance(v, float) and math.isnan(v)) else float(v)
+
+
+def analyze_pipeline(actions: pd.DataFrame, meta: PipelineMeta | None = None, *, step: int | None = None,
+                     source: str = "jsonl") -> PipelineAnalysis:
+    """Bubbles, theory and stage balance over the analyzed steps (see `select_steps`)."""
+    if actions.empty:
+        raise TraceError(None, "empty window: no pipeline actions")
+    meta = meta or infer_meta(actions)
+    warns = check_actions(actions, meta)
+    sel, steps, skipped = select_steps(actions, step)
+    per_step = bubbles(sel)
+    if per_step.empty or int(per_step["window_ns"].sum()) <= 0:
+        raise TraceError(None, f"empty window: the actions of step(s) {_ranges(steps)} span no time")
+    theory, note = theoretical_bubble(meta)
+    per_rank = rank_bubbles(per_step, theory)
+    overall = float(per_step["idle_ns"].sum() / per_step["window_ns"].sum())
+    shown = steps[-1]
+    gaps = bubble_gaps(sel[sel["step"] == shown])
+    balance = stage_balance(sel, meta)
+    return PipelineAnalysis(actions=actions, selected=sel, steps=steps, skipped_steps=skipped, shown_step=shown, meta=meta,
+                            per_step=per_step, per_rank=per_rank, overall_ratio=overall, theory_ratio=theory,
+                            theory_note=note, gaps=gaps, balance=balance, source=source, warnings=warns)
+
+
+def load_pipeline(source, *, step: int | None = None, cache: bool = True) -> PipelineAnalysis:
+    """`analyze_pipeline` of a run dir (jsonl + manifest), trace dir/file, or loaded Trace."""
+    actions = load_pipeline_actions(source, cache=cache)
+    is_path = isinstance(source, (str, os.PathLike))
+    src = "jsonl" if is_path and Path(source).is_dir() and _jsonl_files(Path(source)) else "trace"
+    meta = pipeline_meta(source if is_path else None, actions)
+    try:
+        return analyze_pipeline(actions, meta, step=step, source=src)
+    except TraceError as e:
+        if e.path is None and is_path:  # name the run in the one-line error
+            raise TraceError(source, e.problem) from None
+        raise
+
+
+def run_dir_of(trace) -> Path | None:
+    """The run dir whose traces/ holds this trace's files (None if they are not in one)."""
+    parents = {Path(r.path).resolve().parent for r in trace.ranks}
+    if len(parents) != 1:
+        return None
+    d = parents.pop()
+    if d.name == "traces" and (d.parent / "manifest.json").exists():
+        return d.parent
+    return d if _jsonl_files(d) else None
+
+
+def pipeline_for_trace(trace) -> PipelineAnalysis | None:
+    """Pipeline analysis for the main report: from the run dir's jsonl if the trace sits in a run dir,
+    else from the trace's ranges; None when there is no pipeline data."""
+    run = run_dir_of(trace)
+    actions = read_pipeline_jsonl(run) if run is not None else None
+    source = "jsonl"
+    if actions is None:
+        actions = actions_from_trace(trace)
+        source = "trace"
+    if actions.empty:
+        return None
+    return analyze_pipeline(actions, pipeline_meta(run, actions), source=source)
