@@ -335,3 +335,29 @@ def test_main_report_gets_pipeline_section(tmp_path):
     (run / "pipeline" / "rank2.jsonl").write_text("{}\n")  # broken jsonl: the report is still written, with a warning
     b = tracelens.analyze(tracelens.load(run, cache=False))
     assert b.pipeline is None and any("pipeline section skipped" in w and "rank2.jsonl:1" in w for w in b.warnings)
+
+
+def _rec(rank, stage, mb, kind, start, end, step=0):
+    return {"step": step, "rank": rank, "pp_rank": rank, "stage": stage, "microbatch": mb, "kind": kind,
+            "start_ns": start, "end_ns": end}
+
+
+def test_infer_interleaved_and_zbv():
+    # interleaved: 2 ranks x 2 virtual stages, stage s on rank s % 2; 2 microbatches
+    recs = [_rec(s % 2, s, mb, k, t, t + 1) for t, (s, mb, k) in enumerate(
+        (s, mb, k) for k in "FB" for s in range(4) for mb in range(2))]
+    m = P.infer_meta(table(recs))
+    assert (m.pp, m.vpp, m.microbatches, m.schedule, m.stage_to_rank) == (2, 2, 2, "vpp", [0, 1, 0, 1])
+    assert P.theoretical_bubble(m)[0] == pytest.approx(1 / (2 * 2 + 1))  # (p-1)/(v m + p - 1)
+    # V shape with W: stages 0 and 3 on rank 0, 1 and 2 on rank 1; m=4 >= 2p -> theory 0
+    owner = [0, 1, 1, 0]
+    recs = [_rec(owner[s], s, mb, k, t, t + 1) for t, (s, mb, k) in enumerate(
+        (s, mb, k) for k in "FBW" for s in range(4) for mb in range(4))]
+    m = P.infer_meta(table(recs))
+    assert (m.pp, m.vpp, m.schedule) == (2, 2, "zbv") and P.theoretical_bubble(m)[0] == 0.0
+    bal = P.stage_balance(table(recs))
+    assert bal.table["w_ns"].tolist() == [1.0] * 4 and bal.table["total_ns"].tolist() == [3.0] * 4
+    # a schedule the bubble model does not know: no theory, with the reason
+    m.schedule = "dualpipev"
+    r, note = P.theoretical_bubble(m)
+    assert r != r and "unknown schedule 'dualpipev'" in note

@@ -660,6 +660,8 @@ def stage_balance(actions: pd.DataFrame, layout: PipelineMeta | str | None = Non
     tab["pp_rank"] = [int(owner.get(s, -1)) for s in range(n_stages)]
     for k, col in (("F", "f_ns"), ("B", "b_ns"), ("W", "w_ns"), ("total", "total_ns")):
         tab[col] = [float(stage_mean.at[s, k]) if s in stage_mean.index else math.nan for s in range(n_stages)]
+    if not (actions["kind"] == "W").any():
+        tab["w_ns"] = math.nan  # the schedule does not split the backward
     tab["microbatches"] = [int(per_mb.xs(s, level="stage").index.get_level_values("microbatch").nunique())
                            if s in stage_mean.index else 0 for s in range(n_stages)]
     mean = float(np.nanmean(tab["total_ns"]))
