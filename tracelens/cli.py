@@ -544,6 +544,45 @@ def memory(config, overrides, world, pp, vpp, ep, tp, cp, dp, mbs, seq, microbat
         click.echo(f"wrote {path}")
 
 
+@main.command()
+@click.argument("paths", nargs=-1, required=True, type=click.Path())
+@click.option("--op", "op_name", default=None, help="Replay this op (e.g. aten::mm).")
+@click.option("--index", type=click.IntRange(0), default=0, show_default=True, help="With --op: which call (rank, then time order).")
+@click.option("--top", type=click.IntRange(1, 1000), default=None, help="Replay the N op signatures with the most trace time.")
+@click.option("-o", "--out", type=click.Path(file_okay=False), default="replay", show_default=True, help="Directory for the scripts.")
+@click.option("--no-cache", is_flag=True, help="Do not read or write the parsed-trace cache.")
+def replay(paths, op_name, index, top, out, no_cache):
+    """Write standalone PyTorch scripts that rerun ops of a trace on random inputs of the recorded shapes,
+    dtypes and strides and print their time next to the trace's (a minimal reproducer; see docs/replay.md)."""
+    from . import load
+    from . import replay as R
+
+    if (op_name is None) == (top is None):
+        _fail("replay: give exactly one of --op NAME or --top N")
+    trace = load(list(paths), cache=not no_cache)
+    if op_name is not None:
+        call = R.find_call(trace, op_name, index)
+        if not call.replayable:
+            _fail(f"replay: {call.name} (call {index}) cannot be replayed: {call.reason}")
+        path = R.write_script(call, Path(out) / R.script_name(call))
+        click.echo(f"{call.name} call {index}: dims {json_dumps(call.input_dims)}, trace {call.clock} time "
+                   f"{call.trace_us:.3f} us\nwrote {path}  (run: python {path})")
+        return
+    calls, cands = R.top_calls(trace, top)
+    click.echo(f"{'op':<38} {'input dims':<44} {'calls':>5} {'mean us':>10}  script / why not")
+    for c, r in zip(calls, cands.head(top).itertuples(index=False)):
+        where = str(R.write_script(c, Path(out) / R.script_name(c))) if c.replayable else f"cannot replay: {c.reason}"
+        click.echo(f"{c.name[:38]:<38} {str(r.input_dims)[:44]:<44} {r.count:>5} {r.mean_us:>10.2f}  {where}")
+    n_ok = sum(c.replayable for c in calls)
+    click.echo(f"{n_ok} of {len(calls)} replayable; times are {calls[0].clock if calls else 'gpu'} time per call")
+
+
+def json_dumps(v) -> str:
+    import json
+
+    return json.dumps(v, separators=(",", ":"))
+
+
 def _print_summary(result) -> None:
     tl = result.timeline
     if tl.empty:
