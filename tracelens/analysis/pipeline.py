@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import numpy as np
 import pandas as pd
 
@@ -97,55 +98,92 @@ def _jsonl_files(run_dir: Path) -> list[tuple[int, Path]]:
     return sorted(out)
 
 
+class _ActionLine(msgspec.Struct):
+    """One jsonl line as msgspec decodes it in bulk (types checked in C; the rest in `_check_line`)."""
+
+    step: int
+    rank: int
+    pp_rank: int
+    stage: int
+    microbatch: int
+    kind: str
+    start_ns: int
+    end_ns: int
+
+
+_LINES = msgspec.json.Decoder(list[_ActionLine])
+
+
 def read_pipeline_jsonl(run_dir: str | os.PathLike) -> pd.DataFrame | None:
     """Actions from ``RUN/pipeline/rank<N>.jsonl``; None when the run dir has no such files.
 
     Each line is one JSON object with the contract's keys (step, rank, pp_rank, stage, microbatch, kind,
     start_ns, end_ns). A line that is not such an object raises `TraceError` naming the file and the
-    line number; blank lines are skipped.
+    line number; blank lines are skipped. A file is decoded in one pass; only when that finds a
+    problem is it read again line by line to name the first bad line.
     """
-    import msgspec
-
     files = _jsonl_files(Path(run_dir))
     if not files:
         return None
-    cols: dict[str, list] = {c: [] for c in ACTION_COLUMNS}
-    ints = [c for c in ACTION_COLUMNS if c != "kind"]
+    frames = []
     for file_rank, path in files:
         try:
             text = path.read_bytes()
         except OSError as e:
             raise TraceError(path, f"cannot read: {e.strerror or e}") from None
-        for lineno, line in enumerate(text.splitlines(), 1):
-            if not line.strip():
-                continue
-            where = f"{path}:{lineno}"
-            try:
-                rec = msgspec.json.decode(line)
-            except msgspec.DecodeError as e:
-                raise TraceError(where, f"not valid JSON ({e})") from None
-            if not isinstance(rec, dict):
-                raise TraceError(where, f"expected a JSON object, got {type(rec).__name__}")
-            missing = [c for c in ACTION_COLUMNS if c not in rec]
-            if missing:
-                raise TraceError(where, f"missing key(s) {', '.join(repr(m) for m in missing)}")
-            for c in ints:
-                v = rec[c]
-                if not isinstance(v, int) or isinstance(v, bool):
-                    raise TraceError(where, f"{c!r} must be an integer, got {v!r}")
-                if v < 0:
-                    raise TraceError(where, f"{c!r} must be >= 0, got {v}")
-            if rec["kind"] not in KINDS:
-                raise TraceError(where, f"'kind' must be one of F, B, W, got {rec['kind']!r}")
-            if rec["end_ns"] < rec["start_ns"]:
-                raise TraceError(where, f"'end_ns' {rec['end_ns']} is before 'start_ns' {rec['start_ns']}")
-            if rec["rank"] != file_rank:
-                raise TraceError(where, f"'rank' is {rec['rank']} in the file of rank {file_rank}")
-            for c in ACTION_COLUMNS:
-                cols[c].append(rec[c])
-    if not cols["step"]:
+        lines = [ln for ln in text.splitlines() if ln.strip()]
+        if not lines:
+            continue
+        try:
+            recs = _LINES.decode(b"[" + b",".join(lines) + b"]")
+        except msgspec.DecodeError:
+            recs = None
+        cols = None
+        if recs is not None:  # struct fields are in ACTION_COLUMNS order
+            cols = {c: np.asarray(v, dtype=object if c == "kind" else None)
+                    for c, v in zip(ACTION_COLUMNS, zip(*map(msgspec.structs.astuple, recs)))}
+        if cols is None or not _columns_ok(cols, file_rank):
+            for lineno, line in enumerate(text.splitlines(), 1):
+                if line.strip():
+                    _check_line(line, f"{path}:{lineno}", file_rank)
+            raise TraceError(path, "pipeline records out of range (an integer beyond 64 bits?)")
+        frames.append(pd.DataFrame(cols))
+    if not frames:
         return None
-    return _finish(pd.DataFrame(cols))
+    return _finish(pd.concat(frames, ignore_index=True))
+
+
+def _columns_ok(arr: dict[str, np.ndarray], file_rank: int) -> bool:
+    ok = all(arr[c].dtype.kind == "i" and (arr[c] >= 0).all() for c in ACTION_COLUMNS if c != "kind")
+    return bool(ok and np.isin(arr["kind"], KINDS).all() and (arr["end_ns"] >= arr["start_ns"]).all()
+                and (arr["rank"] == file_rank).all())
+
+
+def _check_line(line: bytes, where: str, file_rank: int) -> None:
+    """Raise `TraceError` at `where` (file:line) for the first problem of one jsonl line."""
+    try:
+        rec = msgspec.json.decode(line)
+    except msgspec.DecodeError as e:
+        raise TraceError(where, f"not valid JSON ({e})") from None
+    if not isinstance(rec, dict):
+        raise TraceError(where, f"expected a JSON object, got {type(rec).__name__}")
+    missing = [c for c in ACTION_COLUMNS if c not in rec]
+    if missing:
+        raise TraceError(where, f"missing key(s) {', '.join(repr(m) for m in missing)}")
+    for c in ACTION_COLUMNS:
+        v = rec[c]
+        if c == "kind":
+            if v not in KINDS:
+                raise TraceError(where, f"'kind' must be one of F, B, W, got {v!r}")
+            continue
+        if not isinstance(v, int) or isinstance(v, bool):
+            raise TraceError(where, f"{c!r} must be an integer, got {v!r}")
+        if v < 0:
+            raise TraceError(where, f"{c!r} must be >= 0, got {v}")
+    if rec["end_ns"] < rec["start_ns"]:
+        raise TraceError(where, f"'end_ns' {rec['end_ns']} is before 'start_ns' {rec['start_ns']}")
+    if rec["rank"] != file_rank:
+        raise TraceError(where, f"'rank' is {rec['rank']} in the file of rank {file_rank}")
 
 
 def actions_from_trace(trace) -> pd.DataFrame:
@@ -463,6 +501,35 @@ def step_windows(actions: pd.DataFrame) -> pd.DataFrame:
     return w
 
 
+@dataclass
+class _Lanes:
+    """Each (step, rank) lane's actions sorted by start, with the union's shape computed in bulk."""
+
+    keys: pd.DataFrame  # one row per lane: step, rank, pp_rank, actions, first_start, last_end, window
+    gap_lane: np.ndarray  # per idle gap between actions: its lane, start and end
+    gap_start: np.ndarray
+    gap_end: np.ndarray
+
+
+def _lanes(actions: pd.DataFrame) -> _Lanes:
+    a = actions.sort_values(["step", "rank", "start_ns", "end_ns"], kind="stable")
+    step, rank = a["step"].to_numpy(), a["rank"].to_numpy()
+    start, end = a["start_ns"].to_numpy(np.int64), a["end_ns"].to_numpy(np.int64)
+    first = np.r_[True, (step[1:] != step[:-1]) | (rank[1:] != rank[:-1])]
+    lane = np.cumsum(first) - 1
+    run_end = pd.Series(end).groupby(lane).cummax().to_numpy()  # latest end so far in the lane
+    gap = np.r_[False, ~first[1:] & (start[1:] > run_end[:-1])]
+    last = np.r_[np.flatnonzero(first)[1:] - 1, len(a) - 1]
+    keys = pd.DataFrame({"step": step[first], "rank": rank[first], "pp_rank": a["pp_rank"].to_numpy()[first],
+                         "actions": np.diff(np.r_[np.flatnonzero(first), len(a)]),
+                         "first_start": start[first], "last_end": run_end[last]})
+    win = step_windows(actions).set_index("step")
+    keys["window_start_ns"] = win["window_start_ns"].reindex(keys["step"]).to_numpy()
+    keys["window_end_ns"] = win["window_end_ns"].reindex(keys["step"]).to_numpy()
+    gi = np.flatnonzero(gap)
+    return _Lanes(keys, lane[gi], run_end[gi - 1], start[gi])
+
+
 def bubbles(actions: pd.DataFrame) -> pd.DataFrame:
     """Per (step, rank): window, busy (union of the rank's actions), idle and bubble ratio, with the idle
     split into lead (before the rank's first action), inner (between actions) and tail (after its last)."""
@@ -470,38 +537,41 @@ def bubbles(actions: pd.DataFrame) -> pd.DataFrame:
             "lead_ns", "inner_ns", "tail_ns", "bubble_ratio", "actions"]
     if actions.empty:
         return pd.DataFrame(columns=cols)
-    win = step_windows(actions).set_index("step")
-    rows = []
-    for (s, r), g in actions.groupby(["step", "rank"], sort=True):
-        ws, we = int(win.at[s, "window_start_ns"]), int(win.at[s, "window_end_ns"])
-        us, ue = I.union(g["start_ns"].to_numpy(), g["end_ns"].to_numpy())
-        busy = int((ue - us).sum())
-        window = we - ws
-        lead, tail = int(us[0] - ws), int(we - ue[-1])
-        idle = window - busy
-        rows.append({"step": int(s), "rank": int(r), "pp_rank": int(g["pp_rank"].iloc[0]), "window_start_ns": ws,
-                     "window_end_ns": we, "window_ns": window, "busy_ns": busy, "idle_ns": idle, "lead_ns": lead,
-                     "inner_ns": idle - lead - tail, "tail_ns": tail,
-                     "bubble_ratio": idle / window if window > 0 else math.nan, "actions": len(g)})
-    return pd.DataFrame(rows, columns=cols)
+    ln = _lanes(actions)
+    k = ln.keys
+    inner = np.bincount(ln.gap_lane, weights=ln.gap_end - ln.gap_start, minlength=len(k)).astype(np.int64)
+    out = k[["step", "rank", "pp_rank", "window_start_ns", "window_end_ns"]].copy()
+    out["window_ns"] = out["window_end_ns"] - out["window_start_ns"]
+    out["busy_ns"] = (k["last_end"] - k["first_start"]).to_numpy() - inner
+    out["idle_ns"] = out["window_ns"] - out["busy_ns"]
+    out["lead_ns"] = k["first_start"] - k["window_start_ns"]
+    out["inner_ns"] = inner
+    out["tail_ns"] = k["window_end_ns"] - k["last_end"]
+    out["bubble_ratio"] = out["idle_ns"] / out["window_ns"].where(out["window_ns"] > 0)
+    out["actions"] = k["actions"]
+    return out[cols].reset_index(drop=True)
 
 
 def bubble_gaps(actions: pd.DataFrame) -> pd.DataFrame:
     """Every idle interval of every rank inside its step's window (lead, inner and tail gaps):
     step, rank, start_ns, end_ns, where ('lead' | 'inner' | 'tail')."""
-    out = []
+    cols = ["step", "rank", "start_ns", "end_ns", "where"]
     if actions.empty:
-        return pd.DataFrame(columns=["step", "rank", "start_ns", "end_ns", "where"])
-    win = step_windows(actions).set_index("step")
-    for (s, r), g in actions.groupby(["step", "rank"], sort=True):
-        ws, we = int(win.at[s, "window_start_ns"]), int(win.at[s, "window_end_ns"])
-        us, ue = I.union(g["start_ns"].to_numpy(), g["end_ns"].to_numpy())
-        if us[0] > ws:
-            out.append((int(s), int(r), ws, int(us[0]), "lead"))
-        out += [(int(s), int(r), int(a), int(b), "inner") for a, b in zip(ue[:-1], us[1:])]
-        if ue[-1] < we:
-            out.append((int(s), int(r), int(ue[-1]), we, "tail"))
-    return pd.DataFrame(out, columns=["step", "rank", "start_ns", "end_ns", "where"])
+        return pd.DataFrame(columns=cols)
+    ln = _lanes(actions)
+    k = ln.keys
+    lead = k[k["first_start"] > k["window_start_ns"]]
+    tail = k[k["last_end"] < k["window_end_ns"]]
+    parts = [
+        pd.DataFrame({"step": lead["step"], "rank": lead["rank"], "start_ns": lead["window_start_ns"],
+                      "end_ns": lead["first_start"], "where": "lead"}),
+        pd.DataFrame({"step": k["step"].to_numpy()[ln.gap_lane], "rank": k["rank"].to_numpy()[ln.gap_lane],
+                      "start_ns": ln.gap_start, "end_ns": ln.gap_end, "where": "inner"}),
+        pd.DataFrame({"step": tail["step"], "rank": tail["rank"], "start_ns": tail["last_end"],
+                      "end_ns": tail["window_end_ns"], "where": "tail"}),
+    ]
+    out = pd.concat([p for p in parts if len(p)], ignore_index=True) if any(len(p) for p in parts) else pd.DataFrame(columns=cols)
+    return out[cols].sort_values(["step", "rank", "start_ns"], kind="stable").reset_index(drop=True)
 
 
 def rank_bubbles(per_step: pd.DataFrame, theory: float = math.nan) -> pd.DataFrame:
@@ -544,67 +614,68 @@ class StageBalance:
 
 
 def critical_path(actions: pd.DataFrame) -> pd.DataFrame:
-    """The chain of actions that sets each step's time (see the module docstring), with `wait_ns`: the
-    gap between the predecessor's end and the action's start (transfer or scheduling delay)."""
-    out = []
-    for s, st in actions.groupby("step", sort=True):
-        out.append(_critical_path_step(st.reset_index(drop=True)))
-    return pd.concat(out, ignore_index=True) if out else actions.iloc[:0].assign(wait_ns=pd.Series(dtype=np.int64))
+    """The chain of actions that sets each step's time (see the module docstring), in time order per
+    step, with `wait_ns`: the gap between the predecessor's end and the action's start (transfer or
+    scheduling delay). Ranks running the same pp_rank are separate data-parallel pipelines, paired by
+    rank order (the k-th rank of each pp_rank forms pipeline k)."""
+    if actions.empty:
+        return actions.assign(wait_ns=pd.Series(dtype=np.int64))
+    a = actions.sort_values(["step", "rank", "start_ns", "end_ns"], kind="stable").reset_index(drop=True)
+    ranks = a[["rank", "pp_rank"]].drop_duplicates("rank").sort_values("rank")
+    replica_of = dict(zip(ranks["rank"].tolist(), ranks.groupby("pp_rank").cumcount().tolist()))
+    # an action's identity (step, pipeline, stage, microbatch, kind) as one integer, for fast look-ups
+    step_i = pd.factorize(a["step"])[0].astype(np.int64)
+    replica_i = a["rank"].map(replica_of).to_numpy(np.int64)
+    stage_i, mb_i = a["stage"].to_numpy(np.int64), a["microbatch"].to_numpy(np.int64)
+    kind_i = pd.Categorical(a["kind"].astype(str), categories=list(KINDS)).codes.astype(np.int64)  # F 0, B 1, W 2
+    n_rep, n_stage, n_mb = int(replica_i.max()) + 1, int(stage_i.max()) + 2, int(mb_i.max()) + 1
 
+    def code(st, rp, s, m, k):
+        return (((st * n_rep + rp) * n_stage + s) * n_mb + m) * 3 + k
 
-def _critical_path_step(st: pd.DataFrame) -> pd.DataFrame:
-    # replica: ranks holding the same pp_rank belong to different data-parallel pipelines (by rank order)
-    ranks = st[["rank", "pp_rank"]].drop_duplicates().sort_values("rank")
-    ranks["replica"] = ranks.groupby("pp_rank").cumcount()
-    rep = dict(zip(ranks["rank"], ranks["replica"]))
-    replica = st["rank"].map(rep).to_numpy()
-    stage = st["stage"].to_numpy()
-    mb = st["microbatch"].to_numpy()
-    kind = st["kind"].astype(str).to_numpy()
-    start = st["start_ns"].to_numpy()
-    end = st["end_ns"].to_numpy()
-    last_stage = int(stage.max())
-    index = {(int(replica[i]), int(stage[i]), int(mb[i]), kind[i]): i for i in range(len(st))}
-    prev_on_rank: dict[int, int] = {}
-    for _, g in st.groupby("rank"):
-        order = g.sort_values(["start_ns", "end_ns"]).index.to_numpy()
-        for a, b in zip(order[:-1], order[1:]):
-            prev_on_rank[int(b)] = int(a)
+    index = dict(zip(code(step_i, replica_i, stage_i, mb_i, kind_i).tolist(), range(len(a))))
+    step, replica, stage, mb = step_i.tolist(), replica_i.tolist(), stage_i.tolist(), mb_i.tolist()
+    kind = a["kind"].astype(str).tolist()
+    start, end = a["start_ns"].tolist(), a["end_ns"].tolist()
+    last_stage = int(stage_i.max())
+    same_lane = np.r_[False, (a["step"].to_numpy()[1:] == a["step"].to_numpy()[:-1])
+                      & (a["rank"].to_numpy()[1:] == a["rank"].to_numpy()[:-1])]
+    prev_on_rank = np.where(same_lane, np.arange(len(a)) - 1, -1).tolist()
 
-    def deps(i: int) -> list[int]:
-        rp, s, m, k = int(replica[i]), int(stage[i]), int(mb[i]), kind[i]
-        keys = []
-        if k == "F" and s > 0:
-            keys.append((rp, s - 1, m, "F"))
+    def predecessors(i: int) -> list[int]:
+        st, rp, s, m, k = step[i], replica[i], stage[i], mb[i], kind[i]
+        if k == "F":
+            keys = [code(st, rp, s - 1, m, 0)] if s > 0 else []
         elif k == "B":
-            keys.append((rp, s, m, "F"))
-            if s < last_stage:
-                keys.append((rp, s + 1, m, "B"))
-        elif k == "W":
-            keys.append((rp, s, m, "B"))
-        out = [index[k_] for k_ in keys if k_ in index]
-        if i in prev_on_rank:
+            keys = [code(st, rp, s, m, 0)] + ([code(st, rp, s + 1, m, 1)] if s < last_stage else [])
+        else:
+            keys = [code(st, rp, s, m, 1)]
+        out = [index[key] for key in keys if key in index]
+        if prev_on_rank[i] >= 0:
             out.append(prev_on_rank[i])
         return out
 
-    cur = int(np.argmax(end))
-    path = []
-    seen = set()
-    while cur not in seen:
-        seen.add(cur)
-        prev = prev_on_rank.get(cur)
-        cands = [j for j in deps(cur) if end[j] <= end[cur] and j not in seen]
-        # the latest-finishing predecessor; on a tie the rank's own previous action (the rank was busy)
-        nxt = max(cands, key=lambda j: (end[j], j == prev, start[j])) if cands else None
-        wait = max(0, int(start[cur] - end[nxt])) if nxt is not None else 0
-        path.append((cur, wait))
-        if nxt is None:
-            break
-        cur = nxt
-    path.reverse()
-    rows = st.iloc[[i for i, _ in path]].copy()
-    rows["wait_ns"] = np.asarray([w for _, w in path], dtype=np.int64)
-    return rows.reset_index(drop=True)
+    rows, waits = [], []
+    last_of_step = a.groupby("step")["end_ns"].idxmax()
+    for cur in last_of_step.tolist():
+        path: list[tuple[int, int]] = []
+        seen: set[int] = set()
+        while True:
+            seen.add(cur)
+            prev = prev_on_rank[cur]
+            cands = [j for j in predecessors(cur) if end[j] <= end[cur] and j not in seen]
+            # the latest-finishing predecessor; on a tie the rank's own previous action (the rank was busy)
+            nxt = max(cands, key=lambda j: (end[j], j == prev, start[j])) if cands else None
+            path.append((cur, max(0, start[cur] - end[nxt]) if nxt is not None else 0))
+            if nxt is None:
+                break
+            cur = nxt
+        path.reverse()
+        rows += [i for i, _ in path]
+        waits += [w for _, w in path]
+    out = a.iloc[rows].reset_index(drop=True)
+    out["wait_ns"] = np.asarray(waits, dtype=np.int64)
+    return out
 
 
 def stage_layout(meta: PipelineMeta | str | None, n_stages: int) -> tuple[list[int] | None, list[list[str]] | None]:
@@ -646,15 +717,14 @@ def stage_balance(actions: pd.DataFrame, layout: PipelineMeta | str | None = Non
     if actions.empty:
         raise TraceError(None, "empty window: no pipeline actions to balance")
     n_stages = int(actions["stage"].max()) + 1
-    per_mb = actions.assign(dur=actions["end_ns"] - actions["start_ns"]).pivot_table(
-        index=["step", "stage", "microbatch", "rank"], columns="kind", values="dur", aggfunc="sum", fill_value=0,
-        observed=False)
-    for k in KINDS:
-        if k not in per_mb.columns:
-            per_mb[k] = 0
-    per_mb = per_mb[list(KINDS)].astype(np.float64)
-    per_mb["total"] = per_mb.sum(axis=1)
-    stage_mean = per_mb.groupby(level="stage").mean()
+    # one sample = one microbatch of one step on one rank; a kind it lacks counts as 0
+    dur = (actions["end_ns"] - actions["start_ns"]).astype(np.float64)
+    samples = actions.drop_duplicates(["step", "stage", "microbatch", "rank"]).groupby("stage").size()
+    by_kind = dur.groupby([actions["stage"], actions["kind"]], observed=False).sum().unstack("kind").reindex(
+        columns=list(KINDS), fill_value=0.0).fillna(0.0)
+    stage_mean = by_kind.div(samples, axis=0)
+    stage_mean["total"] = stage_mean[list(KINDS)].sum(axis=1)
+    n_mb = actions.drop_duplicates(["stage", "microbatch"]).groupby("stage").size()
     owner = actions.groupby("stage")["pp_rank"].agg(lambda x: int(x.mode().iloc[0]))
     tab = pd.DataFrame({"stage": np.arange(n_stages)})
     tab["pp_rank"] = [int(owner.get(s, -1)) for s in range(n_stages)]
@@ -662,8 +732,7 @@ def stage_balance(actions: pd.DataFrame, layout: PipelineMeta | str | None = Non
         tab[col] = [float(stage_mean.at[s, k]) if s in stage_mean.index else math.nan for s in range(n_stages)]
     if not (actions["kind"] == "W").any():
         tab["w_ns"] = math.nan  # the schedule does not split the backward
-    tab["microbatches"] = [int(per_mb.xs(s, level="stage").index.get_level_values("microbatch").nunique())
-                           if s in stage_mean.index else 0 for s in range(n_stages)]
+    tab["microbatches"] = [int(n_mb.get(s, 0)) for s in range(n_stages)]
     mean = float(np.nanmean(tab["total_ns"]))
     tab["ratio_to_mean"] = tab["total_ns"] / mean if mean > 0 else math.nan
     layers, mods = stage_layout(layout, n_stages)
