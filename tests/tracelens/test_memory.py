@@ -221,6 +221,11 @@ def test_cli_manifest_and_sweep(tmp_path):
     js = json.loads((tmp_path / "m.json").read_text())
     assert js["measured_peak_bytes"] == 40 * GIB
     assert js["projected_over_measured"] == pytest.approx(js["peak_bytes"] / (40 * GIB), rel=1e-3)
+    html = (tmp_path / "run" / "memory.html")
+    res = r.invoke(main, ["memory", str(tmp_path / "run"), "-o", str(tmp_path / "run")])
+    assert res.exit_code == 0 and html.exists(), res.output
+    page = html.read_text()
+    assert 'id="plot-memory"' in page and "optimizer: Adam exp_avg + exp_avg_sq" in page and "measured peak" in page
     res = r.invoke(main, ["memory", "deepseek_v2_lite", "--world", "16", "--sweep", "--device-memory", "80GiB",
                           "--global-batch", "64", "--json", str(tmp_path / "s.json"), "--top", "5"])
     assert res.exit_code == 0, res.output
