@@ -11,7 +11,7 @@ PIP    := $(PY) -m pip
 TORCH  ?= torch==2.13.0
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test install browser clean
+.PHONY: demo demo-gpu-trace test install browser clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -29,11 +29,16 @@ browser:
 	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && apt-get install -y -qq chromium >/dev/null; \
 	  else sudo apt-get update -qq && sudo apt-get install -y -qq chromium >/dev/null; fi; }
 
+# The main job: train a tiny DeepSeek-style MoE on the CPU (10 steps, steps 3-4 profiled), analyze its
+# trace and open the report. `make demo-gpu-trace` analyzes a bundled real 2-GPU H200 trace instead.
 demo: $(STAMP)
+	$(VENV)/bin/tracelens profile --config tiny -o runs/demo --open
+
+demo-gpu-trace: $(STAMP)
 	$(VENV)/bin/tracelens analyze tests/fixtures/h200_nccl_2rank -o out/demo --open
 
 test: $(STAMP) browser
 	$(PY) -m pytest -q
 
 clean:
-	rm -rf $(VENV) out .pytest_cache
+	rm -rf $(VENV) out runs/demo .pytest_cache
