@@ -121,7 +121,7 @@ def stage_figure(res: PipelineAnalysis) -> dict:
                     "text": "mean of stages", "font": {"size": 11}}]
     layout = {"barmode": "stack", "height": 340, "margin": {"l": 60, "r": 20, "t": 24, "b": 60},
               "yaxis": {"title": {"text": "ms per microbatch"}}, "shapes": shapes, "annotations": annotations,
-              "legend": {"orientation": "h", "y": -0.25}}
+              "legend": {"orientation": "h", "y": -0.25, "traceorder": "normal"}}
     return {"data": data, "layout": layout}
 
 
@@ -134,28 +134,27 @@ def section_context(res: PipelineAnalysis, id_prefix: str = "plot-pp") -> dict[s
     from .html import html_table
 
     m = res.meta
-    pr = res.per_rank.sort_values("rank").assign(
-        window_us=lambda d: d["window_ns"] / 1e3, busy_us=lambda d: d["busy_ns"] / 1e3, idle_us=lambda d: d["idle_ns"] / 1e3,
-        lead_us=lambda d: d["lead_ns"] / 1e3, inner_us=lambda d: d["inner_ns"] / 1e3, tail_us=lambda d: d["tail_ns"] / 1e3,
-        bubble_pct=lambda d: d["bubble_ratio"].map(_pct), theory_pct=lambda d: d["theory_ratio"].map(_pct))
+    pr = res.per_rank.sort_values("rank")
+    per_step_ms = {c: pr[f"{c}_ns"] / pr["steps"] / 1e6 for c in ("window", "busy", "idle", "lead", "inner", "tail")}
+    pr = pr.assign(**{f"{c}_ms": v for c, v in per_step_ms.items()},
+                   bubble_pct=pr["bubble_ratio"].map(_pct), theory_pct=pr["theory_ratio"].map(_pct))
     rank_table = html_table(pr, [
-        ("rank", "rank", "num"), ("pp_rank", "pp rank", "num"), ("steps", "steps", "num"), ("window_us", "window µs", "num"),
-        ("busy_us", "busy µs", "num"), ("idle_us", "idle µs", "num"), ("lead_us", "idle before first µs", "num"),
-        ("inner_us", "idle between µs", "num"), ("tail_us", "idle after last µs", "num"),
+        ("rank", "rank", "num"), ("pp_rank", "pp rank", "num"), ("steps", "steps", "num"),
+        ("window_ms", "window ms/step", "num"), ("busy_ms", "busy ms/step", "num"), ("idle_ms", "idle ms/step", "num"),
+        ("lead_ms", "idle before first", "num"), ("inner_ms", "idle between", "num"), ("tail_ms", "idle after last", "num"),
         ("bubble_pct", "bubble %", "pct"), ("theory_pct", "theory %", "pct")])
-    st = res.balance.table.assign(
-        f_us=lambda d: d["f_ns"] / 1e3, b_us=lambda d: d["b_ns"] / 1e3, w_us=lambda d: d["w_ns"] / 1e3,
-        total_us=lambda d: d["total_ns"] / 1e3, layer_us=lambda d: d["layer_ns"] / 1e3,
-        critical_us=lambda d: d["critical_ns"] / 1e3, critical_pct=lambda d: 100 * d["critical_share"])
+    t = res.balance.table
+    st = t.assign(**{c.replace("_ns", "_ms"): t[c] / 1e6 for c in ("f_ns", "b_ns", "w_ns", "total_ns", "layer_ns", "critical_ns")},
+                  critical_pct=100 * t["critical_share"])
     cols = [("stage", "stage", "num"), ("pp_rank", "pp rank", "num"), ("modules", "modules", "name"),
-            ("layers", "layers", "num"), ("f_us", "F µs/mb", "num"), ("b_us", "B µs/mb", "num"),
-            ("w_us", "W µs/mb", "num"), ("total_us", "total µs/mb", "num"), ("ratio_to_mean", "x mean", "num"),
-            ("layer_us", "µs/layer/mb", "num"), ("critical_us", "critical path µs/step", "num"),
+            ("layers", "layers", "num"), ("f_ms", "F ms/mb", "num"), ("b_ms", "B ms/mb", "num"),
+            ("w_ms", "W ms/mb", "num"), ("total_ms", "total ms/mb", "num"), ("ratio_to_mean", "x mean", "num"),
+            ("layer_ms", "ms/layer/mb", "num"), ("critical_ms", "on critical path ms/step", "num"),
             ("critical_pct", "% of critical path", "pct")]
     if not st["modules"].astype(bool).any():
-        cols = [c for c in cols if c[0] not in ("modules", "layers", "layer_us")]
+        cols = [c for c in cols if c[0] not in ("modules", "layers", "layer_ms")]
     if float(st["w_ns"].fillna(0).sum()) == 0:
-        cols = [c for c in cols if c[0] != "w_us"]
+        cols = [c for c in cols if c[0] != "w_ms"]
     stage_table = html_table(st, cols)
     theory = ("n/a" + (f" ({res.theory_note})" if res.theory_note else "") if math.isnan(res.theory_ratio)
               else f"{100 * res.theory_ratio:.1f}%")

@@ -246,6 +246,9 @@ def test_microbatch_disagreement_warns(tmp_path):
     assert ("tracelens: warning: step 0: ranks disagree on the number of microbatches "
             "(rank 0: 4, rank 1: 4, rank 2: 4, rank 3: 3)") in r.stderr
     assert (tmp_path / "out" / "ppvis.html").exists()
+    # a rank with no actions in a step (a run stopped mid-step)
+    recs = S.simulate(2, 2, [U] * 2, [U] * 2) + [x for x in S.simulate(2, 2, [U] * 2, [U] * 2, step=1) if x["rank"] == 0]
+    assert "step 1: no actions from rank(s) 1" in P.check_actions(table(recs))
 
 
 # ------------------------------------------------------------------------------------ CLI, JSON, Perfetto
@@ -332,6 +335,11 @@ def test_main_report_gets_pipeline_section(tmp_path):
     assert {"pipeline_actions", "pipeline_stages"} <= set(a.tables())
     page = render(a)
     assert '<section id="pipeline">' in page and "move 1 layer to stage 3" in page
+    # RUN/traces alone: actions rebuilt from the ranges, set-up still read from RUN/manifest.json; same bubbles
+    tr = P.load_pipeline(run / "traces", cache=False)
+    assert tr.source == "trace" and tr.meta.inferred == [] and tr.meta.layout == "Ett|tt|ttt|tL"
+    cols = ["step", "rank", "window_ns", "busy_ns", "idle_ns"]
+    assert tr.per_step[cols].equals(a.pipeline.per_step[cols])
     (run / "pipeline" / "rank2.jsonl").write_text("{}\n")  # broken jsonl: the report is still written, with a warning
     b = tracelens.analyze(tracelens.load(run, cache=False))
     assert b.pipeline is None and any("pipeline section skipped" in w and "rank2.jsonl:1" in w for w in b.warnings)

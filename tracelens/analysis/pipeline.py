@@ -466,8 +466,8 @@ def _ranges(nums: list[int]) -> str:
 
 
 def check_actions(actions: pd.DataFrame, meta: PipelineMeta | None = None) -> list[str]:
-    """Warnings about inconsistent data: ranks that disagree on the microbatches of a step, duplicate
-    actions, a stage count that does not match the manifest."""
+    """Warnings about inconsistent data: ranks that disagree on the microbatches of a step, a step some
+    rank has no actions in, duplicate actions, stage or microbatch counts that differ from the manifest."""
     warns: list[str] = []
     nmb = actions.groupby(["step", "rank"])["microbatch"].nunique().rename("mb").reset_index()
     for s, g in nmb.groupby("step"):
@@ -477,6 +477,12 @@ def check_actions(actions: pd.DataFrame, meta: PipelineMeta | None = None) -> li
             if len(warns) >= 5:
                 warns.append("further microbatch disagreements not listed")
                 break
+    all_ranks = set(actions["rank"].unique().tolist())
+    for s, ranks in actions.groupby("step")["rank"].unique().items():
+        missing = sorted(all_ranks - set(ranks.tolist()))
+        if missing:
+            warns.append(f"step {s}: no actions from rank(s) {', '.join(map(str, missing))}")
+            break  # once is enough: usually a run stopped mid-step
     dup = actions.duplicated(["step", "rank", "stage", "microbatch", "kind"])
     if dup.any():
         warns.append(f"{int(dup.sum())} action(s) appear more than once for the same step, rank, stage, microbatch and kind")
@@ -895,7 +901,12 @@ def load_pipeline(source, *, step: int | None = None, cache: bool = True) -> Pip
     actions = load_pipeline_actions(source, cache=cache)
     is_path = isinstance(source, (str, os.PathLike))
     src = "jsonl" if is_path and Path(source).is_dir() and _jsonl_files(Path(source)) else "trace"
-    meta = pipeline_meta(source if is_path else None, actions)
+    run = None
+    if is_path:  # the run dir, also when given its traces/ directory
+        run = Path(source)
+        if run.name == "traces" and (run.parent / "manifest.json").exists():
+            run = run.parent
+    meta = pipeline_meta(run, actions)
     try:
         return analyze_pipeline(actions, meta, step=step, source=src)
     except TraceError as e:
