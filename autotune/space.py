@@ -1,4 +1,4 @@
-"""The search space of a sweep, read from YAML.
+"""The search space of a sweep, read from YAML (schema and example: docs/autotune.md, autotune/spaces/).
 
     config: tiny                 # trainer config (name under trainer/configs or a path)
     nproc: 1                     # processes per trial (torchrun when > 1)
@@ -8,15 +8,22 @@
       manual_gc: [0, 5]
     baseline: {sync_free_level: 0, grouped_gemm_backend: loop, manual_gc: 0}   # default: first values
     fixed: {steps: 6}            # overrides applied to every trial
-    constraints:                 # Python expressions over knob values; a trial must satisfy all
-      - "not (grouped_gemm_backend == 'loop' and sync_free_level >= 2)"
-    objective: tokens_per_s_per_gpu   # or step_time (minimized), mfu
+    constraints:                 # Python expressions over the knobs, `fixed` and the resolved trainer
+      - "not (grouped_gemm_backend == 'loop' and sync_free_level >= 2)"    # config; all must hold
+    objective: tokens_per_s_per_gpu   # or tokens_per_s, mfu (maximized), step_time (minimized)
     budget: {trials: 8, wall_s: 900}
-    trial: {timeout_s: 300}
-    command: null                # test hook: argv prefix replacing `python -m trainer.launch`
+    trial: {timeout_s: 300, stall_s: 120, env: {OMP_NUM_THREADS: "4"}}   # stall_s (optional): no new
+                                 # output for this long, once the trial printed, = a hang; env: extra
+                                 # environment variables of every trial
+    limits: {memory_gib: 70}     # a trial whose peak memory exceeds this fails ("memory"); headroom
+                                 # and near-OOM findings are measured against it
+    guided: {explore: 0, min_gain: 0.02, gemm_roof_pct: 50}
+    command: null                # argv prefix replacing `python -m trainer.launch` (wrappers, tests)
 
-Unknown keys, empty knob lists, a baseline value outside its knob's values, or a constraint that does
-not parse are errors naming the key.
+Every problem is a :class:`SpaceError` whose message is one line naming the file and the key.
+Knob names and values are checked against the trainer's own config loader (run as a subprocess, see
+``autotune/_trainer_check.py``), so a key the trainer does not have yet (e.g. pipeline keys) is
+reported as such, and becomes valid the day the trainer learns it.
 """
 
 from __future__ import annotations
@@ -24,7 +31,10 @@ from __future__ import annotations
 import ast
 import itertools
 import json
-from dataclasses import dataclass, field
+import math
+import subprocess
+import sys
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -34,11 +44,18 @@ OBJECTIVES = {  # name -> (manifest metric, maximize?)
     "mfu": ("mfu", True),
     "step_time": ("mean_step_time_s", False),
 }
-_KEYS = {"config", "nproc", "knobs", "baseline", "fixed", "constraints", "objective", "budget", "trial", "command"}
+_KEYS = {"config", "nproc", "knobs", "baseline", "fixed", "constraints", "objective", "budget", "trial",
+         "limits", "guided", "command"}
+_SUBKEYS = {"budget": {"trials", "wall_s"}, "trial": {"timeout_s", "stall_s", "env"}, "limits": {"memory_gib"},
+            "guided": {"explore", "min_gain", "gemm_roof_pct"}}
+# names a constraint may call besides the config keys
+_SAFE_BUILTINS = {"min": min, "max": max, "abs": abs, "len": len, "sum": sum, "all": all, "any": any,
+                  "sorted": sorted, "int": int, "float": float, "bool": bool, "set": set, "range": range}
+MAX_GRID = 200_000
 
 
 class SpaceError(ValueError):
-    """A bad search-space file: one line naming the key."""
+    """A bad search-space file: one line naming the file and the key."""
 
 
 @dataclass
@@ -53,7 +70,14 @@ class Space:
     max_trials: int = 20
     wall_s: float = 3600.0
     timeout_s: float = 900.0
+    stall_s: float | None = None
+    trial_env: dict[str, str] = field(default_factory=dict)
+    memory_gib: float | None = None
+    explore: int = 0
+    min_gain: float = 0.02
+    gemm_roof_pct: float = 50.0
     command: list[str] | None = None
+    base_config: dict[str, Any] = field(default_factory=dict)  # resolved trainer config (+ fixed)
 
     @property
     def maximize(self) -> bool:
@@ -64,21 +88,43 @@ class Space:
         return OBJECTIVES[self.objective][0]
 
     def allowed(self, point: dict[str, Any]) -> bool:
-        env = {**self.fixed, **point}
-        return all(bool(eval(compile(c, "<constraint>", "eval"), {"__builtins__": {}}, env)) for c in self.constraints)
+        """True when the point satisfies every constraint (evaluated over config + fixed + point)."""
+        env = {**self.base_config, **self.fixed, **point}
+        for i, c in enumerate(self.constraints):
+            try:
+                ok = eval(compile(c, "<constraint>", "eval"), {"__builtins__": _SAFE_BUILTINS}, env)
+            except Exception as e:  # noqa: BLE001 - any failure of a user expression is reported the same way
+                raise SpaceError(f"constraints[{i}]: {c!r} cannot be evaluated for {key_of(point)} "
+                                 f"({type(e).__name__}: {e})") from None
+            if not ok:
+                return False
+        return True
 
     def grid(self) -> list[dict[str, Any]]:
+        """Every allowed point, in the order of the knob lists (the first knob varies slowest)."""
         names = list(self.knobs)
-        pts = [dict(zip(names, vals)) for vals in itertools.product(*(self.knobs[n] for n in names))]
+        pts = (dict(zip(names, vals)) for vals in itertools.product(*(self.knobs[n] for n in names)))
         return [p for p in pts if self.allowed(p)]
+
+    def grid_size(self) -> int:
+        return math.prod(len(v) for v in self.knobs.values())
+
+    def identity(self) -> dict[str, Any]:
+        """What must match for `--resume` to continue a stored sweep (budgets may change)."""
+        return {"config": self.config, "nproc": self.nproc, "knobs": self.knobs, "baseline": self.baseline,
+                "fixed": self.fixed, "constraints": self.constraints, "objective": self.objective}
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
 
 
 def key_of(point: dict[str, Any]) -> str:
     """Canonical identity of a trial: the same knobs always give the same key."""
-    return json.dumps(point, sort_keys=True, separators=(",", ":"))
+    return json.dumps(point, sort_keys=True, separators=(",", ":"), default=str)
 
 
-def load_space(path: str | Path) -> Space:
+def load_space(path: str | Path, check_trainer: bool = True) -> Space:
+    """Read and validate a space file; every error is one line naming the file."""
     import yaml
 
     p = Path(path)
@@ -87,56 +133,131 @@ def load_space(path: str | Path) -> Space:
     except OSError as e:
         raise SpaceError(f"{p}: cannot read: {e.strerror or e}") from None
     except yaml.YAMLError as e:
-        raise SpaceError(f"{p}: not valid YAML ({str(e).splitlines()[0]})") from None
-    return parse_space(doc, str(p))
+        raise SpaceError(f"{p}: not valid YAML ({' '.join(str(e).split())[:200]})") from None
+    return parse_space(doc, str(p), check_trainer=check_trainer)
 
 
-def parse_space(doc: Any, where: str = "space") -> Space:
+def _num(where: str, key: str, v: Any, kind: type, lo: float) -> Any:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or (kind is int and not float(v).is_integer()):
+        raise SpaceError(f"{where}: {key}: expected {'an integer' if kind is int else 'a number'}, got {v!r}")
+    if v < lo:
+        raise SpaceError(f"{where}: {key}: must be >= {lo:g}, got {v!r}")
+    return kind(v)
+
+
+def _mapping(where: str, doc: dict, key: str) -> dict:
+    v = doc.get(key)
+    if v is None:
+        return {}
+    if not isinstance(v, dict):
+        raise SpaceError(f"{where}: {key}: must be a mapping, got {type(v).__name__}")
+    allowed = _SUBKEYS.get(key)
+    if allowed is not None:
+        bad = sorted(set(v) - allowed)
+        if bad:
+            raise SpaceError(f"{where}: {key}.{bad[0]}: unknown key (known: {', '.join(sorted(allowed))})")
+    return v
+
+
+def parse_space(doc: Any, where: str = "space", check_trainer: bool = True) -> Space:
+    """Validate a parsed YAML document. ``check_trainer=False`` skips asking the trainer's config
+    loader (unit tests of the schema itself; constraints then see only knobs and `fixed`)."""
     if not isinstance(doc, dict):
         raise SpaceError(f"{where}: the search space must be a mapping")
-    unknown = set(doc) - _KEYS
+    unknown = sorted(set(doc) - _KEYS)
     if unknown:
-        raise SpaceError(f"{where}: unknown key {sorted(unknown)[0]!r} (known: {', '.join(sorted(_KEYS))})")
-    if "config" not in doc:
-        raise SpaceError(f"{where}: missing key 'config'")
+        raise SpaceError(f"{where}: {unknown[0]}: unknown key (known: {', '.join(sorted(_KEYS))})")
+    if not isinstance(doc.get("config"), str) or not doc["config"]:
+        raise SpaceError(f"{where}: config: missing (a trainer config name or YAML path)")
     knobs = doc.get("knobs")
     if not isinstance(knobs, dict) or not knobs:
-        raise SpaceError(f"{where}: 'knobs' must map trainer config keys to lists of values")
+        raise SpaceError(f"{where}: knobs: must map trainer config keys to lists of values")
     for k, v in knobs.items():
         if not isinstance(v, list) or not v:
             raise SpaceError(f"{where}: knobs.{k}: must be a non-empty list of values")
+        keys = [key_of({"v": x}) for x in v]
+        if len(set(keys)) != len(keys):
+            dup = next(x for i, x in enumerate(v) if keys.index(keys[i]) != i)
+            raise SpaceError(f"{where}: knobs.{k}: value {dup!r} is listed twice")
+    fixed = _mapping(where, doc, "fixed")
+    both = sorted(set(fixed) & set(knobs))
+    if both:
+        raise SpaceError(f"{where}: fixed.{both[0]}: is also a knob")
     baseline = {k: v[0] for k, v in knobs.items()}
-    for k, v in (doc.get("baseline") or {}).items():
+    for k, v in _mapping(where, doc, "baseline").items():
         if k not in knobs:
             raise SpaceError(f"{where}: baseline.{k}: not a knob")
         if v not in knobs[k]:
             raise SpaceError(f"{where}: baseline.{k}: {v!r} is not one of {knobs[k]}")
         baseline[k] = v
-    constraints = list(doc.get("constraints") or [])
-    for c in constraints:
+    constraints = doc.get("constraints") or []
+    if not isinstance(constraints, list) or not all(isinstance(c, str) for c in constraints):
+        raise SpaceError(f"{where}: constraints: must be a list of expressions (strings)")
+    for i, c in enumerate(constraints):
         try:
             ast.parse(c, mode="eval")
         except SyntaxError:
-            raise SpaceError(f"{where}: constraints: {c!r} is not a Python expression") from None
+            raise SpaceError(f"{where}: constraints[{i}]: {c!r} is not a Python expression") from None
     objective = doc.get("objective", "tokens_per_s_per_gpu")
     if objective not in OBJECTIVES:
         raise SpaceError(f"{where}: objective: {objective!r} is not one of {', '.join(OBJECTIVES)}")
-    budget = doc.get("budget") or {}
-    trial = doc.get("trial") or {}
+    budget, trial = _mapping(where, doc, "budget"), _mapping(where, doc, "trial")
+    limits, guided = _mapping(where, doc, "limits"), _mapping(where, doc, "guided")
     cmd = doc.get("command")
-    if cmd is not None and (not isinstance(cmd, list) or not all(isinstance(x, str) for x in cmd)):
-        raise SpaceError(f"{where}: command: must be a list of strings")
+    if cmd is not None and (not isinstance(cmd, list) or not cmd or not all(isinstance(x, str) for x in cmd)):
+        raise SpaceError(f"{where}: command: must be a non-empty list of strings")
+    mem = limits.get("memory_gib")
+    stall = trial.get("stall_s")
+    tenv = trial.get("env") or {}
+    if not isinstance(tenv, dict) or not all(isinstance(v, (str, int, float)) and not isinstance(v, bool)
+                                             for v in tenv.values()):
+        raise SpaceError(f"{where}: trial.env: must map variable names to strings or numbers")
     space = Space(
-        config=str(doc["config"]), knobs=knobs, nproc=int(doc.get("nproc", 1)), baseline=baseline,
-        fixed=dict(doc.get("fixed") or {}), constraints=constraints, objective=objective,
-        max_trials=int(budget.get("trials", 20)), wall_s=float(budget.get("wall_s", 3600)),
-        timeout_s=float(trial.get("timeout_s", 900)), command=cmd,
+        config=doc["config"], knobs=knobs, baseline=baseline, fixed=dict(fixed), constraints=list(constraints),
+        objective=objective, command=cmd,
+        nproc=_num(where, "nproc", doc.get("nproc", 1), int, 1),
+        max_trials=_num(where, "budget.trials", budget.get("trials", 20), int, 1),
+        wall_s=_num(where, "budget.wall_s", budget.get("wall_s", 3600), float, 1),
+        timeout_s=_num(where, "trial.timeout_s", trial.get("timeout_s", 900), float, 1),
+        stall_s=None if stall is None else _num(where, "trial.stall_s", stall, float, 1),
+        trial_env={str(k): str(v) for k, v in tenv.items()},
+        memory_gib=None if mem is None else _num(where, "limits.memory_gib", mem, float, 0.001),
+        explore=_num(where, "guided.explore", guided.get("explore", 0), int, 0),
+        min_gain=_num(where, "guided.min_gain", guided.get("min_gain", 0.02), float, 0),
+        gemm_roof_pct=_num(where, "guided.gemm_roof_pct", guided.get("gemm_roof_pct", 50), float, 0),
     )
-    try:
-        if not space.allowed(space.baseline):
-            raise SpaceError(f"{where}: baseline violates the constraints")
-    except SpaceError:
-        raise
-    except Exception as e:  # a constraint naming something that is not a knob or fixed key
-        raise SpaceError(f"{where}: constraints: cannot evaluate ({type(e).__name__}: {e})") from None
+    if check_trainer:
+        _check_with_trainer(space, where)
+    if space.grid_size() > MAX_GRID:
+        raise SpaceError(f"{where}: knobs: {space.grid_size()} combinations (more than {MAX_GRID}); split the sweep")
+    try:  # every constraint must evaluate on every point (a typo in a name shows here, not mid-sweep)
+        points = space.grid()
+    except SpaceError as e:
+        raise SpaceError(f"{where}: {e}") from None
+    if not points:
+        raise SpaceError(f"{where}: constraints: no combination of the knobs satisfies them")
+    if not space.allowed(space.baseline):
+        raise SpaceError(f"{where}: baseline: {key_of(space.baseline)} violates the constraints")
     return space
+
+
+def _check_with_trainer(space: Space, where: str) -> None:
+    """Resolve the trainer config and check every knob name and value with the trainer's loader."""
+    req = {"config": space.config, "fixed": space.fixed, "baseline": space.baseline, "knobs": space.knobs}
+    try:
+        r = subprocess.run([sys.executable, "-m", "autotune._trainer_check"], input=json.dumps(req, default=str),
+                           capture_output=True, text=True, timeout=120, cwd=str(Path(__file__).resolve().parents[1]))
+        res = json.loads(r.stdout)
+    except (OSError, ValueError, subprocess.TimeoutExpired) as e:
+        raise SpaceError(f"{where}: config: cannot ask the trainer's config loader ({type(e).__name__})") from None
+    if res.get("error"):
+        key = f"fixed.{res['error_key']}" if res.get("error_key") in space.fixed else "config"
+        raise SpaceError(f"{where}: {key}: {res['error']}")
+    keys = set(res["keys"])
+    for k in space.knobs:
+        if k not in keys:
+            raise SpaceError(f"{where}: knobs.{k}: not a trainer config key")
+    if res["bad"]:
+        name, i, msg = res["bad"][0]
+        raise SpaceError(f"{where}: knobs.{name}[{i}]: {space.knobs[name][i]!r} rejected by the trainer ({msg})")
+    space.base_config = res["base"]

@@ -1,196 +1,230 @@
-"""Sweeps: grid, random, and trace-guided search over trainer knobs, resumable.
+"""Sweeps over trainer knobs: exhaustive grid, random, TPE (Optuna, optional) and trace-guided; resumable.
 
 Guided search (what a performance engineer does by hand): run the baseline, read the analyzer's
-findings and signals of the best trial so far, try the change they point to, keep it when the
-objective improves by more than the noise (the larger of 2 % and the trials' step-to-step spread),
-otherwise revert; stop when nothing is left to try or the budget is spent.
+findings and the runner's signals of the best trial so far, try the change the policy ranks first
+(:mod:`autotune.policy`), keep it when the objective improves by more than the noise (the larger of
+``guided.min_gain``, default 2 %, and either trial's step-to-step spread), otherwise revert; stop when
+no finding points anywhere new (after ``guided.explore`` one-knob neighbour checks) or the budget
+is spent.
 
-    finding / signal                                   move
-    host syncs (GPU findings) or sync ops in moe/*      raise sync_free_level
-    per-expert GEMM loop in moe/experts, small kernels  try the next grouped_gemm_backend
-    GPU idle waiting for launches                       raise sync_free_level, then other backends
-    step-time spread high (GC pauses, jitter)           try manual_gc values
-    nothing left                                        one-knob changes of the best config, in order
+Resume. Every finished trial is in the store with its decision, and every strategy is a
+deterministic function of the trials' stored results, so ``--resume`` simply runs the strategy again
+from the start: a point whose trial is finished is answered from the store (not run), and the first
+point that is not is where the killed sweep stopped. The budget counts the points the strategy has
+visited, stored or new, so a resumed sweep ends where the uninterrupted one would have.
 """
 
 from __future__ import annotations
 
 import random
+import signal
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
-from .runner import run_trial
+from .policy import Move, explore_moves, propose
+from .runner import TrialResult, reap_orphans, run_trial
 from .space import Space, key_of
 from .store import Store
 
-MIN_GAIN = 0.02
+STRATEGIES = ("guided", "grid", "random", "tpe")
+
+
+class SweepError(ValueError):
+    """A sweep that cannot start or continue: one line."""
 
 
 @dataclass
 class SweepResult:
     out: Path
-    trials: list[dict]
+    strategy: str
+    trials: list[dict]  # every row of the store, in id order
     best: dict | None
     baseline: dict | None
     stopped: str
-    path: list[dict] = field(default_factory=list)  # guided: the steps taken
+    path: list[dict] = field(default_factory=list)  # the points visited, in order, with their decisions
+    ran: int = 0  # trials actually run by this invocation (the rest came from the store)
+
+
+Runner = Callable[[Space, dict, Path, Callable[[int], None]], TrialResult]
+
+
+def _default_runner(space: Space, point: dict, run_dir: Path, on_start: Callable[[int], None]) -> TrialResult:
+    return run_trial(space, point, run_dir, on_start=on_start)
 
 
 class Sweep:
-    def __init__(self, space: Space, out: str | Path, resume: bool = False, log: Callable[[str], None] = print):
-        self.space = space
+    def __init__(self, space: Space, out: str | Path, strategy: str = "guided", resume: bool = False, seed: int = 0,
+                 log: Callable[[str], None] = print, runner: Runner | None = None):
+        if strategy not in STRATEGIES:
+            raise SweepError(f"unknown strategy {strategy!r} (one of {', '.join(STRATEGIES)})")
+        self.space, self.strategy, self.seed = space, strategy, seed
         self.out = Path(out)
         self.log = log
+        self.runner = runner or _default_runner
         self.store = Store(self.out / "sweep.sqlite")
-        existing = [t for t in self.store.trials() if t["status"] != "running"]
-        if existing and not resume:
-            raise SystemExit(f"{self.out}: holds {len(existing)} finished trial(s) of an earlier sweep; "
-                             "pass --resume to continue it, or choose another output directory")
-        self.store.set_meta("space", space.__dict__)
+        stored = self.store.get_meta("identity")
+        if stored is not None:
+            if not resume:
+                n = len(self.store.trials(finished_only=True))
+                raise SweepError(f"{self.out}: holds a sweep ({n} finished trial(s)); pass --resume to continue it, "
+                                 "or choose another output directory")
+            if stored != _jsonable(space.identity()):
+                diff = sorted(k for k in stored if stored.get(k) != _jsonable(space.identity()).get(k))
+                raise SweepError(f"{self.out}: the stored sweep has a different search space ({', '.join(diff)} differ); "
+                                 "resume it with the same space file")
+            prev = self.store.get_meta("strategy")
+            if prev != {"name": strategy, "seed": seed}:
+                raise SweepError(f"{self.out}: the stored sweep used --strategy {prev['name']} --seed {prev['seed']}")
+            for t in self.store.running():  # trials the killed sweep left behind
+                if t["pgid"]:
+                    gone = reap_orphans(t["pgid"], t["run_dir"])
+                    if gone:
+                        self.log(f"[autotune] killed {len(gone)} leftover process(es) of trial {t['id']}")
+        elif resume and not self.store.trials():
+            self.log(f"[autotune] nothing to resume in {self.out}: starting a new sweep")
+        self.store.set_meta("identity", _jsonable(space.identity()))
+        self.store.set_meta("space", _jsonable(space.to_dict()))
+        self.store.set_meta("strategy", {"name": strategy, "seed": seed})
+        self.elapsed0 = float(self.store.get_meta("elapsed_s", 0.0))
         self.t0 = time.time()
-        self.evaluated = 0
+        self.visited: list[str] = []  # keys this invocation's strategy went through (stored or run)
+        self.path: list[dict] = []
+        self.ran = 0
 
     # ------------------------------------------------------------------ budget and evaluation
+    def elapsed(self) -> float:
+        return self.elapsed0 + (time.time() - self.t0)
+
     def budget_left(self) -> bool:
-        done = len([t for t in self.store.trials() if t["status"] != "running"])
-        return done < self.space.max_trials and (time.time() - self.t0) < self.space.wall_s
+        return len(self.visited) < self.space.max_trials and self.elapsed() < self.space.wall_s
 
-    def evaluate(self, point: dict, motivation: str, parent: int | None) -> dict:
+    def evaluate(self, point: dict, motivation: str, parent: dict | None = None,
+                 decide: Callable[[dict], str] | None = None, source: str = "") -> dict:
+        """The finished trial for ``point``: from the store if it ever finished, else run now."""
         key = key_of(point)
-        prev = self.store.done(key)
-        if prev is not None:  # resumed: never run the same knobs twice
-            return prev
-        n = len(self.store.trials())
-        run_dir = self.out / "trials" / f"t{n:03d}"
-        tid = self.store.start(key, point, motivation, parent, str(run_dir))
-        self.log(f"[autotune] trial {tid}: {point}  ({motivation})")
-        res = run_trial(self.space, point, run_dir)
-        self.store.finish(tid, res.status, res.objective, res.metrics, res.findings, res.reason)
-        self.evaluated += 1
-        msg = f"{self.space.objective} = {res.objective:.4g}" if res.objective is not None else f"{res.status}: {res.reason}"
-        self.log(f"[autotune] trial {tid} -> {msg}")
-        return self.store.done(key)
+        self.visited.append(key)
+        t = self.store.done(key)
+        if t is None:
+            prev = self.store.lookup(key)
+            run_dir = prev["run_dir"] if prev else str(self.out / "trials" / f"t{self.store.next_run_dir_index() + 1:03d}")
+            row = self.store.start(key, point, run_dir, motivation, parent["id"] if parent else None)
+            self.log(f"[autotune] trial {row['id']}: {_fmt(point)}  ({motivation})")
+            res = self.runner(self.space, point, Path(run_dir), lambda pgid: self.store.set_pgid(row["id"], pgid))
+            provisional = {**row, "status": res.status, "objective": res.objective, "metrics": res.metrics}
+            decision = decide(provisional) if decide else None
+            t = self.store.finish(row["id"], res.status, res.objective, res.metrics, res.findings,
+                                  res.failure, res.reason, decision)
+            self.ran += 1
+            self.store.set_meta("elapsed_s", self.elapsed())
+            msg = f"{self.space.objective} = {res.objective:.4g}" if res.status == "ok" else res.reason
+            self.log(f"[autotune] trial {row['id']} -> {res.status}: {msg}" + (f" [{decision}]" if decision else ""))
+        elif decide and t["decision"] is None:
+            t["decision"] = decide(t)
+        self.path.append({"trial": t["id"], "knobs": t["knobs"], "motivation": motivation, "source": source,
+                          "parent": parent["id"] if parent else None, "decision": t["decision"],
+                          "status": t["status"], "objective": t["objective"], "reason": t["reason"]})
+        self.store.set_meta("path", self.path)
+        return t
 
-    def better(self, new: dict, best: dict) -> bool:
-        if new is None or new["status"] != "ok" or best is None or best["status"] != "ok":
-            return new is not None and new["status"] == "ok" and (best is None or best["status"] != "ok")
-        noise = max(MIN_GAIN, new["metrics"].get("noise", 0.0), best["metrics"].get("noise", 0.0))
+    def better(self, new: dict, best: dict | None) -> bool:
+        """``new`` beats ``best`` by more than the noise (any ok trial beats a failed or missing best)."""
+        if new is None or new["status"] != "ok":
+            return False
+        if best is None or best["status"] != "ok":
+            return True
+        noise = max(self.space.min_gain, (new["metrics"] or {}).get("noise", 0.0), (best["metrics"] or {}).get("noise", 0.0))
         a, b = new["objective"], best["objective"]
         gain = (a - b) / abs(b) if self.space.maximize else (b - a) / abs(b)
         return gain > noise
 
     # ------------------------------------------------------------------ strategies
-    def run(self, strategy: str = "guided", seed: int = 0) -> SweepResult:
-        if strategy == "grid":
-            stopped = self._run_list(self.space.grid())
-            path = []
-        elif strategy == "random":
+    def run(self) -> SweepResult:
+        if self.strategy == "grid":
+            stopped = self._run_list(self.space.grid(), "grid point")
+        elif self.strategy == "random":
             pts = self.space.grid()
-            random.Random(seed).shuffle(pts)
-            stopped = self._run_list(pts)
-            path = []
-        elif strategy == "guided":
-            stopped, path = self._guided()
+            random.Random(self.seed).shuffle(pts)
+            stopped = self._run_list(pts, f"random point (seed {self.seed})")
+        elif self.strategy == "tpe":
+            from .tpe import run_tpe
+
+            stopped = run_tpe(self)
         else:
-            raise SystemExit(f"unknown strategy {strategy!r} (grid, random, guided)")
+            stopped = self._guided()
+        self.store.set_meta("stopped", stopped)
+        return self.result(stopped)
+
+    def result(self, stopped: str) -> SweepResult:
         trials = self.store.trials()
         ok = [t for t in trials if t["status"] == "ok"]
         best = (max if self.space.maximize else min)(ok, key=lambda t: t["objective"]) if ok else None
-        base = self.store.done(key_of(self.space.baseline))
-        self.store.set_meta("stopped", stopped)
-        self.store.set_meta("path", path)
-        return SweepResult(self.out, trials, best, base, stopped, path)
+        return SweepResult(self.out, self.strategy, trials, best, self.store.done(key_of(self.space.baseline)),
+                           stopped, self.path, self.ran)
 
-    def _run_list(self, points: list[dict]) -> str:
+    def _run_list(self, points: list[dict], why: str) -> str:
         for p in points:
             if not self.budget_left():
                 return "budget spent"
-            self.evaluate(p, "grid/random point", None)
-        return "all points run"
+            self.evaluate(p, why)
+        return "every allowed point run"
 
-    def _guided(self) -> tuple[str, list[dict]]:
-        path = list(self.store.get_meta("path", []) or [])
-        best = self.evaluate(dict(self.space.baseline), "baseline", None)
-        if not path:
-            path.append({"trial": best["id"], "knobs": best["knobs"], "motivation": "baseline", "decision": "start",
-                         "objective": best["objective"]})
-        # on resume, continue from the best kept point of the recorded path
-        for step in path:
-            if step["decision"] in ("start", "kept"):
-                t = self.store.done(key_of(step["knobs"]))
-                if t is not None and (best is None or self.better(t, best)):
-                    best = t
-        tried = {key_of(t["knobs"]) for t in self.store.trials() if t["status"] != "running"}
+    def _guided(self) -> str:
+        best = self.evaluate(dict(self.space.baseline), "baseline", decide=lambda t: "start")
+        if best["status"] != "ok":
+            return f"baseline failed ({best['reason']}): nothing to steer from"
+        explored = 0
         while self.budget_left():
-            cands = [(p, m) for p, m in self.propose(best) if key_of(p) not in tried and self.space.allowed(p)]
-            if not cands:
-                return "no finding or move left", path
-            point, why = cands[0]
-            tried.add(key_of(point))
-            t = self.evaluate(point, why, best["id"] if best else None)
-            kept = self.better(t, best)
-            path.append({"trial": t["id"], "knobs": t["knobs"], "motivation": why,
-                         "decision": "kept" if kept else ("failed" if t["status"] != "ok" else "reverted"),
-                         "objective": t["objective"], "status": t["status"]})
-            self.store.set_meta("path", path)
-            if kept:
+            moves = [m for m in propose(self.space.knobs, best["knobs"], best["findings"], best["metrics"].get("signals"),
+                                        best["metrics"], self.space.gemm_roof_pct) if self._new(m)]
+            if not moves and explored < self.space.explore:
+                moves = [m for m in explore_moves(self.space.knobs, best["knobs"]) if self._new(m)]
+                explored += bool(moves)
+            if not moves:
+                return "no finding left" if not self.space.explore else "no finding or neighbour left"
+            m: Move = moves[0]
+            cur = best
+            t = self.evaluate(m.point, m.motivation, parent=cur, source=m.source,
+                              decide=lambda t, cur=cur: "kept" if self.better(t, cur) else
+                              ("failed" if t["status"] != "ok" else "reverted"))
+            if t["decision"] == "kept":
                 best = t
-        return "budget spent", path
+        return "budget spent"
 
-    def propose(self, best: dict) -> list[tuple[dict, str]]:
-        """Candidate moves from the best trial's findings and signals, most promising first."""
-        k = self.space.knobs
-        cur = dict(best["knobs"])
-        sig = (best.get("metrics") or {}).get("signals", {}) or {}
-        findings = best.get("findings") or []
-        types = {f["type"]: f for f in findings}
-        out: list[tuple[dict, str]] = []
-
-        def step(knob: str, why: str, values: list | None = None) -> None:
-            if knob not in k:
-                return
-            vals = k[knob]
-            seq = values if values is not None else [v for v in vals if vals.index(v) > vals.index(cur[knob])]
-            for v in seq:
-                if v != cur[knob]:
-                    out.append(({**cur, knob: v}, why))
-
-        if "host_sync" in types or sig.get("moe_sync_ops", 0) > 0 or sig.get("host_syncs", 0) > 0:
-            f = types.get("host_sync")
-            step("sync_free_level", f"finding: {f['title']}" if f else
-                 f"signal: {sig.get('moe_sync_ops', 0)} sync ops in the MoE path", values=_next(k, cur, "sync_free_level"))
-        stages = sig.get("moe_stage_us") or {}
-        experts_hot = stages and max(stages, key=stages.get) == "moe/experts"
-        if sig.get("expert_gemms_per_call", 0) > 1.5 or "small_kernels" in types or experts_hot:
-            why = (f"finding: {types['small_kernels']['title']}" if "small_kernels" in types else
-                   f"signal: {sig.get('expert_gemms_per_call', 0):.0f} GEMMs per moe/experts call (per-expert loop)"
-                   if sig.get("expert_gemms_per_call", 0) > 1.5 else "signal: moe/experts is the slowest MoE stage")
-            if "grouped_gemm_backend" in k:
-                step("grouped_gemm_backend", why, values=[v for v in k["grouped_gemm_backend"] if v != cur["grouped_gemm_backend"]])
-        if "launch_bound" in types:
-            step("sync_free_level", f"finding: {types['launch_bound']['title']}", values=_next(k, cur, "sync_free_level"))
-        if (best.get("metrics") or {}).get("noise", 0) > 0.10 and "manual_gc" in k:
-            step("manual_gc", f"signal: step time spread {100 * best['metrics']['noise']:.0f}% (GC pauses?)",
-                 values=[v for v in k["manual_gc"] if v != cur["manual_gc"]])
-        for knob in k:  # fallback: every single-knob change, in the order the space lists them
-            step(knob, f"no finding left: try {knob}", values=[v for v in k[knob] if v != cur[knob]])
-        return out
+    def _new(self, m: Move) -> bool:
+        k = key_of(m.point)
+        return k not in self.visited and self.space.allowed(m.point)
 
 
-def _next(knobs: dict, cur: dict, name: str) -> list:
-    if name not in knobs:
-        return []
-    vals = knobs[name]
-    i = vals.index(cur[name]) if cur[name] in vals else -1
-    return vals[i + 1:i + 2]
+def _fmt(point: dict) -> str:
+    return ", ".join(f"{k}={v}" for k, v in point.items())
+
+
+def _jsonable(x):
+    import json
+
+    return json.loads(json.dumps(x, default=str))
 
 
 def run_sweep(space: Space, out: str | Path, strategy: str = "guided", resume: bool = False, seed: int = 0,
-              log: Callable[[str], Any] = print) -> SweepResult:
-    sw = Sweep(space, out, resume=resume, log=log)
+              log: Callable[[str], None] = print, runner: Runner | None = None) -> SweepResult:
+    """Run (or resume) a sweep into ``out``. SIGTERM is turned into KeyboardInterrupt while it runs, so the
+    running trial's process group is killed on the way out and the store stays consistent."""
+    sw = Sweep(space, out, strategy=strategy, resume=resume, seed=seed, log=log, runner=runner)
+    main = threading.current_thread() is threading.main_thread()
+    old = signal.signal(signal.SIGTERM, _interrupt) if main else None
     try:
-        return sw.run(strategy, seed)
+        return sw.run()
     finally:
+        if main:
+            signal.signal(signal.SIGTERM, old)
         sw.store.close()
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+__all__ = ["STRATEGIES", "Sweep", "SweepError", "SweepResult", "run_sweep"]

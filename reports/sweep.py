@@ -1,104 +1,215 @@
-"""Sweep report: objective per trial, the guided search's path with the finding behind each step,
-per-knob effects, the best config as ready YAML, and a diff of best vs baseline."""
+"""Sweep report (OUT/sweep.html): the objective of every trial, the path the guided search took with
+the finding that motivated each step, per-knob effects, the best config as a ready YAML file
+(OUT/best.yaml, also shown) and a diff of the best trial against the baseline
+(OUT/diff_best_vs_baseline/diff.html, made with tracelens.analysis.diff and reports/diff.py, linked).
+
+Input: an ``autotune.sweep.SweepResult`` and its ``Space``; reads the trials' run dirs (manifests and
+traces) for the YAML and the diff, nothing else.
+"""
 
 from __future__ import annotations
 
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 import pandas as pd
 
 from .html import _env, _plot_text, html_table, plotly_js, safe_json
 
+OK, FAILED, KEPT = "#3b7dd8", "#c0392b", "#2e9d5b"
 
-def trials_frame(trials: list[dict], objective: str) -> pd.DataFrame:
+
+def _knobs_text(knobs: dict) -> str:
+    return ", ".join(f"{k}={v}" for k, v in knobs.items())
+
+
+def _rel(path: str | None, root: Path) -> str:
+    if not path:
+        return ""
+    try:
+        return os.path.relpath(path, root)
+    except ValueError:
+        return str(path)
+
+
+def trials_frame(trials: list[dict], objective: str, root: Path | None = None) -> pd.DataFrame:
+    """One row per trial: id, status, objective, knobs (text and one ``knob.<name>`` column each)..."""
     rows = []
     for t in trials:
         rows.append({"trial": t["id"], "status": t["status"], objective: t["objective"],
-                     "knobs": ", ".join(f"{k}={v}" for k, v in t["knobs"].items()), "motivation": t.get("motivation") or "",
-                     "reason": t.get("reason") or "", "run_dir": t.get("run_dir") or "", **{f"knob.{k}": v for k, v in t["knobs"].items()}})
-    return pd.DataFrame(rows)
+                     "knobs": _knobs_text(t["knobs"]), "decision": t.get("decision") or "",
+                     "motivation": t.get("motivation") or "", "failure": t.get("failure") or "",
+                     "reason": t.get("reason") or "",
+                     "run_dir": _rel(t.get("run_dir"), root) if root else (t.get("run_dir") or ""),
+                     "wall_s": (t.get("metrics") or {}).get("wall_s"),
+                     **{f"knob.{k}": v for k, v in t["knobs"].items()}})
+    cols = ["trial", "status", objective, "knobs", "decision", "motivation", "failure", "reason", "run_dir", "wall_s"]
+    return pd.DataFrame(rows, columns=cols + sorted({c for r in rows for c in r if c.startswith("knob.")}))
 
 
-def best_yaml(config: str, fixed: dict, best: dict | None) -> str:
+def best_config(best: dict | None) -> dict | None:
+    """The best trial's full resolved trainer config, from its manifest (what the trainer really ran)."""
+    if best is None or not best.get("run_dir"):
+        return None
+    try:
+        return json.loads((Path(best["run_dir"]) / "manifest.json").read_text()).get("config")
+    except (OSError, ValueError):
+        return None
+
+
+def best_yaml(space, best: dict | None) -> str:
+    """A trainer config file for the best trial: ``python -m trainer --config best.yaml`` runs it."""
     import yaml
 
     if best is None:
-        return "# no successful trial\n"
-    body = {"base_config": config, **fixed, **best["knobs"]}
-    return (f"# best of the sweep (trial {best['id']}): {best['objective']:.6g}\n"
-            f"# python -m trainer.launch --config {config} " + " ".join(f"--set {k}={v}" for k, v in {**fixed, **best['knobs']}.items())
-            + "\n" + yaml.safe_dump(body, sort_keys=False))
+        return "# no successful trial: nothing to write\n"
+    cfg = best_config(best)
+    head = (f"# best of the sweep: trial {best['id']}, {space.objective} = {best['objective']:.6g}\n"
+            f"# knobs: {_knobs_text(best['knobs'])}\n"
+            f"# run it: python -m trainer.launch --config best.yaml --nproc {space.nproc} -o runs/best\n")
+    if cfg is None:  # no manifest to copy: base config name + overrides (the launcher resolves it)
+        head += f"# (the trial's manifest is missing: this is {space.config} with these overrides)\n"
+        cfg = {**space.base_config, **space.fixed, **best["knobs"]} if space.base_config else None
+        if cfg is None:
+            return head + yaml.safe_dump({**space.fixed, **best["knobs"]}, sort_keys=False)
+    return head + yaml.safe_dump(cfg, sort_keys=False)
 
 
-def render(result, space) -> str:
+def _figures(df: pd.DataFrame, path: list[dict], space) -> dict:
     obj = space.objective
-    df = trials_frame(result.trials, obj)
-    figures = {}
-    if len(df):
-        ok = df[df["status"] == "ok"]
-        colors = ["#3b7dd8" if s == "ok" else "#c0392b" for s in df["status"]]
-        figures["plot-trials"] = {"data": [{
-            "type": "bar", "x": [f"#{t}" for t in df["trial"]], "y": [v if v == v else 0 for v in df[obj].fillna(0)],
-            "marker": {"color": colors}, "text": [_plot_text(k) for k in df["knobs"]],
-            "hovertemplate": "%{x}: %{y:.4g}<br>%{text}<extra></extra>"}],
-            "layout": {"height": 360, "margin": {"l": 60, "r": 20, "t": 10, "b": 40},
-                       "yaxis": {"title": {"text": _plot_text(obj)}}}}
-        effects = []
-        for k in space.knobs:
-            if len(ok) and f"knob.{k}" in ok:
-                g = ok.groupby(ok[f"knob.{k}"].astype(str))[obj].mean()
-                effects.append({"type": "bar", "name": _plot_text(k), "x": [_plot_text(f"{k}={v}") for v in g.index],
-                                "y": [float(v) for v in g.values]})
-        figures["plot-knobs"] = {"data": effects, "layout": {"height": 360, "margin": {"l": 60, "r": 20, "t": 10, "b": 80},
-                                                             "yaxis": {"title": {"text": f"mean {_plot_text(obj)}"}}}}
-    path = pd.DataFrame(result.path) if result.path else pd.DataFrame(columns=["trial", "decision", "motivation", "objective", "knobs"])
+    figs: dict[str, Any] = {}
+    if not len(df):
+        return figs
+    y = [float(v) if v == v and v is not None else 0.0 for v in df[obj]]
+    figs["plot-trials"] = {
+        "data": [{"type": "bar", "x": [f"#{t}" for t in df["trial"]], "y": y,
+                  "marker": {"color": [OK if s == "ok" else FAILED for s in df["status"]]},
+                  "text": [_plot_text(k if s == "ok" else f"{k}<br>{r}") for k, s, r in zip(df["knobs"], df["status"], df["reason"])],
+                  "textposition": "none",
+                  "hovertemplate": "trial %{x}: %{y:.4g}<br>%{text}<extra></extra>"}],
+        "layout": {"height": 340, "margin": {"l": 70, "r": 20, "t": 10, "b": 40},
+                   "xaxis": {"title": {"text": "trial"}, "type": "category"},
+                   "yaxis": {"title": {"text": _plot_text(obj)}}}}
+    if path:
+        xs = list(range(1, len(path) + 1))
+        best_so_far, cur = [], None
+        for p in path:
+            if p["decision"] in ("start", "kept") and p["objective"] is not None:
+                cur = p["objective"]
+            best_so_far.append(cur)
+        color = {"start": OK, "kept": KEPT, "reverted": "#9aa6b8", "failed": FAILED}
+        figs["plot-path"] = {
+            "data": [{"type": "scatter", "mode": "markers", "name": "trial", "x": xs,
+                      "y": [p["objective"] if p["objective"] is not None else 0.0 for p in path],
+                      "marker": {"size": 11, "color": [color.get(p["decision"] or "", OK) for p in path]},
+                      "text": [_plot_text(f"#{p['trial']} {p['decision'] or ''}: {p['motivation']}") for p in path],
+                      "hovertemplate": "%{text}<br>%{y:.4g}<extra></extra>"},
+                     {"type": "scatter", "mode": "lines", "name": "best so far", "x": xs, "y": best_so_far,
+                      "line": {"shape": "hv", "color": KEPT}}],
+            "layout": {"height": 320, "margin": {"l": 70, "r": 20, "t": 10, "b": 40},
+                       "xaxis": {"title": {"text": "step of the search"}, "dtick": 1},
+                       "yaxis": {"title": {"text": _plot_text(obj)}}, "legend": {"orientation": "h"}}}
+    ok = df[df["status"] == "ok"]
+    effects = []
+    for k in space.knobs:
+        col = f"knob.{k}"
+        if not len(ok) or col not in ok:
+            continue
+        vals = ok[col].map(lambda v: json.dumps(v) if isinstance(v, (list, dict)) else str(v))
+        g = ok.groupby(vals, sort=False)[obj].agg(["mean", "min", "max", "count"])
+        order = [str(v) if not isinstance(v, (list, dict)) else json.dumps(v) for v in space.knobs[k]]
+        g = g.reindex([o for o in order if o in g.index])
+        effects.append({"type": "bar", "name": _plot_text(k), "x": [_plot_text(f"{k}={v}") for v in g.index],
+                        "y": [float(v) for v in g["mean"]],
+                        "error_y": {"type": "data", "symmetric": False,
+                                    "array": [float(v) for v in g["max"] - g["mean"]],
+                                    "arrayminus": [float(v) for v in g["mean"] - g["min"]]},
+                        "customdata": [int(c) for c in g["count"]],
+                        "hovertemplate": "%{x}: mean %{y:.4g} over %{customdata} trial(s)<extra></extra>"})
+    figs["plot-knobs"] = {"data": effects, "layout": {
+        "height": 360, "margin": {"l": 70, "r": 20, "t": 10, "b": 90}, "showlegend": True,
+        "yaxis": {"title": {"text": f"mean {_plot_text(obj)} (bars: min-max)"}}}}
+    return figs
+
+
+def render(result, space, diff_link: str | None = None, diff_error: str | None = None) -> str:
+    obj = space.objective
+    df = trials_frame(result.trials, obj, Path(result.out))
+    path = pd.DataFrame(result.path, columns=["trial", "decision", "objective", "motivation", "knobs", "status", "reason"]) \
+        if result.path else pd.DataFrame(columns=["trial", "decision", "objective", "motivation", "knobs", "status", "reason"])
     if len(path):
-        path = path.assign(knobs=[", ".join(f"{k}={v}" for k, v in kn.items()) for kn in path["knobs"]])
+        path = path.assign(step=range(1, len(path) + 1), knobs=[_knobs_text(k) for k in path["knobs"]],
+                           reason=path["reason"].fillna(""))
+    else:
+        path = path.assign(step=[])
     tables = {
         "trials": html_table(df, [("trial", "trial", "num"), ("status", "status", "text"), (obj, obj, "num"),
-                                  ("knobs", "knobs", "name"), ("motivation", "why", "text"), ("reason", "failure", "name"),
-                                  ("run_dir", "run dir", "name")], max_rows=1000),
-        "path": html_table(path, [("trial", "trial", "num"), ("decision", "decision", "text"), ("objective", obj, "num"),
-                                  ("motivation", "finding that motivated it", "text"), ("knobs", "knobs", "name")], max_rows=1000),
+                                  ("knobs", "knobs", "name"), ("decision", "decision", "text"),
+                                  ("motivation", "why this point", "text"), ("reason", "failure", "text"),
+                                  ("wall_s", "wall s", "num"), ("run_dir", "run dir", "name")], max_rows=10000),
+        "path": html_table(path, [("step", "step", "num"), ("trial", "trial", "num"), ("decision", "decision", "text"),
+                                  (obj if obj in path else "objective", obj, "num"),
+                                  ("motivation", "finding that motivated it", "text"), ("knobs", "knobs", "name"),
+                                  ("reason", "failure", "text")], max_rows=10000),
     }
-    best = result.best
-    base = result.baseline
-    speedup = (best["objective"] / base["objective"] if space.maximize else base["objective"] / best["objective"]) \
-        if best and base and base.get("objective") else None
+    best, base = result.best, result.baseline
+    speedup = None
+    if best and base and base.get("status") == "ok" and base.get("objective"):
+        speedup = best["objective"] / base["objective"] if space.maximize else base["objective"] / best["objective"]
     return _env().get_template("sweep.html").render(
-        title=f"tracelens autotune: {space.config}", warnings=[], plotly_js=plotly_js(), figures_json=safe_json(figures),
-        tables=tables, best=best, baseline=base, speedup=speedup, objective=obj, stopped=result.stopped,
-        best_yaml=best_yaml(space.config, space.fixed, best), n=len(df),
-        failed=int((df["status"] != "ok").sum()) if len(df) else 0,
-        diff_link="diff_best_vs_baseline/diff.html" if (result.out / "diff_best_vs_baseline" / "diff.html").exists() else None,
+        title=f"tracelens autotune: {space.config} ({result.strategy})", warnings=[], plotly_js=plotly_js(),
+        figures_json=safe_json(_figures(df, result.path, space)), tables=tables, best=best, baseline=base,
+        speedup=speedup, objective=obj, stopped=result.stopped, strategy=result.strategy,
+        best_yaml=best_yaml(space, best), n=len(df), failed=int((df["status"] != "ok").sum()) if len(df) else 0,
+        diff_link=diff_link, diff_error=diff_error, has_path=bool(result.path) and result.strategy == "guided",
     )
 
 
+def write_diff(result, out: Path) -> tuple[str | None, str | None]:
+    """Diff the best trial against the baseline (traces + manifests) into OUT/diff_best_vs_baseline/.
+    Returns (relative link, None) or (None, why not)."""
+    best, base = result.best, result.baseline
+    if not best or not base or base.get("status") != "ok":
+        return None, "no successful baseline to compare with"
+    if best["id"] == base["id"]:
+        return None, "the baseline is the best trial"
+    import tracelens
+    from tracelens.analysis.diff import diff
+    from tracelens.errors import TraceError
+
+    from . import diff as rdiff
+
+    try:
+        a = tracelens.analyze(tracelens.load(base["run_dir"], progress=False))
+        b = tracelens.analyze(tracelens.load(best["run_dir"], progress=False))
+        m = lambda d: json.loads((Path(d) / "manifest.json").read_text())  # noqa: E731
+        r = diff(a, b, m(base["run_dir"]), m(best["run_dir"]), base_label=f"baseline (trial {base['id']})",
+                 new_label=f"best (trial {best['id']})")
+        rdiff.write_all(r, out / "diff_best_vs_baseline")
+    except TraceError as e:
+        return None, f"diff unavailable: {e.one_line()[:300]}"
+    except Exception as e:  # noqa: BLE001 - the sweep's results stand even when the diff cannot be made
+        return None, f"diff unavailable: {type(e).__name__}: {' '.join(str(e).split())[:300]}"
+    return "diff_best_vs_baseline/diff.html", None
+
+
 def write(result, space) -> dict[str, Path]:
+    """Write OUT/best.yaml, OUT/diff_best_vs_baseline/ and OUT/sweep.html (each atomically)."""
     out = Path(result.out)
-    paths = {}
-    (out / "best.yaml").write_text(best_yaml(space.config, space.fixed, result.best))
+    paths: dict[str, Path] = {}
+    _atomic(out / "best.yaml", best_yaml(space, result.best))
     paths["best.yaml"] = out / "best.yaml"
-    if result.best and result.baseline and result.best["id"] != result.baseline["id"] and result.baseline["status"] == "ok":
-        try:
-            import tracelens
-            from tracelens.analysis.diff import diff
-
-            from . import diff as rdiff
-
-            a = tracelens.analyze(tracelens.load(result.baseline["run_dir"], progress=False))
-            b = tracelens.analyze(tracelens.load(result.best["run_dir"], progress=False))
-            m = lambda d: json.loads((Path(d) / "manifest.json").read_text())  # noqa: E731
-            r = diff(a, b, m(result.baseline["run_dir"]), m(result.best["run_dir"]), base_label="baseline", new_label="best")
-            rdiff.write_all(r, out / "diff_best_vs_baseline")
-            paths["diff"] = out / "diff_best_vs_baseline" / "diff.html"
-        except Exception as e:  # the sweep's results stand even if the diff cannot be made
-            (out / "diff_best_vs_baseline.error.txt").write_text(f"{type(e).__name__}: {e}\n")
-    html = out / "sweep.html"
-    tmp = html.with_suffix(".html.tmp")
-    tmp.write_text(render(result, space), encoding="utf-8")
-    os.replace(tmp, html)
-    paths["sweep.html"] = html
+    link, err = write_diff(result, out)
+    if link:
+        paths["diff.html"] = out / link
+    _atomic(out / "sweep.html", render(result, space, link, err))
+    paths["sweep.html"] = out / "sweep.html"
     return paths
+
+
+def _atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)

@@ -380,24 +380,27 @@ def bubble(pp, vpp, ga, global_tokens, seq, mbs, world, tp, cp):
 @main.command()
 @click.argument("space_file", type=click.Path())
 @click.option("-o", "--out", required=True, type=click.Path(file_okay=False), help="Sweep directory (results store, trials, report).")
-@click.option("--strategy", type=click.Choice(["guided", "grid", "random"]), default="guided", show_default=True)
+@click.option("--strategy", type=click.Choice(["guided", "grid", "random", "tpe"]), default="guided", show_default=True,
+              help="guided: trace-driven; grid: every allowed point; random: shuffled grid; tpe: Optuna (optional).")
 @click.option("--resume", is_flag=True, help="Continue a killed sweep in OUT: finished trials are not run again.")
-@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the random strategy.")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the random and tpe strategies.")
 def autotune(space_file, out, strategy, resume, seed):
     """Run a sweep of real trainer runs over the knobs in SPACE_FILE (YAML; see docs/autotune.md),
-    steered by the analyzer's findings, and write OUT/sweep.html, OUT/best.yaml and the results store."""
+    steered by the analyzer's findings, and write OUT/sweep.html, OUT/best.yaml and the results store
+    OUT/sweep.sqlite."""
     from autotune.space import SpaceError, load_space
-    from autotune.sweep import run_sweep
+    from autotune.sweep import SweepError, run_sweep
     from reports import sweep as sweep_report
 
     try:
         space = load_space(space_file)
-    except SpaceError as e:
+        res = run_sweep(space, out, strategy=strategy, resume=resume, seed=seed, log=lambda m: click.echo(m))
+    except (SpaceError, SweepError) as e:
         _fail(str(e))
-    res = run_sweep(space, out, strategy=strategy, resume=resume, seed=seed, log=lambda m: click.echo(m))
     paths = sweep_report.write(res, space)
     if res.best:
         click.echo(f"best: trial {res.best['id']} {res.best['knobs']} -> {space.objective} {res.best['objective']:.6g}")
+    click.echo(f"ran {res.ran} trial(s) now, {len(res.trials)} in the store")
     click.echo(f"stopped: {res.stopped}; wrote {', '.join(str(p) for p in paths.values())}")
 
 
