@@ -65,11 +65,18 @@ def test_tiny_state_and_activations_by_hand():
     assert _row(p, "activations: MoE (router, experts, top-k copies)") == moe
     # non-fused loss keeps the fp32 log-softmax [t, V] plus the final norm and the head input
     assert _row(p, "activations: final norm + loss") == 8 * t * d + a * t * d + 4 * t * 32
-    # peak = the larger phase; here the step (state + grads + temporary) or train: check the sum
-    always = 4 * dense_shard + 4 * expert_local + 8 * (dense_shard + expert_local)
-    step = always + 4 * (dense_shard + expert_local) + 4 * (dense_shard + expert_local)
-    assert p.stages["step_bytes"].iloc[0] == pytest.approx(step)
-    assert p.peak_bytes == pytest.approx(max(step, p.stages["train_bytes"].iloc[0]))
+    # the optimizer step holds state + fp32 grads + the foreach temporary
+    state = 4 * dense_shard + 4 * expert_local + 8 * (dense_shard + expert_local)
+    step = state + 4 * (dense_shard + expert_local) + 4 * (dense_shard + expert_local)
+    assert p.stages["optimizer_step_bytes"].iloc[0] == pytest.approx(step)
+    # the backward end holds state + grads + the root's (embedding + head + final norm) bf16 params and
+    # their unsharded bf16 gradient + fp32 reduce-scatter input
+    root = 32 * 8 + 32 * 8 + 8
+    assert p.stages["backward_end_bytes"].iloc[0] == pytest.approx(state + 4 * (dense_shard + expert_local)
+                                                                   + 2 * root + (2 + 4) * root)
+    moments = p.stages.iloc[0][["forward_end_bytes", "backward_bytes", "backward_end_bytes", "optimizer_step_bytes"]]
+    assert p.peak_bytes == pytest.approx(moments.max())
+    assert p.table.loc[p.table["in_peak"], "bytes"].sum() == pytest.approx(p.peak_bytes)
 
 
 def test_level3_worst_case_buffer_by_hand():

@@ -28,9 +28,12 @@ torch. Every formula, with its assumptions, is in docs/memory.md; the short vers
   backward working set (plus its recomputation when checkpointed), the MoE dispatch/combine buffers, and
   the optimizer step's ``foreach`` temporary (``sqrt(exp_avg_sq)``, one fp32 copy of the shard).
 
-The peak is the larger of two phases: **train** (state + activations + working copies + the largest
-training transient; gradients included when they persist across microbatches) and **step** (state +
-gradients + the optimizer temporary).
+The peak is the largest of four moments of a step (each component says at which it is alive):
+**forward end** (state + activations + the loss transient), **backward** of the largest layer (state +
+activations + two all-gathered layers + its gradient reduce buffers + its backward workspace),
+**backward end** (state + all gradients + the root's reduce buffers) and **optimizer step** (state +
+gradients + the foreach temporary). Gradients count everywhere when they persist across microbatches.
+Measured on an H100 (gpu_proxy, FSDP2 bf16): projected peak / torch.cuda.max_memory_allocated = 0.998.
 """
 
 from __future__ import annotations
@@ -448,8 +451,9 @@ def in_flight(lay: Layout, stage: int) -> float:
 @dataclass
 class MemoryProjection:
     """The projection of one layout. ``table``: one row per component with columns ``component``,
-    ``group`` (parameters, gradients, optimizer, activations, working, transient), ``phase`` (always,
-    train, step), ``bytes`` (per GPU), ``in_peak`` (counted in the peak), ``note``."""
+    ``group`` (parameters, gradients, optimizer, activations, working, transient), ``phase`` (the moments
+    it is alive at: F forward end, B backward, E backward end, S optimizer step), ``bytes`` (per GPU),
+    ``in_peak`` (alive at the peak moment), ``note``. ``phase`` (attribute) names the peak moment."""
 
     layout: Layout
     table: pd.DataFrame
@@ -494,35 +498,35 @@ def _rows_for_stage(c: dict, lay: Layout, stage: int) -> list[dict]:
     edp = lay.edp
     if lay.zero == 3:   # FSDP2: sharded fp32 (master) params, fp32 grads, Adam m/v, all sharded
         sd, se = dense_gpu / ddp_group, expert_gpu / edp
-        add("params: dense (sharded)", "parameters", "always", 4 * sd,
+        add("params: dense (sharded)", "parameters", "FBES", 4 * sd,
             f"fp32 shards, dense over dp*cp={ddp_group}" + (" (the fp32 master weights)" if bf16 else ""))
-        add("params: experts (sharded)", "parameters", "always", 4 * se, f"fp32 shards, routed experts over edp={edp}")
+        add("params: experts (sharded)", "parameters", "FBES", 4 * se, f"fp32 shards, routed experts over edp={edp}")
         opt_params = sd + se
         grad_sd, grad_se = sd, se
     elif lay.zero == 0:  # DDP: everything replicated (the trainer's dp_mode=ddp: fp32 weights, autocast bf16)
-        add("params: dense", "parameters", "always", 4 * dense_gpu, "fp32, replicated")
-        add("params: experts", "parameters", "always", 4 * expert_gpu, "fp32, this rank's experts")
-        add("DDP gradient buckets", "gradients", "always", 4 * dense_gpu,
+        add("params: dense", "parameters", "FBES", 4 * dense_gpu, "fp32, replicated")
+        add("params: experts", "parameters", "FBES", 4 * expert_gpu, "fp32, this rank's experts")
+        add("DDP gradient buckets", "gradients", "FBES", 4 * dense_gpu,
             "DDP's flat bucket buffers (dense params; experts are excluded from DDP)")
         opt_params = dense_gpu + expert_gpu
         grad_sd, grad_se = dense_gpu, expert_gpu
     else:               # ZeRO-1/2 distributed optimizer (Megatron style)
-        add("params: dense", "parameters", "always", pb * dense_gpu, f"{lay.dtype}, replicated over dp")
-        add("params: experts", "parameters", "always", pb * expert_gpu, f"{lay.dtype}, this rank's experts")
+        add("params: dense", "parameters", "FBES", pb * dense_gpu, f"{lay.dtype}, replicated over dp")
+        add("params: experts", "parameters", "FBES", pb * expert_gpu, f"{lay.dtype}, this rank's experts")
         sd, se = dense_gpu / ddp_group, expert_gpu / edp
         if bf16:
-            add("fp32 main params", "optimizer", "always", 4 * (sd + se), "fp32 master copy, sharded (distributed optimizer)")
+            add("fp32 main params", "optimizer", "FBES", 4 * (sd + se), "fp32 master copy, sharded (distributed optimizer)")
         opt_params = sd + se
         grad_sd, grad_se = (sd, se) if lay.zero == 2 else (dense_gpu, expert_gpu)
     grads_persist = lay.microbatches > 1       # accumulated across microbatches: alive during the peak
-    gphase = "always" if grads_persist else "step"
+    gphase = "FBES" if grads_persist else "ES"
     gnote = "fp32" + (", sharded" if lay.zero >= 2 else ", replicated") + (
         "; accumulated across microbatches" if grads_persist else "; freed by zero_grad(set_to_none) before forward")
     add("grads: dense", "gradients", gphase, 4 * grad_sd, gnote)
     add("grads: experts", "gradients", gphase, 4 * grad_se, gnote)
-    add("optimizer: Adam exp_avg + exp_avg_sq", "optimizer", "always", 8 * opt_params, "fp32, sharded like the params"
+    add("optimizer: Adam exp_avg + exp_avg_sq", "optimizer", "FBES", 8 * opt_params, "fp32, sharded like the params"
         if lay.zero >= 1 else "fp32")
-    add("optimizer step temporary", "transient", "step", 4 * opt_params,
+    add("optimizer step temporary", "transient", "S", 4 * opt_params,
         "foreach AdamW: sqrt(exp_avg_sq) of the whole shard")
 
     # ---- activations
@@ -560,12 +564,12 @@ def _rows_for_stage(c: dict, lay: Layout, stage: int) -> list[dict]:
                 extra = f"; cp={lay.cp} splits the sequence"
             if k == "moe_dispatch":
                 extra = f"; rows ep*T*min(k, E/ep) = {moe_worst_rows(c, lay):,.0f} vs {t * c['top_k']:,.0f} balanced"
-            add(lab, "activations", "train", parts[k] * nfl, infl + extra)
+            add(lab, "activations", "FB", parts[k] * nfl, infl + extra)
     if rc_ids & set(layers):
-        add("activations: recomputed layers' inputs", "activations", "train", kept_rc * nfl,
+        add("activations: recomputed layers' inputs", "activations", "FB", kept_rc * nfl,
             f"{len(rc_ids & set(layers))} checkpointed layer(s) keep their input only")
     if stage == 0:
-        add("activations: embedding", "activations", "train", 8.0 * lay.mbs * lay.seq / lay.cp * nfl, "token ids")
+        add("activations: embedding", "activations", "FB", 8.0 * lay.mbs * lay.seq / lay.cp * nfl, "token ids")
     loss_rows = []
     if stage == lay.pp - 1:
         head = _norm_saved(t, d) + a * t * d
@@ -577,11 +581,11 @@ def _rows_for_stage(c: dict, lay: Layout, stage: int) -> list[dict]:
             loss_saved = head + 4.0 * t * V / lay.tp
             loss_tr = (8.0 + (a if a == 2 else 0)) * t * V / lay.tp
             lnote = "full fp32 logits: log-softmax output saved; backward adds its gradient and the NLL gradient"
-        add("activations: final norm + loss", "activations", "train", loss_saved * nfl,
+        add("activations: final norm + loss", "activations", "FB", loss_saved * nfl,
             "final RMSNorm, head input" + ("" if lay.loss_fusion else ", fp32 log-softmax of the logits"))
         loss_rows.append(("transient: loss (logits and their gradient)", loss_tr, lnote))
     if saved_by_rc:
-        add("recompute savings (not allocated)", "activations", "info", saved_by_rc * nfl,
+        add("recompute savings (not allocated)", "activations", "", saved_by_rc * nfl,
             "activations the checkpointed layers do not keep")
 
     # ---- working copies (FSDP2 all-gathered params, DDP autocast copies)
@@ -598,40 +602,38 @@ def _rows_for_stage(c: dict, lay: Layout, stage: int) -> list[dict]:
     big_layer = max((x + y for x, y in layer_sizes), default=0.0)
     big_unit = max((max(x, y) for x, y in layer_sizes), default=0.0)
     if lay.zero == 3:
-        add("FSDP unsharded params", "working", "train", pb * (root + min(2, len(layers)) * big_layer),
-            f"{'bf16' if bf16 else 'fp32'} all-gathered: the root (embedding/head) for the whole step + two layers "
-            "(current and prefetched)")
+        add("FSDP unsharded params: root", "working", "FBE", pb * root,
+            f"{'bf16' if bf16 else 'fp32'} all-gathered embedding/head/final norm, kept for the whole step")
+        add("FSDP unsharded params: layers", "working", "B", pb * min(2, len(layers)) * big_layer,
+            "two layers all-gathered at a time (current and prefetched)")
+        add("FSDP root gradient reduce buffers", "working", "E", (pb + 4) * root,
+            "backward end: the root's unsharded gradient + its fp32 reduce-scatter input")
         bwd_fsdp = (pb + 4) * big_unit + (pb * V * d / lay.tp if stage == lay.pp - 1 else 0.0)
-        bnote = ("backward: one unit's unsharded gradient + its fp32 reduce-scatter input; the head's "
-                 "gradient waits for the root's reduce-scatter")
+        bnote = ("one unit's unsharded gradient + its fp32 reduce-scatter input; the head's gradient waits for "
+                 "the root's reduce-scatter")
     elif lay.zero == 0 and bf16:
-        add("autocast bf16 weight copies", "working", "train", 2 * (dense_gpu + expert_gpu),
+        add("autocast bf16 weight copies", "working", "FB", 2 * (dense_gpu + expert_gpu),
             "bf16 casts of the fp32 weights, kept for backward")
         bwd_fsdp, bnote = 0.0, ""
     else:
         bwd_fsdp, bnote = 0.0, ""
     if bwd_fsdp:
-        add("FSDP gradient reduce buffers", "working", "train", bwd_fsdp, bnote)
+        add("FSDP layer gradient reduce buffers", "working", "B", bwd_fsdp, bnote)
 
-    # ---- training transients (the largest one counts)
-    tr = list(loss_rows)
-    ws = 0.0
-    for li in layers:
-        la = per_layer[li]
-        ws = max(ws, _layer_backward_workspace(c, lay, li))
+    # ---- training transients, each at its moment
+    for name, nbytes, note in loss_rows:
+        add(name, "transient", "F", nbytes, note)
+    ws = max((_layer_backward_workspace(c, lay, li) for li in layers), default=0.0)
     rc_note = " + the recomputed layer's activations" if largest_layer else ""
-    tr.append(("transient: layer backward workspace", ws + largest_layer,
-               "gradients of the largest layer's biggest tensors" + rc_note))
+    add("transient: layer backward workspace", "transient", "B", ws + largest_layer,
+        "gradients of the largest layer's biggest tensors" + rc_note)
     if lay.ep > 1 and any(li >= c["first_k_dense"] for li in layers):
         if lay.sync_free_level >= 2:
-            buf = 2 * a * moe_worst_rows(c, lay) * d
-            tr.append(("transient: MoE dispatch/combine buffers", buf,
-                       "level >= 2: padded send + receive buffers of ep*T*min(k, E/ep) rows"))
+            add("transient: MoE dispatch/combine buffers", "transient", "FB", 2 * a * moe_worst_rows(c, lay) * d,
+                "level >= 2: padded send + receive buffers of ep*T*min(k, E/ep) rows")
         else:
-            buf = 2 * a * t * c["top_k"] * lay.moe_imbalance * d
-            tr.append(("transient: MoE dispatch/combine buffers", buf, "all-to-all send/receive buffers"))
-    for name, nbytes, note in tr:
-        add(name, "transient", "train", nbytes, note)
+            add("transient: MoE dispatch/combine buffers", "transient", "FB", 2 * a * t * c["top_k"] * lay.moe_imbalance * d,
+                "all-to-all send/receive buffers")
     return rows
 
 
@@ -661,33 +663,30 @@ def project(c: dict, lay: Layout, stage: int | None = None) -> MemoryProjection:
     srows = []
     for s in (range(lay.pp) if stage is None else [stage]):
         rows = _rows_for_stage(c, lay, s)
-        train, step, _ = _phase_totals(rows)
-        peak = max(train, step)
-        srows.append({"stage": s, "train_bytes": train, "step_bytes": step, "peak_bytes": peak})
+        totals = _phase_totals(rows)
+        moment = max(totals, key=totals.get)
+        peak = totals[moment]
+        srows.append({"stage": s, **{f"{MOMENTS[k].replace(' ', '_')}_bytes": v for k, v in totals.items()},
+                      "peak_bytes": peak})
         if best is None or peak > best[0]:
-            best = (peak, s, rows, "train" if train >= step else "step")
-    peak, s, rows, phase = best
-    _, _, top_tr = _phase_totals(rows)
-    for i, r in enumerate(rows):
-        if phase == "train":
-            r["in_peak"] = r["phase"] in ("always", "train") and (r["group"] != "transient" or i == top_tr)
-        else:
-            r["in_peak"] = r["phase"] in ("always", "step")
+            best = (peak, s, rows, moment)
+    peak, s, rows, moment = best
+    phase = MOMENTS[moment]
+    for r in rows:
+        r["in_peak"] = moment in r["phase"]
     df = pd.DataFrame(rows)[["component", "group", "phase", "bytes", "in_peak", "note"]]
     info = {"params_total": total_params(c), "microbatches": lay.microbatches,
             "in_flight": in_flight(lay, s)}
     return MemoryProjection(lay, df.reset_index(drop=True), float(peak), s, phase, pd.DataFrame(srows), info)
 
 
-def _phase_totals(rows: list[dict]) -> tuple[float, float, int | None]:
-    """(train-phase bytes, step-phase bytes, index of the largest training transient)."""
-    always = sum(r["bytes"] for r in rows if r["phase"] == "always")
-    train = always + sum(r["bytes"] for r in rows if r["phase"] == "train" and r["group"] != "transient")
-    tr = [(r["bytes"], i) for i, r in enumerate(rows) if r["phase"] == "train" and r["group"] == "transient"]
-    top = max(tr)[1] if tr else None
-    train += max(tr)[0] if tr else 0.0
-    step = always + sum(r["bytes"] for r in rows if r["phase"] == "step")
-    return train, step, top
+MOMENTS = {"F": "forward end", "B": "backward", "E": "backward end", "S": "optimizer step"}
+
+
+def _phase_totals(rows: list[dict]) -> dict[str, float]:
+    """Bytes alive at each moment of a step: a row counts where its ``phase`` string holds the moment's
+    letter (F forward end, B backward of the largest layer, E backward end, S optimizer step)."""
+    return {m: sum(r["bytes"] for r in rows if m in r["phase"]) for m in MOMENTS}
 
 
 # --------------------------------------------------------------------------- communication volume
@@ -855,4 +854,4 @@ SWEEP_COLUMNS = ("label", "pp", "vpp", "tp", "cp", "ep", "dp", "mbs", "microbatc
 
 def _peak_only(c: dict, lay: Layout) -> float:
     """The projected peak without building tables (the sweep evaluates thousands of layouts)."""
-    return max(max(_phase_totals(_rows_for_stage(c, lay, s))[:2]) for s in range(lay.pp))
+    return max(max(_phase_totals(_rows_for_stage(c, lay, s)).values()) for s in range(lay.pp))
