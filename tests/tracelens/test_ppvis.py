@@ -369,3 +369,21 @@ def test_infer_interleaved_and_zbv():
     m.schedule = "dualpipev"
     r, note = P.theoretical_bubble(m)
     assert r != r and "unknown schedule 'dualpipev'" in note
+
+
+def test_layer_move_counts_rank_load_with_virtual_stages():
+    # V placement: stages 0, 3 on pp rank 0 and 1, 2 on pp rank 1; layers 1, 1, 3, 1 at 1 unit each per
+    # microbatch (F only). Stage 2 is the slowest (3 of mean 1.5 -> 2x). Rank loads: rank 0 = 1 + 1 = 2,
+    # rank 1 = 1 + 3 = 4. Moving a layer to stage 1 stays on rank 1 (loads 2, 4: no gain); to stage 3
+    # gives 3, 3. So: 1 layer to stage 3, busiest rank 4 -> 3.
+    owner, layers = [0, 1, 1, 0], [1, 1, 3, 1]
+    recs, t = [], 0
+    for mb in range(2):
+        for s in range(4):
+            recs.append(_rec(owner[s], s, mb, "F", t, t + layers[s] * U))
+            t += layers[s] * U
+    b = P.stage_balance(table(recs), "t|t|ttt|t")
+    assert b.slowest_stage == 2 and b.slowest_ratio == pytest.approx(2.0)
+    assert (b.move["layers"], b.move["to"]) == (1, 3)
+    assert (b.move["bottleneck_before_ns"], b.move["bottleneck_after_ns"]) == (4 * U, 3 * U)
+    assert "move 1 layer to stage 3" in b.statement and "busiest pipeline rank" in b.statement

@@ -716,8 +716,9 @@ def stage_balance(actions: pd.DataFrame, layout: PipelineMeta | str | None = Non
 
     layout: `PipelineMeta` (stage_layers / stage_modules), a Megatron layout string, or None. With layer
     counts, the number of layers k to move from the slowest stage to a neighbour is the one that most
-    lowers the slowest stage time, with a layer costing the per-layer time of the slowest stage (or of a
-    neighbour holding only layers, when the slowest stage also holds the embedding or the loss head).
+    lowers the busiest pipeline rank's load (the sum of its stages' times; the slowest stage when each
+    rank holds one), with a layer costing the per-layer time of the slowest stage (or of a neighbour
+    holding only layers, when the slowest stage also holds the embedding or the loss head).
     Without them the statement gives only the ratio.
     """
     if actions.empty:
@@ -764,8 +765,14 @@ def stage_balance(actions: pd.DataFrame, layout: PipelineMeta | str | None = Non
 
 
 def _layer_move(tab: pd.DataFrame, s: int, layers: list[int], mods: list[list[str]] | None) -> dict[str, Any] | None:
-    """Best k layers to move from stage s to one neighbour: minimises the slowest stage time afterwards."""
+    """Best k layers to move from stage s to one neighbouring stage.
+
+    A pipeline rank runs all its stages' work for every microbatch, so the figure to lower is the
+    busiest rank's load: the sum of the times of the stages it holds (with one stage per rank, simply
+    the slowest stage). Moving layers between two stages of the same rank changes nothing.
+    """
     t = tab["total_ns"].to_numpy(dtype=np.float64)
+    owner = tab["pp_rank"].to_numpy()
     n_s = layers[s]
     if n_s <= 0:
         return None
@@ -773,13 +780,16 @@ def _layer_move(tab: pd.DataFrame, s: int, layers: list[int], mods: list[list[st
     def pure(i: int) -> bool:  # holds only transformer layers
         return mods is None or all(_is_layer_module(x) for x in mods[i])
 
+    def busiest(times: np.ndarray) -> float:
+        return float(pd.Series(times).groupby(owner).sum().max())
+
     neighbours = [n for n in (s - 1, s + 1) if 0 <= n < len(t)]
     if pure(s) or not mods:
         layer_ns = t[s] / n_s
     else:
         clean = [t[n] / layers[n] for n in neighbours if layers[n] > 0 and pure(n)]
         layer_ns = float(np.mean(clean)) if clean else t[s] / n_s
-    before = float(np.nanmax(t))
+    before = busiest(t)
     best = None
     keep_min = 1 if pure(s) else 0  # a stage keeps at least one module
     for n in neighbours:
@@ -787,7 +797,7 @@ def _layer_move(tab: pd.DataFrame, s: int, layers: list[int], mods: list[list[st
             new = t.copy()
             new[s] -= k * layer_ns
             new[n] += k * layer_ns
-            after = float(np.nanmax(new))
+            after = busiest(new)
             if best is None or after < best["bottleneck_after_ns"] - 1e-9 * before:
                 best = {"layers": k, "from": s, "to": n, "layer_ns": layer_ns, "bottleneck_before_ns": before,
                         "bottleneck_after_ns": after, "from_after_ns": float(new[s]), "to_after_ns": float(new[n])}
@@ -805,13 +815,15 @@ def _statement(tab, slowest, ratio, critical, flagged, move, has_layout) -> str:
     head = f"stage {slowest} is {ratio:.2f}x slower than the mean"
     if not has_layout:
         return f"{head} (no layer layout known, so no layer move is suggested){crit}"
+    one_stage_per_rank = tab["pp_rank"].is_unique
+    what = "slowest stage" if one_stage_per_rank else "busiest pipeline rank"
     if move is None or not move["layers"]:
         per = fmt_ns(move["layer_ns"]) if move else "?"
-        return (f"{head}: moving whole layers to a neighbour would not lower the slowest stage "
+        return (f"{head}: moving whole layers to a neighbour would not lower the {what} "
                 f"(one layer ≈ {per}){crit}")
     k = move["layers"]
     return (f"{head}: move {k} layer{'s' if k > 1 else ''} to stage {move['to']} "
-            f"(≈ {fmt_ns(move['layer_ns'])} per layer per microbatch; slowest stage "
+            f"(≈ {fmt_ns(move['layer_ns'])} per layer per microbatch; {what} "
             f"{fmt_ns(move['bottleneck_before_ns'])} -> {fmt_ns(move['bottleneck_after_ns'])}){crit}")
 
 
