@@ -48,7 +48,6 @@ import pandas as pd
 
 from .. import categories as C
 from ..errors import TraceError
-from . import intervals as I
 from .bubble import bubble_ratio
 
 KINDS = ("F", "B", "W")
