@@ -69,8 +69,93 @@ def _patch_interpreter_index() -> None:
     _interp._patch_lang_tensor = patched
 
 
+def _patch_interpreter_bf16_rounding() -> None:
+    """Make the interpreter round fp32 -> bf16 to nearest-even, as the GPU does (interpreter mode only).
+
+    Triton 3.6's interpreter casts fp32 to bf16 (``.to(tl.bfloat16)``, or a store of an fp32 value
+    into a bf16 tensor) by dropping the low 16 bits, i.e. rounding toward zero, so every bf16 result
+    of a kernel was up to one bf16 ulp off what the compiled kernel (and PyTorch) gives.  We route
+    that one conversion through the standard integer RTNE formula; NaNs stay quiet NaNs.
+    """
+    try:
+        import numpy as np
+        from triton.runtime import interpreter as _interp
+    except Exception:
+        return
+    builder = getattr(_interp, "InterpreterBuilder", None)
+    orig = getattr(builder, "cast_impl", None)
+    if orig is None or getattr(orig, "_tracelens_shim", False):
+        return
+
+    def cast_impl(self, src, dst_type):
+        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
+            bits = np.ascontiguousarray(src.data, dtype=np.float32).view(np.uint32)
+            rounded = ((bits + (0x7FFF + ((bits >> 16) & 1))) >> 16).astype(np.uint16)
+            nan = np.isnan(src.data)
+            if np.any(nan):
+                rounded = np.where(nan, ((bits >> 16) | 0x40).astype(np.uint16), rounded)
+            return _interp.TensorHandle(rounded.reshape(np.shape(src.data)), dst_type.scalar)
+        return orig(self, src, dst_type)
+
+    cast_impl._tracelens_shim = True  # type: ignore[attr-defined]
+    builder.cast_impl = cast_impl
+
+
+def _patch_interpreter_nested_calls() -> None:
+    """Patch ``triton.language`` once per launch instead of on every nested ``@triton.jit`` call.
+
+    A kernel launch (``GridExecutor``) patches the language modules that the kernel's globals name
+    (``triton.language``) for the interpreter.  Every call of a ``@triton.jit`` function *inside* the
+    kernel -- Triton's own ``tl.cdiv``, ``tl.sum``, ``tl.cumsum``... live in modules that name
+    ``triton.language.core`` -- patches its modules again, scanning them with ``inspect.getmembers``,
+    once per call per program: about a third of the interpreter's time in the grouped GEMM.  Those
+    patches are never undone by the interpreter, so repeating them within one launch changes
+    nothing: we let the first call per set of modules per launch patch, and skip the repeats.
+    """
+    try:
+        from triton.runtime import interpreter as _interp
+    except Exception:
+        return
+    grid_cls = getattr(_interp, "GridExecutor", None)
+    fn_cls = getattr(_interp, "InterpretedFunction", None)
+    if grid_cls is None or fn_cls is None or getattr(fn_cls.__call__, "_tracelens_shim", False):
+        return
+    state = {"depth": 0, "patched": set()}
+    grid_call, fn_call = grid_cls.__call__, fn_cls.__call__
+    lang_modules = (tl, tl.core)
+
+    def run_grid(self, *args, **kwargs):
+        if state["depth"] == 0:
+            state["patched"] = set()
+        state["depth"] += 1
+        try:
+            return grid_call(self, *args, **kwargs)
+        finally:
+            state["depth"] -= 1
+
+    def device_call(self, *args, **kwargs):
+        langs = self.__dict__.get("_tracelens_langs")
+        if langs is None:
+            langs = frozenset(id(v) for v in self.fn.__globals__.values() if any(v is m for m in lang_modules))
+            self.__dict__["_tracelens_langs"] = langs
+        if state["depth"] == 0 or langs not in state["patched"]:
+            state["patched"].add(langs)
+            return fn_call(self, *args, **kwargs)  # patches, then runs
+        fn = self.rewrite()
+        try:
+            return fn(*args, **kwargs)
+        except Exception as e:
+            raise _interp.InterpreterError(repr(e)) from e
+
+    device_call._tracelens_shim = True  # type: ignore[attr-defined]
+    grid_cls.__call__ = run_grid
+    fn_cls.__call__ = device_call
+
+
 if INTERPRET:
     _patch_interpreter_index()
+    _patch_interpreter_bf16_rounding()
+    _patch_interpreter_nested_calls()
 
 _warned = False
 

@@ -46,14 +46,17 @@ CACHE_VERSION = 1
 
 __all__ = [
     "PASSES", "BACKENDS", "Backend", "register_backend", "available_backends", "run_pass", "resolve_passes",
-    "cache_dir", "cache_path", "cache_key", "load_cache", "clear_cache", "tune", "select_backend", "tune_table",
+    "cache_dir", "cache_path", "cache_key", "load_cache", "clear_cache", "tune", "select_backend", "is_tuned",
+    "tune_table",
     "balanced_offs",
 ]
 
 
 # ----------------------------------------------------------------------------------------------- passes
-def _bounds(offs: torch.Tensor) -> list[tuple[int, int]]:
-    ends = [int(v) for v in offs.tolist()]  # host sync: the loop backends need Python ints
+def _bounds(offs) -> list[tuple[int, int]]:
+    """(start, end) of each group.  ``offs`` is a device tensor (read back: a host sync, the loop
+    backends need Python ints) or the same END offsets already on the host (a list/tuple of ints)."""
+    ends = [int(v) for v in (offs if isinstance(offs, (list, tuple)) else offs.tolist())]
     return list(zip([0] + ends[:-1], ends))
 
 
@@ -61,7 +64,7 @@ def _loop_pass(pass_: str, a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor,
     bounds = _bounds(offs)
     if pass_ == "dw":
         x, dy = a, b
-        out = torch.zeros(offs.shape[0], x.shape[1], dy.shape[1], device=x.device, dtype=x.dtype)
+        out = torch.zeros(len(bounds), x.shape[1], dy.shape[1], device=x.device, dtype=x.dtype)
     else:
         x, w = a, b
         n = w.shape[2] if pass_ == "fwd" else w.shape[1]
@@ -204,14 +207,22 @@ def available_backends(t: torch.Tensor, names: Iterable[str] | None = None) -> l
     return [n for n in names if n in BACKENDS and n != "reference" and BACKENDS[n].available(t)]
 
 
-def run_pass(name: str, pass_: str, a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    """Run one pass with backend ``name``."""
+def run_pass(name: str, pass_: str, a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor,
+             host_offs: Sequence[int] | None = None) -> torch.Tensor:
+    """Run one pass with backend ``name``.
+
+    ``host_offs``: the same END offsets as Python ints, when the caller already has them on the
+    host; the backends that need them there (``loop``, ``multistream``) then use them instead of
+    reading ``offs`` back (no host sync).  Device backends ignore it.
+    """
     if pass_ not in PASSES:
         raise ValueError(f"unknown pass {pass_!r}; expected one of {PASSES}")
     try:
         bk = BACKENDS[name]
     except KeyError:
         raise ValueError(f"unknown grouped-GEMM backend {name!r}; registered: {sorted(BACKENDS)}") from None
+    if host_offs is not None and bk.syncs_host:
+        return bk.fn(pass_, a, b, list(host_offs))
     return bk.fn(pass_, a, b, offs)
 
 
@@ -292,9 +303,12 @@ def clear_cache() -> None:
     except FileNotFoundError:
         pass
     _MEMO.clear()
+    _TIMES.clear()
+    _CHOICE_MEMO.clear()
 
 
-_MEMO: dict[str, str] = {}
+_MEMO: dict[str, str] = {}  # cache key -> winning backend (this process)
+_TIMES: dict[str, dict] = {}  # cache key -> {backend: ms or None} from this process's tunes
 
 
 # ----------------------------------------------------------------------------------------------- tuner
@@ -395,19 +409,30 @@ def tune(T: int, K: int, N: int, E: int, dtype: torch.dtype = torch.bfloat16, de
                     r["winner"] = True
     if winners:
         _MEMO.update({k: v["backend"] for k, v in winners.items()})
+        _TIMES.update({k: v["times_ms"] for k, v in winners.items()})
+        for mk in [mk for mk in _CHOICE_MEMO if mk[0] in winners]:
+            del _CHOICE_MEMO[mk]
         if save:
             _store(winners)
     return rows
 
 
 def select_backend(T: int, K: int, N: int, E: int, dtype: torch.dtype, device, pass_: str,
-                   tune_if_missing: bool = True) -> str:
+                   tune_if_missing: bool = True, candidates: Sequence[str] | None = None) -> str:
     """The backend to use for one pass on this shape: cached winner, else tune now (once), else a default.
 
     The default (no cache entry and ``tune_if_missing=False``) is ``triton`` where it can run, else
     ``torch`` where it can, else ``loop``.
+
+    ``candidates``: choose only among these names (e.g. the backends that never read the group
+    sizes back to the host, for a sync-free caller).  The choice is the fastest candidate in the
+    cache entry's ``times_ms`` (a tune always times every available backend, so the entry holds
+    them all); on a miss the shape is tuned as usual, and without timings the default order
+    applies to the candidates.  Raises ``ValueError`` when no candidate can run here.
     """
     key = cache_key(device, dtype, T, K, N, E, pass_)
+    if candidates is not None:
+        return _select_among(key, T, K, N, E, dtype, device, pass_, tune_if_missing, list(candidates))
     hit = _MEMO.get(key)
     if hit is None:
         entry = load_cache().get(key)
@@ -423,6 +448,40 @@ def select_backend(T: int, K: int, N: int, E: int, dtype: torch.dtype, device, p
         probe = torch.empty(0, device=device, dtype=dtype)
         hit = next(n for n in ("triton", "torch", "loop") if BACKENDS[n].available(probe))
     return hit
+
+
+def is_tuned(T: int, K: int, N: int, E: int, dtype: torch.dtype, device, pass_: str) -> bool:
+    """Whether this shape bucket and pass has timings (tuned in this process, or in the cache file)."""
+    key = cache_key(device, dtype, T, K, N, E, pass_)
+    return key in _TIMES or key in load_cache()
+
+
+_CHOICE_MEMO: dict[tuple, str] = {}
+
+
+def _select_among(key, T, K, N, E, dtype, device, pass_, tune_if_missing, candidates) -> str:
+    probe = torch.empty(0, device=device, dtype=dtype)
+    allowed = available_backends(probe, candidates)
+    if not allowed:
+        raise ValueError(f"none of the grouped-GEMM backends {candidates} can run on "
+                         f"{device_name(device)} {str(dtype).replace('torch.', '')}")
+    memo_key = (key, tuple(allowed))
+    if memo_key in _CHOICE_MEMO:
+        return _CHOICE_MEMO[memo_key]
+    times = (_TIMES.get(key) or load_cache().get(key, {}).get("times_ms") or {})
+    timed = {n: times[n] for n in allowed if isinstance(times.get(n), (int, float))}
+    if not timed and tune_if_missing and len(allowed) > 1:
+        log.info("tuning grouped_mm backends for %s", key)
+        tune(m_bucket(T), K, N, E, dtype, device, passes=(pass_,))
+        times = _TIMES.get(key) or {}
+        timed = {n: times[n] for n in allowed if isinstance(times.get(n), (int, float))}
+    if timed:
+        choice = min(timed, key=timed.get)
+    else:
+        order = ["triton", "torch", "loop"] + [n for n in allowed if n not in ("triton", "torch", "loop")]
+        choice = next(n for n in order if n in allowed)
+    _CHOICE_MEMO[memo_key] = choice
+    return choice
 
 
 def tune_table(shapes: Sequence[tuple[int, int, int, int]] | None = None, dtype: torch.dtype | str = "bfloat16",

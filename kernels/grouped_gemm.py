@@ -348,13 +348,14 @@ class GroupedMM(torch.autograd.Function):
     """Autograd wrapper: forward, dX and dW each by a Triton kernel (or the chosen backend)."""
 
     @staticmethod
-    def forward(ctx, x, w, offs, backends=None):
+    def forward(ctx, x, w, offs, backends=None, host_offs=None):
         from . import backends as _b
 
         fwd, dx, dw = _b.resolve_passes(backends, x, w, offs)
         ctx.save_for_backward(x, w, offs)
         ctx.bk = (dx, dw)
-        return _b.run_pass(fwd, "fwd", x, w, offs)
+        ctx.host_offs = host_offs
+        return _b.run_pass(fwd, "fwd", x, w, offs, host_offs)
 
     @staticmethod
     def backward(ctx, dy):
@@ -363,24 +364,26 @@ class GroupedMM(torch.autograd.Function):
         x, w, offs = ctx.saved_tensors
         dx_b, dw_b = ctx.bk
         dy = dy.contiguous()
-        dx = _b.run_pass(dx_b, "dx", dy, w, offs) if ctx.needs_input_grad[0] else None
+        dx = _b.run_pass(dx_b, "dx", dy, w, offs, ctx.host_offs) if ctx.needs_input_grad[0] else None
         dw = None
         if ctx.needs_input_grad[1]:
             if dw_b == "triton":  # write dW in w's own layout (e.g. a transposed nn.Linear weight)
                 dw = grouped_mm_dw_triton(x, dy, offs, out=torch.empty_like(w))
             else:
-                dw = _b.run_pass(dw_b, "dw", x, dy, offs)
-        return dx, dw, None, None
+                dw = _b.run_pass(dw_b, "dw", x, dy, offs, ctx.host_offs)
+        return dx, dw, None, None, None
 
 
-def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, backend=None) -> torch.Tensor:
+def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, backend=None, host_offs=None) -> torch.Tensor:
     """Autograd-capable grouped GEMM (see the module docstring).
 
     ``backend``: ``None`` / ``"triton"`` (Triton where it can run, else the reference), a registered
     backend name (``"loop"``, ``"multistream"``, ``"torch"``), ``"auto"`` (tuned per pass, see
-    :mod:`kernels.backends`), or a ``(fwd, dx, dw)`` tuple of names.
+    :mod:`kernels.backends`), or a ``(fwd, dx, dw)`` tuple of names.  ``host_offs``: ``offs`` as
+    Python ints when the caller already has them on the host, so that the ``loop`` and
+    ``multistream`` passes need not read ``offs`` back (see :func:`kernels.backends.run_pass`).
     """
     _check(x, w, offs)
     if backend is None and not triton_ok(x):
         return grouped_mm_ref(x, w, offs)
-    return GroupedMM.apply(x, w, offs, backend)
+    return GroupedMM.apply(x, w, offs, backend, None if host_offs is None else tuple(int(v) for v in host_offs))

@@ -13,7 +13,9 @@ from typing import Any
 
 CONFIG_DIR = Path(__file__).parent / "configs"
 
-GROUPED_GEMM_BACKENDS = ("loop", "multistream", "torch", "triton")
+# Pipeline schedule presets -> torch.distributed.pipelining classes: trainer/parallel/pipeline.py.
+PIPELINE_SCHEDULES = ("gpipe", "1f1b", "vpp", "looped_bfs", "zb1p", "zbv", "dualpipev")
+GROUPED_GEMM_BACKENDS = ("loop", "multistream", "torch", "triton", "auto")  # auto: tuned per pass (kernels)
 
 
 class ConfigError(ValueError):
@@ -75,14 +77,22 @@ DEFAULTS: dict[str, Any] = {
     "dp": None,                  # None -> world_size // ep
     "ep": 1,
     "dp_mode": "fsdp",           # fsdp (FSDP2 fully_shard) | ddp
+    # ---- pipeline parallelism (docs/pipeline.md) ----
+    "pp": 1,                     # pipeline ranks; world = pp * dp * ep
+    "vpp": 1,                    # virtual stages per pipeline rank (interleaved / zero-bubble schedules)
+    "pipeline_schedule": "1f1b",  # gpipe | 1f1b | vpp | looped_bfs | zb1p | zbv | dualpipev
+    "pipeline_layout": None,     # Megatron layout string ("Et|tt|tt|tL"), "uniform", or null/"auto" (balanced)
+    "pipeline_layer_costs": None,  # auto layout: per-layer costs (e.g. measured ms), null = FLOP model
+    "microbatches": 1,           # micro-batches per optimizer step per data-parallel replica (grad accumulation)
     # ---- MoE toggles ----
     "sync_free_level": 0,        # 0..3, see docs/trainer.md
-    "grouped_gemm_backend": "loop",  # loop | multistream | torch | triton
+    "grouped_gemm_backend": "loop",  # loop | multistream | torch | triton | auto (tuned per pass, docs/kernels.md)
     "multistream_num_streams": 4,
     "grouped_gemm_align": 0,     # torch/triton: pad each expert's rows to a multiple of this (0/1 = off)
     "recompute_layer_ids": [],   # activation checkpointing of these layer indices
     "loss_fusion": False,        # chunked cross-entropy, never materialises full fp32 logits
     "loss_chunk_size": 1024,     # tokens per chunk when loss_fusion is on
+    "use_triton_kernels": False,  # fused router, sync-free permute/unpermute, fused CE from kernels/ where they apply
     "manual_gc": 0,              # 0: Python GC as usual; N>0: gc disabled, gc.collect() every N steps
     "numa_bind": False,          # pin each rank to its GPU's NUMA node when known
     "env": {},                   # extra environment knobs set before init, recorded in the manifest
@@ -101,11 +111,11 @@ _INT_KEYS = {"vocab_size", "d_model", "n_layers", "n_heads", "d_ff", "moe_d_ff",
              "micro_batch_size", "steps", "warmup_steps", "seed", "log_every", "timing_warmup_steps",
              "ep", "sync_free_level", "multistream_num_streams", "grouped_gemm_align", "loss_chunk_size", "manual_gc",
              "profile_step_start", "profile_step_end", "kv_lora_rank", "qk_nope_head_dim",
-             "qk_rope_head_dim", "v_head_dim"}
+             "qk_rope_head_dim", "v_head_dim", "pp", "vpp", "microbatches"}
 _OPT_INT_KEYS = {"n_kv_heads", "head_dim", "dp", "q_lora_rank"}
 _FLOAT_KEYS = {"routed_scaling_factor", "aux_loss_coef", "rms_eps", "rope_theta", "init_std", "lr",
                "min_lr_ratio", "weight_decay", "adam_beta1", "adam_beta2", "grad_clip"}
-_BOOL_KEYS = {"norm_topk_prob", "tie_embeddings", "loss_fusion", "numa_bind"}
+_BOOL_KEYS = {"norm_topk_prob", "tie_embeddings", "loss_fusion", "numa_bind", "use_triton_kernels"}
 _CHOICES = {
     "attn_type": ("gqa", "mla"),
     "score_func": ("softmax", "sigmoid"),
@@ -115,12 +125,14 @@ _CHOICES = {
     "grouped_gemm_backend": GROUPED_GEMM_BACKENDS,
     "data": ("synthetic", "memmap"),
     "data_dtype": ("uint16", "uint32", "int32", "int64"),
+    "pipeline_schedule": PIPELINE_SCHEDULES,
 }
 
 # Keys that also get a dedicated CLI flag (``--sync-free-level 2`` == ``--set sync_free_level=2``).
 CLI_FLAG_KEYS = ("sync_free_level", "grouped_gemm_backend", "recompute_layer_ids", "loss_fusion",
                  "manual_gc", "numa_bind", "steps", "ep", "dp", "dp_mode", "dtype", "device",
-                 "profile_step_start", "profile_step_end")
+                 "profile_step_start", "profile_step_end", "pp", "vpp", "pipeline_schedule", "pipeline_layout",
+                 "microbatches")
 
 
 def _parse_value(text: str) -> Any:
@@ -248,13 +260,61 @@ def validate(cfg: dict) -> None:
         raise ConfigError("profile_step_start", "must be >= 0")
     if cfg["dp"] is not None and cfg["dp"] < 1:
         raise ConfigError("dp", "must be >= 1")
+    _validate_pipeline(cfg)
+
+
+def _validate_pipeline(cfg: dict) -> None:
+    """pp / vpp / schedule / layout / microbatches (docs/pipeline.md)."""
+    pp, vpp, m, sched = cfg["pp"], cfg["vpp"], cfg["microbatches"], cfg["pipeline_schedule"]
+    for key in ("pp", "vpp", "microbatches"):
+        if cfg[key] < 1:
+            raise ConfigError(key, f"must be >= 1, got {cfg[key]}")
+    costs = cfg["pipeline_layer_costs"]
+    if costs is not None and (not isinstance(costs, list) or
+                              any(isinstance(c, bool) or not isinstance(c, (int, float)) for c in costs)):
+        raise ConfigError("pipeline_layer_costs", f"must be null or a list of numbers, got {costs!r}")
+    if pp == 1:
+        for key, default in (("vpp", 1), ("pipeline_layout", None), ("pipeline_layer_costs", None)):
+            if cfg[key] != default:
+                raise ConfigError(key, f"needs pipeline parallelism (pp > 1), got pp=1 and {key}={cfg[key]!r}")
+        return
+    single = ("gpipe", "1f1b")
+    if sched in single and vpp != 1:
+        raise ConfigError("pipeline_schedule", f"{sched!r} runs one stage per rank, so vpp must be 1 (got vpp={vpp}); "
+                          "use vpp, looped_bfs, zb1p, zbv or dualpipev for virtual stages")
+    if sched in ("zbv", "dualpipev") and vpp != 2:
+        raise ConfigError("vpp", f"pipeline_schedule={sched!r} is V-shaped: exactly 2 stages per rank, so vpp must be 2 "
+                                 f"(got {vpp})")
+    if cfg["tie_embeddings"]:
+        raise ConfigError("tie_embeddings", "not supported with pp > 1 (embedding and LM head live on different stages)")
+    if sched in ("zb1p", "zbv", "dualpipev") and cfg["dp_mode"] != "ddp":
+        raise ConfigError("dp_mode", f"pipeline_schedule={sched!r} splits the backward (B/W), which FSDP2 does not "
+                                     "support here: use dp_mode=ddp (gradients are then all-reduced after the step)")
+    need = 2 * pp if sched == "dualpipev" else pp
+    if m < need:
+        raise ConfigError("microbatches", f"microbatches={m} is fewer than the {need} pipeline stages the "
+                                          f"{sched!r} schedule fills (pp={pp}{', x2 for dualpipev' if need > pp else ''})")
+    if sched in ("vpp", "zb1p"):
+        rounds = max(1, m // pp)
+        if m % rounds:
+            raise ConfigError("microbatches", f"{sched!r} needs microbatches to be a multiple of "
+                                              f"max(1, microbatches // pp) = {rounds}, got {m}")
+    from trainer.pipeline_layout import LayoutError, resolve_layout
+
+    try:
+        resolve_layout(cfg)
+    except LayoutError as err:
+        key = "pipeline_layer_costs" if "costs" in str(err) else "pipeline_layout"
+        raise ConfigError(key, str(err)) from None
 
 
 def resolve_world(cfg: dict, world_size: int) -> tuple[int, int]:
-    """(dp, ep) for this world size; fails when dp * ep != world_size."""
-    ep = cfg["ep"]
-    dp = cfg["dp"] if cfg["dp"] is not None else world_size // ep
-    if dp * ep != world_size:
-        key = "dp" if cfg["dp"] is not None else "ep"
+    """(dp, ep) for this world size; fails when pp * dp * ep != world_size."""
+    ep, pp = cfg["ep"], cfg.get("pp", 1)
+    dp = cfg["dp"] if cfg["dp"] is not None else world_size // (ep * pp)
+    if dp * ep * pp != world_size:
+        key = "dp" if cfg["dp"] is not None else ("pp" if pp > 1 else "ep")
+        if pp > 1:
+            raise ConfigError(key, f"world size {world_size} != pp*dp*ep = {pp}*{dp}*{ep}")
         raise ConfigError(key, f"world size {world_size} != dp*ep = {dp}*{ep}")
     return dp, ep

@@ -9,6 +9,7 @@ import math
 import os
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -18,6 +19,7 @@ from trainer import runtime
 from trainer.data import make_data
 from trainer.flops import count_params, model_flops_per_token, peak_bf16_flops
 from trainer.model import Transformer
+from trainer.model import experts
 from trainer.parallel import Dist, init_distributed, sync_expert_grads, wrap_data_parallel
 
 SCHEMA_VERSION = 1
@@ -61,12 +63,51 @@ def clip_grad_norm(model, max_norm: float, cfg: dict, d: Dist) -> torch.Tensor:
             sq_dense, sq_exp = both[0], both[1]
         elif d.ep > 1:
             dist.all_reduce(sq_exp, group=d.ep_group)
+        if cfg["dp_mode"] != "fsdp" and d.pp > 1:  # DDP replicas hold one stage: add up the stages
+            both = torch.stack([sq_dense, sq_exp])
+            dist.all_reduce(both, group=d.pp_group)
+            sq_dense, sq_exp = both[0], both[1]
     norm = (sq_dense + sq_exp).sqrt()
     if max_norm > 0:
         coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
         for g in dense + expert:
             g.mul_(coef.to(g.dtype))
     return norm
+
+
+@contextmanager
+def _grad_sync(model, enabled: bool):
+    """Let DDP/FSDP2 reduce gradients in this backward only when ``enabled`` (the last micro-batch)."""
+    if enabled:
+        yield
+    elif hasattr(model, "no_sync"):  # DDP
+        with model.no_sync():
+            yield
+    elif hasattr(model, "set_requires_gradient_sync"):  # FSDP2
+        model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            model.set_requires_gradient_sync(True)
+    else:
+        yield
+
+
+def forward_backward(model, tokens, targets, cfg: dict, autocast: bool):
+    """Gradient accumulation without pipelining: ``cfg['microbatches']`` micro-batches (equal row chunks
+    of ``tokens``), each backpropagating ``(loss + aux_loss_coef * aux) / microbatches``, with the DP
+    gradient reduction only in the last backward. Returns the mean (loss, aux) over micro-batches."""
+    m = cfg["microbatches"]
+    loss_sum = aux_sum = 0.0
+    for i, (tk, tg) in enumerate(zip(tokens.chunk(m), targets.chunk(m))):
+        with _grad_sync(model, i == m - 1):
+            with torch.autocast(tk.device.type, dtype=torch.bfloat16, enabled=autocast):
+                loss, aux = model(tk, tg)
+                total = loss + cfg["aux_loss_coef"] * aux
+            (total / m if m > 1 else total).backward()
+        loss_sum = loss_sum + loss.detach().float()
+        aux_sum = aux_sum + aux.detach().float()
+    return loss_sum / m, aux_sum / m
 
 
 def lr_at(step: int, cfg: dict) -> float:
@@ -113,13 +154,23 @@ def train(cfg: dict, out_dir: str | Path) -> dict | None:
     torch.manual_seed(cfg["seed"])
     model = Transformer(cfg, d.ep_group, d.ep, d.ep_rank)
     model.init_weights(cfg["seed"])
-    model.to(d.device)
-    model = wrap_data_parallel(model, cfg, d)
+    pipe = None
+    if d.pp > 1:  # keep this rank's stages of the full model (same init as without PP), DP-wrap each
+        from trainer.parallel.pipeline import build_pipeline
+
+        pipe = build_pipeline(cfg, d, model, out)
+        model = pipe.core
+    else:
+        model.to(d.device)
+        model = wrap_data_parallel(model, cfg, d)
+    experts.reset_records()
+    experts.pretune_config(cfg, d.device)  # grouped_gemm_backend=auto: tune before step 0, never inside it
     core = model.module if hasattr(model, "module") else model
     opt = torch.optim.AdamW(model.parameters(), lr=cfg["lr"], betas=(cfg["adam_beta1"], cfg["adam_beta2"]),
                             weight_decay=cfg["weight_decay"])
-    data = make_data(cfg, d.rank)
+    data = make_data(cfg, d.data_rank)
     autocast = cfg["dtype"] == "bf16" and cfg["dp_mode"] == "ddp"
+    log_rank = pipe.log_rank if pipe is not None else 0  # the rank that holds a loss to print
 
     trace_path = out / "traces" / f"rank{d.rank}.json.gz"
     prof = _profiler(cfg, d, trace_path)
@@ -135,10 +186,10 @@ def train(cfg: dict, out_dir: str | Path) -> dict | None:
             tokens = tokens.to(d.device, non_blocking=True)
             targets = targets.to(d.device, non_blocking=True)
             t0 = time.perf_counter()
-            with torch.autocast(d.device.type, dtype=torch.bfloat16, enabled=autocast):
-                loss, aux = model(tokens, targets)
-                total = loss + cfg["aux_loss_coef"] * aux
-            total.backward()
+            if pipe is not None:
+                loss, aux = pipe.step(step, tokens, targets)
+            else:
+                loss, aux = forward_backward(model, tokens, targets, cfg, autocast)
             sync_expert_grads(core, cfg, d)
             gnorms.append(clip_grad_norm(core, cfg["grad_clip"], cfg, d).detach())
             opt.step()
@@ -146,24 +197,30 @@ def train(cfg: dict, out_dir: str | Path) -> dict | None:
             if d.device.type == "cuda":
                 torch.cuda.synchronize(d.device)
             step_times.append(time.perf_counter() - t0)
+            if pipe is not None:
+                pipe.end_step()  # after the synchronisation above: resolves CUDA event times
             losses.append(loss.detach().float())
             auxes.append(aux.detach().float())
             if prof is not None:
                 prof.step()
-            if d.rank == 0 and cfg["log_every"] > 0 and (step % cfg["log_every"] == 0 or step == cfg["steps"] - 1):
-                print(f"[trainer] step {step} loss {loss.item():.4f} aux {aux.item():.4f} "
+            if d.rank == log_rank and cfg["log_every"] > 0 and (step % cfg["log_every"] == 0 or step == cfg["steps"] - 1):
+                aux_txt = f"aux {aux.item():.4f}" if pipe is None else f"aux(stages {pipe.my_stages}) {aux.item():.4f}"
+                print(f"[trainer] step {step} loss {loss.item():.4f} {aux_txt} "
                       f"time {step_times[-1] * 1e3:.1f} ms", flush=True)
     finally:
         if prof is not None:
             prof.stop()
         gcm.close()
+        if pipe is not None:
+            pipe.close()
     manifest = _finish(cfg, d, out, core, losses, auxes, gnorms, step_times, trace_path if prof else None,
-                       env_knobs, numa, notes.messages)
+                       env_knobs, numa, notes.messages, pipe)
     logging.getLogger("trainer").removeHandler(notes)
     return manifest
 
 
-def _finish(cfg, d: Dist, out: Path, model, losses, auxes, gnorms, step_times, trace_path, env_knobs, numa, notes):
+def _finish(cfg, d: Dist, out: Path, model, losses, auxes, gnorms, step_times, trace_path, env_knobs, numa, notes,
+            pipe=None):
     n = len(losses)
     dev = d.device
     stats = torch.stack([torch.stack(losses), torch.stack(auxes)]) if n else torch.zeros(2, 0, device=dev)
@@ -171,7 +228,8 @@ def _finish(cfg, d: Dist, out: Path, model, losses, auxes, gnorms, step_times, t
     peak, peak_kind = runtime.peak_memory_bytes(dev)
     if d.world_size > 1:
         dist.all_reduce(stats)
-        stats /= d.world_size
+        # per data-parallel replica: under PP only the last stage has the loss and each stage a part of aux
+        stats /= d.world_size // d.pp
         dist.all_reduce(times, op=dist.ReduceOp.MAX)  # a step ends when its slowest rank does
         peaks = [None] * d.world_size
         dist.all_gather_object(peaks, peak)
@@ -188,7 +246,8 @@ def _finish(cfg, d: Dist, out: Path, model, losses, auxes, gnorms, step_times, t
     warm = min(cfg["timing_warmup_steps"], max(n - 1, 0))
     timed = [i for i in range(warm, n) if not prof_lo <= i < prof_hi] or list(range(warm, n))
     mean_t = sum(times_l[i] for i in timed) / len(timed) if timed else None
-    tokens_rank = cfg["micro_batch_size"] * cfg["seq_len"]
+    tokens_step = d.dp * d.ep * cfg["microbatches"] * cfg["micro_batch_size"] * cfg["seq_len"]
+    tokens_rank = tokens_step / d.world_size if tokens_step % d.world_size else tokens_step // d.world_size
     fpt = model_flops_per_token(cfg)
     dev_name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else platform_cpu_name()
     peak_flops = peak_bf16_flops(dev_name) if dev.type == "cuda" else None
@@ -210,7 +269,7 @@ def _finish(cfg, d: Dist, out: Path, model, losses, auxes, gnorms, step_times, t
         "params": {**count_params(cfg), "local_routed_experts": cfg["n_routed_experts"] // d.ep},
         "metrics": {
             "steps": n,
-            "tokens_per_step": tokens_rank * d.world_size,
+            "tokens_per_step": tokens_step,
             "tokens_per_step_per_gpu": tokens_rank,
             "step_times_s": times_l,
             "timed_steps": timed,
@@ -228,6 +287,8 @@ def _finish(cfg, d: Dist, out: Path, model, losses, auxes, gnorms, step_times, t
         "profile": {"step_start": prof_lo, "step_end": prof_hi,
                     "traces": [f"traces/rank{r}.json.gz" for r, ok in enumerate(traces) if ok]},
         "notes": notes,
+        "pipeline": pipe.manifest() if pipe is not None else None,  # docs/pipeline.md
+        "kernels": experts.kernels_record(cfg),  # what ran each MoE op; auto's backend per pass
     }
     (out / "manifest.json").write_text(json.dumps(manifest, indent=2, default=str))
     mt = manifest["metrics"]

@@ -16,6 +16,14 @@ level  EP = 1                                                EP > 1
 3      none                                                  none: experts run on the whole
                                                              worst-case buffer
 =====  ====================================================  ==================================
+
+``use_triton_kernels``: where ``kernels`` can run (CUDA, or CPU under the Triton interpreter) the
+router is ``kernels.fused_router`` (scores, group-limited top-k, weights and aux-loss statistics in
+one kernel), the permutation is ``kernels.permute`` (a sync-free counting sort plus a row gather)
+and the unpermute is ``kernels.unpermute`` (a deterministic gather-reduce). They compute what the
+PyTorch path below computes and keep its host syncs per level. Where they do not apply (no
+Triton here; sigmoid routing with group limiting, whose group score is a top-2 sum the fused
+router does not implement; more than 1024 experts) the PyTorch path runs, noted once.
 """
 
 from __future__ import annotations
@@ -24,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from trainer.model.experts import expert_swiglu
+from trainer.model.experts import _note, expert_swiglu, kernels_can_run, record_use
 from trainer.model.layers import SwiGLU
 from trainer.parallel.ep import all_to_all, exchange_counts, scale_grad
 from trainer.syncs import moe_stage
@@ -130,29 +138,85 @@ class MoE(nn.Module):
             self.experts.w13.copy_(w13[lo:hi])
             self.experts.w2.copy_(w2[lo:hi])
 
+    def _kernel_ops(self, xf: torch.Tensor) -> tuple[bool, bool]:
+        """(fused router, kernels permute/unpermute) for this forward; notes why not when asked for."""
+        c = self.cfg
+        if not c["use_triton_kernels"]:
+            return False, False
+        if not kernels_can_run(xf):
+            _note(("use_triton_kernels", xf.device.type), f"use_triton_kernels: Triton cannot run on {xf.device.type} "
+                  "tensors here (CUDA, or CPU with TRITON_INTERPRET=1); using the PyTorch router and permutation")
+            return False, False
+        router = True
+        if c["score_func"] == "sigmoid" and c["n_group"] > 1 and self.E // c["n_group"] >= 2:
+            _note(("use_triton_kernels", "router", "sigmoid-groups"), "use_triton_kernels: the fused router scores a "
+                  "group by its best expert; sigmoid routing with groups uses the top-2 sum, so the PyTorch router runs")
+            router = False
+        elif self.E > 1024:
+            _note(("use_triton_kernels", "router", "E"), f"use_triton_kernels: the fused router holds at most 1024 "
+                  f"experts per row, not {self.E}; the PyTorch router runs")
+            router = False
+        record_use("router", "kernels.fused_router" if router else "trainer.model.moe.route")
+        record_use("permute", "kernels.permute / kernels.unpermute")
+        return router, True
+
+    def _fused_route(self, logits: torch.Tensor):
+        """kernels.fused_router -> (topk_idx int64, topk_w fp32, aux), the same values as :func:`route` and
+        :func:`load_balance_loss` (aux = E * sum(frac * P); for sigmoid, P is the mean normalised score)."""
+        from kernels import fused_router  # noqa: PLC0415
+
+        c, k = self.cfg, self.k
+        w, ids, frac, mean_prob = fused_router(
+            logits, top_k=k, score_func=c["score_func"], n_groups=c["n_group"], topk_groups=c["topk_group"],
+            norm_topk=c["score_func"] == "sigmoid" or c["norm_topk_prob"], scaling=c["routed_scaling_factor"])
+        if c["aux_loss_coef"] <= 0:
+            aux = logits.new_zeros(())
+        else:
+            if c["score_func"] == "sigmoid":  # the balance loss uses per-token normalised sigmoid scores
+                s = logits.sigmoid()
+                mean_prob = (s / (s.sum(-1, keepdim=True) + 1e-20)).mean(0)
+            aux = self.E * (frac * mean_prob).sum()
+        return ids.long(), w, aux
+
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         B, S, D = x.shape
         T, k, E, level = B * S, self.k, self.E, self.level
         xf = x.reshape(T, D)
         c = self.cfg
+        fused_router, kernel_perm = self._kernel_ops(xf)
         with moe_stage("router"):
             logits = F.linear(xf.float(), self.gate.weight.float())
-            topk_idx, topk_w, scores = route(logits, top_k=k, score_func=c["score_func"], n_group=c["n_group"],
-                                             topk_group=c["topk_group"], norm_topk_prob=c["norm_topk_prob"],
-                                             routed_scaling_factor=c["routed_scaling_factor"])
-            counts = expert_counts(topk_idx, E)
-            aux = load_balance_loss(scores, counts, k, c["score_func"]) if c["aux_loss_coef"] > 0 else logits.new_zeros(())
+            if fused_router:  # implies kernel_perm, whose permute below yields the counts
+                topk_idx, topk_w, aux = self._fused_route(logits)
+            else:
+                topk_idx, topk_w, scores = route(logits, top_k=k, score_func=c["score_func"], n_group=c["n_group"],
+                                                 topk_group=c["topk_group"], norm_topk_prob=c["norm_topk_prob"],
+                                                 routed_scaling_factor=c["routed_scaling_factor"])
+                counts = expert_counts(topk_idx, E)
+                aux = load_balance_loss(scores, counts, k, c["score_func"]) if c["aux_loss_coef"] > 0 else logits.new_zeros(())
         with moe_stage("permute"):
+            if kernel_perm:
+                from kernels import permute  # noqa: PLC0415
+
+                perm = permute(xf, topk_idx, E)
+                x_perm, counts = perm.x_perm, perm.counts.long()
+                sorted_exp = topk_idx.reshape(-1).index_select(0, perm.sorted_pos.long()) if self.ep_size > 1 else None
+            else:
+                order, inverse, sorted_exp = permutation(topk_idx)
+                x_perm = xf.index_select(0, order // k)  # [T*k, D] sorted by global expert
             counts_host = counts.tolist() if level == 0 else None
-            order, inverse, sorted_exp = permutation(topk_idx)
-            x_perm = xf.index_select(0, order // k)  # [T*k, D] sorted by global expert
         if self.ep_size == 1:
             y_perm = self._local_experts(x_perm, counts, counts_host)
         else:
             y_perm = self._ep_experts(x_perm, counts, counts_host, sorted_exp, T)
         with moe_stage("unpermute"):
-            y = y_perm.index_select(0, inverse).view(T, k, D)
-            y = (y * topk_w.to(y.dtype).unsqueeze(-1)).sum(1)
+            if kernel_perm:
+                from kernels import unpermute  # noqa: PLC0415
+
+                y = unpermute(y_perm, perm, topk_w)
+            else:
+                y = y_perm.index_select(0, inverse).view(T, k, D)
+                y = (y * topk_w.to(y.dtype).unsqueeze(-1)).sum(1)
         if self.shared is not None:
             y = y + self.shared(xf).to(y.dtype)
         return y.view(B, S, D).to(x.dtype), aux

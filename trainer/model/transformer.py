@@ -8,6 +8,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from trainer.flops import count_params, model_flops_per_token  # noqa: F401  (re-exported)
+from trainer.model.experts import kernels_can_run, record_use
 from trainer.model.layers import Attention, MLAttention, RMSNorm, SwiGLU, rope_cache
 from trainer.model.moe import MoE
 
@@ -57,6 +58,22 @@ def _chunk_ce(h, w, t):
     return F.cross_entropy(F.linear(h, w).float(), t, reduction="sum")
 
 
+def kernel_cross_entropy(h: torch.Tensor, w: torch.Tensor, targets: torch.Tensor, chunk: int) -> torch.Tensor:
+    """``loss_fusion`` with ``use_triton_kernels``: ``kernels.linear_cross_entropy``, which computes the
+    logits ``chunk`` tokens at a time and turns them into their gradient in place, so neither full logits
+    nor a recomputation in backward exist. Under autocast it runs on the autocast dtype, as the unfused
+    ``F.linear`` would."""
+    from kernels import linear_cross_entropy  # noqa: PLC0415
+
+    record_use("loss", "kernels.linear_cross_entropy")
+    dev = h.device.type
+    if torch.is_autocast_enabled(dev):
+        dt = torch.get_autocast_dtype(dev)
+        with torch.autocast(dev, enabled=False):
+            return linear_cross_entropy(h.to(dt), w.to(dt), targets, chunk=chunk)
+    return linear_cross_entropy(h, w, targets, chunk=chunk)
+
+
 class Transformer(nn.Module):
     def __init__(self, cfg: dict, ep_group=None, ep_size: int = 1, ep_rank: int = 0):
         super().__init__()
@@ -104,5 +121,9 @@ class Transformer(nn.Module):
         if targets is None:
             return F.linear(h, w)
         h2 = h.reshape(-1, h.shape[-1])
-        loss = cross_entropy(h2, w.to(h2.dtype), targets.reshape(-1), self.cfg["loss_fusion"], self.cfg["loss_chunk_size"])
+        if self.cfg["loss_fusion"] and self.cfg["use_triton_kernels"] and kernels_can_run(h2):
+            loss = kernel_cross_entropy(h2, w.to(h2.dtype), targets.reshape(-1), self.cfg["loss_chunk_size"])
+        else:
+            loss = cross_entropy(h2, w.to(h2.dtype), targets.reshape(-1), self.cfg["loss_fusion"],
+                                 self.cfg["loss_chunk_size"])
         return loss, aux_total
