@@ -1,0 +1,154 @@
+"""The guided policy (pure): which knob changes a trial's findings and signals lead to, in which order;
+and the guided sweep's keep / revert / stop decisions, with a stand-in runner (no trainer)."""
+
+from __future__ import annotations
+
+import pytest
+
+from autotune.policy import explore_moves, propose
+from autotune.space import key_of, parse_space
+from autotune.sweep import run_sweep
+
+from ..conftest import MOE_LOOP
+from ._fake import FakeRunner
+
+KNOBS = {"sync_free_level": [0, 1, 2, 3], "grouped_gemm_backend": ["loop", "torch", "triton"], "manual_gc": [0, 5],
+         "micro_batch_size": [1, 2, 4], "recompute_layer_ids": [[], [1], [0, 1]],
+         "pipeline_schedule": ["1f1b", "zb1p"], "vpp": [1, 2], "microbatches": [4, 8], "pipeline_layout": ["a", "b"]}
+CUR = {"sync_free_level": 1, "grouped_gemm_backend": "loop", "manual_gc": 0, "micro_batch_size": 2,
+       "recompute_layer_ids": [], "pipeline_schedule": "1f1b", "vpp": 1, "microbatches": 4, "pipeline_layout": "a"}
+
+
+def moves(findings=None, signals=None, metrics=None, knobs=KNOBS, cur=CUR):
+    return [(m.knob, m.value, m.source) for m in propose(knobs, cur, findings, signals, metrics)]
+
+
+def finding(kind, path="", severity="high"):
+    return {"type": kind, "severity": severity, "title": f"{kind} title", "evidence": {"path": path, "count": 3}}
+
+
+def test_host_sync_in_moe_raises_sync_free_level_nearest_first():
+    assert moves([finding("host_sync", "layers.2/moe/permute")]) == [
+        ("sync_free_level", 2, "host_sync"), ("sync_free_level", 3, "host_sync")]
+    assert moves([finding("host_sync", "optimizer/clip_grad")]) == []  # not in the MoE path: no knob for it
+    m = propose(KNOBS, CUR, [finding("host_sync", "layers.2/moe/permute")])[0]
+    assert m.point == {**CUR, "sync_free_level": 2}
+    assert m.motivation == "finding host_sync (high): host_sync title -> sync_free_level=2"
+
+
+def test_findings_order_is_kept_and_moves_are_not_repeated():
+    f = [finding("small_kernels"), finding("launch_bound"), finding("host_sync", "moe/experts")]
+    assert moves(f) == [("grouped_gemm_backend", "torch", "small_kernels"), ("grouped_gemm_backend", "triton", "small_kernels"),
+                        ("sync_free_level", 2, "launch_bound"), ("sync_free_level", 3, "launch_bound")]
+
+
+def test_signals():
+    assert moves(signals={"moe_sync_ops": 64}) == [("sync_free_level", 2, "moe_sync_ops"), ("sync_free_level", 3, "moe_sync_ops")]
+    assert moves(signals={"moe_sync_ops": 0, "moe_host_syncs": 0}) == []
+    assert moves(signals={"expert_gemms_per_call": 16}) == [
+        ("grouped_gemm_backend", "torch", "expert_gemms_per_call"), ("grouped_gemm_backend", "triton", "expert_gemms_per_call")]
+    assert moves(signals={"expert_gemms_per_call": 2}) == []  # a grouped GEMM: w13 + w2
+    assert [m[1] for m in moves(signals={"expert_gemm_pct_roof": 33.0})] == ["torch", "triton"]
+    assert moves(signals={"expert_gemm_pct_roof": 60.0}) == []
+    # memory: near OOM -> recompute more layers and a smaller micro-batch; headroom -> a larger one
+    assert moves(signals={"memory_used_share": 0.95}) == [
+        ("recompute_layer_ids", [1], "memory_used_share"), ("recompute_layer_ids", [0, 1], "memory_used_share"),
+        ("micro_batch_size", 1, "memory_used_share")]
+    assert moves(signals={"memory_used_share": 0.30}) == [("micro_batch_size", 4, "memory_used_share")]
+    assert moves(signals={"memory_used_share": 0.70}) == []
+    # pipeline: measured bubble above theory * 1.1 + 0.02 (0.2 -> 0.24), stage imbalance above 1.10
+    assert moves(signals={"bubble_ratio": 0.30, "bubble_theory": 0.20}) == [
+        ("pipeline_schedule", "zb1p", "bubble_ratio"), ("vpp", 2, "bubble_ratio"), ("microbatches", 8, "bubble_ratio")]
+    assert moves(signals={"bubble_ratio": 0.23, "bubble_theory": 0.20}) == []
+    assert moves(signals={"stage_imbalance": 1.3}) == [("pipeline_layout", "b", "stage_imbalance")]
+    assert moves(signals={"stage_imbalance": 1.05}) == []
+    assert moves(metrics={"noise": 0.15}) == [("manual_gc", 5, "noise")]
+    assert moves(metrics={"noise": 0.05}) == []
+    # signals may come inside the metrics, as the store keeps them
+    assert moves(metrics={"signals": {"stage_imbalance": 1.3}, "noise": 0}) == [("pipeline_layout", "b", "stage_imbalance")]
+
+
+def test_knobs_outside_the_space_are_skipped():
+    knobs = {"manual_gc": [0, 5]}
+    cur = {"manual_gc": 0}
+    assert moves([finding("host_sync", "moe/x"), finding("small_kernels")], {"memory_used_share": 0.99}, knobs=knobs, cur=cur) == []
+    assert [(m.knob, m.value) for m in explore_moves({"a": [1, 2, 3], "b": ["x", "y"]}, {"a": 2, "b": "x"})] == [
+        ("a", 1), ("a", 3), ("b", "y")]
+
+
+def test_findings_table_and_real_analyzer_findings():
+    """The H200 MoE trace with a per-expert loop: launch-bound (high) and small kernels (high) findings."""
+    import tracelens
+    from tracelens.analysis.findings import findings_table
+
+    a = tracelens.analyze(tracelens.load(MOE_LOOP, cache=False, progress=False))
+    f = a.findings()
+    assert [x["type"] for x in f[:2]] == ["launch_bound", "small_kernels"]
+    knobs = {"sync_free_level": [0, 1, 2], "grouped_gemm_backend": ["loop", "torch"]}
+    cur = {"sync_free_level": 0, "grouped_gemm_backend": "loop"}
+    expect = [("sync_free_level", 1, "launch_bound"), ("sync_free_level", 2, "launch_bound"),
+              ("grouped_gemm_backend", "torch", "launch_bound")]
+    assert moves(f, knobs=knobs, cur=cur) == expect
+    assert moves(findings_table(f), knobs=knobs, cur=cur) == expect  # the table form (evidence as text)
+
+
+def _k(lvl, backend, gc=0):
+    return key_of({"sync_free_level": lvl, "grouped_gemm_backend": backend, "manual_gc": gc})
+
+
+SYNC = {"type": "host_sync", "severity": "high", "title": "aten::to forces 8 syncs", "evidence": {"path": "moe/permute", "count": 8}}
+LOOP = {"expert_gemms_per_call": 16}
+
+
+def test_guided_keeps_reverts_and_stops():
+    space = parse_space({"config": "tiny", "knobs": {"sync_free_level": [0, 1, 2], "grouped_gemm_backend": ["loop", "torch"],
+                                                     "manual_gc": [0, 2]},
+                         "guided": {"explore": 1}, "budget": {"trials": 10}}, check_trainer=False)
+    table = {
+        _k(0, "loop"): (100.0, [SYNC], LOOP, 0.0),
+        _k(1, "loop"): (101.0, [SYNC], LOOP, 0.0),     # +1 %: inside the 2 % noise floor -> reverted
+        _k(2, "loop"): (130.0, [], LOOP, 0.0),         # +30 % -> kept; no sync left
+        _k(2, "torch"): (125.0, [], {}, 0.0),          # worse -> reverted
+        _k(2, "loop", 2): (None, [], {}, 0.0),         # crash -> failed
+    }
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        runner = FakeRunner(table)
+        res = run_sweep(space, d, log=lambda m: None, runner=runner)
+        got = [(key_of(p["knobs"]), p["decision"]) for p in res.path]
+        assert got == [(_k(0, "loop"), "start"), (_k(1, "loop"), "reverted"), (_k(2, "loop"), "kept"),
+                       (_k(2, "torch"), "reverted"), (_k(2, "loop", 2), "failed")]
+        # after the findings, one neighbour check (explore: 1): sfl 0/1 and torch were tried, so manual_gc=2
+        assert res.path[4]["motivation"] == "no finding left: check manual_gc -> manual_gc=2"
+        assert res.path[1]["motivation"].startswith("finding host_sync (high): aten::to forces 8 syncs")
+        assert res.path[3]["motivation"].startswith("signal: 16 GEMMs per moe/experts call")
+        assert res.path[3]["parent"] == res.path[2]["trial"]
+        assert res.stopped == "no finding or neighbour left"
+        assert res.best["knobs"] == {"sync_free_level": 2, "grouped_gemm_backend": "loop", "manual_gc": 0}
+        assert res.best["objective"] == 130.0 and res.baseline["objective"] == 100.0
+
+
+@pytest.mark.parametrize("noise, decision", [(0.0, "kept"), (0.04, "kept"), (0.06, "reverted")])
+def test_a_gain_must_beat_the_noise(tmp_path, noise, decision):
+    """+5 %: kept over the 2 % floor, reverted when the step-time spread of a trial is 6 %."""
+    space = parse_space({"config": "tiny", "knobs": {"sync_free_level": [0, 1]}}, check_trainer=False)
+    table = {key_of({"sync_free_level": 0}): (100.0, [SYNC], {}, 0.0),
+             key_of({"sync_free_level": 1}): (105.0, [], {}, noise)}
+    res = run_sweep(space, tmp_path, log=lambda m: None, runner=FakeRunner(table))
+    assert [p["decision"] for p in res.path] == ["start", decision]
+
+
+def test_minimized_objective_and_budget(tmp_path):
+    space = parse_space({"config": "tiny", "knobs": {"sync_free_level": [0, 1, 2, 3]}, "objective": "step_time",
+                         "budget": {"trials": 2}}, check_trainer=False)
+    table = {key_of({"sync_free_level": i}): (1.0 - 0.2 * i, [SYNC], {}, 0.0) for i in range(4)}
+    res = run_sweep(space, tmp_path, log=lambda m: None, runner=FakeRunner(table))
+    assert [p["decision"] for p in res.path] == ["start", "kept"] and res.stopped == "budget spent"
+    assert res.best["objective"] == pytest.approx(0.8)
+
+
+def test_failed_baseline_stops(tmp_path):
+    space = parse_space({"config": "tiny", "knobs": {"sync_free_level": [0, 1]}}, check_trainer=False)
+    res = run_sweep(space, tmp_path, log=lambda m: None, runner=FakeRunner({}, default=(None, [], {}, 0.0)))
+    assert res.stopped.startswith("baseline failed (crash: exit 1: boom)") and len(res.trials) == 1 and res.best is None

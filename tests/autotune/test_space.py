@@ -1,0 +1,112 @@
+"""Search-space YAML: parsing, validation with one-line errors naming the key, constraint filtering."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from autotune.space import SpaceError, load_space, parse_space
+
+BASE = {"config": "tiny", "knobs": {"sync_free_level": [0, 1, 2, 3], "grouped_gemm_backend": ["loop", "torch"]}}
+
+
+def _err(doc, check_trainer=False) -> str:
+    with pytest.raises(SpaceError) as e:
+        parse_space(doc, "s.yaml", check_trainer=check_trainer)
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith("s.yaml: ")
+    return msg
+
+
+def test_defaults_and_baseline():
+    s = parse_space(BASE, check_trainer=False)
+    assert s.baseline == {"sync_free_level": 0, "grouped_gemm_backend": "loop"}  # first values
+    assert (s.objective, s.maximize, s.metric) == ("tokens_per_s_per_gpu", True, "tokens_per_s_per_gpu")
+    assert (s.max_trials, s.timeout_s, s.stall_s, s.explore, s.min_gain) == (20, 900.0, None, 0, 0.02)
+    s = parse_space({**BASE, "baseline": {"grouped_gemm_backend": "torch"}, "objective": "step_time",
+                     "budget": {"trials": 5, "wall_s": 60}, "trial": {"timeout_s": 30, "stall_s": 10, "env": {"A": 1}}},
+                    check_trainer=False)
+    assert s.baseline == {"sync_free_level": 0, "grouped_gemm_backend": "torch"}
+    assert (s.maximize, s.metric, s.max_trials, s.wall_s, s.stall_s, s.trial_env) == (
+        False, "mean_step_time_s", 5, 60.0, 10.0, {"A": "1"})
+
+
+@pytest.mark.parametrize("doc, expect", [
+    ([1, 2], "s.yaml: the search space must be a mapping"),
+    ({**BASE, "knobz": {}}, "s.yaml: knobz: unknown key"),
+    ({"knobs": BASE["knobs"]}, "s.yaml: config: missing"),
+    ({"config": "tiny"}, "s.yaml: knobs: must map trainer config keys to lists of values"),
+    ({"config": "tiny", "knobs": {"manual_gc": []}}, "s.yaml: knobs.manual_gc: must be a non-empty list"),
+    ({"config": "tiny", "knobs": {"manual_gc": 5}}, "s.yaml: knobs.manual_gc: must be a non-empty list"),
+    ({"config": "tiny", "knobs": {"manual_gc": [0, 5, 0]}}, "s.yaml: knobs.manual_gc: value 0 is listed twice"),
+    ({**BASE, "baseline": {"manual_gc": 0}}, "s.yaml: baseline.manual_gc: not a knob"),
+    ({**BASE, "baseline": {"sync_free_level": 7}}, "s.yaml: baseline.sync_free_level: 7 is not one of [0, 1, 2, 3]"),
+    ({**BASE, "fixed": {"sync_free_level": 1}}, "s.yaml: fixed.sync_free_level: is also a knob"),
+    ({**BASE, "fixed": [1]}, "s.yaml: fixed: must be a mapping"),
+    ({**BASE, "constraints": "sync_free_level > 0"}, "s.yaml: constraints: must be a list of expressions"),
+    ({**BASE, "constraints": ["sync_free_level >"]}, "s.yaml: constraints[0]: 'sync_free_level >' is not a Python expression"),
+    ({**BASE, "constraints": ["n_layerz > 1"]}, "s.yaml: constraints[0]: 'n_layerz > 1' cannot be evaluated"),
+    ({**BASE, "constraints": ["sync_free_level > 9"]}, "s.yaml: constraints: no combination of the knobs satisfies them"),
+    ({**BASE, "constraints": ["sync_free_level > 0"]}, "s.yaml: baseline: "),
+    ({**BASE, "objective": "speed"}, "s.yaml: objective: 'speed' is not one of"),
+    ({**BASE, "budget": {"trials": 0}}, "s.yaml: budget.trials: must be >= 1, got 0"),
+    ({**BASE, "budget": {"trials": "many"}}, "s.yaml: budget.trials: expected an integer, got 'many'"),
+    ({**BASE, "budget": {"trails": 3}}, "s.yaml: budget.trails: unknown key"),
+    ({**BASE, "trial": {"timeout_s": True}}, "s.yaml: trial.timeout_s: expected a number, got True"),
+    ({**BASE, "trial": {"env": {"A": [1]}}}, "s.yaml: trial.env: must map variable names"),
+    ({**BASE, "nproc": 1.5}, "s.yaml: nproc: expected an integer, got 1.5"),
+    ({**BASE, "command": "python x.py"}, "s.yaml: command: must be a non-empty list of strings"),
+    ({**BASE, "guided": {"explore": -1}}, "s.yaml: guided.explore: must be >= 0, got -1"),
+])
+def test_schema_errors_are_one_line(doc, expect):
+    assert _err(doc).startswith(expect)
+
+
+def test_constraints_filter_the_grid():
+    doc = {"config": "tiny", "knobs": {"pp": [1, 2, 4], "vpp": [1, 2, 3], "micro_batch_size": [1, 2]},
+           "fixed": {"n_layers": 8},
+           "constraints": ["n_layers % (pp * vpp) == 0", "not (pp == 1 and vpp > 1)", "pp * micro_batch_size <= 4"]}
+    s = parse_space(doc, check_trainer=False)  # pipeline keys need not exist in the trainer for the schema
+    expect = [{"pp": pp, "vpp": v, "micro_batch_size": m}
+              for pp, v, m in itertools.product([1, 2, 4], [1, 2, 3], [1, 2])
+              if 8 % (pp * v) == 0 and not (pp == 1 and v > 1) and pp * m <= 4]
+    # by hand: pp1: vpp1 x mbs1,2; pp2: vpp1,2 x mbs1,2; pp4: vpp1,2 x mbs1 -> 2 + 4 + 2 = 8
+    assert s.grid() == expect and len(expect) == 8
+    assert s.allowed({"pp": 4, "vpp": 2, "micro_batch_size": 1})
+    assert not s.allowed({"pp": 4, "vpp": 2, "micro_batch_size": 2})
+    assert not s.allowed({"pp": 2, "vpp": 3, "micro_batch_size": 1})
+    # constraints cannot reach Python's builtins beyond a few pure functions
+    assert _err({**doc, "constraints": ["__import__('os') is None"]}).startswith("s.yaml: constraints[0]:")
+
+
+def test_trainer_checks_names_values_and_resolves_config(tmp_path):
+    s = parse_space({"config": "tiny", "knobs": {"sync_free_level": [0, 3]}, "fixed": {"n_layers": 4},
+                     "constraints": ["n_layers == 4 and d_model == 64"]}, "s.yaml")
+    assert s.base_config["n_layers"] == 4 and s.base_config["d_model"] == 64  # tiny.yaml + fixed
+    assert _err({"config": "tiny", "knobs": {"sync_free_levle": [0]}}, True) == \
+        "s.yaml: knobs.sync_free_levle: not a trainer config key"
+    assert _err({"config": "tiny", "knobs": {"sync_free_level": [0, 4]}}, True) == (
+        "s.yaml: knobs.sync_free_level[1]: 4 rejected by the trainer "
+        "(config error: sync_free_level: must be 0, 1, 2 or 3, got 4)")
+    assert _err({"config": "nope", "knobs": {"manual_gc": [0]}}, True) == \
+        "s.yaml: config: config error: config: file not found: nope"
+    assert _err({"config": "tiny", "knobs": {"manual_gc": [0]}, "fixed": {"stepz": 3}}, True) == \
+        "s.yaml: fixed.stepz: config error: stepz: unknown config key"
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("knobs: [1, 2\n")
+    with pytest.raises(SpaceError, match=r"bad.yaml: not valid YAML") as e:
+        load_space(bad)
+    assert "\n" not in str(e.value)
+    with pytest.raises(SpaceError, match=r"missing.yaml: cannot read"):
+        load_space(tmp_path / "missing.yaml")
+
+
+def test_example_spaces_load():
+    from pathlib import Path
+
+    spaces = sorted((Path(__file__).resolve().parents[2] / "autotune" / "spaces").glob("*.yaml"))
+    assert spaces
+    for p in spaces:
+        s = load_space(p)
+        assert s.grid() and s.allowed(s.baseline)
