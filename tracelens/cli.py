@@ -46,6 +46,10 @@ class _Group(click.Group):
             raise
         except KeyboardInterrupt:
             _fail("interrupted", 130)
+        except BrokenPipeError:  # `tracelens ... | head`: the reader left; not an error of ours
+            # point stdout at devnull so the interpreter's final flush does not raise again
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            sys.exit(0)
         except MemoryError:
             _fail("out of memory while analyzing; try fewer ranks at once", 3)
         except Exception as e:  # an internal bug: one line by default, the traceback on request
