@@ -1,0 +1,118 @@
+"""Guided search vs the exhaustive grid, in one command.
+
+    python benchmarks/bench_autotune.py --config gpu_proxy [--out runs/bench_autotune] [--live] [--resume]
+
+``--config`` names a space under autotune/spaces/ (``gpu_proxy``, ``tiny_cpu``) or is a space YAML path.
+It runs every allowed point of the space (strategy grid) into OUT/grid, then the guided search from the
+space's baseline into OUT/guided, and prints the two bests, their ratio and the trial counts, with the
+acceptance verdict: the guided best within 3 % of the grid's best while running at most 30 % of the
+grid's trials (``--tolerance``, ``--max-share``). ``--check`` exits 1 when the verdict is a miss.
+
+By default the guided search does not rerun the trainer: its trials are answered from the grid's
+results store (the same measurement for the same knobs), so both strategies judge the same numbers
+and the comparison costs one grid. ``--live`` runs the guided trials for real instead (its own
+measurements, noise included). Both sweeps are resumable (``--resume``) and each writes its
+sweep.html; a summary goes to OUT/bench_autotune.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from autotune.runner import TrialResult  # noqa: E402
+from autotune.space import SpaceError, key_of, load_space  # noqa: E402
+from autotune.store import Store  # noqa: E402
+from autotune.sweep import SweepError, run_sweep  # noqa: E402
+
+
+def space_path(name: str) -> Path:
+    p = Path(name)
+    if p.suffix in (".yaml", ".yml") or p.exists():
+        return p
+    return REPO / "autotune" / "spaces" / f"{name}.yaml"
+
+
+class GridReplay:
+    """A trial runner answering from the grid's store: the grid's measurement of the same knobs."""
+
+    def __init__(self, grid_db: Path):
+        self.store = Store(grid_db)
+
+    def __call__(self, space, point, run_dir, on_start) -> TrialResult:
+        t = self.store.done(key_of(point))
+        if t is None:
+            return TrialResult("failed", "crash", "crash: not measured by the grid", None, {})
+        return TrialResult(t["status"], t["failure"], t["reason"], t["objective"], t["metrics"], t["findings"])
+
+
+def compare(space, grid, guided, tolerance: float, max_share: float) -> dict:
+    """The acceptance figures from two SweepResults."""
+    n_grid, n_guided = len(grid.trials), len(guided.trials)
+    out = {"objective": space.objective, "maximize": space.maximize, "grid_trials": n_grid, "guided_trials": n_guided,
+           "trial_share": n_guided / n_grid if n_grid else None,
+           "grid_best": grid.best and {"knobs": grid.best["knobs"], "objective": grid.best["objective"]},
+           "guided_best": guided.best and {"knobs": guided.best["knobs"], "objective": guided.best["objective"]},
+           "guided_path": [{"knobs": p["knobs"], "decision": p["decision"], "motivation": p["motivation"]} for p in guided.path]}
+    if grid.best and guided.best:
+        g, b = grid.best["objective"], guided.best["objective"]
+        out["ratio"] = b / g if space.maximize else g / b  # 1.0 = the guided search found the grid's best
+        out["within_tolerance"] = out["ratio"] >= 1.0 - tolerance
+    else:
+        out["ratio"], out["within_tolerance"] = None, False
+    out["within_trial_share"] = out["trial_share"] is not None and out["trial_share"] <= max_share
+    out["pass"] = bool(out["within_tolerance"] and out["within_trial_share"])
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--config", default="gpu_proxy", help="space name under autotune/spaces/, or a space YAML path")
+    p.add_argument("--out", default="runs/bench_autotune")
+    p.add_argument("--live", action="store_true", help="run the guided trials for real instead of replaying the grid's")
+    p.add_argument("--resume", action="store_true", help="continue the sweeps already in OUT")
+    p.add_argument("--tolerance", type=float, default=0.03)
+    p.add_argument("--max-share", type=float, default=0.30)
+    p.add_argument("--check", action="store_true", help="exit 1 when the guided search misses the targets")
+    args = p.parse_args(argv)
+    from reports import sweep as sweep_report
+
+    try:
+        space = load_space(space_path(args.config))
+        out = Path(args.out)
+        log = lambda m: print(m, flush=True)  # noqa: E731
+        n_points = len(space.grid())
+        grid_space = space
+        if space.max_trials < n_points:  # the grid is exhaustive whatever the space's trial budget
+            import dataclasses
+
+            grid_space = dataclasses.replace(space, max_trials=n_points)
+        grid = run_sweep(grid_space, out / "grid", strategy="grid", resume=args.resume, log=log)
+        sweep_report.write(grid, grid_space)
+        runner = None if args.live else GridReplay(out / "grid" / "sweep.sqlite")
+        guided = run_sweep(space, out / "guided", strategy="guided", resume=args.resume, log=log, runner=runner)
+        sweep_report.write(guided, space)
+    except (SpaceError, SweepError) as e:
+        print(f"bench_autotune: error: {e}", file=sys.stderr)
+        return 2
+    r = compare(space, grid, guided, args.tolerance, args.max_share)
+    r["mode"] = "live" if args.live else "replay of the grid's measurements"
+    (out / "bench_autotune.json").write_text(json.dumps(r, indent=1, default=str))
+    fmt = lambda b: f"{b['objective']:.6g} at {b['knobs']}" if b else "none (every trial failed)"  # noqa: E731
+    print(f"grid:   {r['grid_trials']} trials, best {space.objective} {fmt(r['grid_best'])}")
+    print(f"guided: {r['guided_trials']} trials ({r['mode']}), best {fmt(r['guided_best'])}")
+    share = f"{100 * r['trial_share']:.0f}%" if r["trial_share"] is not None else "n/a"
+    ratio = f"{r['ratio']:.4f}" if r["ratio"] is not None else "n/a"
+    print(f"ratio guided/grid best: {ratio} (target >= {1 - args.tolerance:.2f}); guided ran {share} of the grid's "
+          f"trials (target <= {100 * args.max_share:.0f}%): {'PASS' if r['pass'] else 'MISS'}")
+    print(f"wrote {out / 'bench_autotune.json'}, {out / 'grid' / 'sweep.html'}, {out / 'guided' / 'sweep.html'}")
+    return 1 if args.check and not r["pass"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
