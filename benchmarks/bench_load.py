@@ -186,7 +186,8 @@ def main() -> None:
             hta2 = run_isolated(HTA, str(trace_dir))
             rows.append(("HTA 0.5.0", "again (no cache)", hta2))
 
-    print(f"\ntrace: {size_mb:.0f} MB uncompressed, tiled from {Path(a.src).name}; machine: {os.cpu_count()} CPUs")
+    print(f"\ntrace: {size_mb:.0f} MB uncompressed, tiled from {Path(a.src).name}; "
+          f"CPUs usable: {len(os.sched_getaffinity(0))} of {os.cpu_count()}")
     print(f"{'tool':<11} {'run':<17} {'wall s':>7} {'load s':>7} {'analyze s':>9} {'peak RSS MB':>11} {'tree PSS MB':>11}")
     for tool, kind, r in rows:
         tree = f"{r['tree_peak_mb']:>11.0f}" if r.get("tree_peak_mb") else f"{'n/a':>11}"

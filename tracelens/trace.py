@@ -23,7 +23,7 @@ import pyarrow as pa
 
 from .errors import TraceError
 from .io import cache as _cache
-from .io.kineto import ParsedTrace, parse_file
+from .io.kineto import ParsedTrace, parse_file, usable_cpus
 
 TRACE_SUFFIXES = (".json", ".json.gz")
 _RANK_IN_NAME = re.compile(r"(?:^|[^a-z])rank[-_]?(\d+)", re.IGNORECASE)
@@ -165,12 +165,12 @@ def load(
 
     paths: a trace file, a directory of per-rank trace files, a run directory, or a list of those.
     cache: read/write the Parquet cache keyed by file content. jobs: parallel processes for many
-    files (default: CPU count). progress: True/False forces the progress bar; None shows it on a TTY.
+    files (default: the CPUs this process may use). progress: True/False forces the progress bar; None shows it on a TTY.
     """
     files = discover(paths)
     cache_root = os.fspath(cache_dir) if cache_dir else None
     total_bytes = sum(os.path.getsize(f) for f in files)
-    jobs = jobs or os.cpu_count() or 1
+    jobs = jobs or usable_cpus()
     parsed: list[ParsedTrace] = []
     sizes = {f: os.path.getsize(f) for f in files}
     bar = _progress(total_bytes, len(files), progress)

@@ -452,14 +452,18 @@ def _parse_range(path: str, raws: list, lo: int, hi: int, progress=None, scale: 
 PARALLEL_MIN_EVENTS = 300_000
 
 
+def usable_cpus() -> int:
+    """CPUs this process may run on: the affinity mask (taskset, cgroup cpusets), not the machine's count."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # pragma: no cover - non-Linux
+        return os.cpu_count() or 1
+
+
 def _parallel_workers(n_events: int) -> int:
     if n_events < PARALLEL_MIN_EVENTS or not hasattr(os, "fork") or os.environ.get("TRACELENS_NO_FORK"):
         return 1
-    try:
-        cpus = len(os.sched_getaffinity(0))
-    except AttributeError:  # pragma: no cover - non-Linux
-        cpus = os.cpu_count() or 1
-    return max(1, min(cpus, 8, n_events // (PARALLEL_MIN_EVENTS // 2)))
+    return max(1, min(usable_cpus(), 8, n_events // (PARALLEL_MIN_EVENTS // 2)))
 
 
 def _shm_dir() -> str:
