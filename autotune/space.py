@@ -134,7 +134,7 @@ def load_space(path: str | Path, check_trainer: bool = True) -> Space:
         raise SpaceError(f"{p}: cannot read: {e.strerror or e}") from None
     except yaml.YAMLError as e:
         raise SpaceError(f"{p}: not valid YAML ({' '.join(str(e).split())[:200]})") from None
-    return parse_space(doc, str(p), check_trainer=check_trainer)
+    return parse_space(doc, str(p), check_trainer=check_trainer, base_dir=p.resolve().parent)
 
 
 def _num(where: str, key: str, v: Any, kind: type, lo: float) -> Any:
@@ -159,9 +159,11 @@ def _mapping(where: str, doc: dict, key: str) -> dict:
     return v
 
 
-def parse_space(doc: Any, where: str = "space", check_trainer: bool = True) -> Space:
+def parse_space(doc: Any, where: str = "space", check_trainer: bool = True, base_dir: Path | None = None) -> Space:
     """Validate a parsed YAML document. ``check_trainer=False`` skips asking the trainer's config
-    loader (unit tests of the schema itself; constraints then see only knobs and `fixed`)."""
+    loader (unit tests of the schema itself; constraints then see only knobs and `fixed`).
+    A ``config`` given as a file path is made absolute (relative to the working directory, else to
+    ``base_dir``, the space file's directory), since trials run in the repository root."""
     if not isinstance(doc, dict):
         raise SpaceError(f"{where}: the search space must be a mapping")
     unknown = sorted(set(doc) - _KEYS)
@@ -213,7 +215,7 @@ def parse_space(doc: Any, where: str = "space", check_trainer: bool = True) -> S
                                              for v in tenv.values()):
         raise SpaceError(f"{where}: trial.env: must map variable names to strings or numbers")
     space = Space(
-        config=doc["config"], knobs=knobs, baseline=baseline, fixed=dict(fixed), constraints=list(constraints),
+        config=_config_path(doc["config"], base_dir), knobs=knobs, baseline=baseline, fixed=dict(fixed), constraints=list(constraints),
         objective=objective, command=cmd,
         nproc=_num(where, "nproc", doc.get("nproc", 1), int, 1),
         max_trials=_num(where, "budget.trials", budget.get("trials", 20), int, 1),
@@ -239,6 +241,15 @@ def parse_space(doc: Any, where: str = "space", check_trainer: bool = True) -> S
     if not space.allowed(space.baseline):
         raise SpaceError(f"{where}: baseline: {key_of(space.baseline)} violates the constraints")
     return space
+
+
+def _config_path(config: str, base_dir: Path | None) -> str:
+    """A trainer config name (``tiny``) stays a name; an existing file path becomes absolute."""
+    p = Path(config)
+    for cand in (p, (base_dir / p) if base_dir is not None and not p.is_absolute() else None):
+        if cand is not None and cand.is_file():
+            return str(cand.resolve())
+    return config
 
 
 def _check_with_trainer(space: Space, where: str) -> None:

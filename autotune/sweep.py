@@ -61,7 +61,7 @@ class Sweep:
         if strategy not in STRATEGIES:
             raise SweepError(f"unknown strategy {strategy!r} (one of {', '.join(STRATEGIES)})")
         self.space, self.strategy, self.seed = space, strategy, seed
-        self.out = Path(out)
+        self.out = Path(out).resolve()  # trials run in the repository root: their -o must be absolute
         self.log = log
         self.runner = runner or _default_runner
         self.store = Store(self.out / "sweep.sqlite")

@@ -110,3 +110,16 @@ def test_example_spaces_load():
     for p in spaces:
         s = load_space(p)
         assert s.grid() and s.allowed(s.baseline)
+
+
+def test_config_file_paths_are_made_absolute(tmp_path, monkeypatch):
+    """Trials run in the repository root, so a config file named relative to the space file (or the
+    working directory) is resolved when the space is read."""
+    (tmp_path / "cfgs").mkdir()
+    (tmp_path / "cfgs" / "mine.yaml").write_text("n_layers: 5\nd_model: 32\n")
+    (tmp_path / "space.yaml").write_text("config: cfgs/mine.yaml\nknobs: {manual_gc: [0, 1]}\n"
+                                         "constraints: ['n_layers == 5']\n")
+    monkeypatch.chdir("/")
+    s = load_space(tmp_path / "space.yaml")
+    assert s.config == str(tmp_path / "cfgs" / "mine.yaml") and s.base_config["d_model"] == 32
+    assert parse_space({"config": "tiny", "knobs": {"manual_gc": [0]}}, check_trainer=False).config == "tiny"
