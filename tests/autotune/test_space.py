@@ -123,3 +123,18 @@ def test_config_file_paths_are_made_absolute(tmp_path, monkeypatch):
     s = load_space(tmp_path / "space.yaml")
     assert s.config == str(tmp_path / "cfgs" / "mine.yaml") and s.base_config["d_model"] == 32
     assert parse_space({"config": "tiny", "knobs": {"manual_gc": [0]}}, check_trainer=False).config == "tiny"
+
+
+def test_cli_bad_space_is_one_line_exit_2(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    bad = tmp_path / "s.yaml"
+    bad.write_text("config: tiny\nknobs: {sync_free_level: [0, 5]}\n")
+    r = subprocess.run([sys.executable, "-m", "tracelens.cli", "autotune", str(bad), "-o", str(tmp_path / "o")],
+                       cwd=Path(__file__).resolve().parents[2], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and r.stdout == ""
+    assert r.stderr == (f"tracelens: error: {bad}: knobs.sync_free_level[1]: 5 rejected by the trainer "
+                        "(config error: sync_free_level: must be 0, 1, 2 or 3, got 5)\n")
+    assert not (tmp_path / "o").exists()  # nothing started
