@@ -145,6 +145,11 @@ def waterfall_figure(r: DiffResult) -> dict:
     """Step-time delta split into GPU time by category and idle time (and overlap correction)."""
     m = r.metrics.set_index("metric")
     base, new = m.loc["step_time", "base"], m.loc["step_time", "new"]
+    if math.isnan(base) or math.isnan(new):  # no step time on one side: nothing to decompose
+        return {"data": [], "layout": {"height": 120, "annotations": [{
+            "text": "step time unavailable on one side: no waterfall", "showarrow": False,
+            "xref": "paper", "yref": "paper", "x": 0.5, "y": 0.5}],
+            "xaxis": {"visible": False}, "yaxis": {"visible": False}}}
     steps = [("base step", base, "absolute")]
     cat_total = 0.0
     for _, c in r.categories.iterrows():

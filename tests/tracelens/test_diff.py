@@ -177,3 +177,35 @@ def test_run_dirs_compare_manifest_metrics(tmp_path):
     assert m["run.loss_at_step_2"]["base"] == 3.5 and m["run.loss_at_step_2"]["new"] == 3.6
     assert m["run.peak_memory_gb"]["new"] == pytest.approx(3.0)
     assert m["step_time"]["delta"] == 0  # same traces
+
+
+def _cpu_only_trace(path, step_durs_us):
+    """A CPU-only Kineto trace: one ProfilerStep#N range per step with an op inside, no GPU events."""
+    ev, ts = [], 1000.0
+    for i, d in enumerate(step_durs_us):
+        ev.append({"ph": "X", "cat": "user_annotation", "name": f"ProfilerStep#{i + 3}", "pid": 1, "tid": 1,
+                   "ts": ts, "dur": d})
+        ev.append({"ph": "X", "cat": "cpu_op", "name": "aten::mm", "pid": 1, "tid": 1, "ts": ts + 1.0,
+                   "dur": d / 2, "args": {"Input Dims": [[4, 4], [4, 4]]}})
+        ts += d + 10.0
+    path.write_text(json.dumps({"traceEvents": ev}))
+    return path
+
+
+def test_cpu_only_diff_uses_host_step_time(tmp_path):
+    """CPU-only runs (the trainer on a CPU, autotune on CI): step time comes from the host profiler-step
+    ranges, GPU metrics are unavailable (not zero), and diff.html renders without a waterfall."""
+    base = _cpu_only_trace(tmp_path / "base.json", [2000.0, 2200.0])
+    new = _cpu_only_trace(tmp_path / "new.json", [1000.0, 1100.0])
+    r = diff(tracelens.analyze(tracelens.load(base, cache=False)), tracelens.analyze(tracelens.load(new, cache=False)))
+    m = r.metrics.set_index("metric")
+    # medians of the per-step host ranges: (2000, 2200) -> 2.1 ms, (1000, 1100) -> 1.05 ms
+    assert m.loc["step_time", "base"] == pytest.approx(2.1)
+    assert m.loc["step_time", "new"] == pytest.approx(1.05)
+    assert m.loc["step_time", "steps_base"] == 2
+    assert all(m.loc[k, "base"] != m.loc[k, "base"] for k in ("gpu.busy", "gpu.idle"))  # NaN: unavailable
+    out = tmp_path / "out"
+    res = subprocess.run([sys.executable, "-m", "tracelens", "diff", str(base), str(new), "-o", str(out),
+                          "--fail-on", "step_time>+5%"], capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    assert (out / "diff.html").stat().st_size > 0 and "Traceback" not in res.stderr

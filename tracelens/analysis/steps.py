@@ -105,6 +105,17 @@ def step_figures(analysis) -> StepFigures:
                 "host_syncs": float(sync_n) / max(1, a.trace_rank_count),
             })
         return StepFigures("profiler steps", len(rows), pd.DataFrame(rows))
+    if a.timeline.empty and not a.steps.empty:
+        # CPU-only trace with profiler steps: the step time is the host step range (slowest rank); GPU
+        # figures are unknown (NaN), not zero, so a diff never reports a fake GPU change
+        hs = a.steps.assign(step_time_us=(a.steps["end"] - a.steps["start"]) / US)
+        nan = float("nan")
+        rows = [{"step": int(step), "step_time_us": float(g["step_time_us"].max()), "gpu_span_us": nan,
+                 "gpu_busy_us": nan, "gpu_idle_us": nan, "compute_us": nan, "comm_us": nan,
+                 "exposed_comm_us": nan, "kernels": 0.0,
+                 "host_syncs": float(_count_in_steps(syncs, a.steps, step)) / max(1, a.trace_rank_count)}
+                for step, g in hs.groupby("step")]
+        return StepFigures("profiler steps (host)", len(rows), pd.DataFrame(rows))
     n = optimizer_steps(a.trace.events)
     source = "optimizer steps" if n else "whole window"
     n = max(n, 1)
