@@ -5,10 +5,13 @@ process forms a world of one through an in-memory store, so the mesh, FSDP2/DDP 
 MoE collectives' code all run as they do under torchrun. Backend: NCCL on CUDA, gloo on CPU.
 
 Mesh ``(dp, ep)`` (``init_device_mesh``): EP groups are the rows of consecutive ranks (all-to-all
-stays inside a node when ep <= GPUs per node), DP groups the columns. Gradient reduction:
+stays inside a node when ep <= GPUs per node), DP groups the columns. With pipeline parallelism the
+mesh is ``(pp, dp, ep)``: pipeline rank outermost, so the ``dp * ep`` ranks of one stage are
+consecutive and a pipeline group is every ``dp * ep``-th rank. The ``dp * ep`` ranks that hold the
+same stage form the *replica* group (the whole world when pp = 1). Gradient reduction:
 
-* dense parameters see a different micro-batch on every rank, so they are averaged over the whole
-  world (FSDP2 on a 1-D world mesh, or DDP on the world group);
+* dense parameters see a different micro-batch on every replica rank, so they are averaged over the
+  replica group (FSDP2 on a 1-D replica mesh, or DDP on the replica group);
 * expert parameters are averaged over the DP group only (FSDP2 on the ``dp`` sub-mesh, or an
   all-reduce after backward under DDP); their gradients are pre-scaled by 1/ep in the model
   (``scale_grad``) because an expert already sums the contributions of all ep ranks through the
@@ -37,16 +40,28 @@ class Dist:
     ep: int
     dp_rank: int
     ep_rank: int
-    mesh: object = None          # DeviceMesh (dp, ep)
+    mesh: object = None          # DeviceMesh (dp, ep), or (pp, dp, ep) when pp > 1
     world_mesh: object = None    # 1-D DeviceMesh over all ranks
     ep_group: object = None
     dp_group: object = None
     launched: bool = False       # under torchrun
     notes: list = field(default_factory=list)
+    pp: int = 1
+    pp_rank: int = 0
+    pp_group: object = None      # the ranks of my pipeline (one per stage position)
+    replica_mesh: object = None  # 1-D DeviceMesh over the dp*ep ranks holding my stage (== world_mesh if pp=1)
+
+    @property
+    def data_rank(self) -> int:
+        """Index of my data-parallel replica (what the data loader shards by; shared by a pipeline)."""
+        return self.dp_rank * self.ep + self.ep_rank
 
     @property
     def mesh_info(self) -> dict:
         ranks = self.mesh.mesh.tolist() if self.mesh is not None else [[0]]
+        if self.pp > 1:
+            return {"dims": ["pp", "dp", "ep"], "shape": [self.pp, self.dp, self.ep], "ranks": ranks,
+                    "backend": self.backend}
         return {"dims": ["dp", "ep"], "shape": [self.dp, self.ep], "ranks": ranks, "backend": self.backend}
 
 
@@ -81,12 +96,20 @@ def init_distributed(cfg: dict) -> Dist:
             dist.init_process_group(backend, timeout=timeout, **kw)
         else:
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
-    mesh = init_device_mesh(device.type, (dp, ep), mesh_dim_names=("dp", "ep"))
+    pp = cfg.get("pp", 1)
     world_mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("world",))
+    if pp == 1:
+        mesh = init_device_mesh(device.type, (dp, ep), mesh_dim_names=("dp", "ep"))
+        pp_kw = {"replica_mesh": world_mesh}
+    else:
+        mesh = init_device_mesh(device.type, (pp, dp, ep), mesh_dim_names=("pp", "dp", "ep"))
+        replica = init_device_mesh(device.type, (pp, dp * ep), mesh_dim_names=("pp", "replica"))
+        pp_kw = {"pp": pp, "pp_rank": mesh.get_local_rank("pp"), "pp_group": mesh.get_group("pp"),
+                 "replica_mesh": replica["replica"]}
     return Dist(rank=rank, world_size=world, local_rank=local_rank, device=device, backend=backend, dp=dp, ep=ep,
                 dp_rank=mesh.get_local_rank("dp"), ep_rank=mesh.get_local_rank("ep"), mesh=mesh,
                 world_mesh=world_mesh, ep_group=mesh.get_group("ep"), dp_group=mesh.get_group("dp"),
-                launched=launched)
+                launched=launched, **pp_kw)
 
 
 def expert_param_names(model: nn.Module) -> list[str]:
@@ -94,7 +117,9 @@ def expert_param_names(model: nn.Module) -> list[str]:
 
 
 def wrap_data_parallel(model: nn.Module, cfg: dict, d: Dist) -> nn.Module:
-    """FSDP2 (``fully_shard`` per block, experts on the dp sub-mesh) or DDP (experts excluded)."""
+    """FSDP2 (``fully_shard`` per block, experts on the dp sub-mesh) or DDP (experts excluded), over the
+    ranks that hold the same parameters (the replica group: the world, or one pipeline stage's ranks).
+    ``model`` is the whole Transformer or one pipeline stage's module (anything with ``.layers``)."""
     bf16 = cfg["dtype"] == "bf16"
     if cfg["dp_mode"] == "fsdp":
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -104,14 +129,14 @@ def wrap_data_parallel(model: nn.Module, cfg: dict, d: Dist) -> nn.Module:
         for layer in model.layers:
             if layer.is_moe:
                 fully_shard(layer.ffn.experts, mesh=dp_mesh, mp_policy=mp)
-            fully_shard(layer, mesh=d.world_mesh, mp_policy=mp)
-        fully_shard(model, mesh=d.world_mesh, mp_policy=mp)
+            fully_shard(layer, mesh=d.replica_mesh, mp_policy=mp)
+        fully_shard(model, mesh=d.replica_mesh, mp_policy=mp)
         return model
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     DDP._set_params_and_buffers_to_ignore_for_model(model, expert_param_names(model))
     kw = {"device_ids": [d.device.index]} if d.device.type == "cuda" else {}
-    return DDP(model, process_group=d.world_mesh.get_group(), **kw)
+    return DDP(model, process_group=d.replica_mesh.get_group(), **kw)
 
 
 def sync_expert_grads(model: nn.Module, cfg: dict, d: Dist) -> None:
