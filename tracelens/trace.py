@@ -18,12 +18,13 @@ from multiprocessing import get_context
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
+import numpy as np
 import pandas as pd
 import pyarrow as pa
 
 from .errors import TraceError
 from .io import cache as _cache
-from .io.kineto import ParsedTrace, parse_file, usable_cpus
+from .io.kineto import ParsedTrace, parse_file, parse_flows, usable_cpus
 
 TRACE_SUFFIXES = (".json", ".json.gz")
 _RANK_IN_NAME = re.compile(r"(?:^|[^a-z])rank[-_]?(\d+)", re.IGNORECASE)
@@ -54,13 +55,28 @@ class RankInfo:
 
 @dataclass
 class Trace:
-    """All ranks' events as pandas tables (string columns are categoricals; times are int64 ns)."""
+    """All ranks' events as pandas tables (string columns are categoricals; times are int64 ns).
+
+    `flows` may be given as None: no analysis reads flow events, so `load` leaves them out and they
+    are read from the rank files on first access of `trace.flows`.
+    """
 
     events: pd.DataFrame  # one row per ph X / i event; column `rank`
-    flows: pd.DataFrame  # ph s/t/f flow events; column `rank`
+    flows: pd.DataFrame  # ph s/t/f flow events; column `rank` (read on first access when given as None)
     threads: pd.DataFrame  # process/thread names and sort order (ph M); column `rank`
     ranks: list[RankInfo]
     warnings: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.flows is None:
+            del self.flows  # the next read of .flows goes to __getattr__, which loads them
+
+    def __getattr__(self, name: str) -> Any:
+        if name != "flows":
+            raise AttributeError(name)
+        tables = [parse_flows(r.path) for r in self.ranks]
+        self.flows = _concat_ranks(tables, self.ranks)
+        return self.flows
 
     @property
     def rank_ids(self) -> list[int]:
@@ -112,6 +128,7 @@ def _rank_from_name(path: str) -> int | None:
 
 
 def _parse_one(path: str, use_cache: bool, cache_root: str | None, progress=None) -> tuple[ParsedTrace, bool]:
+    """A parsed file, from the cache when it holds one; flow events are left for `Trace.flows`."""
     root = Path(cache_root) if cache_root else None
     key = None
     if use_cache:
@@ -122,7 +139,7 @@ def _parse_one(path: str, use_cache: bool, cache_root: str | None, progress=None
         hit = _cache.load(path, key, root)
         if hit is not None:
             return hit, True
-    parsed = parse_file(path, progress=progress)
+    parsed = parse_file(path, progress=progress, flows=False)
     if use_cache and key is not None:
         _cache.store(parsed, key, root)
     return parsed, False
@@ -245,18 +262,21 @@ def assemble(parsed: Iterable[ParsedTrace]) -> Trace:
         if bad:
             raise TraceError(bad[0].path, f"mismatched ranks: rank {bad[0].rank} >= world_size {ws}")
 
-    def cat(tables: list[pa.Table]) -> pd.DataFrame:
-        tabs = [t.append_column("rank", pa.array([info.rank] * t.num_rows, type=pa.int32())) for t, info in zip(tables, infos)]
-        table = pa.concat_tables(tabs, promote_options="permissive").unify_dictionaries()
-        del tabs
-        return table.to_pandas(split_blocks=True, self_destruct=True)
-
     order = sorted(range(len(infos)), key=lambda i: infos[i].rank)
     parsed = [parsed[i] for i in order]
     infos = [infos[i] for i in order]
-    events = cat([p.events for p in parsed])
+    events = _concat_ranks([p.events for p in parsed], infos)
     for p in parsed:  # let Arrow memory go as soon as pandas owns the data
         p.events = None
-    flows = cat([p.flows for p in parsed])
-    threads = cat([p.threads for p in parsed])
+    flows = None if any(p.flows is None for p in parsed) else _concat_ranks([p.flows for p in parsed], infos)
+    threads = _concat_ranks([p.threads for p in parsed], infos)
     return Trace(events=events, flows=flows, threads=threads, ranks=infos, warnings=warnings)
+
+
+def _concat_ranks(tables: list[pa.Table], infos: list[RankInfo]) -> pd.DataFrame:
+    """Per-file tables (in the order of `infos`) -> one DataFrame with a `rank` column."""
+    tabs = [t.append_column("rank", pa.array(np.full(t.num_rows, info.rank, dtype=np.int32)))
+            for t, info in zip(tables, infos)]
+    table = pa.concat_tables(tabs, promote_options="permissive").unify_dictionaries()
+    del tabs
+    return table.to_pandas(split_blocks=True, self_destruct=True)

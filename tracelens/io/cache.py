@@ -47,7 +47,9 @@ def load(path: str, key: str, root: Path | None = None) -> ParsedTrace | None:
     d = _entry(root or cache_dir(), key)
     try:
         meta = json.loads((d / "meta.json").read_text())
-        tables = {name: pq.read_table(d / f"{name}.parquet", memory_map=True) for name in ("events", "flows", "threads")}
+        tables = {name: pq.read_table(d / f"{name}.parquet", memory_map=True) for name in ("events", "threads")}
+        flows = d / "flows.parquet"  # absent when the parse left flow events for later
+        tables["flows"] = pq.read_table(flows, memory_map=True) if flows.exists() else None
     except (OSError, ValueError, pa.ArrowException):
         return None
     meta["path"] = path
@@ -63,7 +65,8 @@ def store(parsed: ParsedTrace, key: str, root: Path | None = None) -> None:
         final.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=".tmp-"))
         for name in ("events", "flows", "threads"):
-            pq.write_table(getattr(parsed, name), tmp / f"{name}.parquet", compression="zstd")
+            if getattr(parsed, name) is not None:
+                pq.write_table(getattr(parsed, name), tmp / f"{name}.parquet", compression="zstd")
         (tmp / "meta.json").write_text(json.dumps(parsed.meta, default=str))
         os.rename(tmp, final)
     except OSError:

@@ -21,6 +21,7 @@ import re
 import shutil
 import tempfile
 import zlib
+from itertools import compress
 from operator import attrgetter
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,7 +29,6 @@ from typing import Any
 import msgspec
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 
 from ..errors import TraceError
 
@@ -164,7 +164,7 @@ class ParsedTrace:
 
     path: str
     events: pa.Table  # ph X/i events
-    flows: pa.Table  # ph s/t/f events
+    flows: pa.Table | None  # ph s/t/f events; None when the parse left them out (read later by parse_flows)
     threads: pa.Table  # process/thread names from ph M events
     meta: dict[str, Any] = field(default_factory=dict)
 
@@ -239,17 +239,6 @@ def _raw_text(v: Any) -> str | None:
     return str(v)
 
 
-def _dict_array(values: list) -> pa.Array:
-    return pa.array(values, type=pa.string()).dictionary_encode()
-
-
-def _int_array(values: list, default: int = -1) -> pa.Array:
-    try:
-        return pa.array(np.asarray(values, dtype=np.int64))
-    except (TypeError, ValueError, OverflowError):
-        return pa.array(np.asarray([_int_or(v, default) for v in values], dtype=np.int64))
-
-
 def _pid_tid(values: list, names: dict[str, int]) -> np.ndarray:
     """pid/tid columns: ints stay; strings (e.g. "Spans", "stream 7") map to an int code."""
     try:
@@ -268,31 +257,17 @@ def _pid_tid(values: list, names: dict[str, int]) -> np.ndarray:
     return np.asarray(fixed, dtype=np.int64)
 
 
-def _decode_args(path: str, group: str, raws: list) -> list:
+def _decode_args(path: str, group: str, raws: list) -> tuple[list, bool]:
+    """Typed args of one category group; (structs, lenient) where lenient means the values were not
+    all of the expected JSON types and were decoded as they are (converted per column afterwards)."""
     buf = b"[" + b",".join(raws) + b"]"
     strict, lenient = _ARG_DECODERS[group]
     try:
-        return strict.decode(buf)
+        return strict.decode(buf), False
     except msgspec.ValidationError:
-        return lenient.decode(buf)
+        return lenient.decode(buf), True
     except msgspec.DecodeError as e:  # pragma: no cover - raw slices came from a valid document
         raise TraceError(path, f"invalid event args ({e})") from None
-
-
-def _str_values(values: list) -> pa.Array:
-    try:
-        return pa.array(values, type=pa.string())
-    except (pa.ArrowInvalid, pa.ArrowTypeError):
-        return pa.array([None if v is None else str(v) for v in values], type=pa.string())
-
-
-def _raw_values(values: list, unquote: bool) -> pa.Array:
-    """Text of Raw JSON values; absent (empty) values become null."""
-    arr = pa.array(list(map(bytes, values)), type=pa.binary())
-    arr = pc.if_else(pc.equal(pc.binary_length(arr), 0), pa.scalar(None, pa.binary()), arr)
-    if unquote and arr.null_count < len(arr):
-        return pa.array([_raw_text(msgspec.Raw(v)) if v else None for v in arr.to_pylist()], type=pa.string())
-    return arr.cast(pa.string())
 
 
 def _int_values(values: list) -> np.ndarray:
@@ -309,141 +284,260 @@ def _float_values(values: list) -> np.ndarray:
         return np.asarray([_float_or_nan(v) for v in values], dtype=np.float64)
 
 
-def _scatter(sub: pa.Array, idx: np.ndarray, n: int) -> pa.Array:
-    """Full-length array with `sub` at positions `idx` and nulls elsewhere."""
-    pos = np.full(n, -1, dtype=np.int64)
-    pos[idx] = np.arange(len(idx), dtype=np.int64)
-    return pc.take(sub, pa.array(pos, mask=pos < 0))
+class _Dict:
+    """Dictionary encoding of one string (or bytes) column across every batch of a parse.
+
+    Values get int32 codes in order of first appearance (the order pyarrow's dictionary_encode and
+    unify_dictionaries give); `absent` values get -1 (null). Each batch is dictionary-encoded by
+    pyarrow (hashing in C), and only its few distinct values are looked up here, so the codes of all
+    batches share one dictionary and nothing needs unifying afterwards.
+    """
+
+    __slots__ = ("codes", "values", "type")
+
+    def __init__(self, absent: tuple = (None,), type: pa.DataType = pa.string()):
+        self.codes: dict = dict.fromkeys(absent, -1)
+        self.values: list = []  # code -> value
+        self.type = type
+
+    def encode(self, values: list) -> np.ndarray:
+        arr = pa.array(values, type=self.type).dictionary_encode()
+        codes = self.codes
+        remap = np.empty(len(arr.dictionary) + 1, dtype=np.int32)
+        for i, v in enumerate(arr.dictionary.to_pylist()):
+            c = codes.get(v)
+            if c is None:
+                c = codes[v] = len(self.values)
+                self.values.append(v)
+            remap[i] = c
+        remap[-1] = -1  # null
+        local = arr.indices
+        if local.null_count:
+            local = local.fill_null(-1)
+        return remap[local.to_numpy()]
 
 
-def _batch_events(path: str, timed: list, str_ids: dict[str, int]) -> pa.RecordBatch:
-    """Columns for the timed events of one batch; args decoded per category group."""
-    n = len(timed)
-    ts = [e.ts for e in timed]
-    try:
-        ts_ns = _ns(ts)
-    except TypeError:
-        bad = sum(t is None for t in ts)
-        raise TraceError(path, f"{bad} complete events have no 'ts' timestamp") from None
-    cats = [e.cat for e in timed]
-    cols: dict[str, pa.Array] = {
-        "ph": _dict_array([e.ph for e in timed]),
-        "cat": _dict_array(cats),
-        "name": _dict_array([e.name for e in timed]),
-        "pid": pa.array(_pid_tid([e.pid for e in timed], str_ids)),
-        "tid": pa.array(_pid_tid([e.tid for e in timed], str_ids)),
-        "ts": pa.array(ts_ns),
-        "dur": pa.array(_ns([e.dur for e in timed])),
-    }
-    ints = {c: np.full(n, -1, dtype=np.int64) for c, (_, k) in ARG_FIELDS.items() if k == "int"}
-    floats = {c: np.full(n, np.nan) for c, (_, k) in ARG_FIELDS.items() if k == "float"}
-    texts: dict[str, list[tuple[np.ndarray, pa.Array]]] = {
-        c: [] for c, (_, k) in ARG_FIELDS.items() if k in ("str", "raw")
-    }
-    cat_dict = cols["cat"]
-    group_of_code = np.array([_GROUP_CODE.get(c, -1) for c in cat_dict.dictionary.to_pylist()] + [-1])
-    codes = cat_dict.indices.to_numpy(zero_copy_only=False)
-    event_group = group_of_code[codes]
-    for gi, g in enumerate(_GROUPS):
-        idx = np.flatnonzero(event_group == gi)
-        if not len(idx):
-            continue
-        args = _decode_args(path, g, [timed[j].args for j in idx.tolist()])
-        for c in _GROUPS[g]:
-            kind = ARG_FIELDS[c][1]
-            vals = list(map(attrgetter(c), args))
-            if kind == "int":
-                ints[c][idx] = _int_values(vals)
-            elif kind == "float":
-                floats[c][idx] = _float_values(vals)
-            elif kind == "str":
-                texts[c].append((idx, _str_values(vals)))
-            else:
-                texts[c].append((idx, _raw_values(vals, c in UNQUOTE_COLS)))
-        del args
-    for c, (_, kind) in ARG_FIELDS.items():
-        if kind == "int":
-            cols[c] = pa.array(ints[c])
-        elif kind == "float":
-            cols[c] = pa.array(floats[c])
-        else:
-            parts = texts[c]
-            if not parts:
-                cols[c] = pa.nulls(n, pa.string()).dictionary_encode()
-            elif len(parts) == 1:
-                cols[c] = _scatter(parts[0][1], parts[0][0], n).dictionary_encode()
-            else:
+def _dict_column(codes: np.ndarray, values: list) -> pa.DictionaryArray:
+    """Dictionary<int32, string> array from codes (-1 = null) and the code -> string list."""
+    mask = codes < 0
+    indices = pa.array(codes, type=pa.int32(), mask=mask if mask.any() else None)
+    return pa.DictionaryArray.from_arrays(indices, pa.array(values, type=pa.string()))
+
+
+def _raw_dictionary(values: list, unquote: bool) -> tuple[list, np.ndarray | None]:
+    """Text of the distinct Raw JSON values of a column (bytes) and, when some of them read as null
+    (a quoted-JSON column holding `null`), the code remap that makes those codes -1."""
+    if not unquote:
+        return [b.decode("utf-8", "replace") for b in values], None
+    texts = [_raw_text(msgspec.Raw(b)) for b in values]
+    if all(t is not None for t in texts):
+        return texts, None
+    remap = np.full(len(texts) + 1, -1, dtype=np.int32)  # last entry: code -1 stays -1
+    kept = []
+    for i, t in enumerate(texts):
+        if t is not None:
+            remap[i] = len(kept)
+            kept.append(t)
+    return kept, remap
+
+
+_STR_COLS = tuple(c for c, (_, k) in ARG_FIELDS.items() if k in ("str", "raw"))
+# string columns that more than one category group carries (collective args on kernels and ops): their
+# codes are given in row order, so dictionaries list values in order of first appearance in the file
+_SHARED_STR_COLS = frozenset(c for c in _STR_COLS if sum(c in cols for cols in _GROUPS.values()) > 1)
+_PH_TIMED, _PH_FLOW, _PH_META, _PH_OTHER = 0, 1, 2, 3
+
+
+def _ph_kind(ph: Any) -> int:
+    if ph in _TIMED_PH:
+        return _PH_TIMED
+    if ph in _FLOW_PH:
+        return _PH_FLOW
+    return _PH_META if ph == "M" else _PH_OTHER
+
+
+class _RangeParser:
+    """Columns of one contiguous range of events, accumulated batch by batch as numpy arrays (string
+    columns as int32 dictionary codes against one dictionary per column), turned into Arrow tables
+    once at the end: no per-event objects outlive their batch and no per-batch dictionaries need
+    unifying."""
+
+    def __init__(self, path: str, events: bool = True, flows: bool = True):
+        self.path = path
+        self.want_events, self.want_flows = events, flows
+        self.str_ids: dict[str, int] = {}  # string pid/tid -> int code
+        self.ph_all = _Dict()  # every ph of the range, to split timed / flow / metadata events
+        self.ph_kind = np.empty(0, dtype=np.int8)
+        self.ev_dicts = {c: _Dict() for c in ("ph", "cat", "name")}
+        self.arg_dicts = {c: _Dict((None, b""), pa.binary()) if ARG_FIELDS[c][1] == "raw" else _Dict() for c in _STR_COLS}
+        self.cat_group = np.empty(0, dtype=np.int8)  # cat code -> args group (-1: no args read)
+        self.ev: dict[str, list[np.ndarray]] = {c: [] for c in ("ph", "cat", "name", "pid", "tid", "ts", "dur", *ARG_FIELDS)}
+        self.flow_dicts = {c: _Dict() for c in ("ph", "cat")}
+        self.fl: dict[str, list] = {c: [] for c in ("ph", "cat", "id", "pid", "tid", "ts", "bp")}
+        self.meta_events: list = []
+
+    def add(self, evs: list) -> None:
+        """One decoded batch of `_Event`s."""
+        ph_codes = self.ph_all.encode([e.ph for e in evs])
+        if len(self.ph_kind) < len(self.ph_all.values):
+            self.ph_kind = np.array([_ph_kind(p) for p in self.ph_all.values], dtype=np.int8)
+        kind = self.ph_kind[ph_codes]
+        if self.want_events and (kind == _PH_TIMED).all():
+            self._add_timed(evs)
+            return
+        if self.want_events:
+            timed = list(compress(evs, (kind == _PH_TIMED).tolist()))
+            if timed:
+                self._add_timed(timed)
+            self.meta_events.extend(compress(evs, (kind == _PH_META).tolist()))
+        if self.want_flows:
+            flows = list(compress(evs, (kind == _PH_FLOW).tolist()))
+            if flows:
+                self._add_flows(flows)
+
+    def _add_timed(self, timed: list) -> None:
+        n = len(timed)
+        ev = self.ev
+        ev["ph"].append(self.ev_dicts["ph"].encode([e.ph for e in timed]))
+        cat_codes = self.ev_dicts["cat"].encode([e.cat for e in timed])
+        ev["cat"].append(cat_codes)
+        ev["name"].append(self.ev_dicts["name"].encode([e.name for e in timed]))
+        ev["pid"].append(_pid_tid([e.pid for e in timed], self.str_ids))
+        ev["tid"].append(_pid_tid([e.tid for e in timed], self.str_ids))
+        ts = np.array([e.ts for e in timed], dtype=np.float64)  # None (no 'ts') -> nan
+        missing = int(np.isnan(ts).sum())
+        if missing:
+            raise TraceError(self.path, f"{missing} complete events have no 'ts' timestamp")
+        ev["ts"].append(_ns(ts))
+        ev["dur"].append(_ns([e.dur for e in timed]))
+
+        cats = self.ev_dicts["cat"].values
+        if len(self.cat_group) < len(cats):
+            self.cat_group = np.array([_GROUP_CODE.get(c, -1) for c in cats], dtype=np.int8)
+        event_group = self.cat_group[cat_codes]
+        cols: dict[str, np.ndarray] = {}
+        for c, (_, k) in ARG_FIELDS.items():
+            cols[c] = (np.full(n, np.nan) if k == "float" else
+                       np.full(n, -1, dtype=np.int32 if k in ("str", "raw") else np.int64))
+        shared: dict[str, list[tuple[np.ndarray, list]]] = {c: [] for c in _SHARED_STR_COLS}
+        for gi, g in enumerate(_GROUPS):
+            in_group = event_group == gi
+            if not in_group.any():
+                continue
+            idx = np.flatnonzero(in_group)
+            args, lenient = _decode_args(self.path, g, [e.args for e in compress(timed, in_group.tolist())])
+            for c in _GROUPS[g]:
+                kind = ARG_FIELDS[c][1]
+                vals = list(map(attrgetter(c), args))
+                if kind == "int":
+                    cols[c][idx] = _int_values(vals)
+                elif kind == "float":
+                    cols[c][idx] = _float_values(vals)
+                else:
+                    if kind == "raw":  # JSON text kept as written; absent -> b"" -> null
+                        vals = list(map(bytes, vals))
+                    elif lenient:  # any JSON value: text of non-strings, as str() writes it
+                        vals = [v if v is None or v.__class__ is str else str(v) for v in vals]
+                    if c in shared:
+                        shared[c].append((idx, vals))
+                    else:
+                        cols[c][idx] = self.arg_dicts[c].encode(vals)
+            del args
+        for c, parts in shared.items():  # columns of several groups: encode in row order
+            if len(parts) == 1:
+                cols[c][parts[0][0]] = self.arg_dicts[c].encode(parts[0][1])
+            elif parts:
                 idx = np.concatenate([p[0] for p in parts])
-                sub = pa.concat_arrays([p[1] for p in parts])
-                cols[c] = _scatter(sub, idx, n).dictionary_encode()
-    return pa.record_batch(cols)
+                order = np.argsort(idx, kind="stable")
+                vals = np.array([v for p in parts for v in p[1]], dtype=object)[order].tolist()
+                cols[c][idx[order]] = self.arg_dicts[c].encode(vals)
+        for c, a in cols.items():
+            ev[c].append(a)
+
+    def _add_flows(self, flows: list) -> None:
+        fl = self.fl
+        fl["ph"].append(self.flow_dicts["ph"].encode([e.ph for e in flows]))
+        fl["cat"].append(self.flow_dicts["cat"].encode([e.cat for e in flows]))
+        fl["id"].append(_int_values([e.id for e in flows]))
+        fl["pid"].append(_pid_tid([e.pid for e in flows], self.str_ids))
+        fl["tid"].append(_pid_tid([e.tid for e in flows], self.str_ids))
+        ts = np.array([e.ts for e in flows], dtype=np.float64)
+        ts[np.isnan(ts)] = 0.0  # a flow point without 'ts' sits at 0
+        fl["ts"].append(_ns(ts))
+        fl["bp"].extend([e.bp for e in flows])
+
+    def events_table(self) -> pa.Table | None:
+        if not self.ev["ts"]:
+            return None
+        cols: dict[str, pa.Array] = {}
+        for c, parts in self.ev.items():
+            a = np.concatenate(parts)
+            if c in self.ev_dicts:
+                cols[c] = _dict_column(a, self.ev_dicts[c].values)
+            elif c in self.arg_dicts:
+                values = self.arg_dicts[c].values
+                if ARG_FIELDS[c][1] == "raw":
+                    values, remap = _raw_dictionary(values, c in UNQUOTE_COLS)
+                    if remap is not None:
+                        a = remap[a]  # -1 indexes the last entry, which is -1
+                cols[c] = _dict_column(a, values)
+            else:
+                cols[c] = pa.array(a)
+        return pa.table(cols)
+
+    def flows_table(self) -> pa.Table | None:
+        if not self.want_flows:
+            return None
+        fl = self.fl
+
+        def cat(c: str, dtype) -> np.ndarray:
+            return np.concatenate(fl[c]) if fl[c] else np.empty(0, dtype=dtype)
+
+        return pa.table(
+            {
+                "ph": _dict_column(cat("ph", np.int32), self.flow_dicts["ph"].values),
+                "cat": _dict_column(cat("cat", np.int32), self.flow_dicts["cat"].values),
+                "id": pa.array(cat("id", np.int64)),
+                "pid": pa.array(cat("pid", np.int64)),
+                "tid": pa.array(cat("tid", np.int64)),
+                "ts": pa.array(cat("ts", np.int64)),
+                "bp": pa.array(fl["bp"], type=pa.string()),
+            }
+        )
+
+    def thread_rows(self) -> list[tuple]:
+        rows = []  # process/thread names, sort order, labels (ph M)
+        for e in self.meta_events:
+            try:
+                ma = _METAARGS.decode(e.args)
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                ma = _MetaArgs()
+            pid_, tid_ = _pid_tid([e.pid, e.tid], self.str_ids)
+            rows.append((e.name, int(pid_), int(tid_), ma.name, ma.labels, ma.sort_index))
+        for sname, code in self.str_ids.items():  # string pids/tids ("Spans", "Traces") keep their names
+            rows.append(("string_id", code, code, sname, None, 0))
+        return rows
 
 
-def _batch_flows(flows: list, str_ids: dict[str, int]) -> pa.RecordBatch:
-    return pa.record_batch(
-        {
-            "ph": _dict_array([e.ph for e in flows]),
-            "cat": _dict_array([e.cat for e in flows]),
-            "id": pa.array(_int_values([e.id for e in flows])),
-            "pid": pa.array(_pid_tid([e.pid for e in flows], str_ids)),
-            "tid": pa.array(_pid_tid([e.tid for e in flows], str_ids)),
-            "ts": pa.array(_ns([0.0 if e.ts is None else e.ts for e in flows])),
-            "bp": pa.array([e.bp for e in flows], type=pa.string()),
-        }
-    )
-
-
-def _concat(batches: list[pa.RecordBatch], schema_from: pa.RecordBatch) -> pa.Table:
-    if not batches:
-        return schema_from.schema.empty_table()
-    # chunks stay as they are (no copy); dictionaries are unified so every chunk shares one
-    return pa.Table.from_batches(batches).unify_dictionaries()
-
-
-def _parse_range(path: str, raws: list, lo: int, hi: int, progress=None, scale: float = 1.0
-                 ) -> tuple[pa.Table | None, pa.Table, list[tuple]]:
-    """Events raws[lo:hi] -> (timed events table or None, flows table, thread-metadata rows).
+def _parse_range(path: str, raws: list, lo: int, hi: int, progress=None, scale: float = 1.0, flows: bool = True
+                 ) -> tuple[pa.Table | None, pa.Table | None, list[tuple]]:
+    """Events raws[lo:hi] -> (timed events table or None, flows table or None, thread-metadata rows).
 
     progress(fraction) is called after each batch with the share of the whole file done (this range's
-    share times `scale`, which parallel parsing uses to stand for all workers).
+    share times `scale`, which parallel parsing uses to stand for all workers). flows=False leaves flow
+    events out (they are decoded but never turned into columns).
     """
-    str_ids: dict[str, int] = {}
-    ev_batches: list[pa.RecordBatch] = []
-    flow_batches: list[pa.RecordBatch] = []
-    meta_events: list = []
+    rp = _RangeParser(path, flows=flows)
     for b_lo in range(lo, hi, BATCH):
         try:
             evs = _EVENTS.decode(b"[" + b",".join(raws[b_lo : min(b_lo + BATCH, hi)]) + b"]")
         except msgspec.ValidationError as e:
             raise TraceError(path, f"malformed event ({e})") from None
-        timed = [e for e in evs if e.ph in _TIMED_PH]
-        if len(timed) < len(evs):
-            flows = [e for e in evs if e.ph in _FLOW_PH]
-            meta_events.extend(e for e in evs if e.ph == "M")
-        else:
-            flows = []
+        rp.add(evs)
         del evs
-        if timed:
-            ev_batches.append(_batch_events(path, timed, str_ids))
-        if flows:
-            flow_batches.append(_batch_flows(flows, str_ids))
-        del timed, flows
         if progress is not None:
             progress(min(1.0, (min(b_lo + BATCH, hi) - lo) / max(1, len(raws)) * scale))
-    events = _concat(ev_batches, ev_batches[0]) if ev_batches else None
-    del ev_batches
-    flows_t = _concat(flow_batches, _batch_flows([], {}))
-    rows = []  # process/thread names, sort order, labels (ph M)
-    for e in meta_events:
-        try:
-            ma = _METAARGS.decode(e.args)
-        except (msgspec.DecodeError, msgspec.ValidationError):
-            ma = _MetaArgs()
-        pid_, tid_ = _pid_tid([e.pid, e.tid], str_ids)
-        rows.append((e.name, int(pid_), int(tid_), ma.name, ma.labels, ma.sort_index))
-    for sname, code in str_ids.items():  # string pids/tids ("Spans", "Traces") keep their names
-        rows.append(("string_id", code, code, sname, None, 0))
-    return events, flows_t, rows
+    return rp.events_table(), rp.flows_table(), rp.thread_rows()
 
 
 # Parallel parsing of one large file: the parent forks workers that share the decoded buffer
@@ -470,7 +564,8 @@ def _shm_dir() -> str:
     return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
 
 
-def _parse_parallel(path: str, raws: list, workers: int, progress=None) -> tuple[pa.Table | None, pa.Table, list[tuple]]:
+def _parse_parallel(path: str, raws: list, workers: int, progress=None, flows: bool = True
+                    ) -> tuple[pa.Table | None, pa.Table | None, list[tuple]]:
     n = len(raws)
     per = -(-n // workers)
     per = -(-per // BATCH) * BATCH  # whole batches per worker
@@ -484,7 +579,7 @@ def _parse_parallel(path: str, raws: list, workers: int, progress=None) -> tuple
             if pid == 0:  # child: parse, write, leave without running the parent's cleanup
                 code = 0
                 try:
-                    _write_part(out, *_parse_range(path, raws, lo, hi))
+                    _write_part(out, *_parse_range(path, raws, lo, hi, flows=flows))
                 except TraceError as e:
                     with open(out + ".err", "w") as f:
                         f.write(e.problem)
@@ -494,14 +589,14 @@ def _parse_parallel(path: str, raws: list, workers: int, progress=None) -> tuple
                 finally:
                     os._exit(code)
             children.append((pid, out))
-        first = _parse_range(path, raws, *ranges[0], progress=progress, scale=len(ranges))
+        first = _parse_range(path, raws, *ranges[0], progress=progress, scale=len(ranges), flows=flows)
         parts = [first]
         for pid, out in children:
             _, status = os.waitpid(pid, 0)
             if os.path.exists(out + ".err"):
                 with open(out + ".err") as f:
                     raise TraceError(path, f.read())
-            if status != 0 or not os.path.exists(out + ".events"):
+            if status != 0 or not os.path.exists(out + ".rows"):  # .rows is written last
                 raise TraceError(path, f"parser worker died (status {status}); set TRACELENS_NO_FORK=1 to parse in one process")
             parts.append(_read_part(out))
         children = []
@@ -515,12 +610,13 @@ def _parse_parallel(path: str, raws: list, workers: int, progress=None) -> tuple
         shutil.rmtree(tmpdir, ignore_errors=True)  # mapped files stay readable until unmapped
     evs = [p[0] for p in parts if p[0] is not None]
     events = pa.concat_tables(evs, promote_options="permissive").unify_dictionaries() if evs else None
-    flows = pa.concat_tables([p[1] for p in parts], promote_options="permissive").unify_dictionaries()
+    fls = [p[1] for p in parts if p[1] is not None]
+    flows_t = pa.concat_tables(fls, promote_options="permissive").unify_dictionaries() if fls else None
     rows = [r for p in parts for r in p[2]]
-    return events, flows, rows
+    return events, flows_t, rows
 
 
-def _write_part(out: str, events: pa.Table | None, flows: pa.Table, rows: list[tuple]) -> None:
+def _write_part(out: str, events: pa.Table | None, flows: pa.Table | None, rows: list[tuple]) -> None:
     for name, table in (("events", events), ("flows", flows)):
         if table is None:
             continue
@@ -531,7 +627,7 @@ def _write_part(out: str, events: pa.Table | None, flows: pa.Table, rows: list[t
         json.dump(rows, f, default=str)
 
 
-def _read_part(out: str) -> tuple[pa.Table | None, pa.Table, list[tuple]]:
+def _read_part(out: str) -> tuple[pa.Table | None, pa.Table | None, list[tuple]]:
     def read(name: str) -> pa.Table | None:
         p = f"{out}.{name}"
         if not os.path.exists(p):
@@ -543,14 +639,8 @@ def _read_part(out: str) -> tuple[pa.Table | None, pa.Table, list[tuple]]:
     return read("events"), read("flows"), rows
 
 
-def parse_file(path: str | os.PathLike, data: bytes | None = None, parallel: int | None = None,
-               progress=None) -> ParsedTrace:
-    """Parse one trace file. Raises TraceError naming the file for every kind of bad input.
-
-    parallel: worker processes for one large file (default: automatic, one per CPU above
-    PARALLEL_MIN_EVENTS events; 1 disables). progress: optional callback(fraction of the file done).
-    """
-    path = os.fspath(path)
+def _doc_and_raws(path: str, data: bytes | None) -> tuple[_Doc, list]:
+    """The top level of the document and its events as raw JSON slices (nothing decoded yet)."""
     if data is None:
         data = read_bytes(path)
     try:
@@ -565,17 +655,43 @@ def parse_file(path: str | os.PathLike, data: bytes | None = None, parallel: int
     if doc.traceEvents is None:
         raise TraceError(path, "not a Chrome/Kineto trace: no 'traceEvents' list")
     raws = doc.traceEvents
-    doc.traceEvents = None
-    del data  # the Raw slices keep the buffer alive until `raws` goes
+    doc.traceEvents = None  # the Raw slices keep the buffer alive until `raws` goes
     if not raws:
         raise TraceError(path, "empty trace: 'traceEvents' has no events")
+    return doc, raws
+
+
+def parse_flows(path: str | os.PathLike, data: bytes | None = None) -> pa.Table:
+    """Only the flow events (ph s/t/f) of one file: what `parse_file(..., flows=False)` left out."""
+    path = os.fspath(path)
+    _, raws = _doc_and_raws(path, data)
+    rp = _RangeParser(path, events=False, flows=True)
+    for lo in range(0, len(raws), BATCH):
+        try:
+            rp.add(_EVENTS.decode(b"[" + b",".join(raws[lo : lo + BATCH]) + b"]"))
+        except msgspec.ValidationError as e:
+            raise TraceError(path, f"malformed event ({e})") from None
+    return rp.flows_table()
+
+
+def parse_file(path: str | os.PathLike, data: bytes | None = None, parallel: int | None = None,
+               progress=None, flows: bool = True) -> ParsedTrace:
+    """Parse one trace file. Raises TraceError naming the file for every kind of bad input.
+
+    parallel: worker processes for one large file (default: automatic, one per CPU above
+    PARALLEL_MIN_EVENTS events; 1 disables). progress: optional callback(fraction of the file done).
+    flows=False skips the flow events (ph s/t/f: no analysis reads them; `parse_flows` reads them
+    later); ParsedTrace.flows is then None.
+    """
+    path = os.fspath(path)
+    doc, raws = _doc_and_raws(path, data)
     n_total = len(raws)
 
     workers = _parallel_workers(n_total) if parallel is None else max(1, int(parallel))
     if workers > 1:
-        events, flows_t, rows = _parse_parallel(path, raws, workers, progress)
+        events, flows_t, rows = _parse_parallel(path, raws, workers, progress, flows=flows)
     else:
-        events, flows_t, rows = _parse_range(path, raws, 0, n_total, progress)
+        events, flows_t, rows = _parse_range(path, raws, 0, n_total, progress, flows=flows)
     del raws
     if events is None:
         raise TraceError(path, "no timed events (ph 'X') in 'traceEvents'")
