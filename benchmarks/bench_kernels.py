@@ -11,11 +11,16 @@ bf16 matmul ceiling measured here with a large ``torch.mm``, and throughput rela
 ``torch._grouped_mm``.  Then compares peak memory and time of the fused chunked linear +
 cross-entropy against the unfused ``F.cross_entropy(hidden @ W.T)`` at vocab 100K+.
 
-    python benchmarks/bench_kernels.py                         # DeepSeek-V2-Lite + a larger shape, 4K..64K tokens
+    python benchmarks/bench_kernels.py --out results/           # DeepSeek-V2-Lite + Mixtral-8x7B experts, 4K..64K tokens
     python benchmarks/bench_kernels.py --tokens 4096 16384 --shapes dsv2-lite --json out.json
-    python benchmarks/bench_kernels.py --quick                 # fewer tokens and repeats
+    python benchmarks/bench_kernels.py --quick                  # fewer tokens and repeats
+    python benchmarks/bench_kernels.py --smoke --out /tmp/b     # CPU self-test: tiny shapes, Triton interpreter
 
-Without CUDA it prints one line and exits with status 1.
+``--out DIR`` writes ``bench_kernels.json`` (every row, the environment and the ceiling) and
+``bench_kernels.md`` (the same as Markdown tables).  The full run is sized to finish in about 8
+minutes on one H100, Triton autotuning included; ``--budget-s`` (default 420) stops starting new
+grouped-GEMM cases past that point and lists the ones left out.  Without CUDA (and without
+``--smoke``) it prints one line and exits with status 1.
 """
 
 from __future__ import annotations
@@ -64,10 +69,10 @@ def timer(fn, warmup: int, reps: int, cuda: bool) -> float:
     return statistics.median(out)
 
 
-def matmul_ceiling(dev, n: int, reps: int) -> float:
-    """Measured dense bf16 TFLOP/s: an n x n x n torch.mm."""
-    a = torch.randn(n, n, device=dev, dtype=torch.bfloat16)
-    b = torch.randn(n, n, device=dev, dtype=torch.bfloat16)
+def matmul_ceiling(dev, n: int, reps: int, dtype=torch.bfloat16) -> float:
+    """Measured dense TFLOP/s of an n x n x n torch.mm (bf16 on the GPU)."""
+    a = torch.randn(n, n, device=dev, dtype=dtype)
+    b = torch.randn(n, n, device=dev, dtype=dtype)
     ms = timer(lambda: torch.mm(a, b), 5, reps, dev.type == "cuda")
     return 2 * n**3 / (ms * 1e-3) / 1e12
 
@@ -80,19 +85,23 @@ def routed_offs(tokens: int, E: int, k: int, dev) -> torch.Tensor:
     return torch.cumsum(counts, 0, dtype=torch.int32)
 
 
-def bench_grouped(args, dev, ceiling, dtype) -> list[dict]:
+def bench_grouped(args, dev, ceiling, dtype, t_start: float, skipped: list[str]) -> list[dict]:
     from kernels import backends as B
 
     rows = []
     cuda = dev.type == "cuda"
     probe = torch.empty(0, device=dev, dtype=dtype)
     names = [n for n in args.backends if n in B.BACKENDS and B.BACKENDS[n].available(probe)]
-    skipped = [n for n in args.backends if n not in names]
-    if skipped:
-        print(f"# not available here, skipped: {', '.join(skipped)}")
+    unavailable = [n for n in args.backends if n not in names]
+    if unavailable:
+        print(f"# not available here, skipped: {', '.join(unavailable)}")
+        skipped += [f"backend {n} (not available here)" for n in unavailable]
     for shape in args.shapes:
         hidden, ffn, E, k = SHAPES[shape]
         for tokens in args.tokens:
+            if time.perf_counter() - t_start > args.budget_s:
+                skipped.append(f"{shape} {tokens} tokens (time budget {args.budget_s:.0f} s)")
+                continue
             T = tokens * k
             offs = routed_offs(tokens, E, k, dev)
             for gemm, K, N in (("up", hidden, 2 * ffn), ("down", ffn, hidden)):
@@ -166,10 +175,10 @@ def bench_ce(args, dev, dtype) -> list[dict]:
                     torch.cuda.reset_peak_memory_stats()
                     base = torch.cuda.memory_allocated()
                 fn()
-                peak = (torch.cuda.max_memory_allocated() - base) / 2**30 if cuda else float("nan")
+                peak = round((torch.cuda.max_memory_allocated() - base) / 2**30, 3) if cuda else None
                 h.grad = W.grad = None
                 ms = timer(lambda: (fn(), setattr(h, "grad", None), setattr(W, "grad", None)), 1, args.reps, cuda)
-                rows.append({"tokens": T, "hidden": D, "vocab": V, "impl": name, "peak_extra_gib": round(peak, 3),
+                rows.append({"tokens": T, "hidden": D, "vocab": V, "impl": name, "peak_extra_gib": peak,
                              "ms_fwd_bwd": round(ms, 3)})
             except torch.OutOfMemoryError:
                 rows.append({"tokens": T, "hidden": D, "vocab": V, "impl": name, "peak_extra_gib": "OOM",
@@ -186,6 +195,28 @@ def table(rows: list[dict], cols: list[str]) -> str:
     return "\n".join(out)
 
 
+G_COLS = ["shape", "gemm", "tokens", "rows", "K", "N", "E", "pass", "backend", "ms", "tflops", "pct_ceiling", "vs_torch"]
+CE_COLS = ["tokens", "hidden", "vocab", "impl", "peak_extra_gib", "ms_fwd_bwd"]
+
+
+def markdown(doc: dict) -> str:
+    """The whole result as Markdown: environment, ceiling, grouped-GEMM and cross-entropy tables."""
+    env = doc["env"]
+    lines = [f"# bench_kernels: {env['device']}", "",
+             f"torch {env['torch']}, triton {env['triton']}, {env['dtype']}, expert weights {env['w_layout']}; "
+             f"{doc['elapsed_s']:.0f} s" + (" (smoke: tiny shapes on the CPU interpreter)" if doc["smoke"] else ""), "",
+             f"Measured matmul ceiling ({doc['ceiling_shape']} torch.mm, {env['dtype']}): "
+             f"**{doc['ceiling_tflops']:.1f} TFLOP/s**. `pct_ceiling` = TFLOP/s / ceiling; `vs_torch` = "
+             "torch._grouped_mm time / this backend's time (> 1: faster); `bwd` = dx + dw.", ""]
+    if doc["skipped"]:
+        lines += ["Not run (time budget or availability): " + "; ".join(doc["skipped"]), ""]
+    lines += ["## Grouped GEMM", "", table(doc["grouped_mm"], G_COLS), ""]
+    if doc["cross_entropy"]:
+        lines += ["## Linear + cross-entropy (fwd+bwd)", "", "`peak_extra_gib`: peak memory above the inputs.", "",
+                  table(doc["cross_entropy"], CE_COLS), ""]
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
@@ -200,18 +231,24 @@ def main(argv=None) -> int:
     ap.add_argument("--ce-vocab", type=int, default=102400, help="DeepSeek-V2 vocabulary")
     ap.add_argument("--skip-ce", action="store_true")
     ap.add_argument("--quick", action="store_true", help="tokens 4K and 16K, 3 warm-up, 5 repeats")
+    ap.add_argument("--budget-s", type=float, default=420.0,
+                    help="stop starting new grouped-GEMM cases after this many seconds (the rest is listed as not run)")
+    ap.add_argument("--out", type=Path, help="write bench_kernels.json and bench_kernels.md into this directory")
     ap.add_argument("--json", type=Path, help="also write all rows here")
-    ap.add_argument("--cpu-smoke", action="store_true", help=argparse.SUPPRESS)  # script self-test, tiny shapes
+    ap.add_argument("--smoke", "--cpu-smoke", dest="smoke", action="store_true",
+                    help="tiny shapes on the CPU under Triton's interpreter (a self-test of this script, for CI)")
     args = ap.parse_args(argv)
 
-    if args.cpu_smoke:
-        os.environ.setdefault("TRITON_INTERPRET", "1")
+    t_start = time.perf_counter()
+    if args.smoke:
+        os.environ["TRITON_INTERPRET"] = "1"  # before kernels is imported
         SHAPES["smoke"] = (32, 16, 4, 2)
         args.shapes, args.tokens, args.warmup, args.reps = ["smoke"], [16], 0, 1
         args.ce_tokens, args.ce_hidden, args.ce_vocab = [32], 16, 100
         dev, dtype = torch.device("cpu"), torch.float32
     elif not torch.cuda.is_available():
-        print("bench_kernels: CUDA is not available on this machine; run it on an NVIDIA GPU (H100/H200).")
+        print("bench_kernels: CUDA is not available on this machine; run it on an NVIDIA GPU (H100/H200), "
+              "or pass --smoke for the CPU self-test.")
         return 1
     else:
         dev, dtype = torch.device("cuda"), torch.bfloat16
@@ -220,23 +257,35 @@ def main(argv=None) -> int:
 
     import kernels
 
+    if args.smoke and not kernels.INTERPRET:
+        print("bench_kernels: --smoke needs the Triton interpreter, but kernels was imported without it")
+        return 1
     env = {"device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu", "torch": torch.__version__,
-           "triton": getattr(sys.modules.get("triton"), "__version__", None), "dtype": str(dtype),
+           "triton": getattr(sys.modules.get("triton"), "__version__", None), "dtype": str(dtype).replace("torch.", ""),
            "w_layout": args.w_layout}
-    print(f"# {env}")
-    ceiling = matmul_ceiling(dev, 8192 if dev.type == "cuda" else 64, args.reps)
-    print(f"# measured bf16 matmul ceiling (8192^3 torch.mm): {ceiling:.1f} TFLOP/s")
-    g_rows = bench_grouped(args, dev, ceiling, dtype)
+    print(f"# {env}", flush=True)
+    n = 8192 if dev.type == "cuda" else 64
+    ceiling = matmul_ceiling(dev, n, args.reps, dtype)
+    print(f"# measured matmul ceiling ({n}^3 torch.mm, {env['dtype']}): {ceiling:.1f} TFLOP/s", flush=True)
+    skipped: list[str] = []
+    g_rows = bench_grouped(args, dev, ceiling, dtype, t_start, skipped)
     print("\n## Grouped GEMM\n")
-    print(table(g_rows, ["shape", "gemm", "tokens", "rows", "K", "N", "E", "pass", "backend", "ms", "tflops",
-                         "pct_ceiling", "vs_torch"]))
+    print(table(g_rows, G_COLS), flush=True)
     ce_rows = [] if args.skip_ce else bench_ce(args, dev, dtype)
     if ce_rows:
         print("\n## Linear + cross-entropy (fwd+bwd)\n")
-        print(table(ce_rows, ["tokens", "hidden", "vocab", "impl", "peak_extra_gib", "ms_fwd_bwd"]))
+        print(table(ce_rows, CE_COLS))
+    doc = {"env": env, "smoke": args.smoke, "ceiling_tflops": ceiling, "ceiling_shape": f"{n}^3",
+           "grouped_mm": g_rows, "cross_entropy": ce_rows, "skipped": skipped,
+           "elapsed_s": time.perf_counter() - t_start}
     if args.json:
-        args.json.write_text(json.dumps({"env": env, "ceiling_tflops": ceiling, "grouped_mm": g_rows,
-                                         "cross_entropy": ce_rows}, indent=1))
+        args.json.write_text(json.dumps(doc, indent=1))
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "bench_kernels.json").write_text(json.dumps(doc, indent=1))
+        (args.out / "bench_kernels.md").write_text(markdown(doc))
+        print(f"# wrote {args.out}/bench_kernels.json and bench_kernels.md")
+    print(f"# done in {doc['elapsed_s']:.0f} s")
     return 0
 
 

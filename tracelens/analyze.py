@@ -52,6 +52,14 @@ class Analysis:
             self._roofline = r
         return self._roofline
 
+    def use_ceilings(self, ceilings: Any) -> None:
+        """Make measured ceilings (a dict or JSON path, e.g. from `tracelens calibrate`; see
+        tracelens.devices) the default of :meth:`roofline`, so summary.json and the report use them.
+        Raises OSError/ValueError for an unreadable or invalid file."""
+        from .analysis.roofline import roofline_result
+
+        self._roofline = roofline_result(self, ceilings=ceilings)
+
     def findings(self) -> list[dict[str, Any]]:
         """Ranked, structured findings (tracelens.analysis.findings); computed once."""
         if self._findings is None:

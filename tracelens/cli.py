@@ -73,7 +73,9 @@ def main() -> None:
 @click.option("--no-tables", is_flag=True, help="Do not write the Parquet/CSV tables.")
 @click.option("-j", "--jobs", type=click.IntRange(1, 512), default=None, help="Processes for loading many ranks (default: CPU count).")
 @click.option("--quiet", "-q", is_flag=True, help="Print nothing but errors.")
-def analyze(paths, out, open_browser, no_cache, no_report, no_tables, jobs, quiet):
+@click.option("--ceilings", type=click.Path(dir_okay=False), default=None,
+              help="Measured ceilings JSON (e.g. from `tracelens calibrate`) for the roofline in the report and summary.json.")
+def analyze(paths, out, open_browser, no_cache, no_report, no_tables, jobs, quiet, ceilings):
     """Analyze traces: PATHS are trace files (.json/.json.gz), directories of per-rank traces, or run dirs.
 
     Writes report.html, summary.json and tables/ (Parquet + CSV) into the output directory.
@@ -84,6 +86,11 @@ def analyze(paths, out, open_browser, no_cache, no_report, no_tables, jobs, quie
     t0 = time.perf_counter()
     trace = load(list(paths), cache=not no_cache, jobs=jobs, progress=None if not quiet else False)
     result = run_analysis(trace)
+    if ceilings and result.has_gpu:
+        try:
+            result.use_ceilings(ceilings)
+        except (OSError, ValueError) as e:
+            _fail(f"{ceilings}: {e}")
     out_dir = Path(out) if out else _default_out(paths)
     written = write_all(result, out_dir, report=not no_report, tables=not no_tables)
     if not quiet:
@@ -588,6 +595,134 @@ def json_dumps(v) -> str:
     import json
 
     return json.dumps(v, separators=(",", ":"))
+
+
+def _import_torch_tools(what: str):
+    """torch and the kernels package for a GPU-side command, or a one-line error (exit 2) naming why not."""
+    try:
+        import torch  # noqa: F401
+
+        import kernels
+    except Exception as e:  # ImportError, or a broken install
+        _fail(f"{what} needs torch and triton (pip install -e '.[kernels]'): {type(e).__name__}: {e}")
+    return kernels
+
+
+@main.group()
+def kernels():
+    """The Triton kernels of the trainer (docs/kernels.md)."""
+
+
+@kernels.command("tune")
+@click.option("--shapes", "shapes", multiple=True, metavar="T,K,N,E",
+              help="Grouped GEMM [T,K] x [E,K,N] to tune (repeatable). Default: DeepSeek-V2-Lite experts on a GPU.")
+@click.option("--config", "config", default=None, help="Tune the expert GEMMs of this trainer config (YAML file or name).")
+@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Override a key of --config (repeatable).")
+@click.option("--dtype", type=click.Choice(["bf16", "fp16", "fp32"]), default=None,
+              help="Default: the config's dtype with --config, else bf16.")
+@click.option("--passes", multiple=True, type=click.Choice(["fwd", "dx", "dw"]), help="Default: all three.")
+@click.option("--backends", "backend_names", multiple=True, metavar="NAME", help="Only these backends (default: all that can run).")
+@click.option("--warmup", type=click.IntRange(0), default=None, help="Default 3 on a GPU, 0 on the CPU interpreter.")
+@click.option("--reps", type=click.IntRange(1), default=None, help="Timed runs per backend (median). Default 10 on a GPU, 1 on CPU.")
+@click.option("--no-save", is_flag=True, help="Do not write the winners to the tuning cache.")
+@click.option("--json", "json_out", type=click.Path(dir_okay=False), help="Write every timing row here.")
+def kernels_tune(shapes, config, overrides, dtype, passes, backend_names, warmup, reps, no_save, json_out):
+    """Time every grouped-GEMM backend per pass (fwd, dX, dW) on the given shapes and cache the winners
+    that grouped_gemm_backend=auto uses. On a CPU it needs TRITON_INTERPRET=1 (tiny shapes only)."""
+    import json
+
+    from .gputools import DTYPES, format_tune_rows, parse_shape, winners_by_shape
+
+    if shapes and config:
+        _fail("kernels tune: give --shapes or --config, not both")
+    if overrides and not config:
+        _fail("kernels tune: --set needs --config")
+    try:
+        todo = [parse_shape(s) for s in shapes]
+    except ValueError as e:
+        _fail(f"kernels tune: {e}")
+    if config:
+        from trainer.config import ConfigError, load_config
+        from trainer.gemm_shapes import expert_gemm_dtype, expert_gemm_shapes
+
+        try:
+            cfg = load_config(config, list(overrides))
+        except ConfigError as e:
+            _fail(f"{config}: {e}")
+        todo = [(g.T, g.K, g.N, g.E) for g in expert_gemm_shapes(cfg)]
+        if not todo:
+            _fail(f"{config}: no MoE layers (first_k_dense >= n_layers): nothing to tune")
+        dtype_name = DTYPES[dtype] if dtype else expert_gemm_dtype(cfg)
+    else:
+        dtype_name = DTYPES[dtype or "bf16"]
+    K = _import_torch_tools("kernels tune")
+    import torch
+
+    if torch.cuda.is_available():
+        device = "cuda"
+    elif K.INTERPRET:
+        device = "cpu"
+    else:
+        _fail("kernels tune: no GPU present, and the Triton interpreter is off; run it on the GPU, or set "
+              "TRITON_INTERPRET=1 to tune tiny shapes on the CPU")
+    from kernels import backends as B
+
+    unknown = [b for b in backend_names if b not in B.BACKENDS]
+    if unknown:
+        _fail(f"kernels tune: unknown backend(s) {unknown}; registered: {sorted(B.BACKENDS)}")
+    cpu = device == "cpu"
+    rows = K.tune_table(todo or None, dtype=dtype_name, device=device, passes=passes or B.PASSES,
+                        backends=list(backend_names) or None, warmup=(0 if cpu else 3) if warmup is None else warmup,
+                        reps=(1 if cpu else 10) if reps is None else reps, save=not no_save)
+    click.echo(f"device {B.device_name(device)}, dtype {dtype_name}" + (" (Triton CPU interpreter)" if cpu else ""))
+    for line in format_tune_rows(rows):
+        click.echo(line)
+    for (T, Kd, N, E), won in winners_by_shape(rows).items():
+        click.echo(f"winners T={T} K={Kd} N={N} E={E}: " + ", ".join(f"{p} {b}" for p, b in won.items()))
+    if not no_save:
+        click.echo(f"cached in {B.cache_path()}")
+    if json_out:
+        Path(json_out).write_text(json.dumps({"schema_version": 1, "rows": rows}, indent=1))
+        click.echo(f"wrote {json_out}")
+
+
+@main.command()
+@click.option("-o", "--out", default="ceilings.json", show_default=True, type=click.Path(dir_okay=False),
+              help="Measured-ceilings JSON to write (for roofline/analyze --ceilings).")
+@click.option("--cpu", is_flag=True, help="Measure this machine's CPU instead of a GPU (labelled as such).")
+@click.option("--size", type=click.IntRange(64), default=None, help="Matmul n for n x n x n (default 8192; 1024 with --cpu).")
+@click.option("--mem-mib", type=click.IntRange(1), default=None, help="Buffer for the bandwidth test (default 2048; 256 with --cpu).")
+@click.option("--dtypes", multiple=True, type=click.Choice(["bf16", "fp16", "tf32", "fp32"]),
+              help="Matmul dtypes (default: bf16 fp16 tf32 fp32; bf16 fp32 with --cpu).")
+@click.option("--reps", type=click.IntRange(1), default=10, show_default=True, help="Timed runs per measurement (median).")
+def calibrate(out, cpu, size, mem_mib, dtypes, reps):
+    """Measure the device's ceilings -- dense matmul TFLOP/s per dtype and memory bandwidth -- and write them
+    as a ceilings JSON that `tracelens roofline --ceilings` and `tracelens analyze --ceilings` accept."""
+    import json
+
+    from . import devices
+    from .gputools import format_ceilings
+
+    _import_torch_tools("calibrate")
+    import torch
+
+    from kernels import calibrate as C
+
+    if not cpu and not torch.cuda.is_available():
+        _fail("calibrate: no GPU present (torch sees no CUDA device); pass --cpu to measure this machine's CPU instead")
+    try:
+        m = C.measure(cpu=cpu, n=size, mem_bytes=mem_mib << 20 if mem_mib else None, dtypes=dtypes or None,
+                      reps=reps, log=lambda s: click.echo(f"  {s}", err=True))
+    except ValueError as e:
+        _fail(f"calibrate: {e}")
+    doc = C.ceilings_json(m)
+    devices.load_measured(doc)  # the file must be one that --ceilings accepts
+    Path(out).write_text(json.dumps(doc, indent=1) + "\n")
+    for line in format_ceilings(doc, m["memory"]):
+        click.echo(line)
+    if cpu:
+        click.echo("note: CPU figures (host memory as hbm_tbps); they do not describe a GPU")
+    click.echo(f"wrote {out}  (use: tracelens roofline --ceilings {out} RUN)")
 
 
 def _print_summary(result) -> None:
