@@ -34,10 +34,12 @@ Definitions (docs/pipeline.md):
 
 from __future__ import annotations
 
+import gzip
 import json
 import math
 import os
 import re
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -53,7 +55,7 @@ from .bubble import bubble_ratio
 KINDS = ("F", "B", "W")
 ACTION_COLUMNS = ("step", "rank", "pp_rank", "stage", "microbatch", "kind", "start_ns", "end_ns")
 RANGE_RE = re.compile(r"^pipeline/([FBW])/s(\d+)/mb(\d+)$")
-_JSONL_NAME = re.compile(r"^rank(\d+)\.jsonl$")
+_JSONL_NAME = re.compile(r"^rank(\d+)\.jsonl(\.gz)?$")  # gzip for long runs
 # A stage is flagged when its time per microbatch is at least this many times the mean of all stages.
 IMBALANCE_THRESHOLD = 1.10
 # Module letters of Megatron-style layout strings ("Et|tt|tt|tL"): E embedding, t transformer layer,
@@ -89,12 +91,14 @@ def _jsonl_files(run_dir: Path) -> list[tuple[int, Path]]:
     d = run_dir / "pipeline"
     if not d.is_dir():
         return []
-    out = []
+    out: dict[int, Path] = {}
     for f in d.iterdir():
         m = _JSONL_NAME.match(f.name)
         if m and f.is_file():
-            out.append((int(m.group(1)), f))
-    return sorted(out)
+            r = int(m.group(1))
+            if r not in out or out[r].suffix == ".gz":  # both present: the plain file is the live one
+                out[r] = f
+    return sorted(out.items())
 
 
 class _ActionLine(msgspec.Struct):
@@ -114,7 +118,7 @@ _LINES = msgspec.json.Decoder(list[_ActionLine])
 
 
 def read_pipeline_jsonl(run_dir: str | os.PathLike) -> pd.DataFrame | None:
-    """Actions from ``RUN/pipeline/rank<N>.jsonl``; None when the run dir has no such files.
+    """Actions from ``RUN/pipeline/rank<N>.jsonl`` (or ``.jsonl.gz``); None when the run dir has no such files.
 
     Each line is one JSON object with the contract's keys (step, rank, pp_rank, stage, microbatch, kind,
     start_ns, end_ns). A line that is not such an object raises `TraceError` naming the file and the
@@ -128,8 +132,12 @@ def read_pipeline_jsonl(run_dir: str | os.PathLike) -> pd.DataFrame | None:
     for file_rank, path in files:
         try:
             text = path.read_bytes()
+            if path.suffix == ".gz":
+                text = gzip.decompress(text)
         except OSError as e:
             raise TraceError(path, f"cannot read: {e.strerror or e}") from None
+        except (EOFError, gzip.BadGzipFile, zlib.error) as e:
+            raise TraceError(path, f"corrupt gzip ({e})") from None
         lines = [ln for ln in text.splitlines() if ln.strip()]
         if not lines:
             continue
