@@ -133,7 +133,7 @@ def _parse_one(path: str, use_cache: bool, cache_root: str | None, progress=None
     key = None
     if use_cache:
         try:
-            key = _cache.content_key(path)
+            key = _cache.key_of(path, root)
         except OSError as e:
             raise TraceError(path, f"cannot read: {e.strerror or e}") from None
         hit = _cache.load(path, key, root)
@@ -265,18 +265,23 @@ def assemble(parsed: Iterable[ParsedTrace]) -> Trace:
     order = sorted(range(len(infos)), key=lambda i: infos[i].rank)
     parsed = [parsed[i] for i in order]
     infos = [infos[i] for i in order]
-    events = _concat_ranks([p.events for p in parsed], infos)
-    for p in parsed:  # let Arrow memory go as soon as pandas owns the data
+    tables = [p.events for p in parsed]
+    for p in parsed:  # the list is the only holder, so to_pandas can free Arrow memory column by column
         p.events = None
+    events = _concat_ranks(tables, infos)
     flows = None if any(p.flows is None for p in parsed) else _concat_ranks([p.flows for p in parsed], infos)
     threads = _concat_ranks([p.threads for p in parsed], infos)
     return Trace(events=events, flows=flows, threads=threads, ranks=infos, warnings=warnings)
 
 
 def _concat_ranks(tables: list[pa.Table], infos: list[RankInfo]) -> pd.DataFrame:
-    """Per-file tables (in the order of `infos`) -> one DataFrame with a `rank` column."""
+    """Per-file tables (in the order of `infos`) -> one DataFrame with a `rank` column. Empties
+    `tables`, so that its Arrow memory is released while pandas takes the data over."""
     tabs = [t.append_column("rank", pa.array(np.full(t.num_rows, info.rank, dtype=np.int32)))
             for t, info in zip(tables, infos)]
-    table = pa.concat_tables(tabs, promote_options="permissive").unify_dictionaries()
+    tables.clear()
+    table = tabs[0] if len(tabs) == 1 else pa.concat_tables(tabs, promote_options="permissive")
     del tabs
+    if any(table[c].num_chunks > 1 for c in table.column_names if pa.types.is_dictionary(table.schema.field(c).type)):
+        table = table.unify_dictionaries()
     return table.to_pandas(split_blocks=True, self_destruct=True)

@@ -4,7 +4,9 @@ Triton picks compiled-vs-interpreted when a kernel is decorated, i.e. when ``ker
 imported, so ``TRITON_INTERPRET=1`` is set here, at conftest import, before any test module
 imports ``kernels``.  If ``kernels`` was already imported without it (another test package ran
 first in this process), the Triton tests skip with that reason rather than silently testing the
-PyTorch fallback; the reference/registry tests still run.
+PyTorch fallback; the reference/registry tests still run.  Unless the caller set it, the variable
+is taken out of the environment again after the import (Triton's runtime knob keeps the value for
+this process), so subprocesses started by other test packages do not inherit the interpreter.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import os
 import sys
 
 _already = "kernels" in sys.modules
+_env_given = "TRITON_INTERPRET" in os.environ
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
@@ -20,6 +23,15 @@ import torch  # noqa: E402
 
 import kernels  # noqa: E402
 from kernels import _runtime  # noqa: E402
+
+if not _env_given and _runtime.HAS_TRITON:
+    # Keep the interpreter for this process -- Triton's knob holds the value once set -- but do not
+    # hand TRITON_INTERPRET=1 to the subprocesses that later test packages start (trainers under
+    # torchrun would run every Triton kernel interpreted, which takes minutes).
+    from triton import knobs  # noqa: E402
+
+    knobs.runtime.interpret = _runtime.INTERPRET
+    os.environ.pop("TRITON_INTERPRET", None)
 
 if not _runtime.HAS_TRITON:
     SKIP_REASON = f"triton is not importable: {_runtime._IMPORT_ERROR}"

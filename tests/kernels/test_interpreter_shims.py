@@ -81,3 +81,24 @@ def test_nested_jit_calls_inside_a_launch(needs_triton):
         _nested_kernel[(2,)](x, out, 7, BLOCK=4)
         # by hand: block 0 = [-1, 2, 3.5, -4] -> 5.5, block 1 = [0.5, 6, -7] -> 6.5; cdiv(7, 4) = 2
         assert out.tolist() == [7.5, 8.5]
+
+
+def test_interpreter_env_is_not_handed_to_subprocesses(needs_triton):
+    """conftest.py imports kernels under TRITON_INTERPRET=1 and then takes the variable out of the
+    environment (unless the caller set it): this process keeps the interpreter, subprocesses that other
+    test packages start (trainers under torchrun) do not inherit it."""
+    import os
+    import subprocess
+    import sys
+
+    from triton import knobs
+
+    from . import conftest
+
+    assert INTERPRET and knobs.runtime.interpret
+    if conftest._env_given:
+        pytest.skip("TRITON_INTERPRET was set by the caller: it is theirs to pass on")
+    assert "TRITON_INTERPRET" not in os.environ
+    child = subprocess.run([sys.executable, "-c", "import os; print(os.environ.get('TRITON_INTERPRET'))"],
+                           capture_output=True, text=True, timeout=60)
+    assert child.stdout.strip() == "None"

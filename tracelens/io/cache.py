@@ -5,6 +5,11 @@ loader's schema version: editing or replacing the file changes the key, so a sta
 read; a loader change that alters the tables bumps SCHEMA_VERSION. Entries are written to a temporary
 name and renamed, so a killed process never leaves a half-written entry that later reads as valid.
 
+Hashing a 200 MB trace costs ~0.3 s, a third of a warm load, so the key of a file is remembered
+under its identity (`key_of`: device, inode, size, mtime and ctime in ns, a digest of its first and
+last 64 KiB, the schema version). Writing to the file or replacing it changes its ctime (and inode), so
+a remembered key is reused only for the same bytes.
+
 Location: $TRACELENS_CACHE_DIR, else $XDG_CACHE_HOME/tracelens, else ~/.cache/tracelens.
 """
 
@@ -37,6 +42,42 @@ def content_key(path: str) -> str:
             h.update(chunk)
     h.update(f"schema{SCHEMA_VERSION}".encode())
     return h.hexdigest()
+
+
+def _identity(path: str) -> str:
+    """Who the file is and which version of it: stat fields plus a digest of its first and last 64 KiB
+    (which catches a rewrite on a file system with coarse timestamps) and the loader schema."""
+    st = os.stat(path)
+    h = hashlib.blake2b(digest_size=8)
+    with open(path, "rb") as f:
+        h.update(f.read(1 << 16))
+        if st.st_size > 1 << 17:
+            f.seek(-(1 << 16), os.SEEK_END)
+            h.update(f.read())
+    return (f"schema{SCHEMA_VERSION}:{st.st_dev}:{st.st_ino}:{st.st_size}:{st.st_mtime_ns}:{st.st_ctime_ns}:"
+            f"{h.hexdigest()}")
+
+
+def key_of(path: str, root: Path | None = None) -> str:
+    """content_key(path), reusing the key remembered for this exact file version when there is one."""
+    ident = _identity(path)
+    memo = (root or cache_dir()) / "keys" / hashlib.blake2b(os.path.realpath(path).encode(), digest_size=16).hexdigest()
+    try:
+        known, key = memo.read_text().split("\n")[:2]
+        if known == ident and len(key) == 32:
+            return key
+    except (OSError, ValueError):
+        pass
+    key = content_key(path)
+    if _identity(path) == ident:  # unchanged while it was read: safe to remember
+        try:
+            memo.parent.mkdir(parents=True, exist_ok=True)
+            tmp = memo.with_name(f".{memo.name}.{os.getpid()}")
+            tmp.write_text(f"{ident}\n{key}\n")
+            os.replace(tmp, memo)
+        except OSError:
+            pass  # best effort, like the cache itself
+    return key
 
 
 def _entry(root: Path, key: str) -> Path:

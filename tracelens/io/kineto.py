@@ -32,7 +32,7 @@ import pyarrow as pa
 
 from ..errors import TraceError
 
-BATCH = 65536
+BATCH = 32768  # events per decode: smaller batches lower the peak memory, larger ones gain nothing measurable
 
 # ---------------------------------------------------------------------------------------------
 # Typed schema. Unknown keys are skipped by msgspec without building objects.
@@ -470,8 +470,10 @@ class _RangeParser:
         if not self.ev["ts"]:
             return None
         cols: dict[str, pa.Array] = {}
-        for c, parts in self.ev.items():
+        for c in list(self.ev):
+            parts = self.ev.pop(c)  # each column's batches are let go as soon as it is built
             a = np.concatenate(parts)
+            del parts
             if c in self.ev_dicts:
                 cols[c] = _dict_column(a, self.ev_dicts[c].values)
             elif c in self.arg_dicts:
@@ -520,8 +522,9 @@ class _RangeParser:
 
 
 def _parse_range(path: str, raws: list, lo: int, hi: int, progress=None, scale: float = 1.0, flows: bool = True
-                 ) -> tuple[pa.Table | None, pa.Table | None, list[tuple]]:
-    """Events raws[lo:hi] -> (timed events table or None, flows table or None, thread-metadata rows).
+                 ) -> _RangeParser:
+    """Events raws[lo:hi] -> their columns (`_RangeParser`; the tables are built by its methods, which
+    callers do after letting the raw buffer go, so the two are never held at once).
 
     progress(fraction) is called after each batch with the share of the whole file done (this range's
     share times `scale`, which parallel parsing uses to stand for all workers). flows=False leaves flow
@@ -537,6 +540,10 @@ def _parse_range(path: str, raws: list, lo: int, hi: int, progress=None, scale: 
         del evs
         if progress is not None:
             progress(min(1.0, (min(b_lo + BATCH, hi) - lo) / max(1, len(raws)) * scale))
+    return rp
+
+
+def _tables(rp: _RangeParser) -> tuple[pa.Table | None, pa.Table | None, list[tuple]]:
     return rp.events_table(), rp.flows_table(), rp.thread_rows()
 
 
@@ -544,6 +551,7 @@ def _parse_range(path: str, raws: list, lo: int, hi: int, progress=None, scale: 
 # (copy-on-write), each parses a contiguous range of events and hands back Arrow IPC through a file
 # in /dev/shm (memory-mapped by the parent, so nothing is copied twice).
 PARALLEL_MIN_EVENTS = 300_000
+PARENT_SHARE = 0.85  # the parent's range, as a share of an equal split (measured: see docs/performance.md)
 
 
 def usable_cpus() -> int:
@@ -564,12 +572,17 @@ def _shm_dir() -> str:
     return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
 
 
-def _parse_parallel(path: str, raws: list, workers: int, progress=None, flows: bool = True
+def _parse_parallel(path: str, holder: list, workers: int, progress=None, flows: bool = True
                     ) -> tuple[pa.Table | None, pa.Table | None, list[tuple]]:
+    """holder: [raws], emptied once every worker has started and the parent's range is parsed, so the
+    raw buffer is freed before the parent builds its tables."""
+    raws = holder.pop()
     n = len(raws)
-    per = -(-n // workers)
-    per = -(-per // BATCH) * BATCH  # whole batches per worker
-    ranges = [(lo, min(lo + per, n)) for lo in range(0, n, per)]
+    # The parent's range is the first and a little smaller: after parsing it, the parent alone reads
+    # the workers' parts and builds the tables, so equal shares would leave a core idle meanwhile.
+    first = int(n / workers * PARENT_SHARE)
+    per = -(-(n - first) // (workers - 1))
+    ranges = [(0, first)] + [(lo, min(lo + per, n)) for lo in range(first, n, per)]
     tmpdir = tempfile.mkdtemp(prefix="tracelens-", dir=_shm_dir())
     children: list[tuple[int, str]] = []
     try:
@@ -579,7 +592,7 @@ def _parse_parallel(path: str, raws: list, workers: int, progress=None, flows: b
             if pid == 0:  # child: parse, write, leave without running the parent's cleanup
                 code = 0
                 try:
-                    _write_part(out, *_parse_range(path, raws, lo, hi, flows=flows))
+                    _write_part(out, *_tables(_parse_range(path, raws, lo, hi, flows=flows)))
                 except TraceError as e:
                     with open(out + ".err", "w") as f:
                         f.write(e.problem)
@@ -590,7 +603,9 @@ def _parse_parallel(path: str, raws: list, workers: int, progress=None, flows: b
                     os._exit(code)
             children.append((pid, out))
         first = _parse_range(path, raws, *ranges[0], progress=progress, scale=len(ranges), flows=flows)
-        parts = [first]
+        del raws
+        parts = [_tables(first)]
+        del first
         for pid, out in children:
             _, status = os.waitpid(pid, 0)
             if os.path.exists(out + ".err"):
@@ -685,14 +700,19 @@ def parse_file(path: str | os.PathLike, data: bytes | None = None, parallel: int
     """
     path = os.fspath(path)
     doc, raws = _doc_and_raws(path, data)
+    del data
     n_total = len(raws)
 
     workers = _parallel_workers(n_total) if parallel is None else max(1, int(parallel))
     if workers > 1:
-        events, flows_t, rows = _parse_parallel(path, raws, workers, progress, flows=flows)
+        holder = [raws]
+        del raws
+        events, flows_t, rows = _parse_parallel(path, holder, workers, progress, flows=flows)
     else:
-        events, flows_t, rows = _parse_range(path, raws, 0, n_total, progress, flows=flows)
-    del raws
+        rp = _parse_range(path, raws, 0, n_total, progress, flows=flows)
+        del raws  # the last reference to the file's bytes (and data, if the caller passed it, is theirs)
+        events, flows_t, rows = _tables(rp)
+        del rp
     if events is None:
         raise TraceError(path, "no timed events (ph 'X') in 'traceEvents'")
     threads = pa.table(

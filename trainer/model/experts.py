@@ -250,8 +250,9 @@ def auto_is_sync_free(cfg: dict) -> bool:
 
 def pretune_config(cfg: dict, device) -> list[dict]:
     """``grouped_gemm_backend=auto``: tune the config's expert GEMM shapes (trainer/gemm_shapes.py) that
-    the cache lacks, before the first step. Under EP at levels 0-2 the received rows vary, so the
-    buckets of 0.75x and 1.25x the average are tuned too. Returns the choice records."""
+    the cache lacks, before the first step. Under EP at levels 0-2 the received rows vary, so on a GPU
+    the buckets of 0.75x and 1.25x the average are tuned too (not on the CPU interpreter, where
+    tuning only exercises the mechanism). Returns the choice records."""
     from trainer.gemm_shapes import expert_gemm_dtype, expert_gemm_shapes  # noqa: PLC0415
 
     if cfg["grouped_gemm_backend"] != "auto" or _kernels() is None:
@@ -259,7 +260,7 @@ def pretune_config(cfg: dict, device) -> list[dict]:
     shapes = []
     for g in expert_gemm_shapes(cfg):
         rows = [g.T]
-        if cfg["ep"] > 1 and cfg["sync_free_level"] <= 2:
+        if cfg["ep"] > 1 and cfg["sync_free_level"] <= 2 and torch.device(device).type == "cuda":
             rows += [max(1, int(g.T * 0.75)), int(g.T * 1.25)]
         shapes += [(t, g.K, g.N, g.E) for t in rows]
     return pretune(shapes, getattr(torch, expert_gemm_dtype(cfg)), device, auto_is_sync_free(cfg))
