@@ -152,12 +152,26 @@ def breakdown_figure(bd: pd.DataFrame) -> dict:
 # ----------------------------------------------------------------------------------- page
 
 
+def _run_name(trace) -> str:
+    """The name a user knows the input by: the run dir for ``RUN/traces/rank<N>.json.gz``, else the
+    common directory of the rank files, else the single file's name."""
+    paths = [r.path for r in trace.ranks]
+    if len(paths) == 1:
+        p = os.path.dirname(paths[0])
+        if os.path.basename(p) != "traces":
+            return os.path.basename(paths[0])
+    common = os.path.commonpath(paths) if len(paths) > 1 else os.path.dirname(paths[0])
+    if os.path.basename(common) == "traces" and os.path.exists(os.path.join(os.path.dirname(common), "manifest.json")):
+        common = os.path.dirname(common)
+    return os.path.basename(common) or "trace"
+
+
 def render(analysis: Analysis, title: str | None = None) -> str:
     a = analysis
     trace = a.trace
     has_gpu = a.has_gpu
     devices = sorted({r.device_name for r in trace.ranks if r.device_name})
-    title = title or f"tracelens report: {os.path.basename(os.path.commonpath([r.path for r in trace.ranks])) or 'trace'}"
+    title = title or f"tracelens report: {_run_name(trace)}"
     overview = [
         ("ranks", ", ".join(str(r) for r in trace.rank_ids)),
         ("devices", ", ".join(devices) or "–"),
