@@ -1,0 +1,118 @@
+"""The fast loader's own promises: flow events read on demand, one file split across forked workers
+gives the same tables, dictionaries in order of first appearance, remembered cache keys that never
+outlive the bytes they were computed from, and worker counts from the CPU affinity mask."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pyarrow as pa
+import pytest
+
+import tracelens
+from tracelens.errors import TraceError
+from tracelens.io import cache as C
+from tracelens.io import kineto as K
+
+from ..conftest import DIFF_CONTROL, NCCL_2RANK, raw_events, to_ns
+
+
+def _decoded(table: pa.Table) -> dict[str, list]:
+    """Column values with dictionaries decoded, so tables built from different chunks compare."""
+    out = {}
+    for c in table.column_names:
+        col = table[c]
+        if pa.types.is_dictionary(col.type):
+            col = col.cast(pa.string())
+        vals = col.to_pylist()
+        out[c] = ["nan" if isinstance(v, float) and v != v else v for v in vals]
+    return out
+
+
+def test_usable_cpus_follows_the_affinity_mask():
+    assert K.usable_cpus() == len(os.sched_getaffinity(0))
+
+
+def test_flows_are_read_on_first_access(tmp_path):
+    t = tracelens.load(NCCL_2RANK, cache=True, cache_dir=tmp_path)
+    assert "flows" not in t.__dict__  # not parsed by load
+    for rank in (0, 1):
+        raw = [e for e in raw_events(NCCL_2RANK / f"rank{rank}.json.gz") if e.get("ph") in ("s", "t", "f")]
+        assert len(raw) > 100
+        fl = t.flows[t.flows["rank"] == rank]
+        assert fl["id"].tolist() == [int(e["id"]) for e in raw]
+        assert fl["ts"].tolist() == [to_ns(e["ts"]) for e in raw]
+        assert fl["ph"].astype(str).tolist() == [e["ph"] for e in raw]
+        assert fl["cat"].astype(str).tolist() == [e["cat"] for e in raw]
+    assert "flows" in t.__dict__  # read once, then kept
+    # a warm load (cache entry without flows) reads them the same way
+    warm = tracelens.load(NCCL_2RANK, cache=True, cache_dir=tmp_path)
+    assert all(r.from_cache for r in warm.ranks)
+    assert warm.flows["id"].tolist() == t.flows["id"].tolist()
+
+
+def test_parse_file_with_flows_matches_raw_json():
+    p = K.parse_file(NCCL_2RANK / "rank1.json.gz")
+    raw = [e for e in raw_events(NCCL_2RANK / "rank1.json.gz") if e.get("ph") in ("s", "t", "f")]
+    assert p.flows.column("bp").to_pylist() == [e.get("bp") for e in raw]
+    assert K.parse_file(NCCL_2RANK / "rank1.json.gz", flows=False).flows is None
+
+
+@pytest.mark.parametrize("workers", [2, 3])
+def test_forked_workers_give_the_same_tables(workers):
+    # 109,123 events: every worker gets several batches, and the first (parent's) range is the smallest
+    serial = K.parse_file(DIFF_CONTROL, parallel=1)
+    par = K.parse_file(DIFF_CONTROL, parallel=workers)
+    assert par.events.column("name").num_chunks == workers
+    assert _decoded(par.events) == _decoded(serial.events)
+    assert _decoded(par.flows) == _decoded(serial.flows)
+    assert par.threads.sort_by([("kind", "ascending"), ("pid", "ascending"), ("tid", "ascending")]).equals(
+        serial.threads.sort_by([("kind", "ascending"), ("pid", "ascending"), ("tid", "ascending")]))
+
+
+def test_dictionaries_list_values_in_order_of_first_appearance():
+    # `collective` is carried by both kernels and cpu ops, which are decoded group by group
+    path = NCCL_2RANK / "rank0.json.gz"
+    raw = [e for e in raw_events(path) if e.get("ph") in ("X", "i", "I")]
+    expected = []
+    for e in raw:
+        v = (e.get("args") or {}).get("Collective name")
+        if v is not None and v not in expected:
+            expected.append(v)
+    assert len(expected) >= 2
+    ev = K.parse_file(path).events
+    assert ev.column("collective").combine_chunks().dictionary.to_pylist() == expected
+    names = list(dict.fromkeys(e.get("name", "") for e in raw))
+    assert ev.column("name").combine_chunks().dictionary.to_pylist() == names
+
+
+def test_missing_timestamp_is_a_one_line_error(tmp_path):
+    p = tmp_path / "nots.json"
+    p.write_text(json.dumps({"traceEvents": [{"ph": "X", "cat": "cpu_op", "name": "a", "pid": 1, "tid": 1, "dur": 1},
+                                             {"ph": "X", "cat": "cpu_op", "name": "b", "pid": 1, "tid": 1, "ts": 2}]}))
+    with pytest.raises(TraceError) as ei:
+        tracelens.load(p, cache=False)
+    assert str(ei.value).count("\n") == 0
+    assert "nots.json" in str(ei.value) and "1 complete events have no 'ts'" in str(ei.value)
+
+
+def test_remembered_cache_key_is_only_reused_for_the_same_bytes(tmp_path):
+    src = tmp_path / "t.json"
+    src.write_text(json.dumps({"traceEvents": [{"ph": "X", "name": "a", "pid": 1, "tid": 1, "ts": 1, "dur": 1}]}))
+    root = tmp_path / "cache"
+    k1 = C.key_of(str(src), root)
+    assert k1 == C.content_key(str(src))
+    assert len(list((root / "keys").iterdir())) == 1  # remembered
+    assert C.key_of(str(src), root) == k1
+    # same size, same mtime, different bytes: the key must change
+    st = os.stat(src)
+    src.write_text(src.read_text().replace('"a"', '"b"'))
+    os.utime(src, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert os.stat(src).st_size == st.st_size
+    k2 = C.key_of(str(src), root)
+    assert k2 != k1 and k2 == C.content_key(str(src))
+    # and a warm load of the rewritten file sees the new name, not the cached old one
+    tracelens.load(src, cache=True, cache_dir=root)
+    src.write_text(src.read_text().replace('"b"', '"c"'))
+    assert tracelens.load(src, cache=True, cache_dir=root).events["name"].astype(str).tolist() == ["c"]
