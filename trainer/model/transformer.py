@@ -120,10 +120,13 @@ class Transformer(nn.Module):
         w = self.output_weight()
         if targets is None:
             return F.linear(h, w)
-        h2 = h.reshape(-1, h.shape[-1])
-        if self.cfg["loss_fusion"] and self.cfg["use_triton_kernels"] and kernels_can_run(h2):
-            loss = kernel_cross_entropy(h2, w.to(h2.dtype), targets.reshape(-1), self.cfg["loss_chunk_size"])
-        else:
-            loss = cross_entropy(h2, w.to(h2.dtype), targets.reshape(-1), self.cfg["loss_fusion"],
-                                 self.cfg["loss_chunk_size"])
-        return loss, aux_total
+        return lm_loss(h, w, targets, self.cfg), aux_total
+
+
+def lm_loss(h: torch.Tensor, w: torch.Tensor, targets: torch.Tensor, cfg: dict) -> torch.Tensor:
+    """Mean token cross-entropy of the normed hidden states ``h`` [B, S, D] through the LM head ``w``, as
+    the config asks (fused chunks, Triton kernels). Shared by the model and its last pipeline stage."""
+    h2 = h.reshape(-1, h.shape[-1])
+    if cfg["loss_fusion"] and cfg["use_triton_kernels"] and kernels_can_run(h2):
+        return kernel_cross_entropy(h2, w.to(h2.dtype), targets.reshape(-1), cfg["loss_chunk_size"])
+    return cross_entropy(h2, w.to(h2.dtype), targets.reshape(-1), cfg["loss_fusion"], cfg["loss_chunk_size"])

@@ -125,7 +125,7 @@ class StageModule(nn.Module):
         self.last_aux: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
-        from trainer.model.transformer import cross_entropy
+        from trainer.model.transformer import lm_loss
 
         if self.embed is not None:
             x = self.embed(x)
@@ -142,11 +142,7 @@ class StageModule(nn.Module):
             return x
         if targets is None:
             raise ValueError("the last pipeline stage needs the targets (keyword 'targets')")
-        h = self.norm(x)
-        h2 = h.reshape(-1, h.shape[-1])
-        w = self.head.weight
-        return cross_entropy(h2, w.to(h2.dtype), targets.reshape(-1), self.cfg["loss_fusion"],
-                             self.cfg["loss_chunk_size"])
+        return lm_loss(self.norm(x), self.head.weight, targets, self.cfg)
 
 
 @dataclass
