@@ -244,7 +244,10 @@ def _finish(cfg, d: Dist, out: Path, model, losses, auxes, gnorms, step_times, t
     times_l = times.tolist()
     prof_lo, prof_hi = cfg["profile_step_start"], min(cfg["profile_step_end"], cfg["steps"])
     warm = min(cfg["timing_warmup_steps"], max(n - 1, 0))
-    timed = [i for i in range(warm, n) if not prof_lo <= i < prof_hi] or list(range(warm, n))
+    # not timed: warm-up steps, the profiled steps, and the step right after the window (the profiler
+    # stops and exports its trace there: seen on H200 as a 4x slower step)
+    after = prof_hi if prof_hi > prof_lo else -1
+    timed = [i for i in range(warm, n) if not (prof_lo <= i < prof_hi or i == after)] or list(range(warm, n))
     mean_t = sum(times_l[i] for i in timed) / len(timed) if timed else None
     tokens_step = d.dp * d.ep * cfg["microbatches"] * cfg["micro_batch_size"] * cfg["seq_len"]
     tokens_rank = tokens_step / d.world_size if tokens_step % d.world_size else tokens_step // d.world_size
