@@ -117,14 +117,30 @@ def categorize(kernel_name: str, op_name: str | None = None, gpu_cat: str = "ker
     return "other"
 
 
+def _first_rule(text: str, which: int) -> int:
+    """Index of the first rule whose kernel-name (which=1) or op (which=2) pattern matches, else len(_RULES)."""
+    if text:
+        for i, rule in enumerate(_RULES):
+            if rule[which] is not None and rule[which].search(text):
+                return i
+    return len(_RULES)
+
+
+_RULE_CATEGORY = np.array([CATEGORIES.index(r[0]) for r in _RULES] + [CATEGORIES.index("other")])
+
+
 def categorize_frame(kernel_names: pd.Series, op_names: pd.Series, gpu_cats: pd.Series) -> pd.Series:
-    """Vectorized `categorize` over categorical columns; evaluates each distinct (name, op, cat) once."""
-    codes = [pd.Series(c).astype("category") for c in (kernel_names, op_names, gpu_cats)]
-    key = np.stack([c.cat.codes.to_numpy().astype(np.int64) for c in codes], axis=1)
-    uniq, inverse = np.unique(key, axis=0, return_inverse=True)
-    cats = [list(c.cat.categories.astype(str)) + [""] for c in codes]  # code -1 -> ""
-    labels = np.array([categorize(cats[0][k], cats[1][o], cats[2][c]) for k, o, c in uniq], dtype=object)
-    out = pd.Categorical(labels[inverse.reshape(-1)], categories=list(CATEGORIES))
+    """Vectorized `categorize` over categorical columns.
+
+    The first rule that matches the kernel name or the op wins, so an event's rule is the smaller of
+    the first rule matching its name and the first matching its op: each distinct name and each
+    distinct op is tested once, whatever pairs of them occur.
+    """
+    by_name = map_strings(kernel_names, lambda s: _first_rule(s, 1), dtype=np.int64)
+    by_op = map_strings(op_names, lambda s: _first_rule(s, 2), dtype=np.int64)
+    is_memory = isin(gpu_cats, MEMCPY_CATS | MEMSET_CATS)
+    code = np.where(is_memory, CATEGORIES.index("memory"), _RULE_CATEGORY[np.minimum(by_name, by_op)])
+    out = pd.Categorical.from_codes(code, categories=list(CATEGORIES))
     return pd.Series(out, index=kernel_names.index)
 
 

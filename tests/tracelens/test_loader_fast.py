@@ -116,3 +116,46 @@ def test_remembered_cache_key_is_only_reused_for_the_same_bytes(tmp_path):
     tracelens.load(src, cache=True, cache_dir=root)
     src.write_text(src.read_text().replace('"b"', '"c"'))
     assert tracelens.load(src, cache=True, cache_dir=root).events["name"].astype(str).tolist() == ["c"]
+
+
+@pytest.mark.parametrize("path", [NCCL_2RANK / "rank0.json.gz", DIFF_CONTROL], ids=lambda p: p.parent.name + "/" + p.name)
+def test_runtime_call_parents_match_a_per_thread_step_function(path):
+    """build_tree places runtime calls with one vectorized search over (thread, time) keys. Reference:
+    per thread, the innermost open range as a step function of time (a range's start makes it the top,
+    its end makes its parent the top; ends sort before starts at one instant), searched with bisect."""
+    import bisect
+    from collections import defaultdict
+
+    from tracelens.analysis import calltree as CT
+
+    events = tracelens.load(path, cache=False).events
+    tree = CT.build_tree(events)
+    thread = list(zip(tree["rank"], tree["pid"], tree["tid"]))
+    ts, end = tree["ts"].tolist(), (tree["ts"] + tree["dur"]).tolist()
+    labels, kind, parent = tree.index.tolist(), tree["kind"].tolist(), tree["parent"].tolist()
+    steps = defaultdict(list)
+    for i, lab in enumerate(labels):
+        if kind[i] != CT.KIND_RUNTIME:
+            steps[thread[i]].append((ts[i], 1, lab))
+            steps[thread[i]].append((end[i], 0, parent[i]))
+    for v in steps.values():
+        v.sort()
+    expected = {}
+    for i, lab in enumerate(labels):
+        if kind[i] == CT.KIND_RUNTIME:
+            v = steps.get(thread[i], [])
+            k = bisect.bisect_right(v, (ts[i], 2)) - 1
+            expected[lab] = v[k][2] if k >= 0 else -1
+    got = {lab: p for lab, k, p in zip(labels, kind, parent) if k == CT.KIND_RUNTIME}
+    assert len(got) > 100 and sum(p >= 0 for p in got.values()) > len(got) / 2
+    assert got == expected
+
+
+def test_vectorized_categories_match_the_rule_list_row_by_row():
+    from tracelens import categories as CAT
+
+    a = tracelens.analyze(tracelens.load(DIFF_CONTROL, cache=False))
+    g = a.gpu
+    expected = [CAT.categorize(str(n), str(o), str(c)) for n, o, c in zip(g["name"], g["op"], g["cat"])]
+    assert g["category"].astype(str).tolist() == expected
+    assert len(set(expected)) >= 4

@@ -286,6 +286,8 @@ def _innermost_range_at(group: np.ndarray, ts: np.ndarray, end: np.ndarray, rng_
     range ending exactly when another event starts does not enclose it. Arrays are in sorted order.
     """
     out = np.full(len(query_pos), -1, dtype=np.int64)
+    if len(rng_pos) == 0 or len(query_pos) == 0:
+        return out
     r_group = group[rng_pos]
     q_group = group[query_pos]
     # boundaries: (group, time, 0=close/1=open) -> new top
@@ -296,7 +298,18 @@ def _innermost_range_at(group: np.ndarray, ts: np.ndarray, end: np.ndarray, rng_
     # a query at the same instant as an opening is inside it (ranges sort before runtime calls)
     border = np.lexsort((b_kind, b_time, b_group))
     b_group, b_time, b_top = b_group[border], b_time[border], b_top[border]
-    for g in np.unique(q_group):
+    q_time = ts[query_pos]
+    t0 = min(int(b_time.min()), int(q_time.min()))
+    span = max(int(b_time.max()), int(q_time.max())) - t0 + 1
+    if int(max(b_group.max(), q_group.max()) + 1) * span < (1 << 62):
+        # one search over (thread, time) keys: the last boundary at or before each query's start on the
+        # query's own thread (a hit on an earlier thread means none)
+        idx = np.searchsorted(b_group * span + (b_time - t0), q_group * span + (q_time - t0), side="right") - 1
+        ok = idx >= 0
+        ok[ok] = b_group[idx[ok]] == q_group[ok]
+        out[ok] = b_top[idx[ok]]
+        return out
+    for g in np.unique(q_group):  # astronomically long traces: thread by thread
         lo, hi = np.searchsorted(b_group, [g, g + 1])
         if lo == hi:
             continue
