@@ -236,6 +236,18 @@ def _check(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> None:
         raise TypeError(f"grouped_mm: x and w dtypes differ ({x.dtype} vs {w.dtype})")
 
 
+def _launch(kernel, grid, T: int, N: int, K: int):
+    """``kernel[grid]`` (autotuned) on a GPU.  Under the interpreter, the plain kernel with one block
+    size chosen from the shape: 16 per dimension (what the tests' small shapes exercise, several
+    tiles each), 32 where a dimension is large (T >= 128, N >= 64, K >= 64), so that a model-sized
+    call runs several times fewer interpreted programs and loop iterations."""
+    if not INTERPRET:
+        return kernel[grid]
+    blocks = {"BM": 32 if T >= 128 else 16, "BN": 32 if N >= 64 else 16, "BK": 32 if K >= 64 else 16}
+    launch = kernel.fn[grid]
+    return lambda *args, **kwargs: launch(*args, **kwargs, **blocks)
+
+
 def _kmajor(w: torch.Tensor) -> bool:
     """Whether an [E, K, N] tensor is laid out with K contiguous (N-major tiles would stride)."""
     return w.stride(1) == 1 and w.stride(2) != 1
@@ -251,7 +263,7 @@ def _gmm_rows(x: torch.Tensor, w_kn: torch.Tensor, offs: torch.Tensor) -> torch.
     if E == 0 or K == 0:
         return out.zero_()
     grid = lambda meta: ((triton.cdiv(T, meta["BM"]) + E) * triton.cdiv(N, meta["BN"]),)  # noqa: E731
-    _gmm_fwd_kernel[grid](
+    _launch(_gmm_fwd_kernel, grid, T, N, K)(
         x, w_kn, out, offs, T, N, K, E, m_bucket(T),
         x.stride(0), x.stride(1), w_kn.stride(0), w_kn.stride(1), w_kn.stride(2), out.stride(0), out.stride(1),
         BLOCK_E=next_pow2(E + 1), IEEE=x.dtype == torch.float32, UPCAST=INTERPRET, W_KMAJOR=_kmajor(w_kn),
@@ -336,7 +348,7 @@ def grouped_mm_dw_triton(x: torch.Tensor, dy: torch.Tensor, offs: torch.Tensor,
     if E == 0 or K == 0 or N == 0:
         return dw
     grid = lambda meta: (triton.cdiv(K, meta["BK"]) * triton.cdiv(N, meta["BN"]), E)  # noqa: E731
-    _gmm_dw_kernel[grid](
+    _launch(_gmm_dw_kernel, grid, T, N, K)(
         x, dy, dw, offs, T, K, N, E, m_bucket(max(T // max(E, 1), 1)),
         x.stride(0), x.stride(1), dy.stride(0), dy.stride(1), dw.stride(0), dw.stride(1), dw.stride(2),
         IEEE=x.dtype == torch.float32, UPCAST=INTERPRET, DW_KMAJOR=_kmajor(dw),
