@@ -17,6 +17,8 @@ Public API (details in docs/kernels.md; the specification of each op is its func
   statistics in one kernel (and one for the backward).
 - :func:`linear_cross_entropy`: ``hidden @ weight.T`` fused with cross-entropy in row chunks,
   never materialising the full logits.
+- :mod:`kernels.calibrate` (imported on demand): measured matmul TFLOP/s per dtype and memory
+  bandwidth of the device, as the ceilings JSON of ``tracelens calibrate``.
 
 Every op uses its Triton kernel where Triton can run — CUDA tensors, or CPU tensors when the
 package was imported with ``TRITON_INTERPRET=1`` — and otherwise falls back to the reference
