@@ -491,6 +491,13 @@ def memory(config, overrides, world, pp, vpp, ep, tp, cp, dp, mbs, seq, microbat
     if dp_mode is not None:
         cfg = {**cfg, "dp_mode": dp_mode}
     world = world or (mc.world if dp is None else None)
+    run_layout = mc.layout_kwargs() if pp is None else {}  # a pipelined run's own stages, placement, schedule
+    if run_layout:
+        vpp = vpp if vpp is not None else run_layout["vpp"]
+        schedule = schedule or run_layout["schedule"]
+        microbatches = microbatches if microbatches is not None else run_layout["microbatches"]
+        pp = run_layout["pp"]
+        run_layout = {k: run_layout[k] for k in ("stage_layers", "stage_to_rank")} if vpp == run_layout["vpp"] else {}
     if global_batch is not None and microbatches is None and not do_sweep:
         lay0 = M.resolve_layout(cfg, world=world, source=config, pp=pp, tp=tp, cp=cp, dp=dp, ep=ep, mbs=mbs, vpp=vpp)
         if global_batch % (lay0.mbs * lay0.dp):
@@ -498,7 +505,8 @@ def memory(config, overrides, world, pp, vpp, ep, tp, cp, dp, mbs, seq, microbat
         microbatches = global_batch // (lay0.mbs * lay0.dp)
     lay = M.resolve_layout(cfg, world=world, source=config, pp=pp, vpp=vpp, ep=ep, tp=tp, cp=cp, dp=dp, mbs=mbs,
                            seq=seq, microbatches=microbatches, schedule=schedule, recompute=recompute,
-                           sync_free_level=sync_free_level, loss_fusion=loss_fusion, dtype=dtype, zero=zero)
+                           sync_free_level=sync_free_level, loss_fusion=loss_fusion, dtype=dtype, zero=zero,
+                           **run_layout)
     dev_bytes = None
     if device_memory:
         dev_bytes = M.parse_bytes(device_memory)
@@ -542,6 +550,12 @@ def memory(config, overrides, world, pp, vpp, ep, tp, cp, dp, mbs, seq, microbat
                            projected_over_measured=round(ratio, 4))
             click.echo(f"measured peak ({mc.measured_kind}): {mc.measured_peak_bytes / M.GIB:.2f} GiB; "
                        f"projected / measured = {ratio:.3f}")
+            if lay.pp > 1 and mc.measured_peaks:  # pipeline ranks hold different stages: compare each
+                per_rank = M.compare_ranks(cfg, lay, mc.measured_peaks)
+                summary["ranks"] = json.loads(per_rank.to_json(orient="records"))
+                for r in per_rank.itertuples(index=False):
+                    click.echo(f"  rank {r.rank} (pipeline rank {r.pp_rank}): projected {r.projected_gib:.2f} GiB "
+                               f"({r.moment}), measured {r.measured_gib:.2f} GiB, ratio {r.ratio:.3f}")
         if dev_bytes is not None:
             fits = p.peak_bytes <= dev_bytes * (1 - headroom)
             summary.update(device_bytes=dev_bytes, fits=fits)

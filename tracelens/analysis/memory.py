@@ -80,6 +80,19 @@ class ModelConfig:
     world: int | None = None            # from a manifest: the run's world size
     measured_peak_bytes: int | None = None  # from a manifest: max over ranks of torch.cuda.max_memory_allocated
     measured_kind: str | None = None
+    measured_peaks: tuple[int, ...] | None = None  # from a manifest: per global rank
+    pipeline: dict | None = None        # from a manifest: its "pipeline" record (stage_layers, stage_to_rank, ...)
+
+    def layout_kwargs(self) -> dict:
+        """Layout keys that a pipelined run's manifest fixes: the trainer's own stage layout and placement
+        (``stage_layers``, ``stage_to_rank``), schedule, vpp and microbatches. Empty without a pipeline."""
+        pl = self.pipeline
+        if not pl:
+            return {}
+        return {"pp": pl.get("pp"), "vpp": pl.get("vpp"), "schedule": pl.get("schedule"),
+                "microbatches": pl.get("microbatches"),
+                "stage_layers": tuple(tuple(x) for x in pl["stage_layers"]) if pl.get("stage_layers") else None,
+                "stage_to_rank": tuple(pl["stage_to_rank"]) if pl.get("stage_to_rank") else None}
 
 
 def load_model_config(src: str | os.PathLike, overrides: Iterable[str] = ()) -> ModelConfig:
@@ -107,9 +120,14 @@ def load_model_config(src: str | os.PathLike, overrides: Iterable[str] = ()) -> 
             cfg = load_config(None, ovr)
             metrics = man.get("metrics") or {}
             peaks = [int(x) for x in metrics.get("peak_memory_bytes") or [] if isinstance(x, (int, float))]
+            pipe = man.get("pipeline")
+            if pipe is not None and not (isinstance(pipe, dict) and isinstance(pipe.get("stage_layers"), list)
+                                         and isinstance(pipe.get("stage_to_rank"), list)):
+                raise TraceError(p, "manifest 'pipeline' needs lists 'stage_layers' and 'stage_to_rank'")
             return ModelConfig(cfg, str(p), world=man.get("world_size"),
                                measured_peak_bytes=max(peaks) if peaks else None,
-                               measured_kind=metrics.get("peak_memory_kind"))
+                               measured_kind=metrics.get("peak_memory_kind"),
+                               measured_peaks=tuple(peaks) or None, pipeline=pipe)
         cfg = load_config(src, list(overrides))
     except ConfigError as e:
         raise TraceError(src, str(e)) from None
@@ -150,6 +168,10 @@ class Layout:
     dtype: str = "bf16"
     zero: int = 3
     moe_imbalance: float = 1.0   # received rows / balanced rows at levels 0-2 (1.0 = perfectly balanced)
+    # The trainer's pipeline layout (a manifest's "pipeline" record): layer ids per virtual stage (pp*vpp of
+    # them, in model order) and the pipeline rank of each. None = even contiguous chunks, placed s % pp (V for zbv).
+    stage_layers: tuple[tuple[int, ...], ...] | None = None
+    stage_to_rank: tuple[int, ...] | None = None
 
     @property
     def dp(self) -> int:
@@ -172,6 +194,10 @@ class Layout:
     def to_dict(self) -> dict:
         d = asdict(self)
         d["recompute"] = self.recompute if isinstance(self.recompute, str) else list(self.recompute)
+        if self.stage_layers is not None:
+            d["stage_layers"] = [list(x) for x in self.stage_layers]
+        if self.stage_to_rank is not None:
+            d["stage_to_rank"] = list(self.stage_to_rank)
         d.update(dp=self.dp, edp=self.edp, dp_mode=self.dp_mode)
         return d
 
@@ -205,14 +231,24 @@ def resolve_layout(cfg: dict, world: int | None = None, source: str | None = Non
 
     Defaults come from the config: ``ep``, ``micro_batch_size``, ``seq_len``, ``sync_free_level``,
     ``loss_fusion``, ``loss_chunk_size``, ``dtype``, ``dp_mode`` (fsdp -> zero 3, ddp -> zero 0) and
-    ``recompute_layer_ids``. ``world`` defaults to ``pp*tp*cp*dp`` when ``dp`` is given, else the
-    trainer's ``dp*ep`` (``dp`` unset: 1). A layout that does not divide raises a one-line `TraceError`.
+    ``recompute_layer_ids``. ``pp``, ``vpp``, ``schedule`` (``pipeline_schedule``) and ``microbatches`` come
+    from the config when ``pp`` is not given (a pipelined run's own settings); with ``pp`` given, the
+    microbatches default to 1 (pp = 1) or 4*pp. ``world`` defaults to ``pp*tp*cp*dp`` when ``dp`` is given,
+    else the trainer's ``pp*dp*ep`` (``dp`` unset: 1). A layout that does not divide raises a one-line
+    `TraceError`.
     """
     kw = {k: v for k, v in kw.items() if v is not None}
     unknown = set(kw) - {f for f in Layout.__dataclass_fields__} - {"dp"}
     if unknown:
         raise _bad(sorted(unknown)[0], "unknown layout key", source)
     dp = kw.pop("dp", None)
+    if "pp" not in kw and cfg.get("pp", 1) > 1:   # the config's own pipeline (trainer keys pp, vpp, ...)
+        kw.setdefault("pp", cfg["pp"])
+        kw.setdefault("vpp", cfg.get("vpp", 1))
+        kw.setdefault("microbatches", cfg.get("microbatches", 4 * cfg["pp"]))
+        kw.setdefault("schedule", cfg.get("pipeline_schedule", "1f1b"))
+    elif "pp" not in kw and cfg.get("microbatches", 1) > 1:
+        kw.setdefault("microbatches", cfg["microbatches"])  # gradient accumulation without a pipeline
     pp, tp, cp = kw.get("pp", 1), kw.get("tp", 1), kw.get("cp", 1)
     ep = kw.get("ep", cfg["ep"])
     for k, v in (("pp", pp), ("tp", tp), ("cp", cp), ("ep", ep), ("dp", dp), ("world", world)):
@@ -232,6 +268,7 @@ def resolve_layout(cfg: dict, world: int | None = None, source: str | None = Non
         sync_free_level=kw.get("sync_free_level", cfg["sync_free_level"]),
         loss_fusion=kw.get("loss_fusion", cfg["loss_fusion"]), loss_chunk=kw.get("loss_chunk", cfg["loss_chunk_size"]),
         dtype=kw.get("dtype", cfg["dtype"]), zero=zero, moe_imbalance=float(kw.get("moe_imbalance", 1.0)),
+        stage_layers=kw.get("stage_layers"), stage_to_rank=kw.get("stage_to_rank"),
     )
     check_layout(cfg, lay, source)
     return lay
@@ -273,6 +310,19 @@ def check_layout(cfg: dict, lay: Layout, source: str | None = None) -> None:
         raise _bad("microbatches", "must be >= 1", source)
     if not lay.moe_imbalance >= 1.0:
         raise _bad("moe_imbalance", f"must be >= 1.0, got {lay.moe_imbalance}", source)
+    n_v = lay.pp * lay.vpp
+    if lay.stage_layers is not None:
+        flat = [li for st in lay.stage_layers for li in st]
+        if len(lay.stage_layers) != n_v:
+            raise _bad("stage_layers", f"{len(lay.stage_layers)} virtual stages, expected pp*vpp = {n_v}", source)
+        if flat != list(range(cfg["n_layers"])):
+            raise _bad("stage_layers", f"must list layers 0..{cfg['n_layers'] - 1} once each in order, got {flat}",
+                       source)
+    if lay.stage_to_rank is not None:
+        if len(lay.stage_to_rank) != n_v or any(not 0 <= r < lay.pp for r in lay.stage_to_rank) \
+                or sorted(set(lay.stage_to_rank)) != list(range(lay.pp)):
+            raise _bad("stage_to_rank", f"needs {n_v} pipeline ranks covering 0..{lay.pp - 1}, "
+                       f"got {list(lay.stage_to_rank)}", source)
 
 
 # ------------------------------------------------------------------------------ parameter counts
@@ -320,19 +370,59 @@ def stage_layers(n_layers: int, pp: int, vpp: int = 1) -> list[list[int]]:
     return [[li for v in range(vpp) for li in chunks[s + v * pp]] for s in range(pp)]
 
 
+def virtual_stages(c: dict, lay: Layout) -> list[list[int]]:
+    """Layer ids of every virtual stage (``pp*vpp`` of them, model order): the layout's own
+    ``stage_layers`` (a run's manifest) or even contiguous chunks (`stage_layers` of the chunks)."""
+    if lay.stage_layers is not None:
+        return [list(x) for x in lay.stage_layers]
+    n_chunks = lay.pp * lay.vpp
+    base, extra = divmod(c["n_layers"], n_chunks)
+    out, start = [], 0
+    for i in range(n_chunks):
+        size = base + (1 if i < extra else 0)
+        out.append(list(range(start, start + size)))
+        start += size
+    return out
+
+
+def placement(lay: Layout) -> list[int]:
+    """Pipeline rank of every virtual stage: the layout's ``stage_to_rank``, else ``s % pp`` (the
+    trainer's loop placement), or V-shaped for zbv (stage s and 2pp-1-s on rank s)."""
+    if lay.stage_to_rank is not None:
+        return list(lay.stage_to_rank)
+    n = lay.pp * lay.vpp
+    if lay.schedule == "zbv":
+        return [s if s < lay.pp else 2 * lay.pp - 1 - s for s in range(n)]
+    return [s % lay.pp for s in range(n)]
+
+
+def rank_stages(lay: Layout, rank: int) -> list[int]:
+    """The virtual stages pipeline rank ``rank`` holds, in model order."""
+    return [v for v, r in enumerate(placement(lay)) if r == rank]
+
+
+def _rank_pieces(c: dict, lay: Layout, rank: int) -> tuple[list[int], bool, bool]:
+    """(layer ids, holds the embedding, holds the final norm + head) of one pipeline rank."""
+    vs = rank_stages(lay, rank)
+    chunks = virtual_stages(c, lay)
+    layers = [li for v in vs for li in chunks[v]]
+    return layers, 0 in vs, lay.pp * lay.vpp - 1 in vs
+
+
 def stage_params(c: dict, lay: Layout, stage: int) -> dict[str, int]:
-    """Unsharded parameter counts held by one stage (all its TP/EP ranks together): ``dense`` (everything
-    but the routed experts; embedding on stage 0, final norm and head on the last stage) and ``experts``."""
-    layers = stage_layers(c["n_layers"], lay.pp, lay.vpp)[stage]
+    """Unsharded parameter counts held by one pipeline rank (all its TP/EP ranks together): ``dense``
+    (everything but the routed experts; the embedding with virtual stage 0, final norm and head with the last)
+    and ``experts``."""
+    layers, has_embed, has_head = _rank_pieces(c, lay, stage)
     dense = experts = 0
     for li in layers:
         p = layer_params(c, li)
         experts += p["experts"]
         dense += sum(v for k, v in p.items() if k != "experts")
     V, d = c["vocab_size"], c["d_model"]
-    if stage == 0:
+    if has_embed:
         dense += V * d
-    if stage == lay.pp - 1:
+    if has_head:
         dense += d + (0 if c["tie_embeddings"] else V * d)
         if c["tie_embeddings"] and lay.pp > 1:
             dense += V * d  # the last stage keeps its own copy of the tied embedding (Megatron does)
@@ -350,10 +440,10 @@ def total_params(c: dict) -> int:
 def _per_gpu_params(c: dict, lay: Layout, stage: int) -> tuple[float, float, int]:
     """(dense params on one GPU before data-parallel sharding, expert params on one GPU, norm+router
     params that tensor parallelism replicates) for ``stage``."""
-    layers = stage_layers(c["n_layers"], lay.pp, lay.vpp)[stage]
+    layers, _, has_head = _rank_pieces(c, lay, stage)
     sp = stage_params(c, lay, stage)
     replicated = sum(layer_params(c, li)["norms"] + layer_params(c, li)["router"] for li in layers)
-    if stage == lay.pp - 1:
+    if has_head:
         replicated += c["d_model"]
     dense_gpu = replicated + (sp["dense"] - replicated) / lay.tp
     return dense_gpu, sp["experts"] / lay.ep, replicated
@@ -378,12 +468,15 @@ def layer_activations(c: dict, lay: Layout, layer: int) -> dict[str, float]:
     a = 2 if lay.dtype == "bf16" else 4
     t = lay.mbs * lay.seq / (lay.tp * lay.cp)   # tokens per GPU: sequence parallel (tp) and context parallel (cp)
     d, H = c["d_model"], c["n_heads"]
-    out = {"norms": 2 * _norm_saved(t, d), "attention": 0.0, "dense_ffn": 0.0, "moe": 0.0, "moe_dispatch": 0.0}
+    ac = autocast(lay)
+    out = {"norms": 2 * _norm_saved(t, d), "attention": 0.0, "dense_ffn": 0.0, "moe": 0.0, "moe_dispatch": 0.0,
+           "moe_weight_copies": 0.0}
     # ---- attention: tensors of shape [tokens/cp, heads/tp, dim] have t*H*dim elements
     if c["attn_type"] == "mla":
         qd = c["qk_nope_head_dim"] + c["qk_rope_head_dim"]
         vd, kvr, qr = c["v_head_dim"], c["kv_lora_rank"], c["q_lora_rank"]
-        att = a * t * d                                        # normed input, saved by wq/wq_a and wkv_a
+        att = a * t * d * (2 if ac else 1)                     # normed input, saved by wq/wq_a and wkv_a
+        #                                                        (autocast: each linear keeps its own bf16 cast)
         if qr:
             att += _norm_saved(t, qr) + a * t * qr             # q_norm + wq_b's input
         att += _norm_saved(t, kvr) + a * t * kvr               # kv_norm + wkv_b's input
@@ -393,16 +486,22 @@ def layer_activations(c: dict, lay: Layout, layer: int) -> dict[str, float]:
         att += 4.0 * t * H                                     # log-sum-exp, fp32
     else:
         hd = c["head_dim"] or d // H
-        att = a * t * d + 5 * a * t * H * hd + 4.0 * t * H    # x; q, k, v (GQA: repeated), out, wo input; lse
+        att = a * t * d * (3 if ac else 1) + 5 * a * t * H * hd + 4.0 * t * H  # x (autocast: wq/wk/wv casts);
+        #                                                        q, k, v (GQA: repeated), out, wo input; lse
     out["attention"] = att
     if layer < c["first_k_dense"]:
-        out["dense_ffn"] = a * t * d + 4 * a * t * c["d_ff"]  # input; w1 out, silu out, w3 out, product
+        out["dense_ffn"] = a * t * d * (2 if ac else 1) + 4 * a * t * c["d_ff"]  # input (autocast: w1's and w3's
+        #                                                        casts); w1 out, silu out, w3 out, product
         return out
     E, k, ff, ns = c["n_routed_experts"], c["top_k"], c["moe_d_ff"], c["n_shared_experts"]
     tk = t * k
     moe = 0.0
-    moe += (4.0 * t * d) if a == 2 else 0.0                    # router input x.float() (fp32 copy under bf16)
-    moe += a * t * d if (ns or a == 4) else 0.0                # ffn_norm output, saved by the shared expert
+    if ac:
+        moe += a * t * d                                       # router input: autocast's bf16 cast for the gate
+        moe += 2 * a * t * d if ns else 0.0                    # shared expert: w1's and w3's bf16 input casts
+    else:
+        moe += (4.0 * t * d) if a == 2 else 0.0                # router input x.float() (fp32 copy under bf16)
+        moe += a * t * d if (ns or a == 4) else 0.0            # ffn_norm output, saved by the shared expert
     moe += 4.0 * t * E + (t * E if c["n_group"] > 1 else 0)    # scores (softmax/sigmoid output); group mask
     moe += 8.0 * tk + 4.0 * tk + 4.0 * t + a * tk              # gather index, top-k weights, their sum, bf16 copy
     moe += 8.0 * tk * 2                                        # permutation index (order // k) and inverse
@@ -415,10 +514,18 @@ def layer_activations(c: dict, lay: Layout, layer: int) -> dict[str, float]:
     if ns:
         moe += 4 * a * t * ff * ns                             # shared expert SwiGLU
     out["moe"] = moe
+    if ac:  # GroupedExperts.forward: w13.to(bf16), w2.to(bf16) -- fresh copies per forward, saved by the GEMMs
+        out["moe_weight_copies"] = 2.0 * E / lay.ep * 3 * d * ff
     if lay.ep > 1 and lay.sync_free_level == 3:
         worst = moe_worst_rows(c, lay)
         out["moe_dispatch"] = max(0.0, worst - rows) * (expert + 8.0)
     return out
+
+
+def autocast(lay: Layout) -> bool:
+    """The trainer runs bf16 DDP (``dp_mode=ddp``, zero 0) under ``torch.autocast`` with fp32 weights and
+    an fp32 residual stream; FSDP2 (zero 3) casts the parameters instead (``MixedPrecisionPolicy``)."""
+    return lay.zero == 0 and lay.dtype == "bf16"
 
 
 def moe_worst_rows(c: dict, lay: Layout) -> float:
@@ -443,6 +550,91 @@ def in_flight(lay: Layout, stage: int) -> float:
     if lay.schedule == "vpp":
         return min(2 * (p - s - 1) + (v - 1) * p + 1, m * v) / v
     return float(min(p, m))  # zbv
+
+
+SIMULATED_SCHEDULES = ("1f1b", "gpipe", "vpp")
+
+
+def schedule_order(schedule: str, pp: int, vpp: int, m: int, rank: int) -> list[tuple[str, int, int]]:
+    """The order in which pipeline rank ``rank`` runs its actions in one step, as ``(kind, virtual stage,
+    microbatch)`` with kind ``F`` or ``B``, following the rules of ``torch.distributed.pipelining``'s
+    schedules that the trainer uses (virtual stage ``s`` on rank ``s % pp``):
+
+    * ``gpipe``: all forwards, then all backwards.
+    * ``1f1b`` (Schedule1F1B): ``min(m, pp - rank)`` warm-up forwards, then one backward and one forward
+      in turn, then the remaining backwards.
+    * ``vpp`` (ScheduleInterleaved1F1B): microbatches go in rounds of ``r = m // max(1, m // pp)``;
+      warm-up ``min((vpp-1) r + 2 (pp-1-rank), m vpp)`` forwards; then forward/backward pairs; then the
+      remaining backwards. Forward op ``i`` runs local stage ``(i // r) % vpp``, backward op ``i`` local
+      stage ``vpp - 1 - ((i - warmup) // r) % vpp``; each stage takes its microbatches in order.
+
+    Checked against the action order the trainer recorded in pipeline/rank<N>.jsonl (tests).
+    """
+    if schedule == "gpipe":
+        return [("F", rank, i) for i in range(m)] + [("B", rank, i) for i in range(m)]
+    if schedule == "1f1b":
+        warm = min(m, pp - rank)
+        out = [("F", rank, i) for i in range(warm)]
+        f = warm
+        for b in range(m):
+            out.append(("B", rank, b))
+            if f < m:
+                out.append(("F", rank, f))
+                f += 1
+        return out
+    if schedule != "vpp":
+        raise ValueError(f"no action order for schedule {schedule!r}")
+    per_round = m // max(1, m // pp)
+    total = m * vpp
+    warm = min((vpp - 1) * per_round + 2 * (pp - 1 - rank), total)
+    fwd_next: dict[int, int] = {}
+    bwd_next: dict[int, int] = {}
+    out = []
+
+    def fwd(op):
+        st = ((op // per_round) % vpp) * pp + rank
+        fwd_next[st] = fwd_next.get(st, 0) + 1
+        out.append(("F", st, fwd_next[st] - 1))
+
+    def bwd(op):
+        st = (vpp - 1 - ((op - warm) // per_round) % vpp) * pp + rank
+        bwd_next[st] = bwd_next.get(st, 0) + 1
+        out.append(("B", st, bwd_next[st] - 1))
+
+    for op in range(warm):
+        fwd(op)
+    for op in range(warm, total):
+        fwd(op)
+        bwd(op)
+    for op in range(total, total + warm):
+        bwd(op)
+    return out
+
+
+def backward_moments(lay: Layout, rank: int) -> list[tuple[int, dict[int, float]]]:
+    """Every backward action of pipeline rank ``rank`` in one step, as ``(virtual stage it runs, {virtual
+    stage: microbatches whose activations are alive})`` (the one running its backward included).
+
+    Without a pipeline: one moment, one microbatch (gradient accumulation runs microbatches one after
+    another). Schedules simulated by `schedule_order` (1f1b, gpipe, vpp, with the trainer's loop placement)
+    give the exact mix of stages; the others (zb1p, zbv) get `in_flight`'s count on each local stage.
+    """
+    vs = rank_stages(lay, rank)
+    if lay.pp == 1:
+        return [(vs[-1], {v: 1.0 for v in vs})]
+    loop = placement(lay) == [s % lay.pp for s in range(lay.pp * lay.vpp)]
+    if lay.schedule not in SIMULATED_SCHEDULES or not loop:
+        n = in_flight(lay, rank)
+        return [(v, {u: n for u in vs}) for v in vs]
+    alive: dict[int, set] = {v: set() for v in vs}
+    out = []
+    for kind, st, mb in schedule_order(lay.schedule, lay.pp, lay.vpp, lay.microbatches, rank):
+        if kind == "F":
+            alive[st].add(mb)
+        else:
+            out.append((st, {v: float(len(x)) for v, x in alive.items()}))
+            alive[st].discard(mb)
+    return out
 
 
 # ------------------------------------------------------------------------------------ projection
@@ -484,8 +676,81 @@ class MemoryProjection:
         }
 
 
+ACT_PARTS = {
+    "attention": "activations: attention",
+    "norms": "activations: layer norms",
+    "dense_ffn": "activations: dense FFN",
+    "moe": "activations: MoE (router, experts, top-k copies)",
+    "moe_dispatch": "activations: MoE level-3 worst-case buffer",
+    "moe_weight_copies": "activations: expert weight bf16 copies (autocast)",
+    "recompute_inputs": "activations: recomputed layers' inputs",
+    "embedding": "activations: embedding",
+    "final": "activations: final norm + loss",
+    "stage_output": "activations: pipeline stage outputs",
+}
+
+
+def _residual_bytes(lay: Layout) -> int:
+    """Bytes per element of the hidden states between layers and stages: bf16 under FSDP2's bf16 policy,
+    fp32 under autocast (DDP) or fp32 training (the trainer's ``act_dtype``)."""
+    return 4 if (autocast(lay) or lay.dtype != "bf16") else 2
+
+
+def _vstage_activations(c: dict, lay: Layout, v: int, layers: list[int]) -> tuple[dict, float, float]:
+    """Per microbatch on one GPU, for virtual stage ``v``: (bytes by part of `ACT_PARTS`, bytes recompute
+    saves, bytes of its backward workspace: largest layer's gradient temporaries + a recomputed layer)."""
+    a = 2 if lay.dtype == "bf16" else 4
+    t = lay.mbs * lay.seq / (lay.tp * lay.cp)
+    d, V = c["d_model"], c["vocab_size"]
+    last_v = lay.pp * lay.vpp - 1
+    rc_ids = set(range(c["n_layers"])) if lay.recompute == "full" else (
+        set() if lay.recompute == "none" else set(lay.recompute))
+    parts = dict.fromkeys(ACT_PARTS, 0.0)
+    saved = largest_rc = 0.0
+    for li in layers:
+        la = layer_activations(c, lay, li)
+        tot = sum(la.values())
+        if li in rc_ids:
+            parts["recompute_inputs"] += a * t * d        # the checkpoint keeps the layer input only
+            saved += tot - a * t * d
+            largest_rc = max(largest_rc, tot)
+        else:
+            for k, x in la.items():
+                parts[k] += x
+    if v == 0:
+        parts["embedding"] = 8.0 * lay.mbs * lay.seq / lay.cp   # token ids
+    if v == last_v:
+        head_in = (4 if autocast(lay) and lay.loss_fusion else a) * t * d  # autocast: the fp32 h the checkpoint keeps
+        parts["final"] = _norm_saved(t, d) + head_in + (0.0 if lay.loss_fusion else 4.0 * t * V / lay.tp)
+    elif lay.pp > 1:
+        parts["stage_output"] = _residual_bytes(lay) * t * d   # kept by the stage for its backward
+    ws = max((_layer_backward_workspace(c, lay, li) for li in layers), default=0.0)
+    return parts, saved, ws + largest_rc
+
+
+def _fsdp_units(c: dict, lay: Layout, layers: list[int]) -> list[tuple[str, int, float, int]]:
+    """FSDP2 units of a rank's layers in forward order, as the trainer wraps them: (kind ``dense`` or
+    ``experts``, layer id, params on this GPU before sharding, shard group size)."""
+    out = []
+    for li in layers:
+        p = layer_params(c, li)
+        out.append(("dense", li, p["norms"] + p["router"] + (p["attention"] + p["dense_ffn"] + p["shared"]) / lay.tp,
+                    lay.dp * lay.cp))
+        if p["experts"]:
+            out.append(("experts", li, p["experts"] / lay.ep, lay.edp))
+    return out
+
+
+def _describe(comp: dict[int, float], lay: Layout) -> str:
+    if lay.pp == 1:
+        n = next(iter(comp.values()))
+        return f"x {n:g} microbatch"
+    return " + ".join(f"stage {v} x{n:g}" for v, n in comp.items() if n) or "nothing"
+
+
 def _rows_for_stage(c: dict, lay: Layout, stage: int) -> list[dict]:
-    """Components (bytes per GPU) of one pipeline stage, before choosing the peak phase."""
+    """Components (bytes per GPU) of one pipeline rank ``stage`` (all its virtual stages), before choosing
+    the peak moment. Each row's ``phase`` lists the moments it is alive at (see `MOMENTS`)."""
     rows: list[dict] = []
 
     def add(component, group, phase, nbytes, note=""):
@@ -493,9 +758,22 @@ def _rows_for_stage(c: dict, lay: Layout, stage: int) -> list[dict]:
 
     bf16 = lay.dtype == "bf16"
     pb = 2 if bf16 else 4                     # bytes of the compute (working) copy of a parameter
+    a = pb
+    t = lay.mbs * lay.seq / (lay.tp * lay.cp)
+    d, V = c["d_model"], c["vocab_size"]
+    ac = autocast(lay)
+    layers, has_embed, has_head = _rank_pieces(c, lay, stage)
+    vs = rank_stages(lay, stage)
+    chunks = virtual_stages(c, lay)
+    last_v = lay.pp * lay.vpp - 1
     dense_gpu, expert_gpu, _ = _per_gpu_params(c, lay, stage)
     ddp_group = lay.dp * lay.cp               # dense parameters are data parallel over dp x cp
     edp = lay.edp
+    # FSDP2 without a reduce-scatter per backward: gradient accumulation (set_requires_gradient_sync(False))
+    # and every pipeline (PipelineStage turns gradient sync and resharding off until the last microbatch)
+    fsdp_acc = lay.zero == 3 and (lay.pp > 1 or lay.microbatches > 1)
+
+    # ---- model state
     if lay.zero == 3:   # FSDP2: sharded fp32 (master) params, fp32 grads, Adam m/v, all sharded
         sd, se = dense_gpu / ddp_group, expert_gpu / edp
         add("params: dense (sharded)", "parameters", "FBES", 4 * sd,
@@ -518,10 +796,15 @@ def _rows_for_stage(c: dict, lay: Layout, stage: int) -> list[dict]:
             add("fp32 main params", "optimizer", "FBES", 4 * (sd + se), "fp32 master copy, sharded (distributed optimizer)")
         opt_params = sd + se
         grad_sd, grad_se = (sd, se) if lay.zero == 2 else (dense_gpu, expert_gpu)
-    grads_persist = lay.microbatches > 1       # accumulated across microbatches: alive during the peak
+    # accumulated across microbatches (alive during the peak) -- except FSDP2's shards, which the last
+    # reduce-scatter creates (the accumulation happens in unsharded fp32 buffers, below)
+    grads_persist = lay.microbatches > 1 and lay.zero != 3
     gphase = "FBES" if grads_persist else "ES"
-    gnote = "fp32" + (", sharded" if lay.zero >= 2 else ", replicated") + (
-        "; accumulated across microbatches" if grads_persist else "; freed by zero_grad(set_to_none) before forward")
+    if lay.zero == 3:
+        gnote = "fp32, sharded; created by the reduce-scatters of the (last) backward, freed by zero_grad(set_to_none)"
+    else:
+        gnote = "fp32" + (", sharded" if lay.zero >= 2 else ", replicated") + (
+            "; accumulated across microbatches" if grads_persist else "; freed by zero_grad(set_to_none) before forward")
     add("grads: dense", "gradients", gphase, 4 * grad_sd, gnote)
     add("grads: experts", "gradients", gphase, 4 * grad_se, gnote)
     add("optimizer: Adam exp_avg + exp_avg_sq", "optimizer", "FBES", 8 * opt_params, "fp32, sharded like the params"
@@ -529,112 +812,173 @@ def _rows_for_stage(c: dict, lay: Layout, stage: int) -> list[dict]:
     add("optimizer step temporary", "transient", "S", 4 * opt_params,
         "foreach AdamW: sqrt(exp_avg_sq) of the whole shard")
 
-    # ---- activations
-    layers = stage_layers(c["n_layers"], lay.pp, lay.vpp)[stage]
-    nfl = in_flight(lay, stage)
-    a = 2 if bf16 else 4
-    t = lay.mbs * lay.seq / (lay.tp * lay.cp)
-    d, V = c["d_model"], c["vocab_size"]
-    full_rc = lay.recompute == "full"
-    rc_ids = set(range(c["n_layers"])) if full_rc else (set() if lay.recompute == "none" else set(lay.recompute))
-    parts = {"attention": 0.0, "norms": 0.0, "dense_ffn": 0.0, "moe": 0.0, "moe_dispatch": 0.0}
-    kept_rc = 0.0
-    saved_by_rc = 0.0
-    largest_layer = 0.0
-    per_layer = {}
-    for li in layers:
-        la = layer_activations(c, lay, li)
-        per_layer[li] = la
-        tot = sum(la.values())
-        if li in rc_ids:
-            kept_rc += a * t * d                      # checkpoint keeps the layer input only
-            saved_by_rc += tot - a * t * d
-            largest_layer = max(largest_layer, tot)
-        else:
-            for k, v in la.items():
-                parts[k] += v
-    labels = {"attention": "activations: attention", "norms": "activations: layer norms",
-              "dense_ffn": "activations: dense FFN", "moe": "activations: MoE (router, experts, top-k copies)",
-              "moe_dispatch": "activations: MoE level-3 worst-case buffer"}
-    infl = f"x {nfl:g} microbatch(es) in flight ({lay.schedule}, stage {stage})"
-    for k, lab in labels.items():
-        if parts[k] or k in ("attention", "moe"):
-            extra = ""
-            if k == "attention" and lay.cp > 1:
-                extra = f"; cp={lay.cp} splits the sequence"
-            if k == "moe_dispatch":
-                extra = f"; rows ep*T*min(k, E/ep) = {moe_worst_rows(c, lay):,.0f} vs {t * c['top_k']:,.0f} balanced"
-            add(lab, "activations", "FB", parts[k] * nfl, infl + extra)
-    if rc_ids & set(layers):
-        add("activations: recomputed layers' inputs", "activations", "FB", kept_rc * nfl,
-            f"{len(rc_ids & set(layers))} checkpointed layer(s) keep their input only")
-    if stage == 0:
-        add("activations: embedding", "activations", "FB", 8.0 * lay.mbs * lay.seq / lay.cp * nfl, "token ids")
-    loss_rows = []
-    if stage == lay.pp - 1:
-        head = _norm_saved(t, d) + a * t * d
-        if lay.loss_fusion:
-            chunk = min(lay.loss_chunk, t)
-            loss_saved, loss_tr = head, 12.0 * chunk * V / lay.tp
-            lnote = f"fused chunked CE: chunk {chunk:g} tokens x vocab/tp, fp32 logits + log-softmax + grad"
-        else:
-            loss_saved = head + 4.0 * t * V / lay.tp
-            loss_tr = (8.0 + (a if a == 2 else 0)) * t * V / lay.tp
-            lnote = "full fp32 logits: log-softmax output saved; backward adds its gradient and the NLL gradient"
-        add("activations: final norm + loss", "activations", "FB", loss_saved * nfl,
-            "final RMSNorm, head input" + ("" if lay.loss_fusion else ", fp32 log-softmax of the logits"))
-        loss_rows.append(("transient: loss (logits and their gradient)", loss_tr, lnote))
-    if saved_by_rc:
-        add("recompute savings (not allocated)", "activations", "", saved_by_rc * nfl,
-            "activations the checkpointed layers do not keep")
+    # ---- activations: per virtual stage and microbatch, times the microbatches alive at each moment
+    per_v = {v: _vstage_activations(c, lay, v, chunks[v]) for v in vs}
+    size = {v: sum(per_v[v][0].values()) for v in vs}
+    moments = backward_moments(lay, stage)
 
-    # ---- working copies (FSDP2 all-gathered params, DDP autocast copies)
-    layer_sizes = []
-    for li in layers:
-        p = layer_params(c, li)
-        dense_l = p["norms"] + p["router"] + (p["attention"] + p["dense_ffn"] + p["shared"]) / lay.tp
-        layer_sizes.append((dense_l, p["experts"] / lay.ep))
+    def alive(comp):
+        return sum(n * size[v] for v, n in comp.items())
+
+    b_stage, b_comp = max(moments, key=lambda m: alive(m[1]) + per_v[m[0]][2])   # largest layer backward
+    loss_moments = [m for m in moments if m[0] == last_v] if has_head else moments
+    f_stage, f_comp = max(loss_moments, key=lambda m: alive(m[1]))               # loss / forward end
+    sched = f"{lay.schedule}, " if lay.pp > 1 else ""
+    for k, label in ACT_PARTS.items():
+        fb = {m: sum(n * per_v[v][0][k] for v, n in comp.items()) for m, comp in (("F", f_comp), ("B", b_comp))}
+        if not (fb["F"] or fb["B"]) and k not in ("attention", "moe"):
+            continue
+        extra = ""
+        if k == "attention" and lay.cp > 1:
+            extra = f"; cp={lay.cp} splits the sequence"
+        if k == "moe_dispatch":
+            extra = f"; rows ep*T*min(k, E/ep) = {moe_worst_rows(c, lay):,.0f} vs {t * c['top_k']:,.0f} balanced"
+        if k == "moe_weight_copies":
+            extra = "; GroupedExperts casts w13/w2 per forward and the grouped GEMMs save the casts"
+        if k == "stage_output":
+            extra = "; the stage output each in-flight microbatch keeps for its backward"
+        if fb["F"] == fb["B"]:
+            add(label, "activations", "FB", fb["F"], f"{_describe(b_comp, lay)} ({sched}rank {stage})" + extra)
+        else:
+            add(label, "activations", "F", fb["F"], f"{_describe(f_comp, lay)} at the forward end / loss" + extra)
+            add(label, "activations", "B", fb["B"], f"{_describe(b_comp, lay)} at the backward of stage {b_stage}"
+                + extra)
+    saved = sum(n * per_v[v][1] for v, n in b_comp.items())
+    if saved:
+        add("recompute savings (not allocated)", "activations", "", saved, "activations the checkpointed layers do not keep")
+    if lay.pp > 1:
+        rb = _residual_bytes(lay)
+        n_buf = sum((v != 0) + (v != last_v) for v in vs) * lay.microbatches
+        add("pipeline receive buffers", "working", "FBES", n_buf * rb * t * d,
+            f"PipelineStage: one activation (non-first stages) and one gradient (non-last stages) buffer per "
+            f"microbatch, {n_buf} x [{lay.mbs}, {lay.seq // lay.cp}, {d}] {'fp32' if rb == 4 else 'bf16'}, kept across steps")
+
+    # ---- working copies (FSDP2 all-gathered params, autocast's cached bf16 weights)
     root = 0.0
-    if stage == 0:
+    if has_embed:
         root += V * d / lay.tp
-    if stage == lay.pp - 1:
+    if has_head:
         root += d + (0 if c["tie_embeddings"] and lay.pp == 1 else V * d / lay.tp)
-    big_layer = max((x + y for x, y in layer_sizes), default=0.0)
-    big_unit = max((max(x, y) for x, y in layer_sizes), default=0.0)
+    head = V * d / lay.tp if has_head else 0.0
     if lay.zero == 3:
-        add("FSDP unsharded params: root", "working", "FBE", pb * root,
-            f"{'bf16' if bf16 else 'fp32'} all-gathered embedding/head/final norm, kept for the whole step")
-        add("FSDP unsharded params: layers", "working", "B", pb * min(2, len(layers)) * big_layer,
-            "two layers all-gathered at a time (current and prefetched)")
-        add("FSDP root gradient reduce buffers", "working", "E", (pb + 4) * root,
-            "backward end: the root's unsharded gradient + its fp32 reduce-scatter input")
-        bwd_fsdp = (pb + 4) * big_unit + (pb * V * d / lay.tp if stage == lay.pp - 1 else 0.0)
-        bnote = ("one unit's unsharded gradient + its fp32 reduce-scatter input; the head's gradient waits for "
-                 "the root's reduce-scatter")
-    elif lay.zero == 0 and bf16:
-        add("autocast bf16 weight copies", "working", "FB", 2 * (dense_gpu + expert_gpu),
-            "bf16 casts of the fp32 weights, kept for backward")
-        bwd_fsdp, bnote = 0.0, ""
-    else:
-        bwd_fsdp, bnote = 0.0, ""
-    if bwd_fsdp:
-        add("FSDP layer gradient reduce buffers", "working", "B", bwd_fsdp, bnote)
+        freed = None
+        if lay.pp == 1:  # per layer: what its backward frees (the whole layer; the expert rows at its experts)
+            rc_ids = set(range(c["n_layers"])) if lay.recompute == "full" else (
+                set() if lay.recompute == "none" else set(lay.recompute))
+            freed = {}
+            for li in layers:
+                la = layer_activations(c, lay, li)
+                whole = a * t * d if li in rc_ids else sum(la.values())
+                freed[li] = (whole, 0.0 if li in rc_ids else la["moe"] + la["moe_dispatch"])
+            if has_head:  # the loss's saved tensors go first (key -1: before every layer)
+                freed[-1] = (per_v[last_v][0]["final"], 0.0)
+        _fsdp_rows(add, lay, _fsdp_units(c, lay, layers), root, head, pb, fsdp_acc, freed)
+    elif ac:
+        cached = head + sum((layer_params(c, li)["attention"] + layer_params(c, li)["dense_ffn"]
+                             + layer_params(c, li)["shared"]) / lay.tp + layer_params(c, li)["router"] for li in layers)
+        add("autocast bf16 weight cache", "working", "FB", 2 * cached,
+            "bf16 casts of the fp32 matmul weights (attention, dense FFN, shared experts, router, head), cached "
+            "by autocast for the whole forward+backward; the embedding and norms run in fp32")
 
     # ---- training transients, each at its moment
-    for name, nbytes, note in loss_rows:
-        add(name, "transient", "F", nbytes, note)
-    ws = max((_layer_backward_workspace(c, lay, li) for li in layers), default=0.0)
-    rc_note = " + the recomputed layer's activations" if largest_layer else ""
-    add("transient: layer backward workspace", "transient", "B", ws + largest_layer,
-        "gradients of the largest layer's biggest tensors" + rc_note)
+    if has_head:
+        if lay.loss_fusion:
+            chunk = min(lay.loss_chunk, t)
+            loss_tr = 12.0 * chunk * V / lay.tp + (2.0 * V * d / lay.tp if ac else 0.0)
+            lnote = (f"fused chunked CE: chunk {chunk:g} tokens x vocab/tp: saved fp32 log-softmax, its gradient "
+                     "and the NLL gradient" + ("; + autocast's bf16 head cast in the recomputation" if ac else ""))
+        else:
+            loss_tr = (8.0 + (a if a == 2 else 0)) * t * V / lay.tp
+            lnote = "full fp32 logits: log-softmax output saved; backward adds its gradient and the NLL gradient"
+        add("transient: loss (logits and their gradient)", "transient", "F", loss_tr, lnote)
+    ws = per_v[b_stage][2]
+    add("transient: layer backward workspace", "transient", "B", ws,
+        "gradients of the largest layer's biggest tensors" + (" + a recomputed layer's activations"
+                                                             if lay.recompute != "none" else "")
+        + ("; autocast: a weight gradient in bf16 and its fp32 cast" if ac else ""))
     if lay.ep > 1 and any(li >= c["first_k_dense"] for li in layers):
         if lay.sync_free_level >= 2:
-            add("transient: MoE dispatch/combine buffers", "transient", "FB", 2 * a * moe_worst_rows(c, lay) * d,
+            add("transient: MoE dispatch/combine buffers", "transient", "B", 2 * a * moe_worst_rows(c, lay) * d,
                 "level >= 2: padded send + receive buffers of ep*T*min(k, E/ep) rows")
         else:
-            add("transient: MoE dispatch/combine buffers", "transient", "FB", 2 * a * t * c["top_k"] * lay.moe_imbalance * d,
+            add("transient: MoE dispatch/combine buffers", "transient", "B", 2 * a * t * c["top_k"] * lay.moe_imbalance * d,
                 "all-to-all send/receive buffers")
     return rows
+
+
+def _fsdp_rows(add, lay: Layout, units: list, root: float, head: float, pb: int, acc: bool,
+               freed: dict[int, tuple[float, float]] | None = None) -> None:
+    """FSDP2's unsharded parameters and gradient buffers (what torch's ``fully_shard`` allocates):
+
+    * The root (embedding / final norm / head of the model or stage module) stays all-gathered from forward
+      until its post-backward; each other unit is all-gathered for its forward and again for its backward,
+      where the next unit in backward order is prefetched; ``reshard()`` frees a unit's parameters *before*
+      its gradients are reduce-scattered.
+    * A unit's reduce-scatter (``foreach_reduce``) copies its unsharded ``pb``-byte gradients into an fp32
+      input buffer (4 B/param; freed at the next unit's reduce), frees them, and allocates the fp32 output
+      shard (4/n B/param) that becomes the sharded ``.grad``. Peak: ``4 + max(pb, 4/n)`` B/param.
+    * ``B`` is the reduce-scatter of the unit that maximises it: its buffers, the shards reduced before it,
+      the unsharded units still gathered (the rest of its layer when it is a layer's experts, and the
+      prefetched previous layer) and the head's gradient waiting for the root, net of the activations the
+      backward has freed by then (``freed``: per layer, (all its activations, its expert rows' part);
+      later layers are freed whole, the unit's own layer by its experts' part). The activation rows count
+      every layer, so the row is that net amount (never below zero).
+    * Without a reduce-scatter per backward (gradient accumulation, pipelines) the unsharded gradients
+      accumulate in fp32 (``unsharded_accumulated_grad``) across microbatches; under a pipeline the stage
+      modules also stay unsharded until the last microbatch (``set_reshard_after_backward(False)``).
+    """
+    total = root + sum(u[2] for u in units)
+    if acc and lay.pp > 1:
+        add("FSDP unsharded params (pipeline: kept between microbatches)", "working", "FBE", pb * total,
+            "PipelineStage turns resharding after backward off until the last microbatch")
+    else:
+        add("FSDP unsharded params: root", "working", "FB", pb * root,
+            "all-gathered embedding/head/final norm, kept from forward until the root's post-backward")
+    if acc:
+        add("FSDP unsharded fp32 gradient accumulators", "gradients", "FBE" if lay.pp > 1 else "FB", 4 * total,
+            "gradient sync off between microbatches: unsharded gradients accumulate in fp32 (reduce dtype)")
+    best_total, which_best = 0.0, None
+    for j, (kind, li, n_params, group) in enumerate(units):
+        if acc:
+            rs = 4 * n_params          # the accumulator (counted above) is freed after the copy into the input
+        else:
+            rs = 4 * n_params + max(pb * n_params, 4 * n_params / group)
+        before = sum(4 * u[2] / u[3] for u in units[j + 1:]) if not acc else 0.0
+        gone = 0.0
+        if freed:
+            gone = sum(freed[x][0] for x in freed if x > li or x == -1) + (
+                freed[li][1] if kind == "experts" else freed[li][0])
+        gathered = 0.0
+        if not (acc and lay.pp > 1):
+            if kind == "experts":
+                gathered += pb * units[j - 1][2]            # the rest of its layer
+            prev = [u for u in units[:j] if u[0] == "dense" and u[1] < li]
+            if prev:
+                gathered += pb * prev[-1][2]                # the previous layer, prefetched
+        if which_best is None or rs + before + gathered - gone > best_total:
+            best_total, which_best = rs + before + gathered - gone, (rs, before, gathered, gone, (kind, li))
+    rs, before, gathered, gone, which = which_best if which_best else (0.0, 0.0, 0.0, 0.0, None)
+    if which is not None and not (acc and lay.pp > 1):  # a pipeline reduces only after its last microbatch (E)
+        add("FSDP unsharded params: layers", "working", "B", gathered,
+            "during the largest unit's reduce-scatter: the rest of its layer and the prefetched previous layer")
+        add("FSDP gradient reduce-scatter (largest unit)", "working", "B", max(0.0, rs + before - gone) + pb * head,
+            f"layer {which[1]} {which[0]}: fp32 reduce-scatter input + the unsharded gradient / output shard"
+            + ("; shards of the units reduced before it" if before else "")
+            + (f"; net of {gone / GIB:.3f} GiB of activations already freed" if gone else "")
+            + ("; the head's gradient waiting for the root" if head else ""))
+    n_root = lay.dp * lay.cp
+    if acc and lay.pp > 1:
+        e_bytes = 4 * max([root] + [u[2] for u in units])
+        enote = ("end of the pipeline's backward: fp32 reduce-scatter input of the largest unit while the other "
+                 "accumulators and unsharded params are still alive (an upper bound)")
+    elif acc:
+        e_bytes = 4 * root + max(4 * root, 4 * root / n_root) - 4 * root / n_root
+        enote = "backward end: the root's fp32 accumulator + its reduce-scatter input, net of its shard"
+    else:
+        e_bytes = 4 * root + max(pb * root, 4 * root / n_root) - 4 * root / n_root
+        enote = ("backward end: the root's fp32 reduce-scatter input + its unsharded gradient, net of its shard "
+                 "(counted under grads); the root's parameters are resharded first")
+    add("FSDP root gradient reduce buffers", "working", "E", e_bytes, enote)
 
 
 def _layer_backward_workspace(c: dict, lay: Layout, layer: int) -> float:
@@ -647,12 +991,36 @@ def _layer_backward_workspace(c: dict, lay: Layout, layer: int) -> float:
     else:
         qd = vd = c["head_dim"] or d // H
     attn = a * t * H * (2 * qd + vd) + 4.0 * t * H    # dq, dk, dv + softmax row sums
+    # autocast: a weight's gradient arrives in bf16 and is cast to fp32 before it is accumulated into the
+    # fp32 .grad: 2 + 4 bytes per element of the largest matmul weight of the layer
+    wgrad = 6.0 * max(_attention_matrices(c) + ([d * c["d_ff"]] if layer < c["first_k_dense"] else
+                                                [d * c["moe_d_ff"] * c["n_shared_experts"]])) / lay.tp \
+        if autocast(lay) else 0.0
     if layer < c["first_k_dense"]:
-        return max(attn, a * t * (3 * c["d_ff"] + d))
+        return max(attn, a * t * (3 * c["d_ff"] + d), wgrad)
     rows = t * c["top_k"] * (lay.moe_imbalance if lay.ep > 1 else 1.0)
     if lay.ep > 1 and lay.sync_free_level == 3:
         rows = moe_worst_rows(c, lay)
-    return max(attn, a * rows * (d + 3 * c["moe_d_ff"]))  # d(w13 out) [2F] + d(product) [F] + d(input)
+    if autocast(lay):
+        # the w13 copy's bf16 gradient, its fp32 cast and w2's pending bf16 gradient, after both copies
+        # (counted in the activations) were freed: net 4 bytes per element of this rank's w13
+        wgrad = max(wgrad, 4.0 * c["n_routed_experts"] / lay.ep * 2 * c["moe_d_ff"] * d)
+    return max(attn, a * rows * (d + 3 * c["moe_d_ff"]), wgrad)  # d(w13 out) [2F] + d(product) [F] + d(input)
+
+
+def _attention_matrices(c: dict) -> list[int]:
+    """Element counts of the attention block's weight matrices (layers.py)."""
+    d, H = c["d_model"], c["n_heads"]
+    if c["attn_type"] == "mla":
+        qd = c["qk_nope_head_dim"] + c["qk_rope_head_dim"]
+        qr, kvr = c["q_lora_rank"], c["kv_lora_rank"]
+        q = [d * qr, qr * H * qd] if qr else [d * H * qd]
+        return q + [d * (kvr + c["qk_rope_head_dim"]), kvr * H * (c["qk_nope_head_dim"] + c["v_head_dim"]),
+                    H * c["v_head_dim"] * d]
+    hd = c["head_dim"] or d // H
+    kv = c["n_kv_heads"] or H
+    return [d * H * hd, d * kv * hd, d * kv * hd, H * hd * d]
+
 
 
 def project(c: dict, lay: Layout, stage: int | None = None) -> MemoryProjection:
@@ -676,8 +1044,29 @@ def project(c: dict, lay: Layout, stage: int | None = None) -> MemoryProjection:
         r["in_peak"] = moment in r["phase"]
     df = pd.DataFrame(rows)[["component", "group", "phase", "bytes", "in_peak", "note"]]
     info = {"params_total": total_params(c), "microbatches": lay.microbatches,
-            "in_flight": in_flight(lay, s)}
+            "in_flight": max(sum(comp.values()) for _, comp in backward_moments(lay, s)) / len(rank_stages(lay, s))}
     return MemoryProjection(lay, df.reset_index(drop=True), float(peak), s, phase, pd.DataFrame(srows), info)
+
+
+def compare_ranks(c: dict, lay: Layout, measured: Iterable[int | float]) -> pd.DataFrame:
+    """Projected vs measured peak per global rank (a manifest's ``metrics.peak_memory_bytes``, one per rank).
+
+    Global rank g holds pipeline rank ``g // (world / pp)`` (the trainer's mesh puts the pipeline dimension
+    outermost). Columns: rank, pp_rank, projected_bytes, projected_gib, moment, measured_bytes,
+    measured_gib, ratio (projected / measured).
+    """
+    per_pp: dict[int, MemoryProjection] = {}
+    rows = []
+    for g, meas in enumerate(measured):
+        pr = g // (lay.world // lay.pp)
+        if pr not in per_pp:
+            per_pp[pr] = project(c, lay, stage=pr)
+        p = per_pp[pr]
+        rows.append({"rank": g, "pp_rank": pr, "projected_bytes": p.peak_bytes, "projected_gib": p.peak_bytes / GIB,
+                     "moment": p.phase, "measured_bytes": float(meas), "measured_gib": float(meas) / GIB,
+                     "ratio": p.peak_bytes / float(meas) if meas else float("nan")})
+    return pd.DataFrame(rows, columns=["rank", "pp_rank", "projected_bytes", "projected_gib", "moment",
+                                       "measured_bytes", "measured_gib", "ratio"])
 
 
 MOMENTS = {"F": "forward end", "B": "backward", "E": "backward end", "S": "optimizer step"}
@@ -712,8 +1101,8 @@ def comm_volume(c: dict, lay: Layout) -> dict[str, float]:
     m = lay.microbatches
     t = lay.mbs * lay.seq / (lay.tp * lay.cp)
     d = c["d_model"]
-    stage = max(range(lay.pp), key=lambda s: len(stage_layers(c["n_layers"], lay.pp, lay.vpp)[s]))
-    layers = stage_layers(c["n_layers"], lay.pp, lay.vpp)[stage]
+    stage = max(range(lay.pp), key=lambda s: len(_rank_pieces(c, lay, s)[0]))
+    layers = _rank_pieces(c, lay, stage)[0]
     n_moe = sum(1 for li in layers if li >= c["first_k_dense"])
     out = {}
     if lay.ep > 1:
