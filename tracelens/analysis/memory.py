@@ -15,14 +15,18 @@ torch. Every formula, with its assumptions, is in docs/memory.md; the short vers
   parameters (the fp32 master weights under bf16 mixed precision), fp32 gradients, AdamW ``exp_avg`` and
   ``exp_avg_sq`` (fp32), dense parameters sharded over their data-parallel group (the trainer's world mesh),
   routed experts over the expert-data-parallel group (the trainer's ``dp`` sub-mesh); plus the unsharded
-  bf16 working copies that FSDP2 all-gathers (the root's embedding/head for the whole step, two layers at a
-  time) and, in backward, one unit's unsharded bf16 gradient and its fp32 reduce-scatter input.
-  DDP (ZeRO-0): everything replicated, plus DDP's gradient buckets and autocast's bf16 weight copies.
+  bf16 working copies that FSDP2 all-gathers (the root's embedding/head until its post-backward, a unit
+  and its prefetched neighbour) and each unit's reduce-scatter (fp32 input + bf16 gradient or fp32 output
+  shard, after its parameters were resharded); unsharded fp32 accumulators under gradient accumulation and
+  pipelines. DDP (ZeRO-0, the trainer's autocast): everything replicated, DDP's gradient buckets, autocast's
+  cached bf16 matmul weights, and per-microbatch bf16 copies of the routed experts.
   ZeRO-1/2 (not in the trainer; Megatron's distributed optimizer): bf16 parameters, fp32 main parameters
   and Adam states sharded, gradients sharded from level 2.
 * **Activations** are the tensors autograd saves in the trainer's modules (layers.py, moe.py), per layer
-  and microbatch, times the microbatches in flight on the stage (1F1B: ``p - s`` on stage ``s``;
-  interleaved: ``2(p-s-1) + (v-1)p + 1`` chunks; GPipe: all ``m``). Tensor/sequence parallelism (with
+  and microbatch, times the microbatches each virtual stage of the pipeline rank holds: simulated from the
+  torch schedule's action order (`schedule_order`, `backward_moments`) for 1f1b/gpipe/vpp, analytic
+  (`in_flight`) otherwise. The stage layout is the run's own (a manifest's ``stage_layers`` and
+  ``stage_to_rank``) or an even split. Tensor/sequence parallelism (with
   sequence parallelism) and context parallelism divide every per-token activation by ``tp*cp``.
 * **Transients** are short-lived: the loss (fp32 logits, their log-softmax and gradient), one layer's
   backward working set (plus its recomputation when checkpointed), the MoE dispatch/combine buffers, and
@@ -33,7 +37,9 @@ The peak is the largest of four moments of a step (each component says at which 
 activations + two all-gathered layers + its gradient reduce buffers + its backward workspace),
 **backward end** (state + all gradients + the root's reduce buffers) and **optimizer step** (state +
 gradients + the foreach temporary). Gradients count everywhere when they persist across microbatches.
-Measured on an H100 (gpu_proxy, FSDP2 bf16): projected peak / torch.cuda.max_memory_allocated = 0.998.
+Measured: H100 gpu_proxy (FSDP2 bf16) projected / torch.cuda.max_memory_allocated = 0.998; the 2 x H200
+run dirs in tests/fixtures (EP2 FSDP2, PP2 1F1B and interleaved under DDP) 0.993-1.022 on every rank
+(`compare_ranks`).
 """
 
 from __future__ import annotations
