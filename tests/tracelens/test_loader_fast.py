@@ -159,3 +159,27 @@ def test_vectorized_categories_match_the_rule_list_row_by_row():
     expected = [CAT.categorize(str(n), str(o), str(c)) for n, o, c in zip(g["name"], g["op"], g["cat"])]
     assert g["category"].astype(str).tolist() == expected
     assert len(set(expected)) >= 4
+
+
+def test_args_decode_falls_back_batch_by_batch(tmp_path):
+    """Args are decoded inline with typed fields; a batch whose args are not all objects is decoded with
+    raw args instead (only the groups that carry args decode them), and gives the same columns."""
+    good = [{"ph": "X", "cat": "cpu_op", "name": "aten::mm", "pid": 1, "tid": 1, "ts": 1.5, "dur": 2,
+             "args": {"External id": 5, "Input Dims": [[2, 3], [3, 4]], "Collective name": "none"}},
+            {"ph": "X", "cat": "kernel", "name": "gemm", "pid": 0, "tid": 7, "ts": 2, "dur": 1,
+             "args": {"External id": 5, "correlation": 9, "grid": [1, 2, 1]}},
+            {"ph": "M", "name": "thread_name", "pid": 1, "tid": 1, "args": {"name": "main thread"}}]
+    odd = good + [{"ph": "X", "cat": "my_marker", "name": "m", "pid": 1, "tid": 1, "ts": 5, "dur": 0, "args": [1, 2]}]
+    tabs = []
+    for name, evs in (("good.json", good), ("odd.json", odd)):
+        p = tmp_path / name
+        p.write_text(json.dumps({"traceEvents": evs}))
+        tabs.append(K.parse_file(p))
+    a, b = (_decoded(t.events) for t in tabs)
+    assert {c: v[:2] for c, v in b.items()} == a
+    assert a["external_id"] == [5, 5] and a["correlation"] == [-1, 9]
+    assert a["input_dims"] == ["[[2, 3], [3, 4]]", None] and a["grid"] == [None, "[1, 2, 1]"]
+    assert a["collective"] == ["none", None]
+    for t in tabs:
+        names = t.threads.to_pandas()
+        assert names.loc[names["kind"] == "thread_name", "value"].tolist() == ["main thread"]
