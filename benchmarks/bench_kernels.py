@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -48,25 +47,10 @@ GRADS = ("fwd", "dx", "dw")
 
 
 def timer(fn, warmup: int, reps: int, cuda: bool) -> float:
-    """Median milliseconds of ``fn()``."""
-    for _ in range(warmup):
-        fn()
-    if cuda:
-        torch.cuda.synchronize()
-    out = []
-    for _ in range(reps):
-        if cuda:
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record()
-            fn()
-            e.record()
-            e.synchronize()
-            out.append(s.elapsed_time(e))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            out.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(out)
+    """Median milliseconds of ``fn()`` (kernels' own timer; imported late: --smoke sets the interpreter first)."""
+    from kernels._runtime import median_ms
+
+    return median_ms(fn, warmup, reps, "cuda" if cuda else "cpu")
 
 
 def matmul_ceiling(dev, n: int, reps: int, dtype=torch.bfloat16) -> float:

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import logging
 import os
+import statistics
+import time
 
 import torch
 
@@ -180,3 +182,28 @@ def next_pow2(n: int) -> int:
 def m_bucket(m: int) -> int:
     """Shape bucket for a row count: the next power of two (at least 16)."""
     return max(16, next_pow2(m))
+
+
+def median_ms(fn, warmup: int, reps: int, device) -> float:
+    """Median milliseconds of ``fn()`` over ``reps`` runs after ``warmup``: CUDA events around each run on
+    a CUDA device (the kernel time, no host overhead between runs), ``perf_counter`` elsewhere.
+    The one timer of the package, the tuner, ``calibrate`` and ``benchmarks/bench_kernels.py``."""
+    cuda = torch.device(device).type == "cuda"
+    for _ in range(warmup):
+        fn()
+    if cuda:
+        torch.cuda.synchronize(device)
+    times = []
+    for _ in range(reps):
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)

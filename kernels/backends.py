@@ -28,7 +28,6 @@ import functools
 import json
 import logging
 import os
-import statistics
 import tempfile
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -37,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from ._runtime import m_bucket, triton_ok
+from ._runtime import m_bucket, median_ms, triton_ok
 
 log = logging.getLogger("kernels")
 
@@ -336,28 +335,6 @@ def _inputs(pass_, T, K, N, E, dtype, device, offs):
     return mk(T, K), mk(T, N), offs
 
 
-def _time_ms(fn, warmup: int, reps: int, device) -> float:
-    cuda = torch.device(device).type == "cuda"
-    for _ in range(warmup):
-        fn()
-    if cuda:
-        torch.cuda.synchronize(device)
-    times = []
-    for _ in range(reps):
-        if cuda:
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record()
-            fn()
-            e.record()
-            e.synchronize()
-            times.append(s.elapsed_time(e))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
-
-
 def tune(T: int, K: int, N: int, E: int, dtype: torch.dtype = torch.bfloat16, device="cuda",
          passes: Sequence[str] = PASSES, backends: Sequence[str] | None = None, warmup: int = 3, reps: int = 10,
          offs: torch.Tensor | None = None, save: bool = True, check: bool = True) -> list[dict]:
@@ -390,7 +367,7 @@ def tune(T: int, K: int, N: int, E: int, dtype: torch.dtype = torch.bfloat16, de
                     err = (got[: ref.shape[0]] - ref).abs().max().item() / scale if ref.numel() else 0.0
                     if err > tol:
                         raise RuntimeError(f"mismatch vs reference: rel err {err:.3g} > {tol}")
-                ms = _time_ms(lambda: run_pass(name, p, a, b, o), warmup, reps, device)
+                ms = median_ms(lambda: run_pass(name, p, a, b, o), warmup, reps, device)
                 row["ms"] = ms
                 row["tflops"] = flops / (ms * 1e-3) / 1e12 if ms > 0 else None
                 if best is None or ms < best[1]:

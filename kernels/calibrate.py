@@ -28,37 +28,14 @@ from __future__ import annotations
 
 import datetime
 import platform
-import statistics
-import time
 
 import torch
+
+from ._runtime import median_ms
 
 MATMUL_DTYPES = ("bf16", "fp16", "tf32", "fp32")
 CPU_DTYPES = ("bf16", "fp32")
 _TORCH_DTYPE = {"bf16": torch.bfloat16, "fp16": torch.float16, "tf32": torch.float32, "fp32": torch.float32}
-
-
-def _timer(fn, device: torch.device, warmup: int, reps: int) -> float:
-    """Median seconds of ``fn()``."""
-    cuda = device.type == "cuda"
-    for _ in range(warmup):
-        fn()
-    if cuda:
-        torch.cuda.synchronize(device)
-    times = []
-    for _ in range(reps):
-        if cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) * 1e-3)
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def matmul_tflops(dtype: str, n: int, device: torch.device, warmup: int = 3, reps: int = 10) -> float:
@@ -70,7 +47,7 @@ def matmul_tflops(dtype: str, n: int, device: torch.device, warmup: int = 3, rep
     prev = torch.backends.cuda.matmul.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = dtype == "tf32"
     try:
-        sec = _timer(lambda: torch.mm(a, b, out=out), device, warmup, reps)
+        sec = median_ms(lambda: torch.mm(a, b, out=out), warmup, reps, device) * 1e-3
     finally:
         torch.backends.cuda.matmul.allow_tf32 = prev
     return 2.0 * n ** 3 / sec / 1e12
@@ -83,8 +60,8 @@ def memory_tbps(nbytes: int, device: torch.device, warmup: int = 3, reps: int = 
     src = torch.ones(n, device=device, dtype=torch.float32)
     dst = torch.empty_like(src)
     acc = torch.empty((), device=device, dtype=torch.float32)
-    copy_s = _timer(lambda: dst.copy_(src), device, warmup, reps)
-    read_s = _timer(lambda: torch.sum(src, dim=0, out=acc), device, warmup, reps)
+    copy_s = median_ms(lambda: dst.copy_(src), warmup, reps, device) * 1e-3
+    read_s = median_ms(lambda: torch.sum(src, dim=0, out=acc), warmup, reps, device) * 1e-3
     return {"copy_tbps": 2 * 4 * n / copy_s / 1e12, "read_tbps": 4 * n / read_s / 1e12}
 
 
