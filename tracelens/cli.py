@@ -742,13 +742,33 @@ def calibrate(out, cpu, size, mem_mib, dtypes, reps):
 def _print_summary(result) -> None:
     tl = result.timeline
     if tl.empty:
-        click.echo("no GPU activity in these traces (CPU-only): GPU timeline unavailable")
+        _print_cpu_summary(result)
         return
     click.echo(f"{'rank':>4} {'span ms':>10} {'busy %':>7} {'compute ms':>11} {'comm ms':>9} {'exposed ms':>11} {'kernels':>8}")
     for r in tl.itertuples(index=False):
         busy = 100.0 * r.gpu_busy_us / r.span_us if r.span_us else 0.0
         click.echo(f"{r.rank:>4} {r.span_us / 1e3:>10.3f} {busy:>7.1f} {r.compute_us / 1e3:>11.3f} "
                    f"{r.comm_us / 1e3:>9.3f} {r.exposed_comm_us / 1e3:>11.3f} {r.kernel_count:>8}")
+
+
+def _print_cpu_summary(result) -> None:
+    """CPU-only traces (the trainer on a CPU): host time per profiler step and the top-level
+    record_function ranges (MoE stages, optimizer, FSDP hooks) that take it."""
+    click.echo("no GPU activity in these traces (CPU-only): GPU timeline unavailable; host time instead")
+    steps = result.steps
+    n_steps = max(1, steps["step"].nunique()) if not steps.empty else 1
+    if not steps.empty:
+        for rank, g in steps.groupby("rank"):
+            per = ", ".join(f"step {int(r.step)} {(r.end - r.start) / 1e6:.1f} ms" for r in g.itertuples(index=False))
+            click.echo(f"rank {rank}: {per}")
+    ann = result.annotations
+    if ann.empty:
+        return
+    top = ann[ann["path"].astype(str) == ann["name"].astype(str)]  # top-level ranges only
+    top = top.sort_values("host_total_us", ascending=False).head(8)
+    click.echo(f"host time by range, per step (over {n_steps} step(s) and all ranks):")
+    for r in top.itertuples(index=False):
+        click.echo(f"  {r.host_total_us / n_steps / 1e3:>10.3f} ms  {r.name}")
 
 
 if __name__ == "__main__":  # pragma: no cover

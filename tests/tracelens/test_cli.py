@@ -88,3 +88,24 @@ def test_tracelens_imports_without_torch():
             "import reports.html as h; h.render(a)\nprint('ok')")
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert p.returncode == 0 and p.stdout.strip() == "ok", p.stderr
+
+
+def test_cpu_only_summary_names_host_time_per_step_and_range(tmp_path):
+    """A CPU run of the trainer: the terminal summary gives host time per profiler step and the
+    top-level ranges (MoE stages) per step, not just 'GPU unavailable'."""
+    ev, ts = [], 1000.0
+    for i, (step_us, experts_us) in enumerate([(2000.0, 600.0), (3000.0, 1000.0)]):
+        ev.append({"ph": "X", "cat": "user_annotation", "name": f"ProfilerStep#{i}", "pid": 1, "tid": 1,
+                   "ts": ts, "dur": step_us})
+        ev.append({"ph": "X", "cat": "user_annotation", "name": "moe/experts", "pid": 1, "tid": 1,
+                   "ts": ts + 10.0, "dur": experts_us})
+        ev.append({"ph": "X", "cat": "cpu_op", "name": "aten::mm", "pid": 1, "tid": 1, "ts": ts + 20.0,
+                   "dur": experts_us / 2})
+        ts += step_us + 50.0
+    trace = tmp_path / "cpu.json"
+    trace.write_text(json.dumps({"traceEvents": ev}))
+    r = run("analyze", str(trace), "-o", str(tmp_path / "out"))
+    assert r.returncode == 0, r.stderr
+    assert "step 0 2.0 ms, step 1 3.0 ms" in r.stdout
+    line = next(x for x in r.stdout.splitlines() if x.strip().endswith("moe/experts"))
+    assert float(line.split()[0]) == pytest.approx((600 + 1000) / 2 / 1000)  # ms per step
