@@ -126,11 +126,11 @@ except ImportError:
     pass
 import msgspec
 t = time.perf_counter(); msgspec.json.decode(data); res['msgspec (untyped)'] = time.perf_counter() - t
-from tracelens.io.kineto import _DOC, _EVENTS
+from tracelens.io.kineto import BATCH, _DOC, _decode_batch, _json_array
 t = time.perf_counter()
 raws = _DOC.decode(data).traceEvents
-for lo in range(0, len(raws), 65536):
-    _EVENTS.decode(b'[' + b','.join(raws[lo:lo + 65536]) + b']')
+for lo in range(0, len(raws), BATCH):
+    _decode_batch('', _json_array(raws[lo:lo + BATCH]))
 res['msgspec (typed, as tracelens)'] = time.perf_counter() - t
 print(json.dumps(res))
 """
