@@ -2,10 +2,17 @@
 
 The hot path of the whole toolkit. Measured choices (see docs/performance.md):
 - `msgspec` decodes the top level with `traceEvents` as a list of `Raw` slices (no objects built), then
-  decodes events in batches into typed `Struct`s whose `args` stay `Raw`; only the few events whose
-  category carries interesting args get those decoded, again in typed batches. Peak memory stays near
-  the size of the file's bytes instead of several times it, and no per-event dict is ever built.
-- Strings are dictionary-encoded by pyarrow (names repeat millions of times; a dictionary keeps one).
+  decodes events in batches of 32K into typed `Struct`s, args included (every arg the analyzer reads,
+  typed; list/object args kept as their raw JSON text). A batch whose arg types surprise the strict
+  decoder is decoded leniently, and one whose args are not objects keeps them `Raw` and decodes them
+  per category group. No per-event dict is ever built, and batch objects die with their batch.
+- Columns accumulate as numpy arrays per parsed range (`_RangeParser`); strings become int32 codes
+  against one dictionary per column (`_Dict`: pyarrow hashes each batch, values keep the order of first
+  appearance), so the final Arrow table has one chunk per column and nothing to unify. Arrow tables are
+  built after the raw buffer is released, so the two never coexist.
+- Flow events (ph s/t/f) are decoded but only turned into columns when asked for (`flows=True`,
+  `parse_flows`): no analysis reads them.
+- A large file is split over forked workers (`usable_cpus()` of them, from the affinity mask).
 - Timestamps become exact integer nanoseconds: Kineto writes microseconds with three decimals; the
   integer and fractional parts are converted separately so no float rounding leaks into the ns value
   (exact while |ts| < 2**43 us, i.e. ~100 days of clock, which covers Kineto's monotonic clock and
