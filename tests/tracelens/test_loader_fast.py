@@ -61,7 +61,7 @@ def test_parse_file_with_flows_matches_raw_json():
 
 @pytest.mark.parametrize("workers", [2, 3])
 def test_forked_workers_give_the_same_tables(workers):
-    # 109,123 events: every worker gets several batches, and the first (parent's) range is the smallest
+    # 109,123 events: every worker gets one or more batches, and dictionaries differ per worker
     serial = K.parse_file(DIFF_CONTROL, parallel=1)
     par = K.parse_file(DIFF_CONTROL, parallel=workers)
     assert par.events.column("name").num_chunks == workers
