@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q "$(TORCH)"
-	$(PIP) install -q -e ".[trainer,kernels,dev]"
+	$(PIP) install -q -e ".[trainer,kernels,tune,dev]"
 	touch $(STAMP)
 
 install: $(STAMP)
