@@ -15,13 +15,7 @@ import pandas as pd
 
 from tracelens.analyze import Analysis
 
-from .html import write_report
-
-
-def _atomic_write_text(path: Path, text: str) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
+from .html import write_report, write_text_atomic
 
 
 def write_tables(analysis: Analysis, out: Path, formats: tuple[str, ...] = ("parquet", "csv")) -> list[Path]:
@@ -56,7 +50,7 @@ def write_all(analysis: Analysis, out: str | os.PathLike, *, report: bool = True
     out.mkdir(parents=True, exist_ok=True)
     paths: dict[str, Path] = {}
     summary = out / "summary.json"
-    _atomic_write_text(summary, json.dumps(analysis.summary(), indent=2))
+    write_text_atomic(summary, json.dumps(analysis.summary(), indent=2))
     paths["summary"] = summary
     if tables:
         write_tables(analysis, out)

@@ -12,7 +12,7 @@ import pandas as pd
 
 from tracelens.analysis.diff import DiffResult
 
-from .html import _env, _plot_text, html_table, plotly_js, safe_json
+from .html import _env, _plot_text, html_table, plotly_js, safe_json, write_text_atomic
 
 DIFF_SCHEMA = 1
 
@@ -218,9 +218,5 @@ def write_all(r: DiffResult, out: str | os.PathLike, rules: list[dict] | None = 
     paths = {}
     for name, text in (("diff.json", json.dumps(to_json(r, rules), indent=2)), ("diff.md", to_markdown(r, rules)),
                        ("diff.html", render_html(r, rules))):
-        p = out / name
-        tmp = p.with_suffix(p.suffix + ".tmp")
-        tmp.write_text(text, encoding="utf-8")
-        os.replace(tmp, p)
-        paths[name] = p
+        paths[name] = write_text_atomic(out / name, text)
     return paths

@@ -298,10 +298,16 @@ def _version() -> str:
     return __version__
 
 
-def write_report(analysis: Analysis, path: str | os.PathLike, title: str | None = None) -> Path:
+def write_text_atomic(path: str | os.PathLike, text: str) -> Path:
+    """Write ``text`` to ``path`` (parents created) through a temporary file and a rename, so a reader
+    (a browser, CI picking up an artifact, a resumed sweep) never sees a half-written file."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(render(analysis, title), encoding="utf-8")
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text, encoding="utf-8")
     os.replace(tmp, path)
     return path
+
+
+def write_report(analysis: Analysis, path: str | os.PathLike, title: str | None = None) -> Path:
+    return write_text_atomic(path, render(analysis, title))

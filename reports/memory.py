@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Sequence
 
-from .html import _env, _plot_text, html_table, plotly_js, safe_json
+from .html import _env, _plot_text, html_table, plotly_js, safe_json, write_text_atomic
 
 GIB = 1 << 30
 GROUP_COLORS = {"parameters": "#3b7dd8", "gradients": "#7fb800", "optimizer": "#1b4f9c", "activations": "#e4572e",
@@ -67,7 +67,4 @@ def render(projections: Sequence, title: str = "tracelens memory", device_bytes:
 
 def write_memory_report(projections: Sequence, path: str | Path, title: str = "tracelens memory",
                         device_bytes: float | None = None, measured_bytes: float | None = None) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(render(projections, title, device_bytes, measured_bytes), encoding="utf-8")
-    return path
+    return write_text_atomic(path, render(projections, title, device_bytes, measured_bytes))

@@ -191,9 +191,6 @@ def render_ppvis(res: PipelineAnalysis, title: str | None = None) -> str:
 
 
 def write_ppvis(res: PipelineAnalysis, path: str | os.PathLike, title: str | None = None) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(render_ppvis(res, title), encoding="utf-8")
-    os.replace(tmp, path)
-    return path
+    from .html import write_text_atomic
+
+    return write_text_atomic(path, render_ppvis(res, title))

@@ -16,7 +16,7 @@ from typing import Any
 
 import pandas as pd
 
-from .html import _env, _plot_text, html_table, plotly_js, safe_json
+from .html import _env, _plot_text, html_table, plotly_js, safe_json, write_text_atomic
 
 OK, FAILED, KEPT = "#3b7dd8", "#c0392b", "#2e9d5b"
 
@@ -199,17 +199,12 @@ def write(result, space) -> dict[str, Path]:
     """Write OUT/best.yaml, OUT/diff_best_vs_baseline/ and OUT/sweep.html (each atomically)."""
     out = Path(result.out)
     paths: dict[str, Path] = {}
-    _atomic(out / "best.yaml", best_yaml(space, result.best))
+    write_text_atomic(out / "best.yaml", best_yaml(space, result.best))
     paths["best.yaml"] = out / "best.yaml"
     link, err = write_diff(result, out)
     if link:
         paths["diff.html"] = out / link
-    _atomic(out / "sweep.html", render(result, space, link, err))
+    write_text_atomic(out / "sweep.html", render(result, space, link, err))
     paths["sweep.html"] = out / "sweep.html"
     return paths
 
-
-def _atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
