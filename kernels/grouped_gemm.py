@@ -57,6 +57,29 @@ if HAS_TRITON:
             cfg.append(triton.Config({"BM": bm, "BN": bn, "BK": bk}, num_warps=w, num_stages=s))
         return cfg
 
+    @triton.jit
+    def _group_tile(offs_ptr, pid, T, N, E, BLOCK_E: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+        """The output tile of program ``pid`` in a grouped GEMM over row groups given by device offsets:
+        (column tile, group g, first row, rows left in the group from there). Groups are tiled by BM
+        rows each, in order; group E is the tail [offs[E-1], T), written as zeros; g > E: no work.
+        Offsets are clamped to T, so bad offsets never address past x."""
+        n_tiles = tl.cdiv(N, BN)
+        pid_m = pid // n_tiles
+        pid_n = pid % n_tiles
+        e = tl.arange(0, BLOCK_E)
+        ends = tl.load(offs_ptr + e, mask=e < E, other=0).to(tl.int32)
+        ends = tl.minimum(tl.where(e < E, ends, T), T)
+        prev = tl.load(offs_ptr + e - 1, mask=(e > 0) & (e <= E), other=0).to(tl.int32)
+        starts = tl.minimum(tl.where(e <= E, prev, T), T)
+        sizes = tl.maximum(ends - starts, 0)
+        tiles = (sizes + BM - 1) // BM
+        cum = tl.cumsum(tiles, 0)
+        g = tl.sum((cum <= pid_m).to(tl.int32), 0)
+        sel = e == g
+        row0 = tl.sum(tl.where(sel, starts + (pid_m - (cum - tiles)) * BM, 0), 0)
+        rows = tl.sum(tl.where(sel, ends, 0), 0) - row0
+        return pid_n, g, row0, rows
+
     @triton.autotune(configs=_fwd_configs(), key=["M_BUCKET", "N", "K", "E"])
     @triton.jit
     def _gmm_fwd_kernel(
@@ -66,24 +89,8 @@ if HAS_TRITON:
         BLOCK_E: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr, W_KMAJOR: tl.constexpr,
         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
     ):
-        pid = tl.program_id(0)
-        n_tiles = tl.cdiv(N, BN)
-        pid_m = pid // n_tiles
-        pid_n = pid % n_tiles
-        # Per-group row ranges; group E is the tail [offs[E-1], T) that is written as zeros.
-        e = tl.arange(0, BLOCK_E)
-        ends = tl.load(offs_ptr + e, mask=e < E, other=0).to(tl.int32)
-        ends = tl.minimum(tl.where(e < E, ends, T), T)  # clamped: bad offsets never address past x
-        prev = tl.load(offs_ptr + e - 1, mask=(e > 0) & (e <= E), other=0).to(tl.int32)
-        starts = tl.minimum(tl.where(e <= E, prev, T), T)
-        sizes = tl.maximum(ends - starts, 0)
-        tiles = (sizes + BM - 1) // BM
-        cum = tl.cumsum(tiles, 0)
-        g = tl.sum((cum <= pid_m).to(tl.int32), 0)
+        pid_n, g, row0, rows = _group_tile(offs_ptr, tl.program_id(0), T, N, E, BLOCK_E, BM, BN)
         if g <= E:
-            sel = e == g
-            row0 = tl.sum(tl.where(sel, starts + (pid_m - (cum - tiles)) * BM, 0), 0)
-            rows = tl.sum(tl.where(sel, ends, 0), 0) - row0
             acc = tl.zeros((BM, BN), dtype=tl.float32)
             if g < E:
                 x_blk = tl.make_block_ptr(x_ptr + row0.to(tl.int64) * sxm, shape=(rows, K), strides=(sxm, sxk),
@@ -188,23 +195,8 @@ if HAS_TRITON:
         x rows past the group's end are fetched too (they belong to the next group) but only feed
         output rows that this program does not store; w is a 3-D descriptor, exact per expert.
         """
-        pid = tl.program_id(0)
-        n_tiles = tl.cdiv(N, BN)
-        pid_m = pid // n_tiles
-        pid_n = pid % n_tiles
-        e = tl.arange(0, BLOCK_E)
-        ends = tl.load(offs_ptr + e, mask=e < E, other=0).to(tl.int32)
-        ends = tl.minimum(tl.where(e < E, ends, T), T)  # clamped: bad offsets never address past x
-        prev = tl.load(offs_ptr + e - 1, mask=(e > 0) & (e <= E), other=0).to(tl.int32)
-        starts = tl.minimum(tl.where(e <= E, prev, T), T)
-        sizes = tl.maximum(ends - starts, 0)
-        tiles = (sizes + BM - 1) // BM
-        cum = tl.cumsum(tiles, 0)
-        g = tl.sum((cum <= pid_m).to(tl.int32), 0)
+        pid_n, g, row0, rows = _group_tile(offs_ptr, tl.program_id(0), T, N, E, BLOCK_E, BM, BN)
         if g <= E:
-            sel = e == g
-            row0 = tl.sum(tl.where(sel, starts + (pid_m - (cum - tiles)) * BM, 0), 0)
-            rows = tl.sum(tl.where(sel, ends, 0), 0) - row0
             acc = tl.zeros((BM, BN), dtype=tl.float32)
             if g < E:
                 for k in range(0, tl.cdiv(K, BK)):
