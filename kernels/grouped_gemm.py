@@ -58,6 +58,19 @@ if HAS_TRITON:
         return cfg
 
     @triton.jit
+    def _dot_acc(a, b, acc, UPCAST: tl.constexpr, IEEE: tl.constexpr):
+        """acc += a @ b in fp32. UPCAST: the interpreter's dot cannot multiply bf16 (it sees raw bits);
+        IEEE: full-precision fp32 products (tests), else the tensor cores' default (tf32 for fp32)."""
+        if UPCAST:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        if IEEE:
+            acc = tl.dot(a, b, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, b, acc)
+        return acc
+
+    @triton.jit
     def _group_tile(offs_ptr, pid, T, N, E, BLOCK_E: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
         """The output tile of program ``pid`` in a grouped GEMM over row groups given by device offsets:
         (column tile, group g, first row, rows left in the group from there). Groups are tiled by BM
@@ -104,13 +117,7 @@ if HAS_TRITON:
                 for _ in range(0, tl.cdiv(K, BK)):
                     a = tl.load(x_blk, boundary_check=(0, 1), padding_option="zero")
                     b = tl.load(w_blk, boundary_check=(0, 1), padding_option="zero")
-                    if UPCAST:  # the interpreter's dot cannot multiply bf16 (it sees raw bits)
-                        a = a.to(tl.float32)
-                        b = b.to(tl.float32)
-                    if IEEE:
-                        acc = tl.dot(a, b, acc, input_precision="ieee")
-                    else:
-                        acc = tl.dot(a, b, acc)
+                    acc = _dot_acc(a, b, acc, UPCAST, IEEE)
                     x_blk = tl.advance(x_blk, (0, BK))
                     w_blk = tl.advance(w_blk, (BK, 0))
             o_blk = tl.make_block_ptr(out_ptr + row0.to(tl.int64) * som, shape=(rows, N), strides=(som, son),
@@ -142,13 +149,7 @@ if HAS_TRITON:
         for _ in range(0, tl.cdiv(rows, BM)):
             a = tl.load(xt_blk, boundary_check=(0, 1), padding_option="zero")
             b = tl.load(dy_blk, boundary_check=(0, 1), padding_option="zero")
-            if UPCAST:  # the interpreter's dot cannot multiply bf16 (it sees raw bits)
-                a = a.to(tl.float32)
-                b = b.to(tl.float32)
-            if IEEE:
-                acc = tl.dot(a, b, acc, input_precision="ieee")
-            else:
-                acc = tl.dot(a, b, acc)
+            acc = _dot_acc(a, b, acc, UPCAST, IEEE)
             xt_blk = tl.advance(xt_blk, (0, BM))
             dy_blk = tl.advance(dy_blk, (BM, 0))
         if DW_KMAJOR:
@@ -205,10 +206,7 @@ if HAS_TRITON:
                         b = w_desc.load([g, pid_n * BN, k * BK]).reshape(BN, BK).T
                     else:
                         b = w_desc.load([g, k * BK, pid_n * BN]).reshape(BK, BN)
-                    if UPCAST:
-                        a = a.to(tl.float32)
-                        b = b.to(tl.float32)
-                    acc = tl.dot(a, b, acc)
+                    acc = _dot_acc(a, b, acc, UPCAST, False)
             o_blk = tl.make_block_ptr(out_ptr + row0.to(tl.int64) * som, shape=(rows, N), strides=(som, son),
                                       offsets=(0, pid_n * BN), block_shape=(BM, BN), order=(1, 0))
             tl.store(o_blk, acc.to(out_ptr.dtype.element_ty), boundary_check=(0, 1))
