@@ -23,6 +23,8 @@ May import: torch, triton, stdlib.
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from ._runtime import HAS_TRITON, INTERPRET, m_bucket, next_pow2, triton_ok
@@ -71,14 +73,25 @@ if HAS_TRITON:
         return acc
 
     @triton.jit
-    def _group_tile(offs_ptr, pid, T, N, E, BLOCK_E: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+    def _swizzle(local, m_tiles, n_tiles, GROUP: tl.constexpr):
+        """(row tile, column tile) of the ``local``-th program over an m_tiles x n_tiles grid, in bands of
+        GROUP row tiles walked row-fastest: one wave of programs shares a few column tiles (of the
+        weight) across GROUP row tiles, so a wide weight is read about once per band from L2 instead of
+        once per row tile from HBM (the classic grouped ordering of Triton's matmul tutorial)."""
+        width = GROUP * n_tiles
+        first = (local // width) * GROUP
+        size = tl.maximum(tl.minimum(m_tiles - first, GROUP), 1)
+        return first + (local % width) % size, (local % width) // size
+
+    @triton.jit
+    def _group_tile(offs_ptr, pid, T, N, E, BLOCK_E: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                    GROUP: tl.constexpr):
         """The output tile of program ``pid`` in a grouped GEMM over row groups given by device offsets:
-        (column tile, group g, first row, rows left in the group from there). Groups are tiled by BM
-        rows each, in order; group E is the tail [offs[E-1], T), written as zeros; g > E: no work.
+        (column tile, group g, first row, rows left in the group from there). Each group owns
+        ceil(rows / BM) x ceil(N / BN) programs, in group order, swizzled within the group (_swizzle);
+        group E is the tail [offs[E-1], T), written as zeros; g > E: no work.
         Offsets are clamped to T, so bad offsets never address past x."""
         n_tiles = tl.cdiv(N, BN)
-        pid_m = pid // n_tiles
-        pid_n = pid % n_tiles
         e = tl.arange(0, BLOCK_E)
         ends = tl.load(offs_ptr + e, mask=e < E, other=0).to(tl.int32)
         ends = tl.minimum(tl.where(e < E, ends, T), T)
@@ -86,10 +99,14 @@ if HAS_TRITON:
         starts = tl.minimum(tl.where(e <= E, prev, T), T)
         sizes = tl.maximum(ends - starts, 0)
         tiles = (sizes + BM - 1) // BM
-        cum = tl.cumsum(tiles, 0)
-        g = tl.sum((cum <= pid_m).to(tl.int32), 0)
+        progs = tiles * n_tiles
+        cum = tl.cumsum(progs, 0)
+        g = tl.sum((cum <= pid).to(tl.int32), 0)
         sel = e == g
-        row0 = tl.sum(tl.where(sel, starts + (pid_m - (cum - tiles)) * BM, 0), 0)
+        m_tiles = tl.sum(tl.where(sel, tiles, 0), 0)
+        local = pid - tl.sum(tl.where(sel, cum - progs, 0), 0)
+        pid_m, pid_n = _swizzle(local, m_tiles, n_tiles, GROUP)
+        row0 = tl.sum(tl.where(sel, starts, 0), 0) + pid_m * BM
         rows = tl.sum(tl.where(sel, ends, 0), 0) - row0
         return pid_n, g, row0, rows
 
@@ -100,9 +117,9 @@ if HAS_TRITON:
         T, N, K, E, M_BUCKET,
         sxm, sxk, swe, swk, swn, som, son,
         BLOCK_E: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr, W_KMAJOR: tl.constexpr,
-        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
     ):
-        pid_n, g, row0, rows = _group_tile(offs_ptr, tl.program_id(0), T, N, E, BLOCK_E, BM, BN)
+        pid_n, g, row0, rows = _group_tile(offs_ptr, tl.program_id(0), T, N, E, BLOCK_E, BM, BN, GROUP_M)
         if g <= E:
             acc = tl.zeros((BM, BN), dtype=tl.float32)
             if g < E:
@@ -131,13 +148,10 @@ if HAS_TRITON:
         T, K, N, E, M_BUCKET,
         sxm, sxk, sdm, sdn, swe, swk, swn,
         IEEE: tl.constexpr, UPCAST: tl.constexpr, DW_KMAJOR: tl.constexpr,
-        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_K: tl.constexpr,
     ):
-        pid = tl.program_id(0)
         g = tl.program_id(1)
-        n_tiles = tl.cdiv(N, BN)
-        pid_k = pid // n_tiles
-        pid_n = pid % n_tiles
+        pid_k, pid_n = _swizzle(tl.program_id(0), tl.cdiv(K, BK), tl.cdiv(N, BN), GROUP_K)
         end = tl.minimum(tl.load(offs_ptr + g).to(tl.int32), T)
         start = tl.minimum(tl.load(offs_ptr + g - 1, mask=g > 0, other=0).to(tl.int32), T)
         rows = tl.maximum(end - start, 0)
@@ -189,14 +203,14 @@ if HAS_TRITON:
         x_desc, w_desc, out_ptr, offs_ptr,
         T, N, K, E, M_BUCKET, som, son,
         BLOCK_E: tl.constexpr, UPCAST: tl.constexpr, W_KMAJOR: tl.constexpr,
-        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
     ):
         """As _gmm_fwd_kernel, with x and w tiles fetched by TMA (host tensor descriptors).
 
         x rows past the group's end are fetched too (they belong to the next group) but only feed
         output rows that this program does not store; w is a 3-D descriptor, exact per expert.
         """
-        pid_n, g, row0, rows = _group_tile(offs_ptr, tl.program_id(0), T, N, E, BLOCK_E, BM, BN)
+        pid_n, g, row0, rows = _group_tile(offs_ptr, tl.program_id(0), T, N, E, BLOCK_E, BM, BN, GROUP_M)
         if g <= E:
             acc = tl.zeros((BM, BN), dtype=tl.float32)
             if g < E:
@@ -212,6 +226,11 @@ if HAS_TRITON:
             tl.store(o_blk, acc.to(out_ptr.dtype.element_ty), boundary_check=(0, 1))
 else:
     HAS_TMA = False
+
+
+# Row (or K) tiles per band of the programs' swizzled order (see _swizzle); 1 = plain row-major order.
+# TRACELENS_GMM_SWIZZLE=1 restores the plain order (for A/B timing in benchmarks/bench_kernels.py).
+SWIZZLE = max(1, int(os.environ.get("TRACELENS_GMM_SWIZZLE", "8") or 8))
 
 
 def _check(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> None:
@@ -256,7 +275,7 @@ def _gmm_rows(x: torch.Tensor, w_kn: torch.Tensor, offs: torch.Tensor) -> torch.
     _launch(_gmm_fwd_kernel, grid, T, N, K)(
         x, w_kn, out, offs, T, N, K, E, m_bucket(T),
         x.stride(0), x.stride(1), w_kn.stride(0), w_kn.stride(1), w_kn.stride(2), out.stride(0), out.stride(1),
-        BLOCK_E=next_pow2(E + 1), IEEE=x.dtype == torch.float32, UPCAST=INTERPRET, W_KMAJOR=_kmajor(w_kn),
+        BLOCK_E=next_pow2(E + 1), IEEE=x.dtype == torch.float32, UPCAST=INTERPRET, W_KMAJOR=_kmajor(w_kn), GROUP_M=SWIZZLE,
     )
     return out
 
@@ -294,7 +313,7 @@ def _gmm_rows_tma(x: torch.Tensor, w_kn: torch.Tensor, offs: torch.Tensor) -> to
     grid = lambda meta: ((triton.cdiv(T, meta["BM"]) + E) * triton.cdiv(N, meta["BN"]),)  # noqa: E731
     _gmm_fwd_tma_kernel[grid](
         x_desc, w_desc, out, offs, T, N, K, E, m_bucket(T), out.stride(0), out.stride(1),
-        BLOCK_E=next_pow2(E + 1), UPCAST=INTERPRET, W_KMAJOR=kmajor,
+        BLOCK_E=next_pow2(E + 1), UPCAST=INTERPRET, W_KMAJOR=kmajor, GROUP_M=SWIZZLE,
     )
     return out
 
@@ -341,7 +360,7 @@ def grouped_mm_dw_triton(x: torch.Tensor, dy: torch.Tensor, offs: torch.Tensor,
     _launch(_gmm_dw_kernel, grid, T, N, K)(
         x, dy, dw, offs, T, K, N, E, m_bucket(max(T // max(E, 1), 1)),
         x.stride(0), x.stride(1), dy.stride(0), dy.stride(1), dw.stride(0), dw.stride(1), dw.stride(2),
-        IEEE=x.dtype == torch.float32, UPCAST=INTERPRET, DW_KMAJOR=_kmajor(dw),
+        IEEE=x.dtype == torch.float32, UPCAST=INTERPRET, DW_KMAJOR=_kmajor(dw), GROUP_K=SWIZZLE,
     )
     return dw
 
