@@ -13,6 +13,10 @@ results store (the same measurement for the same knobs), so both strategies judg
 and the comparison costs one grid. ``--live`` runs the guided trials for real instead (its own
 measurements, noise included). Both sweeps are resumable (``--resume``) and each writes its
 sweep.html; a summary goes to OUT/bench_autotune.json.
+
+``--stop-after SECONDS`` starts no new trial past that many seconds of this invocation and exits with
+status 3 (nothing lost: the stores keep every finished trial), so a grid longer than one machine lease
+runs as a few ``--resume`` calls.
 """
 
 from __future__ import annotations
@@ -20,12 +24,13 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from autotune.runner import TrialResult  # noqa: E402
+from autotune.runner import TrialResult, run_trial  # noqa: E402
 from autotune.space import SpaceError, key_of, load_space  # noqa: E402
 from autotune.store import Store  # noqa: E402
 from autotune.sweep import SweepError, run_sweep  # noqa: E402
@@ -49,6 +54,22 @@ class GridReplay:
         if t is None:
             return TrialResult("failed", "crash", "crash: not measured by the grid", None, {})
         return TrialResult(t["status"], t["failure"], t["reason"], t["objective"], t["metrics"], t["findings"])
+
+
+class DeadlineReached(Exception):
+    """--stop-after: the invocation's time is up; resume to continue."""
+
+
+class Deadline:
+    """Wraps a trial runner: refuses to start a trial once ``stop_at`` (time.monotonic) is past."""
+
+    def __init__(self, runner, stop_at: float | None):
+        self.runner, self.stop_at = runner or run_trial, stop_at
+
+    def __call__(self, space, point, run_dir, on_start) -> TrialResult:
+        if self.stop_at is not None and time.monotonic() > self.stop_at:
+            raise DeadlineReached()
+        return self.runner(space, point, run_dir, on_start=on_start)
 
 
 def compare(space, grid, guided, tolerance: float, max_share: float) -> dict:
@@ -79,7 +100,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tolerance", type=float, default=0.03)
     p.add_argument("--max-share", type=float, default=0.30)
     p.add_argument("--check", action="store_true", help="exit 1 when the guided search misses the targets")
+    p.add_argument("--stop-after", type=float, metavar="SECONDS",
+                   help="start no trial past this many seconds; exit 3 (continue with --resume)")
     args = p.parse_args(argv)
+    stop_at = time.monotonic() + args.stop_after if args.stop_after is not None else None
     from reports import sweep as sweep_report
 
     try:
@@ -92,14 +116,19 @@ def main(argv: list[str] | None = None) -> int:
             import dataclasses
 
             grid_space = dataclasses.replace(space, max_trials=n_points)
-        grid = run_sweep(grid_space, out / "grid", strategy="grid", resume=args.resume, log=log)
+        grid = run_sweep(grid_space, out / "grid", strategy="grid", resume=args.resume, log=log,
+                         runner=Deadline(None, stop_at))
         sweep_report.write(grid, grid_space)
         runner = None if args.live else GridReplay(out / "grid" / "sweep.sqlite")
-        guided = run_sweep(space, out / "guided", strategy="guided", resume=args.resume, log=log, runner=runner)
+        guided = run_sweep(space, out / "guided", strategy="guided", resume=args.resume, log=log,
+                           runner=Deadline(runner, stop_at))
         sweep_report.write(guided, space)
     except (SpaceError, SweepError) as e:
         print(f"bench_autotune: error: {e}", file=sys.stderr)
         return 2
+    except DeadlineReached:
+        print(f"bench_autotune: --stop-after {args.stop_after:g} s reached; continue with --resume", file=sys.stderr)
+        return 3
     r = compare(space, grid, guided, args.tolerance, args.max_share)
     r["mode"] = "live" if args.live else "replay of the grid's measurements"
     (out / "bench_autotune.json").write_text(json.dumps(r, indent=1, default=str))

@@ -28,8 +28,11 @@ def test_bench_autotune_smoke(tmp_path):
     space = tmp_path / "tiny2.yaml"
     space.write_text(SPACE)
     out = tmp_path / "bench"
-    r = subprocess.run([sys.executable, "benchmarks/bench_autotune.py", "--config", str(space), "--out", str(out)],
-                       cwd=REPO, capture_output=True, text=True, timeout=400)
+    cmd = [sys.executable, "benchmarks/bench_autotune.py", "--config", str(space), "--out", str(out)]
+    # --stop-after: no trial starts past the deadline; exit 3, and --resume carries on
+    r = subprocess.run(cmd + ["--stop-after", "0"], cwd=REPO, capture_output=True, text=True, timeout=400)
+    assert r.returncode == 3 and "--stop-after 0 s reached; continue with --resume" in r.stderr, r.stderr[-3000:]
+    r = subprocess.run(cmd + ["--resume"], cwd=REPO, capture_output=True, text=True, timeout=400)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     # the grid's two real trials, read straight from its store
     con = sqlite3.connect(out / "grid" / "sweep.sqlite")
