@@ -42,6 +42,22 @@ def test_findings_order_is_kept_and_moves_are_not_repeated():
                         ("sync_free_level", 2, "launch_bound"), ("sync_free_level", 3, "launch_bound")]
 
 
+def test_launch_bound_prefers_grouped_backends_and_never_proposes_a_per_expert_one():
+    knobs = {"sync_free_level": [0, 1, 2], "grouped_gemm_backend": ["loop", "multistream", "torch", "triton"]}
+    lb = [finding("launch_bound")]
+    assert moves(lb, knobs=knobs, cur={"sync_free_level": 0, "grouped_gemm_backend": "loop"}) == [
+        ("grouped_gemm_backend", "torch", "launch_bound"), ("grouped_gemm_backend", "triton", "launch_bound"),
+        ("sync_free_level", 1, "launch_bound"), ("sync_free_level", 2, "launch_bound")]
+    # already grouped: the sync-free levels first, then the other grouped backend; multistream/loop never
+    assert moves(lb, knobs=knobs, cur={"sync_free_level": 0, "grouped_gemm_backend": "torch"}) == [
+        ("sync_free_level", 1, "launch_bound"), ("sync_free_level", 2, "launch_bound"),
+        ("grouped_gemm_backend", "triton", "launch_bound")]
+    # many small kernels / many expert GEMMs per call: grouped first, the per-expert ones after
+    assert moves([finding("small_kernels")], knobs=knobs, cur={"sync_free_level": 0, "grouped_gemm_backend": "multistream"}) == [
+        ("grouped_gemm_backend", "torch", "small_kernels"), ("grouped_gemm_backend", "triton", "small_kernels"),
+        ("grouped_gemm_backend", "loop", "small_kernels")]
+
+
 def test_signals():
     assert moves(signals={"moe_sync_ops": 64}) == [("sync_free_level", 2, "moe_sync_ops"), ("sync_free_level", 3, "moe_sync_ops")]
     assert moves(signals={"moe_sync_ops": 0, "moe_host_syncs": 0}) == []
@@ -86,8 +102,9 @@ def test_findings_table_and_real_analyzer_findings():
     assert [x["type"] for x in f[:2]] == ["launch_bound", "small_kernels"]
     knobs = {"sync_free_level": [0, 1, 2], "grouped_gemm_backend": ["loop", "torch"]}
     cur = {"sync_free_level": 0, "grouped_gemm_backend": "loop"}
-    expect = [("sync_free_level", 1, "launch_bound"), ("sync_free_level", 2, "launch_bound"),
-              ("grouped_gemm_backend", "torch", "launch_bound")]
+    # launch-bound on the per-expert loop: the grouped backend first, then the sync-free levels
+    expect = [("grouped_gemm_backend", "torch", "launch_bound"), ("sync_free_level", 1, "launch_bound"),
+              ("sync_free_level", 2, "launch_bound")]
     assert moves(f, knobs=knobs, cur=cur) == expect
     assert moves(findings_table(f), knobs=knobs, cur=cur) == expect  # the table form (evidence as text)
 
