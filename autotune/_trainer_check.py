@@ -10,14 +10,19 @@ and writes one JSON object on stdout::
      "error": null | "one line", "error_key": the key it names, "bad": [["knob", index, "one line"], ...]}
 
 ``base`` is what constraints may refer to (e.g. ``n_layers``); ``bad`` lists each knob value that the
-trainer rejects when it is combined with the baseline of the other knobs. autotune may use the trainer
+trainer rejects combined with the baseline of the other knobs and with every other combination of
+their values too (so a value valid only next to another knob's value, e.g. pipeline_schedule=zbv with
+vpp=2, is not bad; at most MAX_COMBOS combinations are tried per value). autotune may use the trainer
 only as a subprocess (docs/architecture.md), so this runs in its own interpreter; it needs no torch.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import sys
+
+MAX_COMBOS = 512
 
 
 def check(req: dict) -> dict:
@@ -30,14 +35,24 @@ def check(req: dict) -> dict:
     except ConfigError as e:
         out["error"], out["error_key"] = str(e), e.key
         return out
-    for name, values in (req.get("knobs") or {}).items():
-        if name not in DEFAULTS:
-            continue  # reported by the caller, which knows the keys
+    knobs = {k: v for k, v in (req.get("knobs") or {}).items() if k in DEFAULTS}  # others: reported by the caller
+
+    def ok(point: dict) -> str | None:
+        try:
+            load_config(req["config"], {**fixed, **baseline, **point})
+        except ConfigError as e:
+            return str(e)
+        return None
+
+    for name, values in knobs.items():
+        others = [k for k in knobs if k != name]
         for i, v in enumerate(values):
-            try:
-                load_config(req["config"], {**fixed, **baseline, name: v})
-            except ConfigError as e:
-                out["bad"].append([name, i, str(e)])
+            err = ok({name: v})
+            if err is None:
+                continue
+            combos = itertools.islice(itertools.product(*(knobs[k] for k in others)), MAX_COMBOS)
+            if not any(ok({**dict(zip(others, c)), name: v}) is None for c in combos):
+                out["bad"].append([name, i, err])
     return out
 
 

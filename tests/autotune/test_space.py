@@ -89,6 +89,14 @@ def test_trainer_checks_names_values_and_resolves_config(tmp_path):
     assert _err({"config": "tiny", "knobs": {"sync_free_level": [0, 4]}}, True) == (
         "s.yaml: knobs.sync_free_level[1]: 4 rejected by the trainer "
         "(config error: sync_free_level: must be 0, 1, 2 or 3, got 4)")
+    # a value valid only next to another knob's value (zbv needs vpp=2; the baseline has vpp=1) is fine;
+    # one valid with no combination is not
+    pp = {"config": "tiny", "fixed": {"pp": 2, "microbatches": 4, "dp_mode": "ddp", "n_layers": 4}, "baseline": {"vpp": 1}}
+    s = parse_space({**pp, "knobs": {"pipeline_schedule": ["1f1b", "zbv"], "vpp": [1, 2]},
+                     "constraints": ["not (pipeline_schedule == 'zbv' and vpp != 2)"]}, "s.yaml")
+    assert {"pipeline_schedule": "zbv", "vpp": 2} in s.grid() and len(s.grid()) == 3
+    assert _err({**pp, "knobs": {"pipeline_schedule": ["1f1b", "zbv"], "vpp": [1, 3]}}, True).startswith(
+        "s.yaml: knobs.pipeline_schedule[1]: 'zbv' rejected by the trainer (config error: vpp: ")
     assert _err({"config": "nope", "knobs": {"manual_gc": [0]}}, True) == \
         "s.yaml: config: config error: config: file not found: nope"
     assert _err({"config": "tiny", "knobs": {"manual_gc": [0]}, "fixed": {"stepz": 3}}, True) == \
