@@ -2,8 +2,8 @@
 
 * `h200_ep2_run/{L0_loop,L3_torch}`: expert parallelism over NCCL (EP=2), sync-free level 0 with the
   per-expert loop vs level 3 with `torch._grouped_mm`; one profiled step per rank.
-* `h200_pp2_run/{1f1b,vpp2}`: pipeline parallelism (PP=2, 8 microbatches), 1F1B and interleaved with
-  two virtual stages per rank; per-action jsonl (gzipped) and traces.
+* `h200_pp2_run/{1f1b,vpp2,zb1p}`: pipeline parallelism (PP=2, 8 microbatches), 1F1B, interleaved with
+  two virtual stages per rank and zero-bubble ZB-H1; per-action jsonl (gzipped) and traces.
 
 Expected values are computed here from the raw JSON / jsonl with the standard library.
 """
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import gzip
 import json
+from collections import Counter
 from decimal import Decimal
 
 import pytest
@@ -127,6 +128,25 @@ def test_pp2_bubbles_match_raw_jsonl(run, schedule, vpp):
     assert per_step == 2 * 8 * 2 * vpp
     # theory from the closed form: (p - 1) / (v m + p - 1)
     assert pa.theory_ratio == pytest.approx(1 / (vpp * 8 + 1))
+
+
+def test_pp2_zero_bubble_matches_raw_jsonl():
+    """ZB-H1 (ScheduleInterleavedZeroBubble, one stage per rank): F, B (inputs) and W (weights) per
+    micro-batch; the bubble against the raw jsonl and against ZB-H1's (p - 1) / (3m + p - 1)."""
+    rows = _raw_actions("zb1p")
+    pa = load_pipeline(PP2 / "zb1p")
+    expect, steps = _raw_bubble(rows)
+    assert pa.steps == steps and pa.source == "jsonl"
+    got = pa.per_rank.set_index("rank")["bubble_ratio"]
+    for r, v in expect.items():
+        assert got[r] == pytest.approx(v, abs=1e-9)
+    assert (pa.meta.pp, pa.meta.vpp, pa.meta.microbatches, pa.meta.schedule) == (2, 1, 8, "zb1p")
+    for s in steps:  # 8 F, 8 B and 8 W per stage per step
+        kinds = Counter((a["stage"], a["kind"]) for a in rows if a["step"] == s)
+        assert kinds == {(st, k): 8 for st in (0, 1) for k in ("F", "B", "W")}
+    assert pa.theory_ratio == pytest.approx(1 / (3 * 8 + 1))
+    # the W passes fill what 1F1B leaves idle: less bubble than the 1F1B run of the same model
+    assert pa.overall_ratio < load_pipeline(PP2 / "1f1b").overall_ratio
 
 
 def test_pp2_interleaved_flags_the_head_stage():
