@@ -1,15 +1,19 @@
-"""Run under torchrun (4 gloo ranks) by test_pipeline.py: pipelined and reference runs, one world.
+"""Run under torchrun by test_pipeline.py: pipelined and reference runs, one world per launch.
 
-``python -m torch.distributed.run --nproc-per-node 4 _pp_worker.py OUT numerics|timing``
+``python -m torch.distributed.run --nproc-per-node 4 _pp_worker.py OUT numerics``
+``python -m torch.distributed.run --nproc-per-node 2 _pp_worker.py OUT bubble``
 
-* ``numerics``: a small MoE config trained 3 steps by non-pipelined references (pp=1, dp=4 with 2 or 4
-  micro-batches) and by pipelined runs over the same global batches (1F1B PP=4 x 8 micro-batches,
-  interleaved PP=2 x VPP=2 x DP=2 x 8, and more schedules / DP / EP combinations); writes
-  ``OUT/numerics.json`` ({run: manifest metrics + pipeline object}).
-* ``timing``: a config sized so compute dominates gloo's point-to-point latency, 4 steps each of
-  1F1B PP=4, interleaved PP=2 x VPP=2 (balanced automatic layouts) and 1F1B PP=4 with a deliberately
-  unbalanced layout; the test reads the run dirs' ``pipeline/rank<N>.jsonl``. With at least one CPU
-  per rank each rank is pinned to its own CPU (dedicated "devices"); otherwise the OS shares the CPUs.
+* ``numerics`` (4 gloo ranks): a small MoE config trained 3 steps by non-pipelined references (pp=1,
+  dp=4 with 2 or 4 micro-batches) and by pipelined runs over the same global batches (1F1B PP=4 x 8
+  micro-batches, interleaved PP=2 x VPP=2 x DP=2 x 8, and more schedules / DP / EP combinations);
+  writes ``OUT/numerics.json`` ({run: manifest metrics + pipeline object}).
+* ``bubble`` (2 gloo ranks, one CPU core and one thread each, like a device per rank): 1F1B PP=2 and
+  interleaved PP=2 x VPP=2 on the automatic (balanced) layout, 8 micro-batches, and an interleaved run
+  with a deliberately unbalanced layout; the test reads the run dirs' ``pipeline/rank<N>.jsonl``.
+  The model (:data:`BUBBLE`) is sized so that an action's compute dwarfs the schedule's fixed host
+  cost per action (gloo send/recv and torch's runtime, ~0.5-0.8 ms per hand-off on CPU), and its layers
+  are dense, so every micro-batch costs the same on every stage (MoE routing would make a stage's cost
+  depend on the tokens it gets): the conditions the theoretical bubble assumes.
 
 ZBV on torch < 2.13 with gloo is left out (recorded in ``skipped``): torch 2.11's own point-to-point
 warm-up sends a stage's message to its own rank at the V's turn, which gloo rejects.
@@ -46,14 +50,18 @@ NUMERICS = {
                          "dp_mode": "ddp"},
 }
 
-# all-MoE layers of equal cost; ~40 ms forward per stage per micro-batch on one CPU core
-TIMING = {"n_layers": 8, "first_k_dense": 0, "d_model": 256, "n_heads": 4, "n_kv_heads": 4, "moe_d_ff": 256,
-          "n_routed_experts": 8, "n_group": 1, "topk_group": 1, "seq_len": 128, "micro_batch_size": 2,
-          "steps": 4, "log_every": 0, "profile_step_end": 0, "microbatches": 8}
-TIMED_RUNS = {
-    "bubble_1f1b": {"pp": 4, "pipeline_schedule": "1f1b"},
+# 16 equal dense layers (4 per stage with pp x vpp = 2 x 2): ~75 ms forward and ~135 ms backward per
+# stage and micro-batch on one CPU core; the embedding and the loss head (vocab 128) add < 1 % to their
+# stages. Activations per hand-off: 2 x 128 x 256 fp32 = 256 KiB.
+BUBBLE = {"n_layers": 16, "first_k_dense": 16, "d_model": 256, "n_heads": 4, "n_kv_heads": 4, "d_ff": 2048,
+          "seq_len": 128, "micro_batch_size": 2, "steps": 5, "log_every": 0, "profile_step_end": 0,
+          "microbatches": 8}
+BUBBLE_RUNS = {
+    "bubble_1f1b": {"pp": 2, "pipeline_schedule": "1f1b"},
     "bubble_vpp": {"pp": 2, "vpp": 2, "pipeline_schedule": "vpp"},
-    "unbalanced": {"pp": 4, "pipeline_schedule": "1f1b", "pipeline_layout": "Et|t|ttttt|tL", "steps": 3},
+    # stage 2 holds 10 of the 16 layers, the others 2 each (rank 0: 12 layers, rank 1: 4)
+    "unbalanced": {"pp": 2, "vpp": 2, "pipeline_schedule": "vpp", "pipeline_layout": "Ett|tt|t*10|ttL",
+                   "steps": 3},
 }
 
 
@@ -61,11 +69,11 @@ def main(out_dir: str, mode: str) -> None:
     torch.set_num_threads(1)
     out = Path(out_dir)
     results, skipped = {}, {}
-    runs = NUMERICS if mode == "numerics" else TIMED_RUNS
-    base = SMALL if mode == "numerics" else TIMING
+    runs = NUMERICS if mode == "numerics" else BUBBLE_RUNS
+    base = SMALL if mode == "numerics" else BUBBLE
     cpus = sorted(os.sched_getaffinity(0))
     world = int(os.environ["WORLD_SIZE"])
-    if mode == "timing" and len(cpus) >= world:
+    if mode == "bubble" and len(cpus) >= world:  # a core of its own per rank (the test requires it)
         os.sched_setaffinity(0, {cpus[int(os.environ["RANK"])]})
     old_torch = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) < (2, 13)
     for name, overrides in runs.items():

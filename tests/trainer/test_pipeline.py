@@ -1,13 +1,18 @@
-"""CI for pipeline parallelism: 4 gloo ranks under torchrun (two launches of _pp_worker.py).
+"""CI for pipeline parallelism: two torchrun launches of _pp_worker.py (4 gloo ranks for the numerics,
+2 for the bubble).
 
 * Numerics: pipelined runs (1F1B PP=4 x 8 micro-batches; interleaved PP=2 x VPP=2 x DP=2 x 8; GPipe,
   PP+EP with DDP, the zero-bubble schedules) reproduce the losses, aux losses and global grad norms of
   non-pipelined runs over the same global batches (same seed), to fp32 round-off.
 * Records: every rank's ``pipeline/rank<N>.jsonl`` holds exactly 8 F + 8 B (+ 8 W for zero-bubble) per
   stage per step, on the ranks the manifest says; the profiled step has the ``pipeline/...`` ranges.
-* Bubble: measured from the jsonl (per step, per rank: idle / window, averaged) against the theory
-  computed here by hand: (p-1)/(m+p-1) = 3/11 for 1F1B p=4 m=8, (p-1)/(v*m+p-1) = 1/17 interleaved.
-* An unbalanced layout (5 of 8 layers on stage 2) shows the heavy stage in the jsonl.
+* Bubble (2 processes, each pinned to its own CPU core with one torch thread, like a device per rank):
+  measured from the jsonl, by tracelens (``tracelens.analysis.pipeline.load_pipeline``) and again here
+  from the raw lines (per step after the first, per rank: idle / window, averaged), within 5
+  percentage points of the theory computed here by hand: (p-1)/(m+p-1) = 1/9 for 1F1B p=2 m=8,
+  (p-1)/(v*m+p-1) = 1/17 for interleaved p=2 v=2 m=8.
+* An unbalanced layout (10 of 16 layers on stage 2 of 4) is flagged by tracelens with stage 2, which
+  also has the most time in the jsonl, and its rank is the least idle.
 """
 
 from __future__ import annotations
@@ -22,12 +27,14 @@ from pathlib import Path
 
 import pytest
 
+from tracelens.analysis.pipeline import load_pipeline
+
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
 
 
-def _launch(out: Path, mode: str) -> dict:
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
+def _launch(out: Path, mode: str, nproc: int) -> dict:
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
                         str(REPO / "tests" / "trainer" / "_pp_worker.py"), str(out), mode],
                        cwd=REPO, capture_output=True, text=True, timeout=400,
                        env={**os.environ, "PYTHONPATH": str(REPO)})
@@ -38,13 +45,15 @@ def _launch(out: Path, mode: str) -> dict:
 @pytest.fixture(scope="module")
 def numerics(tmp_path_factory):
     out = tmp_path_factory.mktemp("pp_numerics")
-    return out, _launch(out, "numerics")
+    return out, _launch(out, "numerics", 4)
 
 
 @pytest.fixture(scope="module")
-def timing(tmp_path_factory):
-    out = tmp_path_factory.mktemp("pp_timing")
-    return out, _launch(out, "timing")
+def bubble(tmp_path_factory):
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("the bubble measurement needs a CPU core per rank (2)")
+    out = tmp_path_factory.mktemp("pp_bubble")
+    return out, _launch(out, "bubble", 2)
 
 
 def _actions(run: Path) -> list[dict]:
@@ -150,46 +159,56 @@ def test_profiled_step_has_pipeline_ranges(numerics):
         assert names == {f"pipeline/{k}/s{rank}/mb{i}": 1 for k in "FB" for i in range(8)}, rank
 
 
-def test_bubble_against_theory(timing):
-    """Measured bubble vs theory (1F1B p=4 m=8: 3/11 = 27.3 %; interleaved p=2 v=2 m=8: 1/17 = 5.9 %).
+# theory by hand: p = 2 pipeline ranks, m = 8 micro-batches, v = 2 virtual stages per rank
+THEORY = {"bubble_1f1b": (2 - 1) / (8 + 2 - 1), "bubble_vpp": (2 - 1) / (2 * 8 + 2 - 1)}  # 1/9, 1/17
 
-    Always: the schedules really overlap (a serialised step would idle 75 % with PP=4, 50 % with PP=2)
-    and interleaving lowers the bubble. With a CPU per rank (ranks pinned, like a device per rank; 4 dedicated cores of
-    the H100 host) the measured ratios were 1F1B 27.6-30.7 % and interleaved 11-12 %: 1F1B is held to
-    5 points of theory, interleaved to 7 (each of its 32 hand-offs per rank and step exposes gloo's
-    point-to-point latency; its theoretical bubble is only one stage-time). With fewer CPUs than
-    ranks the OS time-shares them and the figures move with the machine's load (2 CPUs for 4 ranks:
-    1F1B 29-38 %, interleaved 9-22 % with other jobs running), so only the structural bounds are
-    checked there.
+
+def test_bubble_against_theory(bubble):
+    """Measured bubble within 5 points of theory for 1F1B (11.1 %) and interleaved (5.9 %).
+
+    On the 2-core development machine (shared, other jobs running or not): 1F1B 11.6-14.5 %,
+    interleaved 6.0-7.7 % (9.8 % once at load 6). What is left above theory is the host cost of each
+    hand-off (gloo send/recv and torch's runtime, 0.5-0.8 ms; interleaved has 32 per rank and step) and
+    the cores' speed drifting by a few percent within a step (docs/pipeline.md, "Measured").
     """
-    out, res = timing
-    measured = {name: _bubble(_actions(out / name)) for name in ("bubble_1f1b", "bubble_vpp")}
-    theory = {"bubble_1f1b": 3 / 11, "bubble_vpp": 1 / 17}
-    print("measured bubble", measured, "theory", theory, "cpus", res["cpus"])
-    assert 0.5 * theory["bubble_1f1b"] <= measured["bubble_1f1b"] <= 0.5, measured
-    assert 0 < measured["bubble_vpp"] <= 0.35, measured
-    assert measured["bubble_vpp"] < measured["bubble_1f1b"], measured
-    if res["cpus"] >= 4:
-        assert abs(measured["bubble_1f1b"] - theory["bubble_1f1b"]) <= 0.05, measured
-        assert abs(measured["bubble_vpp"] - theory["bubble_vpp"]) <= 0.07, measured
+    out, res = bubble
+    got = {}
+    for name, theory in THEORY.items():
+        run = out / name
+        ana = load_pipeline(run)  # tracelens' own analysis of the run dir (jsonl + manifest)
+        mine = _bubble(_actions(run))  # independently from the raw lines
+        got[name] = (ana.overall_ratio, mine)
+        assert ana.theory_ratio == pytest.approx(theory), (name, ana.theory_ratio, ana.theory_note)
+        assert ana.skipped_steps == [0] and ana.steps == [1, 2, 3, 4], (ana.skipped_steps, ana.steps)
+        # the same definition; tracelens weights the steps by their windows, the mean here does not
+        assert ana.overall_ratio == pytest.approx(mine, abs=0.005), (name, ana.overall_ratio, mine)
+    print("bubble (tracelens, raw jsonl) vs theory:",
+          {n: (round(100 * a, 2), round(100 * b, 2), round(100 * THEORY[n], 2)) for n, (a, b) in got.items()})
+    for name, (tl, mine) in got.items():
+        for value in (tl, mine):
+            assert abs(value - THEORY[name]) <= 0.05, (name, got, THEORY)
+    assert got["bubble_vpp"][0] < got["bubble_1f1b"][0], got
 
 
-def test_unbalanced_layout_shows_the_heavy_stage(timing):
-    out, res = timing
-    assert res["runs"]["unbalanced"]["pipeline"]["stage_layers"] == [[0], [1], [2, 3, 4, 5, 6], [7]]
+def test_unbalanced_layout_flags_the_heavy_stage(bubble):
+    out, res = bubble
+    assert res["runs"]["unbalanced"]["pipeline"]["stage_layers"] == [[0, 1], [2, 3], list(range(4, 14)), [14, 15]]
+    bal = load_pipeline(out / "unbalanced").balance
+    assert bal.flagged and bal.slowest_stage == 2, bal.statement
+    assert bal.slowest_ratio > 1.8, bal.statement  # 10 layers against a mean of 4 per stage: 2.5x
+    # from the raw lines: stage 2 has the most time (about 5x the others' mean: 10 layers vs 2 each)
     rows = [r for r in _actions(out / "unbalanced") if r["step"] >= 1]
     per_stage = defaultdict(int)
     for r in rows:
         per_stage[r["stage"]] += r["end_ns"] - r["start_ns"]
     heavy = max(per_stage, key=per_stage.get)
     others = [v for s, v in per_stage.items() if s != 2]
-    assert heavy == 2 and per_stage[2] > 2.5 * (sum(others) / len(others)), per_stage
-    # and it is the least idle rank: everyone else waits for it
-    idle = {}
+    assert heavy == 2 and per_stage[2] > 3 * (sum(others) / len(others)), per_stage
+    # and its rank (0: stages 0 and 2, 12 layers) is the least idle: the other waits for it
+    idle = defaultdict(int)
     for step in sorted({r["step"] for r in rows}):
         rs = [r for r in rows if r["step"] == step]
         lo, hi = min(r["start_ns"] for r in rs), max(r["end_ns"] for r in rs)
-        for rank in range(4):
-            busy = sum(r["end_ns"] - r["start_ns"] for r in rs if r["rank"] == rank)
-            idle[rank] = idle.get(rank, 0) + (hi - lo) - busy
-    assert min(idle, key=idle.get) == 2
+        for rank in (0, 1):
+            idle[rank] += (hi - lo) - sum(r["end_ns"] - r["start_ns"] for r in rs if r["rank"] == rank)
+    assert min(idle, key=idle.get) == 0, idle

@@ -60,12 +60,11 @@ def gmm_masked_reference(x: torch.Tensor, w_nk: torch.Tensor, offs: torch.Tensor
 
     Rows at or beyond ``offs[-1]`` get zeros. Costs E full-buffer GEMMs.
     """
-    E = w_nk.shape[0]
     rows = torch.arange(x.shape[0], device=x.device, dtype=offs.dtype)
     seg = torch.searchsorted(offs, rows, right=True)  # expert of each row; E for rows past the end
     y = x.new_zeros(x.shape[0], w_nk.shape[1])
-    for e in range(E):
-        y = torch.where((seg == e).unsqueeze(1), F.linear(x, w_nk[e]), y)
+    for e, w in enumerate(w_nk.unbind(0)):  # unbind, not w_nk[e]: see _gmm_loop
+        y = torch.where((seg == e).unsqueeze(1), F.linear(x, w), y)
     return y
 
 
@@ -91,8 +90,11 @@ def align_groups(x: torch.Tensor, offs: torch.Tensor, align: int):
 
 
 def _gmm_loop(x, w_nk, counts):
+    # unbind, not w_nk[e]: the backward of E selects builds E zero-filled [E, N, K] gradients and adds
+    # them up (E^2 x the weight's size in fresh memory: page faults, noisy timings); unbind's backward
+    # stacks the E per-expert gradients once.
     xs = x.split(counts)
-    return torch.cat([F.linear(xs[e], w_nk[e]) for e in range(w_nk.shape[0])], dim=0)
+    return torch.cat([F.linear(xe, w) for xe, w in zip(xs, w_nk.unbind(0), strict=True)], dim=0)
 
 
 def _get_streams(device, n):
@@ -113,10 +115,10 @@ def _gmm_multistream(x, w_nk, counts, n_streams):
     outs = [None] * len(xs)
     for s in streams:
         s.wait_stream(cur)
-    for e, xe in enumerate(xs):
+    for e, (xe, w) in enumerate(zip(xs, w_nk.unbind(0), strict=True)):  # unbind: see _gmm_loop
         s = streams[e % n_streams]
         with torch.cuda.stream(s):
-            outs[e] = F.linear(xe, w_nk[e])
+            outs[e] = F.linear(xe, w)
             xe.record_stream(s)
     for s in streams:
         cur.wait_stream(s)
