@@ -47,7 +47,7 @@ if "fwd" in which:
         if True:
             sig = dict(x_ptr=dt, w_ptr=dt, out_ptr=dt, offs_ptr="*i32", T=i32, N=i32, K=i32, E=i32, M_BUCKET=i32,
                        sxm=i32, sxk=i32, swe=i32, swk=i32, swn=i32, som=i32, son=i32)
-            consts = dict(BLOCK_E=128, IEEE=dt == "*fp32", UPCAST=False, W_KMAJOR=kmaj, BM=128, BN=128, BK=64,
+            consts = dict(BLOCK_E=128, IEEE=dt == "*fp32", UPCAST=False, W_KMAJOR=kmaj, BM=128, BN=128, BK=64, GROUP_M=8,
                           sxk=1, son=1, **({"swk": 1} if kmaj else {"swn": 1}))
             comp(f"gmm_fwd {dt} kmajor={kmaj}", G._gmm_fwd_kernel, sig, consts, 8, 4 if dt == "*bf16" else 2)
 if "dw" in which:
@@ -55,7 +55,7 @@ if "dw" in which:
         for kmaj in [False, True]:
             sig = dict(x_ptr=dt, dy_ptr=dt, dw_ptr=dt, offs_ptr="*i32", T=i32, K=i32, N=i32, E=i32, M_BUCKET=i32,
                        sxm=i32, sxk=i32, sdm=i32, sdn=i32, swe=i32, swk=i32, swn=i32)
-            consts = dict(IEEE=False, UPCAST=False, DW_KMAJOR=kmaj, BM=64, BN=128, BK=128, sxk=1, sdn=1,
+            consts = dict(IEEE=False, UPCAST=False, DW_KMAJOR=kmaj, BM=64, BN=128, BK=128, GROUP_K=8, sxk=1, sdn=1,
                           **({"swk": 1} if kmaj else {"swn": 1}))
             comp(f"gmm_dw {dt} kmajor={kmaj}", G._gmm_dw_kernel, sig, consts, 8, 4)
 if "tma" in which:
@@ -64,7 +64,7 @@ if "tma" in which:
         wd = "tensordesc<bf16[1, 128, 64]>" if kmaj else "tensordesc<bf16[1, 64, 128]>"
         sig = dict(x_desc=xd, w_desc=wd, out_ptr="*bf16", offs_ptr="*i32", T=i32, N=i32, K=i32, E=i32, M_BUCKET=i32,
                    som=i32, son=i32)
-        consts = dict(BLOCK_E=128, UPCAST=False, W_KMAJOR=kmaj, BM=128, BN=128, BK=64, son=1)
+        consts = dict(BLOCK_E=128, UPCAST=False, W_KMAJOR=kmaj, BM=128, BN=128, BK=64, GROUP_M=8, son=1)
         comp(f"gmm_fwd_tma kmajor={kmaj}", G._gmm_fwd_tma_kernel, sig, consts, 8, 4)
 if "perm" in which:
     comp("hist", P._hist_kernel, dict(ids_ptr="*i32", hist_ptr="*i32", n=i32, E=i32), dict(BLOCK=256, BLOCK_E=64), 8)
