@@ -23,7 +23,9 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -65,6 +67,11 @@ BUBBLE_RUNS = {
 }
 
 
+def _cpu_s() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
 def main(out_dir: str, mode: str) -> None:
     torch.set_num_threads(1)
     out = Path(out_dir)
@@ -76,18 +83,26 @@ def main(out_dir: str, mode: str) -> None:
     if mode == "bubble" and len(cpus) >= world:  # a core of its own per rank (the test requires it)
         os.sched_setaffinity(0, {cpus[int(os.environ["RANK"])]})
     old_torch = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) < (2, 13)
+    share = {}  # run -> this rank's CPU time / wall time
     for name, overrides in runs.items():
         if overrides.get("pipeline_schedule") == "zbv" and old_torch:
             skipped[name] = f"torch {torch.__version__} with gloo: self-send in torch's p2p warm-up"
             continue
         cfg = load_config("tiny", {**base, **overrides})
+        cpu0, wall0 = _cpu_s(), time.perf_counter()
         m = train(cfg, out / name)
+        share[name] = round((_cpu_s() - cpu0) / (time.perf_counter() - wall0), 3)
         if m is not None:
             results[name] = {"metrics": m["metrics"], "pipeline": m["pipeline"], "mesh": m["mesh"],
                              "profile": m["profile"]}
+    # per run and rank, CPU time / wall time: near 1 - bubble with a core to itself, lower when other
+    # processes share its core
+    shares = [None] * world
+    dist.all_gather_object(shares, share)
     if dist.get_rank() == 0:
-        (out / f"{mode}.json").write_text(json.dumps({"runs": results, "skipped": skipped, "cpus": len(cpus)},
-                                                     indent=1))
+        (out / f"{mode}.json").write_text(json.dumps({"runs": results, "skipped": skipped, "cpus": len(cpus),
+                                                      "cpu_share": {n: [x[n] for x in shares] for n in share},
+                                                      "loadavg": os.getloadavg()}, indent=1))
     dist.barrier()
     dist.destroy_process_group()
 

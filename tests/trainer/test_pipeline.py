@@ -64,17 +64,19 @@ def _actions(run: Path) -> list[dict]:
 
 
 def _bubble(rows: list[dict], skip_steps: int = 1) -> float:
-    """Mean over steps (after warm-up) and ranks of idle / window, window = first start to last end of
-    the step over all ranks, busy = the rank's summed action time (its actions never overlap)."""
-    ratios = []
+    """Idle / window summed over the steps after warm-up and over the ranks (docs/pipeline.md): window =
+    first start to last end of the step over all ranks, busy = the rank's summed action time (its
+    actions never overlap), idle = window - busy."""
+    idle = window = 0
     for step in sorted({r["step"] for r in rows})[skip_steps:]:
         rs = [r for r in rows if r["step"] == step]
         lo, hi = min(r["start_ns"] for r in rs), max(r["end_ns"] for r in rs)
         busy = defaultdict(int)
         for r in rs:
             busy[r["rank"]] += r["end_ns"] - r["start_ns"]
-        ratios += [1 - b / (hi - lo) for b in busy.values()]
-    return sum(ratios) / len(ratios)
+        idle += sum(hi - lo - b for b in busy.values())
+        window += (hi - lo) * len(busy)
+    return idle / window
 
 
 REFERENCE = {"pp4_1f1b": "ref_8", "pp4_gpipe": "ref_8", "pp2_ep2_1f1b_ddp": "ref_8",
@@ -180,14 +182,15 @@ def test_bubble_against_theory(bubble):
         got[name] = (ana.overall_ratio, mine)
         assert ana.theory_ratio == pytest.approx(theory), (name, ana.theory_ratio, ana.theory_note)
         assert ana.skipped_steps == [0] and ana.steps == [1, 2, 3, 4], (ana.skipped_steps, ana.steps)
-        # the same definition; tracelens weights the steps by their windows, the mean here does not
-        assert ana.overall_ratio == pytest.approx(mine, abs=0.005), (name, ana.overall_ratio, mine)
+        assert ana.overall_ratio == pytest.approx(mine, rel=1e-9), (name, ana.overall_ratio, mine)
+    # each rank's CPU time / wall time per run: near 1 - bubble with a core to itself, lower when other
+    # processes share the cores (the figures then widen: docs/pipeline.md)
+    context = {"cpu_share": {n: res["cpu_share"][n] for n in THEORY}, "loadavg": res["loadavg"]}
     print("bubble (tracelens, raw jsonl) vs theory:",
-          {n: (round(100 * a, 2), round(100 * b, 2), round(100 * THEORY[n], 2)) for n, (a, b) in got.items()})
+          {n: (round(100 * a, 2), round(100 * b, 2), round(100 * THEORY[n], 2)) for n, (a, b) in got.items()}, context)
     for name, (tl, mine) in got.items():
-        for value in (tl, mine):
-            assert abs(value - THEORY[name]) <= 0.05, (name, got, THEORY)
-    assert got["bubble_vpp"][0] < got["bubble_1f1b"][0], got
+        assert abs(tl - THEORY[name]) <= 0.05, (name, got, THEORY, context)
+    assert got["bubble_vpp"][0] < got["bubble_1f1b"][0], (got, context)
 
 
 def test_unbalanced_layout_flags_the_heavy_stage(bubble):
