@@ -268,16 +268,31 @@ def _kmajor(w: torch.Tensor) -> bool:
     return w.stride(1) == 1 and w.stride(2) != 1
 
 
-def _gmm_rows(x: torch.Tensor, w_kn: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    """``out[rows_i] = x[rows_i] @ w_kn[i]`` where ``w_kn`` is any strided [E, K, N] view."""
+def _rows_setup(x: torch.Tensor, w_kn: torch.Tensor):
+    """(T, K, E, N, out, done) of a row-grouped GEMM; ``done``: ``out`` is already the answer (no rows or
+    columns: empty; no experts or K == 0: zeros), no kernel to launch."""
     T, K = x.shape
     E, _, N = w_kn.shape
     out = torch.empty(T, N, device=x.device, dtype=x.dtype)
     if T == 0 or N == 0:
-        return out
+        return T, K, E, N, out, True
     if E == 0 or K == 0:
-        return out.zero_()
-    grid = lambda meta: ((triton.cdiv(T, meta["BM"]) + E) * triton.cdiv(N, meta["BN"]),)  # noqa: E731
+        return T, K, E, N, out.zero_(), True
+    return T, K, E, N, out, False
+
+
+def _rows_grid(T: int, E: int, N: int):
+    """Programs of the row-grouped kernels: an upper bound on the groups' row tiles (each group may end
+    in a partial tile, plus the tail group) times the column tiles; programs past the work exit."""
+    return lambda meta: ((triton.cdiv(T, meta["BM"]) + E) * triton.cdiv(N, meta["BN"]),)
+
+
+def _gmm_rows(x: torch.Tensor, w_kn: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """``out[rows_i] = x[rows_i] @ w_kn[i]`` where ``w_kn`` is any strided [E, K, N] view."""
+    T, K, E, N, out, done = _rows_setup(x, w_kn)
+    if done:
+        return out
+    grid = _rows_grid(T, E, N)
     _launch(_gmm_fwd_kernel, grid, T, N, K)(
         x, w_kn, out, offs, T, N, K, E, m_bucket(T),
         x.stride(0), x.stride(1), w_kn.stride(0), w_kn.stride(1), w_kn.stride(2), out.stride(0), out.stride(1),
@@ -304,19 +319,15 @@ def tma_ok(x: torch.Tensor, w_kn: torch.Tensor) -> bool:
 
 
 def _gmm_rows_tma(x: torch.Tensor, w_kn: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    T, K = x.shape
-    E, _, N = w_kn.shape
-    out = torch.empty(T, N, device=x.device, dtype=x.dtype)
-    if T == 0 or N == 0:
+    T, K, E, N, out, done = _rows_setup(x, w_kn)
+    if done:
         return out
-    if E == 0 or K == 0:
-        return out.zero_()
     kmajor = _kmajor(w_kn)
     w_store = w_kn.transpose(1, 2) if kmajor else w_kn
     dummy = [16, 16]  # replaced by the autotune pre-hook with the config's block shape
     x_desc = TensorDescriptor(x, list(x.shape), list(x.stride()), dummy)
     w_desc = TensorDescriptor(w_store, list(w_store.shape), list(w_store.stride()), [1] + dummy)
-    grid = lambda meta: ((triton.cdiv(T, meta["BM"]) + E) * triton.cdiv(N, meta["BN"]),)  # noqa: E731
+    grid = _rows_grid(T, E, N)
     _gmm_fwd_tma_kernel[grid](
         x_desc, w_desc, out, offs, T, N, K, E, m_bucket(T), out.stride(0), out.stride(1),
         BLOCK_E=next_pow2(E + 1), UPCAST=INTERPRET, W_KMAJOR=kmajor, GROUP_M=SWIZZLE,
