@@ -23,7 +23,7 @@ nearest first; "lower" the values before it, nearest first; "switch" every other
     signal stage_imbalance > 1.10                             switch pipeline_layout
     signal memory_used_share > 0.90 (near OOM)                raise recompute_layer_ids, lower micro_batch_size
     signal memory_used_share < 0.50 (headroom)                raise micro_batch_size
-    metric noise (step-time spread) > 10 %                    switch manual_gc
+    step-time spread (p90-p10)/median > 10 %                  switch manual_gc
 
 "Per-expert" backends (``loop``, ``multistream``: one GEMM launch per local expert, see kernels/backends.py)
 are the cause of a launch-bound MoE layer, not its cure: the launch-side moves go to the grouped backends
@@ -39,7 +39,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-NOISE_LIMIT = 0.10
+SPREAD_LIMIT = 0.10
 GEMMS_PER_CALL = 4.0  # a per-expert loop issues >= one GEMM per local expert; a grouped GEMM 2-3
 NEAR_OOM = 0.90
 HEADROOM = 0.50
@@ -176,9 +176,9 @@ def propose(knobs: dict[str, list], current: dict, findings: Any = None, signals
         elif used < HEADROOM:
             b.raise_("micro_batch_size", "memory_used_share",
                      f"signal: peak memory {100 * used:.0f}% of capacity (headroom for a larger micro-batch)")
-    noise = float((metrics or {}).get("noise") or 0.0)
-    if noise > NOISE_LIMIT:
-        b.switch("manual_gc", "noise", f"signal: step-time spread {100 * noise:.0f}% (GC pauses?)")
+    spread = float((metrics or {}).get("spread") or 0.0)
+    if spread > SPREAD_LIMIT:
+        b.switch("manual_gc", "spread", f"signal: step-time spread {100 * spread:.0f}% (GC pauses?)")
     return b.moves
 
 

@@ -17,7 +17,8 @@ A failed trial is classified from the exit status, the log and the manifest (``f
     memory        finished, but its peak memory exceeds the space's limits.memory_gib
     no-objective  finished without the objective's metric (e.g. MFU on a CPU)
 
-A finished run is analyzed with tracelens: manifest metrics, the step-time spread (noise), findings
+A finished run is analyzed with tracelens: manifest metrics, the step-time spread and the standard error
+of the objective (``spread``, ``noise``: :func:`step_spread`, :func:`step_noise`), findings
 and the signals the guided policy reads (:func:`signals_of`, :func:`memory_signals`,
 :func:`pipeline_signals`).
 """
@@ -124,6 +125,7 @@ def run_trial(space: Space, knobs: dict, run_dir: str | Path, on_start: Callable
         return TrialResult("failed", "crash", f"crash: exit 0 but no readable manifest.json ({type(e).__name__})",
                            None, {"wall_s": wall})
     metrics["wall_s"] = wall
+    metrics["spread"] = step_spread(metrics)
     metrics["noise"] = step_noise(metrics)
     findings, signals = analyze_run(run_dir)
     signals.update(memory_signals(metrics, signals.pop("device_memory_bytes", None), space.memory_gib))
@@ -205,16 +207,32 @@ def reap_orphans(pgid: int, marker: str) -> list[int]:
     return killed
 
 
-def step_noise(metrics: dict) -> float:
-    """Relative step-to-step spread of the timed steps, (p90 - p10) / median; 0 with fewer than 3."""
+def _timed_step_times(metrics: dict) -> np.ndarray:
     times = metrics.get("step_times_s") or []
     timed = metrics.get("timed_steps")
     if isinstance(timed, list) and timed:
         times = [times[i] for i in timed if isinstance(i, int) and 0 <= i < len(times)]
-    t = np.asarray([x for x in times if isinstance(x, (int, float)) and not isinstance(x, bool)], dtype=float)
+    return np.asarray([x for x in times if isinstance(x, (int, float)) and not isinstance(x, bool)], dtype=float)
+
+
+def step_spread(metrics: dict) -> float:
+    """Relative step-to-step spread of the timed steps, (p90 - p10) / median; 0 with fewer than 3.
+    A property of the configuration (GC pauses, routing imbalance), read by the policy."""
+    t = _timed_step_times(metrics)
     if len(t) < 3 or np.median(t) <= 0:
         return 0.0
     return float((np.percentile(t, 90) - np.percentile(t, 10)) / np.median(t))
+
+
+def step_noise(metrics: dict) -> float:
+    """Relative standard error of the objective: std / sqrt(n) / mean of the timed step times (the
+    objective is tokens over their mean). It shrinks with more timed steps, unlike the spread; the
+    guided search keeps a change only when its gain beats it (:meth:`autotune.sweep.Sweep.better`).
+    0 with fewer than 3 timed steps (unknown)."""
+    t = _timed_step_times(metrics)
+    if len(t) < 3 or t.mean() <= 0:
+        return 0.0
+    return float(t.std(ddof=1) / np.sqrt(len(t)) / t.mean())
 
 
 def memory_signals(metrics: dict, device_bytes: float | None, limit_gib: float | None) -> dict:

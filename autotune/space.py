@@ -17,7 +17,7 @@
                                  # environment variables of every trial
     limits: {memory_gib: 70}     # a trial whose peak memory exceeds this fails ("memory"); headroom
                                  # and near-OOM findings are measured against it
-    guided: {explore: 0, min_gain: 0.02, gemm_roof_pct: 50}
+    guided: {explore: 0, min_gain: 0.02, noise_z: 2, gemm_roof_pct: 50}
     command: null                # argv prefix replacing `python -m trainer.launch` (wrappers, tests)
 
 Every problem is a :class:`SpaceError` whose message is one line naming the file and the key.
@@ -47,7 +47,7 @@ OBJECTIVES = {  # name -> (manifest metric, maximize?)
 _KEYS = {"config", "nproc", "knobs", "baseline", "fixed", "constraints", "objective", "budget", "trial",
          "limits", "guided", "command"}
 _SUBKEYS = {"budget": {"trials", "wall_s"}, "trial": {"timeout_s", "stall_s", "env"}, "limits": {"memory_gib"},
-            "guided": {"explore", "min_gain", "gemm_roof_pct"}}
+            "guided": {"explore", "min_gain", "noise_z", "gemm_roof_pct"}}
 # names a constraint may call besides the config keys
 _SAFE_BUILTINS = {"min": min, "max": max, "abs": abs, "len": len, "sum": sum, "all": all, "any": any,
                   "sorted": sorted, "int": int, "float": float, "bool": bool, "set": set, "range": range}
@@ -75,6 +75,7 @@ class Space:
     memory_gib: float | None = None
     explore: int = 0
     min_gain: float = 0.02
+    noise_z: float = 2.0
     gemm_roof_pct: float = 50.0
     command: list[str] | None = None
     base_config: dict[str, Any] = field(default_factory=dict)  # resolved trainer config (+ fixed)
@@ -226,6 +227,7 @@ def parse_space(doc: Any, where: str = "space", check_trainer: bool = True, base
         memory_gib=None if mem is None else _num(where, "limits.memory_gib", mem, float, 0.001),
         explore=_num(where, "guided.explore", guided.get("explore", 0), int, 0),
         min_gain=_num(where, "guided.min_gain", guided.get("min_gain", 0.02), float, 0),
+        noise_z=_num(where, "guided.noise_z", guided.get("noise_z", 2), float, 0),
         gemm_roof_pct=_num(where, "guided.gemm_roof_pct", guided.get("gemm_roof_pct", 50), float, 0),
     )
     if check_trainer:

@@ -3,7 +3,8 @@
 Guided search (what a performance engineer does by hand): run the baseline, read the analyzer's
 findings and the runner's signals of the best trial so far, try the change the policy ranks first
 (:mod:`autotune.policy`), keep it when the objective improves by more than the noise (the larger of
-``guided.min_gain``, default 2 %, and either trial's step-to-step spread), otherwise revert; stop when
+``guided.min_gain``, default 2 %, and ``guided.noise_z`` (default 2) standard errors of the difference,
+from each trial's timed step times), otherwise revert; stop when
 no finding points anywhere new (after ``guided.explore`` one-knob neighbour checks) or the budget
 is spent.
 
@@ -130,12 +131,16 @@ class Sweep:
         return t
 
     def better(self, new: dict, best: dict | None) -> bool:
-        """``new`` beats ``best`` by more than the noise (any ok trial beats a failed or missing best)."""
+        """``new`` beats ``best`` by more than the noise (any ok trial beats a failed or missing best): its
+        relative gain must exceed both ``guided.min_gain`` and ``noise_z`` standard errors of the
+        difference of the two objectives, sqrt(se_new^2 + se_best^2) (each trial's ``noise``)."""
         if new is None or new["status"] != "ok":
             return False
         if best is None or best["status"] != "ok":
             return True
-        noise = max(self.space.min_gain, (new["metrics"] or {}).get("noise", 0.0), (best["metrics"] or {}).get("noise", 0.0))
+        se_new = float((new["metrics"] or {}).get("noise") or 0.0)
+        se_best = float((best["metrics"] or {}).get("noise") or 0.0)
+        noise = max(self.space.min_gain, self.space.noise_z * (se_new ** 2 + se_best ** 2) ** 0.5)
         a, b = new["objective"], best["objective"]
         gain = (a - b) / abs(b) if self.space.maximize else (b - a) / abs(b)
         return gain > noise

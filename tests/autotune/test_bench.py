@@ -48,9 +48,13 @@ def test_bench_autotune_smoke(tmp_path):
     assert guided == {b: o for b, (_, o) in grid.items()}
     assert re.search(r"^grid:   2 trials, best tokens_per_s_per_gpu ", r.stdout, re.M)
     assert re.search(r"^guided: 2 trials \(replay of the grid's measurements\)", r.stdout, re.M)
-    m = re.search(r"^ratio guided/grid best: ([0-9.]+) .* guided ran (\d+)% of the grid's trials", r.stdout, re.M)
-    assert m and float(m.group(1)) == pytest.approx(max(guided.values()) / best, abs=1e-4) and m.group(2) == "100"
+    m = re.search(r"^guided's configuration, as the grid measured it, vs the grid best: ([0-9.]+) .*"
+                  r"guided's own measurement of it: ([0-9.]+)$", r.stdout, re.M)
+    assert m and float(m.group(1)) == pytest.approx(max(guided.values()) / best, abs=1e-4)
+    assert float(m.group(2)) == float(m.group(1))  # replay: the same measurement
+    assert re.search(r"^guided ran 100% of the grid's trials \(target <= 30%\): MISS$", r.stdout, re.M)
     summary = json.loads((out / "bench_autotune.json").read_text())
-    assert (summary["grid_trials"], summary["guided_trials"], summary["ratio"]) == (2, 2, 1.0)
+    assert (summary["grid_trials"], summary["guided_trials"], summary["ratio"], summary["config_ratio"]) == (2, 2, 1.0, 1.0)
+    assert summary["guided_best_in_grid"] == best
     assert summary["pass"] is False  # 2 of 2 trials is not <= 30 %: a 2-point grid cannot show the saving
     assert (out / "grid" / "sweep.html").exists() and (out / "guided" / "sweep.html").exists()

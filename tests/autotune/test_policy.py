@@ -78,10 +78,10 @@ def test_signals():
     assert moves(signals={"bubble_ratio": 0.23, "bubble_theory": 0.20}) == []
     assert moves(signals={"stage_imbalance": 1.3}) == [("pipeline_layout", "b", "stage_imbalance")]
     assert moves(signals={"stage_imbalance": 1.05}) == []
-    assert moves(metrics={"noise": 0.15}) == [("manual_gc", 5, "noise")]
-    assert moves(metrics={"noise": 0.05}) == []
+    assert moves(metrics={"spread": 0.15}) == [("manual_gc", 5, "spread")]
+    assert moves(metrics={"spread": 0.05, "noise": 0.3}) == []  # the standard error is not the spread
     # signals may come inside the metrics, as the store keeps them
-    assert moves(metrics={"signals": {"stage_imbalance": 1.3}, "noise": 0}) == [("pipeline_layout", "b", "stage_imbalance")]
+    assert moves(metrics={"signals": {"stage_imbalance": 1.3}, "spread": 0}) == [("pipeline_layout", "b", "stage_imbalance")]
 
 
 def test_knobs_outside_the_space_are_skipped():
@@ -146,12 +146,20 @@ def test_guided_keeps_reverts_and_stops():
         assert res.best["objective"] == 130.0 and res.baseline["objective"] == 100.0
 
 
-@pytest.mark.parametrize("noise, decision", [(0.0, "kept"), (0.04, "kept"), (0.06, "reverted")])
-def test_a_gain_must_beat_the_noise(tmp_path, noise, decision):
-    """+5 %: kept over the 2 % floor, reverted when the step-time spread of a trial is 6 %."""
-    space = parse_space({"config": "tiny", "knobs": {"sync_free_level": [0, 1]}}, check_trainer=False)
-    table = {key_of({"sync_free_level": 0}): (100.0, [SYNC], {}, 0.0),
-             key_of({"sync_free_level": 1}): (105.0, [], {}, noise)}
+@pytest.mark.parametrize("se_base, se_new, z, decision", [
+    (0.0, 0.0, 2, "kept"),        # +5 % over the 2 % floor
+    (0.0, 0.02, 2, "kept"),       # 2 standard errors = 4 % < 5 %
+    (0.0, 0.03, 2, "reverted"),   # 6 % > 5 %
+    (0.01, 0.02, 2, "kept"),      # 2 * sqrt(0.01^2 + 0.02^2) = 4.5 %
+    (0.02, 0.02, 2, "reverted"),  # 2 * sqrt(2) * 2 % = 5.7 %
+    (0.02, 0.02, 1, "kept"),      # z = 1: 2.8 %
+])
+def test_a_gain_must_beat_the_noise(tmp_path, se_base, se_new, z, decision):
+    """+5 %: kept when it beats both the 2 % floor and z standard errors of the difference."""
+    space = parse_space({"config": "tiny", "knobs": {"sync_free_level": [0, 1]}, "guided": {"noise_z": z}},
+                        check_trainer=False)
+    table = {key_of({"sync_free_level": 0}): (100.0, [SYNC], {}, se_base),
+             key_of({"sync_free_level": 1}): (105.0, [], {}, se_new)}
     res = run_sweep(space, tmp_path, log=lambda m: None, runner=FakeRunner(table))
     assert [p["decision"] for p in res.path] == ["start", decision]
 

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from autotune.runner import memory_signals, run_trial, step_noise, trial_command
+from autotune.runner import memory_signals, run_trial, step_noise, step_spread, trial_command
 from autotune.space import parse_space
 
 WRITE_MANIFEST = """
@@ -62,8 +62,10 @@ def test_hangs_are_killed(tmp_path):
 def test_ok_trial_metrics_and_memory_limit(tmp_path):
     r = run_trial(space_with(WRITE_MANIFEST), {"sync_free_level": 0}, tmp_path / "t")
     assert (r.status, r.objective) == ("ok", 1234.5)
-    # timed steps 0.5, 0.4, 0.6, 0.5: p90 0.57, p10 0.43, median 0.5 -> spread 0.28
-    assert r.metrics["noise"] == pytest.approx((0.57 - 0.43) / 0.5)
+    # timed steps 0.5, 0.4, 0.6, 0.5: p90 0.57, p10 0.43, median 0.5 -> spread 0.28; mean 0.5,
+    # sample std sqrt(0.02 / 3) -> standard error of the mean / mean = sqrt(0.02 / 3) / 2 / 0.5
+    assert r.metrics["spread"] == pytest.approx((0.57 - 0.43) / 0.5)
+    assert r.metrics["noise"] == pytest.approx((0.02 / 3) ** 0.5 / 2 / 0.5)
     assert r.metrics["signals"]["peak_memory_gib"] == 5.0 and "analysis_error" in r.metrics["signals"]  # no traces
     r = run_trial(space_with(WRITE_MANIFEST, limits={"memory_gib": 4}), {"sync_free_level": 0}, tmp_path / "m")
     assert (r.status, r.failure, r.objective) == ("failed", "memory", 1234.5)
@@ -74,10 +76,18 @@ def test_ok_trial_metrics_and_memory_limit(tmp_path):
 
 
 def test_noise_and_memory_signals():
-    assert step_noise({"step_times_s": [9, 1, 1, 1], "timed_steps": [1, 2, 3]}) == 0.0  # warm-up step 0 left out
+    assert step_spread({"step_times_s": [9, 1, 1, 1], "timed_steps": [1, 2, 3]}) == 0.0  # warm-up step 0 left out
+    assert step_noise({"step_times_s": [9, 1, 1, 1], "timed_steps": [1, 2, 3]}) == 0.0
     # all four: sorted 1, 1, 1, 9; p90 at position 2.7 = 1 + 0.7 * 8 = 6.6, p10 = 1, median 1
-    assert step_noise({"step_times_s": [9, 1, 1, 1]}) == pytest.approx(5.6)
-    assert step_noise({"step_times_s": [1, 2], "timed_steps": [0, 1]}) == 0.0  # fewer than 3: unknown
+    assert step_spread({"step_times_s": [9, 1, 1, 1]}) == pytest.approx(5.6)
+    # mean 3, sample variance (36 + 3 * 4) / 3 = 16 -> std 4, standard error 4 / 2 = 2, relative 2 / 3
+    assert step_noise({"step_times_s": [9, 1, 1, 1]}) == pytest.approx(2 / 3)
+    # the standard error shrinks with more steps of the same spread; the spread does not
+    few, many = {"step_times_s": [1.0, 1.1] * 3}, {"step_times_s": [1.0, 1.1] * 48}
+    assert step_spread(few) == pytest.approx(step_spread(many))
+    assert step_noise(many) < step_noise(few) / 3.5
+    for f in (step_spread, step_noise):
+        assert f({"step_times_s": [1, 2], "timed_steps": [0, 1]}) == 0.0  # fewer than 3: unknown
     assert memory_signals({"peak_memory_bytes": [2**30]}, 4 * 2**30, None) == {
         "peak_memory_gib": 1.0, "memory_capacity_gib": 4.0, "memory_used_share": 0.25}
     assert memory_signals({"peak_memory_bytes": [2**30]}, 4 * 2**30, 2.0)["memory_used_share"] == 0.5  # limit wins
