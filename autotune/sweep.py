@@ -47,6 +47,7 @@ class SweepResult:
     stopped: str
     path: list[dict] = field(default_factory=list)  # the points visited, in order, with their decisions
     ran: int = 0  # trials actually run by this invocation (the rest came from the store)
+    top: dict | None = None  # the highest-measured ok trial (= best, except for guided: see Sweep.result)
 
 
 Runner = Callable[[Space, dict, Path, Callable[[int], None]], TrialResult]
@@ -165,9 +166,15 @@ class Sweep:
     def result(self, stopped: str) -> SweepResult:
         trials = self.store.trials()
         ok = [t for t in trials if t["status"] == "ok"]
-        best = (max if self.space.maximize else min)(ok, key=lambda t: t["objective"]) if ok else None
+        top = (max if self.space.maximize else min)(ok, key=lambda t: t["objective"]) if ok else None
+        best = top
+        if self.strategy == "guided":
+            # the search's answer is its incumbent (the baseline or the last kept move): a reverted trial
+            # may have measured higher, but not by more than the noise, and the search did not take it
+            held = [p["trial"] for p in self.path if p["decision"] in ("start", "kept") and p["status"] == "ok"]
+            best = next((t for t in trials if held and t["id"] == held[-1]), top)
         return SweepResult(self.out, self.strategy, trials, best, self.store.done(key_of(self.space.baseline)),
-                           stopped, self.path, self.ran)
+                           stopped, self.path, self.ran, top)
 
     def _run_list(self, points: list[dict], why: str) -> str:
         for p in points:

@@ -87,6 +87,8 @@ def compare(space, grid, guided, tolerance: float, max_share: float) -> dict:
            "trial_share": n_guided / n_grid if n_grid else None,
            "grid_best": grid.best and {"knobs": grid.best["knobs"], "objective": grid.best["objective"]},
            "guided_best": guided.best and {"knobs": guided.best["knobs"], "objective": guided.best["objective"]},
+           # the guided search's answer is its incumbent; a reverted trial may have measured higher
+           "guided_top": guided.top and {"knobs": guided.top["knobs"], "objective": guided.top["objective"]},
            "guided_path": [{"knobs": p["knobs"], "decision": p["decision"], "motivation": p["motivation"]} for p in guided.path]}
     rel = lambda b, g: b / g if space.maximize else g / b  # noqa: E731  1.0 = as good as the grid's best
     out["ratio"] = out["config_ratio"] = None

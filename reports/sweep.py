@@ -160,7 +160,7 @@ def render(result, space, diff_link: str | None = None, diff_error: str | None =
         speedup = best["objective"] / base["objective"] if space.maximize else base["objective"] / best["objective"]
     return _env().get_template("sweep.html").render(
         title=f"tracelens autotune: {space.config} ({result.strategy})", warnings=[], plotly_js=plotly_js(),
-        figures_json=safe_json(_figures(df, result.path, space)), tables=tables, best=best, baseline=base,
+        figures_json=safe_json(_figures(df, result.path, space)), tables=tables, best=best, top=getattr(result, "top", None), baseline=base,
         speedup=speedup, objective=obj, stopped=result.stopped, strategy=result.strategy,
         best_yaml=best_yaml(space, best), n=len(df), failed=int((df["status"] != "ok").sum()) if len(df) else 0,
         diff_link=diff_link, diff_error=diff_error, has_path=bool(result.path) and result.strategy == "guided",

@@ -162,6 +162,9 @@ def test_a_gain_must_beat_the_noise(tmp_path, se_base, se_new, z, decision):
              key_of({"sync_free_level": 1}): (105.0, [], {}, se_new)}
     res = run_sweep(space, tmp_path, log=lambda m: None, runner=FakeRunner(table))
     assert [p["decision"] for p in res.path] == ["start", decision]
+    # the search's answer is its incumbent; a reverted trial that measured higher is only the "top"
+    assert res.top["objective"] == 105.0
+    assert res.best["objective"] == (105.0 if decision == "kept" else 100.0)
 
 
 def test_minimized_objective_and_budget(tmp_path):
