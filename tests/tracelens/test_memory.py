@@ -138,6 +138,26 @@ def _big(name, **kw):
 
 
 @pytest.mark.parametrize("name", ["proxy_1t", "proxy_2t"])
+def test_seed_findings_fsdp_over_768_gpus(name):
+    """The seed's three findings where the model state stays sharded over the world (FSDP, no pipeline,
+    one microbatch per step): activations dominate, CP2 about halves them, EP 8 -> 16 barely moves the
+    peak (expert state is sharded over ep x edp = 768 either way)."""
+    cfg, p = _big(name, pp=1, microbatches=1)
+    _, p16 = _big(name, pp=1, microbatches=1, ep=16)
+    _, pcp = _big(name, pp=1, microbatches=1, cp=2)
+    assert p.component_bytes("activations") > 0.7 * p.peak_bytes
+    assert 0.4 <= pcp.component_bytes("activations") / p.component_bytes("activations") <= 0.7
+    assert 0.94 <= p16.peak_bytes / p.peak_bytes < 1.0       # -3 % (1T), -5 % (2T)
+    assert p.peak_bytes - p16.peak_bytes < (p.peak_bytes - pcp.peak_bytes) / 6  # next to CP2's cut
+    for g in ("parameters", "optimizer", "activations"):
+        assert p16.component_bytes(g) == pytest.approx(p.component_bytes(g))
+    # all that moves: the largest FSDP unit's gradient reduce-scatter, one MoE layer's local experts
+    # (bf16 unsharded gradients + their fp32 copy, 6 B/param), halved by ep 16
+    layer_experts = cfg["n_routed_experts"] * 3 * cfg["d_model"] * cfg["moe_d_ff"]
+    assert p.peak_bytes - p16.peak_bytes == pytest.approx(6 * layer_experts * (1 / 8 - 1 / 16))
+
+
+@pytest.mark.parametrize("name", ["proxy_1t", "proxy_2t"])
 def test_seed_findings_on_768_gpus(name):
     cfg, p = _big(name)
     groups = p.table[p.table["in_peak"]].groupby("group")["bytes"].sum()
