@@ -180,3 +180,19 @@ def test_failed_baseline_stops(tmp_path):
     space = parse_space({"config": "tiny", "knobs": {"sync_free_level": [0, 1]}}, check_trainer=False)
     res = run_sweep(space, tmp_path, log=lambda m: None, runner=FakeRunner({}, default=(None, [], {}, 0.0)))
     assert res.stopped.startswith("baseline failed (crash: exit 1: boom)") and len(res.trials) == 1 and res.best is None
+
+
+def test_sweep_report_names_the_incumbent_and_the_higher_reverted_trial(tmp_path):
+    """A reverted trial that measured higher (within noise) is shown as "highest measured", while the
+    report's best (and best.yaml) is the search's incumbent."""
+    from reports import sweep as sweep_report
+
+    space = parse_space({"config": "tiny", "knobs": {"sync_free_level": [0, 1]}}, check_trainer=False)
+    table = {key_of({"sync_free_level": 0}): (100.0, [SYNC], {}, 0.02),
+             key_of({"sync_free_level": 1}): (105.0, [], {}, 0.02)}  # +5 % < 2 * sqrt(2) * 2 %: reverted
+    res = run_sweep(space, tmp_path, log=lambda m: None, runner=FakeRunner(table))
+    html = sweep_report.render(res, space, diff_error="no traces")
+    assert res.best["id"] == 1 and res.top["id"] == 2
+    assert "trial 1: tokens_per_s_per_gpu = 100" in html
+    assert 'id="top-note">trial 2: 105, reverted' in html
+    assert "sync_free_level: 0" in sweep_report.best_yaml(space, res.best)
