@@ -18,6 +18,7 @@ import click
 
 from . import __version__
 from .errors import TraceError
+from .io.kineto import decoder
 
 
 def _fail(message: str, code: int = 2) -> None:
@@ -59,7 +60,7 @@ class _Group(click.Group):
 
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
-@click.version_option(__version__, prog_name="tracelens")
+@click.version_option(__version__, prog_name="tracelens", message="%(prog)s %(version)s\ntrace decoder: " + decoder())
 def main() -> None:
     """Profile, explain and tune Mixture-of-Experts training from PyTorch profiler traces."""
 

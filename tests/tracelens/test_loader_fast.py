@@ -60,8 +60,10 @@ def test_parse_file_with_flows_matches_raw_json():
 
 
 @pytest.mark.parametrize("workers", [2, 3])
-def test_forked_workers_give_the_same_tables(workers):
+def test_forked_workers_give_the_same_tables(workers, monkeypatch):
+    # the msgspec path's forked workers (the compiled scanner needs none; test_loader_compiled.py);
     # 109,123 events: every worker gets one or more batches, and dictionaries differ per worker
+    monkeypatch.setenv("TRACELENS_PURE_PYTHON", "1")
     serial = K.parse_file(DIFF_CONTROL, parallel=1)
     par = K.parse_file(DIFF_CONTROL, parallel=workers)
     assert par.events.column("name").num_chunks == workers

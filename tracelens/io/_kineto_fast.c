@@ -1,0 +1,1114 @@
+/* Compiled fast path of the Kineto / Chrome-trace loader (tracelens.io.kineto).
+
+   One pass over the JSON bytes of a trace file that writes the loader's event columns directly:
+   integers and nanosecond timestamps into int64 arrays, strings into int32 dictionary codes (one
+   hash table per column, values in order of first appearance), without creating a Python object
+   per event. The msgspec path in kineto.py builds ~2 objects per event and reads ~30 attributes
+   back from them; this is what docs/performance.md measured as the cost the 10x target could not
+   absorb.
+
+   Contract with kineto.py, which is the reference implementation:
+   - For every file this scanner accepts, the tables built from its output are the ones the msgspec
+     path builds (tests/tracelens/test_loader_compiled.py checks every fixture and fuzzed variants).
+   - Arg values of another JSON type than their column's ("stream": "0x0" in ROCm traces) are handed
+     back for the caller to convert as the msgspec path's lenient decode does: int and float args as
+     (row, arg, span) fix-ups, string args as dictionary entries flagged F_JSON.
+   - Anything else it does not reproduce exactly -- an escaped key, a pid that is a float, invalid or
+     truncated JSON, a timed event without 'ts' -- raises Unsupported and the caller parses the file with the msgspec path instead, which also
+     gives every error message. So this file only needs to be exact and fast on what it accepts,
+     and safe on everything.
+   - Only timed events (ph X/i/I) become columns. Metadata (ph M) and flow (ph s/t/f) events are
+     returned as byte spans, which the caller decodes with msgspec (a few hundred of the first, and
+     the second only when asked for).
+
+   The GIL is released while scanning; a Parser must not be fed from two threads at once (checked).
+*/
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define MAX_ARGS 64
+#define MAX_GROUPS 8
+#define MAX_CATS 32
+#define MAX_KEY_LEN 64
+#define MAX_DEPTH 256
+#define MAX_NUMBER_LEN 64
+
+static PyObject *Unsupported;
+
+/* ----------------------------------------------------------------------------------------------
+   Dictionary encoding: spans of the input buffer -> int32 codes in order of first appearance. */
+
+/* What a dictionary entry's bytes are: a JSON string's content (plain, or with backslash escapes), or
+   the JSON text of a non-string value in a string column (the caller applies str() to it, as the
+   msgspec path's lenient decode does). Part of the key: the string "true" and the literal true differ. */
+enum { F_PLAIN = 0, F_ESCAPED = 1, F_JSON = 2 };
+
+typedef struct {
+    int64_t off;
+    int64_t len;
+    uint64_t hash;
+    int escaped; /* F_* */
+} DictEntry;
+
+typedef struct {
+    uint32_t *slots; /* code + 1; 0 = empty */
+    size_t mask;
+    DictEntry *entries;
+    size_t n, cap;
+} Dict;
+
+static uint64_t hash_bytes(const unsigned char *p, size_t n) {
+    uint64_t h = 0x9E3779B97F4A7C15ull ^ (uint64_t)n;
+    while (n >= 8) {
+        uint64_t w;
+        memcpy(&w, p, 8);
+        h = (h ^ w) * 0xff51afd7ed558ccdull;
+        h ^= h >> 32;
+        p += 8;
+        n -= 8;
+    }
+    uint64_t w = 0;
+    memcpy(&w, p, n);
+    h = (h ^ w) * 0xc4ceb9fe1a85ec53ull;
+    h ^= h >> 29;
+    return h;
+}
+
+static void dict_free(Dict *d) {
+    free(d->slots);
+    free(d->entries);
+    memset(d, 0, sizeof(*d));
+}
+
+static int dict_grow(Dict *d) {
+    size_t size = d->slots ? (d->mask + 1) * 2 : 64;
+    uint32_t *slots = calloc(size, sizeof(uint32_t));
+    if (!slots) return -1;
+    for (size_t c = 0; c < d->n; c++) {
+        size_t i = d->entries[c].hash & (size - 1);
+        while (slots[i]) i = (i + 1) & (size - 1);
+        slots[i] = (uint32_t)(c + 1);
+    }
+    free(d->slots);
+    d->slots = slots;
+    d->mask = size - 1;
+    return 0;
+}
+
+/* The code of buf[off:off+len], added when new; -1 on allocation failure or too many values. */
+static int64_t dict_code(Dict *d, const unsigned char *buf, int64_t off, int64_t len, int escaped) {
+    if (!d->slots || (d->n + 1) * 2 > d->mask + 1) {
+        if (dict_grow(d) < 0) return -1;
+    }
+    uint64_t h = hash_bytes(buf + off, (size_t)len);
+    size_t i = h & d->mask;
+    for (;;) {
+        uint32_t s = d->slots[i];
+        if (!s) break;
+        DictEntry *e = &d->entries[s - 1];
+        if (e->hash == h && e->len == len && e->escaped == escaped && memcmp(buf + e->off, buf + off, (size_t)len) == 0)
+            return s - 1;
+        i = (i + 1) & d->mask;
+    }
+    if (d->n >= 0x7fffffff) return -1;
+    if (d->n == d->cap) {
+        size_t cap = d->cap ? d->cap * 2 : 64;
+        DictEntry *e = realloc(d->entries, cap * sizeof(DictEntry));
+        if (!e) return -1;
+        d->entries = e;
+        d->cap = cap;
+    }
+    d->entries[d->n] = (DictEntry){off, len, h, escaped};
+    d->slots[i] = (uint32_t)(d->n + 1);
+    return (int64_t)d->n++;
+}
+
+/* ----------------------------------------------------------------------------------------------
+   Growable int64 array (spans of metadata and flow events). */
+
+typedef struct {
+    int64_t *data;
+    size_t n, cap;
+} I64Vec;
+
+static int i64_push2(I64Vec *v, int64_t a, int64_t b) {
+    if (v->n + 2 > v->cap) {
+        size_t cap = v->cap ? v->cap * 2 : 1024;
+        int64_t *d = realloc(v->data, cap * sizeof(int64_t));
+        if (!d) return -1;
+        v->data = d;
+        v->cap = cap;
+    }
+    v->data[v->n++] = a;
+    v->data[v->n++] = b;
+    return 0;
+}
+
+/* ----------------------------------------------------------------------------------------------
+   The parser. */
+
+enum { T_ABSENT = 0, T_NULL, T_INT, T_NUM, T_STR, T_OTHER };
+enum { ST_START = 0, ST_ARRAY_FIRST, ST_ARRAY_NEXT, ST_TAIL, ST_DONE };
+
+typedef struct {
+    uint32_t gen; /* == parser's event generation when set in this event */
+    uint8_t tag;
+    uint8_t escaped;
+    int64_t off, len; /* the value's JSON text */
+    int64_t ival;
+} Slot;
+
+typedef struct {
+    PyObject_HEAD
+    Py_buffer view;
+    int have_view;
+    const unsigned char *buf;
+    int64_t n, pos;
+    int state, top_object, busy;
+    int64_t ev_lo, ev_hi;
+    const char *err;
+    int64_t err_pos;
+    /* spec */
+    int n_args;
+    char kinds[MAX_ARGS];
+    unsigned char keys[MAX_ARGS][MAX_KEY_LEN];
+    int key_len[MAX_ARGS];
+    int by_len[MAX_KEY_LEN][MAX_ARGS];
+    int by_len_n[MAX_KEY_LEN];
+    int n_groups;
+    uint64_t group_mask[MAX_GROUPS];
+    int n_cats;
+    unsigned char cat_names[MAX_CATS][MAX_KEY_LEN];
+    int cat_len[MAX_CATS], cat_group_of[MAX_CATS];
+    /* rows of timed events */
+    size_t rows, cap;
+    int32_t *ph, *cat, *name, *pid_s, *tid_s;
+    int64_t *pid, *tid, *ts, *dur;
+    void *arg[MAX_ARGS];
+    Dict d_ph, d_cat, d_name, d_pidtid, d_arg[MAX_ARGS];
+    int8_t *cat_group; /* per cat code */
+    size_t cat_group_cap;
+    I64Vec meta, flow;
+    I64Vec fixups; /* (row, arg, value offset, value length): int/float args of another JSON type */
+    int64_t n_events;
+    /* per-event scratch */
+    uint32_t gen;
+    Slot slot[MAX_ARGS];
+} Parser;
+
+#define FAIL(p, msg, at)       \
+    do {                       \
+        (p)->err = (msg);      \
+        (p)->err_pos = (at);   \
+        return -1;             \
+    } while (0)
+
+static inline int64_t skip_ws(const Parser *p, int64_t i) {
+    const unsigned char *b = p->buf;
+    if (i < p->n && b[i] > ' ') return i; /* compact JSON: the common case */
+    while (i < p->n && (b[i] == ' ' || b[i] == '\n' || b[i] == '\r' || b[i] == '\t')) i++;
+    return i;
+}
+
+static const unsigned char HEX[256] = {
+    ['0'] = 1, ['1'] = 1, ['2'] = 1, ['3'] = 1, ['4'] = 1, ['5'] = 1, ['6'] = 1, ['7'] = 1, ['8'] = 1,
+    ['9'] = 1, ['a'] = 1, ['b'] = 1, ['c'] = 1, ['d'] = 1, ['e'] = 1, ['f'] = 1, ['A'] = 1, ['B'] = 1,
+    ['C'] = 1, ['D'] = 1, ['E'] = 1, ['F'] = 1};
+
+/* Bytes that end the fast scan of a string: the quote, the backslash and control characters
+   (invalid in JSON strings). */
+static unsigned char STR_STOP[256];
+
+/* A string starting at its opening quote at *i. On success *i is past the closing quote and
+   *escaped tells whether it holds backslash escapes (validated, not decoded). */
+/* Whether any of 8 bytes is a quote, a backslash or below 0x20 (SWAR; may also flag a byte after a
+   real one, never misses one). */
+static inline uint64_t special8(uint64_t x) {
+    const uint64_t ones = 0x0101010101010101ull, high = 0x8080808080808080ull;
+    uint64_t q = x ^ (ones * '"'), s = x ^ (ones * '\\');
+    return ((q - ones) & ~q & high) | ((s - ones) & ~s & high) | ((x - ones * 0x20) & ~x & high);
+}
+
+static int scan_string(Parser *p, int64_t *i, int *escaped) {
+    const unsigned char *b = p->buf;
+    int64_t j = *i + 1, n = p->n;
+    *escaped = 0;
+    for (;;) {
+        while (j + 8 <= n) {
+            uint64_t w;
+            memcpy(&w, b + j, 8);
+            if (special8(w)) break;
+            j += 8;
+        }
+        while (j < n && !STR_STOP[b[j]]) j++;
+        if (j >= n) FAIL(p, "unterminated string", *i);
+        unsigned char c = b[j];
+        if (c == '"') break;
+        if (c < 0x20) FAIL(p, "control character in string", j);
+        /* backslash */
+        *escaped = 1;
+        if (j + 1 >= n) FAIL(p, "unterminated string", *i);
+        c = b[j + 1];
+        if (c == 'u') {
+            if (j + 5 >= n || !HEX[b[j + 2]] || !HEX[b[j + 3]] || !HEX[b[j + 4]] || !HEX[b[j + 5]])
+                FAIL(p, "invalid \\u escape", j);
+            j += 6;
+        } else if (c == '"' || c == '\\' || c == '/' || c == 'b' || c == 'f' || c == 'n' || c == 'r' || c == 't') {
+            j += 2;
+        } else {
+            FAIL(p, "invalid escape", j);
+        }
+    }
+    *i = j + 1;
+    return 0;
+}
+
+/* A JSON number at *i (validated against the grammar). *is_int: an integer literal that fits int64
+   (then *ival holds it). */
+static int scan_number(Parser *p, int64_t *i, int *is_int, int64_t *ival) {
+    const unsigned char *b = p->buf;
+    int64_t j = *i, n = p->n;
+    int neg = 0, overflow = 0;
+    uint64_t v = 0;
+    if (j < n && b[j] == '-') {
+        neg = 1;
+        j++;
+    }
+    if (j >= n || b[j] < '0' || b[j] > '9') FAIL(p, "invalid number", *i);
+    if (b[j] == '0') {
+        j++;
+    } else {
+        while (j < n && b[j] >= '0' && b[j] <= '9') {
+            if (v > (UINT64_MAX - 9) / 10) overflow = 1;
+            v = v * 10 + (uint64_t)(b[j] - '0');
+            j++;
+        }
+    }
+    int frac = 0;
+    if (j < n && b[j] == '.') {
+        frac = 1;
+        j++;
+        if (j >= n || b[j] < '0' || b[j] > '9') FAIL(p, "invalid number", *i);
+        while (j < n && b[j] >= '0' && b[j] <= '9') j++;
+    }
+    if (j < n && (b[j] == 'e' || b[j] == 'E')) {
+        frac = 1;
+        j++;
+        if (j < n && (b[j] == '+' || b[j] == '-')) j++;
+        if (j >= n || b[j] < '0' || b[j] > '9') FAIL(p, "invalid number", *i);
+        while (j < n && b[j] >= '0' && b[j] <= '9') j++;
+    }
+    *is_int = !frac && !overflow && (neg ? v <= (uint64_t)INT64_MAX + 1 : v <= (uint64_t)INT64_MAX);
+    if (*is_int) *ival = neg ? (int64_t)(0 - v) : (int64_t)v;
+    *i = j;
+    return 0;
+}
+
+/* The double a number's text stands for (correctly rounded, as msgspec and Python's float() give). */
+static int number_double(Parser *p, int64_t off, int64_t len, double *out) {
+    char tmp[MAX_NUMBER_LEN + 1];
+    if (len > MAX_NUMBER_LEN) FAIL(p, "number too long", off);
+    memcpy(tmp, p->buf + off, (size_t)len);
+    tmp[len] = 0;
+    char *end;
+    *out = strtod(tmp, &end);
+    if (end != tmp + len) FAIL(p, "unparsable number", off);
+    return 0;
+}
+
+/* Microseconds (a JSON number) -> integer nanoseconds, exactly as kineto._ns computes them from the
+   double: whole = floor(us), ns = whole * 1000 + rint((us - whole) * 1000).
+   Fast path from the digits, for the numbers where that formula gives the decimal value exactly: an
+   integer below 2**53, or at most 3 decimals below 2**40 us (the double's error is then < 0.13 ns,
+   so rint lands on the exact value). Anything else goes through the double. */
+static int number_ns(Parser *p, int64_t off, int64_t len, int64_t *out) {
+    static const int64_t scale[4] = {1000, 100, 10, 1};
+    const unsigned char *s = p->buf + off, *e = s + len;
+    int neg = 0, nd = 0, fd = 0;
+    uint64_t ip = 0, frac = 0;
+    if (s < e && *s == '-') {
+        neg = 1;
+        s++;
+    }
+    while (s < e && *s >= '0' && *s <= '9' && nd < 17) {
+        ip = ip * 10 + (uint64_t)(*s++ - '0');
+        nd++;
+    }
+    if (s < e && *s == '.') {
+        s++;
+        while (s < e && *s >= '0' && *s <= '9' && fd < 4) {
+            frac = frac * 10 + (uint64_t)(*s++ - '0');
+            fd++;
+        }
+    }
+    if (s == e && nd > 0 && fd <= 3 && (fd == 0 ? ip < (1ull << 53) : ip < (1ull << 40))) {
+        int64_t v = (int64_t)ip * 1000 + (int64_t)frac * scale[fd];
+        *out = neg ? -v : v;
+        return 0;
+    }
+    double us;
+    if (number_double(p, off, len, &us) < 0) return -1;
+    if (!(fabs(us) < 9.0e15)) FAIL(p, "timestamp out of range", off);
+    double whole = floor(us);
+    *out = (int64_t)whole * 1000 + (int64_t)rint((us - whole) * 1000.0);
+    return 0;
+}
+
+static int skip_value(Parser *p, int64_t *i, int depth);
+
+static int expect_literal(Parser *p, int64_t *i, const char *lit, size_t len) {
+    if (*i + (int64_t)len > p->n || memcmp(p->buf + *i, lit, len) != 0) FAIL(p, "invalid literal", *i);
+    *i += (int64_t)len;
+    return 0;
+}
+
+/* Any JSON value at *i (after whitespace), validated and skipped; *tag says what it was. */
+static int scan_value(Parser *p, int64_t *i, int depth, uint8_t *tag, int *escaped, int64_t *ival) {
+    const unsigned char *b = p->buf;
+    if (*i >= p->n) FAIL(p, "unexpected end of data", *i);
+    unsigned char c = b[*i];
+    *escaped = 0;
+    switch (c) {
+    case '"':
+        *tag = T_STR;
+        return scan_string(p, i, escaped);
+    case '{':
+    case '[':
+        *tag = T_OTHER;
+        return skip_value(p, i, depth);
+    case 't':
+        *tag = T_OTHER;
+        return expect_literal(p, i, "true", 4);
+    case 'f':
+        *tag = T_OTHER;
+        return expect_literal(p, i, "false", 5);
+    case 'n':
+        *tag = T_NULL;
+        return expect_literal(p, i, "null", 4);
+    default: {
+        int is_int;
+        int64_t v = 0;
+        if (scan_number(p, i, &is_int, &v) < 0) return -1;
+        *tag = is_int ? T_INT : T_NUM;
+        *ival = v;
+        return 0;
+    }
+    }
+}
+
+/* Objects and arrays, recursively (depth-limited); other values through scan_value. */
+static int skip_value(Parser *p, int64_t *i, int depth) {
+    const unsigned char *b = p->buf;
+    if (*i >= p->n) FAIL(p, "unexpected end of data", *i);
+    unsigned char c = b[*i];
+    if (c != '{' && c != '[') {
+        uint8_t tag;
+        int esc;
+        int64_t iv;
+        return scan_value(p, i, depth, &tag, &esc, &iv);
+    }
+    if (depth >= MAX_DEPTH) FAIL(p, "nesting too deep", *i);
+    unsigned char close = c == '{' ? '}' : ']';
+    int64_t j = skip_ws(p, *i + 1);
+    if (j < p->n && b[j] == close) {
+        *i = j + 1;
+        return 0;
+    }
+    for (;;) {
+        if (c == '{') {
+            int esc;
+            if (j >= p->n || b[j] != '"') FAIL(p, "expected a key", j);
+            if (scan_string(p, &j, &esc) < 0) return -1;
+            j = skip_ws(p, j);
+            if (j >= p->n || b[j] != ':') FAIL(p, "expected ':'", j);
+            j = skip_ws(p, j + 1);
+        }
+        if (skip_value(p, &j, depth + 1) < 0) return -1;
+        j = skip_ws(p, j);
+        if (j >= p->n) FAIL(p, "unexpected end of data", j);
+        if (b[j] == ',') {
+            j = skip_ws(p, j + 1);
+            continue;
+        }
+        if (b[j] == close) break;
+        FAIL(p, "expected ',' or a closing bracket", j);
+    }
+    *i = j + 1;
+    return 0;
+}
+
+static int arg_index(const Parser *p, const unsigned char *key, int64_t len) {
+    if (len >= MAX_KEY_LEN) return -1;
+    for (int k = 0; k < p->by_len_n[len]; k++) {
+        int a = p->by_len[len][k];
+        if (memcmp(p->keys[a], key, (size_t)len) == 0) return a;
+    }
+    return -1;
+}
+
+/* The args object of one event into the slots (every arg the spec names; others skipped). */
+static int scan_args(Parser *p, int64_t *i) {
+    const unsigned char *b = p->buf;
+    int64_t j = skip_ws(p, *i + 1);
+    if (j < p->n && b[j] == '}') {
+        *i = j + 1;
+        return 0;
+    }
+    for (;;) {
+        int esc;
+        if (j >= p->n || b[j] != '"') FAIL(p, "expected a key", j);
+        int64_t k0 = j;
+        if (scan_string(p, &j, &esc) < 0) return -1;
+        if (esc) FAIL(p, "escaped key in args", k0);
+        int a = arg_index(p, b + k0 + 1, j - k0 - 2);
+        j = skip_ws(p, j);
+        if (j >= p->n || b[j] != ':') FAIL(p, "expected ':'", j);
+        j = skip_ws(p, j + 1);
+        int64_t v0 = j;
+        if (a < 0) {
+            if (skip_value(p, &j, 2) < 0) return -1;
+        } else {
+            Slot *s = &p->slot[a];
+            int e2;
+            int64_t iv = 0;
+            if (scan_value(p, &j, 2, &s->tag, &e2, &iv) < 0) return -1;
+            s->gen = p->gen;
+            s->escaped = (uint8_t)e2;
+            s->off = v0;
+            s->len = j - v0;
+            s->ival = iv;
+        }
+        j = skip_ws(p, j);
+        if (j >= p->n) FAIL(p, "unexpected end of data", j);
+        if (b[j] == ',') {
+            j = skip_ws(p, j + 1);
+            continue;
+        }
+        if (b[j] == '}') break;
+        FAIL(p, "expected ',' or '}'", j);
+    }
+    *i = j + 1;
+    return 0;
+}
+
+static int grow_rows(Parser *p) {
+    size_t cap = p->cap ? p->cap * 2 : 65536;
+#define GROW(field, type)                                       \
+    do {                                                        \
+        void *q = realloc(p->field, cap * sizeof(type));        \
+        if (!q) FAIL(p, "out of memory", p->pos);               \
+        p->field = q;                                           \
+    } while (0)
+    GROW(ph, int32_t);
+    GROW(cat, int32_t);
+    GROW(name, int32_t);
+    GROW(pid_s, int32_t);
+    GROW(tid_s, int32_t);
+    GROW(pid, int64_t);
+    GROW(tid, int64_t);
+    GROW(ts, int64_t);
+    GROW(dur, int64_t);
+    for (int a = 0; a < p->n_args; a++) {
+        size_t size = p->kinds[a] == 'i' ? sizeof(int64_t) : p->kinds[a] == 'f' ? sizeof(double) : sizeof(int32_t);
+        void *q = realloc(p->arg[a], cap * size);
+        if (!q) FAIL(p, "out of memory", p->pos);
+        p->arg[a] = q;
+    }
+#undef GROW
+    p->cap = cap;
+    return 0;
+}
+
+static int code_of(Parser *p, Dict *d, int64_t off, int64_t len, int escaped, int32_t *out) {
+    int64_t c = dict_code(d, p->buf, off, len, escaped);
+    if (c < 0) FAIL(p, "out of memory", off);
+    *out = (int32_t)c;
+    return 0;
+}
+
+/* The args group of a category code (-1: its args are not read), looked up once per new category. */
+static int cat_group(Parser *p, int32_t code, int *group) {
+    if ((size_t)code >= p->cat_group_cap) {
+        size_t cap = p->cat_group_cap ? p->cat_group_cap * 2 : 64;
+        while (cap <= (size_t)code) cap *= 2;
+        int8_t *q = realloc(p->cat_group, cap);
+        if (!q) FAIL(p, "out of memory", p->pos);
+        memset(q + p->cat_group_cap, -2, cap - p->cat_group_cap);
+        p->cat_group = q;
+        p->cat_group_cap = cap;
+    }
+    if (p->cat_group[code] == -2) {
+        const DictEntry *e = &p->d_cat.entries[code];
+        int g = -1;
+        if (e->escaped) FAIL(p, "escaped category name", e->off);
+        for (int k = 0; k < p->n_cats; k++) {
+            if (p->cat_len[k] == e->len && memcmp(p->cat_names[k], p->buf + e->off, (size_t)e->len) == 0) {
+                g = p->cat_group_of[k];
+                break;
+            }
+        }
+        p->cat_group[code] = (int8_t)g;
+    }
+    *group = p->cat_group[code];
+    return 0;
+}
+
+typedef struct {
+    int64_t off, len; /* string content (inside the quotes); len -1 = absent */
+    int escaped;
+} Str;
+
+/* One event object at *i. */
+static int parse_event(Parser *p, int64_t *i) {
+    const unsigned char *b = p->buf;
+    int64_t start = *i;
+    if (start >= p->n || b[start] != '{') FAIL(p, "event is not an object", start);
+    Str ph = {0, 0, 0}, cat = {0, 0, 0}, name = {0, 0, 0}, pid_str = {0, -1, 0}, tid_str = {0, -1, 0};
+    int64_t pid = 0, tid = 0, ts_off = -1, ts_len = 0, dur_off = -1, dur_len = 0;
+    int ts_null = 0, args_bad = 0, args_seen = 0;
+    p->gen++;
+    if (p->gen == 0) { /* wrapped: forget every slot */
+        for (int a = 0; a < p->n_args; a++) p->slot[a].gen = 0;
+        p->gen = 1;
+    }
+    int64_t j = skip_ws(p, start + 1);
+    if (j < p->n && b[j] == '}') {
+        j++;
+        goto done;
+    }
+    for (;;) {
+        int esc;
+        if (j >= p->n || b[j] != '"') FAIL(p, "expected a key", j);
+        int64_t k0 = j;
+        if (scan_string(p, &j, &esc) < 0) return -1;
+        if (esc) FAIL(p, "escaped key", k0);
+        const unsigned char *key = b + k0 + 1;
+        int64_t klen = j - k0 - 2;
+        j = skip_ws(p, j);
+        if (j >= p->n || b[j] != ':') FAIL(p, "expected ':'", j);
+        j = skip_ws(p, j + 1);
+        int64_t v0 = j;
+        uint8_t tag;
+        int64_t iv = 0;
+        Str *target = NULL;
+        int which = 0; /* 1 pid, 2 tid, 3 ts, 4 dur, 5 id, 6 bp, 7 args */
+        if (klen == 2 && key[0] == 'p' && key[1] == 'h') target = &ph;
+        else if (klen == 3 && memcmp(key, "cat", 3) == 0) target = &cat;
+        else if (klen == 4 && memcmp(key, "name", 4) == 0) target = &name;
+        else if (klen == 3 && memcmp(key, "pid", 3) == 0) which = 1;
+        else if (klen == 3 && memcmp(key, "tid", 3) == 0) which = 2;
+        else if (klen == 2 && key[0] == 't' && key[1] == 's') which = 3;
+        else if (klen == 3 && memcmp(key, "dur", 3) == 0) which = 4;
+        else if (klen == 2 && key[0] == 'i' && key[1] == 'd') which = 5;
+        else if (klen == 2 && key[0] == 'b' && key[1] == 'p') which = 6;
+        else if (klen == 4 && memcmp(key, "args", 4) == 0) which = 7;
+        if (which == 7) {
+            if (args_seen++) FAIL(p, "duplicate args", k0); /* msgspec keeps the last; slots would merge */
+            if (j < p->n && b[j] == '{') {
+                if (scan_args(p, &j) < 0) return -1;
+                args_bad = 0;
+            } else {
+                if (skip_value(p, &j, 1) < 0) return -1;
+                args_bad = 1;
+            }
+        } else if (target || which) {
+            if (scan_value(p, &j, 1, &tag, &esc, &iv) < 0) return -1;
+            if (target) {
+                if (tag != T_STR) FAIL(p, "ph/cat/name is not a string", v0);
+                *target = (Str){v0 + 1, j - v0 - 2, esc};
+            } else if (which == 1 || which == 2) {
+                Str *s = which == 1 ? &pid_str : &tid_str;
+                if (tag == T_INT) {
+                    *(which == 1 ? &pid : &tid) = iv;
+                    s->len = -1;
+                } else if (tag == T_STR) {
+                    *s = (Str){v0 + 1, j - v0 - 2, esc};
+                } else {
+                    FAIL(p, "pid/tid is neither an integer nor a string", v0);
+                }
+            } else if (which == 3) {
+                if (tag == T_NULL) {
+                    ts_null = 1;
+                    ts_off = -1;
+                } else if (tag == T_INT || tag == T_NUM) {
+                    ts_null = 0;
+                    ts_off = v0;
+                    ts_len = j - v0;
+                } else {
+                    FAIL(p, "ts is not a number", v0);
+                }
+            } else if (which == 4) {
+                if (tag != T_INT && tag != T_NUM) FAIL(p, "dur is not a number", v0);
+                dur_off = v0;
+                dur_len = j - v0;
+            } else if (which == 5) {
+                if (tag != T_INT && tag != T_STR && tag != T_NULL) FAIL(p, "id is not an integer or string", v0);
+            } else if (which == 6) {
+                if (tag != T_STR && tag != T_NULL) FAIL(p, "bp is not a string", v0);
+            }
+        } else {
+            if (skip_value(p, &j, 1) < 0) return -1;
+        }
+        j = skip_ws(p, j);
+        if (j >= p->n) FAIL(p, "unexpected end of data", j);
+        if (b[j] == ',') {
+            j = skip_ws(p, j + 1);
+            continue;
+        }
+        if (b[j] == '}') {
+            j++;
+            break;
+        }
+        FAIL(p, "expected ',' or '}'", j);
+    }
+done:
+    *i = j;
+    p->n_events++;
+    if (ph.escaped) FAIL(p, "escaped ph", ph.off);
+    unsigned char phc = ph.len == 1 ? b[ph.off] : 0;
+    if (phc == 'M') return i64_push2(&p->meta, start, j) < 0 ? (p->err = "out of memory", -1) : 0;
+    if (phc == 's' || phc == 't' || phc == 'f')
+        return i64_push2(&p->flow, start, j) < 0 ? (p->err = "out of memory", -1) : 0;
+    if (phc != 'X' && phc != 'i' && phc != 'I') return 0; /* other phases are not read */
+
+    /* a timed event: one row */
+    if (ts_off < 0) FAIL(p, ts_null ? "timed event with null ts" : "timed event without ts", start);
+    if (args_bad) FAIL(p, "args is not an object", start);
+    if (p->rows == p->cap && grow_rows(p) < 0) return -1;
+    size_t r = p->rows;
+    if (code_of(p, &p->d_ph, ph.off, ph.len, 0, &p->ph[r]) < 0) return -1;
+    if (code_of(p, &p->d_cat, cat.off, cat.len, cat.escaped, &p->cat[r]) < 0) return -1;
+    if (code_of(p, &p->d_name, name.off, name.len, name.escaped, &p->name[r]) < 0) return -1;
+    p->pid[r] = pid;
+    p->tid[r] = tid;
+    p->pid_s[r] = p->tid_s[r] = -1;
+    if (pid_str.len >= 0 && code_of(p, &p->d_pidtid, pid_str.off, pid_str.len, pid_str.escaped, &p->pid_s[r]) < 0)
+        return -1;
+    if (tid_str.len >= 0 && code_of(p, &p->d_pidtid, tid_str.off, tid_str.len, tid_str.escaped, &p->tid_s[r]) < 0)
+        return -1;
+    if (number_ns(p, ts_off, ts_len, &p->ts[r]) < 0) return -1;
+    p->dur[r] = 0;
+    if (dur_off >= 0 && number_ns(p, dur_off, dur_len, &p->dur[r]) < 0) return -1;
+
+    int group;
+    if (cat_group(p, p->cat[r], &group) < 0) return -1;
+    uint64_t mask = group >= 0 ? p->group_mask[group] : 0;
+    for (int a = 0; a < p->n_args; a++) {
+        const Slot *s = &p->slot[a];
+        int set = ((mask >> a) & 1) && s->gen == p->gen && s->tag != T_ABSENT;
+        switch (p->kinds[a]) {
+        case 'i': {
+            int64_t v = -1;
+            if (set && s->tag == T_INT) {
+                v = s->ival;
+            } else if (set && s->tag != T_NULL) { /* "0x0", 3.0, true: converted by the caller */
+                if (i64_push2(&p->fixups, (int64_t)r, a) < 0 || i64_push2(&p->fixups, s->off, s->len) < 0)
+                    FAIL(p, "out of memory", s->off);
+            }
+            ((int64_t *)p->arg[a])[r] = v;
+            break;
+        }
+        case 'f': {
+            double v = NAN;
+            if (set && (s->tag == T_INT || s->tag == T_NUM)) {
+                if (number_double(p, s->off, s->len, &v) < 0) return -1;
+            } else if (set && s->tag != T_NULL) {
+                if (i64_push2(&p->fixups, (int64_t)r, a) < 0 || i64_push2(&p->fixups, s->off, s->len) < 0)
+                    FAIL(p, "out of memory", s->off);
+            }
+            ((double *)p->arg[a])[r] = v;
+            break;
+        }
+        case 's': {
+            int32_t c = -1;
+            if (set && s->tag == T_STR) {
+                if (code_of(p, &p->d_arg[a], s->off + 1, s->len - 2, s->escaped ? F_ESCAPED : F_PLAIN, &c) < 0)
+                    return -1;
+            } else if (set && s->tag != T_NULL) {
+                if (code_of(p, &p->d_arg[a], s->off, s->len, F_JSON, &c) < 0) return -1;
+            }
+            ((int32_t *)p->arg[a])[r] = c;
+            break;
+        }
+        default: { /* raw: the value's JSON text as written */
+            int32_t c = -1;
+            if (set && code_of(p, &p->d_arg[a], s->off, s->len, 0, &c) < 0) return -1;
+            ((int32_t *)p->arg[a])[r] = c;
+        }
+        }
+    }
+    p->rows++;
+    return 0;
+}
+
+/* Find the events array: a bare top-level array, or the value of the top-level 'traceEvents' key
+   (other keys before it are validated and skipped). */
+static int locate(Parser *p) {
+    const unsigned char *b = p->buf;
+    int64_t j = skip_ws(p, 0);
+    if (j >= p->n) FAIL(p, "empty document", 0);
+    if (b[j] == '[') {
+        p->top_object = 0;
+        p->ev_lo = j;
+        p->pos = j + 1;
+        p->state = ST_ARRAY_FIRST;
+        return 0;
+    }
+    if (b[j] != '{') FAIL(p, "not a JSON object or array", j);
+    p->top_object = 1;
+    j = skip_ws(p, j + 1);
+    if (j < p->n && b[j] == '}') FAIL(p, "no traceEvents", j);
+    for (;;) {
+        int esc;
+        if (j >= p->n || b[j] != '"') FAIL(p, "expected a key", j);
+        int64_t k0 = j;
+        if (scan_string(p, &j, &esc) < 0) return -1;
+        if (esc) FAIL(p, "escaped top-level key", k0);
+        int is_events = j - k0 - 2 == 11 && memcmp(b + k0 + 1, "traceEvents", 11) == 0;
+        j = skip_ws(p, j);
+        if (j >= p->n || b[j] != ':') FAIL(p, "expected ':'", j);
+        j = skip_ws(p, j + 1);
+        if (is_events) {
+            if (j >= p->n || b[j] != '[') FAIL(p, "traceEvents is not an array", j);
+            p->ev_lo = j;
+            p->pos = j + 1;
+            p->state = ST_ARRAY_FIRST;
+            return 0;
+        }
+        if (skip_value(p, &j, 1) < 0) return -1;
+        j = skip_ws(p, j);
+        if (j >= p->n) FAIL(p, "unexpected end of data", j);
+        if (b[j] == ',') {
+            j = skip_ws(p, j + 1);
+            continue;
+        }
+        FAIL(p, b[j] == '}' ? "no traceEvents" : "expected ',' or '}'", j);
+    }
+}
+
+/* After the events array: the rest of the top-level object (no second traceEvents), then only
+   whitespace. */
+static int finish(Parser *p) {
+    const unsigned char *b = p->buf;
+    int64_t j = skip_ws(p, p->pos);
+    if (p->top_object) {
+        for (;;) {
+            if (j >= p->n) FAIL(p, "unexpected end of data", j);
+            if (b[j] == '}') {
+                j++;
+                break;
+            }
+            if (b[j] != ',') FAIL(p, "expected ',' or '}'", j);
+            j = skip_ws(p, j + 1);
+            int esc;
+            if (j >= p->n || b[j] != '"') FAIL(p, "expected a key", j);
+            int64_t k0 = j;
+            if (scan_string(p, &j, &esc) < 0) return -1;
+            if (esc) FAIL(p, "escaped top-level key", k0);
+            if (j - k0 - 2 == 11 && memcmp(b + k0 + 1, "traceEvents", 11) == 0) FAIL(p, "second traceEvents", k0);
+            j = skip_ws(p, j);
+            if (j >= p->n || b[j] != ':') FAIL(p, "expected ':'", j);
+            j = skip_ws(p, j + 1);
+            if (skip_value(p, &j, 1) < 0) return -1;
+            j = skip_ws(p, j);
+        }
+        j = skip_ws(p, j);
+    }
+    if (j != p->n) FAIL(p, "trailing data after the document", j);
+    p->pos = j;
+    p->state = ST_DONE;
+    return 0;
+}
+
+/* Up to max_events events; 1 when the document is done, 0 when more remain, -1 on error. */
+static int feed(Parser *p, int64_t max_events) {
+    const unsigned char *b = p->buf;
+    if (p->state == ST_START && locate(p) < 0) return -1;
+    for (int64_t k = 0; k < max_events && (p->state == ST_ARRAY_FIRST || p->state == ST_ARRAY_NEXT); k++) {
+        int64_t j = skip_ws(p, p->pos);
+        if (j >= p->n) FAIL(p, "unexpected end of data (truncated?)", j);
+        if (p->state == ST_ARRAY_NEXT) {
+            if (b[j] == ']') {
+                p->ev_hi = j + 1;
+                p->pos = j + 1;
+                p->state = ST_TAIL;
+                break;
+            }
+            if (b[j] != ',') FAIL(p, "expected ',' or ']' between events", j);
+            j = skip_ws(p, j + 1);
+        } else if (b[j] == ']') {
+            p->ev_hi = j + 1;
+            p->pos = j + 1;
+            p->state = ST_TAIL;
+            break;
+        }
+        if (parse_event(p, &j) < 0) return -1;
+        p->pos = j;
+        p->state = ST_ARRAY_NEXT;
+    }
+    if (p->state == ST_TAIL && finish(p) < 0) return -1;
+    return p->state == ST_DONE;
+}
+
+/* ----------------------------------------------------------------------------------------------
+   Python type. */
+
+static void Parser_dealloc(Parser *p) {
+    free(p->ph);
+    free(p->cat);
+    free(p->name);
+    free(p->pid_s);
+    free(p->tid_s);
+    free(p->pid);
+    free(p->tid);
+    free(p->ts);
+    free(p->dur);
+    for (int a = 0; a < MAX_ARGS; a++) {
+        free(p->arg[a]);
+        dict_free(&p->d_arg[a]);
+    }
+    dict_free(&p->d_ph);
+    dict_free(&p->d_cat);
+    dict_free(&p->d_name);
+    dict_free(&p->d_pidtid);
+    free(p->cat_group);
+    free(p->meta.data);
+    free(p->flow.data);
+    free(p->fixups.data);
+    if (p->have_view) PyBuffer_Release(&p->view);
+    Py_TYPE(p)->tp_free((PyObject *)p);
+}
+
+/* Parser(buf, arg_keys: tuple[bytes], arg_kinds: bytes ('i','s','r','f' per arg),
+          cat_groups: tuple[tuple[bytes, int]], group_masks: tuple[int]) */
+static int Parser_init(Parser *p, PyObject *args, PyObject *kw) {
+    PyObject *buf, *keys, *cats, *masks;
+    Py_buffer kinds;
+    if (!PyArg_ParseTuple(args, "OO!y*O!O!", &buf, &PyTuple_Type, &keys, &kinds, &PyTuple_Type, &cats,
+                          &PyTuple_Type, &masks))
+        return -1;
+    int rc = -1;
+    if (p->have_view) {
+        PyErr_SetString(PyExc_RuntimeError, "Parser already initialized");
+        goto out;
+    }
+    Py_ssize_t na = PyTuple_GET_SIZE(keys);
+    if (na > MAX_ARGS || kinds.len != na) {
+        PyErr_SetString(PyExc_ValueError, "arg_keys and arg_kinds must have the same length (<= 64)");
+        goto out;
+    }
+    p->n_args = (int)na;
+    for (int a = 0; a < na; a++) {
+        PyObject *k = PyTuple_GET_ITEM(keys, a);
+        char kind = ((const char *)kinds.buf)[a];
+        if (!PyBytes_Check(k) || PyBytes_GET_SIZE(k) >= MAX_KEY_LEN || !strchr("isrf", kind) || kind == 0) {
+            PyErr_SetString(PyExc_ValueError, "bad arg key or kind");
+            goto out;
+        }
+        Py_ssize_t len = PyBytes_GET_SIZE(k);
+        memcpy(p->keys[a], PyBytes_AS_STRING(k), (size_t)len);
+        p->key_len[a] = (int)len;
+        p->kinds[a] = kind;
+        p->by_len[len][p->by_len_n[len]++] = a;
+    }
+    Py_ssize_t nc = PyTuple_GET_SIZE(cats), ng = PyTuple_GET_SIZE(masks);
+    if (nc > MAX_CATS || ng > MAX_GROUPS) {
+        PyErr_SetString(PyExc_ValueError, "too many categories or groups");
+        goto out;
+    }
+    for (int g = 0; g < ng; g++) {
+        unsigned long long m = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(masks, g));
+        if (m == (unsigned long long)-1 && PyErr_Occurred()) goto out;
+        p->group_mask[g] = m;
+    }
+    p->n_groups = (int)ng;
+    for (int c = 0; c < nc; c++) {
+        PyObject *pair = PyTuple_GET_ITEM(cats, c);
+        const char *s;
+        Py_ssize_t len;
+        int g;
+        if (!PyTuple_Check(pair) || !PyArg_ParseTuple(pair, "y#i", &s, &len, &g)) goto out;
+        if (len >= MAX_KEY_LEN || g < 0 || g >= ng) {
+            PyErr_SetString(PyExc_ValueError, "bad category");
+            goto out;
+        }
+        memcpy(p->cat_names[c], s, (size_t)len);
+        p->cat_len[c] = (int)len;
+        p->cat_group_of[c] = g;
+    }
+    p->n_cats = (int)nc;
+    if (PyObject_GetBuffer(buf, &p->view, PyBUF_SIMPLE) < 0) goto out;
+    p->have_view = 1;
+    p->buf = p->view.buf;
+    p->n = p->view.len;
+    p->state = ST_START;
+    p->ev_lo = p->ev_hi = -1;
+    rc = 0;
+out:
+    PyBuffer_Release(&kinds);
+    return rc;
+}
+
+static PyObject *Parser_feed(Parser *p, PyObject *arg) {
+    long long max_events = PyLong_AsLongLong(arg);
+    if (max_events == -1 && PyErr_Occurred()) return NULL;
+    if (!p->have_view) {
+        PyErr_SetString(PyExc_RuntimeError, "Parser not initialized");
+        return NULL;
+    }
+    if (p->busy) {
+        PyErr_SetString(PyExc_RuntimeError, "Parser is being fed from another thread");
+        return NULL;
+    }
+    if (p->err) {
+        PyErr_Format(Unsupported, "%s at byte %lld", p->err, (long long)p->err_pos);
+        return NULL;
+    }
+    int r;
+    p->busy = 1;
+    Py_BEGIN_ALLOW_THREADS
+    r = feed(p, max_events);
+    Py_END_ALLOW_THREADS
+    p->busy = 0;
+    if (r < 0) {
+        PyErr_Format(Unsupported, "%s at byte %lld", p->err ? p->err : "error", (long long)p->err_pos);
+        return NULL;
+    }
+    return PyBool_FromLong(r);
+}
+
+static PyObject *bytes_of(const void *data, size_t n) {
+    return PyByteArray_FromStringAndSize(data ? (const char *)data : "", (Py_ssize_t)n);
+}
+
+/* (codes: bytearray of int32, values: list[bytes], flags: bytes of F_* per value) */
+static PyObject *dict_result(const Parser *p, const Dict *d, const int32_t *codes, size_t rows) {
+    PyObject *values = PyList_New((Py_ssize_t)d->n);
+    PyObject *esc = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)d->n);
+    PyObject *c = bytes_of(codes, rows * sizeof(int32_t));
+    if (!values || !esc || !c) goto fail;
+    for (size_t k = 0; k < d->n; k++) {
+        const DictEntry *e = &d->entries[k];
+        PyObject *v = PyBytes_FromStringAndSize((const char *)p->buf + e->off, (Py_ssize_t)e->len);
+        if (!v) goto fail;
+        PyList_SET_ITEM(values, (Py_ssize_t)k, v);
+        PyBytes_AS_STRING(esc)[k] = (char)e->escaped;
+    }
+    return Py_BuildValue("(NNN)", c, values, esc);
+fail:
+    Py_XDECREF(values);
+    Py_XDECREF(esc);
+    Py_XDECREF(c);
+    return NULL;
+}
+
+static int put(PyObject *d, const char *key, PyObject *v) {
+    if (!v) return -1;
+    int r = PyDict_SetItemString(d, key, v);
+    Py_DECREF(v);
+    return r;
+}
+
+/* Everything scanned, as a dict of buffers; call once the feed returned True. Row columns:
+   'ph','cat','name','pid_tid_str' and each str/raw arg -> (codes, values, escaped); 'pid','tid',
+   'ts','dur' and int args -> int64 bytearray; float args -> float64 bytearray; 'pid_s','tid_s' ->
+   int32 codes into 'pid_tid_str' (-1: the id was an integer); 'fixups' -> int64 quadruples (row, arg,
+   offset, length) of int/float arg values of another JSON type, left -1/NaN for the caller to convert;
+   'meta_spans', 'flow_spans' -> int64 (start, end) pairs. */
+static PyObject *Parser_result(Parser *p, PyObject *Py_UNUSED(ignored)) {
+    if (p->state != ST_DONE) {
+        PyErr_SetString(PyExc_RuntimeError, "Parser.result() before the document was fed to its end");
+        return NULL;
+    }
+    size_t r = p->rows;
+    PyObject *d = PyDict_New();
+    PyObject *args = PyList_New(p->n_args);
+    if (!d || !args) goto fail;
+    if (put(d, "rows", PyLong_FromSize_t(r)) < 0 || put(d, "n_events", PyLong_FromLongLong(p->n_events)) < 0 ||
+        put(d, "events_span", Py_BuildValue("(LL)", (long long)p->ev_lo, (long long)p->ev_hi)) < 0 ||
+        put(d, "top_object", PyBool_FromLong(p->top_object)) < 0 ||
+        put(d, "ph", dict_result(p, &p->d_ph, p->ph, r)) < 0 || put(d, "cat", dict_result(p, &p->d_cat, p->cat, r)) < 0 ||
+        put(d, "name", dict_result(p, &p->d_name, p->name, r)) < 0 ||
+        put(d, "pid_tid_str", dict_result(p, &p->d_pidtid, NULL, 0)) < 0 ||
+        put(d, "pid", bytes_of(p->pid, r * 8)) < 0 || put(d, "tid", bytes_of(p->tid, r * 8)) < 0 ||
+        put(d, "pid_s", bytes_of(p->pid_s, r * 4)) < 0 || put(d, "tid_s", bytes_of(p->tid_s, r * 4)) < 0 ||
+        put(d, "ts", bytes_of(p->ts, r * 8)) < 0 || put(d, "dur", bytes_of(p->dur, r * 8)) < 0 ||
+        put(d, "meta_spans", bytes_of(p->meta.data, p->meta.n * 8)) < 0 ||
+        put(d, "flow_spans", bytes_of(p->flow.data, p->flow.n * 8)) < 0 ||
+        put(d, "fixups", bytes_of(p->fixups.data, p->fixups.n * 8)) < 0)
+        goto fail;
+    for (int a = 0; a < p->n_args; a++) {
+        PyObject *v;
+        if (p->kinds[a] == 's' || p->kinds[a] == 'r') v = dict_result(p, &p->d_arg[a], p->arg[a], r);
+        else v = bytes_of(p->arg[a], r * 8);
+        if (!v) goto fail;
+        PyList_SET_ITEM(args, a, v);
+    }
+    if (PyDict_SetItemString(d, "args", args) < 0) goto fail;
+    Py_DECREF(args);
+    return d;
+fail:
+    Py_XDECREF(d);
+    Py_XDECREF(args);
+    return NULL;
+}
+
+static PyObject *Parser_position(Parser *p, void *Py_UNUSED(closure)) { return PyLong_FromLongLong(p->pos); }
+
+static PyMethodDef Parser_methods[] = {
+    {"feed", (PyCFunction)Parser_feed, METH_O,
+     "feed(max_events) -> bool: scan up to max_events more events; True once the whole document is read. "
+     "Raises Unsupported for anything the msgspec path must handle."},
+    {"result", (PyCFunction)Parser_result, METH_NOARGS, "The scanned columns (see the module docstring)."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyGetSetDef Parser_getset[] = {
+    {"position", (getter)Parser_position, NULL, "bytes of the document scanned so far", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyTypeObject ParserType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "tracelens.io._kineto_fast.Parser",
+    .tp_basicsize = sizeof(Parser),
+    .tp_dealloc = (destructor)Parser_dealloc,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "One-pass scanner of a Kineto/Chrome-trace JSON document into event columns.",
+    .tp_methods = Parser_methods,
+    .tp_getset = Parser_getset,
+    .tp_init = (initproc)Parser_init,
+    .tp_new = PyType_GenericNew,
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "_kineto_fast",
+    "Compiled fast path of tracelens.io.kineto: Kineto JSON -> event columns without per-event Python objects.",
+    -1, NULL,
+};
+
+PyMODINIT_FUNC PyInit__kineto_fast(void) {
+    for (int c = 0; c < 0x20; c++) STR_STOP[c] = 1;
+    STR_STOP['"'] = STR_STOP['\\'] = 1;
+    if (PyType_Ready(&ParserType) < 0) return NULL;
+    PyObject *m = PyModule_Create(&module);
+    if (!m) return NULL;
+    Unsupported = PyErr_NewException("tracelens.io._kineto_fast.Unsupported", PyExc_ValueError, NULL);
+    if (!Unsupported || PyModule_AddObject(m, "Unsupported", Unsupported) < 0) {
+        Py_XDECREF(Unsupported);
+        Py_DECREF(m);
+        return NULL;
+    }
+    Py_INCREF(&ParserType);
+    if (PyModule_AddObject(m, "Parser", (PyObject *)&ParserType) < 0) {
+        Py_DECREF(&ParserType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}
