@@ -5,6 +5,8 @@ Builds a ~200 MB trace by tiling a real fixture in time (benchmarks/scale_trace.
 a fresh subprocess so wall time and peak RSS are the process's own:
   - tracelens cold:  load (no cache) + analyze (timeline, call tree, ops/kernels/categories, breakdown)
   - tracelens warm:  the same with the Parquet cache already filled
+  - tracelens cold, msgspec path: TRACELENS_PURE_PYTHON=1, the decoder of an install without a C
+    compiler (the compiled scanner's fallback), with its forked workers
   - HTA cold:        TraceAnalysis(trace_dir=...) + get_temporal_breakdown + get_gpu_kernel_breakdown
   - HTA warm:        HTA has no parsed-trace cache of its own; a second cold run is shown for the spread
 and prints wall seconds, peak RSS (MB, the child's ru_maxrss) and the ratios HTA / tracelens.
@@ -170,9 +172,10 @@ def main() -> None:
     warm = median([run_isolated(TRACELENS, str(trace), "1", str(cache)) for _ in range(a.repeat)])
     rows.append(("tracelens", "warm cache", warm))
     shutil.rmtree(cache, ignore_errors=True)
-    one = median([run_isolated(TRACELENS, str(trace), "0", str(cache), env={"TRACELENS_NO_FORK": "1"})
-                  for _ in range(a.repeat)])
-    rows.append(("tracelens", "cold, 1 process", one))
+    # the decoder a machine without a C compiler gets (forked workers over the affinity mask's CPUs)
+    pure = median([run_isolated(TRACELENS, str(trace), "0", str(cache), env={"TRACELENS_PURE_PYTHON": "1"})
+                   for _ in range(a.repeat)])
+    rows.append(("tracelens", "cold, msgspec path", pure))
     hta = None
     if not a.no_hta:
         try:
@@ -186,8 +189,10 @@ def main() -> None:
             hta2 = run_isolated(HTA, str(trace_dir))
             rows.append(("HTA 0.5.0", "again (no cache)", hta2))
 
+    from tracelens.io.kineto import decoder
+
     print(f"\ntrace: {size_mb:.0f} MB uncompressed, tiled from {Path(a.src).name}; "
-          f"CPUs usable: {len(os.sched_getaffinity(0))} of {os.cpu_count()}")
+          f"CPUs usable: {len(os.sched_getaffinity(0))} of {os.cpu_count()}; decoder: {decoder()}")
     print(f"{'tool':<11} {'run':<17} {'wall s':>7} {'load s':>7} {'analyze s':>9} {'peak RSS MB':>11} {'tree PSS MB':>11}")
     for tool, kind, r in rows:
         tree = f"{r['tree_peak_mb']:>11.0f}" if r.get("tree_peak_mb") else f"{'n/a':>11}"

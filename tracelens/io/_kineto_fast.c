@@ -170,7 +170,7 @@ typedef struct {
     int have_view;
     const unsigned char *buf;
     int64_t n, pos;
-    int state, top_object, busy;
+    int state, top_object, busy, taken;
     int64_t ev_lo, ev_hi;
     const char *err;
     int64_t err_pos;
@@ -983,15 +983,54 @@ static PyObject *Parser_feed(Parser *p, PyObject *arg) {
     return PyBool_FromLong(r);
 }
 
-static PyObject *bytes_of(const void *data, size_t n) {
-    return PyByteArray_FromStringAndSize(data ? (const char *)data : "", (Py_ssize_t)n);
+/* A column handed to Python without a copy: a buffer object that owns the malloc'd memory (frees it
+   when the last numpy/Arrow view of it goes). */
+typedef struct {
+    PyObject_HEAD
+    void *data;
+    Py_ssize_t len;
+} Column;
+
+static void Column_dealloc(Column *c) {
+    free(c->data);
+    Py_TYPE(c)->tp_free((PyObject *)c);
 }
 
-/* (codes: bytearray of int32, values: list[bytes], flags: bytes of F_* per value) */
-static PyObject *dict_result(const Parser *p, const Dict *d, const int32_t *codes, size_t rows) {
+static int Column_getbuffer(Column *c, Py_buffer *view, int flags) {
+    return PyBuffer_FillInfo(view, (PyObject *)c, c->data, c->len, 0, flags);
+}
+
+static PyBufferProcs Column_as_buffer = {(getbufferproc)Column_getbuffer, NULL};
+
+static PyTypeObject ColumnType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "tracelens.io._kineto_fast.Column",
+    .tp_basicsize = sizeof(Column),
+    .tp_dealloc = (destructor)Column_dealloc,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "A scanned column's bytes (buffer protocol; numpy.frombuffer views it without copying).",
+    .tp_as_buffer = &Column_as_buffer,
+};
+
+/* The n bytes at *ptr as a Column, which takes ownership (*ptr becomes NULL). */
+static PyObject *take(void **ptr, size_t n) {
+    Column *c = PyObject_New(Column, &ColumnType);
+    if (!c) return NULL;
+    void *data = *ptr ? realloc(*ptr, n ? n : 1) : malloc(1); /* give back the unused capacity */
+    if (!data) {
+        Py_DECREF(c);
+        return PyErr_NoMemory();
+    }
+    *ptr = NULL;
+    c->data = data;
+    c->len = (Py_ssize_t)n;
+    return (PyObject *)c;
+}
+
+/* (codes: Column of int32, values: list[bytes], flags: bytes of F_* per value); takes the codes. */
+static PyObject *dict_result(const Parser *p, const Dict *d, void **codes, size_t rows) {
     PyObject *values = PyList_New((Py_ssize_t)d->n);
     PyObject *esc = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)d->n);
-    PyObject *c = bytes_of(codes, rows * sizeof(int32_t));
+    PyObject *c = take(codes, rows * sizeof(int32_t));
     if (!values || !esc || !c) goto fail;
     for (size_t k = 0; k < d->n; k++) {
         const DictEntry *e = &d->entries[k];
@@ -1015,9 +1054,9 @@ static int put(PyObject *d, const char *key, PyObject *v) {
     return r;
 }
 
-/* Everything scanned, as a dict of buffers; call once the feed returned True. Row columns:
+/* Everything scanned, as a dict of Columns (buffers, no copies); call once, after feed returned True. Row columns:
    'ph','cat','name','pid_tid_str' and each str/raw arg -> (codes, values, escaped); 'pid','tid',
-   'ts','dur' and int args -> int64 bytearray; float args -> float64 bytearray; 'pid_s','tid_s' ->
+   'ts','dur' and int args -> int64; float args -> float64; 'pid_s','tid_s' ->
    int32 codes into 'pid_tid_str' (-1: the id was an integer); 'fixups' -> int64 quadruples (row, arg,
    offset, length) of int/float arg values of another JSON type, left -1/NaN for the caller to convert;
    'meta_spans', 'flow_spans' -> int64 (start, end) pairs. */
@@ -1026,27 +1065,34 @@ static PyObject *Parser_result(Parser *p, PyObject *Py_UNUSED(ignored)) {
         PyErr_SetString(PyExc_RuntimeError, "Parser.result() before the document was fed to its end");
         return NULL;
     }
+    if (p->taken) {
+        PyErr_SetString(PyExc_RuntimeError, "Parser.result() hands the columns over once");
+        return NULL;
+    }
+    p->taken = 1; /* the columns move into Column objects: no copy */
     size_t r = p->rows;
+    void *no_codes = NULL;
     PyObject *d = PyDict_New();
     PyObject *args = PyList_New(p->n_args);
     if (!d || !args) goto fail;
     if (put(d, "rows", PyLong_FromSize_t(r)) < 0 || put(d, "n_events", PyLong_FromLongLong(p->n_events)) < 0 ||
         put(d, "events_span", Py_BuildValue("(LL)", (long long)p->ev_lo, (long long)p->ev_hi)) < 0 ||
         put(d, "top_object", PyBool_FromLong(p->top_object)) < 0 ||
-        put(d, "ph", dict_result(p, &p->d_ph, p->ph, r)) < 0 || put(d, "cat", dict_result(p, &p->d_cat, p->cat, r)) < 0 ||
-        put(d, "name", dict_result(p, &p->d_name, p->name, r)) < 0 ||
-        put(d, "pid_tid_str", dict_result(p, &p->d_pidtid, NULL, 0)) < 0 ||
-        put(d, "pid", bytes_of(p->pid, r * 8)) < 0 || put(d, "tid", bytes_of(p->tid, r * 8)) < 0 ||
-        put(d, "pid_s", bytes_of(p->pid_s, r * 4)) < 0 || put(d, "tid_s", bytes_of(p->tid_s, r * 4)) < 0 ||
-        put(d, "ts", bytes_of(p->ts, r * 8)) < 0 || put(d, "dur", bytes_of(p->dur, r * 8)) < 0 ||
-        put(d, "meta_spans", bytes_of(p->meta.data, p->meta.n * 8)) < 0 ||
-        put(d, "flow_spans", bytes_of(p->flow.data, p->flow.n * 8)) < 0 ||
-        put(d, "fixups", bytes_of(p->fixups.data, p->fixups.n * 8)) < 0)
+        put(d, "ph", dict_result(p, &p->d_ph, (void **)&p->ph, r)) < 0 ||
+        put(d, "cat", dict_result(p, &p->d_cat, (void **)&p->cat, r)) < 0 ||
+        put(d, "name", dict_result(p, &p->d_name, (void **)&p->name, r)) < 0 ||
+        put(d, "pid_tid_str", dict_result(p, &p->d_pidtid, &no_codes, 0)) < 0 ||
+        put(d, "pid", take((void **)&p->pid, r * 8)) < 0 || put(d, "tid", take((void **)&p->tid, r * 8)) < 0 ||
+        put(d, "pid_s", take((void **)&p->pid_s, r * 4)) < 0 || put(d, "tid_s", take((void **)&p->tid_s, r * 4)) < 0 ||
+        put(d, "ts", take((void **)&p->ts, r * 8)) < 0 || put(d, "dur", take((void **)&p->dur, r * 8)) < 0 ||
+        put(d, "meta_spans", take((void **)&p->meta.data, p->meta.n * 8)) < 0 ||
+        put(d, "flow_spans", take((void **)&p->flow.data, p->flow.n * 8)) < 0 ||
+        put(d, "fixups", take((void **)&p->fixups.data, p->fixups.n * 8)) < 0)
         goto fail;
     for (int a = 0; a < p->n_args; a++) {
         PyObject *v;
-        if (p->kinds[a] == 's' || p->kinds[a] == 'r') v = dict_result(p, &p->d_arg[a], p->arg[a], r);
-        else v = bytes_of(p->arg[a], r * 8);
+        if (p->kinds[a] == 's' || p->kinds[a] == 'r') v = dict_result(p, &p->d_arg[a], &p->arg[a], r);
+        else v = take(&p->arg[a], r * 8);
         if (!v) goto fail;
         PyList_SET_ITEM(args, a, v);
     }
@@ -1095,7 +1141,7 @@ static struct PyModuleDef module = {
 PyMODINIT_FUNC PyInit__kineto_fast(void) {
     for (int c = 0; c < 0x20; c++) STR_STOP[c] = 1;
     STR_STOP['"'] = STR_STOP['\\'] = 1;
-    if (PyType_Ready(&ParserType) < 0) return NULL;
+    if (PyType_Ready(&ParserType) < 0 || PyType_Ready(&ColumnType) < 0) return NULL;
     PyObject *m = PyModule_Create(&module);
     if (!m) return NULL;
     Unsupported = PyErr_NewException("tracelens.io._kineto_fast.Unsupported", PyExc_ValueError, NULL);
