@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from tracelens.analyze import Analysis
+from tracelens.analyzer import Analysis
 
 from .html import write_report, write_text_atomic
 

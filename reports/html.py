@@ -19,7 +19,7 @@ from typing import Any, Iterable
 import pandas as pd
 from jinja2 import Environment, FileSystemLoader, select_autoescape
 
-from tracelens.analyze import Analysis
+from tracelens.analyzer import Analysis
 
 TEMPLATES = Path(__file__).parent / "templates"
 COLORS = {

@@ -7,13 +7,58 @@ Scriptable API (the CLI and the reports are thin layers over it):
     result = tracelens.analyze(trace)        # timeline, call tree, ops/kernels/category tables
     result.summary()                         # the summary.json machine interface
 
-torch is never imported here: analyzing traces needs only pandas, pyarrow and msgspec.
+torch is never imported here: analyzing traces needs only pandas, pyarrow and msgspec. Importing the
+package is light: pandas and the analyses load on first use of `Trace`, `Analysis` or `analyze`, or
+inside `load`, which first starts reading a large trace in a background thread so the two overlap.
 """
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING, Any, Sequence
 
 __version__ = "0.1.0"
 
 from .errors import TraceError, TraceWarning  # noqa: E402
-from .trace import Trace, load  # noqa: E402
-from .analyze import Analysis, analyze  # noqa: E402
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .analyzer import Analysis, analyze
+    from .trace import Trace
 
 __all__ = ["Analysis", "Trace", "TraceError", "TraceWarning", "analyze", "load", "__version__"]
+
+_LAZY = {"Trace": "trace", "Analysis": "analyzer", "analyze": "analyzer"}
+
+
+def load(
+    paths: str | os.PathLike | Sequence[str | os.PathLike],
+    *,
+    cache: bool = True,
+    cache_dir: str | os.PathLike | None = None,
+    jobs: int | None = None,
+    progress: bool | None = None,
+) -> "Trace":
+    """Load one or more traces into a `Trace` (see `tracelens.trace.load`).
+
+    paths: a trace file, a directory of per-rank trace files, a run directory, or a list of those.
+    cache: read/write the Parquet cache keyed by file content. jobs: parallel processes for many
+    files (default: the CPUs this process may use). progress: True/False forces the progress bar;
+    None shows it on a TTY.
+    """
+    from .io import prefetch
+
+    pending = prefetch.start(paths, cache=cache, cache_dir=cache_dir)  # reads + scans while pandas imports
+    from .trace import load as _load
+
+    return _load(paths, cache=cache, cache_dir=cache_dir, jobs=jobs, progress=progress, prefetch=pending)
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'tracelens' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value

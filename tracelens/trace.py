@@ -24,9 +24,9 @@ import pyarrow as pa
 
 from .errors import TraceError
 from .io import cache as _cache
+from .io.files import TRACE_SUFFIXES, _is_trace_file, discover  # noqa: F401 - re-exported
 from .io.kineto import ParsedTrace, parse_file, parse_flows, usable_cpus
 
-TRACE_SUFFIXES = (".json", ".json.gz")
 _RANK_IN_NAME = re.compile(r"(?:^|[^a-z])rank[-_]?(\d+)", re.IGNORECASE)
 # Below this total size a process pool costs more than it saves.
 PARALLEL_MIN_BYTES = 16 << 20
@@ -92,31 +92,6 @@ class Trace:
 # ------------------------------------------------------------------------------------ discovery
 
 
-def _is_trace_file(p: Path) -> bool:
-    return p.is_file() and p.name.endswith(TRACE_SUFFIXES) and p.name != "manifest.json"
-
-
-def discover(paths: str | os.PathLike | Sequence[str | os.PathLike]) -> list[str]:
-    """Expand run dirs / trace dirs / files into a sorted list of trace files."""
-    if isinstance(paths, (str, os.PathLike)):
-        paths = [paths]
-    files: list[str] = []
-    for raw in paths:
-        p = Path(raw)
-        if not p.exists():
-            raise TraceError(p, "no such file or directory")
-        if p.is_file():
-            files.append(str(p))
-            continue
-        # a run dir keeps its traces under traces/; a plain directory holds them directly
-        d = p / "traces" if (p / "traces").is_dir() else p
-        found = sorted(str(f) for f in d.iterdir() if _is_trace_file(f))
-        if not found:
-            raise TraceError(p, "no trace files (*.json or *.json.gz) in this directory")
-        files.extend(found)
-    return files
-
-
 def _rank_from_name(path: str) -> int | None:
     m = None
     for m in _RANK_IN_NAME.finditer(os.path.basename(path)):
@@ -127,7 +102,8 @@ def _rank_from_name(path: str) -> int | None:
 # ------------------------------------------------------------------------------------ loading
 
 
-def _parse_one(path: str, use_cache: bool, cache_root: str | None, progress=None) -> tuple[ParsedTrace, bool]:
+def _parse_one(path: str, use_cache: bool, cache_root: str | None, progress=None, prefetch=None
+               ) -> tuple[ParsedTrace, bool]:
     """A parsed file, from the cache when it holds one; flow events are left for `Trace.flows`."""
     root = Path(cache_root) if cache_root else None
     key = None
@@ -139,7 +115,8 @@ def _parse_one(path: str, use_cache: bool, cache_root: str | None, progress=None
         hit = _cache.load(path, key, root)
         if hit is not None:
             return hit, True
-    parsed = parse_file(path, progress=progress, flows=False)
+    scan = prefetch.take(path, progress) if prefetch is not None else None
+    parsed = parse_file(path, progress=progress, flows=False, scan=scan)
     if use_cache and key is not None:
         _cache.store(parsed, key, root)
     return parsed, False
@@ -177,12 +154,14 @@ def load(
     cache_dir: str | os.PathLike | None = None,
     jobs: int | None = None,
     progress: bool | None = None,
+    prefetch=None,
 ) -> Trace:
     """Load one or more traces into a `Trace`.
 
     paths: a trace file, a directory of per-rank trace files, a run directory, or a list of those.
     cache: read/write the Parquet cache keyed by file content. jobs: parallel processes for many
     files (default: the CPUs this process may use). progress: True/False forces the progress bar; None shows it on a TTY.
+    prefetch: a `tracelens.io.prefetch.Prefetch` already reading the file (what `tracelens.load` passes).
     """
     files = discover(paths)
     cache_root = os.fspath(cache_dir) if cache_dir else None
@@ -216,7 +195,7 @@ def load(
                         bar.update(step)
                         done[0] += step
 
-                p, hit = _parse_one(f, cache, cache_root, tick if bar is not None else None)
+                p, hit = _parse_one(f, cache, cache_root, tick if bar is not None else None, prefetch)
                 p.meta["from_cache"] = hit
                 parsed.append(p)
                 tick(1.0)

@@ -84,6 +84,11 @@ def _entry(root: Path, key: str) -> Path:
     return root / "traces" / key[:2] / key
 
 
+def exists(key: str, root: Path | None = None) -> bool:
+    """Whether the cache holds an entry for this key (entries appear whole, by rename)."""
+    return (_entry(root or cache_dir(), key) / "meta.json").exists()
+
+
 def load(path: str, key: str, root: Path | None = None) -> ParsedTrace | None:
     d = _entry(root or cache_dir(), key)
     try:

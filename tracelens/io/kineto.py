@@ -836,16 +836,40 @@ def _fast_dict_column(part: tuple, raw_unquote: bool | None = None) -> pa.Dictio
     return _dict_column(a, values)
 
 
-def _parse_fast(path: str, data: bytes, progress=None, flows: bool = True) -> ParsedTrace:
-    try:
-        parser = _kineto_fast.Parser(data, *_FAST_SPEC)
-        while not parser.feed(FAST_FEED):
-            if progress is not None:
-                progress(min(1.0, parser.position / max(1, len(data))))
-        r = parser.result()
-    except _kineto_fast.Unsupported as e:
-        raise _NotFast(str(e)) from None
-    del parser
+def fast_enabled() -> bool:
+    return _kineto_fast is not None and not os.environ.get("TRACELENS_PURE_PYTHON")
+
+
+class Scan:
+    """One document through the compiled scanner; `run` releases the GIL while it scans, so a thread
+    can run it while the caller does other work (`tracelens/io/prefetch.py`)."""
+
+    def __init__(self, data: bytes):
+        self.data = data
+        self.parser = _kineto_fast.Parser(data, *_FAST_SPEC)
+        self.result: dict | None = None
+        self.error: str | None = None  # why the scanner did not take the file
+
+    @property
+    def fraction(self) -> float:
+        parser = self.parser  # read once: the scanning thread lets it go when done
+        return 1.0 if parser is None else min(1.0, parser.position / max(1, len(self.data)))
+
+    def run(self, progress=None) -> None:
+        try:
+            while not self.parser.feed(FAST_FEED):
+                if progress is not None:
+                    progress(self.fraction)
+            self.result = self.parser.result()
+        except _kineto_fast.Unsupported as e:
+            self.error = str(e)
+        self.parser = None
+
+
+def _parse_fast(path: str, scan: Scan, flows: bool = True) -> ParsedTrace:
+    if scan.result is None:
+        raise _NotFast(scan.error or "not scanned")
+    data, r = scan.data, scan.result
     lo, hi = r["events_span"]
     if r["top_object"]:  # the document without its events: device properties, distributed info, ...
         view = memoryview(data)
@@ -900,22 +924,30 @@ def _parse_fast(path: str, data: bytes, progress=None, flows: bool = True) -> Pa
 
 
 def parse_file(path: str | os.PathLike, data: bytes | None = None, parallel: int | None = None,
-               progress=None, flows: bool = True) -> ParsedTrace:
+               progress=None, flows: bool = True, scan: Scan | None = None) -> ParsedTrace:
     """Parse one trace file. Raises TraceError naming the file for every kind of bad input.
 
     parallel: worker processes for one large file on the msgspec path (default: automatic, one per
     CPU above PARALLEL_MIN_EVENTS events; 1 disables; the compiled scanner needs none).
     progress: optional callback(fraction of the file done). flows=False skips the flow events (ph
     s/t/f: no analysis reads them; `parse_flows` reads them later); ParsedTrace.flows is then None.
+    scan: the file's bytes already through the compiled scanner (`Scan`, run by a prefetch thread).
     """
     path = os.fspath(path)
-    if data is None:
+    if scan is not None:
+        data = scan.data
+    elif data is None:
         data = read_bytes(path)
-    if _kineto_fast is not None and not os.environ.get("TRACELENS_PURE_PYTHON"):
+    if scan is not None or fast_enabled():
         try:
-            return _parse_fast(path, data, progress, flows)
+            if scan is None:
+                scan = Scan(data)
+                scan.run(progress)
+            return _parse_fast(path, scan, flows)
         except _NotFast:
             pass  # the msgspec path is the reference: it parses what the scanner does not take, or names the problem
+        finally:
+            scan = None
     doc, raws = _doc_and_raws(path, data)
     del data
     n_total = len(raws)

@@ -1,0 +1,88 @@
+"""`tracelens.load` reads and scans a large file in a thread while pandas and the analyses import:
+the package imports without pandas, a prefetched load returns exactly what a plain one does, a
+cached file is not scanned again, and a broken file still gets the plain path's one-line error."""
+
+from __future__ import annotations
+
+import gzip
+import subprocess
+import sys
+
+import pandas as pd
+import pytest
+
+import tracelens
+from tracelens.errors import TraceError
+from tracelens.io import kineto as K
+from tracelens.io import prefetch as P
+
+from ..conftest import DIFF_CONTROL
+
+needs_scanner = pytest.mark.skipif(K._kineto_fast is None, reason="compiled scanner not built")
+
+
+def test_import_is_light_and_names_stay_functions():
+    code = ("import sys, tracelens; assert 'pandas' not in sys.modules, 'pandas imported'; "
+            "import tracelens.analyzer, tracelens.trace; "
+            "assert callable(tracelens.analyze) and tracelens.analyze.__module__ == 'tracelens.analyzer'; "
+            "assert tracelens.Trace.__name__ == 'Trace'")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+
+
+@pytest.fixture
+def spy(monkeypatch):
+    """The prefetches started (any file size), each with what its take() handed over."""
+    monkeypatch.setattr(P, "MIN_BYTES", 0)
+    started = []
+    real_init, real_take = P.Prefetch.__init__, P.Prefetch.take
+
+    def init(self, *a, **k):
+        self.handed = []
+        started.append(self)
+        real_init(self, *a, **k)
+
+    def take(self, path, progress=None):
+        scan = real_take(self, path, progress)
+        self.handed.append(scan)
+        return scan
+
+    monkeypatch.setattr(P.Prefetch, "__init__", init)
+    monkeypatch.setattr(P.Prefetch, "take", take)
+    return started
+
+
+@needs_scanner
+def test_prefetched_load_equals_a_plain_one(spy, monkeypatch, tmp_path):
+    got = tracelens.load(DIFF_CONTROL, cache=False)
+    assert len(spy) == 1 and spy[0].handed[0].result is not None  # the load used the thread's scan
+    monkeypatch.setenv("TRACELENS_NO_PREFETCH", "1")
+    plain = tracelens.load(DIFF_CONTROL, cache=False)
+    assert len(spy) == 1  # no prefetch the second time
+    pd.testing.assert_frame_equal(got.events, plain.events)
+    pd.testing.assert_frame_equal(got.threads, plain.threads)
+
+
+@needs_scanner
+def test_cached_file_is_not_scanned_again(spy, tmp_path):
+    cold = tracelens.load(DIFF_CONTROL, cache=True, cache_dir=tmp_path)
+    assert spy[0].handed[0].result is not None and not cold.ranks[0].from_cache
+    warm = tracelens.load(DIFF_CONTROL, cache=True, cache_dir=tmp_path)
+    spy[1]._thread.join()
+    assert warm.ranks[0].from_cache
+    assert spy[1].handed == [] and spy[1]._active is None  # the thread saw the entry and scanned nothing
+    pd.testing.assert_frame_equal(cold.events, warm.events)
+
+
+@needs_scanner
+def test_broken_file_gets_the_plain_error(spy, tmp_path):
+    p = tmp_path / "cut.json"
+    with gzip.open(DIFF_CONTROL, "rb") as f:
+        p.write_bytes(f.read()[:200_000])
+    with pytest.raises(TraceError) as ei:
+        tracelens.load(p, cache=False)
+    scan = spy[0].handed[0]
+    # the scanner gave up (its note stays internal); the user sees the msgspec path's plain error
+    assert scan.result is None and scan.error
+    msg = str(ei.value)
+    assert "\n" not in msg and "cut.json" in msg and "truncated" in msg

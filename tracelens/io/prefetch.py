@@ -1,0 +1,79 @@
+"""Start reading and scanning a large trace before the analysis modules are imported.
+
+`tracelens.load` is called in a fresh process more often than not (the CLI, CI jobs, notebooks'
+first cell), and importing pandas and the analyses costs ~0.3-0.6 s. The compiled scanner releases
+the GIL, so a thread can read and scan the file meanwhile: `start` does the cheap checks (one file,
+large enough, not already in the Parquet cache) and hands the file to a thread; `trace.load` picks the
+scan up with `take`. Anything unexpected in the thread (an unreadable file, a file the scanner does
+not take) is left for the ordinary path, which reads the file again and names the problem: a
+prefetch can only make a load faster, never change what it returns or raises.
+
+TRACELENS_NO_PREFETCH=1 turns it off (to measure what it saves). Only numpy, pyarrow and msgspec are
+imported here (through kineto and cache), never pandas.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+from typing import Sequence
+
+from . import cache as _cache
+from . import kineto
+from .files import discover
+
+MIN_BYTES = 16 << 20  # below this the scan takes less than the thread is worth
+
+
+class Prefetch:
+    """A background read + scan of one trace file (`kineto.Scan`)."""
+
+    def __init__(self, path: str, cache_root: Path | None, use_cache: bool):
+        self.path = path
+        self.scan: kineto.Scan | None = None  # set once the scan is done
+        self._active: kineto.Scan | None = None  # the scan under way, for progress
+        self._thread = threading.Thread(target=self._run, args=(cache_root, use_cache), daemon=True,
+                                        name="tracelens-prefetch")
+        self._thread.start()
+
+    def _run(self, cache_root: Path | None, use_cache: bool) -> None:
+        try:
+            if use_cache:  # the key is remembered for the main thread; a cached file needs no scan
+                key = _cache.key_of(self.path, cache_root)
+                if _cache.exists(key, cache_root):
+                    return
+            scan = self._active = kineto.Scan(kineto.read_bytes(self.path))
+            scan.run()
+            self.scan = scan
+        except Exception:  # noqa: BLE001 - the ordinary path reads the file again and names the problem
+            self.scan = None
+
+    def take(self, path: str, progress=None) -> kineto.Scan | None:
+        """The finished scan of `path` (None when there is none); progress(fraction) while waiting."""
+        if path != self.path:
+            return None
+        while self._thread.is_alive():
+            active = self._active
+            if progress is not None and active is not None:
+                progress(active.fraction)
+            self._thread.join(0.1)
+        scan, self.scan, self._active = self.scan, None, None
+        if progress is not None and scan is not None:
+            progress(1.0)
+        return scan
+
+
+def start(paths: str | os.PathLike | Sequence[str | os.PathLike], cache: bool = True,
+          cache_dir: str | os.PathLike | None = None) -> Prefetch | None:
+    """A prefetch of the load's file when it is one large file the compiled scanner would read; None
+    otherwise (many files load in a process pool; small ones are not worth a thread)."""
+    if not kineto.fast_enabled() or os.environ.get("TRACELENS_NO_PREFETCH"):
+        return None
+    try:
+        files = discover(paths)
+        if len(files) != 1 or os.path.getsize(files[0]) < MIN_BYTES:
+            return None
+    except Exception:  # noqa: BLE001 - bad paths are reported by the load itself
+        return None
+    return Prefetch(files[0], Path(cache_dir) if cache_dir else None, cache)
