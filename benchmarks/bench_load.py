@@ -30,6 +30,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.append(str(ROOT))  # tracelens from the checkout when it is not installed (the children run in ROOT)
 from scale_trace import scale  # noqa: E402
 
 DEFAULT_SRC = ROOT / "tests" / "fixtures" / "external" / "hta" / "trace_diff" / "control.json.gz"

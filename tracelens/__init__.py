@@ -50,6 +50,11 @@ def load(
     pending = prefetch.start(paths, cache=cache, cache_dir=cache_dir)  # reads + scans while pandas imports
     from .trace import load as _load
 
+    if pending is not None and pending.busy:
+        # the load would only wait for the scan: import the analyses meanwhile (what nearly every load
+        # is followed by), so `analyze` does not pay for them after the scan
+        from . import analyzer  # noqa: F401
+
     return _load(paths, cache=cache, cache_dir=cache_dir, jobs=jobs, progress=progress, prefetch=pending)
 
 

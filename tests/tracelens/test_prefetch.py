@@ -30,6 +30,15 @@ def test_import_is_light_and_names_stay_functions():
     assert r.returncode == 0, r.stderr
 
 
+def test_the_thread_starts_before_numpy_pyarrow_or_pandas_import():
+    # prefetch, the scanner's Python side and the cache key need only the standard library
+    code = ("import sys, tracelens.io.prefetch, tracelens.io.scanner, tracelens.io.cache; "
+            "heavy = [m for m in ('numpy', 'pyarrow', 'pandas', 'msgspec') if m in sys.modules]; "
+            "assert not heavy, heavy")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+
+
 @pytest.fixture
 def spy(monkeypatch):
     """The prefetches started (any file size), each with what its take() handed over."""

@@ -21,10 +21,15 @@ import os
 import tempfile
 from pathlib import Path
 
-import pyarrow as pa
-import pyarrow.parquet as pq
+from typing import TYPE_CHECKING
 
-from .kineto import SCHEMA_VERSION, ParsedTrace
+from .schema import SCHEMA_VERSION
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .kineto import ParsedTrace
+
+# pyarrow is imported by `load` and `store` only: computing a key and asking whether an entry exists
+# stay light, so `prefetch.py` can do both before pyarrow and pandas are imported.
 
 
 def cache_dir() -> Path:
@@ -90,6 +95,11 @@ def exists(key: str, root: Path | None = None) -> bool:
 
 
 def load(path: str, key: str, root: Path | None = None) -> ParsedTrace | None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from .kineto import ParsedTrace
+
     d = _entry(root or cache_dir(), key)
     try:
         meta = json.loads((d / "meta.json").read_text())
@@ -104,6 +114,8 @@ def load(path: str, key: str, root: Path | None = None) -> ParsedTrace | None:
 
 def store(parsed: ParsedTrace, key: str, root: Path | None = None) -> None:
     """Best effort: a read-only or full disk must not fail the analysis."""
+    import pyarrow.parquet as pq
+
     final = _entry(root or cache_dir(), key)
     if final.exists():
         return

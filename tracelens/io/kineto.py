@@ -44,13 +44,7 @@ import pyarrow as pa
 
 from ..errors import TraceError
 
-try:  # the compiled fast path; optional (see setup.py)
-    from . import _kineto_fast
-except ImportError as _e:  # pragma: no cover - depends on the install
-    _kineto_fast = None
-    _FAST_MISSING = f"compiled scanner not built ({_e})"
-else:
-    _FAST_MISSING = ""
+from .scanner import FAST_FEED, Scan, _kineto_fast, decoder, fast_enabled, read_bytes  # noqa: F401 - re-exported
 
 BATCH = 32768  # events per decode: smaller batches lower the peak memory, larger ones gain nothing measurable
 
@@ -78,57 +72,7 @@ def _f(name: str, default: Any = None) -> Any:
     return msgspec.field(default=default, name=name)
 
 
-# Every arg the analyzer reads: column name -> (key in the trace, kind). Kinds: "int" (int64, -1 when
-# absent), "str" (dictionary string), "raw" (compact JSON text of a list/object, dictionary string),
-# "float" (float64, NaN when absent).
-ARG_FIELDS: dict[str, tuple[str, str]] = {
-    "correlation": ("correlation", "int"),
-    "external_id": ("External id", "int"),
-    "device": ("device", "int"),
-    "stream": ("stream", "int"),
-    "bytes": ("bytes", "int"),
-    "grid": ("grid", "raw"),
-    "block": ("block", "raw"),
-    "collective": ("Collective name", "str"),
-    "in_nelems": ("In msg nelems", "int"),
-    "out_nelems": ("Out msg nelems", "int"),
-    "group_size": ("Group size", "int"),
-    "dtype": ("dtype", "str"),
-    "pg_name": ("Process Group Name", "str"),
-    "pg_desc": ("Process Group Description", "str"),
-    "pg_ranks": ("Process Group Ranks", "raw"),
-    "in_split": ("In split size", "raw"),
-    "out_split": ("Out split size", "raw"),
-    "seq": ("Sequence number", "int"),
-    "fwd_tid": ("Fwd thread id", "int"),
-    "rf_id": ("Record function id", "int"),
-    "input_dims": ("Input Dims", "raw"),
-    "input_types": ("Input type", "raw"),
-    "input_strides": ("Input Strides", "raw"),
-    "concrete_inputs": ("Concrete Inputs", "raw"),
-    "flops": ("flops", "float"),
-    "module": ("Module Hierarchy", "str"),
-    "call_stack": ("Call stack", "str"),
-    "python_id": ("Python id", "int"),
-    "python_parent_id": ("Python parent id", "int"),
-}
-_COLLECTIVE = ("collective", "in_nelems", "out_nelems", "group_size", "dtype", "pg_name", "pg_desc",
-               "pg_ranks", "in_split", "out_split")
-# Which args each category carries; only those are decoded (a runtime call never has shapes).
-_GROUPS: dict[str, tuple[str, ...]] = {
-    "gpu": ("correlation", "external_id", "device", "stream", "bytes", "grid", "block") + _COLLECTIVE,
-    "runtime": ("correlation", "external_id", "device", "stream"),
-    "op": ("external_id", "seq", "fwd_tid", "rf_id", "input_dims", "input_types", "input_strides",
-           "concrete_inputs", "flops", "module", "call_stack") + _COLLECTIVE,
-    "python": ("python_id", "python_parent_id"),
-}
-CAT_GROUP: dict[str, str] = {
-    "kernel": "gpu", "gpu_memcpy": "gpu", "gpu_memset": "gpu", "gpu_user_annotation": "gpu",
-    "Kernel": "gpu", "Memcpy": "gpu", "Memset": "gpu",
-    "cuda_runtime": "runtime", "cuda_driver": "runtime", "cuda_sync": "runtime", "Runtime": "runtime",
-    "cpu_op": "op", "user_annotation": "op", "Operator": "op", "cuda_profiler_range": "op",
-    "python_function": "python", "Python": "python",
-}
+from .schema import _COLLECTIVE, _GROUPS, ARG_FIELDS, CAT_GROUP, SCHEMA_VERSION, UNQUOTE_COLS  # noqa: E402,F401
 _GROUP_CODE = {c: list(_GROUPS).index(g) for c, g in CAT_GROUP.items()}
 _TIMED_PH = frozenset({"X", "i", "I"})
 _FLOW_PH = frozenset({"s", "f", "t"})
@@ -205,8 +149,6 @@ _EVENTS = msgspec.json.Decoder(list[_Event])
 _METAARGS = msgspec.json.Decoder(_MetaArgs)
 
 # args some writers emit as a JSON string holding the value ("[0, 1]"): unwrap the string
-UNQUOTE_COLS = frozenset({"pg_ranks", "in_split", "out_split"})
-SCHEMA_VERSION = 1
 
 
 @dataclass
@@ -221,21 +163,6 @@ class ParsedTrace:
 
 
 # ---------------------------------------------------------------------------------------------
-
-
-def read_bytes(path: str) -> bytes:
-    """The file's JSON bytes, gunzipped when it is gzip (by magic, not by name)."""
-    try:
-        with open(path, "rb") as f:
-            data = f.read()
-    except OSError as e:
-        raise TraceError(path, f"cannot read: {e.strerror or e}") from None
-    if data[:2] == b"\x1f\x8b":
-        try:
-            data = gzip.decompress(data)
-        except (OSError, EOFError, zlib.error) as e:
-            raise TraceError(path, f"corrupt or truncated gzip ({e})") from None
-    return data
 
 
 def _json_problem(path: str, data: bytes, err: Exception) -> TraceError:
@@ -764,33 +691,6 @@ def parse_flows(path: str | os.PathLike, data: bytes | None = None) -> pa.Table:
 # ---------------------------------------------------------------------------------------------
 # The compiled fast path: the same tables, from one pass of `_kineto_fast.Parser` over the bytes.
 
-FAST_FEED = 65536  # events per call into the scanner: the progress callback's granularity
-
-
-def decoder() -> str:
-    """Which decoder `parse_file` uses, for `tracelens --version` and bug reports."""
-    if _kineto_fast is None:
-        return f"msgspec ({_FAST_MISSING})"
-    if os.environ.get("TRACELENS_PURE_PYTHON"):
-        return "msgspec (TRACELENS_PURE_PYTHON is set)"
-    return "compiled scanner (tracelens.io._kineto_fast), msgspec for files it does not take"
-
-
-def _fast_spec() -> tuple:
-    cols = list(ARG_FIELDS)
-    groups = list(_GROUPS)
-    kind_code = {"int": "i", "str": "s", "raw": "r", "float": "f"}
-    return (
-        tuple(key.encode() for key, _ in ARG_FIELDS.values()),
-        "".join(kind_code[k] for _, k in ARG_FIELDS.values()).encode(),
-        tuple((cat.encode(), groups.index(g)) for cat, g in CAT_GROUP.items()),
-        tuple(sum(1 << cols.index(c) for c in _GROUPS[g]) for g in groups),
-    )
-
-
-_FAST_SPEC = _fast_spec()
-
-
 class _NotFast(Exception):
     """The compiled path does not take this file; the msgspec path parses it (and names any problem)."""
 
@@ -834,36 +734,6 @@ def _fast_dict_column(part: tuple, raw_unquote: bool | None = None) -> pa.Dictio
     if remap is not None:
         a = remap[a]  # -1 indexes the last entry, which is -1
     return _dict_column(a, values)
-
-
-def fast_enabled() -> bool:
-    return _kineto_fast is not None and not os.environ.get("TRACELENS_PURE_PYTHON")
-
-
-class Scan:
-    """One document through the compiled scanner; `run` releases the GIL while it scans, so a thread
-    can run it while the caller does other work (`tracelens/io/prefetch.py`)."""
-
-    def __init__(self, data: bytes):
-        self.data = data
-        self.parser = _kineto_fast.Parser(data, *_FAST_SPEC)
-        self.result: dict | None = None
-        self.error: str | None = None  # why the scanner did not take the file
-
-    @property
-    def fraction(self) -> float:
-        parser = self.parser  # read once: the scanning thread lets it go when done
-        return 1.0 if parser is None else min(1.0, parser.position / max(1, len(self.data)))
-
-    def run(self, progress=None) -> None:
-        try:
-            while not self.parser.feed(FAST_FEED):
-                if progress is not None:
-                    progress(self.fraction)
-            self.result = self.parser.result()
-        except _kineto_fast.Unsupported as e:
-            self.error = str(e)
-        self.parser = None
 
 
 def _parse_fast(path: str, scan: Scan, flows: bool = True) -> ParsedTrace:

@@ -8,8 +8,9 @@ scan up with `take`. Anything unexpected in the thread (an unreadable file, a fi
 not take) is left for the ordinary path, which reads the file again and names the problem: a
 prefetch can only make a load faster, never change what it returns or raises.
 
-TRACELENS_NO_PREFETCH=1 turns it off (to measure what it saves). Only numpy, pyarrow and msgspec are
-imported here (through kineto and cache), never pandas.
+TRACELENS_NO_PREFETCH=1 turns it off (to measure what it saves). Only the standard library and the
+compiled extension are imported here (`scanner`, `cache`'s key functions, `files`): the thread starts
+within milliseconds, before numpy, pyarrow or pandas load.
 """
 
 from __future__ import annotations
@@ -20,19 +21,19 @@ from pathlib import Path
 from typing import Sequence
 
 from . import cache as _cache
-from . import kineto
+from . import scanner
 from .files import discover
 
 MIN_BYTES = 16 << 20  # below this the scan takes less than the thread is worth
 
 
 class Prefetch:
-    """A background read + scan of one trace file (`kineto.Scan`)."""
+    """A background read + scan of one trace file (`scanner.Scan`)."""
 
     def __init__(self, path: str, cache_root: Path | None, use_cache: bool):
         self.path = path
-        self.scan: kineto.Scan | None = None  # set once the scan is done
-        self._active: kineto.Scan | None = None  # the scan under way, for progress
+        self.scan: scanner.Scan | None = None  # set once the scan is done
+        self._active: scanner.Scan | None = None  # the scan under way, for progress
         self._thread = threading.Thread(target=self._run, args=(cache_root, use_cache), daemon=True,
                                         name="tracelens-prefetch")
         self._thread.start()
@@ -43,13 +44,18 @@ class Prefetch:
                 key = _cache.key_of(self.path, cache_root)
                 if _cache.exists(key, cache_root):
                     return
-            scan = self._active = kineto.Scan(kineto.read_bytes(self.path))
+            scan = self._active = scanner.Scan(scanner.read_bytes(self.path))
             scan.run()
             self.scan = scan
         except Exception:  # noqa: BLE001 - the ordinary path reads the file again and names the problem
             self.scan = None
 
-    def take(self, path: str, progress=None) -> kineto.Scan | None:
+    @property
+    def busy(self) -> bool:
+        """Whether the thread is still reading or scanning."""
+        return self._thread.is_alive()
+
+    def take(self, path: str, progress=None) -> scanner.Scan | None:
         """The finished scan of `path` (None when there is none); progress(fraction) while waiting."""
         if path != self.path:
             return None
@@ -68,7 +74,7 @@ def start(paths: str | os.PathLike | Sequence[str | os.PathLike], cache: bool = 
           cache_dir: str | os.PathLike | None = None) -> Prefetch | None:
     """A prefetch of the load's file when it is one large file the compiled scanner would read; None
     otherwise (many files load in a process pool; small ones are not worth a thread)."""
-    if not kineto.fast_enabled() or os.environ.get("TRACELENS_NO_PREFETCH"):
+    if not scanner.fast_enabled() or os.environ.get("TRACELENS_NO_PREFETCH"):
         return None
     try:
         files = discover(paths)

@@ -1,0 +1,96 @@
+"""The compiled scanner's Python side: read a trace's bytes and run `_kineto_fast.Parser` over them.
+
+Kept to the standard library and the extension (no numpy, pyarrow or pandas), so `tracelens.load`
+can start reading and scanning a large file in a thread within milliseconds of being called, while
+the rest of the toolkit imports (`prefetch.py`). Turning a finished scan into tables is
+`kineto._parse_fast`'s job.
+"""
+
+from __future__ import annotations
+
+import gzip
+import os
+import zlib
+
+from ..errors import TraceError
+from .schema import _GROUPS, ARG_FIELDS, CAT_GROUP
+
+try:  # the compiled fast path; optional (see setup.py)
+    from . import _kineto_fast
+except ImportError as _e:  # pragma: no cover - depends on the install
+    _kineto_fast = None
+    _FAST_MISSING = f"compiled scanner not built ({_e})"
+else:
+    _FAST_MISSING = ""
+
+
+def read_bytes(path: str) -> bytes:
+    """The file's JSON bytes, gunzipped when it is gzip (by magic, not by name)."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as e:
+        raise TraceError(path, f"cannot read: {e.strerror or e}") from None
+    if data[:2] == b"\x1f\x8b":
+        try:
+            data = gzip.decompress(data)
+        except (OSError, EOFError, zlib.error) as e:
+            raise TraceError(path, f"corrupt or truncated gzip ({e})") from None
+    return data
+
+
+FAST_FEED = 65536  # events per call into the scanner: the progress callback's granularity
+
+
+def decoder() -> str:
+    """Which decoder `parse_file` uses, for `tracelens --version` and bug reports."""
+    if _kineto_fast is None:
+        return f"msgspec ({_FAST_MISSING})"
+    if os.environ.get("TRACELENS_PURE_PYTHON"):
+        return "msgspec (TRACELENS_PURE_PYTHON is set)"
+    return "compiled scanner (tracelens.io._kineto_fast), msgspec for files it does not take"
+
+
+def _fast_spec() -> tuple:
+    cols = list(ARG_FIELDS)
+    groups = list(_GROUPS)
+    kind_code = {"int": "i", "str": "s", "raw": "r", "float": "f"}
+    return (
+        tuple(key.encode() for key, _ in ARG_FIELDS.values()),
+        "".join(kind_code[k] for _, k in ARG_FIELDS.values()).encode(),
+        tuple((cat.encode(), groups.index(g)) for cat, g in CAT_GROUP.items()),
+        tuple(sum(1 << cols.index(c) for c in _GROUPS[g]) for g in groups),
+    )
+
+
+_FAST_SPEC = _fast_spec()
+
+
+def fast_enabled() -> bool:
+    return _kineto_fast is not None and not os.environ.get("TRACELENS_PURE_PYTHON")
+
+
+class Scan:
+    """One document through the compiled scanner; `run` releases the GIL while it scans, so a thread
+    can run it while the caller does other work (`tracelens/io/prefetch.py`)."""
+
+    def __init__(self, data: bytes):
+        self.data = data
+        self.parser = _kineto_fast.Parser(data, *_FAST_SPEC)
+        self.result: dict | None = None
+        self.error: str | None = None  # why the scanner did not take the file
+
+    @property
+    def fraction(self) -> float:
+        parser = self.parser  # read once: the scanning thread lets it go when done
+        return 1.0 if parser is None else min(1.0, parser.position / max(1, len(self.data)))
+
+    def run(self, progress=None) -> None:
+        try:
+            while not self.parser.feed(FAST_FEED):
+                if progress is not None:
+                    progress(self.fraction)
+            self.result = self.parser.result()
+        except _kineto_fast.Unsupported as e:
+            self.error = str(e)
+        self.parser = None
