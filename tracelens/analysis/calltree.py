@@ -33,7 +33,7 @@ def host_events(events: pd.DataFrame) -> pd.DataFrame:
     is_mod = C.isin(cat, C.PYTHON_CATS) & C.map_strings(events["name"], lambda s: s.startswith(_MODULE_PREFIX))
     sel = x & (is_op | is_ann | is_rt | is_mod)
     host = events.loc[sel, ["rank", "pid", "tid", "ts", "dur", "name", "cat", "correlation", "external_id",
-                            "input_dims", "input_types", "module"]].copy()
+                            "input_dims", "input_types", "module"]].copy(deep=False)
     kind = np.full(len(host), KIND_OP, dtype=np.int8)
     kind[is_ann[sel]] = KIND_ANNOTATION
     kind[is_mod[sel]] = KIND_MODULE
@@ -337,7 +337,7 @@ def gpu_events(events: pd.DataFrame) -> pd.DataFrame:
     sel = C.map_strings(events["ph"], lambda s: s == "X") & C.isin(events["cat"], C.GPU_CATS)
     g = events.loc[sel, ["rank", "pid", "tid", "ts", "dur", "name", "cat", "correlation", "external_id", "device",
                          "stream", "bytes", "grid", "block", "collective", "in_nelems", "out_nelems", "dtype",
-                         "group_size", "pg_name", "pg_ranks"]].copy()
+                         "group_size", "pg_name", "pg_ranks"]].copy(deep=False)
     code = np.where(C.isin(g["cat"], C.KERNEL_CATS), 0, np.where(C.isin(g["cat"], C.MEMCPY_CATS), 1, 2))
     g["kind"] = pd.Categorical.from_codes(code, categories=["kernel", "memcpy", "memset"])
     g["end"] = g["ts"] + g["dur"]
@@ -388,7 +388,7 @@ def attribute_gpu(gpu: pd.DataFrame, tree: pd.DataFrame, steps: pd.DataFrame) ->
         op_rows = ops.index.to_numpy()[pos[found]]
         inner[sel] = op_rows
         outer[sel] = tree["outer_op"].to_numpy()[_positions(tree, op_rows)]
-    out = g.copy()
+    out = g.copy(deep=False)  # new columns only: the caller's frame is left as it is
     out["launch"] = launch
     out["launch_ts"] = launch_ts
     out["op_row"] = inner

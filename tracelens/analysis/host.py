@@ -36,8 +36,7 @@ def host_syncs(analysis) -> pd.DataFrame:
     """One row per blocking sync call issued by the workload."""
     cols = ["rank", "call", "op", "via", "path", "stack", "ts", "host_blocked_us", "gpu_idle_caused_us", "step"]
     t = analysis.tree
-    rt = t[(t["kind"] == KIND_RUNTIME)]
-    s = rt[C.isin(rt["name"], C.SYNC_RUNTIME) & (rt["parent"].to_numpy() >= 0)]
+    s = t[(t["kind"].to_numpy() == KIND_RUNTIME) & C.isin(t["name"], C.SYNC_RUNTIME) & (t["parent"].to_numpy() >= 0)]
     if s.empty:
         return pd.DataFrame(columns=cols)
     stack = np.full(len(s), "", dtype=object)
@@ -54,7 +53,7 @@ def host_syncs(analysis) -> pd.DataFrame:
     })
     end = s["ts"].to_numpy() + s["dur"].to_numpy()
     caused = np.zeros(len(s))
-    g = analysis.gpu
+    g = analysis.gpu[["rank", "ts", "end"]]
     for r in np.unique(out["rank"]):
         m = out["rank"].to_numpy() == r
         gr = g[g["rank"] == r]
@@ -91,7 +90,7 @@ def idle_gaps(analysis, syncs: pd.DataFrame | None = None) -> pd.DataFrame:
         return pd.DataFrame(columns=cols)
     syncs = host_syncs(analysis) if syncs is None else syncs
     rows = []
-    for r, gr in g.groupby("rank", sort=True):
+    for r, gr in g[["rank", "ts", "end", "launch_ts", "op", "top_op"]].groupby("rank", sort=True):
         order = np.argsort(gr["ts"].to_numpy(), kind="stable")
         ts, end = gr["ts"].to_numpy()[order], gr["end"].to_numpy()[order]
         launch = gr["launch_ts"].to_numpy()[order]
@@ -111,8 +110,8 @@ def idle_gaps(analysis, syncs: pd.DataFrame | None = None) -> pd.DataFrame:
             after_sync = np.zeros(len(gs), dtype=bool)
         launched_late = (launch[nxt] >= 0) & (launch[nxt] > gs)
         cause = np.where(after_sync, "sync", np.where(launched_late, "launch-bound", "other"))
-        ops = gr["op"].astype(str).to_numpy()[order][nxt]
-        tops = gr["top_op"].astype(str).to_numpy()[order][nxt]
+        ops = C.strings(gr["op"].iloc[order[nxt]])
+        tops = C.strings(gr["top_op"].iloc[order[nxt]])
         rows.append(pd.DataFrame({"rank": int(r), "start_ns": gs, "end_ns": ge, "dur_us": (ge - gs) / US,
                                   "cause": cause, "next_op": ops, "next_top_op": tops}))
     return pd.concat(rows, ignore_index=True)[cols] if rows else pd.DataFrame(columns=cols)
@@ -132,7 +131,7 @@ def launch_stats(analysis, small_us: float = SMALL_KERNEL_US) -> pd.DataFrame:
     """Per rank: kernels, launch latency percentiles, small-kernel count and shares."""
     cols = ["rank", "kernels", "launch_p50_us", "launch_p90_us", "small_kernels", "small_share",
             "small_time_share"]
-    k = analysis.gpu[analysis.gpu["kind"] == "kernel"]
+    k = analysis.gpu.loc[analysis.gpu["kind"] == "kernel", ["rank", "ts", "dur", "launch_ts"]]
     rows = []
     for r, kr in k.groupby("rank"):
         lat = (kr["ts"] - kr["launch_ts"])[kr["launch_ts"] >= 0] / US
@@ -148,10 +147,11 @@ def launch_stats(analysis, small_us: float = SMALL_KERNEL_US) -> pd.DataFrame:
 def kernels_per_op(analysis, small_us: float = SMALL_KERNEL_US) -> pd.DataFrame:
     """Ops (as called from Python) by how many kernels they launch, and how many are small."""
     cols = ["top_op", "kernels", "small_kernels", "gpu_us", "mean_kernel_us"]
-    k = analysis.gpu[analysis.gpu["kind"] == "kernel"]
+    k = analysis.gpu.loc[analysis.gpu["kind"] == "kernel", ["top_op", "dur"]]
     if k.empty:
         return pd.DataFrame(columns=cols)
-    df = pd.DataFrame({"top_op": k["top_op"].astype(str).replace("", "(no op)").to_numpy(),
+    top = C.strings(k["top_op"])
+    df = pd.DataFrame({"top_op": np.where(top == "", "(no op)", top),
                        "dur": k["dur"].to_numpy(), "small": (k["dur"] < small_us * US).to_numpy()})
     out = df.groupby("top_op").agg(kernels=("dur", "size"), small_kernels=("small", "sum"), gpu=("dur", "sum")).reset_index()
     out["gpu_us"] = out.pop("gpu") / US

@@ -18,44 +18,50 @@ US = 1000.0
 
 def ops_summary(tree: pd.DataFrame, gpu: pd.DataFrame, busy_ns: float) -> pd.DataFrame:
     """By (op name, input shapes): instances, CPU inclusive/self time, GPU time, kernels, % of busy."""
-    ops = tree[tree["kind"] == KIND_OP]
+    ops = tree.loc[tree["kind"].to_numpy() == KIND_OP, ["name", "input_dims", "dur", "self_dur"]]
     if ops.empty:
         return pd.DataFrame(columns=["op", "input_dims", "count", "cpu_total_us", "cpu_self_us", "gpu_total_us",
                                      "gpu_mean_us", "kernels", "pct_gpu_busy"])
-    k = gpu[gpu["op_row"] >= 0].groupby("op_row")["dur"].agg(["sum", "size"])
-    df = pd.DataFrame(
-        {
-            "op": ops["name"].cat.codes.to_numpy(),
-            "input_dims": ops["input_dims"].cat.codes.to_numpy(),
-            "dur": ops["dur"].to_numpy(),
-            "self_dur": ops["self_dur"].to_numpy(),
-            "gpu": k["sum"].reindex(ops.index).fillna(0).to_numpy(),
-            "nk": k["size"].reindex(ops.index).fillna(0).to_numpy(),
-        }
-    )
-    agg = df.groupby(["op", "input_dims"], sort=False).agg(
-        count=("dur", "size"), cpu=("dur", "sum"), cpu_self=("self_dur", "sum"), gpu=("gpu", "sum"), kernels=("nk", "sum")
-    ).reset_index()
+    gpu_ns, nk = _per_row(gpu, "op_row", ops.index.to_numpy())
+    op_c = ops["name"].cat.codes.to_numpy().astype(np.int64)
+    dims_c = ops["input_dims"].cat.codes.to_numpy().astype(np.int64)
+    # groups in order of first appearance (as groupby(sort=False)), sums by bincount
+    grp, first = pd.factorize(op_c * (len(ops["input_dims"].cat.categories) + 1) + (dims_c + 1), sort=False)
+    n = len(first)
+    starts = np.full(n, len(grp), dtype=np.int64)
+    np.minimum.at(starts, grp, np.arange(len(grp)))
+    count = np.bincount(grp, minlength=n)
+    gpu_sum = np.bincount(grp, weights=gpu_ns, minlength=n)
     out = pd.DataFrame(
         {
-            "op": _decode(agg["op"], ops["name"]),
-            "input_dims": _decode(agg["input_dims"], ops["input_dims"]),
-            "count": agg["count"].astype(np.int64),
-            "cpu_total_us": agg["cpu"] / US,
-            "cpu_self_us": agg["cpu_self"] / US,
-            "gpu_total_us": agg["gpu"] / US,
-            "gpu_mean_us": agg["gpu"] / US / agg["count"],
-            "kernels": agg["kernels"].astype(np.int64),
-            "pct_gpu_busy": 100.0 * agg["gpu"] / busy_ns if busy_ns > 0 else np.nan,
+            "op": _decode_codes(op_c[starts], ops["name"]),
+            "input_dims": _decode_codes(dims_c[starts], ops["input_dims"]),
+            "count": count.astype(np.int64),
+            "cpu_total_us": np.bincount(grp, weights=ops["dur"].to_numpy(), minlength=n) / US,
+            "cpu_self_us": np.bincount(grp, weights=ops["self_dur"].to_numpy(), minlength=n) / US,
+            "gpu_total_us": gpu_sum / US,
+            "gpu_mean_us": gpu_sum / US / count,
+            "kernels": np.bincount(grp, weights=nk, minlength=n).astype(np.int64),
+            "pct_gpu_busy": 100.0 * gpu_sum / busy_ns if busy_ns > 0 else np.nan,
         }
     )
     return out.sort_values(["gpu_total_us", "cpu_self_us"], ascending=False, ignore_index=True)
 
 
-def _decode(codes: pd.Series, col: pd.Series) -> np.ndarray:
-    """Category codes (as grouped) back to strings; -1 -> ""."""
+def _per_row(gpu: pd.DataFrame, col: str, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """GPU time (ns, float) and event count of each row label in `rows`, from the GPU events whose
+    `col` (op_row / top_op_row) is that label; bincount over labels instead of groupby + reindex."""
+    lab = gpu[col].to_numpy()
+    ok = lab >= 0
+    lab, dur = lab[ok], gpu["dur"].to_numpy()[ok]
+    size = int(max(lab.max(initial=-1), rows.max(initial=-1))) + 1
+    return (np.bincount(lab, weights=dur, minlength=size)[rows].astype(float),
+            np.bincount(lab, minlength=size)[rows].astype(float))
+
+
+def _decode_codes(codes: np.ndarray, col: pd.Series) -> np.ndarray:
     cats = np.asarray(list(col.cat.categories.astype(str)) + [""], dtype=object)
-    return cats[codes.to_numpy()]
+    return cats[codes]
 
 
 def kernel_summary(gpu: pd.DataFrame, busy_ns: float) -> pd.DataFrame:
@@ -107,22 +113,20 @@ def category_rollup(gpu: pd.DataFrame, busy_by_rank: dict[int, float]) -> pd.Dat
 def top_level_ops(tree: pd.DataFrame, gpu: pd.DataFrame) -> pd.DataFrame:
     """Outermost ops (e.g. aten::linear called from Python) with the GPU time of everything under them."""
     cols = ["op", "count", "cpu_total_us", "gpu_total_us", "kernels"]
-    ops = tree[(tree["kind"] == KIND_OP) & (tree["outer_op"] == tree.index.to_numpy())]
+    kind, outer = tree["kind"].to_numpy(), tree["outer_op"].to_numpy()
+    ops = tree.loc[(kind == KIND_OP) & (outer == tree.index.to_numpy()), ["name", "dur"]]
     if ops.empty:
         return pd.DataFrame(columns=cols)
-    k = gpu[gpu["top_op_row"] >= 0].groupby("top_op_row")["dur"].agg(["sum", "size"])
-    df = pd.DataFrame(
-        {
-            "op": ops["name"].cat.remove_unused_categories().to_numpy(),
-            "cpu": ops["dur"].to_numpy(),
-            "gpu": k["sum"].reindex(ops.index).fillna(0).to_numpy(),
-            "nk": k["size"].reindex(ops.index).fillna(0).to_numpy(),
-        }
-    )
-    agg = df.groupby("op", observed=True).agg(count=("cpu", "size"), cpu=("cpu", "sum"), gpu=("gpu", "sum"), nk=("nk", "sum")).reset_index()
+    gpu_ns, nk = _per_row(gpu, "top_op_row", ops.index.to_numpy())
+    code = ops["name"].cat.codes.to_numpy()
+    named = code >= 0  # an op without a name has no group (as groupby drops missing keys)
+    uniq, grp = np.unique(code[named], return_inverse=True)  # category order, as groupby on the categorical
+    n = len(uniq)
     out = pd.DataFrame(
-        {"op": agg["op"].astype(str), "count": agg["count"], "cpu_total_us": agg["cpu"] / US, "gpu_total_us": agg["gpu"] / US,
-         "kernels": agg["nk"].astype(np.int64)}
+        {"op": _decode_codes(uniq, ops["name"]), "count": np.bincount(grp, minlength=n),
+         "cpu_total_us": np.bincount(grp, weights=ops["dur"].to_numpy()[named], minlength=n) / US,
+         "gpu_total_us": np.bincount(grp, weights=gpu_ns[named], minlength=n) / US,
+         "kernels": np.bincount(grp, weights=nk[named], minlength=n).astype(np.int64)}
     )
     return out.sort_values(["gpu_total_us", "cpu_total_us"], ascending=False, ignore_index=True)
 
@@ -134,12 +138,12 @@ def breakdown_tree(gpu: pd.DataFrame, tree: pd.DataFrame, max_leaves: int = 400)
     columns id, parent, label, value, level; parents' values equal the sum of their children.
     """
     if not gpu.empty:
-        leaves = pd.DataFrame(
+        leaves = pd.DataFrame(  # categoricals as they are (.array): grouping works on their codes
             {
-                "path": gpu["path"].to_numpy(),
-                "top": gpu["top_op"].to_numpy(),
-                "op": gpu["op"].to_numpy(),
-                "leaf": gpu["name"].to_numpy(),
+                "path": gpu["path"].array,
+                "top": gpu["top_op"].array,
+                "op": gpu["op"].array,
+                "leaf": gpu["name"].array,
                 "value": gpu["dur"].to_numpy() / US,
             }
         )
@@ -149,9 +153,9 @@ def breakdown_tree(gpu: pd.DataFrame, tree: pd.DataFrame, max_leaves: int = 400)
             return pd.DataFrame(columns=["id", "parent", "label", "value", "level"])
         leaves = pd.DataFrame(
             {
-                "path": ops["path"].to_numpy(),
+                "path": ops["path"].array,
                 "top": C.take_strings(tree["name"], ops["outer_op"].to_numpy()),
-                "op": ops["name"].to_numpy(),
+                "op": ops["name"].array,
                 "leaf": "(self)",
                 "value": ops["self_dur"].to_numpy() / US,
             }
@@ -195,11 +199,10 @@ def annotation_summary(tree: pd.DataFrame, gpu: pd.DataFrame) -> pd.DataFrame:
     from .calltree import KIND_ANNOTATION, KIND_MODULE
 
     cols = ["path", "name", "count", "host_total_us", "host_mean_us", "gpu_total_us", "kernels"]
-    ann = tree[tree["kind"].isin([KIND_ANNOTATION, KIND_MODULE]) & ~tree["is_step"]]
+    ann = tree.loc[tree["kind"].isin([KIND_ANNOTATION, KIND_MODULE]) & ~tree["is_step"], ["path", "name", "dur"]]
     if ann.empty:
         return pd.DataFrame(columns=cols)
-    agg = pd.DataFrame({"path": ann["path"].astype(str).to_numpy(), "name": ann["name"].astype(str).to_numpy(),
-                        "dur": ann["dur"].to_numpy()})
+    agg = pd.DataFrame({"path": C.strings(ann["path"]), "name": C.strings(ann["name"]), "dur": ann["dur"].to_numpy()})
     agg = agg[agg["path"] != ""].groupby(["path", "name"], sort=False)["dur"].agg(["size", "sum"]).reset_index()
     if gpu.empty:
         gp = pd.Series(dtype=float)
@@ -208,11 +211,14 @@ def annotation_summary(tree: pd.DataFrame, gpu: pd.DataFrame) -> pd.DataFrame:
         by_path = gpu.groupby("path", observed=True)["dur"].agg(["sum", "size"])
         by_path.index = by_path.index.astype(str)
         gp, gk = by_path["sum"], by_path["size"]
+    # GPU time under each annotation path: its own and every path below it (few distinct paths)
+    below = list(zip(gp.index.tolist(), gp.tolist(), gk.tolist()))
     gpu_us, kernels = [], []
-    for p in agg["path"]:
-        m = [q for q in gp.index if q == p or q.startswith(p + "/")]
-        gpu_us.append(float(gp[m].sum()) / US if m else 0.0)
-        kernels.append(int(gk[m].sum()) if m else 0)
+    for p in agg["path"].tolist():
+        pre = p + "/"
+        m = [(v, k) for q, v, k in below if q == p or q.startswith(pre)]
+        gpu_us.append(float(sum(v for v, _ in m)) / US if m else 0.0)
+        kernels.append(int(sum(k for _, k in m)) if m else 0)
     out = pd.DataFrame({"path": agg["path"], "name": agg["name"], "count": agg["size"].astype(np.int64),
                         "host_total_us": agg["sum"] / US, "host_mean_us": agg["sum"] / US / agg["size"],
                         "gpu_total_us": gpu_us, "kernels": kernels})
