@@ -141,7 +141,7 @@ def build_tree(events: pd.DataFrame) -> pd.DataFrame:
     out["depth"] = depth.astype(np.int32)[inv]
     out["inner_op"] = to_labels(inner_a)[inv]
     out["outer_op"] = to_labels(outer_a)[inv]
-    out["path"] = pd.Categorical(np.asarray(path_str, dtype=object)[path_a[inv]])
+    out["path"] = _path_categorical(path_str, path_a[inv])
     # self time: own duration minus the durations of direct children
     self_dur = dur.astype(np.int64).copy()
     par_pos = parent_a[inv]
@@ -151,6 +151,17 @@ def build_tree(events: pd.DataFrame) -> pd.DataFrame:
     out["is_step"] = is_step
     out["step"] = np.where(is_step, step_num, -1)
     return out
+
+
+def _path_categorical(path_str: list[str], ids: np.ndarray) -> pd.Categorical:
+    """pd.Categorical of path_str[ids] (categories: the distinct strings used, sorted), built from the
+    few path ids instead of one string per row."""
+    used = np.unique(ids)
+    cats = sorted({path_str[i] for i in used.tolist()})
+    pos = {c: k for k, c in enumerate(cats)}
+    code_of = np.zeros(int(used.max(initial=0)) + 1, dtype=np.int32)
+    code_of[used] = [pos[path_str[i]] for i in used.tolist()]
+    return pd.Categorical.from_codes(code_of[ids], categories=pd.Index(cats))  # dtype inferred, as pd.Categorical(values) does
 
 
 def link_ranges(group, ts, end, kind, name, is_step):

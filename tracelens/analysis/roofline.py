@@ -149,9 +149,10 @@ def _owner_rows(tree: pd.DataFrame, op_rows: np.ndarray) -> tuple[np.ndarray, np
 
 
 def _event_col(ev: pd.DataFrame, rows: np.ndarray, col: str) -> np.ndarray:
+    """The string arg `col` of event rows (labels), "" where absent."""
     if col not in ev:
         return np.full(len(rows), "", dtype=object)
-    return ev.loc[rows, col].astype(object).to_numpy()
+    return C.strings(ev[col].iloc[ev.index.get_indexer(rows)])
 
 
 def _empty(cols) -> pd.DataFrame:
@@ -187,21 +188,19 @@ def roofline_result(analysis, ceilings: Any = None) -> RooflineResult:
     owner = owner_u[inv.reshape(-1)]
     per = pd.DataFrame({"owner": owner, "dur": g["dur"].to_numpy()}).groupby("owner")["dur"].agg(["sum", "size"])
     rows = per.index.to_numpy()
-    nested_rows = set(owner_u[nested_u].tolist())
     ev = analysis.trace.events
-    ops = pd.DataFrame({
-        "rank": tree.loc[rows, "rank"].to_numpy(),
-        "op": tree.loc[rows, "name"].astype(str).to_numpy(),
-        "input_dims": tree.loc[rows, "input_dims"].astype(object).to_numpy(),
-        "input_types": tree.loc[rows, "input_types"].astype(object).to_numpy(),
+    at = tree.index.get_indexer(rows)  # owners are tree rows: one lookup for every column
+    ops = pd.DataFrame({  # strings looked up per category ("" where an arg is absent)
+        "rank": tree["rank"].to_numpy()[at],
+        "op": C.strings(tree["name"].iloc[at]),
+        "input_dims": C.strings(tree["input_dims"].iloc[at]),
+        "input_types": C.strings(tree["input_types"].iloc[at]),
         "concrete_inputs": _event_col(ev, rows, "concrete_inputs"),
         "input_strides": _event_col(ev, rows, "input_strides"),
         "dur_ns": per["sum"].to_numpy(),
         "kernels": per["size"].to_numpy(),
-        "nested": np.array([r in nested_rows for r in rows.tolist()], dtype=bool),
+        "nested": np.isin(rows, owner_u[nested_u]),
     })
-    for c in ("input_dims", "input_types", "concrete_inputs", "input_strides"):
-        ops[c] = ops[c].where(ops[c].notna(), "").astype(str)
     ops["device"] = ops["rank"].map(rank_dev).fillna("unknown device")
     keys = ["device", "op", "input_dims", "input_types", "concrete_inputs", "input_strides", "nested"]
     grp = ops.groupby(keys, sort=False).agg(count=("dur_ns", "size"), kernels=("kernels", "sum"),
