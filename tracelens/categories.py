@@ -76,8 +76,18 @@ def map_strings(col: pd.Series, fn, dtype=bool) -> np.ndarray:
     never per row, so a 10M-event trace costs as much as its few thousand distinct names.
     """
     if isinstance(col.dtype, pd.CategoricalDtype):
-        lut = np.array([fn(str(c)) for c in col.cat.categories] + [fn("")], dtype=dtype)
-        return lut[col.cat.codes.to_numpy()]  # code -1 (missing) picks the last entry
+        codes = col.cat.codes.to_numpy()
+        cats = col.cat.categories
+        if len(cats) <= 64:
+            lut = np.array([fn(str(c)) for c in cats] + [fn("")], dtype=dtype)
+        else:  # a subset of rows keeps the whole dictionary (all event names): test only the values used
+            used = np.flatnonzero(np.bincount(codes.astype(np.intp) + 1, minlength=len(cats) + 1)[1:])
+            values = cats.take(used).tolist()
+            lut = np.zeros(len(cats) + 1, dtype=dtype)
+            if len(used):
+                lut[used] = np.array([fn(str(c)) for c in values], dtype=dtype)
+            lut[-1] = fn("")
+        return lut[codes]  # code -1 (missing) picks the last entry
     return np.array([fn("" if v is None or v != v else str(v)) for v in col], dtype=dtype)
 
 
