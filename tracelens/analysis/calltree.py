@@ -367,8 +367,7 @@ def attribute_gpu(gpu: pd.DataFrame, tree: pd.DataFrame, steps: pd.DataFrame) ->
     g = gpu
     n = len(g)
     launch = np.full(n, -1, dtype=np.int64)
-    rt = tree[tree["kind"] == KIND_RUNTIME]
-    rt = rt[rt["correlation"] >= 0]
+    rt = tree.loc[(tree["kind"].to_numpy() == KIND_RUNTIME) & (tree["correlation"].to_numpy() >= 0), ["rank", "correlation"]]
     if len(rt) and n:
         idx = pd.Index(_key(rt["rank"].to_numpy(), rt["correlation"].to_numpy()))
         if not idx.is_unique:
@@ -389,7 +388,7 @@ def attribute_gpu(gpu: pd.DataFrame, tree: pd.DataFrame, steps: pd.DataFrame) ->
     # fallback: the op with the kernel's External id
     need = (inner < 0) & (g["external_id"].to_numpy() >= 0)
     if need.any():
-        ops = tree[tree["kind"] == KIND_OP]
+        ops = tree.loc[tree["kind"].to_numpy() == KIND_OP, ["rank", "external_id"]]
         idx = pd.Index(_key(ops["rank"].to_numpy(), ops["external_id"].to_numpy()))
         keep = ~idx.duplicated() & (ops["external_id"].to_numpy() >= 0)
         idx, ops = idx[keep], ops[keep]

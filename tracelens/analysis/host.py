@@ -150,10 +150,15 @@ def kernels_per_op(analysis, small_us: float = SMALL_KERNEL_US) -> pd.DataFrame:
     k = analysis.gpu.loc[analysis.gpu["kind"] == "kernel", ["top_op", "dur"]]
     if k.empty:
         return pd.DataFrame(columns=cols)
-    top = C.strings(k["top_op"])
-    df = pd.DataFrame({"top_op": np.where(top == "", "(no op)", top),
-                       "dur": k["dur"].to_numpy(), "small": (k["dur"] < small_us * US).to_numpy()})
-    out = df.groupby("top_op").agg(kernels=("dur", "size"), small_kernels=("small", "sum"), gpu=("dur", "sum")).reset_index()
+    # sums per top-op code first (bincount), strings only for the few distinct ops
+    code, top = pd.factorize(C.strings(k["top_op"]), sort=False)
+    dur = k["dur"].to_numpy()
+    n = len(top)
+    df = pd.DataFrame({"top_op": np.where(np.asarray(top, dtype=object) == "", "(no op)", np.asarray(top, dtype=object)),
+                       "kernels": np.bincount(code, minlength=n),
+                       "small_kernels": np.bincount(code, weights=dur < small_us * US, minlength=n).astype(np.int64),
+                       "gpu": np.bincount(code, weights=dur, minlength=n)})
+    out = df.groupby("top_op").sum().reset_index()  # sorted by name, as before; merges "" into "(no op)"
     out["gpu_us"] = out.pop("gpu") / US
     out["mean_kernel_us"] = out["gpu_us"] / out["kernels"]
     return out.sort_values("kernels", ascending=False, ignore_index=True)[cols]

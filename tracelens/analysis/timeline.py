@@ -26,12 +26,12 @@ TIMELINE_COLUMNS = [
 def _metrics(g: pd.DataFrame) -> dict:
     s = g["ts"].to_numpy()
     e = g["end"].to_numpy()
-    kind = g["kind"].to_numpy()
-    is_k = kind == "kernel"
+    kind = g["kind"]  # compared as a categorical: on its codes, no string per row
+    is_k = (kind == "kernel").to_numpy()
     comm = g["is_comm"].to_numpy() & is_k
     comp = is_k & ~comm
-    cpy = kind == "memcpy"
-    mst = kind == "memset"
+    cpy = (kind == "memcpy").to_numpy()
+    mst = (kind == "memset").to_numpy()
     C = (s[comp], e[comp])
     N = (s[comm], e[comm])
     Y = (s[cpy], e[cpy])
@@ -71,7 +71,8 @@ def gpu_timeline(gpu: pd.DataFrame, by_step: bool = False) -> pd.DataFrame:
     if gpu.empty:
         return pd.DataFrame(columns=TIMELINE_COLUMNS)
     keys = ["rank", "step"] if by_step else ["rank"]
-    data = gpu[gpu["step"] >= 0] if by_step else gpu
+    data = gpu[["rank", "step", "ts", "end", "kind", "is_comm"]]
+    data = data[data["step"] >= 0] if by_step else data
     for key, g in data.groupby(keys, sort=True, observed=True):
         key = key if isinstance(key, tuple) else (key,)
         row = {"rank": int(key[0]), "step": int(key[1]) if by_step else -1}
