@@ -109,7 +109,7 @@ def _parse_one(path: str, use_cache: bool, cache_root: str | None, progress=None
     key = None
     if use_cache:
         try:
-            key = _cache.key_of(path, root)
+            key = (prefetch.key(path) if prefetch is not None else None) or _cache.key_of(path, root)
         except OSError as e:
             raise TraceError(path, f"cannot read: {e.strerror or e}") from None
         hit = _cache.load(path, key, root)

@@ -84,6 +84,21 @@ def test_cached_file_is_not_scanned_again(spy, tmp_path):
 
 
 @needs_scanner
+def test_first_cached_load_hashes_the_file_once(spy, monkeypatch, tmp_path):
+    from tracelens.io import cache as C
+
+    calls = []
+    real = C.content_key
+    monkeypatch.setattr(C, "content_key", lambda path, raw=None: calls.append(raw is not None) or real(path, raw))
+    tracelens.load(DIFF_CONTROL, cache=True, cache_dir=tmp_path)
+    assert calls == [True]  # the thread hashed the bytes it read; the main thread took its key
+    assert spy[0].key(str(DIFF_CONTROL)) == real(str(DIFF_CONTROL))  # the same key as hashing the file
+    assert C.exists(spy[0].key(str(DIFF_CONTROL)), tmp_path)  # and the entry was stored under it
+    with pytest.raises(ValueError):
+        C.key_of(str(DIFF_CONTROL), tmp_path, raw=b"x")  # raw bytes without the identity before the read
+
+
+@needs_scanner
 def test_broken_file_gets_the_plain_error(spy, tmp_path):
     p = tmp_path / "cut.json"
     with gzip.open(DIFF_CONTROL, "rb") as f:

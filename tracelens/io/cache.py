@@ -1,11 +1,12 @@
 """Parquet cache of parsed traces, keyed by the content of the trace file.
 
-Key = BLAKE2b of the file's bytes (as stored on disk, so a gzip file is hashed compressed) plus the
-loader's schema version: editing or replacing the file changes the key, so a stale entry is never
+Key = SHA-256 (first 128 bits) of the file's bytes (as stored on disk, so a gzip file is hashed
+compressed) plus the loader's schema version: editing or replacing the file changes the key, so a stale entry is never
 read; a loader change that alters the tables bumps SCHEMA_VERSION. Entries are written to a temporary
 name and renamed, so a killed process never leaves a half-written entry that later reads as valid.
 
-Hashing a 200 MB trace costs ~0.3 s, a third of a warm load, so the key of a file is remembered
+SHA-256 because CPUs have instructions for it (SHA-NI, x86 since ~2017): 0.11 s for 200 MB where
+BLAKE2b takes 0.24 s. Hashing is still a third of a warm load, so the key of a file is remembered
 under its identity (`key_of`: device, inode, size, mtime and ctime in ns, a digest of its first and
 last 64 KiB, the schema version). Writing to the file or replacing it changes its ctime (and inode), so
 a remembered key is reused only for the same bytes.
@@ -40,16 +41,20 @@ def cache_dir() -> Path:
     return Path(base) / "tracelens"
 
 
-def content_key(path: str) -> str:
-    h = hashlib.blake2b(digest_size=16)
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 22):
-            h.update(chunk)
+def content_key(path: str, raw: bytes | None = None) -> str:
+    """The cache key of the file's content; `raw`: its bytes as stored, when already read."""
+    h = hashlib.sha256()
+    if raw is not None:
+        h.update(raw)
+    else:
+        with open(path, "rb") as f:
+            while chunk := f.read(1 << 22):
+                h.update(chunk)
     h.update(f"schema{SCHEMA_VERSION}".encode())
-    return h.hexdigest()
+    return h.hexdigest()[:32]
 
 
-def _identity(path: str) -> str:
+def identity(path: str) -> str:
     """Who the file is and which version of it: stat fields plus a digest of its first and last 64 KiB
     (which catches a rewrite on a file system with coarse timestamps) and the loader schema."""
     st = os.stat(path)
@@ -63,18 +68,37 @@ def _identity(path: str) -> str:
             f"{h.hexdigest()}")
 
 
-def key_of(path: str, root: Path | None = None) -> str:
-    """content_key(path), reusing the key remembered for this exact file version when there is one."""
-    ident = _identity(path)
-    memo = (root or cache_dir()) / "keys" / hashlib.blake2b(os.path.realpath(path).encode(), digest_size=16).hexdigest()
+def _memo(path: str, root: Path | None) -> Path:
+    return (root or cache_dir()) / "keys" / hashlib.blake2b(os.path.realpath(path).encode(), digest_size=16).hexdigest()
+
+
+def known_key(path: str, root: Path | None = None) -> str | None:
+    """The key remembered for this exact file version, without hashing; None when there is none."""
+    try:
+        known, key = _memo(path, root).read_text().split("\n")[:2]
+        if known == identity(path) and len(key) == 32:
+            return key
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+def key_of(path: str, root: Path | None = None, raw: bytes | None = None, ident: str | None = None) -> str:
+    """content_key(path), reusing the key remembered for this exact file version when there is one.
+    raw: the file's bytes as stored, when the caller has read them (hashed instead of reading again);
+    then ident must be `identity(path)` taken before they were read, so a write during the read is seen."""
+    if raw is not None and ident is None:
+        raise ValueError("key_of: raw bytes need the identity taken before they were read")
+    ident = ident or identity(path)
+    memo = _memo(path, root)
     try:
         known, key = memo.read_text().split("\n")[:2]
         if known == ident and len(key) == 32:
             return key
     except (OSError, ValueError):
         pass
-    key = content_key(path)
-    if _identity(path) == ident:  # unchanged while it was read: safe to remember
+    key = content_key(path, raw)
+    if identity(path) == ident:  # unchanged while it was read: safe to remember
         try:
             memo.parent.mkdir(parents=True, exist_ok=True)
             tmp = memo.with_name(f".{memo.name}.{os.getpid()}")

@@ -28,27 +28,50 @@ MIN_BYTES = 16 << 20  # below this the scan takes less than the thread is worth
 
 
 class Prefetch:
-    """A background read + scan of one trace file (`scanner.Scan`)."""
+    """A background read + scan of one trace file (`scanner.Scan`).
+
+    With the cache on, the thread also settles the file's cache key from the bytes it read (one read,
+    no second hash in the main thread: `key`), and scans nothing when the cache holds the file."""
 
     def __init__(self, path: str, cache_root: Path | None, use_cache: bool):
         self.path = path
         self.scan: scanner.Scan | None = None  # set once the scan is done
         self._active: scanner.Scan | None = None  # the scan under way, for progress
+        self._key: str | None = None
+        self._key_ready = threading.Event()  # set when the key is known, or will not be (no cache, failure)
         self._thread = threading.Thread(target=self._run, args=(cache_root, use_cache), daemon=True,
                                         name="tracelens-prefetch")
         self._thread.start()
 
     def _run(self, cache_root: Path | None, use_cache: bool) -> None:
         try:
-            if use_cache:  # the key is remembered for the main thread; a cached file needs no scan
-                key = _cache.key_of(self.path, cache_root)
-                if _cache.exists(key, cache_root):
-                    return
-            scan = self._active = scanner.Scan(scanner.read_bytes(self.path))
+            key = _cache.known_key(self.path, cache_root) if use_cache else None
+            if key is not None and _cache.exists(key, cache_root):
+                self._key = key
+                return  # a cached file needs no scan
+            ident = _cache.identity(self.path) if use_cache and key is None else None
+            raw = scanner.read_raw(self.path)
+            if ident is not None:  # hashed from memory and remembered (unless the file changed meanwhile)
+                key = _cache.key_of(self.path, cache_root, raw=raw, ident=ident)
+            self._key = key
+            self._key_ready.set()
+            if key is not None and _cache.exists(key, cache_root):
+                return  # the same content is cached under another name
+            scan = self._active = scanner.Scan(scanner.gunzip(self.path, raw))
+            del raw
             scan.run()
             self.scan = scan
         except Exception:  # noqa: BLE001 - the ordinary path reads the file again and names the problem
             self.scan = None
+        finally:
+            self._key_ready.set()
+
+    def key(self, path: str) -> str | None:
+        """The cache key of `path` as the thread settled it (waiting for it), None if it did not."""
+        if path != self.path:
+            return None
+        self._key_ready.wait()
+        return self._key
 
     @property
     def busy(self) -> bool:

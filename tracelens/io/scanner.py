@@ -26,11 +26,20 @@ else:
 
 def read_bytes(path: str) -> bytes:
     """The file's JSON bytes, gunzipped when it is gzip (by magic, not by name)."""
+    return gunzip(path, read_raw(path))
+
+
+def read_raw(path: str) -> bytes:
+    """The file's bytes as stored."""
     try:
         with open(path, "rb") as f:
-            data = f.read()
+            return f.read()
     except OSError as e:
         raise TraceError(path, f"cannot read: {e.strerror or e}") from None
+
+
+def gunzip(path: str, data: bytes) -> bytes:
+    """`data` decompressed when it is gzip (by magic, not by name), else `data` itself."""
     if data[:2] == b"\x1f\x8b":
         try:
             data = gzip.decompress(data)
