@@ -402,6 +402,34 @@ static int scan_value(Parser *p, int64_t *i, int depth, uint8_t *tag, int *escap
     }
 }
 
+/* A member's key at *j (an object's opening brace or a comma behind it): on success *k0 is the key's
+   opening quote, *klen its length, *esc whether it holds escapes, and *j is at the value (past ':'
+   and whitespace). */
+static int scan_key(Parser *p, int64_t *j, int64_t *k0, int64_t *klen, int *esc) {
+    if (*j >= p->n || p->buf[*j] != '"') FAIL(p, "expected a key", *j);
+    *k0 = *j;
+    if (scan_string(p, j, esc) < 0) return -1;
+    *klen = *j - *k0 - 2;
+    int64_t k = skip_ws(p, *j);
+    if (k >= p->n || p->buf[k] != ':') FAIL(p, "expected ':'", k);
+    *j = skip_ws(p, k + 1);
+    return 0;
+}
+
+/* After a value inside an object or array, at *j: 1 when a ',' follows (*j then past it and the
+   whitespace after it), 0 when `close` follows (*j at it), -1 (error set) when anything else does. */
+static int after_value(Parser *p, int64_t *j, unsigned char close) {
+    int64_t k = skip_ws(p, *j);
+    if (k >= p->n) FAIL(p, "unexpected end of data", k);
+    if (p->buf[k] == ',') {
+        *j = skip_ws(p, k + 1);
+        return 1;
+    }
+    *j = k;
+    if (p->buf[k] == close) return 0;
+    FAIL(p, "expected ',' or a closing bracket", k);
+}
+
 /* Objects and arrays, recursively (depth-limited); other values through scan_value. */
 static int skip_value(Parser *p, int64_t *i, int depth) {
     const unsigned char *b = p->buf;
@@ -420,24 +448,14 @@ static int skip_value(Parser *p, int64_t *i, int depth) {
         *i = j + 1;
         return 0;
     }
-    for (;;) {
+    for (int more = 1; more;) {
         if (c == '{') {
             int esc;
-            if (j >= p->n || b[j] != '"') FAIL(p, "expected a key", j);
-            if (scan_string(p, &j, &esc) < 0) return -1;
-            j = skip_ws(p, j);
-            if (j >= p->n || b[j] != ':') FAIL(p, "expected ':'", j);
-            j = skip_ws(p, j + 1);
+            int64_t k0, klen;
+            if (scan_key(p, &j, &k0, &klen, &esc) < 0) return -1;
         }
         if (skip_value(p, &j, depth + 1) < 0) return -1;
-        j = skip_ws(p, j);
-        if (j >= p->n) FAIL(p, "unexpected end of data", j);
-        if (b[j] == ',') {
-            j = skip_ws(p, j + 1);
-            continue;
-        }
-        if (b[j] == close) break;
-        FAIL(p, "expected ',' or a closing bracket", j);
+        if ((more = after_value(p, &j, close)) < 0) return -1;
     }
     *i = j + 1;
     return 0;
@@ -460,16 +478,12 @@ static int scan_args(Parser *p, int64_t *i) {
         *i = j + 1;
         return 0;
     }
-    for (;;) {
+    for (int more = 1; more;) {
         int esc;
-        if (j >= p->n || b[j] != '"') FAIL(p, "expected a key", j);
-        int64_t k0 = j;
-        if (scan_string(p, &j, &esc) < 0) return -1;
+        int64_t k0, klen;
+        if (scan_key(p, &j, &k0, &klen, &esc) < 0) return -1;
         if (esc) FAIL(p, "escaped key in args", k0);
-        int a = arg_index(p, b + k0 + 1, j - k0 - 2);
-        j = skip_ws(p, j);
-        if (j >= p->n || b[j] != ':') FAIL(p, "expected ':'", j);
-        j = skip_ws(p, j + 1);
+        int a = arg_index(p, b + k0 + 1, klen);
         int64_t v0 = j;
         if (a < 0) {
             if (skip_value(p, &j, 2) < 0) return -1;
@@ -484,14 +498,7 @@ static int scan_args(Parser *p, int64_t *i) {
             s->len = j - v0;
             s->ival = iv;
         }
-        j = skip_ws(p, j);
-        if (j >= p->n) FAIL(p, "unexpected end of data", j);
-        if (b[j] == ',') {
-            j = skip_ws(p, j + 1);
-            continue;
-        }
-        if (b[j] == '}') break;
-        FAIL(p, "expected ',' or '}'", j);
+        if ((more = after_value(p, &j, '}')) < 0) return -1;
     }
     *i = j + 1;
     return 0;
@@ -582,17 +589,12 @@ static int parse_event(Parser *p, int64_t *i) {
         j++;
         goto done;
     }
-    for (;;) {
+    for (int more = 1; more;) {
         int esc;
-        if (j >= p->n || b[j] != '"') FAIL(p, "expected a key", j);
-        int64_t k0 = j;
-        if (scan_string(p, &j, &esc) < 0) return -1;
+        int64_t k0, klen;
+        if (scan_key(p, &j, &k0, &klen, &esc) < 0) return -1;
         if (esc) FAIL(p, "escaped key", k0);
         const unsigned char *key = b + k0 + 1;
-        int64_t klen = j - k0 - 2;
-        j = skip_ws(p, j);
-        if (j >= p->n || b[j] != ':') FAIL(p, "expected ':'", j);
-        j = skip_ws(p, j + 1);
         int64_t v0 = j;
         uint8_t tag;
         int64_t iv = 0;
@@ -655,18 +657,9 @@ static int parse_event(Parser *p, int64_t *i) {
         } else {
             if (skip_value(p, &j, 1) < 0) return -1;
         }
-        j = skip_ws(p, j);
-        if (j >= p->n) FAIL(p, "unexpected end of data", j);
-        if (b[j] == ',') {
-            j = skip_ws(p, j + 1);
-            continue;
-        }
-        if (b[j] == '}') {
-            j++;
-            break;
-        }
-        FAIL(p, "expected ',' or '}'", j);
+        if ((more = after_value(p, &j, '}')) < 0) return -1;
     }
+    j++; /* past the closing brace */
 done:
     *i = j;
     p->n_events++;
@@ -766,15 +759,10 @@ static int locate(Parser *p) {
     if (j < p->n && b[j] == '}') FAIL(p, "no traceEvents", j);
     for (;;) {
         int esc;
-        if (j >= p->n || b[j] != '"') FAIL(p, "expected a key", j);
-        int64_t k0 = j;
-        if (scan_string(p, &j, &esc) < 0) return -1;
+        int64_t k0, klen;
+        if (scan_key(p, &j, &k0, &klen, &esc) < 0) return -1;
         if (esc) FAIL(p, "escaped top-level key", k0);
-        int is_events = j - k0 - 2 == 11 && memcmp(b + k0 + 1, "traceEvents", 11) == 0;
-        j = skip_ws(p, j);
-        if (j >= p->n || b[j] != ':') FAIL(p, "expected ':'", j);
-        j = skip_ws(p, j + 1);
-        if (is_events) {
+        if (klen == 11 && memcmp(b + k0 + 1, "traceEvents", 11) == 0) {
             if (j >= p->n || b[j] != '[') FAIL(p, "traceEvents is not an array", j);
             p->ev_lo = j;
             p->pos = j + 1;
@@ -782,13 +770,9 @@ static int locate(Parser *p) {
             return 0;
         }
         if (skip_value(p, &j, 1) < 0) return -1;
-        j = skip_ws(p, j);
-        if (j >= p->n) FAIL(p, "unexpected end of data", j);
-        if (b[j] == ',') {
-            j = skip_ws(p, j + 1);
-            continue;
-        }
-        FAIL(p, b[j] == '}' ? "no traceEvents" : "expected ',' or '}'", j);
+        int more = after_value(p, &j, '}');
+        if (more < 0) return -1;
+        if (!more) FAIL(p, "no traceEvents", j);
     }
 }
 
