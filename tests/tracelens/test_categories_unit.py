@@ -1,0 +1,49 @@
+"""`categories.map_strings` and `categories.strings`: per-category string work on categorical columns,
+checked against plain per-row Python on the same values."""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+
+from tracelens import categories as C
+
+
+def _subset_column(n_cats: int, rows: np.ndarray) -> pd.Series:
+    """A categorical column keeping a large dictionary while its rows use a few values (as the GPU table
+    keeps every event name), with missing values."""
+    cats = [f"name_{i}" for i in range(n_cats)]
+    codes = np.asarray(rows, dtype=np.int64)
+    return pd.Series(pd.Categorical.from_codes(codes, categories=cats))
+
+
+def test_map_strings_tests_only_values_used_and_matches_per_row():
+    rows = np.array([5, 7, 5, -1, 199, 7, 0])
+    col = _subset_column(200, rows)  # more than 64 categories: the used-values path
+    seen = []
+
+    def fn(s):
+        seen.append(s)
+        return len(s) * (2 if s.endswith("7") else 1)
+
+    got = C.map_strings(col, fn, dtype=np.int64)
+    expect = [len(s) * (2 if s.endswith("7") else 1) for s in ("name_5", "name_7", "name_5", "", "name_199", "name_7", "name_0")]
+    assert got.tolist() == expect
+    assert sorted(seen) == sorted(["name_0", "name_5", "name_7", "name_199", ""])  # 5 calls, not 201
+
+
+def test_map_strings_small_dictionary_and_plain_columns():
+    col = pd.Series(pd.Categorical(["b", "a", None, "b"]))
+    assert C.map_strings(col, lambda s: s == "b").tolist() == [True, False, False, True]
+    plain = pd.Series(["x", None, "yy"], dtype=object)
+    assert C.map_strings(plain, len, dtype=np.int64).tolist() == [1, 0, 2]
+
+
+def test_strings_matches_astype_and_fills_missing():
+    col = _subset_column(100, np.array([3, -1, 99, 3]))
+    assert C.strings(col).tolist() == ["name_3", "", "name_99", "name_3"]
+    assert C.strings(col, missing="(none)")[1] == "(none)"
+    assert C.strings(col).dtype == object
+    present = col[col.notna()]
+    assert C.strings(present).tolist() == [str(v) for v in present]  # what astype(str) gives per row
+    assert C.strings(pd.Series(["a", None], dtype=object)).tolist() == ["a", ""]
