@@ -67,6 +67,8 @@ DEFAULTS: dict[str, Any] = {
     "weight_decay": 0.0,
     "adam_beta1": 0.9,
     "adam_beta2": 0.95,
+    "optimizer": "adamw",        # adamw (torch's default: foreach kernels on CUDA) | adamw_fused (one fused kernel
+                                 # per parameter group; CUDA only, falls back to foreach on CPU, logged)
     "grad_clip": 1.0,
     "seed": 1234,
     "dtype": "fp32",             # fp32 | bf16 (bf16: FSDP2 mixed precision or autocast under DDP)
@@ -126,6 +128,7 @@ _CHOICES = {
     "data": ("synthetic", "memmap"),
     "data_dtype": ("uint16", "uint32", "int32", "int64"),
     "pipeline_schedule": PIPELINE_SCHEDULES,
+    "optimizer": ("adamw", "adamw_fused"),
 }
 
 # Keys that also get a dedicated CLI flag (``--sync-free-level 2`` == ``--set sync_free_level=2``).

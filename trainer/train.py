@@ -166,8 +166,7 @@ def train(cfg: dict, out_dir: str | Path) -> dict | None:
     experts.reset_records()
     experts.pretune_config(cfg, d.device)  # grouped_gemm_backend=auto: tune before step 0, never inside it
     core = model.module if hasattr(model, "module") else model
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg["lr"], betas=(cfg["adam_beta1"], cfg["adam_beta2"]),
-                            weight_decay=cfg["weight_decay"])
+    opt = make_optimizer(model, cfg, d.device)
     data = make_data(cfg, d.data_rank)
     autocast = cfg["dtype"] == "bf16" and cfg["dp_mode"] == "ddp"
     log_rank = pipe.log_rank if pipe is not None else 0  # the rank that holds a loss to print
@@ -219,6 +218,20 @@ def train(cfg: dict, out_dir: str | Path) -> dict | None:
     return manifest
 
 
+def make_optimizer(model, cfg: dict, device) -> torch.optim.Optimizer:
+    """AdamW as ``cfg["optimizer"]`` says: ``adamw`` is torch's default implementation (foreach kernels on
+    CUDA), ``adamw_fused`` the single fused kernel per parameter group (CUDA only: on a CPU it falls back
+    to the default, with a log line)."""
+    kw = dict(lr=cfg["lr"], betas=(cfg["adam_beta1"], cfg["adam_beta2"]), weight_decay=cfg["weight_decay"])
+    if cfg.get("optimizer", "adamw") == "adamw_fused":
+        if device.type == "cuda":
+            kw["fused"] = True
+        else:
+            logging.getLogger("trainer").warning("optimizer=adamw_fused needs CUDA: using the default AdamW on %s",
+                                                 device.type)
+    return torch.optim.AdamW(model.parameters(), **kw)
+
+
 def _finish(cfg, d: Dist, out: Path, model, losses, auxes, gnorms, step_times, trace_path, env_knobs, numa, notes,
             pipe=None):
     n = len(losses)
@@ -265,7 +278,7 @@ def _finish(cfg, d: Dist, out: Path, model, losses, auxes, gnorms, step_times, t
         "world_size": d.world_size,
         "mesh": d.mesh_info,
         "parallel": {"dp": d.dp, "ep": d.ep, "dp_mode": cfg["dp_mode"], "launched_by_torchrun": d.launched},
-        "toggles": {k: cfg[k] for k in ("sync_free_level", "grouped_gemm_backend", "recompute_layer_ids",
+        "toggles": {k: cfg[k] for k in ("sync_free_level", "grouped_gemm_backend", "recompute_layer_ids", "optimizer",
                                         "loss_fusion", "manual_gc", "numa_bind", "dtype")},
         "numa": numa,
         "env": {"knobs": env_knobs, "recorded": runtime.recorded_env()},
