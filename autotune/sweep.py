@@ -28,7 +28,7 @@ from typing import Callable
 from .policy import Move, explore_moves, propose
 from .runner import TrialResult, reap_orphans, run_trial
 from .space import Space, key_of
-from .store import Store
+from .store import StoreError, open_sweep_store
 
 STRATEGIES = ("guided", "grid", "random", "tpe")
 
@@ -66,8 +66,25 @@ class Sweep:
         self.out = Path(out).resolve()  # trials run in the repository root: their -o must be absolute
         self.log = log
         self.runner = runner or _default_runner
-        self.store = Store(self.out / "sweep.sqlite")
-        stored = self.store.get_meta("identity")
+        try:  # locked: a second sweep on OUT stops here; a store that cannot account for OUT/trials is refused
+            self.store = open_sweep_store(self.out)
+        except StoreError as e:
+            raise SweepError(str(e)) from None
+        try:
+            self._check_resume(space, strategy, resume, seed)
+            self.elapsed0 = float(self.store.get_meta("elapsed_s", 0.0, kind=(int, float)))
+        except BaseException as e:
+            self.store.close()  # releases the lock
+            if isinstance(e, StoreError):
+                raise SweepError(str(e)) from None
+            raise
+        self.t0 = time.time()
+        self.visited: list[str] = []  # keys this invocation's strategy went through (stored or run)
+        self.path: list[dict] = []
+        self.ran = 0
+
+    def _check_resume(self, space: Space, strategy: str, resume: bool, seed: int) -> None:
+        stored = self.store.get_meta("identity", kind=dict)
         if stored is not None:
             if not resume:
                 n = len(self.store.trials(finished_only=True))
@@ -77,9 +94,10 @@ class Sweep:
                 diff = sorted(k for k in stored if stored.get(k) != _jsonable(space.identity()).get(k))
                 raise SweepError(f"{self.out}: the stored sweep has a different search space ({', '.join(diff)} differ); "
                                  "resume it with the same space file")
-            prev = self.store.get_meta("strategy")
+            prev = self.store.get_meta("strategy", kind=dict)
             if prev != {"name": strategy, "seed": seed}:
-                raise SweepError(f"{self.out}: the stored sweep used --strategy {prev['name']} --seed {prev['seed']}")
+                raise SweepError(f"{self.out}: the stored sweep used --strategy {(prev or {}).get('name')} "
+                                 f"--seed {(prev or {}).get('seed')}")
             for t in self.store.running():  # trials the killed sweep left behind
                 if t["pgid"]:
                     gone = reap_orphans(t["pgid"], t["run_dir"])
@@ -90,11 +108,6 @@ class Sweep:
         self.store.set_meta("identity", _jsonable(space.identity()))
         self.store.set_meta("space", _jsonable(space.to_dict()))
         self.store.set_meta("strategy", {"name": strategy, "seed": seed})
-        self.elapsed0 = float(self.store.get_meta("elapsed_s", 0.0))
-        self.t0 = time.time()
-        self.visited: list[str] = []  # keys this invocation's strategy went through (stored or run)
-        self.path: list[dict] = []
-        self.ran = 0
 
     # ------------------------------------------------------------------ budget and evaluation
     def elapsed(self) -> float:

@@ -401,13 +401,14 @@ def autotune(space_file, out, strategy, resume, seed):
     steered by the analyzer's findings, and write OUT/sweep.html, OUT/best.yaml and the results store
     OUT/sweep.sqlite."""
     from autotune.space import SpaceError, load_space
+    from autotune.store import StoreError
     from autotune.sweep import SweepError, run_sweep
     from reports import sweep as sweep_report
 
     try:
         space = load_space(space_file)
         res = run_sweep(space, out, strategy=strategy, resume=resume, seed=seed, log=lambda m: click.echo(m))
-    except (SpaceError, SweepError) as e:
+    except (SpaceError, SweepError, StoreError) as e:
         _fail(str(e))
     paths = sweep_report.write(res, space)
     if res.best:
