@@ -26,7 +26,9 @@ from .errors import TraceError
 from .io import cache as _cache
 from .io.files import TRACE_SUFFIXES, _is_trace_file, discover  # noqa: F401 - re-exported
 from .io.kineto import ParsedTrace, parse_file, parse_flows, usable_cpus
+from .io.scanner import gunzip, read_raw
 
+MAX_RANK = 2**31  # ranks are int32 in the tables
 _RANK_IN_NAME = re.compile(r"(?:^|[^a-z])rank[-_]?(\d+)", re.IGNORECASE)
 # Below this total size a process pool costs more than it saves.
 PARALLEL_MIN_BYTES = 16 << 20
@@ -50,7 +52,7 @@ class RankInfo:
     @property
     def world_size(self) -> int | None:
         ws = self.distributed_info.get("world_size")
-        return int(ws) if isinstance(ws, (int, float)) else None
+        return int(ws) if isinstance(ws, (int, float)) and not isinstance(ws, bool) and ws == ws and 1 <= ws <= MAX_RANK else None
 
 
 @dataclass
@@ -66,6 +68,10 @@ class Trace:
     threads: pd.DataFrame  # process/thread names and sort order (ph M); column `rank`
     ranks: list[RankInfo]
     warnings: list[str] = field(default_factory=list)
+    # What the loader dropped, clamped or replaced, one row per kind of problem and file (also lines of
+    # `warnings`): rank, file, check (negative_dur, unrepresentable_time, duplicate, time_outlier,
+    # cache_entry, rank_name_mismatch), action (dropped, replaced, kept), events (how many), message.
+    load_issues: pd.DataFrame = field(default_factory=lambda: _issues_table([]))
 
     def __post_init__(self) -> None:
         if self.flows is None:
@@ -104,21 +110,57 @@ def _rank_from_name(path: str) -> int | None:
 
 def _parse_one(path: str, use_cache: bool, cache_root: str | None, progress=None, prefetch=None
                ) -> tuple[ParsedTrace, bool]:
-    """A parsed file, from the cache when it holds one; flow events are left for `Trace.flows`."""
+    """A parsed file, from the cache when it holds a valid entry; flow events are left for `Trace.flows`.
+
+    The file is read once: its cache key is the hash of exactly the bytes that are parsed (a file
+    replaced meanwhile cannot leave one version's tables under the other's key), and an entry is
+    checked against its key and the file before it is served (`cache.fetch`); one that fails is
+    re-parsed and replaced, and `meta["cache_warning"]` says so."""
+    if not use_cache:
+        scan = prefetch.take(path, progress) if prefetch is not None else None
+        return parse_file(path, progress=progress, flows=False, scan=scan), False
     root = Path(cache_root) if cache_root else None
-    key = None
-    if use_cache:
-        try:
-            key = (prefetch.key(path) if prefetch is not None else None) or _cache.key_of(path, root)
-        except OSError as e:
-            raise TraceError(path, f"cannot read: {e.strerror or e}") from None
-        hit = _cache.load(path, key, root)
+    warning = ident = None
+    try:
+        settled = prefetch.settled(path) if prefetch is not None else None
+        if settled is not None:
+            key, source = settled
+        else:
+            key, ident = _cache.remembered(path, root)
+            source = _cache.source_of_identity(ident)
+    except OSError as e:
+        raise TraceError(path, f"cannot read: {e.strerror or e}") from None
+    if key is not None:
+        hit, why = _cache.fetch(path, key, root, source)
         if hit is not None:
             return hit, True
+        if why:
+            warning = why
     scan = prefetch.take(path, progress) if prefetch is not None else None
-    parsed = parse_file(path, progress=progress, flows=False, scan=scan)
-    if use_cache and key is not None:
-        _cache.store(parsed, key, root)
+    if scan is not None:  # the thread scanned the very bytes it hashed for `key`
+        parsed = parse_file(path, progress=progress, flows=False, scan=scan)
+    else:
+        try:
+            ident = ident or _cache.identity(path)  # taken before the read: a write during it is seen
+            raw = read_raw(path)
+            new_key = _cache.key_of(path, root, raw=raw, ident=ident)
+        except OSError as e:
+            raise TraceError(path, f"cannot read: {e.strerror or e}") from None
+        source = _cache.source_of(raw)
+        if new_key != key:  # the file changed since its identity was taken, or the same content is cached under another name
+            key = new_key
+            hit, why = _cache.fetch(path, key, root, source)
+            if hit is not None:
+                return hit, True
+            warning = why or warning
+        data = gunzip(path, raw)
+        del raw
+        parsed = parse_file(path, data=data, progress=progress, flows=False)
+        del data
+    _cache.store(parsed, key, root, source, replace=warning is not None)
+    if warning:
+        parsed.meta["cache_warning"] = (f"{path}: cache entry {key} rejected ({warning}); "
+                                        f"the file was parsed again and the entry replaced")
     return parsed, False
 
 
@@ -129,7 +171,7 @@ def _worker(args: tuple[str, bool, str | None]) -> tuple[str, Any]:
     except TraceError as e:
         return "error", (e.path, e.problem)
     if use_cache:  # the parent memory-maps the cache entry instead of receiving the tables by pipe
-        return "cached", None
+        return "cached", parsed.meta.get("cache_warning")
     return "parsed", parsed
 
 
@@ -180,6 +222,8 @@ def load(
                     raise TraceError(*payload)
                 if kind == "cached":
                     p, _ = _parse_one(f, True, cache_root)
+                    if payload:
+                        p.meta["cache_warning"] = payload
                 else:
                     p = payload
                 parsed.append(p)
@@ -209,14 +253,39 @@ def assemble(parsed: Iterable[ParsedTrace]) -> Trace:
     """Assign ranks, check they are consistent, and concatenate per-file tables."""
     parsed = list(parsed)
     warnings: list[str] = []
+    issues: list[dict] = []
     infos: list[RankInfo] = []
     for i, p in enumerate(parsed):
         dist = p.meta.get("distributed_info") or {}
+        if not isinstance(dist, dict):
+            dist = {}
         rank = dist.get("rank")
-        if not isinstance(rank, int):
-            rank = _rank_from_name(p.path)
+        named = _rank_from_name(p.path)
+        if type(rank) is not int:  # absent or of another type: the file name decides, as before
+            rank = None
+        elif not 0 <= rank < MAX_RANK:
+            raise TraceError(p.path, f"distributedInfo rank {rank} is not a rank (0 <= rank < 2**31)")
+        ws = dist.get("world_size")
+        if isinstance(ws, (int, float)) and not isinstance(ws, bool) and not (ws == ws and 1 <= ws <= MAX_RANK):
+            raise TraceError(p.path, f"distributedInfo world_size {ws!r} is not a world size (1 <= size <= 2**31)")
+        if rank is None:
+            rank = named
+        elif named is not None and named != rank and len(parsed) > 1:
+            warnings.append(f"{p.path}: the file name says rank {named} but its distributedInfo says rank {rank}; "
+                            f"using rank {rank} (the profiler's own record)")
+            issues.append({"rank": rank, "file": p.path, "check": "rank_name_mismatch", "action": "kept",
+                           "events": 0, "message": warnings[-1]})
         if rank is None:
             rank = i if len(parsed) > 1 else 0
+        if rank >= MAX_RANK:
+            raise TraceError(p.path, f"rank {rank} in the file name is not a rank (0 <= rank < 2**31)")
+        for issue in p.meta.get("load_issues") or []:
+            issues.append({"rank": int(rank), "file": p.path, **issue})
+            warnings.append(issue["message"])
+        if p.meta.get("cache_warning"):
+            warnings.append(p.meta["cache_warning"])
+            issues.append({"rank": int(rank), "file": p.path, "check": "cache_entry", "action": "replaced",
+                           "events": 0, "message": p.meta["cache_warning"]})
         infos.append(
             RankInfo(
                 rank=int(rank), path=p.path, device_properties=p.meta.get("device_properties") or [],
@@ -250,7 +319,16 @@ def assemble(parsed: Iterable[ParsedTrace]) -> Trace:
     events = _concat_ranks(tables, infos)
     flows = None if any(p.flows is None for p in parsed) else _concat_ranks([p.flows for p in parsed], infos)
     threads = _concat_ranks([p.threads for p in parsed], infos)
-    return Trace(events=events, flows=flows, threads=threads, ranks=infos, warnings=warnings)
+    return Trace(events=events, flows=flows, threads=threads, ranks=infos, warnings=warnings,
+                 load_issues=_issues_table(issues))
+
+
+LOAD_ISSUE_COLUMNS = ("rank", "file", "check", "action", "events", "message")
+
+
+def _issues_table(issues: list[dict]) -> pd.DataFrame:
+    df = pd.DataFrame([{c: i.get(c) for c in LOAD_ISSUE_COLUMNS} for i in issues], columns=list(LOAD_ISSUE_COLUMNS))
+    return df.astype({"rank": "int64", "events": "int64"})
 
 
 def _concat_ranks(tables: list[pa.Table], infos: list[RankInfo]) -> pd.DataFrame:

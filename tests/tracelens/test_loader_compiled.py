@@ -187,8 +187,9 @@ def test_odd_documents_give_the_same_outcome(case, monkeypatch, tmp_path):
 
 
 def test_escaped_spellings_of_one_name_are_one_dictionary_value():
-    data = b'{"traceEvents":[' + b",".join(json.dumps(_kernel(n), ensure_ascii=a).encode() for n, a in
-                                          [("caf\u00e9", False), ("caf\u00e9", True), ("x", True)]) + b"]}"
+    # distinct correlation ids: three events, not one recorded twice (exact duplicates are dropped)
+    data = b'{"traceEvents":[' + b",".join(json.dumps(_kernel(n, correlation=i), ensure_ascii=a).encode() for i, (n, a) in
+                                          enumerate([("caf\u00e9", False), ("caf\u00e9", True), ("x", True)])) + b"]}"
     ev = K.parse_file("mem.json", data=data).events
     assert ev.column("name").combine_chunks().dictionary.to_pylist() == ["caf\u00e9", "x"]
     assert ev.column("name").to_pylist() == ["caf\u00e9", "caf\u00e9", "x"]

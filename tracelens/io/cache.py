@@ -11,6 +11,15 @@ under its identity (`key_of`: device, inode, size, mtime and ctime in ns, a dige
 last 64 KiB, the schema version). Writing to the file or replacing it changes its ctime (and inode), so
 a remembered key is reused only for the same bytes.
 
+The key is always the hash of the very bytes that are parsed: a load reads the file once, hashes that
+buffer and parses it (`key_of(..., raw=...)`), so a file replaced between hashing and parsing cannot
+leave one version's tables under the other's key. An entry records its key, the size and head/tail
+digest of the file it was made from, and a seal (SHA-256 over the key, its meta and a fingerprint of
+its tables: row counts, ts range, dur sum); `fetch` checks all three against the key and the file
+being loaded before serving it, so an entry whose content disagrees with its key (meta of another
+rank, tables of another trace, a hand-edited meta.json) is rejected, and the loader re-parses the
+file and replaces the entry (with a one-line warning).
+
 Location: $TRACELENS_CACHE_DIR, else $XDG_CACHE_HOME/tracelens, else ~/.cache/tracelens.
 """
 
@@ -54,18 +63,40 @@ def content_key(path: str, raw: bytes | None = None) -> str:
     return h.hexdigest()[:32]
 
 
+_EDGE = 1 << 16  # bytes of the head and of the tail in a file's identity
+
+
+def _edge_digest(head: bytes, tail: bytes) -> str:
+    h = hashlib.blake2b(digest_size=8)
+    h.update(head)
+    h.update(tail)
+    return h.hexdigest()
+
+
 def identity(path: str) -> str:
     """Who the file is and which version of it: stat fields plus a digest of its first and last 64 KiB
     (which catches a rewrite on a file system with coarse timestamps) and the loader schema."""
     st = os.stat(path)
-    h = hashlib.blake2b(digest_size=8)
     with open(path, "rb") as f:
-        h.update(f.read(1 << 16))
-        if st.st_size > 1 << 17:
-            f.seek(-(1 << 16), os.SEEK_END)
-            h.update(f.read())
+        head = f.read(_EDGE)
+        tail = b""
+        if st.st_size > 2 * _EDGE:
+            f.seek(-_EDGE, os.SEEK_END)
+            tail = f.read()
     return (f"schema{SCHEMA_VERSION}:{st.st_dev}:{st.st_ino}:{st.st_size}:{st.st_mtime_ns}:{st.st_ctime_ns}:"
-            f"{h.hexdigest()}")
+            f"{_edge_digest(head, tail)}")
+
+
+def source_of(raw: bytes) -> dict:
+    """Size and head/tail digest of a file's bytes as stored: what `identity` sees of the same file
+    (recorded in a cache entry, compared with the file being loaded before the entry is served)."""
+    tail = raw[-_EDGE:] if len(raw) > 2 * _EDGE else b""
+    return {"size": len(raw), "digest": _edge_digest(raw[:_EDGE], tail)}
+
+
+def source_of_identity(ident: str) -> dict:
+    parts = ident.split(":")
+    return {"size": int(parts[3]), "digest": parts[6]}
 
 
 def _memo(path: str, root: Path | None) -> Path:
@@ -74,13 +105,20 @@ def _memo(path: str, root: Path | None) -> Path:
 
 def known_key(path: str, root: Path | None = None) -> str | None:
     """The key remembered for this exact file version, without hashing; None when there is none."""
+    return remembered(path, root)[0]
+
+
+def remembered(path: str, root: Path | None = None) -> tuple[str | None, str]:
+    """(the key remembered for the file's current identity or None, that identity); OSError when the
+    file cannot be read."""
+    ident = identity(path)
     try:
         known, key = _memo(path, root).read_text().split("\n")[:2]
-        if known == identity(path) and len(key) == 32:
-            return key
+        if known == ident and len(key) == 32:
+            return key, ident
     except (OSError, ValueError):
         pass
-    return None
+    return None, ident
 
 
 def key_of(path: str, root: Path | None = None, raw: bytes | None = None, ident: str | None = None) -> str:
@@ -93,7 +131,9 @@ def key_of(path: str, root: Path | None = None, raw: bytes | None = None, ident:
     memo = _memo(path, root)
     try:
         known, key = memo.read_text().split("\n")[:2]
-        if known == ident and len(key) == 32:
+        # with raw bytes, the remembered key stands for them only if the file did not change while
+        # they were read; otherwise the bytes themselves are hashed (the key of what is parsed)
+        if known == ident and len(key) == 32 and (raw is None or identity(path) == ident):
             return key
     except (OSError, ValueError):
         pass
@@ -118,7 +158,35 @@ def exists(key: str, root: Path | None = None) -> bool:
     return (_entry(root or cache_dir(), key) / "meta.json").exists()
 
 
-def load(path: str, key: str, root: Path | None = None) -> ParsedTrace | None:
+def _fingerprint(events, flows, threads) -> dict:
+    """What the tables of an entry are, cheaply: row counts, the ts range and dur sum of the events,
+    the size of the name dictionary (tables of another trace differ in these)."""
+    import numpy as np
+
+    ts = events["ts"].to_numpy()
+    dur = events["dur"].to_numpy()
+    names = events["name"].combine_chunks() if events.num_rows else None
+    return {
+        "events": int(events.num_rows),
+        "ts": [int(ts.min()), int(ts.max())] if len(ts) else None,
+        "dur_sum": int(dur.sum(dtype=np.int64)),
+        "names": len(names.dictionary) if names is not None and hasattr(names, "dictionary") else 0,
+        "threads": int(threads.num_rows),
+        "flows": None if flows is None else int(flows.num_rows),
+    }
+
+
+def _seal(key: str, meta: dict, fingerprint: dict) -> str:
+    body = json.dumps({"key": key, "meta": meta, "tables": fingerprint}, sort_keys=True, default=str)
+    return hashlib.sha256(body.encode()).hexdigest()
+
+
+def fetch(path: str, key: str, root: Path | None = None, source: dict | None = None
+          ) -> tuple[ParsedTrace | None, str | None]:
+    """The entry for `key`, checked before it is served: (parsed, None) when it holds; (None, None)
+    when there is none; (None, why) when it cannot be read or disagrees with its key or with the file
+    being loaded (source: `source_of` its bytes, or `source_of_identity` of its identity)."""
+    import numpy as np  # noqa: F401 - _fingerprint
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -130,26 +198,66 @@ def load(path: str, key: str, root: Path | None = None) -> ParsedTrace | None:
         tables = {name: pq.read_table(d / f"{name}.parquet", memory_map=True) for name in ("events", "threads")}
         flows = d / "flows.parquet"  # absent when the parse left flow events for later
         tables["flows"] = pq.read_table(flows, memory_map=True) if flows.exists() else None
-    except (OSError, ValueError, pa.ArrowException):
-        return None
+    except FileNotFoundError:
+        return None, None
+    except (OSError, ValueError, pa.ArrowException) as e:
+        return None, f"unreadable ({type(e).__name__})"
+    check = meta.pop("cache", None) if isinstance(meta, dict) else None
+    if not isinstance(check, dict):
+        return None, "no integrity record"
+    if check.get("key") != key:
+        return None, f"it records key {str(check.get('key'))[:12]}..., not {key[:12]}..."
+    try:
+        fp = _fingerprint(tables["events"], tables["flows"], tables["threads"])
+    except (KeyError, ValueError, TypeError, pa.ArrowException):
+        return None, "tables without the loader's columns"
+    if check.get("seal") != _seal(key, meta, fp):
+        return None, "its meta or tables were changed after it was written"
+    if source is not None and check.get("source") != source:
+        return None, "it was made from another file (size or head/tail digest differ)"
     meta["path"] = path
-    return ParsedTrace(path=path, events=tables["events"], flows=tables["flows"], threads=tables["threads"], meta=meta)
+    return ParsedTrace(path=path, events=tables["events"], flows=tables["flows"], threads=tables["threads"], meta=meta), None
 
 
-def store(parsed: ParsedTrace, key: str, root: Path | None = None) -> None:
-    """Best effort: a read-only or full disk must not fail the analysis."""
+def load(path: str, key: str, root: Path | None = None, source: dict | None = None) -> ParsedTrace | None:
+    """The entry for `key` if there is one that holds (see `fetch`), else None."""
+    return fetch(path, key, root, source)[0]
+
+
+def store(parsed: ParsedTrace, key: str, root: Path | None = None, source: dict | None = None,
+          replace: bool = False) -> None:
+    """Write the entry for `key` (source: `source_of(raw)` of the bytes parsed). replace: an entry
+    that failed its check is swapped for this one. Best effort: a read-only or full disk must not fail
+    the analysis."""
+    import shutil
+
     import pyarrow.parquet as pq
 
     final = _entry(root or cache_dir(), key)
-    if final.exists():
+    if final.exists() and not replace:
         return
+    tmp = None
     try:
         final.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=".tmp-"))
         for name in ("events", "flows", "threads"):
             if getattr(parsed, name) is not None:
                 pq.write_table(getattr(parsed, name), tmp / f"{name}.parquet", compression="zstd")
-        (tmp / "meta.json").write_text(json.dumps(parsed.meta, default=str))
+        meta = json.loads(json.dumps({k: v for k, v in parsed.meta.items() if k not in _TRANSIENT}, default=str))
+        fp = _fingerprint(parsed.events, parsed.flows, parsed.threads)
+        meta["cache"] = {"key": key, "source": source, "seal": _seal(key, meta, fp)}
+        (tmp / "meta.json").write_text(json.dumps(meta, default=str))
+        if final.exists():  # replacing a rejected entry: move it aside, then rename the new one in
+            old = final.with_name(f".old-{final.name}-{os.getpid()}")
+            os.rename(final, old)
+            shutil.rmtree(old, ignore_errors=True)  # readers that mapped its files keep them until unmapped
         os.rename(tmp, final)
+        tmp = None
     except OSError:
         pass
+    finally:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+_TRANSIENT = frozenset({"from_cache", "cache_warning"})  # per-load facts, never stored in an entry

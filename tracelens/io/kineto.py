@@ -44,6 +44,7 @@ import pyarrow as pa
 
 from ..errors import TraceError
 
+from .checks import MAX_ABS_US, UNREPRESENTABLE, check_events
 from .scanner import FAST_FEED, Scan, _kineto_fast, decoder, fast_enabled, read_bytes  # noqa: F401 - re-exported
 
 BATCH = 32768  # events per decode: smaller batches lower the peak memory, larger ones gain nothing measurable
@@ -180,9 +181,15 @@ def _json_problem(path: str, data: bytes, err: Exception) -> TraceError:
 def _ns(values: list) -> np.ndarray:
     """Microsecond timestamps/durations (floats with <=3 decimals) -> exact int64 nanoseconds."""
     us = np.asarray(values, dtype=np.float64)
+    bad = ~(np.abs(us) < MAX_ABS_US)  # beyond int64 ns, inf, nan: marked, dropped by checks.check_events
+    if bad.any():
+        us = np.where(bad, 0.0, us)
     whole = np.floor(us)
     frac_ns = np.rint((us - whole) * 1000.0)
-    return whole.astype(np.int64) * 1000 + frac_ns.astype(np.int64)
+    ns = whole.astype(np.int64) * 1000 + frac_ns.astype(np.int64)
+    if bad.any():
+        ns[bad] = UNREPRESENTABLE
+    return ns
 
 
 def _int_or(v: Any, default: int = -1) -> int:
@@ -839,6 +846,9 @@ def parse_file(path: str | os.PathLike, data: bytes | None = None, parallel: int
 
 def _parsed(path: str, doc: _Doc, events: pa.Table, flows_t: pa.Table | None, rows: list[tuple], n_total: int,
             decoder: str) -> ParsedTrace:
+    events, issues = check_events(path, events)  # impossible values dropped, each drop reported
+    if not events.num_rows:
+        raise TraceError(path, "no valid timed events: " + "; ".join(i["message"].split(": ", 1)[1] for i in issues))
     threads = pa.table(
         {
             "kind": pa.array([r[0] for r in rows], type=pa.string()),
@@ -859,6 +869,7 @@ def _parsed(path: str, doc: _Doc, events: pa.Table, flows_t: pa.Table | None, ro
         "trace_name": doc.traceName if isinstance(doc.traceName, str) else None,
         "n_raw_events": n_total,
         "decoder": decoder,  # "compiled" (the scanner) or "msgspec"
+        "load_issues": issues,  # what checks.check_events dropped (kept in the cache entry's meta)
     }
     return ParsedTrace(path=path, events=events, flows=flows_t, threads=threads, meta=meta)
 

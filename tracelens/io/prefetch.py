@@ -38,6 +38,7 @@ class Prefetch:
         self.scan: scanner.Scan | None = None  # set once the scan is done
         self._active: scanner.Scan | None = None  # the scan under way, for progress
         self._key: str | None = None
+        self._source: dict | None = None
         self._key_ready = threading.Event()  # set when the key is known, or will not be (no cache, failure)
         self._thread = threading.Thread(target=self._run, args=(cache_root, use_cache), daemon=True,
                                         name="tracelens-prefetch")
@@ -45,17 +46,18 @@ class Prefetch:
 
     def _run(self, cache_root: Path | None, use_cache: bool) -> None:
         try:
-            key = _cache.known_key(self.path, cache_root) if use_cache else None
-            if key is not None and _cache.exists(key, cache_root):
-                self._key = key
-                return  # a cached file needs no scan
-            ident = _cache.identity(self.path) if use_cache and key is None else None
+            if use_cache:
+                key, ident = _cache.remembered(self.path, cache_root)
+                if key is not None and _cache.exists(key, cache_root):
+                    # a cached file needs no scan (the load checks the entry against this identity)
+                    self._key, self._source = key, _cache.source_of_identity(ident)
+                    return
             raw = scanner.read_raw(self.path)
-            if ident is not None:  # hashed from memory and remembered (unless the file changed meanwhile)
-                key = _cache.key_of(self.path, cache_root, raw=raw, ident=ident)
-            self._key = key
+            if use_cache:  # the key of exactly these bytes (no second read, no second hash)
+                self._key = _cache.key_of(self.path, cache_root, raw=raw, ident=ident)
+                self._source = _cache.source_of(raw)
             self._key_ready.set()
-            if key is not None and _cache.exists(key, cache_root):
+            if self._key is not None and _cache.exists(self._key, cache_root):
                 return  # the same content is cached under another name
             scan = self._active = scanner.Scan(scanner.gunzip(self.path, raw))
             del raw
@@ -68,10 +70,17 @@ class Prefetch:
 
     def key(self, path: str) -> str | None:
         """The cache key of `path` as the thread settled it (waiting for it), None if it did not."""
+        settled = self.settled(path)
+        return settled[0] if settled else None
+
+    def settled(self, path: str) -> tuple[str, dict] | None:
+        """(cache key, source: size and head/tail digest of the bytes the key stands for) as the
+        thread settled them (waiting for it); None if it did not. A scan handed over by `take` is
+        always of the bytes this key was hashed from."""
         if path != self.path:
             return None
         self._key_ready.wait()
-        return self._key
+        return (self._key, self._source) if self._key is not None and self._source is not None else None
 
     @property
     def busy(self) -> bool:

@@ -1,0 +1,174 @@
+"""The Parquet cache serves only what belongs to the file being loaded.
+
+- The key is the hash of exactly the bytes that are parsed: a file replaced while it is being loaded
+  cannot leave one version's tables under the other version's key (issue 17: the loop trace was read
+  as 452 kernels / 22.2 ms instead of 824 / 50.3 ms after such a race).
+- An entry is checked against its key and the file before it is served: an entry of another trace
+  under this key, an edited meta (another rank), or a remembered key that points at another file's
+  entry is rejected with one warning line, the file is parsed again and the entry replaced.
+
+Expected kernel counts come from the raw JSON (`raw_events`), never from the loader.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+import tracelens
+import tracelens.trace as T
+from tracelens.io import cache as C
+from tracelens.io import prefetch as P
+from tracelens.io import scanner
+
+from ..conftest import MOE_GROUPED, MOE_LOOP, raw_events
+
+
+def _kernels(path) -> int:
+    return sum(1 for e in raw_events(path) if e.get("ph") == "X" and e.get("cat") == "kernel")
+
+
+N_LOOP, N_GROUPED = _kernels(MOE_LOOP), _kernels(MOE_GROUPED)
+
+
+def _loaded_kernels(trace) -> int:
+    return int((trace.events["cat"] == "kernel").sum())
+
+
+def _replace_after_first_read(monkeypatch, module, target, other: bytes):
+    """module.read_raw reads the file, then the file is replaced by `other` (a writer racing the load)."""
+    real = module.read_raw
+    done = []
+
+    def racing(path):
+        raw = real(path)
+        if not done and str(path) == str(target):
+            done.append(True)
+            target.write_bytes(other)
+        return raw
+
+    monkeypatch.setattr(module, "read_raw", racing)
+    return done
+
+
+@pytest.mark.parametrize("use_prefetch", [False, True], ids=["plain", "prefetch"])
+def test_file_replaced_during_the_load_never_poisons_the_cache(tmp_path, monkeypatch, use_prefetch):
+    assert N_LOOP != N_GROUPED
+    src = tmp_path / "trace.json.gz"
+    src.write_bytes(MOE_LOOP.read_bytes())
+    cache = tmp_path / "cache"
+    if use_prefetch:
+        if not scanner.fast_enabled():
+            pytest.skip("the prefetch thread needs the compiled scanner")
+        monkeypatch.setattr(P, "MIN_BYTES", 0)
+        done = _replace_after_first_read(monkeypatch, scanner, src, MOE_GROUPED.read_bytes())
+    else:
+        monkeypatch.setenv("TRACELENS_NO_PREFETCH", "1")
+        done = _replace_after_first_read(monkeypatch, T, src, MOE_GROUPED.read_bytes())
+    first = tracelens.load(src, cache_dir=cache)
+    assert done, "the race was not exercised"
+    assert _loaded_kernels(first) == N_LOOP  # the tables of the bytes that were read
+    monkeypatch.undo()
+    monkeypatch.setenv("TRACELENS_NO_PREFETCH", "1")
+    # the file now holds the grouped trace: its load must give the grouped tables, cached or not
+    for _ in range(2):
+        t = tracelens.load(src, cache_dir=cache)
+        assert _loaded_kernels(t) == N_GROUPED and not t.warnings
+    src.write_bytes(MOE_LOOP.read_bytes())  # and the loop trace again: its own entry
+    for _ in range(2):
+        t = tracelens.load(src, cache_dir=cache)
+        assert _loaded_kernels(t) == N_LOOP and not t.warnings
+    assert t.ranks[0].from_cache
+
+
+def _entry_dir(cache, path) -> "object":
+    key = C.known_key(str(path), cache)
+    assert key is not None
+    return cache / "traces" / key[:2] / key
+
+
+def _assert_rejected_then_replaced(src, cache, expected_kernels: int):
+    t = tracelens.load(src, cache_dir=cache)
+    assert _loaded_kernels(t) == expected_kernels
+    assert not t.ranks[0].from_cache
+    lines = [w for w in t.warnings if "cache entry" in w]
+    assert len(lines) == 1 and "\n" not in lines[0] and str(src) in lines[0] and "replaced" in lines[0]
+    row = t.load_issues[t.load_issues["check"] == "cache_entry"]
+    assert len(row) == 1 and row["action"].iloc[0] == "replaced"
+    again = tracelens.load(src, cache_dir=cache)  # the replacement holds: served, no warning
+    assert again.ranks[0].from_cache and not again.warnings
+    assert _loaded_kernels(again) == expected_kernels
+
+
+@pytest.fixture
+def two_cached(tmp_path, monkeypatch):
+    monkeypatch.setenv("TRACELENS_NO_PREFETCH", "1")
+    a, b = tmp_path / "a.json.gz", tmp_path / "b.json.gz"
+    a.write_bytes(MOE_LOOP.read_bytes())
+    b.write_bytes(MOE_GROUPED.read_bytes())
+    cache = tmp_path / "cache"
+    for p in (a, b):
+        tracelens.load(p, cache_dir=cache)
+    return a, b, cache
+
+
+def test_entry_holding_another_traces_tables_is_rejected(two_cached):
+    a, b, cache = two_cached
+    ea, eb = _entry_dir(cache, a), _entry_dir(cache, b)
+    shutil.rmtree(ea)
+    shutil.copytree(eb, ea)  # b's entry (meta and tables) under a's key
+    _assert_rejected_then_replaced(a, cache, N_LOOP)
+
+
+def test_entry_with_swapped_tables_but_its_own_meta_is_rejected(two_cached):
+    a, b, cache = two_cached
+    ea, eb = _entry_dir(cache, a), _entry_dir(cache, b)
+    shutil.copy(eb / "events.parquet", ea / "events.parquet")
+    _assert_rejected_then_replaced(a, cache, N_LOOP)
+
+
+def test_entry_whose_meta_names_another_rank_is_rejected(two_cached):
+    a, _, cache = two_cached
+    meta_path = _entry_dir(cache, a) / "meta.json"
+    meta = json.loads(meta_path.read_text())
+    meta["distributed_info"] = {"rank": 7, "world_size": 8}
+    meta_path.write_text(json.dumps(meta))
+    _assert_rejected_then_replaced(a, cache, N_LOOP)
+    assert tracelens.load(a, cache_dir=cache).rank_ids == [0]
+
+
+def test_remembered_key_pointing_at_another_files_entry_is_rejected(two_cached):
+    a, b, cache = two_cached
+    memo = C._memo(str(a), cache)
+    ident, _ = memo.read_text().split("\n")[:2]
+    memo.write_text(f"{ident}\n{C.known_key(str(b), cache)}\n")  # a's identity -> b's (valid) entry
+    t = tracelens.load(a, cache_dir=cache)
+    assert _loaded_kernels(t) == N_LOOP
+    assert any("made from another file" in w for w in t.warnings)
+    assert _loaded_kernels(tracelens.load(b, cache_dir=cache)) == N_GROUPED  # b's entry is untouched
+
+
+def test_unreadable_entry_is_rejected_and_replaced(two_cached):
+    a, _, cache = two_cached
+    (_entry_dir(cache, a) / "events.parquet").write_bytes(b"not parquet")
+    _assert_rejected_then_replaced(a, cache, N_LOOP)
+
+
+def test_load_issues_survive_the_cache(tmp_path, monkeypatch):
+    """What the loader dropped is reported on a cache hit too (the entry keeps it)."""
+    import gzip
+
+    doc = json.loads(gzip.decompress(MOE_LOOP.read_bytes()))
+    kernels = [e for e in doc["traceEvents"] if e.get("cat") == "kernel"]
+    kernels[3]["dur"] = -5000
+    src = tmp_path / "neg.json"
+    src.write_text(json.dumps(doc))
+    cold = tracelens.load(src, cache_dir=tmp_path / "c")
+    warm = tracelens.load(src, cache_dir=tmp_path / "c")
+    assert warm.ranks[0].from_cache
+    for t in (cold, warm):
+        assert list(t.load_issues["check"]) == ["negative_dur"] and list(t.load_issues["events"]) == [1]
+        assert _loaded_kernels(t) == N_LOOP - 1
+        assert any("negative dur" in w and str(src) in w for w in t.warnings)

@@ -1,0 +1,169 @@
+"""Impossible values in a parsed trace: dropped at the loader boundary, each drop reported.
+
+Every analysis assumes what the hardware guarantees: an event does not end before it starts, a
+timestamp is a point of one clock, one event is recorded once. A trace that breaks this (a writer's
+bug, a hand-edited file, a merge gone wrong) would otherwise give silently wrong numbers downstream
+(negative busy time, a 52-day span, communication at 129 % of GPU busy). `check_events` runs on the
+events table of every parsed file, on both decoders (it is called from `kineto._parsed`), before the
+table is cached; what it drops is described in `issues`, one record per kind of problem:
+
+    {"check": "negative_dur" | "unrepresentable_time" | "duplicate" | "time_outlier",
+     "action": "dropped", "events": N, "message": "<file>: dropped N ... (e.g. ...)"}
+
+The records travel in the file's meta (`ParsedTrace.meta["load_issues"]`, so a cache hit reports
+them again) and become `Trace.load_issues` (a table) and lines of `Trace.warnings`.
+
+Rules (no threshold is fitted to one input; see docs/robustness.md):
+- `dur` < 0: dropped (a duration cannot be negative).
+- `ts` or `dur` of 2**53 us (285 years) or more, or not finite (int64 nanoseconds overflow at 9.2e15
+  us): the decoders write `UNREPRESENTABLE` and the event is dropped.
+- exact duplicates (every column equal, the same event recorded twice): later copies dropped.
+- time outliers: an event that starts before, or ends after, the body of the trace by more than
+  `OUTLIER_FACTOR` times the body's length, where the body runs from the 1st percentile of start
+  times to the 99th percentile of end times. Real traces stay within 17x (a prefill/decode trace
+  with long idle gaps; most are below 0.5x); a `ts` of 0 among monotonic-clock timestamps is ~1e8x.
+  Traces of fewer than `OUTLIER_MIN_EVENTS` events are not judged (their percentiles are their ends).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+
+UNREPRESENTABLE = np.iinfo(np.int64).min  # ts/dur that no int64 ns can hold (written by the decoders)
+MAX_ABS_US = float(2**53)  # |ts|, |dur| in us from here on are not exact int64 ns (the compiled scanner's limit too)
+OUTLIER_FACTOR = 1000.0
+OUTLIER_MIN_EVENTS = 200
+
+
+def _example(events: pa.Table, mask: np.ndarray, what: str) -> str:
+    i = int(np.flatnonzero(mask)[0])
+    cat = events["cat"][i].as_py()
+    name = events["name"][i].as_py()
+    label = repr(name if name is None or len(name) <= 60 else name[:57] + "...")  # repr: no raw control chars
+    return f"e.g. {cat!r} {label} {what(i)}"
+
+
+def _fmt_us(ns: int) -> str:
+    if ns == UNREPRESENTABLE:
+        return "beyond int64 ns"
+    us = ns / 1e3
+    return f"{us:,.3f} us" if abs(us) < 1e6 else f"{us / 1e6:,.1f} s" if abs(us) < 86400e6 else f"{us / 86400e6:,.1f} days"
+
+
+def _fmt_ts(ns: int) -> str:
+    return "beyond int64 ns" if ns == UNREPRESENTABLE else f"{ns / 1e3:.3f} us"
+
+
+def _row_hash(events: pa.Table) -> np.ndarray:
+    """A 64-bit hash of each row over the columns that tell events apart (candidates for duplicates;
+    confirmed on every column)."""
+    h = np.zeros(events.num_rows, dtype=np.uint64)
+    mult = np.uint64(0x9E3779B97F4A7C15)
+    for c in ("ts", "dur", "pid", "tid", "name", "cat", "correlation", "external_id"):
+        if c not in events.column_names:
+            continue
+        col = events[c].combine_chunks() if events[c].num_chunks != 1 else events[c].chunk(0)
+        if pa.types.is_dictionary(col.type):
+            a = col.indices.fill_null(-1).to_numpy().astype(np.int64)
+        else:
+            a = col.to_numpy(zero_copy_only=False)
+        h = (h ^ a.view(np.uint64) if a.dtype == np.int64 else h ^ a.astype(np.int64).view(np.uint64)) * mult
+        h ^= h >> np.uint64(29)
+    return h
+
+
+def _exact_rows(events: pa.Table, idx: np.ndarray) -> np.ndarray:
+    """Rows `idx` as an int64 matrix holding every column (dictionary codes, float bits), for equality."""
+    sub = events.take(pa.array(idx))
+    cols = []
+    for c in sub.column_names:
+        col = sub[c].combine_chunks()
+        if pa.types.is_dictionary(col.type):
+            # codes of one table share its dictionary; compare values, not codes, when chunks differ
+            a = col.indices.fill_null(-1).to_numpy().astype(np.int64)
+        elif pa.types.is_floating(col.type):
+            a = np.nan_to_num(col.to_numpy(zero_copy_only=False), nan=np.inf).view(np.int64)
+        else:
+            a = col.fill_null(-1).to_numpy(zero_copy_only=False).astype(np.int64)
+        cols.append(a)
+    return np.stack(cols, axis=1)
+
+
+def _duplicates(events: pa.Table) -> np.ndarray:
+    """Mask of rows that repeat an earlier row exactly."""
+    n = events.num_rows
+    dup = np.zeros(n, dtype=bool)
+    if n < 2:
+        return dup
+    h = _row_hash(events)
+    enc = pa.array(h).dictionary_encode()
+    if len(enc.dictionary) == n:
+        return dup  # every hash distinct: no duplicates (the common case, one hash pass)
+    codes = enc.indices.to_numpy()
+    counts = np.bincount(codes)
+    cand = np.flatnonzero(counts[codes] > 1)
+    rows = _exact_rows(events, cand)
+    _, first = np.unique(rows, axis=0, return_index=True)
+    keep = np.zeros(len(cand), dtype=bool)
+    keep[first] = True
+    dup[cand[~keep]] = True
+    return dup
+
+
+def check_events(path: str, events: pa.Table) -> tuple[pa.Table, list[dict]]:
+    """The events with impossible ones dropped, and one issue record per kind of drop."""
+    issues: list[dict] = []
+    ts = events["ts"].to_numpy()
+    dur = events["dur"].to_numpy()
+    drop = np.zeros(events.num_rows, dtype=bool)
+
+    def report(check: str, mask: np.ndarray, what: str, detail) -> None:
+        n = int(mask.sum())
+        if n:
+            issues.append({"check": check, "action": "dropped", "events": n,
+                           "message": f"{path}: dropped {n} event{'s' if n > 1 else ''} {what} "
+                                      f"({_example(events, mask, detail)})"})
+
+    bad = (ts == UNREPRESENTABLE) | (dur == UNREPRESENTABLE)
+    if bad.any():
+        report("unrepresentable_time", bad, "whose ts or dur is beyond any clock (|value| >= 2**53 us, 285 years)",
+               lambda i: f"ts {_fmt_ts(int(ts[i]))}, dur {_fmt_us(int(dur[i]))}")
+        drop |= bad
+    neg = (dur < 0) & ~bad
+    if neg.any():
+        report("negative_dur", neg, "with a negative dur", lambda i: f"dur {_fmt_us(int(dur[i]))}")
+        drop |= neg
+
+    ok = ~drop
+    if ok.sum() >= OUTLIER_MIN_EVENTS:
+        start = ts[ok].astype(np.float64)
+        end = start + dur[ok]
+        lo = np.quantile(start, 0.01, method="lower")
+        hi = np.quantile(end, 0.99, method="higher")
+        width = hi - lo
+        if width > 0:
+            tsf = ts.astype(np.float64)
+            endf = tsf + dur
+            out = ok & ((tsf < lo - OUTLIER_FACTOR * width) | (endf > hi + OUTLIER_FACTOR * width))
+            if out.any():
+                def where(i: int) -> str:
+                    away = lo - tsf[i] if tsf[i] < lo else endf[i] - hi
+                    side = "before" if tsf[i] < lo else "after"
+                    return (f"ts {_fmt_ts(int(ts[i]))}, dur {_fmt_us(int(dur[i]))}: {_fmt_us(int(away))} {side} "
+                            f"the other events, which span {_fmt_us(int(width))}")
+                report("time_outlier", out, "far outside the time window of the trace", where)
+                drop |= out
+
+    if drop.any():
+        events = events.filter(pa.array(~drop))
+    dup = _duplicates(events)
+    if dup.any():
+        d_ts = events["ts"].to_numpy()
+        report_events = events
+        n = int(dup.sum())
+        issues.append({"check": "duplicate", "action": "dropped", "events": n,
+                       "message": f"{path}: dropped {n} exact duplicate event{'s' if n > 1 else ''} (the same event "
+                                  f"recorded more than once; {_example(report_events, dup, lambda i: f'at ts {_fmt_ts(int(d_ts[i]))}')})"})
+        events = events.filter(pa.array(~dup))
+    return events, issues
