@@ -5,6 +5,10 @@
     >>> a.timeline          # per-rank GPU busy/idle/compute/comm/exposed comm
     >>> a.kernels.head()    # kernel summary
     >>> a.summary()         # the stable machine interface written as summary.json
+
+Views (timeline, categories, kernels, ops, sunburst, annotations) read the steady-state steps by
+default and `a.window` names the steps left out and why (tracelens.analysis.steps); `analyze(trace,
+window="all")` gives the whole profiled window, and `a.timeline_all` always holds its per-rank figures.
 """
 
 from __future__ import annotations
@@ -13,13 +17,14 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import pandas as pd
 
 from . import __version__
-from .analysis import calltree, summaries, timeline
+from .analysis import calltree, steps as steps_mod, summaries, timeline
 from .trace import Trace
 
-SUMMARY_SCHEMA = 1
+SUMMARY_SCHEMA = 2
 
 
 @dataclass
@@ -28,8 +33,8 @@ class Analysis:
     tree: pd.DataFrame  # host events with parent/op/path links
     gpu: pd.DataFrame  # GPU events with launch, op, path, category, step
     steps: pd.DataFrame  # rank, step, start, end
-    timeline: pd.DataFrame  # per rank
-    step_timeline: pd.DataFrame  # per rank and step
+    timeline: pd.DataFrame  # per rank, over the window's steps (steady state by default)
+    step_timeline: pd.DataFrame  # per rank and step (every step; `steady` says which the window uses)
     ops: pd.DataFrame
     kernels: pd.DataFrame
     categories: pd.DataFrame
@@ -40,6 +45,11 @@ class Analysis:
     _findings: list | None = field(default=None, repr=False)
     _roofline: Any = field(default=None, repr=False)
     pipeline: Any = field(default=None, repr=False)  # PipelineAnalysis when the run has pipeline data
+    window: Any = None  # steps.StepWindow: the steps the views read and those left out, with reasons
+    timeline_all: pd.DataFrame | None = None  # per rank over the whole profiled window (every event)
+    gpu_window: pd.DataFrame | None = None  # the GPU events the views read (durations with cuts removed)
+    host_window: Any = None  # boolean mask over `tree` rows: host events inside the window's steps (None: all)
+    manifest: dict | None = field(default=None, repr=False)  # the run dir's manifest.json, when there is one
 
     def roofline(self, ceilings: Any = None):
         """Roofline of every modeled op group (tracelens.analysis.roofline); computed once per ceilings."""
@@ -79,7 +89,8 @@ class Analysis:
     def tables(self) -> dict[str, pd.DataFrame]:
         """The tables written next to the report (Parquet/CSV)."""
         return {
-            "timeline": self.timeline, "step_timeline": self.step_timeline, "ops": self.ops,
+            "timeline": self.timeline, "timeline_all": self.timeline_all if self.timeline_all is not None else self.timeline,
+            "step_timeline": self.step_timeline, "ops": self.ops,
             "kernels": self.kernels, "categories": self.categories, "top_ops": self.top_ops,
             "breakdown": self.breakdown, "steps": self.steps, "annotations": self.annotations,
             **(self.roofline().tables() if self.has_gpu else {}),
@@ -90,21 +101,28 @@ class Analysis:
         """The documented machine interface (docs/summary-json.md)."""
         ranks = []
         tl = self.timeline.set_index("rank") if not self.timeline.empty else None
+        tla = (self.timeline_all if self.timeline_all is not None else self.timeline)
+        tla = tla.set_index("rank") if not tla.empty else None
+        used = set(self.window.used) if self.window is not None and self.window.restricts else None
         for info in self.trace.ranks:
             r: dict[str, Any] = {"rank": info.rank, "file": info.path, "device": info.device_name,
-                                 "gpu_available": tl is not None and info.rank in tl.index}
-            if r["gpu_available"]:
-                row = tl.loc[info.rank]
-                r.update(_metric_fields(row))
+                                 "gpu_available": tla is not None and info.rank in tla.index}
+            if tl is not None and info.rank in tl.index:
+                r.update(_metric_fields(tl.loc[info.rank]))
             else:
                 r.update({k: None for k in _FIELDS})
+            r["all_steps"] = (_metric_fields(tla.loc[info.rank]) if tla is not None and info.rank in tla.index
+                              else {k: None for k in _FIELDS})
             st = self.step_timeline[self.step_timeline["rank"] == info.rank]
-            r["steps"] = [dict(step=int(s["step"]), **_metric_fields(s)) for _, s in st.iterrows()]
+            r["steps"] = [dict(step=int(s["step"]), **_metric_fields(s),
+                               startup_wait_us=_num(s.get("startup_wait_us", 0.0)),
+                               steady=used is None or int(s["step"]) in used) for _, s in st.iterrows()]
             ranks.append(r)
         return {
             "schema_version": SUMMARY_SCHEMA,
             "tool": {"name": "tracelens", "version": __version__},
             "world_size": _world_size(self.trace),
+            "window": self.window.to_dict() if self.window is not None else None,
             "ranks": ranks,
             "categories": [
                 {"rank": int(c.rank), "category": c.category, "count": int(c.count), "total_us": _num(c.total_us),
@@ -142,25 +160,19 @@ def _world_size(trace: Trace) -> int | None:
     return len(trace.ranks) if len(trace.ranks) > 1 else None
 
 
-def _mark_startup_waits(trace: Trace, gpu: pd.DataFrame, stl: pd.DataFrame, warnings: list[str]) -> pd.DataFrame:
+def _mark_startup_waits(stl: pd.DataFrame, waits: pd.DataFrame, warnings: list[str], sw) -> pd.DataFrame:
     """Collectives one rank began before another rank's profiled window started wait partly outside the
-    trace: say so, and give each step its start-up wait so per-step figures can be read without it."""
+    trace: say so (and what the views do with it), and give each step its start-up wait."""
     stl = stl.assign(startup_wait_us=0.0)
-    if len(trace.ranks) < 2 or gpu.empty or not gpu["is_comm"].any():
-        return stl
-    from .analysis.comm import collective_instances
-
-    class _A:  # the few fields collective_instances reads
-        pass
-
-    a = _A()
-    a.gpu, a.trace = gpu, trace
-    inst = collective_instances(a)
-    su = inst[inst["startup"] & (inst["sync_us"] > 0)]
-    for r in su.itertuples(index=False):
-        warnings.append(f"rank {r.rank}: {r.collective} #{r.instance} waited {r.sync_us / 1e3:.3f} ms for ranks that had not "
-                        f"started profiling yet (start-up wait); comm analyses leave it out, and step {r.step}'s "
-                        f"figures on this rank include it (startup_wait_us)")
+    for r in waits.itertuples(index=False):
+        if sw.restricts and r.step not in sw.used:
+            where = f"step {r.step} is left out of the steady-state views"
+        elif sw.restricts and r.rank in sw.cuts:
+            where = f"the wait is cut out of step {r.step}'s timeline on this rank (no other step to use)"
+        else:
+            where = f"step {r.step}'s figures on this rank include it (startup_wait_us)"
+        warnings.append(f"rank {r.rank}: {r.collective} #{r.instance} waited {r.sync_us / 1e3:.3f} ms for ranks that had "
+                        f"not started profiling yet (start-up wait); comm analyses leave it out, and {where}")
         m = (stl["rank"] == r.rank) & (stl["step"] == r.step)
         stl.loc[m, "startup_wait_us"] += r.sync_us
     return stl
@@ -182,19 +194,42 @@ def _pipeline(trace: Trace, warnings: list[str]):
     return res
 
 
-def analyze(trace: Trace) -> Analysis:
-    """Hierarchical breakdown of a loaded trace: timeline -> ops -> kernels, per rank and step."""
+def analyze(trace: Trace, window: str = "steady") -> Analysis:
+    """Hierarchical breakdown of a loaded trace: timeline -> ops -> kernels, per rank and step.
+
+    window: "steady" (default) reads the steady-state profiler steps (`a.window` names the steps left
+    out and why); "all" reads the whole profiled window, every event.
+    """
+    if window not in (steps_mod.STEADY, steps_mod.ALL):
+        raise ValueError(f"window must be 'steady' or 'all', got {window!r}")
     warnings = list(trace.warnings)
     tree = calltree.build_tree(trace.events)
     steps = calltree.steps_table(tree)
     gpu = calltree.attribute_gpu(calltree.gpu_events(trace.events), tree, steps)
-    tl = timeline.gpu_timeline(gpu)
+    manifest = steps_mod.run_manifest(trace)
+    waits = steps_mod.startup_waits(trace, gpu)
+    tree_step = steps_mod.host_steps(tree, steps)
+    sw = steps_mod.step_window(trace, tree, gpu, steps, mode=window, waits=waits, manifest=manifest, tree_step=tree_step)
+    tl_all = timeline.gpu_timeline(gpu)
     stl = timeline.gpu_timeline(gpu, by_step=True)
     gpu_ranks = set(gpu["rank"].unique().tolist())
     for info in trace.ranks:
         if info.rank not in gpu_ranks:
             warnings.append(f"{info.path}: CPU-only trace (no GPU kernels, memcpy or memset): GPU sections unavailable")
-    stl = _mark_startup_waits(trace, gpu, stl, warnings)
+    stl = _mark_startup_waits(stl, waits, warnings, sw)
+    if not stl.empty:
+        stl["steady"] = stl["step"].isin(sw.used).to_numpy() if sw.restricts else True
+    gw_raw = steps_mod.window_events(gpu, sw)
+    if sw.restricts and not gpu.empty and gw_raw.empty:
+        sw.notes.append("no GPU event was launched inside the steady-state steps: GPU views read the whole window")
+        gw_raw = gpu
+    tl = timeline.gpu_timeline(gw_raw, cuts=sw.cuts) if gw_raw is not gpu or sw.cuts else tl_all
+    gw = steps_mod.clip_durations(gw_raw, sw.cuts)
+    host_mask = np.isin(tree_step, sw.used) if sw.restricts else None
+    if host_mask is not None and not (host_mask & (tree["kind"].to_numpy() == calltree.KIND_OP)).any():
+        if (tree["kind"].to_numpy() == calltree.KIND_OP).any():
+            sw.notes.append("no op ran inside the steady-state steps: host views read the whole window")
+        host_mask = None
     busy_by_rank = {int(r.rank): r.gpu_busy_us * 1000.0 for r in tl.itertuples(index=False)}
     busy_total = float(sum(busy_by_rank.values()))
     if not gpu.empty and (gpu["op_row"] < 0).all():
@@ -203,12 +238,13 @@ def analyze(trace: Trace) -> Analysis:
         warnings.append("most GPU activity was launched outside the marked profiler steps")
     return Analysis(
         trace=trace, tree=tree, gpu=gpu, steps=steps, timeline=tl, step_timeline=stl,
-        ops=summaries.ops_summary(tree, gpu, busy_total),
-        kernels=summaries.kernel_summary(gpu, busy_total),
-        categories=summaries.category_rollup(gpu, busy_by_rank),
-        top_ops=summaries.top_level_ops(tree, gpu),
-        breakdown=summaries.breakdown_tree(gpu, tree),
-        annotations=summaries.annotation_summary(tree, gpu),
+        ops=summaries.ops_summary(tree, gw, busy_total, host_mask=host_mask),
+        kernels=summaries.kernel_summary(gw, busy_total),
+        categories=summaries.category_rollup(gw, busy_by_rank),
+        top_ops=summaries.top_level_ops(tree, gw, host_mask=host_mask),
+        breakdown=summaries.breakdown_tree(gw, tree, host_mask=host_mask),
+        annotations=summaries.annotation_summary(tree, gw, host_mask=host_mask),
         warnings=warnings,
         pipeline=_pipeline(trace, warnings),
+        window=sw, timeline_all=tl_all, gpu_window=gw, host_window=host_mask, manifest=manifest,
     )

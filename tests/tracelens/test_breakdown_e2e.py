@@ -73,8 +73,8 @@ def test_two_rank_nccl_timeline_and_steps():
     s = a.summary()
     assert [r["rank"] for r in s["ranks"]] == [0, 1]
     for r, f in zip(s["ranks"], ["rank0.json.gz", "rank1.json.gz"]):
-        exp = expected_timeline(NCCL_2RANK / f)
-        assert r["comm_us"] == pytest.approx(float(exp["comm_us"]), abs=1e-3)
+        exp = expected_timeline(NCCL_2RANK / f)  # the whole window; the default figures are steady-state
+        assert r["all_steps"]["comm_us"] == pytest.approx(float(exp["comm_us"]), abs=1e-3)
         assert len(r["steps"]) == 3  # "## step N" annotations
     # per-step kernel counts: kernels whose launching runtime call lies inside the step annotation
     raw = raw_events(NCCL_2RANK / "rank0.json.gz")

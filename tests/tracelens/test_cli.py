@@ -25,7 +25,7 @@ def test_analyze_writes_report_summary_tables(tmp_path):
     assert p.returncode == 0, p.stderr
     assert "rank" in p.stdout and "wrote" in p.stdout
     s = json.loads((out / "summary.json").read_text())
-    assert s["schema_version"] == 1 and s["world_size"] == 2
+    assert s["schema_version"] == 2 and s["world_size"] == 2
     assert [r["rank"] for r in s["ranks"]] == [0, 1]
     for r in s["ranks"]:
         assert SUMMARY_KEYS <= set(r)

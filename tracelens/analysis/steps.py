@@ -168,3 +168,270 @@ def op_shares(analysis) -> pd.DataFrame:
     agg["idle_us"] = agg.pop("idle") / US
     agg["wall_us"] = agg["gpu_us"] + agg["idle_us"]
     return agg[cols]
+
+
+# --------------------------------------------------------------------------------- steady state
+#
+# Which profiler steps a view should read. A step is left out when the trace (or the run's manifest)
+# shows a mechanism that makes it unlike the steps around it, never because its duration looks odd:
+#   startup_wait   a collective on some rank began before a peer rank's profiled window started, so the
+#                  rank waited inside it for a peer that was not being recorded (the profiler start-up
+#                  wait: seconds on real multi-rank traces); found by matching collectives across ranks
+#   missing_ranks  the step is marked on some ranks only: the profiler window cut it on the others
+#   empty          the rank ran no op in the step while its other steps did: the profiler stopped (or
+#                  started) right at the step's edge, so the step holds a fragment of a step
+#   warmup         the run's manifest says the step is a warm-up step (config.timing_warmup_steps)
+#   export         the run's manifest says the profiler stopped and exported its trace in this step
+#                  (profile.step_end): the step pays for writing the trace
+# When every step has such a reason the least-affected steps are kept (a start-up wait is then cut out
+# of the step's timeline instead: see `StepWindow.cuts`) and the notes say so.
+
+STEADY, ALL = "steady", "all"
+
+REASON_TEXT = {
+    "startup_wait": "profiler start-up wait",
+    "missing_ranks": "partial: cut by the profiler window",
+    "empty": "partial: holds no op",
+    "warmup": "warm-up step",
+    "export": "trace-export step",
+}
+
+
+@dataclass
+class StepWindow:
+    """The steps the views use, those left out and why."""
+
+    mode: str  # "steady" (default) or "all" (every step and every event: the whole profiled window)
+    steps: list[int]  # every step the trace marks, in order
+    used: list[int]  # the steps whose events the views read
+    excluded: list[dict]  # {"step", "reason", "ranks", "detail"}, one per (step, reason)
+    cuts: dict = None  # rank -> [(start_ns, end_ns)] excised from kept steps (start-up waits kept as fallback)
+    outside_gpu_events: int = 0  # GPU events launched outside every marked step (not read in steady mode)
+    outside_gpu_us: float = 0.0
+    notes: list = None
+
+    def __post_init__(self) -> None:
+        self.cuts = self.cuts or {}
+        self.notes = self.notes or []
+
+    @property
+    def restricts(self) -> bool:
+        """True when the views read a subset of the trace (steady mode on a trace with marked steps)."""
+        return self.mode == STEADY and bool(self.steps)
+
+    @property
+    def excluded_steps(self) -> list[int]:
+        return sorted({int(e["step"]) for e in self.excluded if int(e["step"]) not in self.used})
+
+    def describe(self) -> str:
+        """One line for reports and the terminal."""
+        if not self.steps:
+            return "whole profiled window (the trace marks no profiler steps)"
+        if self.mode == ALL:
+            return f"whole profiled window: every step ({_ranges(self.steps)}) and the events between them"
+        text = f"steady-state steps {_ranges(self.used)} of {_ranges(self.steps)}"
+        left = [e for e in self.excluded if int(e["step"]) not in self.used]
+        if left:
+            text += "; excluded " + "; ".join(f"step {e['step']} ({REASON_TEXT.get(e['reason'], e['reason'])}: "
+                                               f"{e['detail']})" for e in left)
+        if self.outside_gpu_events:
+            text += (f"; {self.outside_gpu_events} GPU event(s) ({self.outside_gpu_us / 1e3:.3f} ms) launched "
+                     f"outside every step left out")
+        for n in self.notes:
+            text += f"; {n}"
+        return text
+
+    def to_dict(self) -> dict:
+        return {
+            "mode": self.mode,
+            "steps": [int(s) for s in self.steps],
+            "steps_used": [int(s) for s in self.used],
+            "steps_excluded": [{"step": int(e["step"]), "reason": e["reason"], "ranks": [int(r) for r in e["ranks"]],
+                                "detail": e["detail"], "kept": int(e["step"]) in self.used} for e in self.excluded],
+            "cuts": [{"rank": int(r), "start_ns": int(s), "end_ns": int(e), "us": round((e - s) / US, 3)}
+                     for r, iv in sorted(self.cuts.items()) for s, e in iv],
+            "gpu_events_outside_steps": int(self.outside_gpu_events),
+            "gpu_us_outside_steps": round(float(self.outside_gpu_us), 3),
+            "notes": list(self.notes),
+            "description": self.describe(),
+        }
+
+
+def _ranges(xs) -> str:
+    xs = sorted(int(x) for x in xs)
+    if not xs:
+        return "none"
+    out, lo, prev = [], xs[0], xs[0]
+    for x in xs[1:] + [None]:
+        if x is not None and x == prev + 1:
+            prev = x
+            continue
+        out.append(str(lo) if lo == prev else f"{lo}-{prev}")
+        if x is not None:
+            lo = prev = x
+    return ", ".join(out)
+
+
+def run_manifest(trace) -> dict | None:
+    """The run dir's manifest.json when every rank file sits in RUN/traces/ (else None). An unreadable
+    manifest is None too: the window then uses what the trace shows, and the health check names it."""
+    import json
+    from pathlib import Path
+
+    parents = {Path(r.path).resolve().parent for r in trace.ranks}
+    if len(parents) != 1:
+        return None
+    d = parents.pop()
+    mf = d.parent / "manifest.json"
+    if d.name != "traces" or not mf.is_file():
+        return None
+    try:
+        doc = json.loads(mf.read_text())
+    except (OSError, ValueError):
+        return None
+    return doc if isinstance(doc, dict) else None
+
+
+def manifest_step_roles(manifest: dict | None) -> dict[int, tuple[str, str]]:
+    """step -> (reason, detail) for the steps a run manifest marks as warm-up or trace-export steps."""
+    out: dict[int, tuple[str, str]] = {}
+    if not manifest:
+        return out
+    cfg = manifest.get("config") if isinstance(manifest.get("config"), dict) else {}
+    prof = manifest.get("profile") if isinstance(manifest.get("profile"), dict) else {}
+    warm = cfg.get("timing_warmup_steps")
+    if isinstance(warm, int) and not isinstance(warm, bool) and warm > 0:
+        for s in range(warm):
+            out[s] = ("warmup", f"the run's config sets timing_warmup_steps = {warm}")
+    lo, hi = prof.get("step_start"), prof.get("step_end")
+    if isinstance(lo, int) and isinstance(hi, int) and hi > lo:
+        out[hi] = ("export", f"the profiler window is steps {lo}-{hi - 1}: it stops and writes the trace in step {hi}")
+    return out
+
+
+def startup_waits(trace, gpu: pd.DataFrame) -> pd.DataFrame:
+    """Collective kernels that waited for a peer rank that had not started profiling yet: rank, step,
+    collective, instance, sync_us and the waited interval [wait_start_ns, wait_end_ns) on that rank."""
+    cols = ["rank", "step", "collective", "instance", "sync_us", "wait_start_ns", "wait_end_ns"]
+    if len(trace.ranks) < 2 or gpu.empty or not gpu["is_comm"].any():
+        return pd.DataFrame(columns=cols)
+    from .comm import collective_instances
+
+    class _A:  # the few fields collective_instances reads
+        pass
+
+    a = _A()
+    a.gpu, a.trace = gpu, trace
+    inst = collective_instances(a)
+    su = inst[inst["startup"] & (inst["sync_us"] > 0)]
+    if su.empty:
+        return pd.DataFrame(columns=cols)
+    ts = gpu.loc[su["gpu_row"].to_numpy(), "ts"].to_numpy().astype(np.int64)
+    wait = np.round(su["sync_us"].to_numpy() * US).astype(np.int64)
+    return pd.DataFrame({"rank": su["rank"].to_numpy(), "step": su["step"].to_numpy(), "collective": su["collective"].to_numpy(),
+                         "instance": su["instance"].to_numpy(), "sync_us": su["sync_us"].to_numpy(),
+                         "wait_start_ns": ts, "wait_end_ns": ts + wait})[cols].reset_index(drop=True)
+
+
+def host_steps(tree: pd.DataFrame, steps: pd.DataFrame) -> np.ndarray:
+    """The profiler step of each host event (tree row order): the step whose range holds its start, else -1."""
+    from .calltree import assign_steps
+
+    return assign_steps(tree["rank"].to_numpy(), tree["ts"].to_numpy(), steps)
+
+
+def step_window(trace, tree: pd.DataFrame, gpu: pd.DataFrame, steps: pd.DataFrame, *, mode: str = STEADY,
+                waits: pd.DataFrame | None = None, manifest: dict | None = None,
+                tree_step: np.ndarray | None = None) -> StepWindow:
+    """Classify the marked profiler steps (see the comment above) and pick the ones the views use."""
+    if mode not in (STEADY, ALL):
+        raise ValueError(f"window must be {STEADY!r} or {ALL!r}, got {mode!r}")
+    all_steps = sorted(int(s) for s in steps["step"].unique()) if not steps.empty else []
+    outside = gpu[gpu["step"].to_numpy() < 0] if not gpu.empty and all_steps else gpu.iloc[:0]
+    sw = StepWindow(mode=mode, steps=all_steps, used=list(all_steps), excluded=[],
+                    outside_gpu_events=int(len(outside)), outside_gpu_us=float(outside["dur"].sum()) / US if len(outside) else 0.0)
+    if not all_steps:
+        sw.outside_gpu_events, sw.outside_gpu_us = 0, 0.0
+        return sw
+    reasons: dict[int, list[dict]] = {}
+
+    def add(step, reason, ranks, detail):
+        reasons.setdefault(int(step), []).append({"step": int(step), "reason": reason, "ranks": sorted(set(ranks)),
+                                                  "detail": detail})
+
+    waits = startup_waits(trace, gpu) if waits is None else waits
+    for (step, rank), g in waits.groupby(["step", "rank"]):
+        if step < 0:
+            continue
+        w = g.sort_values("sync_us", ascending=False).iloc[0]
+        add(step, "startup_wait", [rank], f"rank {rank}'s {w['collective']} #{int(w['instance'])} waited "
+                                          f"{g['sync_us'].sum() / 1e3:.3f} ms for ranks that had not started profiling")
+    ranks_with_steps = sorted(int(r) for r in steps["rank"].unique())
+    for step, g in steps.groupby("step"):
+        missing = sorted(set(ranks_with_steps) - set(int(r) for r in g["rank"]))
+        if missing:
+            add(step, "missing_ranks", missing, f"not marked on rank(s) {', '.join(map(str, missing))}")
+    ts = host_steps(tree, steps) if tree_step is None else tree_step
+    from .calltree import KIND_OP
+
+    is_op = tree["kind"].to_numpy() == KIND_OP
+    ops_per = pd.DataFrame({"rank": tree["rank"].to_numpy()[is_op], "step": ts[is_op]})
+    ops_per = ops_per[ops_per["step"] >= 0].groupby(["rank", "step"]).size()
+    for r, g in steps.groupby("rank"):
+        counts = {int(s): int(ops_per.get((r, s), 0)) for s in g["step"]}
+        if any(counts.values()):
+            for s, n in counts.items():
+                if n == 0:
+                    add(s, "empty", [r], f"rank {r} ran no op in it while its other steps did")
+    for s, (reason, detail) in manifest_step_roles(manifest).items():
+        if s in all_steps:
+            add(s, reason, ranks_with_steps, detail)
+    sw.excluded = [e for s in sorted(reasons) for e in reasons[s]]
+    if mode == ALL:
+        return sw
+    used = [s for s in all_steps if s not in reasons]
+    if not used:
+        # every step has a reason: keep those whose only reason is a start-up wait, with the wait cut out
+        used = [s for s in all_steps if all(e["reason"] == "startup_wait" for e in reasons[s])]
+        if used:
+            sw.notes.append(f"no step is free of start-up effects: step(s) {_ranges(used)} kept with the start-up "
+                            f"wait cut out of the rank's timeline")
+            for w in waits[waits["step"].isin(used)].itertuples(index=False):
+                sw.cuts.setdefault(int(w.rank), []).append((int(w.wait_start_ns), int(w.wait_end_ns)))
+        else:
+            used = list(all_steps)
+            sw.notes.append("every step has a reason to be left out: all steps used (read them as whole-window figures)")
+    sw.used = used
+    return sw
+
+
+def window_events(gpu: pd.DataFrame, sw: StepWindow) -> pd.DataFrame:
+    """GPU events the views read: those launched in the used steps (steady mode); the whole table in
+    "all" mode or when the trace marks no steps. Times are the trace's (cuts are applied by the caller:
+    `timeline.gpu_timeline(..., cuts=)` and `clip_durations`)."""
+    if not sw.restricts or gpu.empty:
+        return gpu
+    return gpu[gpu["step"].isin(sw.used).to_numpy()]
+
+
+def clip_durations(gpu: pd.DataFrame, cuts: dict) -> pd.DataFrame:
+    """A copy with each event's part inside a cut interval of its rank removed: `dur` is the time left;
+    an event whose start (end) falls in a cut starts (ends) at the cut's edge. Without cuts: `gpu` itself."""
+    if not cuts or gpu.empty:
+        return gpu
+    g = gpu.copy()
+    dur = g["dur"].to_numpy().astype(np.int64).copy()
+    s = g["ts"].to_numpy().astype(np.int64).copy()
+    e = g["end"].to_numpy().astype(np.int64).copy()
+    rank = g["rank"].to_numpy()
+    for r, ivs in cuts.items():
+        m = rank == r
+        for cs, ce in ivs:
+            over = np.clip(np.minimum(e, ce) - np.maximum(s, cs), 0, None)
+            dur[m] -= over[m]
+            head = m & (s >= cs) & (s < ce)
+            tail = m & (e > cs) & (e <= ce) & ~head
+            s[head] = np.minimum(np.maximum(s[head], ce), e[head])
+            e[tail] = np.maximum(cs, s[tail])
+    g["dur"], g["ts"], g["end"] = dur, s, e
+    return g

@@ -3,6 +3,9 @@
 GPU time of an op = the summed durations of the GPU activity it launched (attributed through the
 runtime call to the innermost enclosing op, as in `calltree`). Percentages are of the GPU busy time
 (union over streams) of the ranks involved, so they answer "what share of the time the GPU was busy".
+
+Window: the analyzer passes the GPU events of the steady-state steps and `host_mask`, a boolean mask
+over the tree's rows (host events inside those steps); None means every row.
 """
 
 from __future__ import annotations
@@ -16,9 +19,13 @@ from .calltree import KIND_OP
 US = 1000.0
 
 
-def ops_summary(tree: pd.DataFrame, gpu: pd.DataFrame, busy_ns: float) -> pd.DataFrame:
+def _in(tree: pd.DataFrame, host_mask) -> np.ndarray:
+    return np.ones(len(tree), dtype=bool) if host_mask is None else np.asarray(host_mask, dtype=bool)
+
+
+def ops_summary(tree: pd.DataFrame, gpu: pd.DataFrame, busy_ns: float, host_mask=None) -> pd.DataFrame:
     """By (op name, input shapes): instances, CPU inclusive/self time, GPU time, kernels, % of busy."""
-    ops = tree.loc[tree["kind"].to_numpy() == KIND_OP, ["name", "input_dims", "dur", "self_dur"]]
+    ops = tree.loc[(tree["kind"].to_numpy() == KIND_OP) & _in(tree, host_mask), ["name", "input_dims", "dur", "self_dur"]]
     if ops.empty:
         return pd.DataFrame(columns=["op", "input_dims", "count", "cpu_total_us", "cpu_self_us", "gpu_total_us",
                                      "gpu_mean_us", "kernels", "pct_gpu_busy"])
@@ -110,11 +117,11 @@ def category_rollup(gpu: pd.DataFrame, busy_by_rank: dict[int, float]) -> pd.Dat
                            ignore_index=True)
 
 
-def top_level_ops(tree: pd.DataFrame, gpu: pd.DataFrame) -> pd.DataFrame:
+def top_level_ops(tree: pd.DataFrame, gpu: pd.DataFrame, host_mask=None) -> pd.DataFrame:
     """Outermost ops (e.g. aten::linear called from Python) with the GPU time of everything under them."""
     cols = ["op", "count", "cpu_total_us", "gpu_total_us", "kernels"]
     kind, outer = tree["kind"].to_numpy(), tree["outer_op"].to_numpy()
-    ops = tree.loc[(kind == KIND_OP) & (outer == tree.index.to_numpy()), ["name", "dur"]]
+    ops = tree.loc[(kind == KIND_OP) & (outer == tree.index.to_numpy()) & _in(tree, host_mask), ["name", "dur"]]
     if ops.empty:
         return pd.DataFrame(columns=cols)
     gpu_ns, nk = _per_row(gpu, "top_op_row", ops.index.to_numpy())
@@ -131,7 +138,7 @@ def top_level_ops(tree: pd.DataFrame, gpu: pd.DataFrame) -> pd.DataFrame:
     return out.sort_values(["gpu_total_us", "cpu_total_us"], ascending=False, ignore_index=True)
 
 
-def breakdown_tree(gpu: pd.DataFrame, tree: pd.DataFrame, max_leaves: int = 400) -> pd.DataFrame:
+def breakdown_tree(gpu: pd.DataFrame, tree: pd.DataFrame, max_leaves: int = 400, host_mask=None) -> pd.DataFrame:
     """Hierarchy for a sunburst: annotation/module path -> top-level op -> op -> kernel.
 
     Value is GPU time (us) when the trace has GPU activity, else CPU self time of ops. Returns
@@ -148,7 +155,7 @@ def breakdown_tree(gpu: pd.DataFrame, tree: pd.DataFrame, max_leaves: int = 400)
             }
         )
     else:
-        ops = tree[tree["kind"] == KIND_OP]
+        ops = tree[(tree["kind"] == KIND_OP).to_numpy() & _in(tree, host_mask)]
         if ops.empty:
             return pd.DataFrame(columns=["id", "parent", "label", "value", "level"])
         leaves = pd.DataFrame(
@@ -193,13 +200,14 @@ def breakdown_tree(gpu: pd.DataFrame, tree: pd.DataFrame, max_leaves: int = 400)
     )
 
 
-def annotation_summary(tree: pd.DataFrame, gpu: pd.DataFrame) -> pd.DataFrame:
+def annotation_summary(tree: pd.DataFrame, gpu: pd.DataFrame, host_mask=None) -> pd.DataFrame:
     """record_function ranges and nn.Module scopes (e.g. moe/router, moe/dispatch): instances, host
     time (inclusive) and the GPU time of everything launched inside them, per annotation path."""
     from .calltree import KIND_ANNOTATION, KIND_MODULE
 
     cols = ["path", "name", "count", "host_total_us", "host_mean_us", "gpu_total_us", "kernels"]
-    ann = tree.loc[tree["kind"].isin([KIND_ANNOTATION, KIND_MODULE]) & ~tree["is_step"], ["path", "name", "dur"]]
+    ann = tree.loc[(tree["kind"].isin([KIND_ANNOTATION, KIND_MODULE]) & ~tree["is_step"]).to_numpy() & _in(tree, host_mask),
+                   ["path", "name", "dur"]]
     if ann.empty:
         return pd.DataFrame(columns=cols)
     agg = pd.DataFrame({"path": C.strings(ann["path"]), "name": C.strings(ann["name"]), "dur": ann["dur"].to_numpy()})

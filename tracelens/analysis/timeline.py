@@ -6,6 +6,9 @@ All figures are lengths of unions of [start, end) intervals over every stream of
 - exposed_comm = |comm - compute| = |comm u compute| - |compute| (communication no compute hides)
 - the exclusive split used for stacked bars: compute, exposed comm, memcpy not under either, memset not
   under any of those, idle; these add up to the span exactly.
+- cuts: intervals of a rank's time left out of its figures (a profiler start-up wait kept as a fallback,
+  see `steps.StepWindow`): every union becomes |U - K| = |U u K| - |K| and the span loses |K|, so the
+  identities above still hold on the time that is left.
 """
 
 from __future__ import annotations
@@ -23,9 +26,20 @@ TIMELINE_COLUMNS = [
 ]
 
 
-def _metrics(g: pd.DataFrame) -> dict:
+def _metrics(g: pd.DataFrame, cut: list | None = None) -> dict:
     s = g["ts"].to_numpy()
     e = g["end"].to_numpy()
+    start, end = int(s.min()), int(e.max())
+    K = None
+    if cut:  # the rank's cut intervals inside [start, end)
+        ks, ke = I.clip(np.array([c[0] for c in cut], dtype=np.int64), np.array([c[1] for c in cut], dtype=np.int64),
+                        start, end)
+        K = I.union(ks, ke) if ks.size else None
+    cut_len = int((K[1] - K[0]).sum()) if K is not None else 0
+
+    def U(*sets) -> int:
+        return I.union_length(*sets, K) - cut_len if K is not None else I.union_length(*sets)
+
     kind = g["kind"]  # compared as a categorical: on its codes, no string per row
     is_k = (kind == "kernel").to_numpy()
     comm = g["is_comm"].to_numpy() & is_k
@@ -36,13 +50,12 @@ def _metrics(g: pd.DataFrame) -> dict:
     N = (s[comm], e[comm])
     Y = (s[cpy], e[cpy])
     M = (s[mst], e[mst])
-    compute = I.union_length(C)
-    comm_u = I.union_length(N)
-    c_or_n = I.union_length(C, N)
-    c_n_y = I.union_length(C, N, Y)
-    busy = I.union_length(C, N, Y, M)
-    start, end = int(s.min()), int(e.max())
-    span = end - start
+    compute = U(C)
+    comm_u = U(N)
+    c_or_n = U(C, N)
+    c_n_y = U(C, N, Y)
+    busy = U(C, N, Y, M)
+    span = end - start - cut_len
     exposed = c_or_n - compute
     return {
         "span_us": span / NS_PER_US,
@@ -50,8 +63,8 @@ def _metrics(g: pd.DataFrame) -> dict:
         "gpu_idle_us": (span - busy) / NS_PER_US,
         "compute_us": compute / NS_PER_US,
         "comm_us": comm_u / NS_PER_US,
-        "memcpy_us": I.union_length(Y) / NS_PER_US,
-        "memset_us": I.union_length(M) / NS_PER_US,
+        "memcpy_us": U(Y) / NS_PER_US,
+        "memset_us": U(M) / NS_PER_US,
         "exposed_comm_us": exposed / NS_PER_US,
         "overlapped_comm_us": (comm_u - exposed) / NS_PER_US,
         "excl_memcpy_us": (c_n_y - c_or_n) / NS_PER_US,
@@ -62,10 +75,11 @@ def _metrics(g: pd.DataFrame) -> dict:
     }
 
 
-def gpu_timeline(gpu: pd.DataFrame, by_step: bool = False) -> pd.DataFrame:
+def gpu_timeline(gpu: pd.DataFrame, by_step: bool = False, cuts: dict | None = None) -> pd.DataFrame:
     """One row per rank (step = -1), or per (rank, step) for events inside marked steps.
 
-    `gpu` is the output of `calltree.attribute_gpu` (needs rank, ts, end, kind, is_comm, step).
+    `gpu` is the output of `calltree.attribute_gpu` (needs rank, ts, end, kind, is_comm, step); `cuts`:
+    rank -> [(start_ns, end_ns)] left out of that rank's figures (see the module docstring).
     """
     rows = []
     if gpu.empty:
@@ -76,7 +90,7 @@ def gpu_timeline(gpu: pd.DataFrame, by_step: bool = False) -> pd.DataFrame:
     for key, g in data.groupby(keys, sort=True, observed=True):
         key = key if isinstance(key, tuple) else (key,)
         row = {"rank": int(key[0]), "step": int(key[1]) if by_step else -1}
-        row.update(_metrics(g))
+        row.update(_metrics(g, (cuts or {}).get(int(key[0]))))
         rows.append(row)
     return pd.DataFrame(rows, columns=TIMELINE_COLUMNS)
 
