@@ -76,7 +76,9 @@ def main() -> None:
 @click.option("--quiet", "-q", is_flag=True, help="Print nothing but errors.")
 @click.option("--ceilings", type=click.Path(dir_okay=False), default=None,
               help="Measured ceilings JSON (e.g. from `tracelens calibrate`) for the roofline in the report and summary.json.")
-def analyze(paths, out, open_browser, no_cache, no_report, no_tables, jobs, quiet, ceilings):
+@click.option("--all-steps", is_flag=True, help="Read the whole profiled window (every step, start-up and partial steps "
+              "included) instead of the steady-state steps.")
+def analyze(paths, out, open_browser, no_cache, no_report, no_tables, jobs, quiet, ceilings, all_steps):
     """Analyze traces: PATHS are trace files (.json/.json.gz), directories of per-rank traces, or run dirs.
 
     Writes report.html, summary.json and tables/ (Parquet + CSV) into the output directory.
@@ -86,7 +88,7 @@ def analyze(paths, out, open_browser, no_cache, no_report, no_tables, jobs, quie
 
     t0 = time.perf_counter()
     trace = load(list(paths), cache=not no_cache, jobs=jobs, progress=None if not quiet else False)
-    result = run_analysis(trace)
+    result = run_analysis(trace, window="all" if all_steps else "steady")
     if ceilings and result.has_gpu:
         try:
             result.use_ceilings(ceilings)
@@ -742,6 +744,8 @@ def calibrate(out, cpu, size, mem_mib, dtypes, reps):
 
 
 def _print_summary(result) -> None:
+    if result.window is not None:
+        click.echo(f"window: {result.window.describe()}")
     tl = result.timeline
     if tl.empty:
         _print_cpu_summary(result)
