@@ -178,6 +178,7 @@ def render(analysis: Analysis, title: str | None = None) -> str:
         ("files", "; ".join(r.path for r in trace.ranks[:8]) + (" …" if len(trace.ranks) > 8 else "")),
         ("events", f"{len(trace.events):,} timed, {len(a.gpu):,} on GPU"),
         ("profiler steps", ", ".join(str(s) for s in sorted(a.steps["step"].unique().tolist())) or "not marked"),
+        ("figures over", a.window.describe() if getattr(a, "window", None) is not None else "whole profiled window"),
     ]
     figures: dict[str, Any] = {}
     timeline_table = step_table = ""
@@ -190,7 +191,8 @@ def render(analysis: Analysis, title: str | None = None) -> str:
         figures["plot-categories"] = category_figure(a.categories)
         timeline_table = html_table(a.timeline, tl_cols)
         if not a.step_timeline.empty:
-            step_table = html_table(a.step_timeline, [tl_cols[0], ("step", "step", "num")] + tl_cols[1:])
+            step_table = html_table(a.step_timeline, [tl_cols[0], ("step", "step", "num")] + tl_cols[1:]
+                                    + [("startup_wait_us", "start-up wait µs", "num"), ("steady", "steady state", "text")])
     if not a.breakdown.empty:
         figures["plot-breakdown"] = breakdown_figure(a.breakdown)
     extra = _deep_sections(a)
