@@ -8,10 +8,22 @@ the ranks of its process group separates them:
     sync wait(r) = last arrival - start(r)          time rank r's kernel spent waiting for others
     comm(r)      = end(r) - last arrival             the communication proper
 
-Instances are matched per process group and collective family (point-to-point send/recv form one
-family, every other collective its own) by their order on each rank. An instance that one rank started
-before another rank's profiled window even began is a start-up artifact (the wait is partly outside
-the trace): it is flagged `startup` and left out of per-step and per-rank totals.
+Matching is by what identifies an instance, not by global position: per process group (and, for
+point-to-point, per peer pair) and per profiler step, each rank's collectives in launch order form a
+sequence of (collective family, message size); the ranks' sequences are aligned (the most instances
+matched; among equally good alignments, the one whose matched kernels end closest in time), so a rank
+that lacks one instance (dropped, or outside its window) leaves a gap instead of shifting every later
+pairing. `seq` is an instance's order within its process group, `instance` its order within
+(group, family). The collective name, process group and message size come from the kernel's args, else
+from the enclosing CPU `record_param_comms` op, else from the `nccl:*` annotation (its input dims and
+type); a size that is not known is -1 and is never summed.
+
+Cross-rank figures (sync wait, comm, skew, last rank, bandwidths) need every rank of the instance's group
+in the loaded traces: for an instance whose group has ranks that were not loaded (a partial rank set) or
+that some rank lacks, they are NaN (`cross_rank` False) and only per-rank figures (kernel time, bytes)
+remain. An instance that one rank started before another rank's profiled window even began is a
+start-up artifact (the wait is partly outside the trace): it is flagged `startup` and left out of
+per-step and per-rank totals.
 
 Bandwidths follow NCCL's definitions (nccl-tests PERFORMANCE.md): algbw = bytes / comm time, busbw =
 algbw x factor: all-reduce 2(n-1)/n; all-gather, reduce-scatter, all-to-all (n-1)/n; others 1.
@@ -19,10 +31,13 @@ algbw x factor: all-reduce 2(n-1)/n; all-gather, reduce-scatter, all-to-all (n-1
 
 from __future__ import annotations
 
+import json
 import re
 
 import numpy as np
 import pandas as pd
+
+from .. import categories as C
 
 US = 1000.0
 
@@ -30,6 +45,7 @@ DTYPE_BYTES = {
     "float": 4, "float32": 4, "double": 8, "float64": 8, "half": 2, "float16": 2, "bfloat16": 2, "long": 8,
     "int64": 8, "int": 4, "int32": 4, "short": 2, "int16": 2, "char": 1, "byte": 1, "int8": 1, "uint8": 1, "bool": 1,
     "float8_e4m3fn": 1, "float8_e5m2": 1, "float8_e4m3fnuz": 1, "float8_e5m2fnuz": 1,
+    "long int": 8, "unsigned char": 1, "signed char": 1, "c10::half": 2, "c10::bfloat16": 2,
 }
 
 
@@ -75,97 +91,542 @@ def _kernel_name_collective(name: str) -> str:
     return m.group(1) if m else "unknown"
 
 
-INSTANCE_COLUMNS = ["group", "family", "collective", "instance", "rank", "bytes", "start_us", "end_us", "kernel_us",
-                    "sync_us", "comm_us", "algbw_gbps", "busbw_gbps", "last_rank", "skew_us", "startup", "step",
-                    "ranks_matched", "group_size", "gpu_row"]
+INSTANCE_COLUMNS = ["group", "peers", "family", "collective", "seq", "instance", "rank", "bytes", "size_source",
+                    "start_us", "end_us", "kernel_us", "sync_us", "comm_us", "algbw_gbps", "busbw_gbps", "last_rank",
+                    "skew_us", "startup", "step", "ranks_matched", "ranks_expected", "group_size", "cross_rank",
+                    "gpu_row"]
+
+# families whose every rank needs data from every other rank: no rank's kernel can end before the last
+# rank's kernel began (on one clock); `clock_violations` relies on it
+SYNCHRONIZING = frozenset({"all_reduce", "all_gather", "reduce_scatter", "all_to_all"})
+_PEERS = re.compile(r"(\d+)\s*(?:->|<-)\s*(\d+)")
+# above this many cells one alignment falls back to matching by order within (group, family)
+_MAX_DP_CELLS = 40_000_000
+
+
+def _parse_ranks(text) -> tuple[int, ...] | None:
+    """'[0, 1]' -> (0, 1); '[]', '' or anything else -> None (not known)."""
+    if not isinstance(text, str) or not text.strip().startswith("["):
+        return None
+    try:
+        v = json.loads(text)
+    except ValueError:
+        return None
+    if not isinstance(v, list) or not v or not all(isinstance(x, int) and not isinstance(x, bool) for x in v):
+        return None
+    return tuple(v)
+
+
+def _annotation_bytes(dims_text, types_text) -> int:
+    """Bytes of the first input of a `nccl:*` annotation from its Input Dims / Input type; -1 if unknown."""
+    try:
+        dims = json.loads(dims_text) if isinstance(dims_text, str) else None
+        types = json.loads(types_text) if isinstance(types_text, str) else None
+    except ValueError:
+        return -1
+    if not dims or not types or not isinstance(dims, list) or not isinstance(types, list):
+        return -1
+    size = dtype_bytes(types[0]) if isinstance(types[0], str) else None
+    first = dims[0]
+    if size is None or not isinstance(first, list):
+        return -1
+    shapes = first if first and all(isinstance(s, list) for s in first) else [first]  # a TensorList
+    total = 0
+    for s in shapes:
+        if not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in s):
+            return -1
+        total += int(np.prod(s, dtype=np.int64)) if s else 1
+    return total * size
+
+
+def _enclosing(tree: pd.DataFrame | None, start: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """For each host row label in `start` (-1: none): the nearest enclosing `record_param_comms` op and
+    `nccl:*` annotation (row labels, -1 when absent), walking the call tree's parent links."""
+    n = len(start)
+    rpc = np.full(n, -1, dtype=np.int64)
+    ann = np.full(n, -1, dtype=np.int64)
+    if tree is None or tree.empty or not n:
+        return rpc, ann
+    is_rpc = C.map_strings(tree["name"], lambda s: s == "record_param_comms")
+    is_ann = C.map_strings(tree["name"], lambda s: s.startswith("nccl:"))
+    parent = tree["parent"].to_numpy()
+    index = tree.index
+    cur = start.astype(np.int64).copy()
+    for _ in range(256):  # deeper than any real call stack
+        live = np.flatnonzero(cur >= 0)
+        if not len(live):
+            break
+        pos = index.get_indexer(cur[live])
+        ok = pos >= 0
+        live, pos = live[ok], pos[ok]
+        hit = is_rpc[pos] & (rpc[live] < 0)
+        rpc[live[hit]] = cur[live[hit]]
+        hit = is_ann[pos] & (ann[live] < 0)
+        ann[live[hit]] = cur[live[hit]]
+        nxt = np.full(n, -1, dtype=np.int64)
+        nxt[live] = parent[pos]
+        nxt[(rpc >= 0) & (ann >= 0)] = -1
+        cur = nxt
+    return rpc, ann
+
+
+def _values(frame: pd.DataFrame, col: str, labels: np.ndarray, missing):
+    """frame[col] at row labels (object array; `missing` where the label is -1 or the value is NA)."""
+    out = np.full(len(labels), missing, dtype=object)
+    ok = labels >= 0
+    if not ok.any() or col not in frame.columns:
+        return out
+    pos = frame.index.get_indexer(labels[ok])
+    good = pos >= 0
+    vals = frame[col].iloc[pos[good]].to_numpy(dtype=object)
+    isna = pd.isna(vals)
+    vals[isna] = missing
+    sel = np.flatnonzero(ok)[good]
+    out[sel] = vals
+    return out
+
+
+def _int(v) -> int:
+    try:
+        return int(v)
+    except (TypeError, ValueError):
+        return -1
+
+
+def comm_kernels(analysis) -> pd.DataFrame:
+    """Every communication kernel with what identifies its collective, from the kernel's args or, when the
+    kernel lacks them, from the CPU events that launched it. Columns: row, rank, ts, end, dur, step,
+    collective, family, group, peers, pg_ranks, group_size, bytes, size_source, variable (per-rank sizes)."""
+    g = analysis.gpu
+    k = g[g["is_comm"].to_numpy()] if not g.empty else g
+    cols = ["row", "rank", "ts", "end", "dur", "step", "collective", "family", "group", "peers", "pg_ranks",
+            "group_size", "bytes", "size_source", "variable"]
+    if k.empty:
+        return pd.DataFrame(columns=cols)
+    tree = getattr(analysis, "tree", None)
+    events = analysis.trace.events
+    launch = k["launch"].to_numpy() if "launch" in k.columns else np.full(len(k), -1)
+    op_row = k["op_row"].to_numpy() if "op_row" in k.columns else np.full(len(k), -1)
+    rpc, ann = _enclosing(tree, np.where(launch >= 0, launch, op_row).astype(np.int64))
+    names = C.strings(k["name"])
+
+    def kcol(c, missing):
+        v = k[c].to_numpy(dtype=object) if c in k.columns else np.full(len(k), missing, dtype=object)
+        v = v.copy()
+        v[pd.isna(v)] = missing
+        return v
+
+    k_coll, r_coll = kcol("collective", ""), _values(events, "collective", rpc, "")
+    ann_name = _values(tree, "name", ann, "") if tree is not None else np.full(len(k), "", dtype=object)
+    a_coll = np.array([re.sub(r"\s.*$", "", str(s)[5:]) if s else "" for s in ann_name], dtype=object)
+    collective, family, peers = [], [], []
+    for i in range(len(k)):
+        c = k_coll[i] or r_coll[i] or (a_coll[i] if a_coll[i] not in ("", "coalesced") else "") \
+            or _kernel_name_collective(names[i])
+        collective.append(str(c))
+        fam = _norm_collective(c)
+        family.append(fam)
+        m = _PEERS.search(str(ann_name[i])) if fam == "p2p" else None
+        peers.append("-".join(str(x) for x in sorted((int(m.group(1)), int(m.group(2))))) if m else "")
+    k_pg, r_pg = kcol("pg_name", ""), _values(events, "pg_name", rpc, "")
+    k_ranks, r_ranks = kcol("pg_ranks", ""), _values(events, "pg_ranks", rpc, "")
+    group, pg_ranks = [], []
+    for i in range(len(k)):
+        ranks = _parse_ranks(k_ranks[i]) or _parse_ranks(r_ranks[i])
+        pg_ranks.append(ranks)
+        group.append(str(k_pg[i] or r_pg[i] or (str(list(ranks)) if ranks else "default")))
+    k_gs, r_gs = kcol("group_size", -1), _values(events, "group_size", rpc, -1)
+    group_size = [max(_int(a), _int(b), len(r) if r else -1) if _int(a) <= 0 else _int(a)
+                  for a, b, r in zip(k_gs, r_gs, pg_ranks)]
+    # message size: kernel args, else the record_param_comms op, else the nccl:* annotation's input
+    sizes, sources = [], []
+    k_in, k_out, k_dt = kcol("in_nelems", -1), kcol("out_nelems", -1), kcol("dtype", "")
+    r_in, r_out, r_dt = (_values(events, c, rpc, m) for c, m in (("in_nelems", -1), ("out_nelems", -1), ("dtype", "")))
+    a_dims = _values(tree, "input_dims", ann, None) if tree is not None else np.full(len(k), None, dtype=object)
+    a_types = _values(tree, "input_types", ann, None) if tree is not None else np.full(len(k), None, dtype=object)
+    for i in range(len(k)):
+        fam = family[i]
+        b, src = -1, "unknown"
+        for nin, nout, dt, where in ((k_in[i], k_out[i], k_dt[i], "kernel"), (r_in[i], r_out[i], r_dt[i], "cpu_op")):
+            nel = _int(nout if fam == "all_gather" else nin)
+            size = dtype_bytes(dt)
+            if nel > 0 and size is not None:
+                b, src = nel * size, where
+                break
+        if b < 0 and ann[i] >= 0:
+            ab = _annotation_bytes(a_dims[i], a_types[i])
+            if ab > 0 and fam == "all_gather":  # the annotation holds this rank's input shard
+                ab = ab * group_size[i] if group_size[i] > 0 else -1
+            if ab > 0:
+                b, src = ab, "annotation"
+        sizes.append(b)
+        sources.append(src)
+    variable = np.array([c.lower().endswith("v") for c in collective])
+    return pd.DataFrame({
+        "row": k.index.to_numpy(), "rank": k["rank"].to_numpy().astype(int), "ts": k["ts"].to_numpy(),
+        "end": k["end"].to_numpy(), "dur": k["dur"].to_numpy(), "step": k["step"].to_numpy().astype(int),
+        "collective": collective, "family": family, "group": group, "peers": peers, "pg_ranks": pg_ranks,
+        "group_size": np.array(group_size, dtype=np.int64), "bytes": np.array(sizes, dtype=np.int64),
+        "size_source": sources, "variable": variable,
+    }, columns=cols)
+
+
+# ------------------------------------------------------------------------------------ matching
+
+
+def align(ref_fam, ref_size, ref_end, q_fam, q_size, q_end) -> list[tuple[int, int]]:
+    """Align two ranks' collective sequences (family codes, sizes with -1 = unknown, end times) and
+    return the matched (ref index, q index) pairs in order.
+
+    A pair is allowed when the families are equal and the sizes are equal or one is unknown. The
+    alignment maximizes the number of matched pairs (each unmatched instance costs 1); among alignments
+    with as many pairs it takes the one whose matched kernels end closest in time (a cost below 1 in
+    total, so time only breaks ties). Dynamic programming, vectorized per row."""
+    n, m = len(ref_fam), len(q_fam)
+    if n == 0 or m == 0:
+        return []
+    ref_end = np.asarray(ref_end, dtype=np.float64)
+    q_end = np.asarray(q_end, dtype=np.float64)
+    both = np.concatenate([ref_end, q_end])
+    spacing = float(np.median(np.diff(np.sort(both)))) if len(both) > 1 else 0.0
+    scale = max(spacing, 1.0)
+    eps = 1.0 / (min(n, m) + 1)
+    idx = np.arange(m + 1, dtype=np.float64)
+    prev = idx.copy()
+    choice = np.zeros((n + 1, m + 1), dtype=np.int8)  # 0 diagonal (pair), 1 skip ref i, 2 skip q j
+    choice[0, 1:] = 2
+    choice[1:, 0] = 1
+    q_fam, q_size = np.asarray(q_fam), np.asarray(q_size)
+    for i in range(1, n + 1):
+        ok = (q_fam == ref_fam[i - 1]) & ((q_size < 0) | (ref_size[i - 1] < 0) | (q_size == ref_size[i - 1]))
+        dt = np.abs(q_end - ref_end[i - 1])
+        cost = np.where(ok, eps * dt / (dt + scale), np.inf)
+        diag = prev[:-1] + cost
+        up = prev[1:] + 1.0
+        x = np.empty(m + 1)
+        x[0] = prev[0] + 1.0
+        x[1:] = np.minimum(diag, up)
+        row = idx + np.minimum.accumulate(x - idx)
+        ch = np.where(diag <= up, 0, 1).astype(np.int8)
+        left = row[1:] < x[1:] - 1e-12
+        ch[left] = 2
+        choice[i, 1:] = ch
+        prev = row
+    pairs = []
+    i, j = n, m
+    while i > 0 or j > 0:
+        c = choice[i, j]
+        if c == 0:
+            pairs.append((i - 1, j - 1))
+            i, j = i - 1, j - 1
+        elif c == 1:
+            i -= 1
+        else:
+            j -= 1
+    return pairs[::-1]
+
+
+def _match_chunk(items: dict[int, pd.DataFrame]) -> list[dict[int, int]]:
+    """Progressive alignment of several ranks' sequences (one process group, one step): the rank with
+    the most instances first, every other rank aligned to the instances gathered so far. Returns the
+    instances in order, each as {rank: row label in the comm-kernel table}."""
+    order = sorted(items, key=lambda r: (-len(items[r]), r))
+    first = items[order[0]]
+    members = [{order[0]: lbl} for lbl in first.index]
+    fam = first["fam"].to_numpy().copy()
+    size = first["key"].to_numpy().copy()
+    end = first["end"].to_numpy().copy()
+    for r in order[1:]:
+        q = items[r]
+        qf, qs, qe = q["fam"].to_numpy(), q["key"].to_numpy(), q["end"].to_numpy()
+        if len(fam) == len(qf) and (fam == qf).all() and ((size < 0) | (qs < 0) | (size == qs)).all():
+            pairs = [(i, i) for i in range(len(qf))]  # the common case: the same sequence on every rank
+        elif len(fam) * len(qf) > _MAX_DP_CELLS:
+            pairs = _order_pairs(fam, qf)
+        else:
+            pairs = align(fam, size, end, qf, qs, qe)
+        # merge: consensus entries and q's unmatched ones, in sequence order
+        new_members, nf, ns, ne = [], [], [], []
+        ci = qj = 0
+        labels = q.index.to_numpy()
+        for a, b in pairs + [(len(fam), len(qf))]:
+            while ci < a:
+                new_members.append(members[ci]); nf.append(fam[ci]); ns.append(size[ci]); ne.append(end[ci]); ci += 1
+            while qj < b:
+                new_members.append({r: labels[qj]}); nf.append(qf[qj]); ns.append(qs[qj]); ne.append(qe[qj]); qj += 1
+            if a < len(fam) and b < len(qf):
+                mem = dict(members[a]); mem[r] = labels[b]
+                new_members.append(mem); nf.append(fam[a]); ns.append(size[a] if size[a] >= 0 else qs[b]); ne.append(end[a])
+                ci, qj = a + 1, b + 1
+        members, fam, size, end = new_members, np.array(nf), np.array(ns), np.array(ne)
+    return members
+
+
+def _order_pairs(fam_a, fam_b) -> list[tuple[int, int]]:
+    """Fallback for very long sequences: the i-th instance of a family on one rank with the i-th on the other."""
+    pairs = []
+    for f in set(fam_a.tolist()) & set(fam_b.tolist()):
+        ia, ib = np.flatnonzero(fam_a == f), np.flatnonzero(fam_b == f)
+        pairs += list(zip(ia.tolist(), ib.tolist()))
+    pairs.sort()
+    out, last_b = [], -1
+    for a, b in pairs:  # keep the pairs monotone in both sequences
+        if b > last_b:
+            out.append((a, b))
+            last_b = b
+    return out
+
+
+def _world_size(trace) -> int | None:
+    for r in trace.ranks:
+        if r.world_size:
+            return r.world_size
+    return None
+
+
+def _pg_config(trace) -> dict[str, tuple[int, ...]]:
+    """Process group name -> global ranks, from the loaded ranks' distributedInfo.pg_config."""
+    out: dict[str, tuple[int, ...]] = {}
+    for r in trace.ranks:
+        for pg in (r.distributed_info or {}).get("pg_config") or []:
+            if isinstance(pg, dict) and isinstance(pg.get("ranks"), list) and pg.get("pg_name") is not None:
+                ranks = tuple(x for x in pg["ranks"] if isinstance(x, int))
+                if ranks:
+                    out[str(pg["pg_name"])] = ranks
+    return out
+
+
+def expected_ranks(kern: pd.DataFrame, trace) -> dict[tuple[str, str], tuple[tuple[int, ...] | None, int]]:
+    """(group, peers) -> (the group's global ranks when known, the group's size) of every group seen."""
+    config = _pg_config(trace)
+    world = _world_size(trace)
+    loaded = sorted({int(r) for r in kern["rank"]})
+    out = {}
+    for (group, peers), g in kern.groupby(["group", "peers"], sort=False):
+        if peers:
+            ranks = tuple(int(x) for x in peers.split("-"))
+            out[(group, peers)] = (ranks, len(ranks))
+            continue
+        known = [r for r in g["pg_ranks"] if r]
+        ranks = known[0] if known else config.get(group)
+        size = int(g["group_size"].max())
+        if ranks:
+            size = max(size, len(ranks))
+        elif size <= 0:
+            if (g["family"] == "p2p").all():
+                size = 2
+            elif group == "default" and world:
+                size = world  # no group in the trace: the default group spans the world
+            else:
+                size = len(set(g["rank"]) | set(loaded if group == "default" else []))
+        out[(group, peers)] = (ranks, size)
+    return out
 
 
 def collective_instances(analysis) -> pd.DataFrame:
     """One row per (collective instance, rank) with its sync wait and pure communication time."""
-    g = analysis.gpu
-    k = g[g["is_comm"].to_numpy()] if not g.empty else g
-    if k.empty:
+    kern = comm_kernels(analysis)
+    if kern.empty:
         return pd.DataFrame(columns=INSTANCE_COLUMNS)
     events = analysis.trace.events
     window_start = events.groupby("rank")["ts"].min()  # where each rank's profiled window begins
-    coll = k["collective"].astype(object).to_numpy()
-    names = k["name"].astype(str).to_numpy()
-    coll = np.where(pd.isna(coll), [_kernel_name_collective(n) for n in names], coll)
-    group = k["pg_name"].astype(object).fillna(k["pg_ranks"].astype(object)).fillna("default").astype(str).to_numpy()
-    df = pd.DataFrame({
-        "row": k.index.to_numpy(), "rank": k["rank"].to_numpy(), "ts": k["ts"].to_numpy(), "end": k["end"].to_numpy(),
-        "dur": k["dur"].to_numpy(), "collective": coll.astype(str), "group": group,
-        "in_nelems": k["in_nelems"].to_numpy(), "out_nelems": k["out_nelems"].to_numpy(),
-        "dtype": k["dtype"].astype(object).to_numpy(), "group_size": k["group_size"].to_numpy(), "step": k["step"].to_numpy(),
-    })
-    df["family"] = [_norm_collective(c) for c in df["collective"]]
-    df = df.sort_values(["group", "family", "rank", "ts"], kind="stable")
-    df["instance"] = df.groupby(["group", "family", "rank"]).cumcount()
-    # matched instance: every rank's kernel with the same (group, family, index)
-    key = ["group", "family", "instance"]
-    df = df.reset_index(drop=True)
-    last_rank = df.loc[df.groupby(key)["ts"].idxmax(), key + ["rank"]].rename(columns={"rank": "last_rank"})
-    df = df.merge(last_rank, on=key, how="left")  # a left merge keeps df's row order
-    grp = df.groupby(key)
-    df["last_arrival"] = grp["ts"].transform("max")
-    first_arrival = grp["ts"].transform("min")
-    df["skew"] = df["last_arrival"] - first_arrival
+    fam_codes = {f: i for i, f in enumerate(sorted(set(kern["family"])))}
+    kern["fam"] = kern["family"].map(fam_codes).astype(np.int64)
+    kern["key"] = np.where(kern["variable"].to_numpy() | (kern["bytes"].to_numpy() <= 0), -1, kern["bytes"].to_numpy())
+    expected = expected_ranks(kern, analysis.trace)
+    entries = []  # (group, peers, chunk start, position, members)
+    for (group, peers, step), chunk in kern.groupby(["group", "peers", "step"], sort=False):
+        items = {int(r): g.sort_values(["ts", "row"]) for r, g in chunk.groupby("rank")}
+        t0 = int(chunk["ts"].min())
+        for pos, mem in enumerate(_match_chunk(items)):
+            entries.append((group, peers, t0, pos, mem))
+    entries.sort(key=lambda e: (e[0], e[1], e[2], e[3]))
+    rows, ent_id, seq = [], [], []
+    last_key, s = None, 0
+    for e_i, (group, peers, _, _, mem) in enumerate(entries):
+        s = s + 1 if (group, peers) == last_key else 0
+        last_key = (group, peers)
+        for r, lbl in mem.items():
+            rows.append(lbl)
+            ent_id.append(e_i)
+            seq.append(s)
+    df = kern.loc[rows].reset_index(drop=True)
+    df["entry"] = ent_id
+    df["seq"] = seq
+    # instance: order within (group, peers, family); every member of an entry shares it
+    first = df.drop_duplicates("entry").sort_values("entry")
+    first = first.assign(instance=first.groupby(["group", "peers", "family"]).cumcount())
+    df["instance"] = df["entry"].map(first.set_index("entry")["instance"])
+    grp = df.groupby("entry")
     df["ranks_matched"] = grp["rank"].transform("nunique")
-    df["sync_ns"] = np.minimum(np.clip(df["last_arrival"] - df["ts"], 0, None), df["dur"])
-    df["comm_ns"] = np.clip(df["end"] - np.maximum(df["last_arrival"], df["ts"]), 0, None)
-    # start-up artifact: some rank's kernel began before another rank of the group started profiling
-    df["ws"] = df["rank"].map(window_start)
-    df["startup"] = first_arrival < grp["ws"].transform("max")
-    size = [dtype_bytes(d) for d in df["dtype"]]
-    nel = np.where(df["family"].isin(["all_gather"]), df["out_nelems"], df["in_nelems"])
-    df["bytes"] = [int(n) * s if (s is not None and n >= 0) else -1 for n, s in zip(nel, size)]
-    gsz = np.where(df["group_size"] > 0, df["group_size"], df["ranks_matched"])
-    df["group_size"] = gsz
+    exp = [expected[(g, p)] for g, p in zip(df["group"], df["peers"])]
+    df["ranks_expected"] = [n for _, n in exp]
+    members = grp["rank"].agg(lambda x: frozenset(int(v) for v in x))
+    mem_of = df["entry"].map(members)
+    df["cross_rank"] = [len(m) >= n and (ranks is None or set(ranks) <= m) for m, (ranks, n) in zip(mem_of, exp)]
+    df["group_size"] = np.where(df["group_size"] > 0, df["group_size"], df["ranks_expected"])
+    last_arrival = grp["ts"].transform("max")
+    first_arrival = grp["ts"].transform("min")
+    cross = df["cross_rank"].to_numpy()
+    ts, end, dur = df["ts"].to_numpy(), df["end"].to_numpy(), df["dur"].to_numpy()
+    sync_ns = np.minimum(np.clip(last_arrival - ts, 0, None), dur).astype(float)
+    comm_ns = np.clip(end - np.maximum(last_arrival, ts), 0, None).astype(float)
+    df["sync_ns"] = np.where(cross, sync_ns, np.nan)
+    df["comm_ns"] = np.where(cross, comm_ns, np.nan)
+    df["skew"] = np.where(cross, (last_arrival - first_arrival).astype(float), np.nan)
+    last_rank = df.loc[grp["ts"].idxmax(), ["entry", "rank"]].set_index("entry")["rank"]
+    df["last_rank"] = np.where(cross, df["entry"].map(last_rank), -1)
+    # start-up artifact: the instance began before a rank of its group that was loaded started profiling
+    ws_by_rank = {int(r): int(v) for r, v in window_start.items()}
+    group_ws = []
+    for m, (ranks, _) in zip(mem_of, exp):
+        pool = [r for r in (ranks or m) if r in ws_by_rank] or list(m)
+        group_ws.append(max(ws_by_rank.get(r, -2**62) for r in pool))
+    df["startup"] = first_arrival.to_numpy() < np.array(group_ws)
     with np.errstate(divide="ignore", invalid="ignore"):
         alg = np.where((df["bytes"] > 0) & (df["comm_ns"] > 0), df["bytes"] / df["comm_ns"], np.nan)  # bytes/ns = GB/s
     df["algbw_gbps"] = alg
-    df["busbw_gbps"] = alg * np.array([bus_factor(f, int(n)) for f, n in zip(df["family"], gsz)])
+    df["busbw_gbps"] = alg * np.array([bus_factor(f, int(n)) for f, n in zip(df["family"], df["group_size"])])
     t0 = int(events["ts"].min())
     out = pd.DataFrame({
-        "group": df["group"], "family": df["family"], "collective": df["collective"], "instance": df["instance"],
-        "rank": df["rank"].astype(int), "bytes": df["bytes"].astype(np.int64),
+        "group": df["group"].astype(str), "peers": df["peers"].astype(str), "family": df["family"],
+        "collective": df["collective"], "seq": df["seq"].astype(int), "instance": df["instance"].astype(int),
+        "rank": df["rank"].astype(int), "bytes": df["bytes"].astype(np.int64), "size_source": df["size_source"],
         "start_us": (df["ts"] - t0) / US, "end_us": (df["end"] - t0) / US, "kernel_us": df["dur"] / US,
         "sync_us": df["sync_ns"] / US, "comm_us": df["comm_ns"] / US, "algbw_gbps": df["algbw_gbps"],
         "busbw_gbps": df["busbw_gbps"], "last_rank": df["last_rank"].astype(int), "skew_us": df["skew"] / US,
         "startup": df["startup"].astype(bool), "step": df["step"].astype(int),
-        "ranks_matched": df["ranks_matched"].astype(int), "group_size": df["group_size"].astype(int),
+        "ranks_matched": df["ranks_matched"].astype(int), "ranks_expected": df["ranks_expected"].astype(int),
+        "group_size": df["group_size"].astype(int), "cross_rank": df["cross_rank"].astype(bool),
         "gpu_row": df["row"].astype(np.int64),
     })
     return out.sort_values(["start_us", "rank"], ignore_index=True)[INSTANCE_COLUMNS]
 
 
-def comm_summary(inst: pd.DataFrame) -> pd.DataFrame:
-    """Per rank and collective (start-up instances excluded): counts, comm/sync totals, bandwidths."""
-    cols = ["rank", "collective", "count", "bytes", "comm_us", "sync_us", "sync_pct", "mean_algbw_gbps",
-            "mean_busbw_gbps", "times_last", "startup_excluded"]
+def group_coverage(analysis, inst: pd.DataFrame | None = None) -> pd.DataFrame:
+    """Per process group (and peer pair): the ranks it spans, those loaded, those missing, and how many of
+    its instances have cross-rank figures. `complete` is False when a rank of the group was not loaded."""
+    cols = ["group", "peers", "group_size", "ranks_expected", "ranks_loaded", "ranks_missing", "instances",
+            "cross_rank_instances", "complete"]
+    kern = comm_kernels(analysis)
+    if kern.empty:
+        return pd.DataFrame(columns=cols)
+    inst = collective_instances(analysis) if inst is None else inst
+    loaded = {int(r) for r in analysis.trace.rank_ids}
+    rows = []
+    for (group, peers), (ranks, size) in expected_ranks(kern, analysis.trace).items():
+        have = sorted({int(r) for r in kern.loc[(kern["group"] == group) & (kern["peers"] == peers), "rank"]})
+        if ranks:
+            missing = sorted(set(ranks) - loaded)
+            n_missing = len(missing)
+        else:
+            missing, n_missing = [], max(size - len(have), 0)
+        sub = inst[(inst["group"] == group) & (inst["peers"] == peers)].drop_duplicates(["seq"])
+        rows.append({"group": group, "peers": peers, "group_size": int(size),
+                     "ranks_expected": list(ranks) if ranks else None, "ranks_loaded": have,
+                     "ranks_missing": missing if ranks else n_missing, "instances": int(len(sub)),
+                     "cross_rank_instances": int(sub["cross_rank"].sum()), "complete": n_missing == 0})
+    return pd.DataFrame(rows, columns=cols)
+
+
+def partial_note(analysis, inst: pd.DataFrame | None = None) -> str:
+    """One sentence naming the process groups with ranks that are not in the loaded traces, or ''."""
+    cov = group_coverage(analysis, inst)
+    world = _world_size(analysis.trace)
+    loaded = sorted(analysis.trace.rank_ids)
+    parts = []
+    if world and len(loaded) < world:
+        parts.append(f"partial rank set: {len(loaded)} of {world} ranks loaded (ranks {_ranks_text(loaded)})")
+    bad = cov[~cov["complete"]] if not cov.empty else cov
+    for r in bad.itertuples(index=False):
+        miss = r.ranks_missing
+        what = f"ranks {_ranks_text(miss)} missing" if isinstance(miss, list) else f"{miss} of its {r.group_size} ranks missing"
+        name = f"group {r.group}" + (f" ({r.peers})" if r.peers else "")
+        parts.append(f"{name}: {what}")
+    if not parts:
+        return ""
+    return ("; ".join(parts) + ". Sync wait, comm time, skew, last rank, stragglers and bus bandwidth need every "
+            "rank of a group and are not computed where one is missing; per-rank kernel time, counts and bytes are.")
+
+
+def _ranks_text(ranks) -> str:
+    ranks = list(ranks)
+    return ", ".join(str(r) for r in ranks[:16]) + (f", … ({len(ranks)} in all)" if len(ranks) > 16 else "")
+
+
+def clock_violations(inst: pd.DataFrame) -> pd.DataFrame:
+    """Instances of synchronizing collectives (all-reduce, all-gather, reduce-scatter, all-to-all with equal
+    sizes) where one rank's kernel ended before another rank's kernel of the same instance began: impossible
+    on one clock, since neither can finish without the other's data. Per (rank that ended early, rank that
+    started late): instances, the largest gap (a lower bound of the clocks' offset) and the median gap."""
+    cols = ["early_rank", "late_rank", "instances", "max_gap_us", "median_gap_us", "of_instances"]
     if inst.empty:
         return pd.DataFrame(columns=cols)
-    ok = inst[~inst["startup"]]
-    g = ok.groupby(["rank", "collective"])
-    out = g.agg(count=("instance", "size"), bytes=("bytes", "sum"), comm_us=("comm_us", "sum"),
-                sync_us=("sync_us", "sum"), mean_algbw_gbps=("algbw_gbps", "mean"),
-                mean_busbw_gbps=("busbw_gbps", "mean")).reset_index()
-    out["times_last"] = [int(((ok["rank"] == r) & (ok["collective"] == c) & (ok["last_rank"] == r)).sum())
-                         for r, c in zip(out["rank"], out["collective"])]
-    ex = inst[inst["startup"]].groupby(["rank", "collective"]).size()
-    out["startup_excluded"] = [int(ex.get((r, c), 0)) for r, c in zip(out["rank"], out["collective"])]
-    tot = out["comm_us"] + out["sync_us"]
-    out["sync_pct"] = np.where(tot > 0, 100.0 * out["sync_us"] / tot, 0.0)
+    ok = inst[inst["family"].isin(SYNCHRONIZING) & ~inst["collective"].str.lower().str.endswith("v")
+              & (inst["ranks_matched"] > 1)]
+    recs = []
+    n_inst = ok.drop_duplicates(["group", "peers", "seq"]).shape[0]
+    for _, g in ok.groupby(["group", "peers", "seq"]):
+        if len(g) < 2:
+            continue
+        late = g.loc[g["start_us"].idxmax()]
+        for r in g.itertuples(index=False):
+            gap = late["start_us"] - r.end_us
+            if gap > 0 and r.rank != late["rank"]:
+                recs.append((int(r.rank), int(late["rank"]), gap))
+    if not recs:
+        return pd.DataFrame(columns=cols)
+    df = pd.DataFrame(recs, columns=["early_rank", "late_rank", "gap"])
+    out = df.groupby(["early_rank", "late_rank"])["gap"].agg(instances="size", max_gap_us="max",
+                                                            median_gap_us="median").reset_index()
+    out["of_instances"] = n_inst
     return out[cols]
 
 
+def _sum_or_nan(s: pd.Series) -> float:
+    return float(s.sum(min_count=1)) if len(s) else float("nan")
+
+
+def comm_summary(inst: pd.DataFrame) -> pd.DataFrame:
+    """Per rank and collective (start-up instances excluded): counts, kernel time, bytes (known sizes only;
+    `unknown_size` counts the rest), comm/sync totals and bandwidths over the instances with cross-rank
+    figures (NaN when none has them: a rank of the group is missing)."""
+    cols = ["rank", "collective", "count", "bytes", "unknown_size", "kernel_us", "comm_us", "sync_us", "sync_pct",
+            "mean_algbw_gbps", "mean_busbw_gbps", "times_last", "startup_excluded", "cross_rank"]
+    if inst.empty:
+        return pd.DataFrame(columns=cols)
+    ok = inst[~inst["startup"]]
+    ex = inst[inst["startup"]].groupby(["rank", "collective"]).size()
+    rows = []
+    for (r, c), g in ok.groupby(["rank", "collective"]):
+        x = g[g["cross_rank"]]
+        known = g["bytes"] > 0
+        comm, sync = _sum_or_nan(x["comm_us"]), _sum_or_nan(x["sync_us"])
+        tot = comm + sync
+        rows.append({"rank": int(r), "collective": c, "count": len(g), "bytes": int(g.loc[known, "bytes"].sum()),
+                     "unknown_size": int((~known).sum()), "kernel_us": float(g["kernel_us"].sum()),
+                     "comm_us": comm, "sync_us": sync,
+                     "sync_pct": 100.0 * sync / tot if tot > 0 else (0.0 if tot == 0 else float("nan")),
+                     "mean_algbw_gbps": x["algbw_gbps"].mean(), "mean_busbw_gbps": x["busbw_gbps"].mean(),
+                     "times_last": int((x["last_rank"] == r).sum()) if len(x) else float("nan"),
+                     "startup_excluded": int(ex.get((r, c), 0)), "cross_rank": int(len(x))})
+    for (r, c), n in ex.items():  # a collective seen only at start-up still gets its row
+        if not any(d["rank"] == r and d["collective"] == c for d in rows):
+            rows.append({"rank": int(r), "collective": c, "count": 0, "bytes": 0, "unknown_size": 0, "kernel_us": 0.0,
+                         "comm_us": float("nan"), "sync_us": float("nan"), "sync_pct": float("nan"),
+                         "mean_algbw_gbps": float("nan"), "mean_busbw_gbps": float("nan"), "times_last": float("nan"),
+                         "startup_excluded": int(n), "cross_rank": 0})
+    return pd.DataFrame(rows, columns=cols).sort_values(["rank", "collective"], ignore_index=True)
+
+
 def stragglers(inst: pd.DataFrame) -> pd.DataFrame:
-    """Per collective: mean/max skew across ranks and the rank most often last to arrive."""
+    """Per collective: mean/max skew across ranks and the rank most often last to arrive, over the instances
+    with cross-rank figures (every rank of the group loaded and matched) that are not start-up waits."""
     cols = ["family", "instances", "mean_skew_us", "max_skew_us", "straggler_rank", "straggler_share"]
-    ok = inst[~inst["startup"]] if not inst.empty else inst
+    ok = inst[~inst["startup"] & inst["cross_rank"]] if not inst.empty else inst
     if ok.empty:
         return pd.DataFrame(columns=cols)
-    per_inst = ok.drop_duplicates(["group", "family", "instance"])
+    per_inst = ok.drop_duplicates(["group", "peers", "seq"])
     rows = []
     for c, g in per_inst.groupby("family"):
         counts = g["last_rank"].value_counts()
@@ -177,19 +638,20 @@ def stragglers(inst: pd.DataFrame) -> pd.DataFrame:
 
 def exposed_comm(analysis, inst: pd.DataFrame) -> pd.DataFrame:
     """Per rank: communication time not overlapped by compute on any stream, with start-up instances
-    left out (their wait happened partly before the other ranks were profiled)."""
+    left out (their wait happened partly before the other ranks were profiled). A per-rank figure: it
+    holds on a partial rank set too."""
     from . import intervals as I
 
     cols = ["rank", "comm_us", "exposed_comm_us", "exposed_pct"]
     g = analysis.gpu
     if g.empty or inst.empty:
         return pd.DataFrame(columns=cols)
-    startup_rows = set(inst.loc[inst["startup"], "gpu_row"].tolist())
+    startup_rows = inst.loc[inst["startup"], "gpu_row"].to_numpy()
     rows = []
     for r, gr in g.groupby("rank"):
         kern = (gr["kind"] == "kernel").to_numpy()
         comm = gr["is_comm"].to_numpy() & kern
-        keep = ~np.isin(gr.index.to_numpy(), list(startup_rows))
+        keep = ~np.isin(gr.index.to_numpy(), startup_rows)
         cs = (gr["ts"].to_numpy()[kern & ~comm], gr["end"].to_numpy()[kern & ~comm])
         ns = (gr["ts"].to_numpy()[comm & keep], gr["end"].to_numpy()[comm & keep])
         c = I.union_length(ns)
