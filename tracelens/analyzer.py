@@ -45,6 +45,7 @@ class Analysis:
     _findings: list | None = field(default=None, repr=False)
     _roofline: Any = field(default=None, repr=False)
     pipeline: Any = field(default=None, repr=False)  # PipelineAnalysis when the run has pipeline data
+    _health: Any = field(default=None, repr=False)
     window: Any = None  # steps.StepWindow: the steps the views read and those left out, with reasons
     timeline_all: pd.DataFrame | None = None  # per rank over the whole profiled window (every event)
     gpu_window: pd.DataFrame | None = None  # the GPU events the views read (durations with cuts removed)
@@ -69,6 +70,15 @@ class Analysis:
         from .analysis.roofline import roofline_result
 
         self._roofline = roofline_result(self, ceilings=ceilings)
+
+    def health(self) -> pd.DataFrame:
+        """Trace health checks (tracelens.analysis.health): one row per finding with its severity, the ranks,
+        what was found and which figures it invalidates; computed once."""
+        if self._health is None:
+            from .analysis.health import health_checks, run_context
+
+            self._health = health_checks(self, run_context(self.trace))
+        return self._health
 
     def findings(self) -> list[dict[str, Any]]:
         """Ranked, structured findings (tracelens.analysis.findings); computed once."""
@@ -132,11 +142,18 @@ class Analysis:
             "findings": self.findings(),
             "roofline": self.roofline().summary() if self.has_gpu else None,
             "warnings": list(self.warnings),
+            "health": _health_summary(self.health()),
         }
 
 
 _FIELDS = ("span_us", "gpu_busy_us", "gpu_idle_us", "compute_us", "comm_us", "memcpy_us", "memset_us",
            "exposed_comm_us", "kernel_count")
+
+
+def _health_summary(df: pd.DataFrame) -> dict[str, Any]:
+    from .analysis.health import health_summary
+
+    return health_summary(df)
 
 
 def _num(v: Any) -> float | None:
