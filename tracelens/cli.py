@@ -197,26 +197,37 @@ def diff(base, new, out, rules, no_cache, top, quiet):
 @click.option("--no-cache", is_flag=True, help="Do not read or write the parsed-trace cache.")
 def comm(paths, json_out, no_cache):
     """Communication vs synchronization across ranks: each collective's wait for the last rank and its
-    pure communication time, bandwidths (NCCL's busbw), skew and stragglers. See docs/comm.md."""
+    pure communication time, bandwidths (NCCL's busbw), skew and stragglers. See docs/comm.md.
+
+    On a partial rank set (a process group with ranks not loaded) it says so and shows per-rank figures
+    only (count, kernel time, bytes); cross-rank columns are '–'."""
     import json
 
     from . import analyze as run_analysis, load
-    from .analysis.comm import collective_instances, comm_summary, exposed_comm, stragglers
+    from .analysis.comm import collective_instances, comm_summary, exposed_comm, group_coverage, partial_note, stragglers
 
     a = run_analysis(load(list(paths), cache=not no_cache))
     inst = collective_instances(a)
+    partial = partial_note(a, inst) if not inst.empty else ""
     if inst.empty:
         click.echo("no communication kernels (NCCL/RCCL) in these traces")
     else:
         summ, strag = comm_summary(inst), stragglers(inst)
-        n_start = int(inst.drop_duplicates(["group", "family", "instance"])["startup"].sum())
+        if partial:
+            click.echo(f"note: {partial}")
+        n_start = int(inst.drop_duplicates(["group", "peers", "seq"])["startup"].sum())
         if n_start:
             click.echo(f"note: {n_start} collective instance(s) began before every rank was profiling "
                        "(start-up wait); excluded from the totals below")
-        click.echo(f"{'rank':>4} {'collective':<16} {'count':>5} {'comm ms':>9} {'sync ms':>9} {'sync %':>7} {'busbw GB/s':>10} {'last':>5}")
+
+        def f(v, fmt):
+            return "–" if v != v else format(v, fmt)  # NaN: no cross-rank figure
+        click.echo(f"{'rank':>4} {'collective':<16} {'count':>5} {'kernel ms':>9} {'comm ms':>9} {'sync ms':>9} {'sync %':>7} "
+                   f"{'busbw GB/s':>10} {'last':>5}")
         for r in summ.itertuples(index=False):
-            click.echo(f"{r.rank:>4} {r.collective[:16]:<16} {r.count:>5} {r.comm_us / 1e3:>9.3f} {r.sync_us / 1e3:>9.3f} "
-                       f"{r.sync_pct:>7.1f} {r.mean_busbw_gbps:>10.1f} {r.times_last:>5}")
+            click.echo(f"{r.rank:>4} {r.collective[:16]:<16} {r.count:>5} {r.kernel_us / 1e3:>9.3f} {f(r.comm_us / 1e3, '.3f'):>9} "
+                       f"{f(r.sync_us / 1e3, '.3f'):>9} {f(r.sync_pct, '.1f'):>7} {f(r.mean_busbw_gbps, '.1f'):>10} "
+                       f"{f(float(r.times_last), '.0f'):>5}")
         for r in strag.itertuples(index=False):
             click.echo(f"{r.family}: skew mean {r.mean_skew_us / 1e3:.3f} ms, max {r.max_skew_us / 1e3:.3f} ms; "
                        f"rank {r.straggler_rank} arrives last in {100 * r.straggler_share:.0f}% of {r.instances}")
@@ -226,12 +237,48 @@ def comm(paths, json_out, no_cache):
     if json_out:
         def recs(df):
             return json.loads(df.to_json(orient="records"))
-        doc = {"schema_version": 1, "records": recs(inst),
+        doc = {"schema_version": 2, "partial": partial or None, "records": recs(inst),
                "summary": recs(comm_summary(inst)) if not inst.empty else [],
                "stragglers": recs(stragglers(inst)) if not inst.empty else [],
-               "exposed_comm": recs(exposed_comm(a, inst))}
+               "exposed_comm": recs(exposed_comm(a, inst)),
+               "groups": recs(group_coverage(a, inst)) if not inst.empty else []}
         Path(json_out).write_text(json.dumps(doc, indent=1))
         click.echo(f"wrote {json_out}")
+
+
+@main.command()
+@click.argument("paths", nargs=-1, required=True, type=click.Path())
+@click.option("--json", "json_out", type=click.Path(dir_okay=False), help="Write the checks (and the exit status) as JSON here.")
+@click.option("--fail-on", type=click.Choice(["error", "warning", "never"]), default="error", show_default=True,
+              help="Exit 1 when a check is at least this severe ('never': exit 0 whatever is found).")
+@click.option("--no-cache", is_flag=True, help="Do not read or write the parsed-trace cache.")
+def check(paths, json_out, fail_on, no_cache):
+    """Trace health: missing ranks, rank identity, unlinked or dropped GPU events, missing shapes/stacks,
+    partial steps, profiler start-up waits, clock skew, profiler overhead, incomplete runs; each with its
+    severity and the figures it invalidates (docs/summary-json.md, `health`).
+
+    Exit status: 0 nothing at or above --fail-on (default: no error); 1 a check at or above it; 2 bad input."""
+    import json
+
+    from . import analyze as run_analysis, load
+    from .analysis.health import exit_status, health_summary
+
+    a = run_analysis(load(list(paths), cache=not no_cache))
+    df = a.health()
+    for r in df.itertuples(index=False):
+        who = f" (rank{'s' if len(r.ranks) > 1 else ''} {', '.join(map(str, r.ranks))})" if r.ranks else ""
+        click.echo(f"{r.severity:<7} {r.check}{who}: {r.found}")
+        if r.invalidates:
+            click.echo(f"        do not trust: {r.invalidates}")
+    s = health_summary(df)
+    code = exit_status(df, fail_on)
+    c = s["counts"]
+    click.echo(f"{len(a.trace.ranks)} rank(s): {c['error']} error(s), {c['warning']} warning(s), {c['info']} note(s)"
+               + ("" if len(df) else " - clean") + f"; exit {code} (--fail-on {fail_on})")
+    if json_out:
+        Path(json_out).write_text(json.dumps({"schema_version": 1, **s, "fail_on": fail_on, "exit_status": code}, indent=1))
+        click.echo(f"wrote {json_out}")
+    sys.exit(code)
 
 
 @main.command()
