@@ -221,6 +221,7 @@ def render(analysis: Analysis, title: str | None = None) -> str:
         version=_version(),
         plotly_js=plotly_js(),
         warnings=a.warnings,
+        health=_health_context(a),
         overview=overview,
         has_gpu=has_gpu,
         timeline_table=timeline_table,
@@ -266,16 +267,20 @@ def _deep_sections(a: Analysis) -> dict:
     if not inst.empty:
         summ = CM.comm_summary(inst)
         out["comm_table"] = html_table(summ, [("rank", "rank", "num"), ("collective", "collective", "text"),
-                                              ("count", "count", "num"), ("comm_us", "comm µs", "num"),
+                                              ("count", "count", "num"), ("kernel_us", "kernel µs", "num"),
+                                              ("comm_us", "comm µs", "num"),
                                               ("sync_us", "sync wait µs", "num"), ("sync_pct", "sync %", "pct"),
                                               ("mean_busbw_gbps", "busbw GB/s", "num"), ("times_last", "times last", "num"),
                                               ("startup_excluded", "start-up excluded", "num")])
-        out["straggler_table"] = html_table(CM.stragglers(inst), [
+        strag = CM.stragglers(inst)
+        out["straggler_table"] = html_table(strag, [
             ("family", "collective", "text"), ("instances", "instances", "num"), ("mean_skew_us", "mean skew µs", "num"),
-            ("max_skew_us", "max skew µs", "num"), ("straggler_rank", "last rank", "num"), ("straggler_share", "share", "num")])
-        n = int(inst.drop_duplicates(["group", "family", "instance"])["startup"].sum())
-        out["comm_note"] = (f"{n} instance(s) began before every rank was profiling (start-up wait) and are left out."
-                            if n else "")
+            ("max_skew_us", "max skew µs", "num"), ("straggler_rank", "last rank", "num"), ("straggler_share", "share", "num")]) \
+            if not strag.empty else ""
+        n = int(inst.drop_duplicates(["group", "peers", "seq"])["startup"].sum())
+        partial = CM.partial_note(a, inst)  # a group with ranks not loaded: per-rank figures only, '–' elsewhere
+        out["comm_note"] = " ".join(x for x in (
+            partial, f"{n} instance(s) began before every rank was profiling (start-up wait) and are left out." if n else "") if x)
     syncs = H.host_syncs(a)
     if not syncs.empty:
         out["host_table"] = html_table(H.sync_summary(syncs), [
@@ -292,6 +297,14 @@ def _deep_sections(a: Analysis) -> dict:
         ("launch_p90_us", "p90 µs", "num"), ("small_kernels", "small kernels", "num"), ("small_share", "small share", "num"),
         ("small_time_share", "small time share", "num")])
     return out
+
+
+def _health_context(a: Analysis) -> list[dict]:
+    """Rows of the "Trace health" section (tracelens.analysis.health): errors, then warnings, then notes."""
+    sev_class = {"error": "high", "warning": "medium", "info": "info"}
+    return [{"severity": r["severity"], "cls": sev_class.get(r["severity"], "info"), "check": r["check"],
+             "ranks": ", ".join(str(x) for x in r["ranks"]), "found": r["found"], "invalidates": r["invalidates"]}
+            for r in a.health().to_dict("records")]
 
 
 def _version() -> str:
