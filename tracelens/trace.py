@@ -153,10 +153,9 @@ def _parse_one(path: str, use_cache: bool, cache_root: str | None, progress=None
             if hit is not None:
                 return hit, True
             warning = why or warning
-        data = gunzip(path, raw)
+        holder = [gunzip(path, raw)]
         del raw
-        parsed = parse_file(path, data=data, progress=progress, flows=False)
-        del data
+        parsed = parse_file(path, data=holder, progress=progress, flows=False)  # it lets the bytes go
     _cache.store(parsed, key, root, source, replace=warning is not None)
     if warning:
         parsed.meta["cache_warning"] = (f"{path}: cache entry {key} rejected ({warning}); "

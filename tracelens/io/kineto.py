@@ -231,15 +231,18 @@ def _pid_tid(values: list, names: dict[str, int]) -> np.ndarray:
     except (TypeError, ValueError, OverflowError):
         pass
     fixed = list(values)
-    for i in [i for i, v in enumerate(values) if v.__class__ is not int]:
+    for i in [i for i, v in enumerate(values) if v.__class__ is not int or not _I64_MIN <= v <= _I64_MAX]:
         s = str(values[i])
         m = re.fullmatch(r"(?:stream\s*)?(-?\d+)", s.strip())
-        if m:
+        if m and _I64_MIN <= int(m.group(1)) <= _I64_MAX:
             fixed[i] = int(m.group(1))
         else:  # a negative code far from real ids, the same in every process (crc32 of the name);
-            # names are kept in the threads table
+            # names (and ids beyond int64, e.g. 2**64-1) are kept in the threads table
             fixed[i] = names.setdefault(s, -(1 << 40) - zlib.crc32(s.encode()))
     return np.asarray(fixed, dtype=np.int64)
+
+
+_I64_MIN, _I64_MAX = -(1 << 63), (1 << 63) - 1
 
 
 def _decode_args(path: str, group: str, raws: list) -> tuple[list, bool]:
@@ -250,16 +253,31 @@ def _decode_args(path: str, group: str, raws: list) -> tuple[list, bool]:
     try:
         return strict.decode(buf), False
     except msgspec.ValidationError:
-        return lenient.decode(buf), True
+        pass
     except msgspec.DecodeError as e:  # pragma: no cover - raw slices came from a valid document
         raise TraceError(path, f"invalid event args ({e})") from None
+    try:
+        return lenient.decode(buf), True
+    except msgspec.ValidationError:
+        pass
+    # args that are not objects (a list, a string, a number): no args of ours, as if absent
+    raws = [r if bytes(r).lstrip()[:1] == b"{" else b"{}" for r in raws]
+    try:
+        return lenient.decode(_json_array(raws)), True
+    except msgspec.ValidationError as e:
+        raise TraceError(path, f"malformed event args ({e})") from None
 
 
 def _int_values(values: list) -> np.ndarray:
     try:
         return np.array(values, dtype=np.int64)
     except (TypeError, ValueError, OverflowError):
-        return np.asarray([_int_or(v, -1) for v in values], dtype=np.int64)
+        return np.asarray([_int64_or(_int_or(v, -1)) for v in values], dtype=np.int64)
+
+
+def _int64_or(v: int, default: int = -1) -> int:
+    """An int arg beyond int64 (e.g. a correlation id of 2**64) is no id of ours: `default`, as absent."""
+    return v if _I64_MIN <= v <= _I64_MAX else default
 
 
 def _float_values(values: list) -> np.ndarray:
@@ -544,6 +562,10 @@ def _decode_batch(path: str, buf: bytes) -> tuple[list, str]:
         return _TYPED_EVENTS.decode(buf), "strict"
     except msgspec.ValidationError:
         pass
+    except UnicodeDecodeError as e:
+        raise TraceError(path, f"a string in an event is not valid UTF-8 ({e.reason}, byte {e.object[e.start:e.start + 1]!r})") from None
+    except RecursionError:
+        raise TraceError(path, "an event nests objects/arrays too deeply to be a trace (over ~1000 levels)") from None
     try:
         return _TYPED_EVENTS_LENIENT.decode(buf), "lenient"
     except msgspec.ValidationError:
@@ -676,6 +698,10 @@ def _doc_and_raws(path: str, data: bytes | None) -> tuple[_Doc, list]:
         raise TraceError(path, f"not a Chrome/Kineto trace ({e})") from None
     except msgspec.DecodeError as e:
         raise _json_problem(path, data, e) from None
+    except UnicodeDecodeError as e:
+        raise TraceError(path, f"not valid UTF-8 ({e.reason}, byte {e.object[e.start:e.start + 1]!r})") from None
+    except RecursionError:
+        raise TraceError(path, "nests objects/arrays too deeply to be a trace (over ~1000 levels)") from None
     if doc.traceEvents is None:
         raise TraceError(path, "not a Chrome/Kineto trace: no 'traceEvents' list")
     raws = doc.traceEvents
@@ -800,8 +826,21 @@ def _parse_fast(path: str, scan: Scan, flows: bool = True) -> ParsedTrace:
     return _parsed(path, doc, events, rp.flows_table(), rp.thread_rows(), r["n_events"], "compiled")
 
 
-def parse_file(path: str | os.PathLike, data: bytes | None = None, parallel: int | None = None,
+def parse_file(path: str | os.PathLike, data: bytes | list | None = None, parallel: int | None = None,
                progress=None, flows: bool = True, scan: Scan | None = None) -> ParsedTrace:
+    """Parse one trace file. Raises TraceError naming the file for every kind of bad input (see
+    `_parse_file`). data: the file's JSON bytes, or a one-element list holding them, which the parse
+    empties so that it holds the only reference and can free the buffer early."""
+    try:
+        return _parse_file(path, data, parallel, progress, flows, scan)
+    except RecursionError:
+        raise TraceError(path, "nests objects/arrays too deeply to be a trace (over ~1000 levels)") from None
+    except UnicodeDecodeError as e:
+        raise TraceError(path, f"not valid UTF-8 ({e.reason}, byte {e.object[e.start:e.start + 1]!r})") from None
+
+
+def _parse_file(path: str | os.PathLike, data: bytes | list | None = None, parallel: int | None = None,
+                progress=None, flows: bool = True, scan: Scan | None = None) -> ParsedTrace:
     """Parse one trace file. Raises TraceError naming the file for every kind of bad input.
 
     parallel: worker processes for one large file on the msgspec path (default: automatic, one per
@@ -811,6 +850,8 @@ def parse_file(path: str | os.PathLike, data: bytes | None = None, parallel: int
     scan: the file's bytes already through the compiled scanner (`Scan`, run by a prefetch thread).
     """
     path = os.fspath(path)
+    if isinstance(data, list):
+        data = data.pop()
     if scan is not None:
         data = scan.data
     elif data is None:
@@ -847,8 +888,12 @@ def parse_file(path: str | os.PathLike, data: bytes | None = None, parallel: int
 def _parsed(path: str, doc: _Doc, events: pa.Table, flows_t: pa.Table | None, rows: list[tuple], n_total: int,
             decoder: str) -> ParsedTrace:
     events, issues = check_events(path, events)  # impossible values dropped, each drop reported
+    dropped = "; ".join(i["message"][len(path) + 2:] for i in issues)
     if not events.num_rows:
-        raise TraceError(path, "no valid timed events: " + "; ".join(i["message"].split(": ", 1)[1] for i in issues))
+        raise TraceError(path, "no valid timed events: " + dropped)
+    if not _has_activity(events):
+        raise TraceError(path, "nothing to analyze: the only timed events are the profiler's own span and markers"
+                         + (f" ({dropped})" if dropped else ""))
     threads = pa.table(
         {
             "kind": pa.array([r[0] for r in rows], type=pa.string()),
@@ -872,6 +917,20 @@ def _parsed(path: str, doc: _Doc, events: pa.Table, flows_t: pa.Table | None, ro
         "load_issues": issues,  # what checks.check_events dropped (kept in the cache entry's meta)
     }
     return ParsedTrace(path=path, events=events, flows=flows_t, threads=threads, meta=meta)
+
+
+_PROFILER_CATS = frozenset({"Trace"})  # Kineto's "PyTorch Profiler (0)" span of the whole window
+
+
+def _has_activity(events: pa.Table) -> bool:
+    """Whether any timed event is more than the profiler's bookkeeping (its window span, instant marks)."""
+    ph = events["ph"].combine_chunks()
+    cat = events["cat"].combine_chunks()
+    ph_ok = np.array([v == "X" for v in ph.dictionary.to_pylist()] + [False])
+    cat_ok = np.array([v not in _PROFILER_CATS for v in cat.dictionary.to_pylist()] + [True])
+    ph_codes = ph.indices.fill_null(-1).to_numpy()
+    cat_codes = cat.indices.fill_null(-1).to_numpy()
+    return bool((ph_ok[ph_codes] & cat_ok[cat_codes]).any())
 
 
 def _lenient_int(v: Any) -> int:
