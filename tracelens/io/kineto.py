@@ -938,10 +938,10 @@ def _lenient_int(v: Any) -> int:
     anything else through `_int_or` ("stream 7" -> 7, "0x0" -> -1, 3.0 -> 3, true -> 1)."""
     if isinstance(v, str):
         try:
-            return int(v)
+            return _int64_or(int(v))
         except ValueError:
             pass
-    return _int_or(v, -1)
+    return _int64_or(_int_or(v, -1))
 
 
 def _float_or_nan(v: Any) -> float:
