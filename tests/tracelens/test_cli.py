@@ -107,5 +107,9 @@ def test_cpu_only_summary_names_host_time_per_step_and_range(tmp_path):
     r = run("analyze", str(trace), "-o", str(tmp_path / "out"))
     assert r.returncode == 0, r.stderr
     assert "step 0 2.0 ms, step 1 3.0 ms" in r.stdout
-    line = next(x for x in r.stdout.splitlines() if x.strip().endswith("moe/experts"))
-    assert float(line.split()[0]) == pytest.approx((600 + 1000) / 2 / 1000)  # ms per step
+    line = next(x for x in r.stdout.splitlines() if "MoE stages per step" in x)
+    ms = float(line.split("moe/experts ")[1].split()[0])
+    assert ms == pytest.approx((600 + 1000) / 2 / 1000)  # ms per step, per rank
+    assert "(32%)" in line  # 1600 us of 5000 us of steps
+    assert "top ops by self time per step: aten::mm 0.400 ms" in r.stdout  # (300 + 500) / 2 us
+    assert any(x.startswith("finding (info):") for x in r.stdout.splitlines())

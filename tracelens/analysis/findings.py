@@ -8,17 +8,29 @@ per rank on average), ranks. Types:
     small_kernels       many kernels under the small-kernel threshold (launch overhead dominates)
     sync_wait           ranks waiting inside collectives for the last rank (skew / straggler)
     exposed_comm        communication not overlapped by compute
-Severity: recoverable >= 10 % of the span -> high, >= 3 % -> medium, else low.
+    profiler_overhead   (run dirs) the profiled steps ran slower than every unprofiled step: the trace's
+                        absolute times are inflated by the profiler (from the manifest's step times)
+  Host findings (traces without GPU activity, e.g. the trainer on a CPU; per rank, per step):
+    host_hotspot        the op family (GEMM, attention, memory/layout, ... or one op) with the most host
+                        self time per step, with its ops
+    moe_stages          the MoE layer's stages (`moe/<stage>` record_function ranges) as shares of the step
+Severity: recoverable >= 10 % of the span -> high, >= 3 % -> medium, else low; "info" for findings that
+describe where the time goes or how far to trust it without an estimate of what a fix recovers
+(recoverable_us is null for them and share_of_span is the share of the step they describe).
+All findings read the steady-state steps of the analysis window (tracelens.analysis.steps).
 """
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import pandas as pd
 
+from .. import categories as C
 from . import comm as CM
 from . import host as H
+from . import steps as S
 
 
 def _severity(share: float) -> str:
@@ -27,13 +39,18 @@ def _severity(share: float) -> str:
 
 def findings(analysis, small_us: float = H.SMALL_KERNEL_US) -> list[dict[str, Any]]:
     a = analysis
+    extra = _overhead_finding(getattr(a, "manifest", None))
     if a.timeline.empty:
-        return []
+        return _rank(host_findings(a) + extra)
     n_ranks = max(1, a.timeline["rank"].nunique())
     span = float(a.timeline["span_us"].min())  # the shortest rank span: a start-up wait inflates the others
     out: list[dict[str, Any]] = []
 
+    sw = getattr(a, "window", None)
+    restricts = sw is not None and sw.restricts
     syncs = H.host_syncs(a)
+    if restricts and not syncs.empty:
+        syncs = syncs[syncs["step"].isin(sw.used)]
     for _, s in H.sync_summary(syncs).iterrows():
         rec = (s["gpu_idle_caused_us"]) / n_ranks
         out.append({
@@ -46,6 +63,10 @@ def findings(analysis, small_us: float = H.SMALL_KERNEL_US) -> list[dict[str, An
         })
 
     gaps = H.idle_gaps(a, syncs)
+    if restricts and not gaps.empty:  # idle inside the window's GPU extent of each rank
+        ext = a.timeline.set_index("rank")
+        lo, hi = gaps["rank"].map(ext["start_ns"]), gaps["rank"].map(ext["end_ns"])
+        gaps = gaps[(gaps["start_ns"] >= lo) & (gaps["end_ns"] <= hi)]
     lb = gaps[gaps["cause"] == "launch-bound"]
     if len(lb):
         by_op = lb.groupby("next_top_op")["dur_us"].sum().sort_values(ascending=False)
@@ -73,7 +94,8 @@ def findings(analysis, small_us: float = H.SMALL_KERNEL_US) -> list[dict[str, An
             "recoverable_us": rec, "ranks": ls["rank"].astype(int).tolist(),
         })
 
-    inst = CM.collective_instances(a)
+    inst_all = CM.collective_instances(a)
+    inst = inst_all[inst_all["step"].isin(sw.used)] if restricts and not inst_all.empty else inst_all
     if not inst.empty:
         ok = inst[~inst["startup"]]
         for fam, g in ok.groupby("family"):
@@ -90,7 +112,10 @@ def findings(analysis, small_us: float = H.SMALL_KERNEL_US) -> list[dict[str, An
                              "straggler_rank": int(strag.index[0])},
                 "recoverable_us": wait, "ranks": sorted(g["rank"].astype(int).unique().tolist()),
             })
-        ex = CM.exposed_comm(a, inst)
+        # exposed comm over the window: the steady timeline's (start-up steps are not in it), else the
+        # whole window's with start-up instances left out
+        ex = (a.timeline[["rank", "comm_us", "exposed_comm_us"]] if restricts else CM.exposed_comm(a, inst_all))
+        ex = ex[ex["comm_us"] > 0]
         exposed = float(ex["exposed_comm_us"].mean()) if len(ex) else 0.0
         if exposed > 0:
             out.append({
@@ -104,8 +129,94 @@ def findings(analysis, small_us: float = H.SMALL_KERNEL_US) -> list[dict[str, An
         f["severity"] = _severity(share)
         f["recoverable_us"] = round(float(f["recoverable_us"]), 3)
         f["share_of_span"] = round(float(share), 4)
-    order = {"high": 0, "medium": 1, "low": 2}
-    return sorted(out, key=lambda f: (order[f["severity"]], -f["recoverable_us"]))
+    return _rank(out + extra)
+
+
+_ORDER = {"high": 0, "medium": 1, "low": 2, "info": 3}
+
+
+def _rank(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return sorted(items, key=lambda f: (_ORDER[f["severity"]], -(f["recoverable_us"] or 0.0), -f["share_of_span"]))
+
+
+# op families for host self time: the launching-op rules of the kernel categories, else the op itself
+_OP_FAMILIES = [(cat, op_re) for cat, _, op_re in C._RULES if op_re is not None] + [
+    ("elementwise", re.compile(r"^aten::(add|sub|mul|div|neg|exp|log|pow|sqrt|rsqrt|sigmoid|tanh|silu|gelu|relu|"
+                               r"where|clamp|lerp|addcmul|addcdiv|_foreach_\w+)_?$", re.IGNORECASE)),
+    ("view/shape", re.compile(r"^aten::(view|reshape|_reshape_alias|permute|transpose|t|expand|squeeze|unsqueeze|"
+                              r"as_strided|slice|select|narrow|split|chunk|unbind|flatten|_unsafe_view|detach|alias)$",
+                              re.IGNORECASE)),
+]
+
+
+def op_family(name: str) -> str:
+    """The family an op's host time is grouped under (see _OP_FAMILIES); the op's own name otherwise."""
+    for fam, rx in _OP_FAMILIES:
+        if rx.search(name):
+            return fam
+    return name
+
+
+def host_findings(a) -> list[dict[str, Any]]:
+    """Findings from host time alone (traces without GPU activity): per rank, per step of the window."""
+    out: list[dict[str, Any]] = []
+    top = S.host_top_ops(a, top=10_000)
+    if top.empty:
+        return out
+    top = top.assign(family=[op_family(o) for o in top["op"]])
+    fam = top.groupby(["rank", "family"], sort=False).agg(us=("self_us_per_step", "sum"),
+                                                          share=("share_of_step", "sum")).reset_index()
+    mean = fam.groupby("family")[["us", "share"]].mean().sort_values("us", ascending=False)
+    name = str(mean.index[0])
+    ranks = sorted(fam.loc[fam["family"] == name, "rank"].astype(int).tolist())
+    ops = (top[top["family"] == name].groupby("op")["self_us_per_step"].mean().sort_values(ascending=False).head(6))
+    share = float(mean["share"].iloc[0])
+    if share == share and share < 0.01:  # under 1 % of the step: not where the host time goes
+        return out
+    label = name if name in ops.index and len(ops) == 1 else f"{name} ops"
+    share_txt = f"{100 * share:.0f}% of the host step time" if share == share else "the most host self time"
+    per_rank = fam[fam["family"] == name].set_index("rank")
+    out.append({
+        "type": "host_hotspot", "severity": "info",
+        "title": f"{label} take {share_txt} ({float(mean['us'].iloc[0]) / 1e3:.3f} ms per step per rank, "
+                 f"self time): the largest op family on the host",
+        "evidence": {"family": name, "ops_us_per_step": {k: round(float(v), 3) for k, v in ops.items()},
+                     "per_rank_us_per_step": {int(r): round(float(v), 3) for r, v in per_rank["us"].items()},
+                     "per_rank_share": {int(r): round(float(v), 4) for r, v in per_rank["share"].items()},
+                     "next_families": {str(k): round(float(v), 3) for k, v in mean["us"].iloc[1:4].items()}},
+        "recoverable_us": None, "share_of_span": round(share if share == share else 0.0, 4), "ranks": ranks,
+    })
+    st = S.moe_stage_table(a)
+    if not st.empty:
+        per = st.groupby("stage")[["host_us_per_step", "share_of_step", "calls_per_step"]].mean()
+        per = per.sort_values("host_us_per_step", ascending=False)
+        total = float(per["share_of_step"].sum())
+        parts = ", ".join(f"{k} {100 * v:.0f}%" for k, v in per["share_of_step"].items())
+        out.append({
+            "type": "moe_stages", "severity": "info",
+            "title": f"MoE layer stages take {100 * total:.0f}% of the host step ({parts}); "
+                     f"{per.index[0]} is the largest",
+            "evidence": {"stages_us_per_step": {k: round(float(v), 3) for k, v in per["host_us_per_step"].items()},
+                         "stages_share_of_step": {k: round(float(v), 4) for k, v in per["share_of_step"].items()},
+                         "calls_per_step": {k: round(float(v), 2) for k, v in per["calls_per_step"].items()},
+                         "note": "record_function ranges cover what runs inside them on the host (the forward "
+                                 "pass; backward work runs outside them)"},
+            "recoverable_us": None, "share_of_span": round(total, 4), "ranks": sorted(st["rank"].astype(int).unique().tolist()),
+        })
+    return out
+
+
+def _overhead_finding(manifest: dict | None) -> list[dict[str, Any]]:
+    o = S.profiler_overhead(manifest)
+    if not o or not o["beyond_noise"] or o["overhead"] is None:
+        return []
+    return [{
+        "type": "profiler_overhead", "severity": "info",
+        "title": f"the profiled steps ran {100 * o['overhead']:+.0f}% vs unprofiled ones (median "
+                 f"{o['profiled_median_us'] / 1e3:.1f} ms vs {o['unprofiled_median_us'] / 1e3:.1f} ms, every profiled step "
+                 f"slower than every unprofiled one): absolute times in this trace are inflated by the profiler",
+        "evidence": o, "recoverable_us": None, "share_of_span": round(float(o["overhead"]), 4), "ranks": [],
+    }]
 
 
 def findings_table(items: list[dict[str, Any]]) -> pd.DataFrame:

@@ -77,19 +77,30 @@ def idle_before(gpu: pd.DataFrame) -> np.ndarray:
 
 
 def step_figures(analysis) -> StepFigures:
-    """Per-step metrics of an `Analysis` (median/spread are taken by the caller)."""
+    """Per-step metrics of an `Analysis` over the steps its window uses (the steady-state steps unless it
+    was analyzed with window="all"); median/spread are taken by the caller."""
     a = analysis
     syncs = host_sync_calls(a.tree)
     kernels = a.gpu[a.gpu["kind"] == "kernel"]
+    sw = getattr(a, "window", None)
+    used = sw.used if sw is not None and sw.restricts else None
     if not a.step_timeline.empty:
-        st = a.step_timeline
+        st = a.step_timeline if used is None else a.step_timeline[a.step_timeline["step"].isin(used)]
+        waits = st.set_index(["rank", "step"])["startup_wait_us"] if "startup_wait_us" in st else None
+        if sw is not None and sw.cuts and used is not None:  # a kept start-up wait is cut out of the step
+            from .timeline import gpu_timeline
+
+            st = gpu_timeline(a.gpu[a.gpu["step"].isin(used).to_numpy()], by_step=True, cuts=sw.cuts)
+            st = st.assign(startup_wait_us=0.0)
         host_steps = a.steps.assign(step_time_us=(a.steps["end"] - a.steps["start"]) / US)
         rows = []
         for step, g in st.groupby("step"):
             # a start-up wait (a collective waiting for ranks not yet profiling) is not the step's cost
             wait = g.set_index("rank")["startup_wait_us"] if "startup_wait_us" in g else pd.Series(dtype=float)
             hs = host_steps[host_steps["step"] == step].set_index("rank")["step_time_us"]
-            hs = hs - wait.reindex(hs.index).fillna(0.0)
+            host_wait = (waits.xs(step, level="step") if waits is not None and step in waits.index.get_level_values("step")
+                         else pd.Series(dtype=float))
+            hs = hs - host_wait.reindex(hs.index).fillna(0.0)
             span = g.set_index("rank")["span_us"] - wait.reindex(g["rank"]).fillna(0.0).to_numpy()
             sync_n = _count_in_steps(syncs, a.steps, step)
             rows.append({
@@ -108,7 +119,8 @@ def step_figures(analysis) -> StepFigures:
     if a.timeline.empty and not a.steps.empty:
         # CPU-only trace with profiler steps: the step time is the host step range (slowest rank); GPU
         # figures are unknown (NaN), not zero, so a diff never reports a fake GPU change
-        hs = a.steps.assign(step_time_us=(a.steps["end"] - a.steps["start"]) / US)
+        hs = a.steps if used is None else a.steps[a.steps["step"].isin(used)]
+        hs = hs.assign(step_time_us=(hs["end"] - hs["start"]) / US)
         nan = float("nan")
         rows = [{"step": int(step), "step_time_us": float(g["step_time_us"].max()), "gpu_span_us": nan,
                  "gpu_busy_us": nan, "gpu_idle_us": nan, "compute_us": nan, "comm_us": nan,
@@ -435,3 +447,153 @@ def clip_durations(gpu: pd.DataFrame, cuts: dict) -> pd.DataFrame:
             e[tail] = np.maximum(cs, s[tail])
     g["dur"], g["ts"], g["end"] = dur, s, e
     return g
+
+
+# ------------------------------------------------------------------------------- host per step
+
+def _window_steps(analysis) -> pd.DataFrame:
+    """The steps table restricted to the window's steps (every step in "all" mode)."""
+    sw = getattr(analysis, "window", None)
+    st = analysis.steps
+    if sw is not None and sw.restricts:
+        st = st[st["step"].isin(sw.used)]
+    return st
+
+
+def host_step_table(analysis) -> pd.DataFrame:
+    """Per rank and profiler step of the window: the host step time (the step annotation), the host time
+    in ops (self time summed: what the CPU spent inside ops, no double counting of nesting), and the host
+    time of the MoE stages (`moe/<stage>` record_function ranges of the trainer, all stages together).
+    Per rank, never summed over ranks; a steady flag says whether the window uses the step."""
+    from .calltree import KIND_ANNOTATION, KIND_OP
+
+    a = analysis
+    cols = ["rank", "step", "step_time_us", "op_self_us", "moe_us", "steady"]
+    if a.steps.empty:
+        return pd.DataFrame(columns=cols)
+    sw = getattr(a, "window", None)
+    t = a.tree
+    tstep = host_steps(t, a.steps)
+    kind = t["kind"].to_numpy()
+    is_moe = (kind == KIND_ANNOTATION) & C.map_strings(t["name"], lambda s: s.startswith("moe/"))
+    # a moe/<stage> range inside another moe/ range is counted once, by its outermost moe/ ancestor
+    is_moe &= ~C.map_strings(t["path"], lambda p: "moe/" in p.rsplit("/", 1)[0] if "/" in p else False)
+    rank = t["rank"].to_numpy()
+    key = pd.MultiIndex.from_arrays([rank, tstep])
+    op_self = pd.Series(np.where(kind == KIND_OP, t["self_dur"].to_numpy(), 0), index=key).groupby(level=[0, 1]).sum()
+    moe = pd.Series(np.where(is_moe, t["dur"].to_numpy(), 0), index=key).groupby(level=[0, 1]).sum()
+    st = a.steps
+    idx = pd.MultiIndex.from_arrays([st["rank"].to_numpy(), st["step"].to_numpy()])
+    used = set(sw.used) if sw is not None and sw.restricts else None
+    out = pd.DataFrame({
+        "rank": st["rank"].astype(int).to_numpy(), "step": st["step"].astype(int).to_numpy(),
+        "step_time_us": (st["end"] - st["start"]).to_numpy() / US,
+        "op_self_us": op_self.reindex(idx).fillna(0).to_numpy() / US,
+        "moe_us": moe.reindex(idx).fillna(0).to_numpy() / US,
+        "steady": [used is None or int(s) in used for s in st["step"]],
+    })
+    return out.sort_values(["rank", "step"], ignore_index=True)[cols]
+
+
+def moe_stage_table(analysis) -> pd.DataFrame:
+    """Per rank and MoE stage (`moe/<stage>` ranges, e.g. moe/router, moe/permute, moe/experts,
+    moe/unpermute): host time per step (mean over the window's steps), calls per step and the share of the
+    rank's host step time; GPU time per step too when the trace has GPU activity."""
+    from .calltree import KIND_ANNOTATION
+
+    a = analysis
+    cols = ["rank", "stage", "calls_per_step", "host_us_per_step", "share_of_step", "gpu_us_per_step"]
+    st = _window_steps(a)
+    t = a.tree
+    if st.empty:
+        return pd.DataFrame(columns=cols)
+    tstep = host_steps(t, a.steps)
+    kind = t["kind"].to_numpy()
+    sel = (kind == KIND_ANNOTATION) & C.map_strings(t["name"], lambda s: s.startswith("moe/")) & np.isin(tstep, st["step"].unique())
+    if not sel.any():
+        return pd.DataFrame(columns=cols)
+    rows = t.loc[sel, ["rank", "name", "dur"]]
+    df = pd.DataFrame({"rank": rows["rank"].to_numpy(), "stage": C.strings(rows["name"]), "dur": rows["dur"].to_numpy()})
+    n_steps = st.groupby("rank")["step"].nunique()
+    step_us = st.assign(d=(st["end"] - st["start"]) / US).groupby("rank")["d"].sum()
+    g = df.groupby(["rank", "stage"], sort=False)["dur"].agg(["size", "sum"]).reset_index()
+    n = g["rank"].map(n_steps).astype(float)
+    out = pd.DataFrame({"rank": g["rank"].astype(int), "stage": g["stage"], "calls_per_step": g["size"] / n,
+                        "host_us_per_step": g["sum"] / US / n,
+                        "share_of_step": g["sum"] / US / g["rank"].map(step_us).astype(float)})
+    gpu = getattr(a, "gpu_window", None)
+    if gpu is not None and not gpu.empty:
+        # GPU time launched under each stage: per (rank, path) first (few distinct paths), then by name
+        by_path = gpu.groupby(["rank", "path"], observed=True)["dur"].sum().reset_index()
+        by_path["path"] = by_path["path"].astype(str)
+        vals = []
+        for r, s, k in zip(out["rank"], out["stage"], n):
+            segs = by_path["path"].map(lambda p, s=s: s in p.split("/") if "/" not in s else
+                                       (p == s or p.startswith(s + "/") or ("/" + s + "/") in (p + "/")))
+            m = (by_path["rank"] == r).to_numpy() & segs.to_numpy(dtype=bool)
+            vals.append(float(by_path.loc[m, "dur"].sum()) / US / k)
+        out["gpu_us_per_step"] = vals
+    else:
+        out["gpu_us_per_step"] = np.nan
+    return out.sort_values(["rank", "host_us_per_step"], ascending=[True, False], ignore_index=True)[cols]
+
+
+def host_top_ops(analysis, top: int = 10) -> pd.DataFrame:
+    """Per rank: the ops with the most host self time per step (mean over the window's steps), with their
+    share of the rank's host step time. The whole window when the trace marks no steps (steps = 1)."""
+    from .calltree import KIND_OP
+
+    a = analysis
+    cols = ["rank", "op", "calls_per_step", "self_us_per_step", "share_of_step"]
+    t = a.tree
+    is_op = t["kind"].to_numpy() == KIND_OP
+    mask = getattr(a, "host_window", None)
+    if mask is not None:
+        is_op = is_op & np.asarray(mask, dtype=bool)
+    if not is_op.any():
+        return pd.DataFrame(columns=cols)
+    st = _window_steps(a)
+    ops = t.loc[is_op, ["rank", "name", "self_dur"]]
+    df = pd.DataFrame({"rank": ops["rank"].to_numpy(), "op": C.strings(ops["name"]), "self": ops["self_dur"].to_numpy()})
+    g = df.groupby(["rank", "op"], sort=False)["self"].agg(["size", "sum"]).reset_index()
+    if st.empty:
+        n = pd.Series(1.0, index=g.index)
+        step_us = g["rank"].map(lambda r: float("nan"))
+    else:
+        n = g["rank"].map(st.groupby("rank")["step"].nunique()).astype(float)
+        step_us = g["rank"].map(st.assign(d=(st["end"] - st["start"]) / US).groupby("rank")["d"].sum()).astype(float)
+    out = pd.DataFrame({"rank": g["rank"].astype(int), "op": g["op"], "calls_per_step": g["size"] / n,
+                        "self_us_per_step": g["sum"] / US / n, "share_of_step": g["sum"] / US / step_us})
+    out = out.sort_values(["rank", "self_us_per_step"], ascending=[True, False])
+    return out.groupby("rank", sort=True).head(top).reset_index(drop=True)[cols]
+
+
+def profiler_overhead(manifest: dict | None) -> dict | None:
+    """Profiled vs unprofiled step times from a run manifest (metrics.step_times_s, profile window):
+    the profiled steps' median over the median of the steps timed without the profiler (warm-up steps,
+    the profiled steps and the trace-export step left out). None without the data."""
+    if not manifest:
+        return None
+    m = manifest.get("metrics") if isinstance(manifest.get("metrics"), dict) else {}
+    p = manifest.get("profile") if isinstance(manifest.get("profile"), dict) else {}
+    times, lo, hi = m.get("step_times_s"), p.get("step_start"), p.get("step_end")
+    if not isinstance(times, list) or not isinstance(lo, int) or not isinstance(hi, int) or hi <= lo:
+        return None
+    ok = [isinstance(x, (int, float)) and not isinstance(x, bool) and x > 0 for x in times]
+    roles = manifest_step_roles(manifest)
+    prof = [i for i in range(lo, min(hi, len(times))) if ok[i]]
+    free = [i for i in range(len(times)) if ok[i] and not (lo <= i <= hi) and roles.get(i, ("",))[0] != "warmup"]
+    if not prof or not free:
+        return None
+    pt = [float(times[i]) * 1e6 for i in prof]
+    ft = [float(times[i]) * 1e6 for i in free]
+    med_p, med_f = float(np.median(pt)), float(np.median(ft))
+    # every profiled step slower than every unprofiled one: by chance (no profiler effect, exchangeable step
+    # times) that happens with probability 1 / C(m + k, m) (the exact Mann-Whitney extreme)
+    from math import comb
+
+    p_chance = 1.0 / comb(len(pt) + len(ft), len(pt))
+    return {"profiled_steps": prof, "unprofiled_steps": free, "profiled_median_us": round(med_p, 3),
+            "unprofiled_median_us": round(med_f, 3), "unprofiled_max_us": round(max(ft), 3),
+            "profiled_min_us": round(min(pt), 3), "overhead": round(med_p / med_f - 1.0, 4) if med_f > 0 else None,
+            "p_value": round(p_chance, 4), "beyond_noise": bool(min(pt) > max(ft) and p_chance <= 0.05)}
