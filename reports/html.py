@@ -209,11 +209,19 @@ def render(analysis: Analysis, title: str | None = None) -> str:
                 ("pct_gpu_busy", "% GPU busy", "pct"), ("kernels", "kernels", "num"),
                 ("cpu_total_us", "CPU µs", "num"), ("cpu_self_us", "CPU self µs", "num")]
     ops = a.ops if has_gpu else a.ops.sort_values("cpu_self_us", ascending=False)
+    host_tables = {} if has_gpu else _host_sections(a)
+    if not has_gpu:  # GPU columns are all zero on a CPU-only trace: leave them out
+        ops_cols = [c for c in ops_cols if not c[0].startswith(("gpu_", "pct_gpu")) and c[0] != "kernels"]
     kern_cols = [("kernel", "kernel", "name"), ("op", "launched by", "name"), ("category", "category", "text"),
                  ("count", "count", "num"), ("total_us", "total µs", "num"), ("mean_us", "mean µs", "num"),
                  ("min_us", "min µs", "num"), ("max_us", "max µs", "num"), ("pct_gpu_busy", "% GPU busy", "pct")]
     top_cols = [("op", "op", "name"), ("count", "count", "num"), ("gpu_total_us", "GPU µs", "num"),
                 ("kernels", "kernels", "num"), ("cpu_total_us", "CPU µs", "num")]
+    ann_cols = [("path", "path", "name"), ("count", "count", "num"), ("host_total_us", "host µs", "num"),
+                ("host_mean_us", "host mean µs", "num"), ("gpu_total_us", "GPU µs", "num"), ("kernels", "kernels", "num")]
+    if not has_gpu:
+        top_cols = [c for c in top_cols if c[0] not in ("gpu_total_us", "kernels")]
+        ann_cols = [c for c in ann_cols if c[0] not in ("gpu_total_us", "kernels")]
     return _env().get_template("report.html").render(
         **extra,
         title=title,
@@ -231,10 +239,8 @@ def render(analysis: Analysis, title: str | None = None) -> str:
         ops_note="" if has_gpu else "No GPU events: sorted by CPU self time.",
         kernels_note="",
         ops_table=html_table(ops, ops_cols),
-        annotations_table=html_table(a.annotations, [
-            ("path", "path", "name"), ("count", "count", "num"), ("host_total_us", "host µs", "num"),
-            ("host_mean_us", "host mean µs", "num"), ("gpu_total_us", "GPU µs", "num"), ("kernels", "kernels", "num")])
-        if not a.annotations.empty else "",
+        annotations_table=html_table(a.annotations, ann_cols) if not a.annotations.empty else "",
+        **host_tables,
         kernels_table=html_table(a.kernels, kern_cols) if has_gpu else "",
         top_ops_table=html_table(a.top_ops, top_cols),
         pipeline=pipeline,
@@ -249,9 +255,9 @@ def _deep_sections(a: Analysis) -> dict:
 
     out: dict = {"roofline_table": "", "roofline_unmodeled": "", "roofline_note": "", "findings": [], "comm_table": "", "straggler_table": "", "comm_note": "", "host_table": "",
                  "idle_table": "", "launch_table": ""}
+    out["findings"] = [dict(f, evidence_text=_short(f["evidence"])) for f in a.findings()]
     if not a.has_gpu:
         return out
-    out["findings"] = [dict(f, evidence_text=_short(f["evidence"])) for f in a.findings()]
     from . import roofline as RR
 
     r = a.roofline()
@@ -305,6 +311,27 @@ def _health_context(a: Analysis) -> list[dict]:
     return [{"severity": r["severity"], "cls": sev_class.get(r["severity"], "info"), "check": r["check"],
              "ranks": ", ".join(str(x) for x in r["ranks"]), "found": r["found"], "invalidates": r["invalidates"]}
             for r in a.health().to_dict("records")]
+
+
+def _host_sections(a: Analysis) -> dict:
+    """CPU-only traces: host time per (rank, step), the MoE stages and the top ops by self time per step."""
+    from tracelens.analysis import steps as S
+
+    hs = S.host_step_table(a)
+    ms = S.moe_stage_table(a)
+    top = S.host_top_ops(a, top=15)
+    return {
+        "host_steps_table": html_table(hs, [("rank", "rank", "num"), ("step", "step", "num"),
+                                            ("step_time_us", "step µs", "num"), ("op_self_us", "in ops (self) µs", "num"),
+                                            ("moe_us", "MoE stages µs", "num"), ("steady", "steady state", "text")])
+        if not hs.empty else "",
+        "moe_stage_table": html_table(ms.assign(share_pct=100 * ms["share_of_step"]), [
+            ("rank", "rank", "num"), ("stage", "stage", "name"), ("calls_per_step", "calls / step", "num"),
+            ("host_us_per_step", "host µs / step", "num"), ("share_pct", "% of step", "pct")]) if not ms.empty else "",
+        "host_top_table": html_table(top.assign(share_pct=100 * top["share_of_step"]), [
+            ("rank", "rank", "num"), ("op", "op", "name"), ("calls_per_step", "calls / step", "num"),
+            ("self_us_per_step", "self µs / step", "num"), ("share_pct", "% of step", "pct")]) if not top.empty else "",
+    }
 
 
 def _version() -> str:
