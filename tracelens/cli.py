@@ -480,6 +480,10 @@ def roofline(paths, ceilings, json_out, top, no_cache):
     from . import analyze as run_analysis, load
 
     a = run_analysis(load(list(paths), cache=not no_cache))
+    if not a.has_gpu:
+        click.echo("no GPU kernels in these traces (CPU-only profile): a roofline needs GPU kernel times; nothing to plot "
+                   "(`tracelens analyze` shows host time per step and op)")
+        return
     try:
         r = a.roofline(ceilings=ceilings) if ceilings else a.roofline()
     except (OSError, ValueError) as e:
@@ -492,7 +496,8 @@ def roofline(paths, ceilings, json_out, top, no_cache):
         click.echo(f"{x.op[:36]:<36} {x.gpu_us / 1e3:>8.3f} {x.tflops:>8.1f} {x.tbps:>6.2f} {x.intensity:>7.1f} "
                    f"{x.pct_roof:>7.1f} {x.bound}")
     s = r.summary()
-    click.echo(f"modeled: {100 * s['modeled_share']:.0f}% of non-communication GPU time; {len(r.unmodeled)} op group(s) unmodeled")
+    share = "n/a" if s.get("modeled_share") is None else f"{100 * s['modeled_share']:.0f}%"
+    click.echo(f"modeled: {share} of non-communication GPU time; {len(r.unmodeled)} op group(s) unmodeled")
     if json_out:
         recs = lambda df: json.loads(df.to_json(orient="records"))  # noqa: E731
         Path(json_out).write_text(json.dumps({"schema_version": 1, "summary": s, "roofline": recs(r.table),
@@ -805,23 +810,28 @@ def _print_summary(result) -> None:
 
 
 def _print_cpu_summary(result) -> None:
-    """CPU-only traces (the trainer on a CPU): host time per profiler step and the top-level
-    record_function ranges (MoE stages, optimizer, FSDP hooks) that take it."""
-    click.echo("no GPU activity in these traces (CPU-only): GPU timeline unavailable; host time instead")
-    steps = result.steps
-    n_steps = max(1, steps["step"].nunique()) if not steps.empty else 1
-    if not steps.empty:
-        for rank, g in steps.groupby("rank"):
-            per = ", ".join(f"step {int(r.step)} {(r.end - r.start) / 1e6:.1f} ms" for r in g.itertuples(index=False))
-            click.echo(f"rank {rank}: {per}")
-    ann = result.annotations
-    if ann.empty:
-        return
-    top = ann[ann["path"].astype(str) == ann["name"].astype(str)]  # top-level ranges only
-    top = top.sort_values("host_total_us", ascending=False).head(8)
-    click.echo(f"host time by range, per step (over {n_steps} step(s) and all ranks):")
-    for r in top.itertuples(index=False):
-        click.echo(f"  {r.host_total_us / n_steps / 1e3:>10.3f} ms  {r.name}")
+    """CPU-only traces (the trainer on a CPU): per rank, host time per profiler step, the MoE stages and the
+    ops with the most self time per step (never summed over ranks), then the findings."""
+    from .analysis import steps as S
+
+    click.echo("no GPU activity in these traces (CPU-only): GPU timeline unavailable; host time per rank instead")
+    hs = S.host_step_table(result)
+    ms = S.moe_stage_table(result)
+    top = S.host_top_ops(result, top=5)
+    for rank, g in hs.groupby("rank"):
+        per = ", ".join(f"step {int(r.step)} {r.step_time_us / 1e3:.1f} ms{'' if r.steady else ' (excluded)'}"
+                        for r in g.itertuples(index=False))
+        click.echo(f"rank {rank}: {per}")
+        m = ms[ms["rank"] == rank]
+        if len(m):
+            click.echo("  MoE stages per step: " + ", ".join(
+                f"{r.stage} {r.host_us_per_step / 1e3:.3f} ms ({100 * r.share_of_step:.0f}%)" for r in m.itertuples(index=False)))
+        t = top[top["rank"] == rank]
+        if len(t):
+            click.echo("  top ops by self time per step: " + ", ".join(
+                f"{r.op} {r.self_us_per_step / 1e3:.3f} ms" for r in t.itertuples(index=False)))
+    for f in result.findings()[:5]:
+        click.echo(f"finding ({f['severity']}): {f['title']}")
 
 
 if __name__ == "__main__":  # pragma: no cover
