@@ -25,6 +25,12 @@ class Block(nn.Module):
         self.recompute = layer_id in cfg["recompute_layer_ids"]
 
     def _forward(self, x, cos, sin):
+        # one trace range per block forward ("layer/<i>"; a recomputed block shows it again inside the
+        # backward): what tracelens' what-if model reads a layer's forward cost from
+        with torch.profiler.record_function(f"layer/{self.layer_id}"):
+            return self._block(x, cos, sin)
+
+    def _block(self, x, cos, sin):
         x = x + self.attn(self.attn_norm(x), cos, sin)
         h = self.ffn_norm(x)
         if self.is_moe:

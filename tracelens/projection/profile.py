@@ -1,0 +1,349 @@
+"""Step profiles: the measured step, event by event, in the form the what-if model replays.
+
+A :class:`StepProfile` holds, for one rank and one profiled step of a run:
+
+* ``work``: every unit of device work of the step, in host launch order. On a GPU trace a unit is a
+  GPU event (kernel, memcpy, memset) with its stream, the host time its launch call started, when it
+  ran and for how long. On a CPU-only trace (the CPU *is* the device) a unit is the self time of one
+  CPU op (its duration minus its children's), run on the host thread.
+* ``syncs``: the host's blocking calls (``cudaStreamSynchronize``, ``.item()``, ...), when they
+  started and returned.
+* For every unit: its **component** (what it does: :data:`COMPONENTS`) and how it **scales**:
+  ``tokens`` (its work grows with the tokens of a micro-batch), ``params`` (once per step, with the
+  parameters: the optimizer, gradient reduction), ``fixed``. The label comes from where the work
+  sits in the program (record_function paths, including the forward path of a backward op through
+  the autograd sequence number) and from its input shapes (a tensor with a dimension of
+  ``micro_batch_size * seq_len`` tokens), never from a threshold.
+
+Built from analysis tables (``Analysis.gpu``, ``Analysis.tree``, ``Analysis.steps``), not raw events.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from .. import categories as C
+from ..analysis.calltree import KIND_ANNOTATION, KIND_OP, KIND_RUNTIME
+
+# Components of a step, in the order a report lists them: they add up to the step time. Device work
+# first (communication counts only where no computation overlaps it: exposed), then device idle time
+# by cause; "other" is any other kernel and idle time with no known cause.
+COMPONENTS = ("expert GEMMs", "dense GEMMs", "attention", "norms/activations", "optimizer step", "copies/casts",
+              "exposed communication", "sync waits", "launch-bound idle", "pipeline bubble", "other")
+IDLE_COMPONENTS = ("sync waits", "launch-bound idle", "pipeline bubble")
+WORK_COMPONENTS = tuple(c for c in COMPONENTS if c not in IDLE_COMPONENTS)
+# how each component's time scales when a knob changes (reported beside the decomposition)
+SCALES = ("tokens", "params", "fixed")
+
+_LAYER_RE = re.compile(r"(?:^|/)layer/(\d+)(?:/|$)")
+_OPTIMIZER_RE = re.compile(r"Optimizer\.step|Optimizer\.zero_grad|clip_grad|_foreach_|fused_adam|_fused_adamw?\b",
+                           re.IGNORECASE)
+_FSDP_RE = re.compile(r"FSDP::|post_backward_reduce|all_gather|reduce_scatter", re.IGNORECASE)
+_MOE_TOKENS_RE = re.compile(r"(?:^|/)moe/(?:experts|permute|unpermute|dispatch|combine|router|gate|shared)")
+_DIMS_RE = re.compile(r"\d+")
+
+
+class ProfileError(ValueError):
+    """A run the what-if model cannot build a step profile from: one line naming the run and why."""
+
+
+@dataclass
+class StepProfile:
+    rank: int
+    step: int
+    device: str  # "gpu" or "cpu"
+    start: int  # ns, host start of the step
+    end: int  # ns, host end of the step
+    work: pd.DataFrame  # see module docstring; columns in WORK_COLUMNS
+    syncs: pd.DataFrame  # ts, end (ns), moe (bool: issued inside the MoE layer), path
+    tokens: int  # tokens per micro-batch on this rank (micro_batch_size * seq_len)
+    config: dict = field(default_factory=dict)
+
+    @property
+    def step_ns(self) -> int:
+        return int(self.end - self.start)
+
+
+WORK_COLUMNS = ["launch", "start", "dur", "stream", "name", "op", "path", "dims", "component", "scale", "expert",
+                "moe_stage", "layer", "backward", "recompute", "is_comm"]
+
+
+def tokens_per_microbatch(config: dict) -> int:
+    return int(config.get("micro_batch_size") or 1) * int(config.get("seq_len") or 1)
+
+
+def _forward_paths(tree: pd.DataFrame, events: pd.DataFrame) -> dict[tuple[int, int], str]:
+    """(rank, autograd sequence number) -> the record_function path of the forward op that made the
+    node, so a backward op inherits the forward's place (``layer/3/moe/experts``)."""
+    if "seq" not in events:
+        return {}
+    ops = tree[(tree["kind"].to_numpy() == KIND_OP)]
+    seq = events["seq"].reindex(ops.index).to_numpy()
+    name = C.strings(ops["name"])
+    fwd = (seq >= 0) & ~np.char.startswith(name.astype(str), "autograd::") \
+        & ~np.char.endswith(name.astype(str), "Backward0") & ~np.char.endswith(name.astype(str), "Backward1")
+    if "fwd_tid" in events:
+        ftid = events["fwd_tid"].reindex(ops.index).to_numpy()
+        fwd &= ftid <= 0
+    out: dict[tuple[int, int], str] = {}
+    paths = C.strings(ops["path"])
+    ranks = ops["rank"].to_numpy()
+    for r, s, p in zip(ranks[fwd], seq[fwd], paths[fwd]):
+        key = (int(r), int(s))
+        if key not in out or (p and not out[key]):
+            out[key] = str(p)
+    return out
+
+
+def _token_shaped(dims: str, tokens: int, mbs: int, seq_len: int) -> bool:
+    """Does an op's ``Input Dims`` text hold a tensor with the micro-batch's tokens in it?"""
+    if not dims or dims == "nan":
+        return False
+    for tensor in re.findall(r"\[([0-9, ]*)\]", dims):
+        d = [int(x) for x in _DIMS_RE.findall(tensor)]
+        if not d:
+            continue
+        if tokens in d:
+            return True
+        if len(d) >= 2 and d[0] == mbs and seq_len in d[1:3]:
+            return True
+    return False
+
+
+def _component(category: str, is_comm: bool, fpath: str, op: str, expert_path: bool) -> str:
+    if is_comm or category == "communication":
+        return "exposed communication"
+    if _OPTIMIZER_RE.search(fpath) or _OPTIMIZER_RE.search(op):
+        return "optimizer step"
+    if category == "grouped GEMM" or (category == "GEMM" and expert_path):
+        return "expert GEMMs"
+    if category == "GEMM":
+        return "dense GEMMs"
+    if category == "attention":
+        return "attention"
+    if category in ("elementwise", "reduction/norm"):
+        return "norms/activations"
+    if category == "memory":
+        return "copies/casts"
+    return "other"
+
+
+def _scale(component: str, fpath: str, op: str, dims: str, tokens: int, mbs: int, seq_len: int) -> str:
+    if component == "optimizer step":
+        return "params"
+    if component == "expert GEMMs":  # the routed tokens' rows, whatever their shape says
+        return "tokens"
+    if _MOE_TOKENS_RE.search(fpath):
+        return "tokens"
+    if _token_shaped(dims, tokens, mbs, seq_len):
+        return "tokens"
+    if _FSDP_RE.search(fpath):
+        return "params"
+    return "fixed"
+
+
+def _choose_step(analysis, rank: int) -> int:
+    st = analysis.steps[analysis.steps["rank"] == rank]
+    if st.empty:
+        return -1
+    g = analysis.gpu
+    if len(g):
+        counts = g[g["rank"] == rank].groupby("step").size()
+        counts = counts[counts.index >= 0]
+        if len(counts):
+            # the profiled step with the most device work (a step cut by the profiler window has less)
+            return int(counts.idxmax())
+    return int(st["step"].iloc[len(st) // 2])
+
+
+def profiles(analysis, config: dict, ranks: list[int] | None = None, steps: list[int] | None = None) -> list[StepProfile]:
+    """Step profiles of an analyzed run: one per (rank, profiled step) (``steps``: these only)."""
+    out = []
+    for info in analysis.trace.ranks:
+        if ranks is not None and info.rank not in ranks:
+            continue
+        st = analysis.steps[analysis.steps["rank"] == info.rank]
+        want = [int(s) for s in st["step"]] if steps is None else steps
+        for s in want:
+            p = step_profile(analysis, config, info.rank, s)
+            if p is not None:
+                out.append(p)
+    return out
+
+
+def step_profile(analysis, config: dict, rank: int, step: int | None = None) -> StepProfile | None:
+    """The profile of one rank's step (default: its fullest profiled step); None if it has none."""
+    if step is None:
+        step = _choose_step(analysis, rank)
+    st = analysis.steps[(analysis.steps["rank"] == rank) & (analysis.steps["step"] == step)]
+    if st.empty:
+        return None
+    start, end = int(st["start"].iloc[0]), int(st["end"].iloc[0])
+    tokens = tokens_per_microbatch(config)
+    mbs, seq_len = int(config.get("micro_batch_size") or 1), int(config.get("seq_len") or 1)
+    tree = analysis.tree
+    fwd_paths = _forward_paths(tree[tree["rank"] == rank], analysis.trace.events)
+    g = analysis.gpu
+    g = g[(g["rank"] == rank) & (g["step"] == step)] if len(g) else g
+    if len(g):
+        work = _gpu_work(g, tree, analysis.trace.events, fwd_paths, tokens, mbs, seq_len)
+        device = "gpu"
+    else:
+        work = _cpu_work(tree, analysis.trace.events, rank, start, end, fwd_paths, tokens, mbs, seq_len)
+        device = "cpu"
+    syncs = _syncs(tree, rank, start, end)
+    return StepProfile(rank, int(step), device, start, end, work, syncs, tokens, dict(config))
+
+
+def _paths_of(tree: pd.DataFrame, events: pd.DataFrame, rows: np.ndarray, fwd_paths: dict, rank: int) -> tuple[np.ndarray, np.ndarray]:
+    """(path to classify by, is backward) per tree row: a backward op's own path if it has one, else the
+    path of the forward op that created its autograd node."""
+    n = len(rows)
+    ok = rows >= 0
+    path = np.full(n, "", dtype=object)
+    back = np.zeros(n, dtype=bool)
+    if not ok.any():
+        return path, back
+    path[ok] = C.strings(tree["path"].loc[rows[ok]]) if n else path[ok]
+    if "seq" in events:
+        seq = np.full(n, -1, dtype=np.int64)
+        seq[ok] = events["seq"].reindex(rows[ok]).fillna(-1).to_numpy(dtype=np.int64)
+        names = np.full(n, "", dtype=object)
+        names[ok] = C.strings(tree["name"].loc[rows[ok]])
+        for i in np.flatnonzero(ok & (seq >= 0)):
+            nm = names[i]
+            if nm.startswith("autograd::engine::evaluate_function") or nm.endswith(("Backward0", "Backward1")):
+                back[i] = True
+                fp = fwd_paths.get((rank, int(seq[i])))
+                if fp is not None:
+                    path[i] = f"{path[i]}/{fp}" if path[i] and fp else (fp or path[i])
+    return path, back
+
+
+def _gpu_work(g: pd.DataFrame, tree: pd.DataFrame, events: pd.DataFrame, fwd_paths: dict, tokens: int, mbs: int,
+              seq_len: int) -> pd.DataFrame:
+    g = g.sort_values(["launch_ts", "ts"], kind="stable")
+    rank = int(g["rank"].iloc[0])
+    top = g["top_op_row"].to_numpy()
+    fpath, back = _paths_of(tree, events, top, fwd_paths, rank)
+    own = C.strings(g["path"])
+    # the kernel's own record_function path when it has one (forward, optimizer), else its forward's
+    path = np.where(own != "", own, fpath)
+    path = np.where((own != "") & (fpath != "") & (fpath != own) & back, fpath + "/" + own, path).astype(object)
+    cat = C.strings(g["category"])
+    op = C.strings(g["op"])
+    dims = C.strings(g["op_input_dims"])
+    is_comm = g["is_comm"].to_numpy()
+    n = len(g)
+    comp = np.empty(n, dtype=object)
+    scale = np.empty(n, dtype=object)
+    expert = np.zeros(n, dtype=bool)
+    stage = np.empty(n, dtype=object)
+    layer = np.full(n, -1, dtype=np.int64)
+    recompute = np.zeros(n, dtype=bool)
+    for i in range(n):
+        p = path[i]
+        ep = "moe/experts" in p
+        comp[i] = _component(cat[i], bool(is_comm[i]), p, op[i], ep)
+        scale[i] = _scale(comp[i], p, op[i], dims[i], tokens, mbs, seq_len)
+        expert[i] = comp[i] == "expert GEMMs"
+        m = re.search(r"moe/(\w+)", p)
+        stage[i] = f"moe/{m.group(1)}" if m else ""
+        lm = _LAYER_RE.findall(p)
+        if lm:
+            layer[i] = int(lm[-1])
+        # a layer's forward range ("layer/<i>" in the kernel's own path) opened inside an autograd
+        # backward function: activation checkpointing running that layer's forward again
+        recompute[i] = bool(back[i]) and _LAYER_RE.search(own[i]) is not None
+    work = pd.DataFrame({
+        "launch": g["launch_ts"].to_numpy(np.int64), "start": g["ts"].to_numpy(np.int64),
+        "dur": g["dur"].to_numpy(np.int64), "stream": g["stream"].to_numpy(np.int64),
+        "name": C.strings(g["name"]), "op": op, "path": path, "dims": dims, "component": comp, "scale": scale,
+        "expert": expert, "moe_stage": stage, "layer": layer, "backward": back, "recompute": recompute,
+        "is_comm": is_comm.astype(bool),
+    })
+    bad = work["launch"].to_numpy() < 0  # no launch event linked: it ran when it ran
+    work.loc[bad, "launch"] = work.loc[bad, "start"]
+    return work.reset_index(drop=True)
+
+
+def _cpu_work(tree: pd.DataFrame, events: pd.DataFrame, rank: int, start: int, end: int, fwd_paths: dict,
+              tokens: int, mbs: int, seq_len: int) -> pd.DataFrame:
+    """CPU-only trace: the device is the host. One unit per CPU op's self time inside the step."""
+    t = tree[(tree["rank"] == rank) & (tree["kind"].to_numpy() == KIND_OP)]
+    ts = t["ts"].to_numpy()
+    t = t[(ts >= start) & (ts < end)]
+    if t.empty:
+        return pd.DataFrame(columns=WORK_COLUMNS)
+    rows = t.index.to_numpy()
+    fpath, back = _paths_of(tree, events, t["outer_op"].to_numpy(), fwd_paths, rank)
+    own = C.strings(t["path"])
+    recompute = back & np.array([_LAYER_RE.search(o) is not None for o in own], dtype=bool)
+    path = np.where(own != "", own, fpath).astype(object)
+    op = C.strings(t["name"])
+    dims = C.strings(t["input_dims"]) if "input_dims" in t else np.full(len(t), "", dtype=object)
+    n = len(t)
+    comp = np.empty(n, dtype=object)
+    scale = np.empty(n, dtype=object)
+    stage = np.empty(n, dtype=object)
+    layer = np.full(n, -1, dtype=np.int64)
+    names = pd.Series(op)
+    cat = C.categorize_frame(names, names, pd.Series(["kernel"] * n)).astype(str).to_numpy() if n else np.array([])
+    comm = np.array([bool(C.COMM_RE.search(o)) or o.startswith(("c10d::", "gloo:", "record_param_comms")) for o in op])
+    for i in range(n):
+        p = path[i]
+        comp[i] = _component(cat[i], bool(comm[i]), p, op[i], "moe/experts" in p)
+        scale[i] = _scale(comp[i], p, op[i], dims[i], tokens, mbs, seq_len)
+        m = re.search(r"moe/(\w+)", p)
+        stage[i] = f"moe/{m.group(1)}" if m else ""
+        lm = _LAYER_RE.findall(p)
+        if lm:
+            layer[i] = int(lm[-1])
+    work = pd.DataFrame({
+        "launch": t["ts"].to_numpy(np.int64), "start": t["ts"].to_numpy(np.int64),
+        "dur": t["self_dur"].to_numpy(np.int64), "stream": t["tid"].to_numpy(np.int64), "name": op, "op": op,
+        "path": path, "dims": dims, "component": comp, "scale": scale, "expert": comp == "expert GEMMs", "moe_stage": stage,
+        "layer": layer, "backward": back, "recompute": recompute, "is_comm": comm,
+    })
+    work = work[work["dur"] > 0].sort_values("start", kind="stable").reset_index(drop=True)
+    return work
+
+
+def _syncs(tree: pd.DataFrame, rank: int, start: int, end: int) -> pd.DataFrame:
+    t = tree[(tree["rank"] == rank) & (tree["kind"].to_numpy() == KIND_RUNTIME)]
+    if t.empty:
+        return pd.DataFrame({"ts": np.zeros(0, np.int64), "end": np.zeros(0, np.int64), "moe": np.zeros(0, bool),
+                             "path": np.zeros(0, object)})
+    t = t[C.isin(t["name"], C.SYNC_RUNTIME)]
+    ts = t["ts"].to_numpy()
+    t = t[(ts >= start) & (ts < end)]
+    path = C.strings(t["path"]).astype(object)
+    return pd.DataFrame({"ts": t["ts"].to_numpy(np.int64), "end": (t["ts"] + t["dur"]).to_numpy(np.int64),
+                         "moe": np.array(["moe/" in p for p in path], dtype=bool), "path": path}
+                        ).sort_values("ts").reset_index(drop=True)
+
+
+def read_manifest(run: str | Path) -> dict | None:
+    """The run dir's manifest.json (None when ``run`` is not a run dir or has none)."""
+    p = Path(run)
+    m = p / "manifest.json" if p.is_dir() else None
+    if m is None or not m.is_file():
+        return None
+    try:
+        doc = json.loads(m.read_text())
+    except (OSError, ValueError) as e:
+        raise ProfileError(f"{m}: unreadable manifest ({type(e).__name__}: {e})") from None
+    if not isinstance(doc, dict) or not isinstance(doc.get("config"), dict):
+        raise ProfileError(f"{m}: not a trainer manifest (no 'config' object)")
+    return doc
+
+
+__all__ = ["COMPONENTS", "WORK_COMPONENTS", "IDLE_COMPONENTS", "SCALES", "StepProfile", "ProfileError",
+           "profiles", "step_profile", "read_manifest", "tokens_per_microbatch"]
