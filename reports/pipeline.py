@@ -9,6 +9,8 @@ the data is HTML-escaped for plotly. Three figures:
     lanes     one row per rank, one bar per action (colour = F/B/W, text = microbatch), idle gaps as
               hatched grey "bubble" bars, for one step (the last analyzed one, or --step)
     bubble    measured bubble ratio per rank and overall next to the theoretical ratio
+    account   each rank's idle per step as a stacked bar: schedule theory, stage imbalance, p2p/comm wait,
+              host/launch overhead, other (`tracelens.analysis.pipeline.bubble_account`)
     stages    mean F/B/W time per microbatch of each stage, with the mean of stages as a line
 """
 
@@ -20,9 +22,10 @@ import os
 from pathlib import Path
 from typing import Any
 
-from tracelens.analysis.pipeline import PipelineAnalysis, _ranges, fmt_ns
+from tracelens.analysis.pipeline import ACCOUNT_LABELS, ACCOUNT_PARTS, PipelineAnalysis, _ranges, fmt_ns
 
 KIND_COLORS = {"F": "#3b7dd8", "B": "#e4572e", "W": "#8e5ad6", "bubble": "#c9ced8"}
+ACCOUNT_COLORS = {"theory": "#9aa6b8", "imbalance": "#e8a33d", "comm": "#3b7dd8", "host": "#c0392b", "other": "#4a5263"}
 KIND_NAMES = {"F": "forward (F)", "B": "backward (B)", "W": "weight grad (W)"}
 
 
@@ -101,6 +104,53 @@ def bubble_figure(res: PipelineAnalysis) -> dict:
     return {"data": data, "layout": layout}
 
 
+def account_figure(res: PipelineAnalysis) -> dict:
+    """Each rank's idle per step (over the account's steps) stacked by part; the measured idle on top."""
+    acc = res.account
+    pr = acc.per_rank.sort_values("rank")
+    x = [_lane(int(r), int(p)) for r, p in zip(pr["rank"], pr["pp_rank"])]
+    n = pr["steps"].clip(lower=1).to_numpy()
+    idle = pr["idle_ns"].to_numpy()
+    data = []
+    for part in ACCOUNT_PARTS:
+        v = pr[f"{part}_ns"].to_numpy()
+        share = [round(100 * float(a) / float(b), 2) if b > 0 else 0.0 for a, b in zip(v, idle)]
+        data.append({"type": "bar", "name": _esc(ACCOUNT_LABELS[part]), "x": x, "y": [_ms(a / k) for a, k in zip(v, n)],
+                     "customdata": [[s] for s in share], "marker": {"color": ACCOUNT_COLORS[part]},
+                     "hovertemplate": f"{_esc(ACCOUNT_LABELS[part])}: %{{y:.3f}} ms per step "
+                                      "(%{customdata[0]:.1f}% of the idle)<extra>%{x}</extra>"})
+    annotations = [{"x": xi, "y": _ms(i / k), "yanchor": "bottom", "showarrow": False,
+                    "text": f"idle {fmt_ns(i / k)}"} for xi, i, k in zip(x, idle, n)]
+    top = max([_ms(i / k) for i, k in zip(idle, n)] + [1e-3])
+    layout = {"barmode": "stack", "height": 360, "margin": {"l": 60, "r": 20, "t": 24, "b": 60},
+              "yaxis": {"title": {"text": f"idle ms per step (step {_ranges(acc.steps)})"}, "range": [0, top * 1.15]},
+              "annotations": annotations, "legend": {"orientation": "h", "y": -0.2, "traceorder": "normal"}}
+    return {"data": data, "layout": layout}
+
+
+def account_context(res: PipelineAnalysis) -> dict[str, Any] | None:
+    """Table, advice and note of the account section (None without an account)."""
+    from .html import html_table
+
+    acc = res.account
+    if acc is None:
+        return None
+    pr = acc.per_rank.sort_values("rank")
+    n = pr["steps"].clip(lower=1)
+    cols = {"idle_ms": pr["idle_ns"] / n / 1e6}
+    table_cols = [("rank", "rank", "num"), ("pp_rank", "pp rank", "num"), ("steps", "steps", "num"),
+                  ("idle_ms", "idle ms/step", "num")]
+    for part in ACCOUNT_PARTS:
+        cols[f"{part}_ms"] = pr[f"{part}_ns"] / n / 1e6
+        cols[f"{part}_pct"] = 100 * pr[f"{part}_ns"] / pr["idle_ns"].where(pr["idle_ns"] > 0)
+        table_cols += [(f"{part}_ms", f"{ACCOUNT_LABELS[part]} ms", "num"), (f"{part}_pct", "% of idle", "pct")]
+    table = html_table(pr.assign(**cols), table_cols)
+    tot = acc.totals()
+    parts = [{"part": p, "label": ACCOUNT_LABELS[p], "color": ACCOUNT_COLORS[p], "advice": acc.advice[p],
+              "pct": 100 * tot[p] / tot["idle"] if tot["idle"] > 0 else 0.0} for p in ACCOUNT_PARTS]
+    return {"table": table, "parts": parts, "note": acc.note, "steps": _ranges(acc.steps)}
+
+
 def stage_figure(res: PipelineAnalysis) -> dict:
     """Stacked F/B/W time per microbatch per stage; the mean of stages as a dashed line."""
     t = res.balance.table
@@ -172,9 +222,13 @@ def section_context(res: PipelineAnalysis, id_prefix: str = "plot-pp") -> dict[s
     ]
     figures = {f"{id_prefix}-lanes": lanes_figure(res), f"{id_prefix}-bubble": bubble_figure(res),
                f"{id_prefix}-stages": stage_figure(res)}
+    account = account_context(res)
+    if account is not None:
+        figures[f"{id_prefix}-account"] = account_figure(res)
     return {"statement": res.balance.statement, "flagged": res.balance.flagged, "overview": overview,
             "inferred_note": inferred, "rank_table": rank_table, "stage_table": stage_table,
-            "shown_step": res.shown_step, "id_prefix": id_prefix, "warnings": list(res.warnings), "figures": figures}
+            "shown_step": res.shown_step, "id_prefix": id_prefix, "warnings": list(res.warnings), "figures": figures,
+            "account": account}
 
 
 def render_ppvis(res: PipelineAnalysis, title: str | None = None) -> str:

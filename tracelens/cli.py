@@ -358,7 +358,8 @@ def export(paths, perfetto_out, no_cache):
 @click.option("--json", "json_out", type=click.Path(dir_okay=False), help="Write bubbles, stage balance and the statement as JSON.")
 @click.option("--step", type=click.IntRange(0), default=None, help="Analyze this step only (default: all but the first, warm-up, step).")
 @click.option("--no-cache", is_flag=True, help="Do not read or write the parsed-trace cache.")
-def ppvis(run, out, open_browser, perfetto_out, json_out, step, no_cache):
+@click.option("--no-traces", is_flag=True, help="Do not read RUN/traces: the bubble account then cannot tell communication from host overhead.")
+def ppvis(run, out, open_browser, perfetto_out, json_out, step, no_cache, no_traces):
     """Pipeline schedule of RUN (a run dir, or traces with pipeline/{F|B|W}/s<stage>/mb<n> ranges): per-rank
     lanes, bubble ratio per rank vs theory, stage imbalance and the stage to fix. See docs/pipeline.md."""
     import json
@@ -366,7 +367,7 @@ def ppvis(run, out, open_browser, perfetto_out, json_out, step, no_cache):
     from .analysis.pipeline import fmt_ns, load_pipeline
     from reports.pipeline import write_ppvis
 
-    res = load_pipeline(run, step=step, cache=not no_cache)
+    res = load_pipeline(run, step=step, cache=not no_cache, traces=not no_traces)
     for w in res.warnings:
         click.echo(f"tracelens: warning: {w}", err=True)
     _print_pipeline(res, fmt_ns)
@@ -412,6 +413,10 @@ def _print_pipeline(res, fmt_ns) -> None:
         click.echo(f"{s.stage:>5} {s.pp_rank:>3} {layers:>6} {fmt_ns(s.f_ns):>11} {fmt_ns(s.b_ns):>11} {fmt_ns(s.w_ns):>11} "
                    f"{fmt_ns(s.total_ns):>11} {s.ratio_to_mean:>6.2f} {100 * s.critical_share:>6.1f}")
     click.echo(res.balance.statement)
+    from .analysis.pipeline import account_lines
+
+    for line in account_lines(res):
+        click.echo(line)
 
 
 @main.command()

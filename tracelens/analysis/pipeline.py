@@ -50,6 +50,7 @@ import pandas as pd
 
 from .. import categories as C
 from ..errors import TraceError
+from . import intervals as I
 from .bubble import bubble_ratio
 
 KINDS = ("F", "B", "W")
@@ -211,7 +212,12 @@ def actions_from_trace(trace) -> pd.DataFrame:
     if sel.empty:
         return _empty_actions()
     sel = sel.assign(gpu=(sel["cat"].astype(str) == "gpu_user_annotation").to_numpy())
-    has_gpu = sel.groupby("rank")["gpu"].transform("any").to_numpy()
+    # GPU copies on a rank only when every range of that rank has one (torch records some ranges, e.g. only
+    # the backward's, on the GPU): mixing the two clocks would misplace the actions
+    names_of = sel.assign(name=sel["name"].astype(str)).groupby(["rank", "gpu"])["name"].agg(frozenset)
+    use_gpu = {r: bool(names_of.get((r, True)) and names_of.get((r, True)) >= names_of.get((r, False), frozenset()))
+               for r in sel["rank"].unique().tolist()}
+    has_gpu = sel["rank"].map(use_gpu).to_numpy(dtype=bool)
     sel = sel[sel["gpu"].to_numpy() == has_gpu]
     names = sel["name"].astype(str)
     parts = names.str.extract(RANGE_RE)
@@ -251,29 +257,35 @@ def load_pipeline_actions(source, *, cache: bool = True) -> pd.DataFrame:
     source: a run directory, a trace directory or file, or a loaded `tracelens.trace.Trace`. Raises
     `TraceError` when neither holds pipeline data.
     """
+    return _actions_and_trace(source, cache=cache)[0]
+
+
+def _actions_and_trace(source, *, cache: bool = True):
+    """(actions, the Trace they were rebuilt from or None when they come from the jsonl)."""
     if not isinstance(source, (str, os.PathLike)):
         df = actions_from_trace(source)
         if df.empty:
             raise TraceError(None, "no pipeline data: the traces have no 'pipeline/{F|B|W}/s<stage>/mb<n>' ranges")
-        return df
+        return df, source
     p = Path(source)
     if not p.exists():
         raise TraceError(p, "no such file or directory")
     if p.is_dir():
         df = read_pipeline_jsonl(p)
         if df is not None:
-            return df
+            return df, None
     from ..trace import discover, load
 
     try:
         discover(p)
     except TraceError:
         raise TraceError(p, "no pipeline data: no pipeline/rank<N>.jsonl and no trace files to rebuild it from") from None
-    df = actions_from_trace(load(p, cache=cache, progress=False))
+    trace = load(p, cache=cache, progress=False)
+    df = actions_from_trace(trace)
     if df.empty:
         raise TraceError(p, "no pipeline data: no pipeline/rank<N>.jsonl, and the traces have no "
                             "'pipeline/{F|B|W}/s<stage>/mb<n>' ranges")
-    return df
+    return df, trace
 
 
 # ------------------------------------------------------------------------------------ metadata
@@ -845,6 +857,410 @@ def fmt_ns(ns: float) -> str:
     return f"{ns:.0f} ns"
 
 
+# ------------------------------------------------------------------------------------ bubble account
+
+# The parts a rank's idle time is split into, in this order (they add up to the measured idle exactly).
+ACCOUNT_PARTS = ("theory", "imbalance", "comm", "host", "other")
+ACCOUNT_LABELS = {"theory": "schedule theory", "imbalance": "stage imbalance", "comm": "p2p / comm wait",
+                  "host": "host / launch overhead", "other": "other"}
+# Host-side events that are communication: c10d ops (send, recv_, wait, allreduce_, ...), the backends'
+# ranges (nccl:*, gloo:*, ...) and the profiler's record of a collective.
+_HOST_COMM_RE = re.compile(r"^(c10d::|c10d_|nccl:|rccl:|gloo:|mpi:|ucc:|record_param_comms)", re.IGNORECASE)
+_HOST_BUSY_CATS = C.OP_CATS | C.RUNTIME_CATS | C.PYTHON_CATS
+# What the trace shows during a critical-path wait, in order of precedence, and the part each goes to.
+WAIT_CLASSES = {
+    "comm_gpu": "comm",      # a communication kernel (NCCL/RCCL p2p or collective) running on the rank's GPU
+    "gpu_other": "other",    # other GPU work outside the pipeline actions
+    "comm_host": "comm",     # GPU idle, the host inside a send/recv/wait or collective call
+    "host_ops": "host",      # GPU idle, the host inside other ops / runtime calls (launching)
+    "host_python": "host",   # GPU idle, the host between recorded ops (Python, the schedule's own code)
+    "no_trace": "other",     # no trace of that rank at that time: comm and host cannot be told apart
+}
+
+
+def _step_graph(a: pd.DataFrame) -> tuple[list[list[int]], list[list[int]]]:
+    """For one step's actions (rows 0..n-1): each row's data predecessors, and each rank's rows in
+    measured order. Data dependencies as in `critical_path`: F(s) after F(s-1); B(s) after B(s+1), or
+    after its own F on the last stage; W(s) after B(s); ranks sharing a pp_rank are separate
+    data-parallel pipelines, paired by rank order."""
+    ranks = a[["rank", "pp_rank"]].drop_duplicates("rank").sort_values("rank")
+    replica_of = dict(zip(ranks["rank"].tolist(), ranks.groupby("pp_rank").cumcount().tolist()))
+    rank, stage = a["rank"].tolist(), a["stage"].tolist()
+    mb, kind = a["microbatch"].tolist(), a["kind"].astype(str).tolist()
+    rep = [replica_of[r] for r in rank]
+    key = {(rep[i], stage[i], mb[i], kind[i]): i for i in range(len(a))}
+    last = max(stage) if stage else 0
+    preds: list[list[int]] = []
+    for i in range(len(a)):
+        s, k = stage[i], kind[i]
+        if k == "F":
+            dep = (rep[i], s - 1, mb[i], "F") if s > 0 else None
+        elif k == "B":
+            dep = (rep[i], s + 1, mb[i], "B") if s < last else (rep[i], s, mb[i], "F")
+        else:
+            dep = (rep[i], s, mb[i], "B")
+        j = key.get(dep) if dep is not None else None
+        preds.append([j] if j is not None and j != i else [])
+    order_idx = np.lexsort((a["end_ns"].to_numpy(), a["start_ns"].to_numpy(), a["rank"].to_numpy()))
+    r_sorted = a["rank"].to_numpy()[order_idx]
+    cuts = np.flatnonzero(np.r_[True, r_sorted[1:] != r_sorted[:-1]])
+    order = [seg.tolist() for seg in np.split(order_idx, cuts[1:])] if len(a) else []
+    return preds, order
+
+
+def simulate_step(a: pd.DataFrame, durations, t0: int | None = None) -> tuple[np.ndarray, np.ndarray, int]:
+    """Replay one step's schedule with the given action durations and no communication or host time.
+
+    Each rank runs its actions in the measured order; an action starts as soon as its rank is free and
+    its data dependency (see `_step_graph`) has ended; every rank is free from t0 (default: the step's
+    first measured start). Returns (start_ns, end_ns, forced) aligned with `a`'s rows; `forced` counts
+    actions started without an unmet dependency to break a deadlock, which only inconsistent records
+    (a dependency that ends after its consumer starts, e.g. skewed clocks) can produce.
+    """
+    n = len(a)
+    dur = np.asarray(durations, dtype=np.int64).tolist()
+    if n == 0:
+        return np.empty(0, np.int64), np.empty(0, np.int64), 0
+    preds, order = _step_graph(a)
+    t0 = int(a["start_ns"].min()) if t0 is None else int(t0)
+    meas_start = a["start_ns"].tolist()
+    start, end = [-1] * n, [-1] * n
+    pos, free = [0] * len(order), [t0] * len(order)
+    left, forced = n, 0
+
+    def run(k: int, i: int, ready: int) -> None:
+        start[i], end[i] = ready, ready + dur[i]
+        free[k] = end[i]
+        pos[k] += 1
+
+    while left:
+        progressed = False
+        for k, rows in enumerate(order):
+            while pos[k] < len(rows):
+                i = rows[pos[k]]
+                ready = free[k]
+                for j in preds[i]:
+                    if end[j] < 0:
+                        ready = -1
+                        break
+                    ready = max(ready, end[j])
+                if ready < 0:
+                    break
+                run(k, i, ready)
+                left -= 1
+                progressed = True
+        if not progressed and left:
+            k = min((k for k in range(len(order)) if pos[k] < len(order[k])), key=lambda k: meas_start[order[k][pos[k]]])
+            i = order[k][pos[k]]
+            run(k, i, max([free[k]] + [end[j] for j in preds[i] if end[j] >= 0]))
+            left -= 1
+            forced += 1
+    return np.asarray(start, np.int64), np.asarray(end, np.int64), forced
+
+
+@dataclass
+class TraceActivity:
+    """What a run's traces show, per rank, as disjoint interval sets on the actions' clock."""
+
+    span: dict[int, tuple[int, int]]  # first event start, last event end
+    sets: dict[int, dict[str, tuple[np.ndarray, np.ndarray]]]  # rank -> class -> (starts, ends)
+    offset: dict[int, int]  # actions' clock - trace ts
+
+    def classify(self, rank: int, lo: int, hi: int) -> dict[str, int]:
+        """ns of [lo, hi) on `rank` per WAIT_CLASSES (first class that holds wins; they sum to hi - lo)."""
+        out = dict.fromkeys(WAIT_CLASSES, 0)
+        if hi <= lo:
+            return out
+        if rank not in self.sets:
+            out["no_trace"] = hi - lo
+            return out
+        s0, s1 = self.span[rank]
+        a, b = max(lo, s0), min(hi, s1)
+        out["no_trace"] = (hi - lo) - max(0, b - a)
+        if b <= a:
+            return out
+        cov_s, cov_e = np.empty(0, np.int64), np.empty(0, np.int64)
+        done = 0
+        for cls in ("comm_gpu", "gpu_other", "comm_host", "host_ops"):
+            starts, ends = self.sets[rank][cls]
+            i, j = np.searchsorted(ends, a, side="right"), np.searchsorted(starts, b, side="left")
+            cs, ce = I.clip(starts[i:j], ends[i:j], a, b)
+            cov_s, cov_e = I.union(np.r_[cov_s, cs], np.r_[cov_e, ce])
+            now = int((cov_e - cov_s).sum())
+            out[cls], done = now - done, now
+        out["host_python"] = (b - a) - done
+        return out
+
+
+def trace_activity(trace, actions: pd.DataFrame) -> TraceActivity | None:
+    """Interval sets per rank from a loaded `Trace`: communication kernels, other GPU work, host
+    communication calls, other host ops. The clock offset of a rank is the one (0, or the trace's
+    baseTimeNanoseconds: jsonl times are epoch ns, Kineto ts are relative to that base) under which most
+    of its actions fall inside its trace; a rank with no action inside its trace is left out."""
+    ev = trace.events
+    if ev.empty or actions.empty:
+        return None
+    cat, name = ev["cat"], ev["name"]
+    gpu = C.isin(cat, C.GPU_CATS)
+    comm_k = gpu & C.is_comm_kernel(name)
+    host_comm = C.isin(cat, C.OP_CATS | C.ANNOTATION_CATS | C.RUNTIME_CATS) & C.map_strings(
+        name, lambda s: bool(_HOST_COMM_RE.match(s)))
+    host = C.isin(cat, _HOST_BUSY_CATS)
+    masks = {"comm_gpu": comm_k, "gpu_other": gpu & ~comm_k, "comm_host": host_comm, "host_ops": host}
+    ts = ev["ts"].to_numpy(np.int64)
+    te = ts + np.maximum(ev["dur"].fillna(0).to_numpy(np.int64), 0)
+    rank_col = ev["rank"].to_numpy()
+    base = {ri.rank: int(ri.base_time_ns or 0) for ri in trace.ranks}
+    span, sets, offset = {}, {}, {}
+    for r, idx in pd.Series(np.arange(len(ev))).groupby(rank_col).indices.items():
+        r = int(r)
+        lo, hi = int(ts[idx].min()), int(te[idx].max())
+        acts = actions[actions["rank"] == r]
+        if acts.empty:
+            continue
+        s, e = acts["start_ns"].to_numpy(np.int64), acts["end_ns"].to_numpy(np.int64)
+        best, best_n = None, 0
+        for off in dict.fromkeys((0, base.get(r, 0))):
+            n_in = int(((s >= lo + off) & (e <= hi + off)).sum())
+            if n_in > best_n:
+                best, best_n = off, n_in
+        if best is None:
+            continue
+        offset[r], span[r] = best, (lo + best, hi + best)
+        sets[r] = {}
+        for cls, m in masks.items():
+            sel = idx[m[idx]]
+            sets[r][cls] = I.union(ts[sel] + best, te[sel] + best)
+    if not sets:
+        return None
+    return TraceActivity(span=span, sets=sets, offset=offset)
+
+
+@dataclass
+class BubbleAccount:
+    """Each rank's idle time (the bubble) split into parts that add up to it exactly (see
+    `bubble_account`)."""
+
+    per_step: pd.DataFrame  # one row per (step, rank)
+    per_rank: pd.DataFrame  # summed over `steps`
+    steps: list[int]  # the steps summed in per_rank: the traced ones when any
+    traced_steps: list[int]  # steps every rank's trace covers
+    waits: pd.DataFrame  # per step: critical-path waits by what the trace shows (WAIT_CLASSES, ns)
+    advice: dict[str, str]  # part -> what it is and what to change
+    note: str
+    warnings: list[str] = field(default_factory=list)
+
+    def totals(self) -> dict[str, int]:
+        """ns per part (and measured idle) summed over ranks and `steps`."""
+        pr = self.per_rank
+        return {k: int(pr[f"{k}_ns"].sum()) for k in ("idle",) + ACCOUNT_PARTS}
+
+    def to_dict(self) -> dict[str, Any]:
+        def recs(df):
+            return json.loads(df.to_json(orient="records"))
+
+        return {"parts": list(ACCOUNT_PARTS), "labels": ACCOUNT_LABELS, "steps": self.steps,
+                "traced_steps": self.traced_steps, "totals_ns": self.totals(), "per_rank": recs(self.per_rank),
+                "per_step": recs(self.per_step), "waits": recs(self.waits), "advice": self.advice, "note": self.note,
+                "warnings": list(self.warnings)}
+
+
+def _split(total: int, weights: list[int]) -> list[int]:
+    """`total` in integer parts proportional to `weights`; the last part takes the rounding."""
+    w = sum(weights)
+    if total <= 0 or w <= 0:
+        return [0] * (len(weights) - 1) + [max(total, 0)]
+    parts = [total * x // w for x in weights[:-1]]
+    return parts + [total - sum(parts)]
+
+
+def bubble_account(actions: pd.DataFrame, meta: PipelineMeta | None = None, balance: StageBalance | None = None,
+                   trace=None, activity: TraceActivity | None = None) -> BubbleAccount:
+    """Split every rank's idle time per step into schedule theory + stage imbalance + p2p/comm wait +
+    host/launch overhead + other, adding up exactly to the measured idle (window - busy, as `bubbles`).
+
+    Per step, the schedule is replayed (`simulate_step`: measured order, data dependencies, no
+    communication or host time) three times: with every action at its kind's mean duration (equal
+    stages: idle_equal), at its stage's mean per kind (idle_stage) and at its own measured duration
+    (idle_sim). For a rank with measured idle I:
+        theory    = min(idle_equal, idle_sim, I)      the idle the schedule has with equal stages
+        imbalance = min(idle_sim, I) - theory         the idle the measured costs add (waiting on slower
+                    stages); of it, `imbalance_layout` = what the stage means explain, the rest
+                    `imbalance_variation` is microbatch-to-microbatch spread
+        overhead  = I - theory - imbalance           what communication and the host added
+    The overhead stretches the step beyond the zero-overhead replay; it is split by what the trace shows
+    during the waits on the step's critical path (`critical_path`'s wait_ns, plus a late start of the
+    path): see WAIT_CLASSES. comm and host take their share of the overhead; other takes GPU work outside
+    the actions, waits no trace covers (every untraced step's whole overhead) and integer rounding.
+    A slow stage's rank idles less than the equal-stage schedule would, so its theory part is smaller.
+    """
+    if actions.empty:
+        raise TraceError(None, "empty window: no pipeline actions to account for")
+    if activity is None and trace is not None:
+        activity = trace_activity(trace, actions)
+    rows, wait_rows, warns = [], [], []
+    traced: list[int] = []
+    for step, a in actions.groupby("step", sort=True):
+        a = a.sort_values(["rank", "start_ns", "end_ns"], kind="stable").reset_index(drop=True)
+        t0 = int(a["start_ns"].min())
+        dur = (a["end_ns"] - a["start_ns"]).to_numpy(np.int64)
+        kind = a["kind"].astype(str).to_numpy()
+        equal = pd.Series(dur).groupby(kind).transform("mean").round().to_numpy(np.int64)
+        per_stage = pd.Series(dur).groupby([kind, a["stage"].to_numpy()]).transform("mean").round().to_numpy(np.int64)
+        rank = a["rank"].to_numpy()
+        sims, forced = {}, 0
+        for name, d in (("equal", equal), ("stage", per_stage), ("sim", dur)):
+            s, e, f = simulate_step(a, d, t0)
+            forced = max(forced, f)
+            window = int(e.max() - t0)
+            sims[name] = (window, window - pd.Series(d).groupby(rank).sum())
+        if forced:
+            warns.append(f"step {step}: {forced} action(s) start before the action they depend on ends "
+                         "(skewed clocks?); the replay ignored those dependencies")
+        meas = bubbles(a).set_index("rank")
+        # overhead classes: the critical path's waits and a late start of the path
+        cp = critical_path(a)
+        waits = [(int(r), int(s) - int(w), int(s)) for r, s, w in zip(cp["rank"], cp["start_ns"], cp["wait_ns"]) if w > 0]
+        if len(cp) and int(cp["start_ns"].iloc[0]) > t0:
+            waits.append((int(cp["rank"].iloc[0]), t0, int(cp["start_ns"].iloc[0])))
+        by_class = dict.fromkeys(WAIT_CLASSES, 0)
+        for r, lo, hi in waits:
+            got = activity.classify(r, lo, hi) if activity is not None else {"no_trace": hi - lo}
+            for k, v in got.items():
+                by_class[k] += v
+        wait_rows.append({"step": int(step), **{f"{k}_ns": v for k, v in by_class.items()},
+                          "critical_wait_ns": sum(by_class.values()), "sim_window_ns": sims["sim"][0],
+                          "window_ns": int(a["end_ns"].max()) - t0})
+        fully = activity is not None and all(
+            r in activity.span and activity.span[r][0] <= int(g["start_ns"].min()) and int(g["end_ns"].max()) <= activity.span[r][1]
+            for r, g in a.groupby("rank"))
+        if fully:
+            traced.append(int(step))
+        weights = [sum(v for k, v in by_class.items() if WAIT_CLASSES[k] == part) for part in ("comm", "host", "other")]
+        for r in meas.index:
+            idle = int(meas.at[r, "idle_ns"])
+            i_eq, i_st, i_sim = (int(sims[n][1].get(r, 0)) for n in ("equal", "stage", "sim"))
+            explained = min(max(i_sim, 0), idle)
+            theory = min(max(i_eq, 0), explained)
+            imb = explained - theory
+            imb_layout = min(max(i_st - theory, 0), imb)
+            comm, host, other = _split(idle - explained, weights)
+            rows.append({"step": int(step), "rank": int(r), "pp_rank": int(meas.at[r, "pp_rank"]), "traced": fully,
+                         "window_ns": int(meas.at[r, "window_ns"]), "idle_ns": idle, "theory_ns": theory,
+                         "imbalance_ns": imb, "comm_ns": comm, "host_ns": host, "other_ns": other,
+                         "imbalance_layout_ns": imb_layout, "imbalance_variation_ns": imb - imb_layout,
+                         "idle_equal_ns": i_eq, "idle_stage_ns": i_st, "idle_sim_ns": i_sim,
+                         "sim_window_ns": sims["sim"][0]})
+    per_step = pd.DataFrame(rows)
+    steps = traced or sorted(per_step["step"].unique().tolist())
+    sums = ["window_ns", "idle_ns"] + [f"{p}_ns" for p in ACCOUNT_PARTS] + [
+        "imbalance_layout_ns", "imbalance_variation_ns", "idle_equal_ns", "idle_stage_ns", "idle_sim_ns"]
+    chosen = per_step[per_step["step"].isin(steps)]
+    per_rank = chosen.groupby(["rank", "pp_rank"], as_index=False)[sums].sum()
+    per_rank.insert(2, "steps", chosen.groupby(["rank", "pp_rank"]).size().to_numpy())
+    per_rank["other_share"] = per_rank["other_ns"] / per_rank["idle_ns"].where(per_rank["idle_ns"] > 0)
+    waits_df = pd.DataFrame(wait_rows)
+    if traced:
+        note = (f"step {_ranges(traced)}, the analyzed step(s) the traces cover, where communication and host "
+                "overhead are told apart by what the trace shows")
+    elif activity is not None:
+        note = (f"step {_ranges(steps)}; no analyzed step lies inside the traces, so communication and host "
+                "overhead are not told apart (they are in other)")
+    else:
+        note = (f"step {_ranges(steps)}; without traces communication and host overhead cannot be told apart "
+                "(they are in other)")
+    gpu = None if activity is None else any(len(s["comm_gpu"][0]) or len(s["gpu_other"][0]) for s in activity.sets.values())
+    advice = _account_advice(per_rank, waits_df[waits_df["step"].isin(steps)], meta, balance, gpu)
+    return BubbleAccount(per_step=per_step, per_rank=per_rank, steps=steps, traced_steps=traced, waits=waits_df,
+                         advice=advice, note=note, warnings=warns)
+
+
+def _pct_of(part: int, whole: int) -> str:
+    return f"{100 * part / whole:.0f}%" if whole > 0 else "0%"
+
+
+def _account_advice(per_rank: pd.DataFrame, waits: pd.DataFrame, meta: PipelineMeta | None,
+                    balance: StageBalance | None, gpu: bool | None = None) -> dict[str, str]:
+    """What each part is on this run and what to change to shrink it (numbers from the account).
+    gpu: whether the traces have GPU activity (None: no traces)."""
+    tot = {k: int(per_rank[f"{k}_ns"].sum()) for k in ("idle",) + ACCOUNT_PARTS}
+    n = max(1, int(per_rank["steps"].max()) if len(per_rank) else 1)
+    idle = tot["idle"]
+
+    def share(k):
+        return f"{fmt_ns(tot[k] / n / max(1, len(per_rank)))} per rank per step, {_pct_of(tot[k], idle)} of the idle"
+
+    out = {}
+    alt = ""
+    if meta is not None:
+        opts = []
+        for label, args in ((f"{2 * meta.microbatches} microbatches", (meta.schedule, meta.pp, 2 * meta.microbatches, meta.vpp)),
+                            (f"vpp {max(2, meta.vpp * 2)}", ("vpp", meta.pp, meta.microbatches, max(2, meta.vpp * 2))),
+                            ("zb1p (ZB-H1)", ("zb1p", meta.pp, meta.microbatches, 1))):
+            try:
+                r = bubble_ratio(*args)
+            except TraceError:
+                continue
+            if not math.isnan(r):
+                opts.append(f"{label}: {100 * r:.1f}%")
+        try:
+            now = bubble_ratio(meta.schedule, meta.pp, meta.microbatches, meta.vpp)
+        except TraceError:
+            now = math.nan
+        head = f"{meta.schedule} with pp {meta.pp}, vpp {meta.vpp}, {meta.microbatches} microbatches"
+        alt = (f" ({head}: {100 * now:.1f}% of the step in theory" if not math.isnan(now) else f" ({head}") + (
+            f"; {', '.join(opts)})" if opts else ")")
+    out["theory"] = (f"{share('theory')}: the fill and drain the schedule has even with equal stages and free "
+                     f"communication{alt}. Change the schedule: more microbatches per step, more virtual stages "
+                     "per rank, or a zero-bubble schedule.")
+    imb = int(per_rank["imbalance_ns"].sum())
+    lay = int(per_rank["imbalance_layout_ns"].sum())
+    stmt = f" {balance.statement[:1].upper()}{balance.statement[1:]}." if balance is not None else ""
+    out["imbalance"] = (f"{share('imbalance')}: ranks waiting on slower stages; {_pct_of(lay, imb)} of it is explained "
+                        f"by the stages' mean costs (the layout), the rest by microbatch-to-microbatch variation "
+                        f"(routing, noise), which no layout removes.{stmt}")
+    w = {k: int(waits[f"{k}_ns"].sum()) for k in WAIT_CLASSES} if len(waits) else dict.fromkeys(WAIT_CLASSES, 0)
+    wall = max(1, sum(w.values()))
+    seen = (f"on the critical path, a communication kernel on the GPU ({_pct_of(w['comm_gpu'], wall)} of its waits) "
+            f"or the host in send/recv/collective calls with the GPU idle ({_pct_of(w['comm_host'], wall)})"
+            if gpu is not False else
+            f"on the critical path, the host in send/recv/collective calls ({_pct_of(w['comm_host'], wall)} of its waits)")
+    out["comm"] = (f"{share('comm')}: {seen}. Overlap the hand-offs with compute (post receives early, batch "
+                   "isend/irecv, a separate communication stream) and send fewer or smaller activations (each "
+                   "virtual stage adds a hand-off per microbatch).")
+    if gpu is False:
+        out["host"] = (f"{share('host')}: a rank not yet running an action it could run, in host ops "
+                       f"({_pct_of(w['host_ops'], wall)} of the waits) or between recorded ops "
+                       f"({_pct_of(w['host_python'], wall)}: Python, or the process waiting for a CPU core). Give each "
+                       "rank its own cores and keep the schedule's own Python work small.")
+    else:
+        out["host"] = (f"{share('host')}: the GPU idle before an action because the host had not launched it (in ops "
+                       f"or runtime calls: {_pct_of(w['host_ops'], wall)} of the waits; between recorded ops, Python: "
+                       f"{_pct_of(w['host_python'], wall)}). Launch less per action: CUDA graphs for the stages' "
+                       "forward/backward, no host syncs in the step (sync-free MoE), fewer small kernels.")
+    out["other"] = (f"{share('other')}: GPU work outside the pipeline actions ({_pct_of(w['gpu_other'], wall)} of the "
+                    f"waits) and waits no trace covers ({_pct_of(w['no_trace'], wall)}), where communication and host "
+                    "time cannot be told apart: profile the analyzed steps to split them.")
+    return out
+
+
+def account_lines(res: "PipelineAnalysis") -> list[str]:
+    """The account as terminal lines (`tracelens ppvis`)."""
+    acc = res.account
+    if acc is None:
+        return []
+    out = [f"bubble account ({acc.note}), ms per step:"]
+    out.append(f"{'rank':>4} {'pp':>3} {'idle':>9} " + " ".join(f"{p:>10}" for p in ACCOUNT_PARTS) + f" {'other %':>7}")
+    for r in acc.per_rank.sort_values("rank").itertuples(index=False):
+        n = max(1, r.steps)
+        vals = " ".join(f"{getattr(r, p + '_ns') / n / 1e6:>10.3f}" for p in ACCOUNT_PARTS)
+        out.append(f"{r.rank:>4} {r.pp_rank:>3} {r.idle_ns / n / 1e6:>9.3f} {vals} "
+                   f"{100 * (r.other_share if r.other_share == r.other_share else 0.0):>6.1f}%")
+    for p in ACCOUNT_PARTS:
+        out.append(f"  {ACCOUNT_LABELS[p]}: {acc.advice[p]}")
+    return out
+
+
 # ------------------------------------------------------------------------------------ everything
 
 
@@ -867,10 +1283,14 @@ class PipelineAnalysis:
     balance: StageBalance
     source: str  # "jsonl" | "trace"
     warnings: list[str] = field(default_factory=list)
+    account: BubbleAccount | None = None  # each rank's idle split into theory, imbalance, comm, host, other
 
     def tables(self) -> dict[str, pd.DataFrame]:
-        return {"pipeline_actions": self.actions, "pipeline_bubbles": self.per_step,
-                "pipeline_ranks": self.per_rank, "pipeline_stages": self.balance.table}
+        out = {"pipeline_actions": self.actions, "pipeline_bubbles": self.per_step,
+               "pipeline_ranks": self.per_rank, "pipeline_stages": self.balance.table}
+        if self.account is not None:
+            out["pipeline_account"] = self.account.per_step
+        return out
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready summary (the `--json` file)."""
@@ -885,6 +1305,7 @@ class PipelineAnalysis:
                        "theory_note": self.theory_note, "per_rank": recs(self.per_rank), "per_step": recs(self.per_step)},
             "stages": {"table": recs(b.table), "slowest_stage": b.slowest_stage, "slowest_ratio": _num(b.slowest_ratio),
                        "critical_stage": b.critical_stage, "flagged": b.flagged, "move": b.move, "statement": b.statement},
+            "account": self.account.to_dict() if self.account is not None else None,
             "warnings": list(self.warnings),
         }
 
@@ -894,8 +1315,9 @@ def _num(v: float) -> float | None:
 
 
 def analyze_pipeline(actions: pd.DataFrame, meta: PipelineMeta | None = None, *, step: int | None = None,
-                     source: str = "jsonl") -> PipelineAnalysis:
-    """Bubbles, theory and stage balance over the analyzed steps (see `select_steps`)."""
+                     source: str = "jsonl", trace=None) -> PipelineAnalysis:
+    """Bubbles, theory, stage balance and the bubble account over the analyzed steps (see `select_steps`);
+    `trace` (the run's loaded traces) lets the account tell communication from host overhead."""
     if actions.empty:
         raise TraceError(None, "empty window: no pipeline actions")
     meta = meta or infer_meta(actions)
@@ -910,14 +1332,21 @@ def analyze_pipeline(actions: pd.DataFrame, meta: PipelineMeta | None = None, *,
     shown = steps[-1]
     gaps = bubble_gaps(sel[sel["step"] == shown])
     balance = stage_balance(sel, meta)
+    account = bubble_account(sel, meta, balance, trace=trace)
     return PipelineAnalysis(actions=actions, selected=sel, steps=steps, skipped_steps=skipped, shown_step=shown, meta=meta,
                             per_step=per_step, per_rank=per_rank, overall_ratio=overall, theory_ratio=theory,
-                            theory_note=note, gaps=gaps, balance=balance, source=source, warnings=warns)
+                            theory_note=note, gaps=gaps, balance=balance, source=source,
+                            warnings=warns + account.warnings, account=account)
 
 
-def load_pipeline(source, *, step: int | None = None, cache: bool = True) -> PipelineAnalysis:
-    """`analyze_pipeline` of a run dir (jsonl + manifest), trace dir/file, or loaded Trace."""
-    actions = load_pipeline_actions(source, cache=cache)
+def load_pipeline(source, *, step: int | None = None, cache: bool = True, traces: bool = True) -> PipelineAnalysis:
+    """`analyze_pipeline` of a run dir (jsonl + manifest), trace dir/file, or loaded Trace.
+
+    traces: also read the run's traces (RUN/traces, Parquet-cached) when the actions come from the jsonl, so
+    that the bubble account can tell communication from host overhead. Traces that cannot be read cost only
+    that split (a warning), never the analysis.
+    """
+    actions, trace = _actions_and_trace(source, cache=cache)
     is_path = isinstance(source, (str, os.PathLike))
     src = "jsonl" if is_path and Path(source).is_dir() and _jsonl_files(Path(source)) else "trace"
     run = None
@@ -926,12 +1355,27 @@ def load_pipeline(source, *, step: int | None = None, cache: bool = True) -> Pip
         if run.name == "traces" and (run.parent / "manifest.json").exists():
             run = run.parent
     meta = pipeline_meta(run, actions)
+    extra = []
+    if trace is None and traces and is_path:
+        from ..trace import discover, load
+
+        try:
+            discover(source)
+        except TraceError:
+            pass  # a run dir without traces: the account says so
+        else:
+            try:
+                trace = load(source, cache=cache, progress=False)
+            except TraceError as e:
+                extra.append(f"bubble account without traces (comm and host not told apart): {e.one_line()}")
     try:
-        return analyze_pipeline(actions, meta, step=step, source=src)
+        res = analyze_pipeline(actions, meta, step=step, source=src, trace=trace)
     except TraceError as e:
         if e.path is None and is_path:  # name the run in the one-line error
             raise TraceError(source, e.problem) from None
         raise
+    res.warnings.extend(extra)
+    return res
 
 
 def run_dir_of(trace) -> Path | None:
@@ -956,4 +1400,4 @@ def pipeline_for_trace(trace) -> PipelineAnalysis | None:
         source = "trace"
     if actions.empty:
         return None
-    return analyze_pipeline(actions, pipeline_meta(run, actions), source=source)
+    return analyze_pipeline(actions, pipeline_meta(run, actions), source=source, trace=trace)
