@@ -97,12 +97,12 @@ def findings(analysis, small_us: float = H.SMALL_KERNEL_US) -> list[dict[str, An
     inst_all = CM.collective_instances(a)
     inst = inst_all[inst_all["step"].isin(sw.used)] if restricts and not inst_all.empty else inst_all
     if not inst.empty:
-        ok = inst[~inst["startup"]]
+        ok = inst[~inst["startup"] & inst["cross_rank"]]  # sync wait needs every rank of the group
         for fam, g in ok.groupby("family"):
             wait = float(g["sync_us"].sum()) / n_ranks
             if wait <= 0:
                 continue
-            strag = g.drop_duplicates(["group", "instance"])["last_rank"].value_counts()
+            strag = g.drop_duplicates(["group", "peers", "seq"])["last_rank"].value_counts()
             out.append({
                 "type": "sync_wait",
                 "title": f"ranks wait {wait / 1e3:.3f} ms per rank in {fam} for the last rank (rank {int(strag.index[0])} "
