@@ -38,6 +38,7 @@ def to_json(r: DiffResult, rules: list[dict] | None = None) -> dict:
         "metrics": _records(r.metrics),
         "categories": _records(r.categories),
         "host_syncs_by_op": _records(r.syncs),
+        "cpu_ops": _records(r.cpu_ops, 500),
         "top_ops": _records(r.top_ops(), 500),
         "ops": _records(r.ops, 500),
         "kernels": _records(r.kernels, 500),
@@ -53,8 +54,13 @@ def _fmt_change(row: pd.Series) -> str:
     s = f"{d:+.3f}" if row["unit"] == "ms" else f"{d:+.2f}"
     if not (isinstance(rel, float) and math.isnan(rel)):
         s += f" ({rel:+.1f}%)"
-    if row["within_noise"] and d != 0:
-        s += " ~noise"
+    p = row.get("p_value", math.nan)
+    if isinstance(p, float) and math.isnan(p):
+        s += "  noise unknown" if d != 0 else ""
+    elif row["within_noise"] and d != 0:
+        s += f" ~noise (p={p:.2f})"
+    elif d != 0:
+        s += f" (p={p:.3f})"
     return s
 
 
@@ -88,15 +94,31 @@ def to_text(r: DiffResult, rules: list[dict] | None = None, top: int = 10) -> st
     kr = r.kernels[r.kernels["status"] == "removed"].head(5)
     if len(ka) or len(kr):
         lines.append("")
+        lines.append("kernels removed and added (ms per step):")
         for label, df in (("kernels removed", kr), ("kernels added", ka)):
             for _, k in df.iterrows():
-                lines.append(f"  {label[8:]:<8} {k['delta_ms']:+9.3f} ms  [{k['category']}] {k['kernel'][:90]}")
+                name = k.get("kernel_display") or k["kernel"]
+                lines.append(f"  {label[8:]:<8} {k['delta_ms']:+9.3f} ms  [{k['category']}] {str(name)[:90]}")
+    co = r.cpu_ops if r.cpu_ops is not None and len(r.cpu_ops) else None
+    if co is not None:
+        added, removed = co[co["status"] == "added"].head(top), co[co["status"] == "removed"].head(top)
+        if len(added) or len(removed):
+            lines.append("")
+            lines.append("host ops removed and added (calls per step, self ms per step):")
+            for label, df in (("removed", removed), ("added", added)):
+                for _, o in df.iterrows():
+                    calls = o["base_calls"] if label == "removed" else o["new_calls"]
+                    ms = o["base_self_ms"] if label == "removed" else o["new_self_ms"]
+                    lines.append(f"  {label:<8} {calls:9.2f} calls  {ms:8.3f} ms  {str(o['op'])[:90]}")
     if rules:
         lines.append("")
         for x in rules:
             state = "FAIL" if x["tripped"] else "ok"
             ch = "n/a" if x["change"] is None else f"{x['change']:+.3f}{x['unit'] if x['unit'] == '%' else ' ' + x['unit']}"
-            lines.append(f"rule {x['rule']!r}: {state} (change {ch}{', within noise' if x['within_noise'] else ''})")
+            noise = (", within noise" if x["within_noise"] else
+                     ", noise unknown: one sample per side" if x.get("noise") == "unknown" else
+                     f", significant (p={x['p_value']:.3f})" if x.get("p_value") is not None else "")
+            lines.append(f"rule {x['rule']!r}: {state} (change {ch}{noise})")
     return "\n".join(lines)
 
 
@@ -189,7 +211,9 @@ def render_html(r: DiffResult, rules: list[dict] | None = None) -> str:
     tables = {
         "metrics": html_table(metrics, [("metric", "metric", "text"), ("unit", "unit", "text"), ("base", "base", "num"),
                                         ("new", "new", "num"), ("delta", "Δ", "num"), ("rel_pct", "Δ %", "pct"),
-                                        ("spread", "noise spread", "num"), ("change", "verdict", "text")]),
+                                        ("spread", "noise spread", "num"), ("p_value", "p (Welch)", "num"),
+                                        ("steps_base", "base steps", "num"), ("steps_new", "new steps", "num"),
+                                        ("change", "verdict", "text")]),
         "top_ops": html_table(r.top_ops(), [("status", "status", "text"), ("delta_wall_ms", "Δ wall ms/step", "num"),
                                             ("top_op", "top-level op", "name"), ("base_wall_ms", "base wall ms", "num"),
                                             ("new_wall_ms", "new wall ms", "num")]),
@@ -199,9 +223,13 @@ def render_html(r: DiffResult, rules: list[dict] | None = None) -> str:
             ("new_wall_ms", "new wall ms", "num"), ("base_gpu_ms", "base GPU ms", "num"), ("new_gpu_ms", "new GPU ms", "num"),
             ("path", "path", "name")]),
         "kernels": html_table(r.kernels, [("status", "status", "text"), ("delta_ms", "Δ ms/step", "num"),
-                                          ("kernel", "kernel (normalized)", "name"), ("category", "category", "text"),
+                                          ("kernel_display", "kernel", "name"), ("category", "category", "text"),
                                           ("base_count", "base count", "num"), ("new_count", "new count", "num"),
                                           ("base_ms", "base ms", "num"), ("new_ms", "new ms", "num")]),
+        "cpu_ops": html_table(r.cpu_ops[r.cpu_ops["status"] != "same"] if len(r.cpu_ops) else r.cpu_ops, [
+            ("status", "status", "text"), ("op", "op", "name"), ("base_calls", "base calls/step", "num"),
+            ("new_calls", "new calls/step", "num"), ("base_self_ms", "base self ms/step", "num"),
+            ("new_self_ms", "new self ms/step", "num"), ("delta_self_ms", "Δ self ms/step", "num")]),
         "syncs": html_table(r.syncs, [("op", "op", "name"), ("via", "via", "name"), ("call", "sync call", "text"),
                                       ("base_per_step", "base / step", "num"), ("new_per_step", "new / step", "num"),
                                       ("delta", "Δ", "num")]),

@@ -102,7 +102,8 @@ def test_noise_from_several_steps(tmp_path):
     a = tracelens.analyze(tracelens.load(NCCL_2RANK, cache=False))
     r = diff(a, a)
     st = r.metric("step_time")
-    assert st["steps_base"] == 3 and st["spread"] > 0
+    # steady state: steps 1-2 (step 0 holds rank 1's profiler start-up wait and is left out)
+    assert st["steps_base"] == 2 and st["spread"] > 0 and st["p_value"] == 1.0
     # slow one kernel of one step by less than the spread: within noise, no rule trips
     d = tmp_path / "new"
     d.mkdir()

@@ -1,8 +1,12 @@
 """Diff two analyses (base -> new): per-step metrics with noise, categories, ops, kernels; CI rules.
 
-Everything is per step (see `steps.py`), so windows with different step counts compare fairly. When a
-side has several steps, metrics are per-step medians and the spread (max - min, or p90 - p10 from 5
-steps on) is reported; a change no larger than the larger of the two spreads is "within noise".
+Everything is per step over each side's steady-state steps (see `steps.py`; `analyze(..., window="all")`
+for every step), so windows with different step counts compare fairly. Each metric's per-step values are
+its samples: the figure shown is their median, the spread (max - min, or p90 - p10 from 5 steps on) is
+reported, and with at least two samples on each side Welch's t-test (scipy's when installed, else the
+same test computed here) gives a two-sided p-value; a change is "within noise" when p >= 0.05. With one
+sample on a side the noise is unknown (spread and p-value are null, never 0): the diff says so in a
+warning and a rule decides on the change alone.
 
 Rules (`--fail-on`), a small grammar:  METRIC OP VALUE
     METRIC  step_time | gpu.busy | gpu.idle | gpu.compute | gpu.comm | gpu.exposed_comm | gpu.span |
@@ -54,13 +58,14 @@ def category_metric(cat: str) -> str:
 class DiffResult:
     base_label: str
     new_label: str
-    metrics: pd.DataFrame  # metric, unit, base, new, delta, rel_pct, spread, within_noise
+    metrics: pd.DataFrame  # metric, unit, base, new, delta, rel_pct, spread, p_value, within_noise, steps_base/new
     categories: pd.DataFrame  # category, base_ms, new_ms, delta_ms (per step)
     ops: pd.DataFrame  # key columns, status, base/new GPU and wall ms per step, delta_wall_ms
-    kernels: pd.DataFrame  # kernel (normalized), status, base/new count and ms per step
+    kernels: pd.DataFrame  # kernel (normalized), kernel_display (demangled, short), status, base/new count and ms per step
     syncs: pd.DataFrame  # op (top-level), via (innermost), call, base/new host syncs per step
     info: dict[str, Any] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
+    cpu_ops: pd.DataFrame = field(default_factory=pd.DataFrame)  # op, status, calls and self ms per step (host)
 
     def metric(self, name: str) -> pd.Series:
         return self.metrics.set_index("metric").loc[name]
@@ -79,20 +84,111 @@ class DiffResult:
 
 
 def _spread(values: np.ndarray) -> float:
+    """max - min of the samples (p90 - p10 from 5 on); NaN (unknown) with fewer than two samples."""
     v = np.asarray(values, dtype=float)
     v = v[~np.isnan(v)]
     if len(v) < 2:
-        return 0.0
+        return math.nan
     if len(v) >= 5:
         return float(np.percentile(v, 90) - np.percentile(v, 10))
     return float(v.max() - v.min())
 
 
-def _per_step_categories(a, n_steps: int) -> pd.Series:
-    if a.categories.empty:
-        return pd.Series(dtype=float)
-    per_rank = a.categories.groupby("category")["total_us"].sum() / max(1, a.trace_rank_count)
-    return per_rank / n_steps / US  # ms per step
+def welch_test(a, b) -> tuple[float, float, float]:
+    """Welch's unequal-variance t-test of two samples: (t, degrees of freedom, two-sided p-value).
+
+    NaN everywhere with fewer than two values on a side. Both variances zero: p = 1 when the means are
+    equal, 0 when they differ (a deterministic change, e.g. a kernel count). scipy.stats when installed,
+    else the same statistic with the Student-t tail from the regularized incomplete beta function."""
+    a = np.asarray(a, dtype=float)
+    b = np.asarray(b, dtype=float)
+    a, b = a[~np.isnan(a)], b[~np.isnan(b)]
+    if len(a) < 2 or len(b) < 2:
+        return math.nan, math.nan, math.nan
+    va, vb = float(a.var(ddof=1)) / len(a), float(b.var(ddof=1)) / len(b)
+    diff = float(b.mean() - a.mean())
+    if va + vb <= 0:
+        return (0.0 if diff == 0 else math.copysign(math.inf, diff)), math.nan, (1.0 if diff == 0 else 0.0)
+    t = diff / math.sqrt(va + vb)
+    df = (va + vb) ** 2 / ((va * va / (len(a) - 1) if va else 0.0) + (vb * vb / (len(b) - 1) if vb else 0.0))
+    try:
+        from scipy import stats  # optional: the reference implementation
+
+        return t, df, float(stats.ttest_ind(b, a, equal_var=False).pvalue)
+    except ImportError:
+        return t, df, student_t_two_sided(t, df)
+
+
+def student_t_two_sided(t: float, df: float) -> float:
+    """P(|T| >= |t|) for Student's t with df degrees of freedom: I_{df/(df+t^2)}(df/2, 1/2)."""
+    if math.isnan(t) or math.isnan(df):
+        return math.nan
+    if math.isinf(t):
+        return 0.0
+    return min(1.0, max(0.0, _betainc(df / 2.0, 0.5, df / (df + t * t))))
+
+
+def _betainc(a: float, b: float, x: float) -> float:
+    """Regularized incomplete beta I_x(a, b) (continued fraction, Numerical Recipes' betacf)."""
+    if x <= 0.0:
+        return 0.0
+    if x >= 1.0:
+        return 1.0
+    lbeta = math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b) + a * math.log(x) + b * math.log1p(-x)
+    front = math.exp(lbeta)
+    if x < (a + 1.0) / (a + b + 2.0):
+        return front * _betacf(a, b, x) / a
+    return 1.0 - front * _betacf(b, a, 1.0 - x) / b
+
+
+def _betacf(a: float, b: float, x: float) -> float:
+    tiny, eps = 1e-300, 3e-16
+    qab, qap, qam = a + b, a + 1.0, a - 1.0
+    c, d = 1.0, 1.0 - qab * x / qap
+    d = 1.0 / (d if abs(d) > tiny else tiny)
+    h = d
+    for m in range(1, 500):
+        m2 = 2 * m
+        aa = m * (b - m) * x / ((qam + m2) * (a + m2))
+        d = 1.0 + aa * d
+        d = 1.0 / (d if abs(d) > tiny else tiny)
+        c = 1.0 + aa / c
+        c = c if abs(c) > tiny else tiny
+        h *= d * c
+        aa = -(a + m) * (qab + m) * x / ((a + m2) * (qap + m2))
+        d = 1.0 + aa * d
+        d = 1.0 / (d if abs(d) > tiny else tiny)
+        c = 1.0 + aa / c
+        c = c if abs(c) > tiny else tiny
+        delta = d * c
+        h *= delta
+        if abs(delta - 1.0) < eps:
+            break
+    return h
+
+
+def _window_gpu(a) -> pd.DataFrame:
+    g = getattr(a, "gpu_window", None)
+    return a.gpu if g is None else g
+
+
+def _per_step_categories(a, sf) -> dict[str, np.ndarray]:
+    """category -> GPU time per step (ms, averaged over ranks), one sample per step of the window; one
+    sample (the window / steps) when the trace marks no profiler steps."""
+    g = _window_gpu(a)
+    if g.empty:
+        return {}
+    nr = max(1, a.trace_rank_count)
+    steps = sf.per_step["step"].to_numpy() if "step" in sf.per_step else np.array([0])
+    if sf.source.startswith("profiler steps") and len(steps) and (g["step"] >= 0).any():
+        t = g.groupby(["category", "step"], observed=True)["dur"].sum()
+        out = {}
+        for cat in t.index.get_level_values(0).unique():
+            per = t.loc[cat].reindex(steps).fillna(0.0).to_numpy(dtype=float)
+            out[str(cat)] = per / nr / US / US
+        return out
+    tot = g.groupby("category", observed=True)["dur"].sum()
+    return {str(c): np.array([float(v) / nr / sf.n_steps / US / US]) for c, v in tot.items()}
 
 
 def diff(base, new, base_manifest: dict | None = None, new_manifest: dict | None = None,
@@ -117,24 +213,34 @@ def diff(base, new, base_manifest: dict | None = None, new_manifest: dict | None
                         f"({sb.n_steps} vs {sn.n_steps})")
     if not base.has_gpu or not new.has_gpu:
         warnings.append("a side has no GPU activity: GPU metrics are unavailable for it")
+    for side, a, sf in (("base", base, sb), ("new", new, sn)):
+        w = getattr(a, "window", None)
+        if w is not None and w.restricts and w.excluded_steps:
+            warnings.append(f"{side}: {w.describe()}")
+    kb, kn = len(sb.per_step), len(sn.per_step)
+    if kb < 2 or kn < 2:
+        warnings.append(f"one sample: base has {kb} per-step sample(s), new {kn} ({sb.source} / {sn.source}): the noise "
+                        "is unknown and rules decide on the change alone; profile 3 or more steps for a "
+                        "significance test")
 
     rows = []
     for name, (col, unit, scale) in METRICS.items():
         bvals = sb.per_step[col].to_numpy(dtype=float) * scale if col in sb.per_step else np.array([np.nan])
         nvals = sn.per_step[col].to_numpy(dtype=float) * scale if col in sn.per_step else np.array([np.nan])
         rows.append(_metric_row(name, unit, bvals, nvals))
-    cb, cn = _per_step_categories(base, sb.n_steps), _per_step_categories(new, sn.n_steps)
-    cats = sorted(set(cb.index) | set(cn.index), key=lambda c: C.CATEGORIES.index(c) if c in C.CATEGORIES else 99)
+    cb, cn = _per_step_categories(base, sb), _per_step_categories(new, sn)
+    cats = sorted(set(cb) | set(cn), key=lambda c: C.CATEGORIES.index(c) if c in C.CATEGORIES else 99)
+    zb, zn = np.zeros(max(1, len(sb.per_step))), np.zeros(max(1, len(sn.per_step)))
     for c in cats:
-        rows.append(_metric_row(category_metric(c), "ms", np.array([cb.get(c, 0.0)]), np.array([cn.get(c, 0.0)])))
+        rows.append(_metric_row(category_metric(c), "ms", cb.get(c, zb), cn.get(c, zn)))
     for key, b, n, unit in _manifest_metrics(base_manifest, new_manifest):
         rows.append(_metric_row(f"run.{key}", unit, np.array([b]), np.array([n])))
     metrics = pd.DataFrame(rows)
 
-    categories = pd.DataFrame({
+    categories = pd.DataFrame({  # mean per step, so the categories add up to the GPU time per step
         "category": cats,
-        "base_ms": [float(cb.get(c, 0.0)) for c in cats],
-        "new_ms": [float(cn.get(c, 0.0)) for c in cats],
+        "base_ms": [float(np.mean(cb.get(c, zb))) for c in cats],
+        "new_ms": [float(np.mean(cn.get(c, zn))) for c in cats],
     })
     categories["delta_ms"] = categories["new_ms"] - categories["base_ms"]
 
@@ -145,7 +251,46 @@ def diff(base, new, base_manifest: dict | None = None, new_manifest: dict | None
         "new": {"label": new_label, "ranks": ws_n, "devices": dev_n, "steps": sn.n_steps, "step_source": sn.source},
     }
     syncs = _diff_syncs(base, new, sb.n_steps, sn.n_steps)
-    return DiffResult(base_label, new_label, metrics, categories, ops, kernels, syncs, info, warnings)
+    cpu_ops = _diff_cpu_ops(base, new, sb.n_steps, sn.n_steps)
+    for side, a in (("base", base), ("new", new)):
+        w = getattr(a, "window", None)
+        if w is not None:
+            info[side]["window"] = w.to_dict()
+    return DiffResult(base_label, new_label, metrics, categories, ops, kernels, syncs, info, warnings, cpu_ops)
+
+
+def _diff_cpu_ops(base, new, nb: int, nn: int) -> pd.DataFrame:
+    """Host ops by name over each side's window: calls and self time per step (averaged over ranks);
+    status added / removed / changed / same. Catches ops that launch nothing (aten::item, a .tolist())."""
+    from .calltree import KIND_OP
+
+    def per(a, n):
+        t = a.tree
+        m = t["kind"].to_numpy() == KIND_OP
+        hw = getattr(a, "host_window", None)
+        if hw is not None:
+            m = m & np.asarray(hw, dtype=bool)
+        if not m.any():
+            return pd.DataFrame(columns=["op", "calls", "self_ms"])
+        ops = t.loc[m, ["name", "self_dur"]]
+        df = pd.DataFrame({"op": C.strings(ops["name"]), "self": ops["self_dur"].to_numpy()})
+        g = df.groupby("op", sort=False)["self"].agg(["size", "sum"]).reset_index()
+        k = n * max(1, a.trace_rank_count)
+        return pd.DataFrame({"op": g["op"], "calls": g["size"] / k, "self_ms": g["sum"] / US / US / k})
+
+    ob, on = per(base, nb), per(new, nn)
+    m = ob.merge(on, on="op", how="outer", suffixes=("_base", "_new")).fillna(
+        {"calls_base": 0.0, "calls_new": 0.0, "self_ms_base": 0.0, "self_ms_new": 0.0})
+    out = pd.DataFrame({"op": m["op"], "base_calls": m["calls_base"], "new_calls": m["calls_new"],
+                        "base_self_ms": m["self_ms_base"], "new_self_ms": m["self_ms_new"]})
+    out["status"] = np.where(out["base_calls"] == 0, "added", np.where(out["new_calls"] == 0, "removed",
+                             np.where(out["base_calls"] == out["new_calls"], "same", "changed")))
+    out["delta_calls"] = out["new_calls"] - out["base_calls"]
+    out["delta_self_ms"] = out["new_self_ms"] - out["base_self_ms"]
+    order = {"added": 0, "removed": 1, "changed": 2, "same": 3}
+    out = out.assign(_o=out["status"].map(order), _d=-out["delta_self_ms"].abs())
+    return out.sort_values(["_o", "_d"], ignore_index=True)[
+        ["op", "status", "base_calls", "new_calls", "delta_calls", "base_self_ms", "new_self_ms", "delta_self_ms"]]
 
 
 def _diff_syncs(base, new, nb: int, nn: int) -> pd.DataFrame:
@@ -160,15 +305,22 @@ def _diff_syncs(base, new, nb: int, nn: int) -> pd.DataFrame:
 
 
 def _metric_row(name: str, unit: str, bvals: np.ndarray, nvals: np.ndarray) -> dict:
+    bvals, nvals = np.asarray(bvals, dtype=float), np.asarray(nvals, dtype=float)
     b = float(np.nanmedian(bvals)) if np.isfinite(bvals).any() else math.nan
     n = float(np.nanmedian(nvals)) if np.isfinite(nvals).any() else math.nan
     delta = n - b
-    spread = max(_spread(bvals), _spread(nvals))
+    sb, sn = _spread(bvals), _spread(nvals)
+    spread = math.nan if math.isnan(sb) or math.isnan(sn) else max(sb, sn)
+    _, _, p = welch_test(bvals, nvals)
     rel = (100.0 * delta / abs(b)) if b not in (0.0,) and not math.isnan(b) and not math.isnan(delta) else (
         0.0 if delta == 0 else math.nan)
-    within = (not math.isnan(delta)) and abs(delta) <= spread
+    # within noise: the test finds no difference (p >= 0.05); unknown noise (one sample) never is
+    within = (not math.isnan(delta)) and not math.isnan(p) and p >= 0.05
+    nb, nn = int(np.isfinite(bvals).sum()), int(np.isfinite(nvals).sum())
     return {"metric": name, "unit": unit, "base": b, "new": n, "delta": delta, "rel_pct": rel,
-            "spread": spread, "within_noise": bool(within), "steps_base": int(len(bvals)), "steps_new": int(len(nvals))}
+            "spread": spread, "p_value": p, "within_noise": bool(within),
+            "noise": "unknown" if math.isnan(p) else ("within noise" if within else "significant"),
+            "steps_base": int(len(bvals)), "steps_new": int(len(nvals)), "samples_base": nb, "samples_new": nn}
 
 
 def _manifest_metrics(bm: dict | None, nm: dict | None):
@@ -223,22 +375,26 @@ def _diff_ops(base, new, nb: int, nn: int) -> pd.DataFrame:
 
 def _diff_kernels(base, new, nb: int, nn: int) -> pd.DataFrame:
     def per(a, n):
-        k = a.gpu
+        k = _window_gpu(a)
         if k.empty:
-            return pd.DataFrame(columns=["kernel", "category", "count", "total_us"])
-        names = k["name"].astype(str).map(_norm_cache)
+            return pd.DataFrame(columns=["kernel", "category", "count", "total_us", "raw"])
+        raw = k["name"].astype(str)
+        names = raw.map(_norm_cache)
         df = pd.DataFrame({"kernel": names.to_numpy(), "category": k["category"].astype(str).to_numpy(),
-                           "dur": k["dur"].to_numpy()})
-        g = df.groupby(["kernel", "category"], sort=False)["dur"].agg(["size", "sum"]).reset_index()
+                           "dur": k["dur"].to_numpy(), "raw": raw.to_numpy()})
+        g = df.groupby(["kernel", "category"], sort=False).agg(size=("dur", "size"), sum=("dur", "sum"),
+                                                               raw=("raw", "first")).reset_index()
         g["count"] = g.pop("size") / n / max(1, a.trace_rank_count)
         g["total_us"] = g.pop("sum") / US / n / max(1, a.trace_rank_count)  # dur is ns
         return g
 
     kb, kn = per(base, nb), per(new, nn)
+    kb, kn = kb.rename(columns={"raw": "raw_base"}), kn.rename(columns={"raw": "raw_new"})
     m = kb.merge(kn, on=["kernel", "category"], how="outer", suffixes=("_base", "_new")).fillna(
         {"count_base": 0.0, "count_new": 0.0, "total_us_base": 0.0, "total_us_new": 0.0})
     out = pd.DataFrame({
-        "kernel": m["kernel"], "category": m["category"],
+        "kernel": m["kernel"], "kernel_display": _display(m["raw_base"].fillna(m["raw_new"]).fillna(m["kernel"])),
+        "category": m["category"],
         "status": np.where(m["count_base"] == 0, "added", np.where(m["count_new"] == 0, "removed", "changed")),
         "base_count": m["count_base"], "new_count": m["count_new"],
         "base_ms": m["total_us_base"] / US, "new_ms": m["total_us_new"] / US,
@@ -248,6 +404,16 @@ def _diff_kernels(base, new, nb: int, nn: int) -> pd.DataFrame:
 
 
 _NORM: dict[str, str] = {}
+
+
+def _display(names: pd.Series) -> list[str]:
+    """Kernel names for people: demangled (C++ symbols such as _ZN7cutlass...) and shortened."""
+    vals = [str(v) for v in names]
+    try:
+        from ..names import display_many
+    except ImportError:  # pragma: no cover - names.py is part of the package
+        return [C.short_kernel_name(v) for v in vals]
+    return [shown for shown, _ in display_many(vals)]
 
 
 def _norm_cache(name: str) -> str:
@@ -282,6 +448,7 @@ class Rule:
         tripped = bool(cond and not no_change and not r["within_noise"])
         return {"rule": self.text, "metric": self.metric, "change": None if _nan(change) else float(change),
                 "unit": "%" if self.relative else r["unit"], "within_noise": bool(r["within_noise"]),
+                "noise": r.get("noise", "unknown"), "p_value": None if _nan(r.get("p_value", math.nan)) else float(r["p_value"]),
                 "tripped": tripped}
 
 

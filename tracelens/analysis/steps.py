@@ -160,8 +160,9 @@ def _count_in_steps(events: pd.DataFrame, steps: pd.DataFrame, step: int) -> int
 
 
 def op_shares(analysis) -> pd.DataFrame:
-    """Per op key (path / top-level op / op / input dims): GPU time and wall share (GPU + idle before)."""
-    g = analysis.gpu
+    """Per op key (path / top-level op / op / input dims): GPU time and wall share (GPU + idle before),
+    over the GPU events of the analysis window (the steady-state steps by default)."""
+    g = analysis.gpu if getattr(analysis, "gpu_window", None) is None else analysis.gpu_window
     cols = ["path", "top_op", "op", "input_dims", "gpu_us", "idle_us", "wall_us", "count"]
     if g.empty:
         return pd.DataFrame(columns=cols)
@@ -304,8 +305,34 @@ def run_manifest(trace) -> dict | None:
     return doc if isinstance(doc, dict) else None
 
 
-def manifest_step_roles(manifest: dict | None) -> dict[int, tuple[str, str]]:
-    """step -> (reason, detail) for the steps a run manifest marks as warm-up or trace-export steps."""
+def read_manifest(run_dir) -> dict | None:
+    """RUN/manifest.json as a dict, None when absent or unreadable (callers that need it name the error)."""
+    import json
+    from pathlib import Path
+
+    if run_dir is None:
+        return None
+    mf = Path(run_dir) / "manifest.json"
+    try:
+        doc = json.loads(mf.read_text()) if mf.is_file() else None
+    except (OSError, ValueError):
+        return None
+    return doc if isinstance(doc, dict) else None
+
+
+def steady_pipeline_step(steps: list[int], manifest: dict | None) -> int:
+    """The step a pipeline lanes view shows by default: the last step that is neither a warm-up step,
+    a profiled step (the profiler's own overhead) nor the trace-export step of the run's manifest;
+    the last step when every step is one of those or there is no manifest."""
+    roles = manifest_step_roles(manifest, include_profiled=True)
+    steady = [s for s in steps if s not in roles]
+    return (steady or list(steps))[-1]
+
+
+def manifest_step_roles(manifest: dict | None, include_profiled: bool = False) -> dict[int, tuple[str, str]]:
+    """step -> (reason, detail) for the steps a run manifest marks as warm-up or trace-export steps (and,
+    with include_profiled, the profiled steps: for data recorded outside the profiler, e.g. pipeline
+    actions, those steps carry the profiler's overhead)."""
     out: dict[int, tuple[str, str]] = {}
     if not manifest:
         return out
@@ -318,6 +345,9 @@ def manifest_step_roles(manifest: dict | None) -> dict[int, tuple[str, str]]:
     lo, hi = prof.get("step_start"), prof.get("step_end")
     if isinstance(lo, int) and isinstance(hi, int) and hi > lo:
         out[hi] = ("export", f"the profiler window is steps {lo}-{hi - 1}: it stops and writes the trace in step {hi}")
+        if include_profiled:
+            for s in range(lo, hi):
+                out[s] = ("profiled", f"step {s} ran under the profiler (profiled steps {lo}-{hi - 1})")
     return out
 
 
