@@ -26,6 +26,7 @@ from tracelens.analysis.pipeline import ACCOUNT_LABELS, ACCOUNT_PARTS, PipelineA
 
 KIND_COLORS = {"F": "#3b7dd8", "B": "#e4572e", "W": "#8e5ad6", "bubble": "#c9ced8"}
 ACCOUNT_COLORS = {"theory": "#9aa6b8", "imbalance": "#e8a33d", "comm": "#3b7dd8", "host": "#c0392b", "other": "#4a5263"}
+_SHORT = {"theory": "theory", "imbalance": "imbalance", "comm": "comm", "host": "host", "other": "other"}
 KIND_NAMES = {"F": "forward (F)", "B": "backward (B)", "W": "weight grad (W)"}
 
 
@@ -143,7 +144,7 @@ def account_context(res: PipelineAnalysis) -> dict[str, Any] | None:
     for part in ACCOUNT_PARTS:
         cols[f"{part}_ms"] = pr[f"{part}_ns"] / n / 1e6
         cols[f"{part}_pct"] = 100 * pr[f"{part}_ns"] / pr["idle_ns"].where(pr["idle_ns"] > 0)
-        table_cols += [(f"{part}_ms", f"{ACCOUNT_LABELS[part]} ms", "num"), (f"{part}_pct", "% of idle", "pct")]
+        table_cols += [(f"{part}_ms", f"{_SHORT[part]} ms/step", "num"), (f"{part}_pct", "% of idle", "pct")]
     table = html_table(pr.assign(**cols), table_cols)
     tot = acc.totals()
     parts = [{"part": p, "label": ACCOUNT_LABELS[p], "color": ACCOUNT_COLORS[p], "advice": acc.advice[p],

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 import tracelens
@@ -15,6 +17,8 @@ from .test_report_browser import browser, open_report, plot_ok  # noqa: F401  (f
 pytestmark = pytest.mark.browser
 
 U = 1000
+VPP2 = Path(__file__).resolve().parents[1] / "fixtures" / "h200_pp2_run" / "vpp2"
+PARTS = ["schedule theory", "stage imbalance", "p2p / comm wait", "host / launch overhead", "other"]
 EVIL = "</script><img src=x onerror=\"window.__pwned=1\">"
 
 
@@ -53,6 +57,19 @@ def test_ppvis_page(browser, tmp_path):  # noqa: F811
     # bubble chart: measured per rank + overall, theory 3/11 for 1F1B, p=4, m=8
     theory = page.evaluate("document.getElementById('plot-pp-bubble').data[1].y")
     assert theory == pytest.approx([100 * 3 / 11] * 5, abs=1e-3)
+    # bubble account: one stacked bar per rank, five parts; no traces, so no comm/host and no overhead here
+    acc = "document.getElementById('plot-pp-account')"
+    assert plot_ok(page, "plot-pp-account") > 3
+    assert page.evaluate(f"{acc}.data.map(t => t.name)") == PARTS
+    stacked = page.evaluate(f"{acc}.data.map(t => t.y)")
+    # per step (step 1), ms: theory min(18, idle) = 18, 18, 12, 18 µs; imbalance 18, 18, 0, 42 µs
+    assert stacked[0] == pytest.approx([0.018, 0.018, 0.012, 0.018]) and stacked[1] == pytest.approx([0.018, 0.018, 0, 0.042])
+    assert [sum(col) for col in zip(*stacked)] == pytest.approx([0.036, 0.036, 0.012, 0.060])  # = idle per rank
+    drawn = page.evaluate("""[...document.querySelectorAll('#plot-pp-account g.trace.bars g.point path')]
+                             .filter(p => p.getBBox().height > 0).length""")
+    assert drawn == 4 + 3  # theory on every rank, imbalance on all but rank 2 (the slow stage)
+    assert "Bubble account (step 1)" in page.inner_text("#pipeline")
+    assert page.locator("table.account-advice tr").count() == 5
     # a string from the manifest is shown as text, never run
     assert EVIL in page.inner_text("#pipeline")
     assert page.evaluate("window.__pwned") is None and page.locator("#pipeline img").count() == 0
@@ -73,5 +90,39 @@ def test_main_report_pipeline_section(browser, tmp_path):  # noqa: F811
     for div in ("plot-pp-lanes", "plot-pp-bubble", "plot-pp-stages"):
         assert plot_ok(page, div) > 3, div
     assert "move 1 layer to stage 3" in page.inner_text("#pipeline")
+    assert errors == []
+    page.close()
+
+
+def test_account_on_a_real_run(browser, tmp_path):  # noqa: F811
+    """The interleaved 2 x H200 run: ppvis.html and report.html show each rank's idle split into the five
+    parts; the bars add up to the measured idle, and the page's numbers are the analysis's."""
+    res = load_pipeline(VPP2)
+    pr = res.account.per_rank.sort_values("rank")
+    page, errors = open_report(browser, write_ppvis(res, tmp_path / "ppvis.html"))
+    assert plot_ok(page, "plot-pp-account") > 3
+    data = page.evaluate("document.getElementById('plot-pp-account').data.map(t => [t.name, t.x, t.y])")
+    assert [d[0] for d in data] == PARTS and data[0][1] == ["rank 0 · pp 0", "rank 1 · pp 1"]
+    for i, key in enumerate(["theory", "imbalance", "comm", "host", "other"]):
+        assert data[i][2] == pytest.approx((pr[f"{key}_ns"] / 1e6).tolist(), abs=1e-6)  # one step (4)
+    assert [sum(d[2][r] for d in data) for r in (0, 1)] == pytest.approx((pr["idle_ns"] / 1e6).tolist(), abs=1e-5)
+    # every part drawn on both ranks except imbalance on the slow stage's rank 1 (it waits on nobody)
+    drawn = page.evaluate("""[...document.querySelectorAll('#plot-pp-account g.trace.bars g.point path')]
+                             .filter(p => p.getBBox().height > 0).length""")
+    assert drawn == 9
+    text = page.inner_text("#pipeline")
+    assert "Bubble account (step 4)" in text and "the traces cover" in text
+    advice = page.locator("table.account-advice").inner_text()
+    assert "move 1 layer to stage 2" in advice and "CUDA graphs" in advice and "communication kernel" in advice
+    page.locator("#plot-pp-account").scroll_into_view_if_needed()
+    page.screenshot(path=str(tmp_path / "account.png"), full_page=False)
+    assert errors == []
+    page.close()
+    # the main report's pipeline section has the same account
+    a = tracelens.analyze(tracelens.load(VPP2))
+    page, errors = open_report(browser, write_report(a, tmp_path / "report.html"))
+    assert plot_ok(page, "plot-pp-account") > 3
+    data = page.evaluate("document.getElementById('plot-pp-account').data.map(t => t.y)")
+    assert [sum(col) for col in zip(*data)] == pytest.approx((pr["idle_ns"] / 1e6).tolist(), abs=1e-5)
     assert errors == []
     page.close()
