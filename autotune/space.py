@@ -17,7 +17,7 @@
                                  # environment variables of every trial
     limits: {memory_gib: 70}     # a trial whose peak memory exceeds this fails ("memory"); headroom
                                  # and near-OOM findings are measured against it
-    guided: {explore: 0, min_gain: 0.02, noise_z: 2, gemm_roof_pct: 50}
+    guided: {explore: 0, min_gain: 0.02, noise_z: 2, gemm_roof_pct: 50, model: true, kernel_table: null}
     command: null                # argv prefix replacing `python -m trainer.launch` (wrappers, tests)
 
 Every problem is a :class:`SpaceError` whose message is one line naming the file and the key.
@@ -47,7 +47,7 @@ OBJECTIVES = {  # name -> (manifest metric, maximize?)
 _KEYS = {"config", "nproc", "knobs", "baseline", "fixed", "constraints", "objective", "budget", "trial",
          "limits", "guided", "command"}
 _SUBKEYS = {"budget": {"trials", "wall_s"}, "trial": {"timeout_s", "stall_s", "env"}, "limits": {"memory_gib"},
-            "guided": {"explore", "min_gain", "noise_z", "gemm_roof_pct"}}
+            "guided": {"explore", "min_gain", "noise_z", "gemm_roof_pct", "model", "kernel_table"}}
 # names a constraint may call besides the config keys
 _SAFE_BUILTINS = {"min": min, "max": max, "abs": abs, "len": len, "sum": sum, "all": all, "any": any,
                   "sorted": sorted, "int": int, "float": float, "bool": bool, "set": set, "range": range}
@@ -77,6 +77,8 @@ class Space:
     min_gain: float = 0.02
     noise_z: float = 2.0
     gemm_roof_pct: float = 50.0
+    use_model: bool = True  # guided.model: rank candidates by the what-if model (tracelens.projection)
+    kernel_table: str | None = None  # guided.kernel_table: grouped-GEMM timings for the backend knob
     command: list[str] | None = None
     base_config: dict[str, Any] = field(default_factory=dict)  # resolved trainer config (+ fixed)
 
@@ -229,6 +231,8 @@ def parse_space(doc: Any, where: str = "space", check_trainer: bool = True, base
         min_gain=_num(where, "guided.min_gain", guided.get("min_gain", 0.02), float, 0),
         noise_z=_num(where, "guided.noise_z", guided.get("noise_z", 2), float, 0),
         gemm_roof_pct=_num(where, "guided.gemm_roof_pct", guided.get("gemm_roof_pct", 50), float, 0),
+        use_model=_flag(where, "guided.model", guided.get("model", True)),
+        kernel_table=_kernel_table(where, guided.get("kernel_table"), base_dir),
     )
     if check_trainer:
         _check_with_trainer(space, where)
@@ -243,6 +247,25 @@ def parse_space(doc: Any, where: str = "space", check_trainer: bool = True, base
     if not space.allowed(space.baseline):
         raise SpaceError(f"{where}: baseline: {key_of(space.baseline)} violates the constraints")
     return space
+
+
+def _flag(where: str, key: str, v) -> bool:
+    if not isinstance(v, bool):
+        raise SpaceError(f"{where}: {key}: must be true or false, got {v!r}")
+    return v
+
+
+def _kernel_table(where: str, v, base_dir: Path | None) -> str | None:
+    if v is None:
+        return None
+    if not isinstance(v, str):
+        raise SpaceError(f"{where}: guided.kernel_table: must be a file path")
+    p = Path(v)
+    if not p.is_absolute() and base_dir is not None and (base_dir / p).is_file():
+        p = base_dir / p
+    if not p.is_file():
+        raise SpaceError(f"{where}: guided.kernel_table: {v}: no such file")
+    return str(p.resolve())
 
 
 def _config_path(config: str, base_dir: Path | None) -> str:

@@ -200,6 +200,16 @@ class Sweep:
         best = self.evaluate(dict(self.space.baseline), "baseline", decide=lambda t: "start")
         if best["status"] != "ok":
             return f"baseline failed ({best['reason']}): nothing to steer from"
+        if self.space.use_model:
+            from .model_search import ModelSearch
+
+            ms = ModelSearch(self)
+            if ms.ready(best):
+                return ms.run(best)
+            self.log(f"[autotune] what-if model unavailable ({ms.why}): steering by the rules")
+        return self._guided_rules(best)
+
+    def _guided_rules(self, best: dict) -> str:
         explored = 0
         while self.budget_left():
             moves = [m for m in propose(self.space.knobs, best["knobs"], best["findings"], best["metrics"].get("signals"),

@@ -58,6 +58,11 @@ class GridReplay:
         t = self.store.done(key_of(point))
         if t is None:
             return TrialResult("failed", "crash", "crash: not measured by the grid", None, {})
+        src = Path(t["run_dir"] or "")
+        run_dir = Path(run_dir)
+        if src.is_dir() and not run_dir.exists():  # the grid trial's run dir (traces, manifest) for the model
+            run_dir.parent.mkdir(parents=True, exist_ok=True)
+            run_dir.symlink_to(src.resolve(), target_is_directory=True)
         metrics = dict(t["metrics"] or {})
         if metrics.get("step_times_s"):  # stores of older versions kept the spread under "noise"
             metrics["spread"], metrics["noise"] = step_spread(metrics), step_noise(metrics)
@@ -106,6 +111,43 @@ def compare(space, grid, guided, tolerance: float, max_share: float) -> dict:
     return out
 
 
+def accuracy(space, grid) -> dict:
+    """The what-if model's predictions of every grid point from the grid's baseline trial alone, against
+    the grid's measurements: absolute relative error of the objective per point, median and maximum; and
+    whether each point's memory verdict (fits / over the limit) was right."""
+    from tracelens.projection.whatif import Model
+
+    base = next((t for t in grid.trials if t["key"] == key_of(space.baseline) and t["status"] == "ok"), None)
+    if base is None:
+        return {"error": "the baseline trial did not finish"}
+    try:
+        m = Model.from_run(Path(base["run_dir"]), kernel_table=space.kernel_table, capacity_gib=space.memory_gib)
+    except Exception as e:  # noqa: BLE001
+        return {"error": f"{type(e).__name__}: {e}"}
+    rows = []
+    for t in grid.trials:
+        try:
+            p = m.predict({**space.fixed, **t["knobs"]})
+        except Exception as e:  # noqa: BLE001
+            rows.append({"knobs": t["knobs"], "error": f"{type(e).__name__}: {e}"})
+            continue
+        pred = base["objective"] * p.tokens_per_s_per_gpu / p.base_tokens_per_s_per_gpu if space.maximize \
+            else base["objective"] * p.step_s / p.base_step_s
+        row = {"knobs": t["knobs"], "predicted": pred, "uncertainty": p.uncertainty, "fits": p.fits,
+               "peak_gib": p.peak_gib, "status": t["status"], "failure": t["failure"], "measured": t["objective"],
+               "measured_peak_gib": (t["metrics"] or {}).get("signals", {}).get("peak_memory_gib")}
+        if t["status"] == "ok" and t["objective"]:
+            row["error"] = abs(pred - t["objective"]) / t["objective"]
+        rows.append(row)
+    errs = [r["error"] for r in rows if isinstance(r.get("error"), float) and r["knobs"] != space.baseline]
+    import statistics
+
+    mem_right = [r["fits"] == (r["failure"] not in ("oom", "memory")) for r in rows if "fits" in r]
+    return {"points": rows, "n": len(errs), "median_abs_error": statistics.median(errs) if errs else None,
+            "max_abs_error": max(errs) if errs else None,
+            "memory_verdicts_right": f"{sum(mem_right)}/{len(mem_right)}"}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--config", default="gpu_proxy", help="space name under autotune/spaces/, or a space YAML path")
@@ -115,6 +157,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tolerance", type=float, default=0.03)
     p.add_argument("--max-share", type=float, default=0.30)
     p.add_argument("--check", action="store_true", help="exit 1 when the guided search misses the targets")
+    p.add_argument("--accuracy", action="store_true",
+                   help="also predict every grid point from the baseline trial alone and report the errors")
     p.add_argument("--stop-after", type=float, metavar="SECONDS",
                    help="start no trial past this many seconds; exit 3 (continue with --resume)")
     args = p.parse_args(argv)
@@ -158,6 +202,8 @@ def main(argv: list[str] | None = None) -> int:
         return 3
     r = compare(space, grid, guided, args.tolerance, args.max_share)
     r["mode"] = "live" if args.live else "replay of the grid's measurements"
+    if args.accuracy:
+        r["prediction"] = accuracy(space, grid)
     (out / "bench_autotune.json").write_text(json.dumps(r, indent=1, default=str))
     fmt = lambda b: f"{b['objective']:.6g} at {b['knobs']}" if b else "none (every trial failed)"  # noqa: E731
     print(f"grid:   {r['grid_trials']} trials, best {space.objective} {fmt(r['grid_best'])}")
@@ -168,6 +214,21 @@ def main(argv: list[str] | None = None) -> int:
           f"(target >= {1 - args.tolerance:.2f}); guided's own measurement of it: {f4(r['ratio'])}")
     print(f"guided ran {share} of the grid's trials (target <= {100 * args.max_share:.0f}%): "
           f"{'PASS' if r['pass'] else 'MISS'}")
+    acc = r.get("prediction")
+    if acc:
+        if acc.get("error"):
+            print(f"prediction accuracy: n/a ({acc['error']})")
+        else:
+            for row in acc["points"]:
+                if "predicted" in row:
+                    meas = f"{row['measured']:.6g}" if row["measured"] else row["failure"]
+                    err = f"{100 * row['error']:5.1f}%" if "error" in row else "  -  "
+                    print(f"  predicted {row['predicted']:10.6g} +/- {100 * row['uncertainty']:3.0f}%  measured {meas:>10}"
+                          f"  error {err}  fits {row['fits']}  {row['knobs']}")
+            pct = lambda x: f"{100 * x:.1f}%" if x is not None else "n/a"  # noqa: E731
+            print(f"prediction from the baseline alone over {acc['n']} grid points: median abs error "
+                  f"{pct(acc['median_abs_error'])}, max {pct(acc['max_abs_error'])}; memory verdicts right "
+                  f"{acc['memory_verdicts_right']}")
     print(f"wrote {out / 'bench_autotune.json'}, {out / 'grid' / 'sweep.html'}, {out / 'guided' / 'sweep.html'}")
     return 1 if args.check and not r["pass"] else 0
 

@@ -1,0 +1,159 @@
+"""The guided search driven by the what-if model (``tracelens.projection.whatif``).
+
+After the baseline trial, every allowed point of the space that has not run is predicted from the
+nearest measured trial (fewest knobs changed; ties go to the incumbent): the model replays that
+trial's profiled step with the point's knobs, calibrated to the trial's measured step time, and
+projects its peak memory. Points predicted not to fit in memory are never run. The point with the
+best predicted objective runs next; it is kept when it beats the incumbent by more than the noise
+(:meth:`autotune.sweep.Sweep.better`), and its own trace becomes the anchor of the points nearest to
+it: the model is refit on every measurement. The search stops when no candidate's predicted gain over
+the incumbent beats the measured noise (``guided.noise_z`` standard errors of the incumbent's
+objective, at least ``guided.min_gain``), or the budget is spent.
+
+The policy's rules (``autotune/policy.py``) are no longer what orders the moves; the findings that
+motivate them are still shown in each trial's report. Without a usable model (no profiled step in the
+baseline's traces, a trainer that is not ours) the sweep falls back to the rules.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+from .space import key_of
+
+
+class ModelSearch:
+    def __init__(self, sweep):
+        self.sw = sweep
+        self.space = sweep.space
+        self.models: dict[int, Any] = {}
+        self.failed: dict[int, str] = {}
+        self.why = ""
+        self.predictions: list[dict] = list(sweep.store.get_meta("predictions", []) or [])
+
+    # ------------------------------------------------------------------ models per trial
+    def model_of(self, trial: dict):
+        tid = trial["id"]
+        if tid in self.models:
+            return self.models[tid]
+        if tid in self.failed:
+            return None
+        try:
+            from tracelens.projection.whatif import Model
+
+            m = Model.from_run(Path(trial["run_dir"]), kernel_table=self.space.kernel_table,
+                               capacity_gib=self.space.memory_gib)
+        except Exception as e:  # noqa: BLE001 - a trial the model cannot read is measured, not predicted from
+            self.failed[tid] = f"{type(e).__name__}: {' '.join(str(e).split())[:200]}"
+            return None
+        self.models[tid] = m
+        return m
+
+    def ready(self, base: dict) -> bool:
+        if self.model_of(base) is None:
+            self.why = self.failed.get(base["id"], "no model")
+            return False
+        return True
+
+    # ------------------------------------------------------------------ predictions
+    def _anchor(self, point: dict, anchors: list[dict], best: dict) -> dict:
+        def dist(t):
+            return sum(1 for k in self.space.knobs if t["knobs"].get(k) != point.get(k))
+
+        return min(anchors, key=lambda t: (dist(t), t["id"] != best["id"], -t["id"]))
+
+    def predict(self, point: dict, anchor: dict) -> dict | None:
+        m = self.model_of(anchor)
+        if m is None:
+            return None
+        try:
+            p = m.predict({**self.space.fixed, **point})
+        except Exception as e:  # noqa: BLE001 - a point the model refuses is left for the rules/grid
+            return {"error": f"{type(e).__name__}: {' '.join(str(e).split())[:160]}"}
+        base_obj = anchor["objective"]
+        if self.space.maximize:
+            obj = base_obj * p.tokens_per_s_per_gpu / p.base_tokens_per_s_per_gpu
+        else:
+            obj = base_obj * p.step_s / p.base_step_s
+        top = sorted(((p.components.get(c, 0.0) - p.base_components.get(c, 0.0), c) for c in p.components),
+                     key=lambda x: x[0])
+        change = ", ".join(f"{c} {1e3 * d:+.1f} ms" for d, c in top[:2] if d < 0)
+        return {"objective": obj, "uncertainty": p.uncertainty, "fits": p.fits, "peak_gib": p.peak_gib,
+                "anchor": anchor["id"], "modeled": p.modeled, "change": change,
+                "components_ms": {k: 1e3 * v for k, v in p.components.items()},
+                "base_components_ms": {k: 1e3 * v for k, v in p.base_components.items()}}
+
+    # ------------------------------------------------------------------ the search
+    def run(self, best: dict) -> str:
+        sw, space = self.sw, self.space
+        skipped_oom: set[str] = set()
+        while sw.budget_left():
+            # anchors: the trials this search has visited (so a resumed sweep replays the same decisions)
+            seen = set(sw.visited)
+            measured = [t for t in sw.store.trials(finished_only=True)
+                        if t["status"] == "ok" and t["run_dir"] and key_of(t["knobs"]) in seen]
+            anchors = [t for t in measured if self.model_of(t) is not None] or [best]
+            cands = []
+            for p in space.grid():
+                k = key_of(p)
+                if k in seen or k in skipped_oom:
+                    continue
+                pr = self.predict(p, self._anchor(p, anchors, best))
+                if pr is None or "error" in pr:
+                    continue
+                if not pr["fits"]:
+                    skipped_oom.add(k)
+                    sw.log(f"[autotune] not run: {_fmt(p)} predicted out of memory "
+                           f"({pr['peak_gib']:.1f} GiB projected)")
+                    self._record(None, p, pr, "predicted OOM: not run")
+                    continue
+                cands.append((pr["objective"], p, pr))
+            if not cands:
+                return "every allowed point measured or predicted not to fit"
+            cands.sort(key=lambda c: c[0], reverse=space.maximize)
+            obj, point, pr = cands[0]
+            inc = best["objective"]
+            gain = (obj - inc) / abs(inc) if space.maximize else (inc - obj) / abs(inc)
+            se = float((best["metrics"] or {}).get("noise") or 0.0)
+            noise = max(space.min_gain, space.noise_z * se)
+            if gain <= noise:
+                return (f"no candidate's predicted gain beats the noise (best: {_fmt(point)} predicted "
+                        f"{gain:+.1%} vs noise {noise:.1%})")
+            why = (f"what-if from trial {pr['anchor']}: predicted {obj:.4g} ({gain:+.1%} +/- "
+                   f"{100 * pr['uncertainty']:.0f}%)" + (f"; {pr['change']}" if pr["change"] else ""))
+            cur = best
+            t = sw.evaluate(point, why, parent=cur, source="whatif",
+                            decide=lambda t, cur=cur: "kept" if sw.better(t, cur) else
+                            ("failed" if t["status"] != "ok" else "reverted"))
+            self._record(t, point, pr, t["decision"])
+            if t["decision"] == "kept":
+                best = t
+        return "budget spent"
+
+    def _record(self, t: dict | None, point: dict, pr: dict, decision: str | None) -> None:
+        row = {"trial": t["id"] if t else None, "knobs": point, "predicted": pr["objective"],
+               "uncertainty": pr["uncertainty"], "anchor": pr["anchor"], "peak_gib": pr["peak_gib"],
+               "measured": t["objective"] if t and t["status"] == "ok" else None,
+               "status": t["status"] if t else "not run", "decision": decision, "modeled": pr["modeled"],
+               "components_ms": pr["components_ms"], "base_components_ms": pr["base_components_ms"]}
+        self.predictions = [r for r in self.predictions if r["knobs"] != point] + [row]
+        self.sw.store.set_meta("predictions", _finite(self.predictions))
+
+
+def _fmt(point: dict) -> str:
+    return ", ".join(f"{k}={v}" for k, v in point.items())
+
+
+def _finite(x):
+    if isinstance(x, float):
+        return x if math.isfinite(x) else None
+    if isinstance(x, dict):
+        return {k: _finite(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_finite(v) for v in x]
+    return x
+
+
+__all__ = ["ModelSearch"]
