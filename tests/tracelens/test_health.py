@@ -172,6 +172,9 @@ def test_a_rank_with_one_collective_removed_is_matched_correctly(tmp_path, colle
         assert r1["comm_us"] == pytest.approx(max(e1 - max(last, s1), 0), abs=1e-3)
         got += 1
     assert got == len(expected)
+    # the health check names the launch whose kernel is gone
+    dropped = _rows(health_checks(a, run_context(a.trace), inst=inst), "dropped_gpu_events")
+    assert dropped["ranks"].tolist() == [[1]] and dropped.iloc[0]["numbers"]["missing"] == 1
     # matching by global position (per family) would have paired differently after the gap
     if drop < len(k1[collective]) - 1:
         fam = inst[inst["collective"] == collective]
@@ -299,6 +302,23 @@ def test_swapped_distributed_info_ranks_are_an_error(tmp_path):
     assert r["numbers"]["p2p_self"] == [0] and r["numbers"]["assigned"] == 1
 
 
+def test_unlinked_kernels_counted_like_the_raw_json():
+    path = FIXTURES.parent.parent.parent / "shared" / "fixtures" / "external" / "tracelens" / "mi300_resnet_act_checkpoint.json.gz"
+    if not path.exists():
+        pytest.skip("../shared/fixtures not present")
+    ev = raw_events(path)
+    rt = {e["args"]["correlation"] for e in ev if e.get("cat") in ("cuda_runtime", "cuda_driver") and e.get("ph") == "X"
+          and "correlation" in (e.get("args") or {})}
+    ext = {e["args"].get("External id") for e in ev if e.get("cat") == "cpu_op" and e.get("args")}
+    gpu = [e for e in ev if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and e.get("ph") == "X"]
+    unl = [e for e in gpu if e["args"].get("correlation") not in rt and e["args"].get("External id") not in ext]
+    assert unl
+    _, df = _checks(path)
+    row = _rows(df, "unlinked_kernels").iloc[0]
+    assert row["severity"] == "warning" and row["numbers"]["events"] == len(unl)
+    assert row["numbers"]["us"] == pytest.approx(sum(float(e["dur"]) for e in unl), abs=1e-3)
+
+
 # ------------------------------------------------------------------------------------ run manifest
 
 
@@ -345,9 +365,21 @@ def test_profiler_overhead_from_the_manifest(tmp_path):
 # ------------------------------------------------------------------------------------ CLI
 
 
+class _Run:
+    def __init__(self, returncode, stdout, stderr):
+        self.returncode, self.stdout, self.stderr = returncode, stdout, stderr
+
+
 def _check_cli(*args):
-    return subprocess.run([sys.executable, "-m", "tracelens", "check", "--no-cache", *map(str, args)],
-                          capture_output=True, text=True)
+    """`tracelens check ARGS` in this process (click's runner: exit status, stdout and stderr apart)."""
+    from click.testing import CliRunner
+
+    from tracelens.cli import main
+
+    r = CliRunner().invoke(main, ["check", "--no-cache", *map(str, args)])
+    if r.exception is not None and not isinstance(r.exception, SystemExit):
+        raise r.exception
+    return _Run(r.exit_code, r.stdout, r.stderr)
 
 
 def test_check_cli_exit_codes(tmp_path):
