@@ -10,6 +10,19 @@ Links, as Kineto writes them:
 `build_tree` returns one row per host event (ops, annotations, nn.Module ranges, runtime calls) with its
 parent, innermost and outermost enclosing op and annotation/module path; `attribute_gpu` gives every
 GPU event its launch, ops, path and profiler step.
+
+The launching op of a GPU event (its `op_row`; the `inner_op` of a runtime call), exactly:
+1. where the trace names it: the runtime call's `External id` (else the GPU event's own) equals the
+   `External id` of a CPU op on the same rank. Older Kineto copies the correlation id into the
+   `External id` of runtime calls and GPU events; on a rank where every such id repeats the
+   correlation, the ids name no op and are ignored;
+2. otherwise the innermost CPU op enclosing the runtime call on its thread, by half-open intervals
+   [ts, ts + dur): an op that ends at the instant the call starts does not enclose it, one that ends
+   in the same microsecond as its child still encloses the child's calls, a zero-duration op encloses
+   nothing. Innermost = the latest start; at equal starts the one ending first; at equal start and end
+   the one entered later (larger External id, else later in the file). Computed over the ops alone
+   (`innermost_op_at`), so module/annotation ranges that partly overlap an op cannot shift it.
+tests/tracelens/test_attribution.py checks this against a plain sweep over the raw JSON events.
 """
 
 from __future__ import annotations
@@ -70,8 +83,14 @@ def build_tree(events: pd.DataFrame) -> pd.DataFrame:
     step_num = C.map_strings(names, _step_number, dtype=np.int64)
     is_step = (step_num >= 0) & (kind == KIND_ANNOTATION)
     rank_a, pid_a, tid_a = (host[c].to_numpy() for c in ("rank", "pid", "tid"))
-    # per thread; parents first: by start, then longer first, then annotation < module < op < runtime
+    ext_a = host["external_id"].to_numpy()
+    # per thread; parents first: by start, then longer first, then annotation < module < op < runtime,
+    # then the one entered first (smaller External id: identical intervals of a parent and its child)
     order = np.lexsort((kind, -dur, ts, tid_a, pid_a, rank_a))
+    o_ts, o_dur, o_kind, o_ext = ts[order], dur[order], kind[order], ext_a[order]
+    if ((o_ts[1:] == o_ts[:-1]) & (o_dur[1:] == o_dur[:-1]) & (o_kind[1:] == o_kind[:-1])
+            & (o_ext[1:] < o_ext[:-1])).any():  # rare: sort again with the External id as the last key
+        order = np.lexsort((ext_a, kind, -dur, ts, tid_a, pid_a, rank_a))
     so = (rank_a[order], pid_a[order], tid_a[order])
     new_group = np.ones(n, dtype=bool)
     new_group[1:] = (so[0][1:] != so[0][:-1]) | (so[1][1:] != so[1][:-1]) | (so[2][1:] != so[2][:-1])
@@ -105,14 +124,31 @@ def build_tree(events: pd.DataFrame) -> pd.DataFrame:
     path_s = spread(r_path, False)
     rt_pos = np.flatnonzero(o_kind_a == KIND_RUNTIME)
     if len(rt_pos):
-        top = _innermost_range_at(group[order], ts[order], end[order], rng_pos, parent_s, rt_pos)
+        o_group, o_ts, o_end = group[order], ts[order], end[order]
+        top = _innermost_range_at(o_group, o_ts, o_end, rng_pos, parent_s, depth_s, rt_pos)
         has = top >= 0
         parent_s[rt_pos] = top
         safe = np.where(has, top, 0)
         depth_s[rt_pos] = np.where(has, depth_s[safe] + 1, 0)
-        inner_s[rt_pos] = np.where(has, inner_s[safe], -1)
-        outer_s[rt_pos] = np.where(has, outer_s[safe], -1)
         path_s[rt_pos] = np.where(has, path_s[safe], 0)
+        # the launching op: named by the call's External id, else the innermost op enclosing it in time
+        r_par = parent_s[rng_pos]
+        if (o_end[rng_pos][r_par >= 0] <= o_end[r_par[r_par >= 0]]).all():
+            # properly nested ranges: the ranges open at t are the innermost one's ancestors, so its
+            # innermost op is the innermost op open at t
+            launcher = np.where(has, inner_s[safe], -1)
+        else:  # some range outlasts its parent: search the ops alone
+            op_pos = np.flatnonzero(o_kind_a == KIND_OP)  # sorted by (thread, ts, -end, External id, row)
+            k = innermost_op_at(o_group[op_pos], o_ts[op_pos], o_end[op_pos], o_group[rt_pos], o_ts[rt_pos])
+            launcher = np.where(k >= 0, op_pos[np.maximum(k, 0)], -1)
+        o_rank, o_ext = rank_a[order], ext_a[order]
+        named = _op_by_external_id(o_rank, o_ext, labels[order], o_kind_a == KIND_OP, o_rank[rt_pos],
+                                   o_ext[rt_pos], _ranks_with_op_ids(events))
+        launcher = np.where(named >= 0, named, launcher)
+        has = launcher >= 0
+        safe = np.where(has, launcher, 0)
+        inner_s[rt_pos] = np.where(has, launcher, -1)
+        outer_s[rt_pos] = np.where(has, outer_s[safe], -1)
     parent, depth, inner, outer, path = parent_s, depth_s, inner_s, outer_s, path_s
 
     # sorted positions -> original row labels
@@ -289,38 +325,63 @@ def link_ranges_walk(group, ts, end, kind, name, is_step):
 
 
 def _innermost_range_at(group: np.ndarray, ts: np.ndarray, end: np.ndarray, rng_pos: np.ndarray,
-                        parent: np.ndarray, query_pos: np.ndarray) -> np.ndarray:
+                        parent: np.ndarray, depth: np.ndarray, query_pos: np.ndarray) -> np.ndarray:
     """For each query event (sorted position), the innermost range open at its start on its thread.
 
     The stack top is a step function of time: range r opens at ts[r] (top := r) and closes at end[r]
-    (top := parent[r]). Closings sort before openings at the same instant, matching the walk, where a
-    range ending exactly when another event starts does not enclose it. Arrays are in sorted order.
+    (top := parent[r]). At one instant: closings first, the deepest first (a child ending in the same
+    microsecond as its parent is closed before it, so the parent's parent is the top after both), then
+    openings in tree order, a zero-length range closing right after its own opening (it never stays
+    open). So a range ending exactly when another event starts does not enclose it, as in the walk.
+    Arrays are in sorted order.
     """
     out = np.full(len(query_pos), -1, dtype=np.int64)
     if len(rng_pos) == 0 or len(query_pos) == 0:
         return out
     r_group = group[rng_pos]
     q_group = group[query_pos]
-    # boundaries: (group, time, 0=close/1=open) -> new top
-    b_group = np.concatenate([r_group, r_group])
-    b_time = np.concatenate([ts[rng_pos], end[rng_pos]])
-    b_kind = np.concatenate([np.ones(len(rng_pos), np.int8), np.zeros(len(rng_pos), np.int8)])
-    b_top = np.concatenate([rng_pos, parent[rng_pos]])
-    # a query at the same instant as an opening is inside it (ranges sort before runtime calls)
-    border = np.lexsort((b_kind, b_time, b_group))
-    b_group, b_time, b_top = b_group[border], b_time[border], b_top[border]
+    r_ts = ts[rng_pos]
+    r_end = np.maximum(end[rng_pos], r_ts)  # a negative duration is a zero-length range
+    zero = r_end == r_ts
     q_time = ts[query_pos]
-    t0 = min(int(b_time.min()), int(q_time.min()))
-    span = max(int(b_time.max()), int(q_time.max())) - t0 + 1
-    if int(max(b_group.max(), q_group.max()) + 1) * span < (1 << 62):
-        # one search over (thread, time) keys: the last boundary at or before each query's start on the
-        # query's own thread (a hit on an earlier thread means none)
-        idx = np.searchsorted(b_group * span + (b_time - t0), q_group * span + (q_time - t0), side="right") - 1
-        ok = idx >= 0
-        ok[ok] = b_group[idx[ok]] == q_group[ok]
-        out[ok] = b_top[idx[ok]]
+    d = depth[rng_pos].astype(np.int64)
+    t0 = min(int(r_ts.min()), int(q_time.min()))
+    span = max(int(r_end.max()), int(q_time.max())) - t0 + 1
+    n_groups = int(max(r_group.max(), q_group.max())) + 1
+    dmax = int(d.max(initial=0)) + 1
+    if n_groups * span * dmax < (1 << 62):
+        # The last boundary at or before each query decides: the last opening (ranges are in tree order,
+        # so by (thread, start)) against the last closing of a non-empty range (sorted by (thread, end),
+        # the shallowest last among equal ends). A closing wins only when strictly later; a zero-length
+        # range that opened last has closed again, leaving its parent on top.
+        q_key = q_group * span + (q_time - t0)
+        o_idx = np.searchsorted(r_group * span + (r_ts - t0), q_key, side="right") - 1
+        nz = np.flatnonzero(~zero)
+        c_key = r_group[nz] * span + (r_end[nz] - t0)
+        c_ord = np.argsort(c_key * dmax + (dmax - 1 - d[nz]), kind="stable")
+        c_key, c_rng = c_key[c_ord], nz[c_ord]
+        c_idx = np.searchsorted(c_key, q_key, side="right") - 1
+        o_ok = o_idx >= 0
+        o_ok[o_ok] = r_group[o_idx[o_ok]] == q_group[o_ok]
+        c_ok = c_idx >= 0
+        c_ok[c_ok] = r_group[c_rng[c_idx[c_ok]]] == q_group[c_ok]
+        o_i, c_i = np.maximum(o_idx, 0), c_rng[np.maximum(c_idx, 0)]
+        close_wins = c_ok & (~o_ok | (r_end[c_i] > r_ts[o_i]))
+        o_top = np.where(zero[o_i], parent[rng_pos[o_i]], rng_pos[o_i])
+        out = np.where(close_wins, parent[rng_pos[c_i]], np.where(o_ok, o_top, -1))
         return out
-    for g in np.unique(q_group):  # astronomically long traces: thread by thread
+    # astronomically long traces: all boundaries sorted, thread by thread. Closings of non-empty ranges
+    # first, the deepest first; then openings in tree order, a zero-length range closing right after
+    # its opening
+    pos2 = 2 * np.arange(len(rng_pos), dtype=np.int64)
+    base = dmax
+    b_group = np.concatenate([r_group, r_group])
+    b_time = np.concatenate([r_ts, r_end])
+    b_tie = np.concatenate([base + pos2, np.where(zero, base + pos2 + 1, base - 1 - d)])
+    b_top = np.concatenate([rng_pos, parent[rng_pos]])
+    border = np.lexsort((b_tie, b_time, b_group))
+    b_group, b_time, b_top = b_group[border], b_time[border], b_top[border]
+    for g in np.unique(q_group):
         lo, hi = np.searchsorted(b_group, [g, g + 1])
         if lo == hi:
             continue
@@ -328,6 +389,120 @@ def _innermost_range_at(group: np.ndarray, ts: np.ndarray, end: np.ndarray, rng_
         idx = np.searchsorted(b_time[lo:hi], ts[query_pos[qm]], side="right") - 1
         ok = idx >= 0
         out[qm[ok]] = b_top[lo:hi][idx[ok]]
+    return out
+
+
+def _last_at_or_before(group: np.ndarray, ts: np.ndarray, q_group: np.ndarray, q_t: np.ndarray) -> np.ndarray:
+    """Index of the last element with (group, ts) <= (q_group, q_t) in arrays sorted by (group, ts), -1 if
+    that element is on another group or there is none."""
+    t0 = min(int(ts.min()), int(q_t.min()))
+    span = max(int(ts.max()), int(q_t.max())) - t0 + 1
+    if int(max(group.max(), q_group.max()) + 1) * span < (1 << 62):
+        idx = np.searchsorted(group * span + (ts - t0), q_group * span + (q_t - t0), side="right") - 1
+    else:  # astronomically long traces: group by group
+        idx = np.full(len(q_t), -1, dtype=np.int64)
+        for g in np.unique(q_group):
+            lo, hi = np.searchsorted(group, [g, g + 1])
+            qm = np.flatnonzero(q_group == g)
+            idx[qm] = np.where(hi > lo, lo + np.searchsorted(ts[lo:hi], q_t[qm], side="right") - 1, -1)
+    ok = idx >= 0
+    ok[ok] = group[idx[ok]] == q_group[ok]
+    return np.where(ok, idx, -1)
+
+
+def previous_greater(group: np.ndarray, end: np.ndarray) -> np.ndarray:
+    """For each i, the largest j < i of the same group with end[j] > end[i] (-1 if none), by pointer
+    jumping: every element between j and i ends no later than i, which the jumps keep true."""
+    m = len(end)
+    prev = np.arange(m, dtype=np.int64) - 1
+    if m == 0:
+        return prev
+    prev[np.r_[True, group[1:] != group[:-1]]] = -1
+    act = np.flatnonzero(prev >= 0)
+    act = act[end[prev[act]] <= end[act]]
+    # none at all where i ends no earlier than everything before it in its group (e.g. the long runs of
+    # top-level ops, which pointer jumping would otherwise walk in log2(run) rounds)
+    t0 = int(end.min())
+    span = int(end.max()) - t0 + 1
+    if len(act) and int(group.max() + 1) * span < (1 << 62):
+        key = group * span + (end - t0)
+        run_max = np.maximum.accumulate(key)
+        none = run_max[act - 1] <= key[act]  # an earlier group's keys are all smaller than this group's
+        prev[act[none]] = -1
+        act = act[~none]
+    while len(act):
+        nxt = prev[prev[act]]  # prev[act] >= 0 here
+        prev[act] = nxt
+        keep = nxt >= 0
+        act, nxt = act[keep], nxt[keep]
+        act = act[end[nxt] <= end[act]]
+    return prev
+
+
+def innermost_op_at(group: np.ndarray, ts: np.ndarray, end: np.ndarray, q_group: np.ndarray,
+                    q_t: np.ndarray) -> np.ndarray:
+    """Innermost op open at each query instant on the query's group (thread), by half-open intervals.
+
+    Ops are sorted by (group, ts, -end, then inner after outer at identical intervals), so the op open
+    at t with the latest start (the innermost) is the last op with ts <= t whose end > t. From the last
+    op started by t, step back through `previous_greater` (the ops skipped end no later than the one
+    left, so they are closed too) until an op still open at t; no nesting is assumed. Returns indices
+    into the ops, -1 where none is open.
+    """
+    out = np.full(len(q_t), -1, dtype=np.int64)
+    if len(ts) == 0 or len(q_t) == 0:
+        return out
+    cur = _last_at_or_before(group, ts, q_group, q_t)
+    q = np.flatnonzero(cur >= 0)
+    c = cur[q]
+    prev = None
+    while len(q):
+        closed = end[c] <= q_t[q]
+        out[q[~closed]] = c[~closed]
+        if not closed.any():
+            break
+        if prev is None:
+            prev = previous_greater(group, end)
+        q, c = q[closed], prev[c[closed]]
+        keep = c >= 0
+        q, c = q[keep], c[keep]
+    return out
+
+
+def _ranks_with_op_ids(events: pd.DataFrame) -> np.ndarray:
+    """Ranks whose runtime calls / GPU events carry External ids naming ops (see `_ranks_with_op_ids_of`)."""
+    sel = C.isin(events["cat"], C.RUNTIME_CATS | C.GPU_CATS)
+    return _ranks_with_op_ids_of(events["rank"].to_numpy()[sel], events["external_id"].to_numpy()[sel],
+                                 events["correlation"].to_numpy()[sel])
+
+
+def _ranks_with_op_ids_of(rank: np.ndarray, ext: np.ndarray, corr: np.ndarray) -> np.ndarray:
+    """Ranks where some runtime call or GPU event has an External id different from its correlation:
+    those ids name ops. Older Kineto writes the correlation id into both, which names nothing."""
+    differs = (ext >= 0) & (corr >= 0) & (ext != corr)
+    return np.unique(rank[differs])
+
+
+def _op_by_external_id(rank: np.ndarray, ext: np.ndarray, row: np.ndarray, is_op: np.ndarray, q_rank: np.ndarray,
+                       q_ext: np.ndarray, op_id_ranks: np.ndarray) -> np.ndarray:
+    """For each query (rank, External id), the index of the op (among the candidates rank/ext/row/is_op)
+    with that External id on that rank, the first in the file (smallest row label) where several have
+    it; -1 where none, or where the rank's ids do not name ops."""
+    out = np.full(len(q_ext), -1, dtype=np.int64)
+    if len(op_id_ranks) == 0 or len(q_ext) == 0:
+        return out
+    use = (q_ext >= 0) & np.isin(q_rank, op_id_ranks)
+    cand = np.flatnonzero(is_op & (ext >= 0))
+    if not use.any() or len(cand) == 0:
+        return out
+    cand = cand[np.argsort(row[cand], kind="stable")]
+    idx = pd.Index(_key(rank[cand], ext[cand]))
+    if not idx.is_unique:
+        first = ~idx.duplicated()
+        idx, cand = idx[first], cand[first]
+    hit = idx.get_indexer(_key(q_rank[use], q_ext[use]))
+    sel = np.flatnonzero(use)
+    out[sel[hit >= 0]] = cand[hit[hit >= 0]]
     return out
 
 
@@ -380,24 +555,32 @@ def attribute_gpu(gpu: pd.DataFrame, tree: pd.DataFrame, steps: pd.DataFrame) ->
     inner = np.full(n, -1, dtype=np.int64)
     outer = np.full(n, -1, dtype=np.int64)
     launch_ts = np.full(n, -1, dtype=np.int64)
+    launch_ext = np.full(n, -1, dtype=np.int64)
+    t_outer = tree["outer_op"].to_numpy()
     if has_launch.any():
         pos = _positions(tree, launch[has_launch])
-        inner[has_launch] = tree["inner_op"].to_numpy()[pos]
-        outer[has_launch] = tree["outer_op"].to_numpy()[pos]
+        inner[has_launch] = tree["inner_op"].to_numpy()[pos]  # the runtime call's launching op (build_tree)
+        outer[has_launch] = t_outer[pos]
         launch_ts[has_launch] = tree["ts"].to_numpy()[pos]
-    # fallback: the op with the kernel's External id
-    need = (inner < 0) & (g["external_id"].to_numpy() >= 0)
+        launch_ext[has_launch] = tree["external_id"].to_numpy()[pos]
+    # where the runtime call carries no External id (or there is no runtime call), the GPU event's own
+    # External id names the op, on ranks whose ids name ops at all
+    g_ext = g["external_id"].to_numpy()
+    need = (launch_ext < 0) & (g_ext >= 0)
     if need.any():
-        ops = tree.loc[tree["kind"].to_numpy() == KIND_OP, ["rank", "external_id"]]
-        idx = pd.Index(_key(ops["rank"].to_numpy(), ops["external_id"].to_numpy()))
-        keep = ~idx.duplicated() & (ops["external_id"].to_numpy() >= 0)
-        idx, ops = idx[keep], ops[keep]
-        pos = idx.get_indexer(_key(g["rank"].to_numpy()[need], g["external_id"].to_numpy()[need]))
-        found = pos >= 0
+        rt_rows = (tree["kind"].to_numpy() == KIND_RUNTIME)
+        op_id_ranks = _ranks_with_op_ids_of(
+            np.concatenate([tree["rank"].to_numpy()[rt_rows], g["rank"].to_numpy()]),
+            np.concatenate([tree["external_id"].to_numpy()[rt_rows], g_ext]),
+            np.concatenate([tree["correlation"].to_numpy()[rt_rows], g["correlation"].to_numpy()]))
+        t_ext = tree["external_id"].to_numpy()
+        hit = _op_by_external_id(tree["rank"].to_numpy(), t_ext, tree.index.to_numpy(),
+                                 tree["kind"].to_numpy() == KIND_OP, g["rank"].to_numpy()[need], g_ext[need],
+                                 op_id_ranks)
+        found = hit >= 0
         sel = np.flatnonzero(need)[found]
-        op_rows = ops.index.to_numpy()[pos[found]]
-        inner[sel] = op_rows
-        outer[sel] = tree["outer_op"].to_numpy()[_positions(tree, op_rows)]
+        inner[sel] = tree.index.to_numpy()[hit[found]]
+        outer[sel] = t_outer[hit[found]]
     out = g.copy(deep=False)  # new columns only: the caller's frame is left as it is
     out["launch"] = launch
     out["launch_ts"] = launch_ts
