@@ -60,17 +60,25 @@ class _Writer:
 
     def slices_on(self, track: int, starts: np.ndarray, ends: np.ndarray, names: list[str],
                   depth: np.ndarray | None = None, args: list[dict] | None = None) -> None:
-        """Slices as BEGIN/END pairs in an order Perfetto accepts: by time, ends before begins at the
-        same instant, deeper ends first and shallower begins first."""
+        """Slices as BEGIN/END pairs in an order Perfetto accepts: by time; at one instant the ends of
+        slices with a duration first, deeper ones first, then the begins, shallower ones first (in the
+        given order at equal depth), a zero-duration slice's end right after its own begin, so it
+        nests where it is and never closes its parent or stays open."""
         n = len(starts)
         if n == 0:
             return
-        depth = np.zeros(n, dtype=np.int64) if depth is None else depth
-        ts = np.concatenate([starts, ends]).astype(np.int64) - self.t0
+        depth = np.zeros(n, dtype=np.int64) if depth is None else np.asarray(depth, dtype=np.int64)
+        starts = np.asarray(starts, dtype=np.int64)
+        ends = np.maximum(np.asarray(ends, dtype=np.int64), starts)  # an end before its begin: zero duration
+        zero = ends == starts
+        ts = np.concatenate([starts, ends]) - self.t0
         kind = np.concatenate([np.ones(n, np.int64), np.zeros(n, np.int64)])  # 0 = end, 1 = begin
-        tie = np.concatenate([depth, -depth])
+        # class 0: ends of slices with a duration; class 1: begins and zero-duration ends
+        cls = np.concatenate([np.ones(n, np.int64), zero.astype(np.int64)])
+        tie = np.concatenate([depth, np.where(zero, depth, -depth)])
+        sub = np.concatenate([2 * np.arange(n), 2 * np.arange(n) + 1])
         idx = np.concatenate([np.arange(n), np.arange(n)])
-        order = np.lexsort((tie, kind, ts))
+        order = np.lexsort((sub, tie, cls, ts))
         for o in order:
             i = idx[o]
             p = self.b.create_packet()
