@@ -8,6 +8,7 @@ imports only the standard library and PyYAML, so the launcher can validate witho
 from __future__ import annotations
 
 import copy
+import math
 from pathlib import Path
 from typing import Any
 
@@ -131,6 +132,22 @@ _CHOICES = {
     "optimizer": ("adamw", "adamw_fused"),
 }
 
+# Bounds (docs/trainer.md "Bounds"): every integer key is in [0, MAX_INT] (seed: [0, MAX_SEED]); the ones below
+# also have a floor of 1 or a tighter ceiling. Far above any real model, they turn an impossible value into one
+# line instead of a multi-terabyte allocation or a hang.
+MAX_INT = 2**31 - 1
+MAX_SEED = 2**63 - 1
+_INT_MAX = {"vocab_size": 2**24, "seq_len": 2**24, "n_layers": 100_000}
+MAX_TOKENS_PER_STEP = 2**28  # microbatches * micro_batch_size * seq_len per replica (the step's token array)
+# Float keys: (lowest, highest, lowest allowed?) beyond "finite".
+_FLOAT_RANGES = {
+    "lr": (0.0, None, True), "min_lr_ratio": (0.0, 1.0, True), "weight_decay": (0.0, None, True),
+    "adam_beta1": (0.0, 1.0, True), "adam_beta2": (0.0, 1.0, True), "grad_clip": (0.0, None, True),
+    "aux_loss_coef": (0.0, None, True), "routed_scaling_factor": (0.0, None, False), "rms_eps": (0.0, None, False),
+    "rope_theta": (0.0, None, False), "init_std": (0.0, None, True),
+}
+MAX_CONFIG_BYTES = 1 << 20
+
 # Keys that also get a dedicated CLI flag (``--sync-free-level 2`` == ``--set sync_free_level=2``).
 CLI_FLAG_KEYS = ("sync_free_level", "grouped_gemm_backend", "recompute_layer_ids", "loss_fusion",
                  "manual_gc", "numa_bind", "steps", "ep", "dp", "dp_mode", "dtype", "device",
@@ -138,17 +155,51 @@ CLI_FLAG_KEYS = ("sync_free_level", "grouped_gemm_backend", "recompute_layer_ids
                  "microbatches")
 
 
-def _parse_value(text: str) -> Any:
+def _parse_value(text: str, key: str = "config", where: str = "") -> Any:
+    """``yaml.safe_load`` (plain YAML: no ``!!python`` tags), every failure a one-line ConfigError."""
     import yaml
 
-    return yaml.safe_load(text)
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        raise ConfigError(key, f"{where}{_yaml_problem(err)}") from None
+    except RecursionError:
+        raise ConfigError(key, f"{where}YAML nested too deeply") from None
+
+
+def _yaml_problem(err) -> str:
+    problem = " ".join(str(getattr(err, "problem", None) or err).split())
+    if "constructor for the tag" in problem:
+        tag = problem.split("tag", 1)[1].strip(" '").replace("tag:yaml.org,2002:", "!!")
+        problem = f"YAML tag {tag} is not allowed (plain YAML values only)"
+    mark = getattr(err, "problem_mark", None)
+    where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+    return f"invalid YAML: {where}{problem}"[:300]
 
 
 def parse_override(item: str) -> tuple[str, Any]:
     if "=" not in item:
         raise ConfigError(item, "override must look like key=value")
     key, _, value = item.partition("=")
-    return key.strip(), _parse_value(value)
+    return key.strip(), _parse_value(value, key.strip() or "config")
+
+
+def _read_yaml_file(p: Path) -> Any:
+    """A config file's YAML, bounded: a regular file of at most MAX_CONFIG_BYTES of UTF-8 text."""
+    try:
+        if not p.is_file():
+            raise ConfigError("config", f"{p}: not a regular file")
+        size = p.stat().st_size
+        if size > MAX_CONFIG_BYTES:
+            raise ConfigError("config", f"{p}: {size} bytes is too large for a config (at most {MAX_CONFIG_BYTES})")
+        raw = p.read_bytes()[:MAX_CONFIG_BYTES + 1]
+    except OSError as err:
+        raise ConfigError("config", f"{p}: cannot read ({err.strerror or err})") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise ConfigError("config", f"{p}: not a UTF-8 text file (byte {err.start}): a YAML config was expected") from None
+    return _parse_value(text, "config", f"{p}: ")
 
 
 def resolve_config_path(name: str | Path) -> Path:
@@ -163,13 +214,10 @@ def resolve_config_path(name: str | Path) -> Path:
 
 def load_config(path: str | Path | None = None, overrides: list[str] | dict | None = None) -> dict:
     """Defaults <- YAML file <- overrides, then type/consistency checks (not the world size)."""
-    import yaml
-
     cfg = copy.deepcopy(DEFAULTS)
     if path is not None:
         p = resolve_config_path(path)
-        with open(p) as f:
-            data = yaml.safe_load(f) or {}
+        data = _read_yaml_file(p) or {}
         if not isinstance(data, dict):
             raise ConfigError("config", f"{p} must hold a mapping")
         _merge(cfg, data)
@@ -182,17 +230,22 @@ def load_config(path: str | Path | None = None, overrides: list[str] | dict | No
 
 def _merge(cfg: dict, data: dict) -> None:
     for key, value in data.items():
-        if key not in DEFAULTS:
-            raise ConfigError(key, "unknown config key")
+        if not isinstance(key, str) or key not in DEFAULTS:
+            raise ConfigError(str(key)[:80], "unknown config key")
         cfg[key] = value
 
 
 def _check_type(cfg: dict, key: str) -> None:
     v = cfg[key]
     if key in _INT_KEYS and (not isinstance(v, int) or isinstance(v, bool)):
-        raise ConfigError(key, f"expected an integer, got {v!r}")
+        raise ConfigError(key, f"expected an integer, got {_short(v)}")
     if key in _OPT_INT_KEYS and v is not None and (not isinstance(v, int) or isinstance(v, bool)):
-        raise ConfigError(key, f"expected an integer or null, got {v!r}")
+        raise ConfigError(key, f"expected an integer or null, got {_short(v)}")
+    if (key in _INT_KEYS or key in _OPT_INT_KEYS) and v is not None:
+        lo = 1 if key in _OPT_INT_KEYS else 0
+        hi = MAX_SEED if key == "seed" else _INT_MAX.get(key, MAX_INT)
+        if not lo <= v <= hi:
+            raise ConfigError(key, f"must be between {lo} and {hi}, got {_short(v)}")
     if key in _FLOAT_KEYS:
         if isinstance(v, str):  # YAML 1.1 reads "1e-2" as a string
             try:
@@ -200,12 +253,35 @@ def _check_type(cfg: dict, key: str) -> None:
             except ValueError:
                 pass
         if isinstance(v, bool) or not isinstance(v, (int, float)):
-            raise ConfigError(key, f"expected a number, got {v!r}")
-        cfg[key] = float(v)
+            raise ConfigError(key, f"expected a number, got {_short(v)}")
+        try:
+            v = float(v)
+        except OverflowError:
+            v = math.inf
+        if not math.isfinite(v):
+            raise ConfigError(key, f"must be a finite number, got {v!r}")
+        lo, hi, lo_ok = _FLOAT_RANGES.get(key, (None, None, True))
+        if lo is not None and (v < lo or (v == lo and not lo_ok)):
+            raise ConfigError(key, f"must be {'>=' if lo_ok else '>'} {lo:g}, got {v!r}")
+        if hi is not None and v > hi:
+            raise ConfigError(key, f"must be <= {hi:g}, got {v!r}")
+        cfg[key] = v
     if key in _BOOL_KEYS and not isinstance(v, bool):
-        raise ConfigError(key, f"expected true/false, got {v!r}")
-    if key in _CHOICES and v not in _CHOICES[key]:
-        raise ConfigError(key, f"{v!r} is not one of {', '.join(map(str, _CHOICES[key]))}")
+        raise ConfigError(key, f"expected true/false, got {_short(v)}")
+    if key in _CHOICES and (not isinstance(v, (str, int, float, type(None))) or v not in _CHOICES[key]):
+        raise ConfigError(key, f"{_short(v)} is not one of {', '.join(map(str, _CHOICES[key]))}")
+
+
+def _finite(x: int | float) -> bool:
+    try:
+        return math.isfinite(x)
+    except OverflowError:  # an int beyond float range
+        return False
+
+
+def _short(v: Any) -> str:
+    text = repr(v)
+    return text if len(text) <= 80 else text[:80] + "..."
 
 
 def validate(cfg: dict) -> None:
@@ -244,9 +320,15 @@ def validate(cfg: dict) -> None:
     if not 0 <= cfg["first_k_dense"] <= cfg["n_layers"]:
         raise ConfigError("first_k_dense", "must be between 0 and n_layers")
     ids = cfg["recompute_layer_ids"]
-    if not isinstance(ids, list) or any(not isinstance(i, int) or not 0 <= i < cfg["n_layers"] for i in ids):
+    if not isinstance(ids, list) or any(type(i) is not int or not 0 <= i < cfg["n_layers"] for i in ids):
         raise ConfigError("recompute_layer_ids",
-                          f"must be a list of layer indices in [0, {cfg['n_layers']}), got {ids!r}")
+                          f"must be a list of layer indices in [0, {cfg['n_layers']}), got {_short(ids)}")
+    if len(set(ids)) != len(ids):
+        raise ConfigError("recompute_layer_ids", f"lists a layer twice: {_short(ids)}")
+    tokens = cfg["microbatches"] * cfg["micro_batch_size"] * cfg["seq_len"]
+    if tokens > MAX_TOKENS_PER_STEP:
+        raise ConfigError("micro_batch_size", f"microbatches * micro_batch_size * seq_len = {tokens} tokens per step "
+                                              f"and replica is more than {MAX_TOKENS_PER_STEP}")
     if cfg["manual_gc"] < 0:
         raise ConfigError("manual_gc", "must be >= 0")
     if cfg["loss_chunk_size"] < 1:
@@ -255,8 +337,12 @@ def validate(cfg: dict) -> None:
         raise ConfigError("grouped_gemm_align", "must be >= 0")
     if cfg["multistream_num_streams"] < 1:
         raise ConfigError("multistream_num_streams", "must be >= 1")
-    if not isinstance(cfg["env"], dict):
-        raise ConfigError("env", "must be a mapping of environment variable -> value")
+    if not isinstance(cfg["env"], dict) or any(
+            not isinstance(k, str) or not k or "=" in k or "\0" in k
+            or not isinstance(v, (str, int, float, bool)) or "\0" in str(v) for k, v in cfg["env"].items()):
+        raise ConfigError("env", f"must be a mapping of environment variable -> value (scalars), got {_short(cfg['env'])}")
+    if cfg["data_path"] is not None and (not isinstance(cfg["data_path"], str) or "\0" in cfg["data_path"]):
+        raise ConfigError("data_path", f"expected a path or null, got {_short(cfg['data_path'])}")
     if cfg["data"] == "memmap" and not cfg["data_path"]:
         raise ConfigError("data_path", "data=memmap needs data_path")
     if cfg["profile_step_start"] < 0:
@@ -273,13 +359,13 @@ def _validate_pipeline(cfg: dict) -> None:
         if cfg[key] < 1:
             raise ConfigError(key, f"must be >= 1, got {cfg[key]}")
     costs = cfg["pipeline_layer_costs"]
-    if costs is not None and (not isinstance(costs, list) or
-                              any(isinstance(c, bool) or not isinstance(c, (int, float)) for c in costs)):
-        raise ConfigError("pipeline_layer_costs", f"must be null or a list of numbers, got {costs!r}")
+    if costs is not None and (not isinstance(costs, list) or any(
+            isinstance(c, bool) or not isinstance(c, (int, float)) or not _finite(c) for c in costs)):
+        raise ConfigError("pipeline_layer_costs", f"must be null or a list of numbers (finite), got {_short(costs)}")
     if pp == 1:
         for key, default in (("vpp", 1), ("pipeline_layout", None), ("pipeline_layer_costs", None)):
             if cfg[key] != default:
-                raise ConfigError(key, f"needs pipeline parallelism (pp > 1), got pp=1 and {key}={cfg[key]!r}")
+                raise ConfigError(key, f"needs pipeline parallelism (pp > 1), got pp=1 and {key}={_short(cfg[key])}")
         return
     single = ("gpipe", "1f1b")
     if sched in single and vpp != 1:

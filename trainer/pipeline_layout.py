@@ -34,6 +34,12 @@ from dataclasses import dataclass
 
 PIECES = {"E": "embedding", "t": "transformer layer", "L": "loss (norm + LM head)", "m": "MTP layer"}
 GRAMMAR_HINT = "pieces E t L (m), '|' between stages, (...)*n and x*n repeat, ',' ignored"
+# Bounds that keep a layout string from eating memory or time: the unrolled layout (one character per
+# piece or stage boundary) and the layout text itself; far above any real model (hundreds of layers).
+MAX_UNROLLED = 1 << 20
+MAX_COUNT_DIGITS = 9
+# The automatic layout's dynamic program costs ~ stages x layers^2 steps; above this, ask for a string.
+MAX_AUTO_WORK = 20_000_000  # ~4 s
 
 
 class LayoutError(ValueError):
@@ -81,14 +87,15 @@ class PipelineLayout:
 
 
 def _expand_groups(text: str) -> str:
-    """Unroll every ``(X)*n`` (first pass of the grammar)."""
-    out, i = [], 0
+    """Unroll every ``(X)*n`` (first pass of the grammar), never past :data:`MAX_UNROLLED` characters."""
+    out, i, total = [], 0, 0
     while i < len(text):
         ch = text[i]
         if ch == ")":
             raise LayoutError(f"unmatched ')' at position {i}")
         if ch != "(":
             out.append(ch)
+            total += 1
             i += 1
             continue
         close = text.find(")", i + 1)
@@ -103,9 +110,16 @@ def _expand_groups(text: str) -> str:
         count, end = _read_count(text, close + 1)
         if count is None:
             raise LayoutError(f"the group at position {i} must be followed by '*<count>', e.g. (tt|)*3")
+        total += len(body) * count
+        _check_size(total)
         out.append(body * count)
         i = end
     return "".join(out)
+
+
+def _check_size(n: int) -> None:
+    if n > MAX_UNROLLED:
+        raise LayoutError(f"unrolls to more than {MAX_UNROLLED} pieces (a repeat count is too large)")
 
 
 def _read_count(text: str, i: int) -> tuple[int | None, int]:
@@ -116,17 +130,26 @@ def _read_count(text: str, i: int) -> tuple[int | None, int]:
     while j < len(text) and text[j].isdigit():
         j += 1
     if j == i + 1:
-        raise LayoutError(f"'*' at position {i} of {text!r} must be followed by a count")
+        raise LayoutError(f"'*' at position {i} of {_short(text)} must be followed by a count")
+    if j - (i + 1) > MAX_COUNT_DIGITS:
+        raise LayoutError(f"repeat count {text[i + 1:j][:12]}... at position {i + 1} is too large "
+                          f"(the layout may unroll to at most {MAX_UNROLLED} pieces)")
     return int(text[i + 1:j]), j
 
 
+def _short(text: str, n: int = 80) -> str:
+    return repr(text) if len(text) <= n else repr(text[:n]) + f"... ({len(text)} characters)"
+
+
 def _expand_chars(text: str) -> str:
-    """Unroll every ``x*n`` (second pass of the grammar)."""
-    out, i = [], 0
+    """Unroll every ``x*n`` (second pass of the grammar), never past :data:`MAX_UNROLLED` characters."""
+    out, i, total = [], 0, 0
     while i < len(text):
         if text[i] == "*":
-            raise LayoutError(f"'*' at position {i} of {text!r} has nothing to repeat")
+            raise LayoutError(f"'*' at position {i} of {_short(text)} has nothing to repeat")
         count, end = _read_count(text, i + 1)
+        total += 1 if count is None else count
+        _check_size(total)
         out.append(text[i] * (1 if count is None else count))
         i = end if count is not None else i + 1
     return "".join(out)
@@ -136,6 +159,8 @@ def split_layout(text: str) -> list[list[str]]:
     """Parse a layout string into pieces per stage, checking only the grammar (no model sizes)."""
     if not isinstance(text, str) or not text.strip():
         raise LayoutError(f"expected a non-empty layout string ({GRAMMAR_HINT})")
+    if len(text) > MAX_UNROLLED:
+        raise LayoutError(f"a layout string of {len(text)} characters is too long (at most {MAX_UNROLLED})")
     flat = _expand_chars(_expand_groups(text.strip().replace(",", "")))
     stages: list[list[str]] = [[]]
     for pos, ch in enumerate(flat):
@@ -144,7 +169,7 @@ def split_layout(text: str) -> list[list[str]]:
         elif ch in PIECES:
             stages[-1].append(ch)
         else:
-            raise LayoutError(f"invalid character {ch!r} (unrolled layout {flat!r}; {GRAMMAR_HINT})")
+            raise LayoutError(f"invalid character {ch!r} (unrolled layout {_short(flat)}; {GRAMMAR_HINT})")
     return stages
 
 
@@ -153,7 +178,7 @@ def parse_layout(text: str, n_layers: int, pp: int, vpp: int = 1) -> PipelineLay
     try:
         return _validated(split_layout(text), n_layers, pp, vpp)
     except LayoutError as err:
-        raise LayoutError(f"{text!r}: {err}") from None
+        raise LayoutError(f"{_short(text) if isinstance(text, str) else repr(text)[:80]}: {err}") from None
 
 
 def _validated(stages: list[list[str]], n_layers: int, pp: int, vpp: int) -> PipelineLayout:
@@ -241,6 +266,9 @@ def auto_layout(cfg: dict, pp: int, vpp: int = 1, costs: list[float] | None = No
     if n_layers < n_stages:
         raise LayoutError(f"an automatic layout needs at least one transformer layer per stage: n_layers={n_layers} "
                           f"< pp*vpp = {pp}*{vpp} = {n_stages} (give pipeline_layout explicitly)")
+    if n_stages * n_layers * n_layers > MAX_AUTO_WORK:
+        raise LayoutError(f"an automatic layout of {n_layers} layers on {n_stages} stages is too large to search "
+                          "(give pipeline_layout explicitly, or \"uniform\")")
     if costs is None:
         e_cost, per_layer, l_cost = layer_costs(cfg)
     elif len(costs) == n_layers:
