@@ -74,7 +74,7 @@ def check_parts(acc):
 # ------------------------------------------------------------------------------------ by hand
 
 
-def handoff_run(tmp_path, *, trace=True, host_comm=False):
+def handoff_run(tmp_path, *, trace=True, host_comm=False, gpu=True, late=False):
     """1F1B, p=2, m=2, F = 1 ms, B = 2 ms on both stages; two delays put in by hand:
 
     - rank 1's F mb0 starts 0.5 ms after rank 0's F mb0 ends (a hand-off: a NCCL kernel on rank 1's GPU for
@@ -84,6 +84,7 @@ def handoff_run(tmp_path, *, trace=True, host_comm=False):
     Without the delays: rank 0 F0 [0,1] F1 [1,2] B0 [4,6] B1 [7,9]; rank 1 F0 [1,2] B0 [2,4] F1 [4,5]
     B1 [5,7]; window 9, each rank busy 6, idle 3 = (p-1)(F+B). With them every rank-1 action moves by 0.5,
     rank 0's B0 too (it waits for rank 1's B0), B1 by 0.75: window 9.75, idle 3.75 per rank.
+    gpu=False: no GPU events (a CPU run); late: rank 1's trace only begins 0.25 ms into the hand-off.
     """
     h = U // 2
     q = U // 4
@@ -97,13 +98,14 @@ def handoff_run(tmp_path, *, trace=True, host_comm=False):
     S.write_manifest(run, pp=2, vpp=1, schedule="1f1b", microbatches=2, layout="Et|tL", stage_to_rank=[0, 1])
     if trace:
         for r in (0, 1):
-            evs = [ev("user_annotation", "ProfilerStep#0", t - U, t + 11 * U)]
+            first = t + U + q if late and r == 1 else t - U
+            evs = [ev("user_annotation", "ProfilerStep#0", first, t + 11 * U)]
             for x in recs:
-                if x["rank"] == r:  # one compute kernel per action, launched from the host just before
+                if x["rank"] == r and gpu:  # one compute kernel per action, launched from the host just before
                     evs.append(ev("kernel", "ampere_bf16_gemm", x["start_ns"], x["end_ns"], tid=7, pid=0))
                     evs.append(ev("cuda_runtime", "cudaLaunchKernel", x["start_ns"] - 20_000, x["start_ns"] - 10_000))
             if r == 1 and host_comm:
-                evs.append(ev("user_annotation", "gloo:recv", t + U, t + U + h))
+                evs.append(ev("user_annotation", "gloo:recv", max(first, t + U), t + U + h))
             elif r == 1:
                 evs.append(ev("kernel", "ncclDevKernel_SendRecv(ncclDevKernelArgsStorage<4096ul>)", t + U, t + U + h,
                               tid=20, pid=0))
@@ -137,6 +139,21 @@ def test_account_gloo_recv_on_the_host_is_comm(tmp_path):
     w = acc.waits.iloc[0]
     assert (w["comm_gpu_ns"], w["comm_host_ns"], w["host_ops_ns"]) == (0, U // 2, U // 4)
     assert acc.per_rank["comm_ns"].tolist() == [U // 2] * 2 and acc.per_rank["host_ns"].tolist() == [U // 4] * 2
+
+
+def test_account_rank_entering_the_profiled_step_late(tmp_path):
+    # rank 1's trace begins 0.25 ms into its 0.5 ms hand-off wait, then shows a gloo:recv: the first
+    # quarter is the rank entering the step late. CPU run: host (0.25 + rank 0's 0.25), comm 0.25.
+    acc = P.load_pipeline(handoff_run(tmp_path / "cpu", host_comm=True, gpu=False, late=True), cache=False).account
+    check_parts(acc)
+    w = acc.waits.iloc[0]
+    assert (w["before_trace_ns"], w["comm_host_ns"], w["host_ops_ns"]) == (U // 4, U // 4, U // 4)
+    assert acc.per_rank["comm_ns"].tolist() == [U // 4] * 2 and acc.per_rank["host_ns"].tolist() == [U // 2] * 2
+    assert "entering the profiled step late (its previous step's tail or the profiler starting" in acc.advice["host"]
+    # with GPU work in the trace the GPU may have been the one behind: other
+    acc = P.load_pipeline(handoff_run(tmp_path / "gpu", host_comm=True, late=True), cache=False).account
+    check_parts(acc)
+    assert acc.per_rank["other_ns"].tolist() == [U // 4] * 2 and acc.per_rank["host_ns"].tolist() == [U // 4] * 2
 
 
 def test_account_without_traces_puts_the_overhead_in_other(tmp_path):

@@ -874,6 +874,9 @@ WAIT_CLASSES = {
     "comm_host": "comm",     # GPU idle, the host inside a send/recv/wait or collective call
     "host_ops": "host",      # GPU idle, the host inside other ops / runtime calls (launching)
     "host_python": "host",   # GPU idle, the host between recorded ops (Python, the schedule's own code)
+    "before_trace": "host",  # before the rank's trace begins, ending inside it: the rank entered the profiled
+                             # step late (its previous step's tail, the profiler starting); host on a CPU-only
+                             # trace, other when the rank has GPU work (the GPU may have been the one behind)
     "no_trace": "other",     # no trace of that rank at that time: comm and host cannot be told apart
 }
 
@@ -976,9 +979,11 @@ class TraceActivity:
             return out
         s0, s1 = self.span[rank]
         a, b = max(lo, s0), min(hi, s1)
-        out["no_trace"] = (hi - lo) - max(0, b - a)
         if b <= a:
+            out["no_trace"] = hi - lo
             return out
+        out["before_trace"] = a - lo
+        out["no_trace"] = hi - b
         cov_s, cov_e = np.empty(0, np.int64), np.empty(0, np.int64)
         done = 0
         for cls in ("comm_gpu", "gpu_other", "comm_host", "host_ops"):
@@ -1100,6 +1105,8 @@ def bubble_account(actions: pd.DataFrame, meta: PipelineMeta | None = None, bala
         activity = trace_activity(trace, actions)
     rows, wait_rows, warns = [], [], []
     traced: list[int] = []
+    gpu = None if activity is None else any(len(s["comm_gpu"][0]) or len(s["gpu_other"][0]) for s in activity.sets.values())
+    part_of = {**WAIT_CLASSES, "before_trace": "other" if gpu else "host"}
     for step, a in actions.groupby("step", sort=True):
         a = a.sort_values(["rank", "start_ns", "end_ns"], kind="stable").reset_index(drop=True)
         t0 = int(a["start_ns"].min())
@@ -1136,7 +1143,7 @@ def bubble_account(actions: pd.DataFrame, meta: PipelineMeta | None = None, bala
             for r, g in a.groupby("rank"))
         if fully:
             traced.append(int(step))
-        weights = [sum(v for k, v in by_class.items() if WAIT_CLASSES[k] == part) for part in ("comm", "host", "other")]
+        weights = [sum(v for k, v in by_class.items() if part_of[k] == part) for part in ("comm", "host", "other")]
         for r in meas.index:
             idle = int(meas.at[r, "idle_ns"])
             i_eq, i_st, i_sim = (int(sims[n][1].get(r, 0)) for n in ("equal", "stage", "sim"))
@@ -1169,7 +1176,6 @@ def bubble_account(actions: pd.DataFrame, meta: PipelineMeta | None = None, bala
     else:
         note = (f"step {_ranges(steps)}; without traces communication and host overhead cannot be told apart "
                 "(they are in other)")
-    gpu = None if activity is None else any(len(s["comm_gpu"][0]) or len(s["gpu_other"][0]) for s in activity.sets.values())
     advice = _account_advice(per_rank, waits_df[waits_df["step"].isin(steps)], meta, balance, gpu)
     return BubbleAccount(per_step=per_step, per_rank=per_rank, steps=steps, traced_steps=traced, waits=waits_df,
                          advice=advice, note=note, warnings=warns)
@@ -1228,18 +1234,22 @@ def _account_advice(per_rank: pd.DataFrame, waits: pd.DataFrame, meta: PipelineM
     out["comm"] = (f"{share('comm')}: {seen}. Overlap the hand-offs with compute (post receives early, batch "
                    "isend/irecv, a separate communication stream) and send fewer or smaller activations (each "
                    "virtual stage adds a hand-off per microbatch).")
+    late = w.get("before_trace", 0)
+    late_txt = (f"; before the rank's trace begins: {_pct_of(late, wall)}, the rank entering the profiled step late "
+                "(its previous step's tail or the profiler starting: profile two steps to see which)") if late else ""
     if gpu is False:
         out["host"] = (f"{share('host')}: a rank not yet running an action it could run, in host ops "
                        f"({_pct_of(w['host_ops'], wall)} of the waits) or between recorded ops "
-                       f"({_pct_of(w['host_python'], wall)}: Python, or the process waiting for a CPU core). Give each "
-                       "rank its own cores and keep the schedule's own Python work small.")
+                       f"({_pct_of(w['host_python'], wall)}: Python, or the process waiting for a CPU core){late_txt}. "
+                       "Give each rank its own cores and keep the schedule's own Python work small.")
     else:
         out["host"] = (f"{share('host')}: the GPU idle before an action because the host had not launched it (in ops "
                        f"or runtime calls: {_pct_of(w['host_ops'], wall)} of the waits; between recorded ops, Python: "
                        f"{_pct_of(w['host_python'], wall)}). Launch less per action: CUDA graphs for the stages' "
                        "forward/backward, no host syncs in the step (sync-free MoE), fewer small kernels.")
+    unknown = w["no_trace"] + (late if gpu else 0)
     out["other"] = (f"{share('other')}: GPU work outside the pipeline actions ({_pct_of(w['gpu_other'], wall)} of the "
-                    f"waits) and waits no trace covers ({_pct_of(w['no_trace'], wall)}), where communication and host "
+                    f"waits) and waits no trace covers ({_pct_of(unknown, wall)}), where communication and host "
                     "time cannot be told apart: profile the analyzed steps to split them.")
     return out
 
