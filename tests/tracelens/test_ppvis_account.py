@@ -348,6 +348,16 @@ def test_real_runs_account_the_traced_step(real):
         assert acc.per_rank["idle_equal_ns"].tolist() == [f + b] * 2
 
 
+def test_real_run_step_outside_the_traces():
+    # --step 2 of the interleaved run: its traces cover step 4 only, so the overhead is not split
+    acc = P.load_pipeline(FIX / "vpp2", step=2).account
+    check_parts(acc)
+    assert acc.steps == [2] and acc.traced_steps == [] and "no analyzed step lies inside the traces" in acc.note
+    pr = acc.per_rank
+    assert (pr["comm_ns"] == 0).all() and (pr["host_ns"] == 0).all()
+    assert (pr["other_ns"] == pr["idle_ns"] - pr["theory_ns"] - pr["imbalance_ns"]).all() and (pr["other_ns"] > 0).all()
+
+
 # ------------------------------------------------------------------------------------ invariants
 
 

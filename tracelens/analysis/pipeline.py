@@ -1101,6 +1101,7 @@ def bubble_account(actions: pd.DataFrame, meta: PipelineMeta | None = None, bala
     """
     if actions.empty:
         raise TraceError(None, "empty window: no pipeline actions to account for")
+    had_trace = trace is not None or activity is not None
     if activity is None and trace is not None:
         activity = trace_activity(trace, actions)
     rows, wait_rows, warns = [], [], []
@@ -1170,7 +1171,7 @@ def bubble_account(actions: pd.DataFrame, meta: PipelineMeta | None = None, bala
     if traced:
         note = (f"step {_ranges(traced)}, the analyzed step(s) the traces cover, where communication and host "
                 "overhead are told apart by what the trace shows")
-    elif activity is not None:
+    elif had_trace:
         note = (f"step {_ranges(steps)}; no analyzed step lies inside the traces, so communication and host "
                 "overhead are not told apart (they are in other)")
     else:
