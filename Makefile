@@ -1,5 +1,6 @@
 # Two commands on a fresh machine (see README.md):
 #   make demo   install into .venv, profile a small MoE run on CPU, analyze it and open the report
+#               (on a machine without a browser it prints the report's file:// address instead)
 #   make test   install into .venv (with test tools and Chromium) and run the whole test suite
 #
 # torch is installed first, pinned to the CPU build, so pip never pulls a multi-GB CUDA build.
@@ -30,9 +31,12 @@ browser:
 	  else sudo apt-get update -qq && sudo apt-get install -y -qq chromium >/dev/null; fi; }
 
 # The main job: train a tiny DeepSeek-style MoE on the CPU (10 steps, steps 3-4 profiled), analyze its
-# trace and open the report. `make demo-gpu-trace` analyzes a bundled real 2-GPU H200 trace instead.
+# trace and open the report (tracelens says whether it could). `make demo-gpu-trace` analyzes a bundled
+# real 2-GPU H200 trace instead. The commands are in .venv/bin: the README's use them by that path.
 demo: $(STAMP)
 	$(VENV)/bin/tracelens profile --config tiny -o runs/demo --open
+	@echo "next: the commands under 'Use it' in README.md, e.g. $(VENV)/bin/tracelens analyze runs/demo" \
+	      "(or 'source $(VENV)/bin/activate' once, then plain 'tracelens ...')"
 
 demo-gpu-trace: $(STAMP)
 	$(VENV)/bin/tracelens analyze tests/fixtures/h200_nccl_2rank -o out/demo --open

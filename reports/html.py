@@ -77,11 +77,18 @@ def _fmt(v: Any, digits: int = 1) -> str:
 
 
 def html_table(df: pd.DataFrame, columns: Iterable[tuple[str, str, str]], max_rows: int = MAX_TABLE_ROWS) -> str:
-    """A sortable table. columns: (dataframe column, header, kind) with kind 'num', 'pct', 'name', 'text'."""
+    """A sortable table. columns: (dataframe column, header, kind) with kind 'num', 'pct', 'name', 'text',
+    or 'kernel' (a kernel name: demangled and shortened for the cell, the full name in its title).
+    'name' and 'kernel' cells stay on one line (cut with an ellipsis); hovering shows the whole name."""
+    from tracelens.names import display_many
+
     columns = list(columns)
     env = _env()
+    head = df.head(max_rows)
+    shown = {col: display_many(["" if v is None else str(v) for v in head[col]])
+             for col, _, kind in columns if kind == "kernel" and col in head}
     rows = []
-    for rec in df.head(max_rows).to_dict("records"):
+    for i, rec in enumerate(head.to_dict("records")):
         cells = []
         for col, _, kind in columns:
             v = rec.get(col)
@@ -89,14 +96,18 @@ def html_table(df: pd.DataFrame, columns: Iterable[tuple[str, str, str]], max_ro
                 v = v.item()
             if kind in ("num", "pct"):
                 digits = 1 if kind == "pct" else (3 if isinstance(v, float) and abs(v) < 10 else 1)
-                cells.append(("num", _fmt(v, digits), "" if v is None else str(_clean(v) if _clean(v) is not None else "")))
+                cells.append(("num", _fmt(v, digits), "" if v is None else str(_clean(v) if _clean(v) is not None else ""), None))
+            elif kind == "kernel" and col in shown and v is not None:
+                text, full = shown[col][i]
+                cells.append(("name", text, full if text != full else None, full))
             else:
-                cells.append((kind, "" if v is None or (isinstance(v, float) and math.isnan(v)) else str(v), None))
+                text = "" if v is None or (isinstance(v, float) and math.isnan(v)) else str(v)
+                cells.append((kind, text, None, text if kind == "name" and text else None))
         rows.append(cells)
     tmpl = env.from_string(
         '<table class="data"><thead><tr>{% for c in cols %}<th data-type="{{ "num" if c[2] in ("num","pct") else "text" }}">{{ c[1] }}</th>{% endfor %}</tr></thead>'
-        "<tbody>{% for r in rows %}<tr>{% for kind, text, v in r %}"
-        '<td class="{{ kind }}"{% if v is not none %} data-v="{{ v }}"{% endif %}>{{ text }}</td>'
+        "<tbody>{% for r in rows %}<tr>{% for kind, text, v, title in r %}"
+        '<td class="{{ kind }}"{% if v is not none %} data-v="{{ v }}"{% endif %}{% if title %} title="{{ title }}"{% endif %}>{{ text }}</td>'
         "{% endfor %}</tr>{% endfor %}</tbody></table>"
         "{% if more %}<p class=\"note\">Showing {{ shown }} of {{ total }} rows; all rows are in the CSV/Parquet tables.</p>{% endif %}"
     )
@@ -140,11 +151,15 @@ def category_figure(cats: pd.DataFrame) -> dict:
 
 
 def breakdown_figure(bd: pd.DataFrame) -> dict:
+    from tracelens.names import display_many
+
+    names = display_many([str(lbl) for lbl in bd["label"]])  # kernel names demangled + shortened; hover: full
     data = [{
         "type": "sunburst", "ids": [_plot_text(i) for i in bd["id"]], "parents": [_plot_text(p) for p in bd["parent"]],
-        "labels": [_plot_text(lbl) for lbl in bd["label"]], "values": [round(float(v), 3) for v in bd["value"]],
+        "labels": [_plot_text(short) for short, _ in names], "values": [round(float(v), 3) for v in bd["value"]],
+        "customdata": [_plot_text(full if len(full) <= 240 else full[:240] + "…") for _, full in names],
         "branchvalues": "total", "maxdepth": 4, "insidetextorientation": "radial",
-        "hovertemplate": "%{label}<br>%{value:,.1f} us (%{percentRoot:.1%} of all)<extra></extra>",
+        "hovertemplate": "%{customdata}<br>%{value:,.1f} us (%{percentRoot:.1%} of all)<extra></extra>",
     }]
     return {"data": data, "layout": {"margin": {"l": 0, "r": 0, "t": 0, "b": 0}, "height": 640}}
 
@@ -212,7 +227,7 @@ def render(analysis: Analysis, title: str | None = None) -> str:
     host_tables = {} if has_gpu else _host_sections(a)
     if not has_gpu:  # GPU columns are all zero on a CPU-only trace: leave them out
         ops_cols = [c for c in ops_cols if not c[0].startswith(("gpu_", "pct_gpu")) and c[0] != "kernels"]
-    kern_cols = [("kernel", "kernel", "name"), ("op", "launched by", "name"), ("category", "category", "text"),
+    kern_cols = [("kernel", "kernel", "kernel"), ("op", "launched by", "name"), ("category", "category", "text"),
                  ("count", "count", "num"), ("total_us", "total µs", "num"), ("mean_us", "mean µs", "num"),
                  ("min_us", "min µs", "num"), ("max_us", "max µs", "num"), ("pct_gpu_busy", "% GPU busy", "pct")]
     top_cols = [("op", "op", "name"), ("count", "count", "num"), ("gpu_total_us", "GPU µs", "num"),

@@ -14,6 +14,13 @@ from typing import Sequence
 from .html import _env, _plot_text, html_table, plotly_js, safe_json, write_text_atomic
 
 GIB = 1 << 30
+# the parts of a configuration label such as "pp4 vpp2 tp1 cp1 ep8 dp2 mbs1 rc=none 1f1b L3" (Layout.label)
+LAYOUT_LEGEND = [("pp", "pipeline stages"), ("vpp", "virtual stages per rank (interleaved schedule)"),
+                 ("tp", "tensor parallel"), ("cp", "context parallel"), ("ep", "expert parallel"),
+                 ("dp", "data parallel"), ("mbs", "micro-batch size (sequences)"),
+                 ("rc=", "activation recompute: none, full, or the recomputed layer ids"),
+                 ("1f1b / gpipe / vpp / zb1p / zbv", "pipeline schedule"),
+                 ("L0…L3", "the trainer's sync-free level (0: token counts go to the host; 3: no host sync in the MoE path)")]
 GROUP_COLORS = {"parameters": "#3b7dd8", "gradients": "#7fb800", "optimizer": "#1b4f9c", "activations": "#e4572e",
                 "working": "#8e5ad6", "transient": "#f3a712"}
 
@@ -40,8 +47,10 @@ def memory_figure(projections: Sequence, device_bytes: float | None = None, meas
         data.append({"type": "scatter", "mode": "markers", "name": "measured peak", "x": labels[:1],
                      "y": [measured_bytes / GIB], "marker": {"symbol": "diamond", "size": 12, "color": "#000"},
                      "hovertemplate": "measured: %{y:.3f} GiB<extra></extra>"})
-    layout = {"barmode": "stack", "height": 460, "margin": {"l": 60, "r": 20, "t": 10, "b": 120},
-              "yaxis": {"title": {"text": "GiB per GPU"}}, "shapes": shapes, "legend": {"font": {"size": 10}}}
+    # legend at the right, starting below the toolbar (top margin); x labels (long layout names) automargined
+    layout = {"barmode": "stack", "height": 520, "margin": {"l": 60, "r": 20, "t": 40, "b": 40},
+              "xaxis": {"automargin": True}, "yaxis": {"title": {"text": "GiB per GPU"}}, "shapes": shapes,
+              "legend": {"font": {"size": 10}, "y": 1, "yanchor": "top"}}
     return {"data": data, "layout": layout}
 
 
@@ -59,7 +68,10 @@ def render(projections: Sequence, title: str = "tracelens memory", device_bytes:
                         "fits": (p.peak_bytes <= device_bytes) if device_bytes else None,
                         "table": html_table(t, cols, max_rows=100)})
     figures = {"plot-memory": memory_figure(projections, device_bytes, measured_bytes)}
+    from tracelens.analysis.memory import MOMENTS
+
     return _env().get_template("memory.html").render(
+        moments=[(k, v) for k, v in MOMENTS.items()], layout_legend=LAYOUT_LEGEND,
         title=title, warnings=[], plotly_js=plotly_js(), figures_json=safe_json(figures), configs=configs,
         n=len(configs), device_gib=device_bytes / GIB if device_bytes else None,
         measured_gib=measured_bytes / GIB if measured_bytes else None)

@@ -167,13 +167,26 @@ def stage_figure(res: PipelineAnalysis) -> dict:
                "line": {"color": "#1d2430", "dash": "dash", "width": 1.5}}]
     slow = res.balance.slowest_stage
     annotations = [{"x": f"stage {slow}", "y": _ms(t.at[slow, "total_ns"]), "yanchor": "bottom", "showarrow": False,
-                    "text": f"{res.balance.slowest_ratio:.2f}x mean", "font": {"color": "#c0392b" if res.balance.flagged else "#5b6475"}},
+                    "text": f"{res.balance.slowest_ratio:.2f}x mean", "font": {"color": "#c0392b" if _verdict(res.balance) == "flagged" else "#5b6475"}},
                    {"xref": "paper", "x": 1, "xanchor": "right", "y": _ms(mean), "yanchor": "bottom", "showarrow": False,
                     "text": "mean of stages", "font": {"size": 11}}]
     layout = {"barmode": "stack", "height": 340, "margin": {"l": 60, "r": 20, "t": 24, "b": 60},
               "yaxis": {"title": {"text": "ms per microbatch"}}, "shapes": shapes, "annotations": annotations,
               "legend": {"orientation": "h", "y": -0.25, "traceorder": "normal"}}
     return {"data": data, "layout": layout}
+
+
+def _verdict(balance) -> str:
+    """The statement's colour class: 'flagged' (red) only when it reports a fixable imbalance (a layer move
+    that lowers the bottleneck, or an imbalance without a known layout); 'neutral' when the stages are
+    uneven but moving whole layers would not help; 'ok' (green) when they are balanced."""
+    if not balance.flagged:
+        return "ok"
+    move = balance.move
+    layout_known = "layers" in balance.table and balance.table["layers"].notna().any()
+    if layout_known and (move is None or not move.get("layers")):
+        return "neutral"
+    return "flagged"
 
 
 def _pct(v: Any) -> float:
@@ -226,7 +239,8 @@ def section_context(res: PipelineAnalysis, id_prefix: str = "plot-pp") -> dict[s
     account = account_context(res)
     if account is not None:
         figures[f"{id_prefix}-account"] = account_figure(res)
-    return {"statement": res.balance.statement, "flagged": res.balance.flagged, "overview": overview,
+    return {"statement": res.balance.statement, "flagged": res.balance.flagged, "verdict": _verdict(res.balance),
+            "overview": overview,
             "inferred_note": inferred, "rank_table": rank_table, "stage_table": stage_table,
             "shown_step": res.shown_step, "id_prefix": id_prefix, "warnings": list(res.warnings), "figures": figures,
             "account": account}

@@ -44,9 +44,21 @@ def trials_frame(trials: list[dict], objective: str, root: Path | None = None) -
                      "reason": t.get("reason") or "",
                      "run_dir": _rel(t.get("run_dir"), root) if root else (t.get("run_dir") or ""),
                      "wall_s": (t.get("metrics") or {}).get("wall_s"),
+                     "se_pct": _se_pct(t),
                      **{f"knob.{k}": v for k, v in t["knobs"].items()}})
-    cols = ["trial", "status", objective, "knobs", "decision", "motivation", "failure", "reason", "run_dir", "wall_s"]
+    cols = ["trial", "status", objective, "knobs", "decision", "motivation", "failure", "reason", "run_dir", "wall_s",
+            "se_pct"]
     return pd.DataFrame(rows, columns=cols + sorted({c for r in rows for c in r if c.startswith("knob.")}))
+
+
+def _se_pct(t: dict) -> float | None:
+    """The trial's repeat noise: the relative standard error of its objective (``metrics.noise``, std of
+    the timed step times / sqrt(n) / their mean; autotune.runner.step_noise) in percent. None where it is
+    unknown: a failed trial, or fewer than 3 timed steps (stored as 0)."""
+    noise = (t.get("metrics") or {}).get("noise")
+    if t.get("status") != "ok" or not isinstance(noise, (int, float)) or noise != noise or noise <= 0:
+        return None
+    return 100.0 * float(noise)
 
 
 def best_config(best: dict | None) -> dict | None:
@@ -83,12 +95,17 @@ def _figures(df: pd.DataFrame, path: list[dict], space) -> dict:
     if not len(df):
         return figs
     y = [float(v) if v == v and v is not None else 0.0 for v in df[obj]]
+    se = [v * se_pct / 100 if se_pct == se_pct and se_pct is not None else 0.0 for v, se_pct in zip(y, df["se_pct"])]
     figs["plot-trials"] = {
         "data": [{"type": "bar", "x": [f"#{t}" for t in df["trial"]], "y": y,
                   "marker": {"color": [OK if s == "ok" else FAILED for s in df["status"]]},
+                  # repeat noise: ±2 standard errors of the objective (the guided search's default keep rule)
+                  "error_y": {"type": "data", "array": [round(2 * e, 6) for e in se], "visible": any(se),
+                              "color": "#1d2430", "thickness": 1.2, "width": 5},
+                  "customdata": [f"±{p:.2f}%" if p == p and p is not None else "unknown" for p in df["se_pct"]],
                   "text": [_plot_text(k if s == "ok" else f"{k}<br>{r}") for k, s, r in zip(df["knobs"], df["status"], df["reason"])],
                   "textposition": "none",
-                  "hovertemplate": "trial %{x}: %{y:.4g}<br>%{text}<extra></extra>"}],
+                  "hovertemplate": "trial %{x}: %{y:.4g} (standard error %{customdata})<br>%{text}<extra></extra>"}],
         "layout": {"height": 340, "margin": {"l": 70, "r": 20, "t": 10, "b": 40},
                    "xaxis": {"title": {"text": "trial"}, "type": "category"},
                    "yaxis": {"title": {"text": _plot_text(obj)}}}}
@@ -113,24 +130,32 @@ def _figures(df: pd.DataFrame, path: list[dict], space) -> dict:
                        "yaxis": {"title": {"text": _plot_text(obj)}}, "legend": {"orientation": "h"}}}
     ok = df[df["status"] == "ok"]
     effects = []
-    for k in space.knobs:
+    knobs = [k for k in space.knobs if len(ok) and f"knob.{k}" in ok]
+    gap = 0.06 if len(knobs) > 1 else 0.0
+    width = (1.0 - gap * (len(knobs) - 1)) / max(1, len(knobs))
+    axes: dict[str, Any] = {}
+    for i, k in enumerate(knobs):
         col = f"knob.{k}"
-        if not len(ok) or col not in ok:
-            continue
         vals = ok[col].map(lambda v: json.dumps(v) if isinstance(v, (list, dict)) else str(v))
         g = ok.groupby(vals, sort=False)[obj].agg(["mean", "min", "max", "count"])
         order = [str(v) if not isinstance(v, (list, dict)) else json.dumps(v) for v in space.knobs[k]]
         g = g.reindex([o for o in order if o in g.index])
-        effects.append({"type": "bar", "name": _plot_text(k), "x": [_plot_text(f"{k}={v}") for v in g.index],
+        ax = "" if i == 0 else str(i + 1)
+        effects.append({"type": "bar", "name": _plot_text(k), "x": [_plot_text(v) for v in g.index],
+                        "xaxis": f"x{ax}", "yaxis": "y",
                         "y": [float(v) for v in g["mean"]],
                         "error_y": {"type": "data", "symmetric": False,
                                     "array": [float(v) for v in g["max"] - g["mean"]],
                                     "arrayminus": [float(v) for v in g["mean"] - g["min"]]},
                         "customdata": [int(c) for c in g["count"]],
-                        "hovertemplate": "%{x}: mean %{y:.4g} over %{customdata} trial(s)<extra></extra>"})
+                        "hovertemplate": _plot_text(k) + "=%{x}: mean %{y:.4g} over %{customdata} trial(s)<extra></extra>"})
+        x0 = i * (width + gap)
+        axes[f"xaxis{ax}"] = {"domain": [round(x0, 4), round(min(1.0, x0 + width), 4)], "type": "category",
+                              "title": {"text": _plot_text(k), "font": {"size": 12}}, "automargin": True,
+                              "anchor": "y"}
     figs["plot-knobs"] = {"data": effects, "layout": {
-        "height": 360, "margin": {"l": 70, "r": 20, "t": 10, "b": 90}, "showlegend": True,
-        "yaxis": {"title": {"text": f"mean {_plot_text(obj)} (bars: min-max)"}}}}
+        "height": 360, "margin": {"l": 70, "r": 20, "t": 10, "b": 60}, "showlegend": False, "bargap": 0.35,
+        "yaxis": {"title": {"text": f"mean {_plot_text(obj)} (whiskers: min-max)"}}, **axes}}
     return figs
 
 
@@ -148,7 +173,8 @@ def render(result, space, diff_link: str | None = None, diff_error: str | None =
         "trials": html_table(df, [("trial", "trial", "num"), ("status", "status", "text"), (obj, obj, "num"),
                                   ("knobs", "knobs", "name"), ("decision", "decision", "text"),
                                   ("motivation", "why this point", "text"), ("reason", "failure", "text"),
-                                  ("wall_s", "wall s", "num"), ("run_dir", "run dir", "name")], max_rows=10000),
+                                  ("se_pct", "s.e. %", "num"), ("wall_s", "wall s", "num"),
+                                  ("run_dir", "run dir", "name")], max_rows=10000),
         "path": html_table(path, [("step", "step", "num"), ("trial", "trial", "num"), ("decision", "decision", "text"),
                                   (obj if obj in path else "objective", obj, "num"),
                                   ("motivation", "finding that motivated it", "text"), ("knobs", "knobs", "name"),

@@ -26,6 +26,31 @@ def _fail(message: str, code: int = 2) -> None:
     sys.exit(code)
 
 
+def _echo(text: str = "", err: bool = False) -> None:
+    """Print text that holds names from a trace: control characters and escape sequences in them are
+    shown as visible ``\\xNN`` text, never sent to the terminal (tracelens.names.for_terminal)."""
+    from .names import for_terminal
+
+    click.echo(for_terminal(text, keep_newlines=True), err=err)
+
+
+def _open_report(path: Path) -> None:
+    """``--open``: open the page in a browser, or say where it is when no browser can open here
+    (headless machine, no DISPLAY, or no browser registered)."""
+    uri = Path(path).resolve().as_uri()
+    headless = sys.platform.startswith("linux") and not (os.environ.get("DISPLAY") or os.environ.get("WAYLAND_DISPLAY"))
+    opened = False
+    if not headless:
+        try:
+            opened = webbrowser.get().open(uri)
+        except webbrowser.Error:
+            opened = False
+    if opened:
+        click.echo(f"opened {uri} in a browser", err=True)
+    else:
+        click.echo(f"no browser available: open {uri} yourself", err=True)
+
+
 def _default_out(paths: tuple[str, ...]) -> Path:
     first = Path(paths[0])
     if first.is_dir():
@@ -98,11 +123,11 @@ def analyze(paths, out, open_browser, no_cache, no_report, no_tables, jobs, quie
     written = write_all(result, out_dir, report=not no_report, tables=not no_tables)
     if not quiet:
         for w in result.warnings:
-            click.echo(f"tracelens: warning: {w}", err=True)
+            _echo(f"tracelens: warning: {w}", err=True)
         _print_summary(result)
-        click.echo(f"wrote {out_dir} ({', '.join(p.name for p in written.values())}) in {time.perf_counter() - t0:.2f}s")
+        _echo(f"wrote {out_dir} ({', '.join(p.name for p in written.values())}) in {time.perf_counter() - t0:.2f}s")
     if open_browser and "report" in written:
-        webbrowser.open(written["report"].resolve().as_uri())
+        _open_report(written["report"])
 
 
 @main.command(context_settings={"ignore_unknown_options": True})
@@ -123,7 +148,7 @@ def profile(config, nproc, out, overrides, open_browser, trainer_args):
     for o in overrides:
         cmd += ["--set", o]
     cmd += list(trainer_args)
-    click.echo("$ " + " ".join(cmd), err=True)
+    _echo("$ " + " ".join(cmd), err=True)
     rc = subprocess.call(cmd)
     if rc != 0:
         _fail(f"{out}: the trainer exited with status {rc} (see its output above)", 2 if rc == 2 else 1)
@@ -133,11 +158,11 @@ def profile(config, nproc, out, overrides, open_browser, trainer_args):
     result = run_analysis(load(out))
     written = write_all(result, out)
     for w in result.warnings:
-        click.echo(f"tracelens: warning: {w}", err=True)
+        _echo(f"tracelens: warning: {w}", err=True)
     _print_summary(result)
-    click.echo(f"wrote {out} ({', '.join(p.name for p in written.values())})")
+    _echo(f"wrote {out} ({', '.join(p.name for p in written.values())})")
     if open_browser:
-        webbrowser.open(written["report"].resolve().as_uri())
+        _open_report(written["report"])
 
 
 def _manifest(path: str) -> dict | None:
@@ -182,11 +207,11 @@ def diff(base, new, out, rules, no_cache, top, quiet):
         render.write_all(result, out, verdicts)
     if quiet:
         for v in verdicts:
-            click.echo(f"rule {v['rule']!r}: {'FAIL' if v['tripped'] else 'ok'}")
+            _echo(f"rule {v['rule']!r}: {'FAIL' if v['tripped'] else 'ok'}")
     else:
-        click.echo(render.to_text(result, verdicts, top=top))
+        _echo(render.to_text(result, verdicts, top=top))
         if out:
-            click.echo(f"wrote {out}/diff.html, diff.md, diff.json")
+            _echo(f"wrote {out}/diff.html, diff.md, diff.json")
     if any(v["tripped"] for v in verdicts):
         sys.exit(1)
 
@@ -210,29 +235,29 @@ def comm(paths, json_out, no_cache):
     inst = collective_instances(a)
     partial = partial_note(a, inst) if not inst.empty else ""
     if inst.empty:
-        click.echo("no communication kernels (NCCL/RCCL) in these traces")
+        _echo("no communication kernels (NCCL/RCCL) in these traces")
     else:
         summ, strag = comm_summary(inst), stragglers(inst)
         if partial:
-            click.echo(f"note: {partial}")
+            _echo(f"note: {partial}")
         n_start = int(inst.drop_duplicates(["group", "peers", "seq"])["startup"].sum())
         if n_start:
-            click.echo(f"note: {n_start} collective instance(s) began before every rank was profiling "
+            _echo(f"note: {n_start} collective instance(s) began before every rank was profiling "
                        "(start-up wait); excluded from the totals below")
 
         def f(v, fmt):
             return "–" if v != v else format(v, fmt)  # NaN: no cross-rank figure
-        click.echo(f"{'rank':>4} {'collective':<16} {'count':>5} {'kernel ms':>9} {'comm ms':>9} {'sync ms':>9} {'sync %':>7} "
+        _echo(f"{'rank':>4} {'collective':<16} {'count':>5} {'kernel ms':>9} {'comm ms':>9} {'sync ms':>9} {'sync %':>7} "
                    f"{'busbw GB/s':>10} {'last':>5}")
         for r in summ.itertuples(index=False):
-            click.echo(f"{r.rank:>4} {r.collective[:16]:<16} {r.count:>5} {r.kernel_us / 1e3:>9.3f} {f(r.comm_us / 1e3, '.3f'):>9} "
+            _echo(f"{r.rank:>4} {r.collective[:16]:<16} {r.count:>5} {r.kernel_us / 1e3:>9.3f} {f(r.comm_us / 1e3, '.3f'):>9} "
                        f"{f(r.sync_us / 1e3, '.3f'):>9} {f(r.sync_pct, '.1f'):>7} {f(r.mean_busbw_gbps, '.1f'):>10} "
                        f"{f(float(r.times_last), '.0f'):>5}")
         for r in strag.itertuples(index=False):
-            click.echo(f"{r.family}: skew mean {r.mean_skew_us / 1e3:.3f} ms, max {r.max_skew_us / 1e3:.3f} ms; "
+            _echo(f"{r.family}: skew mean {r.mean_skew_us / 1e3:.3f} ms, max {r.max_skew_us / 1e3:.3f} ms; "
                        f"rank {r.straggler_rank} arrives last in {100 * r.straggler_share:.0f}% of {r.instances}")
         exposed = exposed_comm(a, inst)
-        click.echo("exposed communication (not overlapped by compute, start-up excluded): " + ", ".join(
+        _echo("exposed communication (not overlapped by compute, start-up excluded): " + ", ".join(
             f"rank {int(x.rank)} {x.exposed_comm_us / 1e3:.3f} of {x.comm_us / 1e3:.3f} ms" for x in exposed.itertuples()))
     if json_out:
         def recs(df):
@@ -243,7 +268,7 @@ def comm(paths, json_out, no_cache):
                "exposed_comm": recs(exposed_comm(a, inst)),
                "groups": recs(group_coverage(a, inst)) if not inst.empty else []}
         Path(json_out).write_text(json.dumps(doc, indent=1))
-        click.echo(f"wrote {json_out}")
+        _echo(f"wrote {json_out}")
 
 
 @main.command()
@@ -300,36 +325,36 @@ def host(paths, json_out, small_us, no_cache):
     syncs = H.host_syncs(a)
     ss = H.sync_summary(syncs)
     if ss.empty:
-        click.echo("host syncs: none issued by the workload")
+        _echo("host syncs: none issued by the workload")
     else:
-        click.echo("host syncs (blocking device-to-host), by the op that issued them:")
+        _echo("host syncs (blocking device-to-host), by the op that issued them:")
         for r in ss.itertuples(index=False):
-            click.echo(f"  {r.count:>4} x {r.op} (via {r.via}, {r.call}): host blocked {r.host_blocked_us / 1e3:.3f} ms, "
+            _echo(f"  {r.count:>4} x {r.op} (via {r.via}, {r.call}): host blocked {r.host_blocked_us / 1e3:.3f} ms, "
                        f"GPU idle caused {r.gpu_idle_caused_us / 1e3:.3f} ms")
     gaps = H.idle_gaps(a, syncs)
     isum = H.idle_summary(gaps, a.timeline)
     for r in isum.itertuples(index=False):
-        click.echo(f"rank {r.rank}: GPU idle {r.cause:<12} {r.gaps:>6} gaps {r.idle_us / 1e3:>9.3f} ms ({r.pct_of_span:.1f}% of span)")
+        _echo(f"rank {r.rank}: GPU idle {r.cause:<12} {r.gaps:>6} gaps {r.idle_us / 1e3:>9.3f} ms ({r.pct_of_span:.1f}% of span)")
     ls = H.launch_stats(a, small_us)
     for r in ls.itertuples(index=False):
-        click.echo(f"rank {r.rank}: {r.kernels} kernels, launch latency p50 {r.launch_p50_us:.1f} us p90 {r.launch_p90_us:.1f} us, "
+        _echo(f"rank {r.rank}: {r.kernels} kernels, launch latency p50 {r.launch_p50_us:.1f} us p90 {r.launch_p90_us:.1f} us, "
                    f"{100 * r.small_share:.0f}% under {small_us:g} us ({100 * r.small_time_share:.0f}% of kernel time)")
     kpo = H.kernels_per_op(a, small_us).head(5)
     if len(kpo):
-        click.echo("ops launching the most kernels: " + "; ".join(f"{r.top_op} {r.kernels} ({r.small_kernels} small)"
+        _echo("ops launching the most kernels: " + "; ".join(f"{r.top_op} {r.kernels} ({r.small_kernels} small)"
                                                                for r in kpo.itertuples(index=False)))
     items = findings(a, small_us)
     if items:
-        click.echo("findings:")
+        _echo("findings:")
         for f in items:
-            click.echo(f"  [{f['severity']}] {f['title']} (recoverable ~{f['recoverable_us'] / 1e3:.3f} ms/rank)")
+            _echo(f"  [{f['severity']}] {f['title']} (recoverable ~{f['recoverable_us'] / 1e3:.3f} ms/rank)")
     if json_out:
         recs = lambda df: json.loads(df.to_json(orient="records"))  # noqa: E731
         doc = {"schema_version": 1, "syncs": recs(syncs.drop(columns=["stack"])), "sync_summary": recs(ss),
                "idle": recs(isum), "launch": recs(ls), "kernels_per_op": recs(H.kernels_per_op(a, small_us)),
                "findings": items}
         Path(json_out).write_text(json.dumps(doc, indent=1, default=str))
-        click.echo(f"wrote {json_out}")
+        _echo(f"wrote {json_out}")
 
 
 @main.command()
@@ -348,7 +373,7 @@ def export(paths, perfetto_out, no_cache):
         _fail("the perfetto package is not installed: pip install perfetto")
     a = run_analysis(load(list(paths), cache=not no_cache))
     res = export_perfetto(a, perfetto_out)
-    click.echo(f"wrote {res['path']}: {res['tracks']} tracks, {res['slices']} slices; open it in https://ui.perfetto.dev")
+    _echo(f"wrote {res['path']}: {res['tracks']} tracks, {res['slices']} slices; open it in https://ui.perfetto.dev")
 
 
 @main.command()
@@ -370,7 +395,7 @@ def ppvis(run, out, open_browser, perfetto_out, json_out, step, no_cache, no_tra
 
     res = load_pipeline(run, step=step, cache=not no_cache, traces=not no_traces)
     for w in res.warnings:
-        click.echo(f"tracelens: warning: {w}", err=True)
+        _echo(f"tracelens: warning: {w}", err=True)
     _print_pipeline(res, fmt_ns)
     if out and not out.endswith(".html"):
         html_path = Path(out) / "ppvis.html"
@@ -388,9 +413,9 @@ def ppvis(run, out, open_browser, perfetto_out, json_out, step, no_cache, no_tra
     if json_out:
         Path(json_out).write_text(json.dumps(res.to_dict(), indent=1, default=str))
         written.append(Path(json_out))
-    click.echo(f"wrote {', '.join(str(p) for p in written)}")
+    _echo(f"wrote {', '.join(str(p) for p in written)}")
     if open_browser:
-        webbrowser.open(written[0].resolve().as_uri())
+        _open_report(written[0])
 
 
 def _print_pipeline(res, fmt_ns) -> None:
@@ -398,26 +423,26 @@ def _print_pipeline(res, fmt_ns) -> None:
 
     m = res.meta
     skipped = f"; step {', '.join(map(str, res.skipped_steps))} skipped as warm-up" if res.skipped_steps else ""
-    click.echo(f"pipeline: {m.schedule}{f' ({m.torch_schedule})' if m.torch_schedule else ''}, pp {m.pp}, vpp {m.vpp}, "
+    _echo(f"pipeline: {m.schedule}{f' ({m.torch_schedule})' if m.torch_schedule else ''}, pp {m.pp}, vpp {m.vpp}, "
                f"{m.microbatches} microbatches; {len(res.steps)} step(s) analyzed{skipped}"
                + (f" [inferred: {', '.join(m.inferred)}]" if m.inferred else ""))
     pct = lambda v: "n/a" if v is None or math.isnan(v) else f"{100 * v:.1f}%"  # noqa: E731
-    click.echo(f"{'rank':>4} {'pp':>3} {'window':>12} {'busy':>12} {'idle':>12} {'bubble':>7} {'theory':>7}")
+    _echo(f"{'rank':>4} {'pp':>3} {'window':>12} {'busy':>12} {'idle':>12} {'bubble':>7} {'theory':>7}")
     for r in res.per_rank.sort_values("rank").itertuples(index=False):
-        click.echo(f"{r.rank:>4} {r.pp_rank:>3} {fmt_ns(r.window_ns / r.steps):>12} {fmt_ns(r.busy_ns / r.steps):>12} "
+        _echo(f"{r.rank:>4} {r.pp_rank:>3} {fmt_ns(r.window_ns / r.steps):>12} {fmt_ns(r.busy_ns / r.steps):>12} "
                    f"{fmt_ns(r.idle_ns / r.steps):>12} {pct(r.bubble_ratio):>7} {pct(r.theory_ratio):>7}")
-    click.echo(f"overall bubble {pct(res.overall_ratio)} (theory {pct(res.theory_ratio)}"
+    _echo(f"overall bubble {pct(res.overall_ratio)} (theory {pct(res.theory_ratio)}"
                + (f": {res.theory_note}" if res.theory_note else "") + "); times are per step")
-    click.echo(f"{'stage':>5} {'pp':>3} {'layers':>6} {'F/mb':>11} {'B/mb':>11} {'W/mb':>11} {'total/mb':>11} {'x mean':>6} {'crit %':>6}")
+    _echo(f"{'stage':>5} {'pp':>3} {'layers':>6} {'F/mb':>11} {'B/mb':>11} {'W/mb':>11} {'total/mb':>11} {'x mean':>6} {'crit %':>6}")
     for s in res.balance.table.itertuples(index=False):
         layers = "–" if s.layers is None or (isinstance(s.layers, float) and math.isnan(s.layers)) else str(int(s.layers))
-        click.echo(f"{s.stage:>5} {s.pp_rank:>3} {layers:>6} {fmt_ns(s.f_ns):>11} {fmt_ns(s.b_ns):>11} {fmt_ns(s.w_ns):>11} "
+        _echo(f"{s.stage:>5} {s.pp_rank:>3} {layers:>6} {fmt_ns(s.f_ns):>11} {fmt_ns(s.b_ns):>11} {fmt_ns(s.w_ns):>11} "
                    f"{fmt_ns(s.total_ns):>11} {s.ratio_to_mean:>6.2f} {100 * s.critical_share:>6.1f}")
-    click.echo(res.balance.statement)
+    _echo(res.balance.statement)
     from .analysis.pipeline import account_lines
 
     for line in account_lines(res):
-        click.echo(line)
+        _echo(line)
 
 
 @main.command()
@@ -439,9 +464,17 @@ def bubble(pp, vpp, ga, global_tokens, seq, mbs, world, tp, cp):
             _fail("bubble: give --ga, or --global-tokens with --seq and --world (and --mbs, --tp, --cp)")
         ga, dp = gradient_accumulation(global_tokens, seq, mbs, world, pp, tp, cp)
         click.echo(f"DP = {world} / (pp {pp} x tp {tp} x cp {cp}) = {dp}; GA = {global_tokens} / ({seq} x {mbs} x {dp}) = {ga}")
+    import math
+
+    na = []
     for r in bubble_table(pp, ga, vpp).itertuples(index=False):
         extra = f", vpp {r.vpp}" if r.vpp > 1 else ""
         click.echo(f"{r.schedule:<6} pp {r.pp}, {r.microbatches} microbatches{extra}: bubble {fmt_pct(r.bubble_ratio)}")
+        if math.isnan(r.bubble_ratio):
+            na.append(r.schedule)
+    if "zbv" in na:
+        click.echo(f"n/a: zbv (zero-bubble V schedule) reaches no bubble only with at least 2 x pp = {2 * pp} "
+                   f"microbatches; with {ga} its bubble is not modelled here")
 
 
 @main.command()
@@ -462,7 +495,15 @@ def autotune(space_file, out, strategy, resume, seed):
 
     try:
         space = load_space(space_file)
-        res = run_sweep(space, out, strategy=strategy, resume=resume, seed=seed, log=lambda m: click.echo(m))
+        from .progress import bar
+
+        with bar(total=space.max_trials, desc="autotune trials", unit="trial") as b:
+            def log(m: str) -> None:
+                b.write(m) if not b.disable else click.echo(m)
+                if m.startswith("[autotune] trial ") and " -> " in m:
+                    b.update(1)
+
+            res = run_sweep(space, out, strategy=strategy, resume=resume, seed=seed, log=log)
     except (SpaceError, SweepError, StoreError) as e:
         _fail(str(e))
     paths = sweep_report.write(res, space)
@@ -495,20 +536,20 @@ def roofline(paths, ceilings, json_out, top, no_cache):
     except (OSError, ValueError) as e:
         _fail(f"{ceilings}: {e}")
     for w in r.warnings:
-        click.echo(f"tracelens: warning: {w}", err=True)
+        _echo(f"tracelens: warning: {w}", err=True)
     t = r.table.sort_values("gpu_us", ascending=False).head(top)
-    click.echo(f"{'op':<36} {'GPU ms':>8} {'TFLOP/s':>8} {'TB/s':>6} {'AI':>7} {'% roof':>7} bound")
+    _echo(f"{'op':<36} {'GPU ms':>8} {'TFLOP/s':>8} {'TB/s':>6} {'AI':>7} {'% roof':>7} bound")
     for x in t.itertuples(index=False):
-        click.echo(f"{x.op[:36]:<36} {x.gpu_us / 1e3:>8.3f} {x.tflops:>8.1f} {x.tbps:>6.2f} {x.intensity:>7.1f} "
+        _echo(f"{x.op[:36]:<36} {x.gpu_us / 1e3:>8.3f} {x.tflops:>8.1f} {x.tbps:>6.2f} {x.intensity:>7.1f} "
                    f"{x.pct_roof:>7.1f} {x.bound}")
     s = r.summary()
     share = "n/a" if s.get("modeled_share") is None else f"{100 * s['modeled_share']:.0f}%"
-    click.echo(f"modeled: {share} of non-communication GPU time; {len(r.unmodeled)} op group(s) unmodeled")
+    _echo(f"modeled: {share} of non-communication GPU time; {len(r.unmodeled)} op group(s) unmodeled")
     if json_out:
         recs = lambda df: json.loads(df.to_json(orient="records"))  # noqa: E731
         Path(json_out).write_text(json.dumps({"schema_version": 1, "summary": s, "roofline": recs(r.table),
                                               "unmodeled": recs(r.unmodeled), "families": recs(r.families)}, indent=1, default=str))
-        click.echo(f"wrote {json_out}")
+        _echo(f"wrote {json_out}")
 
 
 @main.command()
@@ -577,12 +618,23 @@ def memory(config, overrides, world, pp, vpp, ep, tp, cp, dp, mbs, seq, microbat
     if do_sweep:
         if dev_bytes is None or global_batch is None:
             _fail("memory: --sweep needs --device-memory (or --device) and --global-batch")
-        df = M.sweep(cfg, lay.world, dev_bytes, global_batch, base=lay, headroom=headroom)
+        from .progress import bar
+
+        with bar(desc="memory sweep", unit="pp x tp x cp") as b:
+            def tick(done, total):
+                b.total = total
+                b.n = done
+                b.refresh()
+
+            df = M.sweep(cfg, lay.world, dev_bytes, global_batch, base=lay, headroom=headroom, progress=tick)
         click.echo(f"{len(df)} layout(s) of {lay.world} GPUs fit {dev_bytes / M.GIB:.1f} GiB "
                    f"(headroom {100 * headroom:.0f}%), ranked by bubble then communication per step:")
         click.echo(f"{'layout':<58} {'peak GiB':>8} {'bubble':>7} {'comm GiB':>9}")
         for r in df.head(top).itertuples(index=False):
             click.echo(f"{r.label:<58} {r.peak_gib:>8.2f} {100 * r.bubble:>6.1f}% {r.comm_gib:>9.2f}")
+        if len(df):
+            click.echo(_LAYOUT_LEGEND + "; bubble: theoretical pipeline bubble of the schedule "
+                       "(tracelens bubble); comm GiB: communication volume per GPU per step")
         best = [M.project(cfg, M.resolve_layout(cfg, world=lay.world, pp=r.pp, vpp=r.vpp, ep=r.ep, tp=r.tp, cp=r.cp,
                                                  mbs=r.mbs, seq=lay.seq, microbatches=r.microbatches, schedule=r.schedule,
                                                  recompute=r.recompute, sync_free_level=lay.sync_free_level,
@@ -604,9 +656,19 @@ def memory(config, overrides, world, pp, vpp, ep, tp, cp, dp, mbs, seq, microbat
         click.echo(f"{'component':<52} {'phase':<7} {'GiB':>9}  in peak")
         for r in p.table.itertuples(index=False):
             click.echo(f"{r.component:<52} {r.phase:<7} {r.bytes / M.GIB:>9.3f}  {'*' if r.in_peak else ''}")
+        click.echo("phase: the moments of a step a component is alive at ("
+                   + ", ".join(f"{k} {v}" for k, v in M.MOMENTS.items())
+                   + "; FBES = the whole step); * = alive at the projected peak")
+        click.echo(_LAYOUT_LEGEND)
         click.echo(f"projected peak: {p.peak_bytes / M.GIB:.2f} GiB ({p.phase} phase)")
         summary = {"schema_version": M.SCHEMA_VERSION, "config": mc.source, **p.summary()}
-        if mc.measured_peak_bytes:
+        gpu_measured = str(mc.measured_kind or "").startswith("cuda")
+        if mc.measured_peak_bytes and not gpu_measured:  # e.g. a CPU run's process RSS: not comparable
+            summary.update(measured_peak_bytes=mc.measured_peak_bytes, measured_kind=mc.measured_kind)
+            click.echo(f"measured peak ({mc.measured_kind}): {mc.measured_peak_bytes / M.GIB:.2f} GiB, a host "
+                       "process's memory (interpreter and libraries included), not a GPU's allocations: "
+                       "not compared with the projection")
+        elif mc.measured_peak_bytes:
             ratio = p.peak_bytes / mc.measured_peak_bytes
             summary.update(measured_peak_bytes=mc.measured_peak_bytes, measured_kind=mc.measured_kind,
                            projected_over_measured=round(ratio, 4))
@@ -629,8 +691,9 @@ def memory(config, overrides, world, pp, vpp, ep, tp, cp, dp, mbs, seq, microbat
         from reports.memory import write_memory_report
 
         path = Path(out) if out.endswith(".html") else Path(out) / "memory.html"
+        gpu_measured = str(mc.measured_kind or "").startswith("cuda")
         write_memory_report(projections, path, title=f"tracelens memory: {Path(mc.source).name}",
-                            device_bytes=dev_bytes, measured_bytes=mc.measured_peak_bytes)
+                            device_bytes=dev_bytes, measured_bytes=mc.measured_peak_bytes if gpu_measured else None)
         click.echo(f"wrote {path}")
 
 
@@ -655,16 +718,16 @@ def replay(paths, op_name, index, top, out, no_cache):
         if not call.replayable:
             _fail(f"replay: {call.name} (call {index}) cannot be replayed: {call.reason}")
         path = R.write_script(call, Path(out) / R.script_name(call))
-        click.echo(f"{call.name} call {index}: dims {json_dumps(call.input_dims)}, trace {call.clock} time "
+        _echo(f"{call.name} call {index}: dims {json_dumps(call.input_dims)}, trace {call.clock} time "
                    f"{call.trace_us:.3f} us\nwrote {path}  (run: python {path})")
         return
     calls, cands = R.top_calls(trace, top)
-    click.echo(f"{'op':<38} {'input dims':<44} {'calls':>5} {'mean us':>10}  script / why not")
+    _echo(f"{'op':<38} {'input dims':<44} {'calls':>5} {'mean us':>10}  script / why not")
     for c, r in zip(calls, cands.head(top).itertuples(index=False)):
         where = str(R.write_script(c, Path(out) / R.script_name(c))) if c.replayable else f"cannot replay: {c.reason}"
-        click.echo(f"{c.name[:38]:<38} {str(r.input_dims)[:44]:<44} {r.count:>5} {r.mean_us:>10.2f}  {where}")
+        _echo(f"{c.name[:38]:<38} {str(r.input_dims)[:44]:<44} {r.count:>5} {r.mean_us:>10.2f}  {where}")
     n_ok = sum(c.replayable for c in calls)
-    click.echo(f"{n_ok} of {len(calls)} replayable; times are {calls[0].clock if calls else 'gpu'} time per call")
+    _echo(f"{n_ok} of {len(calls)} replayable; times are {calls[0].clock if calls else 'gpu'} time per call")
 
 
 def json_dumps(v) -> str:
@@ -801,17 +864,22 @@ def calibrate(out, cpu, size, mem_mib, dtypes, reps):
     click.echo(f"wrote {out}  (use: tracelens roofline --ceilings {out} RUN)")
 
 
+_LAYOUT_LEGEND = ("layout: pp pipeline stages, vpp virtual stages per rank, tp tensor, cp context, ep expert, "
+                  "dp data parallel; mbs micro-batch size; rc recompute; then the pipeline schedule; "
+                  "L<n> the trainer's sync-free level")
+
+
 def _print_summary(result) -> None:
     if result.window is not None:
-        click.echo(f"window: {result.window.describe()}")
+        _echo(f"window: {result.window.describe()}")
     tl = result.timeline
     if tl.empty:
         _print_cpu_summary(result)
         return
-    click.echo(f"{'rank':>4} {'span ms':>10} {'busy %':>7} {'compute ms':>11} {'comm ms':>9} {'exposed ms':>11} {'kernels':>8}")
+    _echo(f"{'rank':>4} {'span ms':>10} {'busy %':>7} {'compute ms':>11} {'comm ms':>9} {'exposed ms':>11} {'kernels':>8}")
     for r in tl.itertuples(index=False):
         busy = 100.0 * r.gpu_busy_us / r.span_us if r.span_us else 0.0
-        click.echo(f"{r.rank:>4} {r.span_us / 1e3:>10.3f} {busy:>7.1f} {r.compute_us / 1e3:>11.3f} "
+        _echo(f"{r.rank:>4} {r.span_us / 1e3:>10.3f} {busy:>7.1f} {r.compute_us / 1e3:>11.3f} "
                    f"{r.comm_us / 1e3:>9.3f} {r.exposed_comm_us / 1e3:>11.3f} {r.kernel_count:>8}")
 
 

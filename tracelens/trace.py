@@ -178,7 +178,9 @@ def _progress(total_bytes: int, n_files: int, show: bool | None):
     """A byte-based bar (per file, and per batch inside one large file); None when not shown."""
     if show is False:
         return None
-    if show is None and (total_bytes < (64 << 20) or not sys.stderr.isatty()):
+    from .progress import wanted
+
+    if show is None and (total_bytes < (64 << 20) or not wanted()):  # a terminal, not CI: see progress.py
         return None
     try:
         from tqdm import tqdm
@@ -186,6 +188,14 @@ def _progress(total_bytes: int, n_files: int, show: bool | None):
         return None
     return tqdm(total=total_bytes, desc=f"loading {n_files} trace file{'s' if n_files > 1 else ''}", unit="B",
                 unit_scale=True, file=sys.stderr, leave=False, mininterval=0.2)
+
+
+def _ticking(results, files, sizes, bar):
+    """Results of the worker pool in order, advancing the bar as each file is done (not all at the end)."""
+    for f, r in zip(files, results):
+        if bar is not None:
+            bar.update(sizes[f])
+        yield r
 
 
 def load(
@@ -215,7 +225,7 @@ def load(
         if len(files) > 1 and jobs > 1 and total_bytes >= PARALLEL_MIN_BYTES:
             ctx = get_context("forkserver") if sys.platform.startswith("linux") else get_context("spawn")
             with ProcessPoolExecutor(max_workers=min(jobs, len(files)), mp_context=ctx) as ex:
-                results = list(ex.map(_worker, [(f, cache, cache_root) for f in files]))
+                results = list(_ticking(ex.map(_worker, [(f, cache, cache_root) for f in files]), files, sizes, bar))
             for f, (kind, payload) in zip(files, results):
                 if kind == "error":
                     raise TraceError(*payload)
@@ -226,8 +236,6 @@ def load(
                 else:
                     p = payload
                 parsed.append(p)
-                if bar is not None:
-                    bar.update(sizes[f])
         else:
             for f in files:
                 done = [0]

@@ -51,7 +51,7 @@ def test_sweep_report_renders(browser, sweep):  # noqa: F811
     assert page.evaluate("document.getElementById('plot-trials').data[0].y.length") == 4
     assert page.evaluate("document.getElementById('plot-knobs').data.length") == 2  # one trace per knob
     assert page.locator("#plot-trials .bars .point").count() == 4
-    assert "grouped_gemm_backend: torch" in page.inner_text("#best-yaml")
+    assert "grouped_gemm_backend: torch" in page.text_content("#best-yaml")  # collapsed in a <details>
     path_text = page.inner_text("#path")
     assert path_text.count("finding launch_bound (high)") == 2 and "finding small_kernels (high)" in path_text
     assert "reverted" in path_text and "kept" in path_text

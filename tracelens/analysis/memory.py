@@ -51,7 +51,7 @@ import os
 import re
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import pandas as pd
 
@@ -1193,12 +1193,15 @@ class SweepSpace:
 
 
 def sweep(c: dict, world: int, device_bytes: float, global_batch: int, base: Layout | None = None,
-          space: SweepSpace = SweepSpace(), headroom: float = 0.05, top: int | None = None) -> pd.DataFrame:
+          space: SweepSpace = SweepSpace(), headroom: float = 0.05, top: int | None = None,
+          progress: Callable[[int, int], None] | None = None) -> pd.DataFrame:
     """Enumerate layouts valid for ``world`` GPUs and the model, keep those whose projected peak fits
     ``device_bytes * (1 - headroom)``, rank them by the theoretical bubble (bubble.py) and then by the
     communication volume per step. ``global_batch`` is in sequences; GA = global_batch / (mbs * dp).
 
     Returns one row per fitting layout (best first) with its knobs, peak, bubble and communication.
+    ``progress(done, total)`` is called as each (pp, tp, cp) combination starts and once at the end
+    (the CLI's progress bar).
     """
     if global_batch < 1:
         raise TraceError(None, f"memory: global batch must be >= 1, got {global_batch}")
@@ -1207,7 +1210,10 @@ def sweep(c: dict, world: int, device_bytes: float, global_batch: int, base: Lay
     E, L = c["n_routed_experts"], c["n_layers"]
     pps = space.pp or tuple(p for p in _divisors(world) if p <= min(L, space.max_pp))
     rows = []
-    for pp, tp, cp in itertools.product(pps, space.tp, space.cp):
+    outer = list(itertools.product(pps, space.tp, space.cp))
+    for done, (pp, tp, cp) in enumerate(outer):
+        if progress is not None:
+            progress(done, len(outer))
         if world % (pp * tp * cp):
             continue
         stage_ranks = world // pp
@@ -1236,6 +1242,8 @@ def sweep(c: dict, world: int, device_bytes: float, global_batch: int, base: Lay
                          "peak_bytes": proj, "peak_gib": proj / GIB, "bubble": 0.0 if math.isnan(b) else b,
                          "comm_bytes": comm["total"], "comm_gib": comm["total"] / GIB,
                          **{f"comm_{k}_gib": v / GIB for k, v in comm.items() if k != "total"}})
+    if progress is not None:
+        progress(len(outer), len(outer))
     df = pd.DataFrame(rows, columns=SWEEP_COLUMNS if not rows else None)
     if df.empty:
         return df
