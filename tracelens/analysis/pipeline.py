@@ -52,6 +52,7 @@ from .. import categories as C
 from ..errors import TraceError
 from . import intervals as I
 from .bubble import bubble_ratio
+from .steps import run_manifest, steady_pipeline_step
 
 KINDS = ("F", "B", "W")
 ACTION_COLUMNS = ("step", "rank", "pp_rank", "stage", "microbatch", "kind", "start_ns", "end_ns")
@@ -1340,7 +1341,8 @@ def analyze_pipeline(actions: pd.DataFrame, meta: PipelineMeta | None = None, *,
     theory, note = theoretical_bubble(meta)
     per_rank = rank_bubbles(per_step, theory)
     overall = float(per_step["idle_ns"].sum() / per_step["window_ns"].sum())
-    shown = steps[-1]
+    # lanes show a steady-state step: not a warm-up, profiled or trace-export step of the run's manifest
+    shown = steps[-1] if step is not None else steady_pipeline_step(steps, run_manifest(trace) if trace is not None else None)
     gaps = bubble_gaps(sel[sel["step"] == shown])
     balance = stage_balance(sel, meta)
     account = bubble_account(sel, meta, balance, trace=trace)
