@@ -26,6 +26,7 @@ from .errors import TraceError
 from .io import cache as _cache
 from .io.files import TRACE_SUFFIXES, _is_trace_file, discover  # noqa: F401 - re-exported
 from .io.kineto import ParsedTrace, parse_file, parse_flows, usable_cpus
+from .io.rundir import run_status
 from .io.scanner import gunzip, read_raw
 
 MAX_RANK = 2**31  # ranks are int32 in the tables
@@ -72,6 +73,10 @@ class Trace:
     # `warnings`): rank, file, check (negative_dur, unrepresentable_time, duplicate, time_outlier,
     # cache_entry, rank_name_mismatch), action (dropped, replaced, kept), events (how many), message.
     load_issues: pd.DataFrame = field(default_factory=lambda: _issues_table([]))
+    # The run dir's state when the traces are RUN/traces/* beside RUN/manifest.json, else None:
+    # tracelens.io.rundir.run_status (status complete | running | failed | ..., complete True/False/None,
+    # reason, warning). An incomplete run also adds its warning to `warnings`.
+    run_status: dict | None = None
 
     def __post_init__(self) -> None:
         if self.flows is None:
@@ -253,7 +258,11 @@ def load(
     finally:
         if bar is not None:
             bar.close()
-    return assemble(parsed)
+    trace = assemble(parsed)
+    trace.run_status = run_status(files)
+    if trace.run_status and trace.run_status["warning"]:
+        trace.warnings.insert(0, trace.run_status["warning"])
+    return trace
 
 
 def assemble(parsed: Iterable[ParsedTrace]) -> Trace:

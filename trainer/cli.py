@@ -1,13 +1,19 @@
 """``python -m trainer --config CFG [--set key=value ...] [--sync-free-level N ...] -o runs/NAME``.
 
 Runs in this process (world size 1) or as one rank under torchrun. A bad config prints one line
-(``config error: <key>: ...``) and exits 2, without a traceback.
+(``config error: <key>: ...``) and exits 2, without a traceback. A run that fails (a non-finite loss,
+out of memory, a lost peer, a bug) prints one line ``[trainer] error: rank R: ...`` and exits 1; the
+traceback, if any, goes to ``RUN/logs/rank<R>.traceback.txt`` (``TRAINER_DEBUG=1`` raises it instead).
+Under torchrun the launcher (:mod:`trainer.launch`) collects these lines and prints the root cause.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+import traceback
+from pathlib import Path
 
 from trainer.config import CLI_FLAG_KEYS, ConfigError, load_config, parse_override
 
@@ -36,13 +42,23 @@ def config_from_args(args) -> dict:
     return load_config(args.config, overrides)
 
 
+ERROR_PREFIX = "[trainer] error: "  # a failed rank's one line (trainer.launch recognises it)
+
+
+def run_dir_of(args) -> str:
+    return args.out or str(Path("runs") / Path(args.config).stem)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         cfg = config_from_args(args)
-        from pathlib import Path
-
-        out = args.out or str(Path("runs") / Path(args.config).stem)
+    except ConfigError as err:
+        print(str(err), file=sys.stderr)
+        return 2
+    out = run_dir_of(args)
+    rank = os.environ.get("RANK", "0")
+    try:
         from trainer.train import shutdown, train
 
         try:
@@ -52,4 +68,29 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as err:
         print(str(err), file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C (or torchrun stopping the job): the launcher says what happened
+        return 130
+    except Exception as err:  # noqa: BLE001 - every failure of a rank is one line
+        if os.environ.get("TRAINER_DEBUG"):
+            raise
+        print(ERROR_PREFIX + f"rank {rank}: " + describe_failure(err, out, rank), file=sys.stderr, flush=True)
+        return 1
     return 0
+
+
+def describe_failure(err: BaseException, out: str, rank: str) -> str:
+    """One line for a rank's failure; the traceback is saved beside the run (not for a TrainingError)."""
+    from trainer.train import TrainingError, one_line
+
+    msg = one_line(err)
+    if isinstance(err, MemoryError) or "out of memory" in msg.lower() or "can't allocate memory" in msg.lower():
+        msg = "out of memory: " + msg
+    if isinstance(err, TrainingError):
+        return msg
+    path = Path(out) / "logs" / f"rank{rank}.traceback.txt"
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("".join(traceback.format_exception(err)))
+        return f"{msg} (traceback: {path})"
+    except OSError:
+        return msg

@@ -1,12 +1,16 @@
-"""Process-level toggles: environment knobs, NUMA binding, manual GC, version/environment capture."""
+"""Process-level toggles: environment knobs, NUMA binding, manual GC, version/environment capture; the run
+dir's bookkeeping (atomic manifest writes, clearing a previous run). Importable without torch."""
 
 from __future__ import annotations
 
 import gc
+import json
 import os
 import platform
+import shutil
 import sys
 from importlib import metadata
+from pathlib import Path
 
 # Environment variables worth recording whatever the config says.
 RECORDED_ENV_PREFIXES = ("NCCL_", "TORCH_", "PYTORCH_", "CUDA_", "OMP_", "GLOO_", "TRITON_", "NVTE_", "MKL_")
@@ -110,3 +114,78 @@ def peak_memory_bytes(device) -> tuple[int, str]:
 
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
     return int(rss if sys.platform == "darwin" else rss * 1024), "process_max_rss"
+
+
+# ------------------------------------------------------------------------------------------ run dir
+# What a run writes into its directory: the trainer's files and dirs, and what `tracelens analyze RUN`
+# derives from them. A new run into a used directory removes these first (docs/trainer.md, "Run dir").
+PARTIAL_DIR = ".partial"  # files being written (traces), renamed into place when whole
+TRAINER_OUTPUTS = ("manifest.json", "traces", "pipeline", "logs", PARTIAL_DIR)
+ANALYSIS_OUTPUTS = ("report.html", "summary.json", "tables", "ppvis.html")
+
+
+def write_json_atomic(path: str | Path, doc) -> None:
+    """Write JSON so that a reader sees the old file or the new one, never a part: a temporary file in
+    the same directory, fsync'd, then ``os.replace``."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "w") as f:
+            f.write(json.dumps(doc, indent=2, default=str))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+    try:  # the rename itself survives a crash once the directory is synced
+        fd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError:
+        pass
+
+
+def clear_previous_run(out: str | Path, keep: tuple[str, ...] = ()) -> list[str]:
+    """Remove a previous run's outputs from ``out`` (the names in TRAINER_OUTPUTS and ANALYSIS_OUTPUTS,
+    except ``keep``) so that new traces never sit beside an old manifest or an old rank's trace.
+    Nothing else in the directory is touched. Returns what was removed."""
+    out = Path(out)
+    removed = []
+    for name in TRAINER_OUTPUTS + ANALYSIS_OUTPUTS:
+        if name in keep:
+            continue
+        p = out / name
+        if p.is_symlink() or p.is_file():
+            p.unlink()
+        elif p.is_dir():
+            shutil.rmtree(p)
+        else:
+            continue
+        removed.append(name)
+    return removed
+
+
+def read_manifest(out: str | Path) -> dict | None:
+    try:
+        doc = json.loads((Path(out) / "manifest.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return doc if isinstance(doc, dict) else None
+
+
+def mark_failed(out: str | Path, reason: str) -> bool:
+    """Record a failed run in its manifest (``status: failed`` + ``reason``) unless it says ``complete``.
+    Returns whether the manifest was updated."""
+    doc = read_manifest(out)
+    if doc is None or doc.get("status") == "complete":
+        return False
+    doc["status"] = "failed"
+    doc["reason"] = reason
+    try:
+        write_json_atomic(Path(out) / "manifest.json", doc)
+    except OSError:
+        return False
+    return True

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import datetime
-import json
 import logging
 import math
 import os
@@ -24,6 +23,36 @@ from trainer.parallel import Dist, init_distributed, sync_expert_grads, wrap_dat
 
 SCHEMA_VERSION = 1
 log = logging.getLogger("trainer")
+
+
+class TrainingError(RuntimeError):
+    """The run cannot go on (e.g. a non-finite loss); ``str(err)`` is one line naming the step (the rank
+    is added by whoever reports it: ``trainer.cli``)."""
+
+
+class _LossWatch:
+    """Stops the run at the first non-finite loss, without a host sync of its own: on a GPU the step's loss
+    is copied into pinned memory asynchronously before the step's ``synchronize`` (which the loop does anyway
+    for its step time) and read after it; on a CPU the value is read directly."""
+
+    def __init__(self, device: torch.device):
+        self.buf = torch.zeros((), dtype=torch.float32, pin_memory=True) if device.type == "cuda" else None
+        self.cur: torch.Tensor | None = None
+
+    def post(self, loss: torch.Tensor) -> None:
+        if self.buf is not None:
+            self.buf.copy_(loss.detach(), non_blocking=True)
+            self.cur = self.buf
+        else:
+            self.cur = loss.detach()
+
+    def check(self, step: int) -> None:
+        if self.cur is None:
+            return
+        v = float(self.cur.float().numpy()) if self.cur.dim() == 0 else float(self.cur.float().numpy().sum())
+        if not math.isfinite(v):
+            raise TrainingError(f"step {step}: the loss is {v} (non-finite): training stopped "
+                                "(learning rate too high, or a bad init_std?)")
 
 
 class _Notes(logging.Handler):
@@ -128,8 +157,13 @@ def _profiler(cfg: dict, d: Dist, trace_path: Path):
     wait, warmup = (start - 1, 1) if start >= 1 else (0, 0)
 
     def ready(prof):
+        # written under RUN/.partial/ and renamed into traces/ when whole: a rank killed while exporting
+        # leaves no truncated trace where tracelens looks
+        partial = trace_path.parent.parent / runtime.PARTIAL_DIR / trace_path.name
+        partial.parent.mkdir(parents=True, exist_ok=True)
         trace_path.parent.mkdir(parents=True, exist_ok=True)
-        prof.export_chrome_trace(str(trace_path))  # .gz suffix -> gzipped
+        prof.export_chrome_trace(str(partial))  # .gz suffix -> gzipped
+        os.replace(partial, trace_path)
 
     return profile(activities=acts, schedule=schedule(wait=wait, warmup=warmup, active=end - start, repeat=1),
                    on_trace_ready=ready, record_shapes=True, with_flops=True, with_modules=True,
@@ -144,8 +178,48 @@ def train(cfg: dict, out_dir: str | Path) -> dict | None:
     logging.getLogger("trainer").addHandler(notes)
     env_knobs = runtime.apply_env(cfg["env"])
     d = init_distributed(cfg)
-    if d.rank == 0:
+    if d.rank == 0:  # a new run replaces the previous one in ``out``; the manifest says "running" until the end
         out.mkdir(parents=True, exist_ok=True)
+        removed = runtime.clear_previous_run(out, keep=("logs",))
+        if removed:
+            print(f"[trainer] {out}: replaced the previous run ({', '.join(removed)})", flush=True)
+        runtime.write_json_atomic(out / "manifest.json", {**_manifest_head(cfg, d, out), "status": "running"})
+    if d.world_size > 1:
+        dist.barrier()  # no rank writes into ``out`` before the previous run is gone
+    try:
+        return _train(cfg, out, d, notes, env_knobs)
+    except BaseException as err:
+        if d.rank == 0:
+            why = "interrupted" if isinstance(err, KeyboardInterrupt) else one_line(err)
+            runtime.mark_failed(out, f"rank 0: {why}")
+        raise
+    finally:
+        logging.getLogger("trainer").removeHandler(notes)
+
+
+def one_line(err: BaseException) -> str:
+    """``Type: message`` on one line (the message of a TrainingError alone)."""
+    msg = " ".join(str(err).split())
+    if isinstance(err, TrainingError):
+        return msg
+    return f"{type(err).__name__}: {msg}"[:500] if msg else type(err).__name__
+
+
+def _manifest_head(cfg: dict, d: Dist, out: Path) -> dict:
+    """What the manifest says from the start (also in the ``running`` manifest of an unfinished run)."""
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "name": out.name,
+        "status": "running",
+        "created_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "config": cfg,
+        "world_size": d.world_size,
+        "mesh": d.mesh_info,
+        "parallel": {"dp": d.dp, "ep": d.ep, "dp_mode": cfg["dp_mode"], "launched_by_torchrun": d.launched},
+    }
+
+
+def _train(cfg: dict, out: Path, d: Dist, notes: _Notes, env_knobs: dict) -> dict | None:
     numa = runtime.numa_bind(d.device) if cfg["numa_bind"] else {"bound": False, "reason": "numa_bind off"}
     if cfg["numa_bind"] and not numa["bound"] and d.rank == 0:
         print(f"[trainer] numa_bind: {numa['reason']}", flush=True)
@@ -176,6 +250,7 @@ def train(cfg: dict, out_dir: str | Path) -> dict | None:
     if prof is not None:
         prof.start()
     losses, auxes, gnorms, step_times = [], [], [], []
+    watch = _LossWatch(d.device)
     try:
         for step in range(cfg["steps"]):
             gcm.step(step)
@@ -193,9 +268,11 @@ def train(cfg: dict, out_dir: str | Path) -> dict | None:
             gnorms.append(clip_grad_norm(core, cfg["grad_clip"], cfg, d).detach())
             opt.step()
             opt.zero_grad(set_to_none=True)
+            watch.post(loss)
             if d.device.type == "cuda":
                 torch.cuda.synchronize(d.device)
             step_times.append(time.perf_counter() - t0)
+            watch.check(step)
             if pipe is not None:
                 pipe.end_step()  # after the synchronisation above: resolves CUDA event times
             losses.append(loss.detach().float())
@@ -212,10 +289,8 @@ def train(cfg: dict, out_dir: str | Path) -> dict | None:
         gcm.close()
         if pipe is not None:
             pipe.close()
-    manifest = _finish(cfg, d, out, core, losses, auxes, gnorms, step_times, trace_path if prof else None,
-                       env_knobs, numa, notes.messages, pipe)
-    logging.getLogger("trainer").removeHandler(notes)
-    return manifest
+    return _finish(cfg, d, out, core, losses, auxes, gnorms, step_times, trace_path if prof else None,
+                   env_knobs, numa, notes.messages, pipe)
 
 
 def make_optimizer(model, cfg: dict, device) -> torch.optim.Optimizer:
@@ -253,6 +328,10 @@ def _finish(cfg, d: Dist, out: Path, model, losses, auxes, gnorms, step_times, t
     if d.rank != 0:
         dist.barrier()
         return None
+    try:  # every rank has exported its trace by now (the collectives above): drop the empty staging dir
+        (out / runtime.PARTIAL_DIR).rmdir()
+    except OSError:
+        pass
     loss_l, aux_l = stats.tolist()
     times_l = times.tolist()
     prof_lo, prof_hi = cfg["profile_step_start"], min(cfg["profile_step_end"], cfg["steps"])
@@ -268,16 +347,14 @@ def _finish(cfg, d: Dist, out: Path, model, losses, auxes, gnorms, step_times, t
     dev_name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else platform_cpu_name()
     peak_flops = peak_bf16_flops(dev_name) if dev.type == "cuda" else None
     tps_gpu = tokens_rank / mean_t if mean_t else None
+    head = runtime.read_manifest(out) or {}
     manifest = {
-        "schema_version": SCHEMA_VERSION,
-        "name": out.name,
-        "created_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "config": cfg,
+        **_manifest_head(cfg, d, out),
+        "status": "complete",
+        "created_utc": head.get("created_utc") or datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "finished_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "versions": runtime.versions(),
         "device": {"type": dev.type, "name": dev_name, "count": d.world_size, "peak_bf16_flops": peak_flops},
-        "world_size": d.world_size,
-        "mesh": d.mesh_info,
-        "parallel": {"dp": d.dp, "ep": d.ep, "dp_mode": cfg["dp_mode"], "launched_by_torchrun": d.launched},
         "toggles": {k: cfg[k] for k in ("sync_free_level", "grouped_gemm_backend", "recompute_layer_ids", "optimizer",
                                         "loss_fusion", "manual_gc", "numa_bind", "dtype")},
         "numa": numa,
@@ -306,7 +383,7 @@ def _finish(cfg, d: Dist, out: Path, model, losses, auxes, gnorms, step_times, t
         "pipeline": pipe.manifest() if pipe is not None else None,  # docs/pipeline.md
         "kernels": experts.kernels_record(cfg),  # what ran each MoE op; auto's backend per pass
     }
-    (out / "manifest.json").write_text(json.dumps(manifest, indent=2, default=str))
+    runtime.write_json_atomic(out / "manifest.json", manifest)
     mt = manifest["metrics"]
     mfu = f"{100 * mt['mfu']:.1f}%" if mt["mfu"] is not None else "n/a"
     tps = f"{tps_gpu:,.0f}" if tps_gpu else "n/a"

@@ -1,0 +1,258 @@
+"""Run-dir integrity: the manifest says "running" until the run ends ("complete", or "failed" with the
+reason), it is written atomically, a killed rank ends the job with ONE line naming the rank and the
+signal, `tracelens analyze` warns about an incomplete run, a re-run replaces the previous run, and a
+non-finite loss stops the run (exit != 0, one line naming the step and the rank). Tiny gloo runs."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from trainer import runtime
+from trainer.launch import failure_line
+
+REPO = Path(__file__).resolve().parents[2]
+FIXTURE_RUN = REPO / "tests" / "fixtures" / "h200_ep2_run" / "L0_loop"
+
+
+def _launch(run: Path, nproc: int, *sets: str) -> list[str]:
+    cmd = [sys.executable, "-m", "trainer.launch", "--config", "tiny", "--nproc", str(nproc), "-o", str(run)]
+    for s in sets:
+        cmd += ["--set", s]
+    return cmd
+
+
+def _manifest(run: Path) -> dict:
+    return json.loads((run / "manifest.json").read_text())
+
+
+def _descendants(pid: int) -> list[int]:
+    kids = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                stat = (d / "stat").read_text()
+                kids.setdefault(int(stat[stat.rindex(")") + 2:].split()[1]), []).append(int(d.name))
+            except (OSError, ValueError, IndexError):
+                pass
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        for c in kids.get(p, []):
+            out.append(c)
+            todo.append(c)
+    return out
+
+
+def _rank_pid(launcher: int, rank: int) -> int | None:
+    for p in _descendants(launcher):
+        try:
+            env = Path(f"/proc/{p}/environ").read_bytes().split(b"\0")
+            cmd = Path(f"/proc/{p}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if f"RANK={rank}".encode() in env and b"torch.distributed.run" not in cmd:
+            return p
+    return None
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="finds the rank's pid through /proc")
+def test_a_killed_rank_ends_the_job_in_one_line_and_analyze_warns(tmp_path):
+    run = tmp_path / "run"
+    proc = subprocess.Popen(_launch(run, 2, "steps=5000", "profile_step_start=1", "profile_step_end=3"),
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 120
+        while not all((run / "traces" / f"rank{r}.json.gz").exists() for r in (0, 1)):
+            assert proc.poll() is None, proc.communicate()
+            assert time.time() < deadline, "the traces were not written in time"
+            time.sleep(0.2)
+        # mid-run the manifest marks the run incomplete
+        assert _manifest(run)["status"] == "running"
+        pid = _rank_pid(proc.pid, 1)
+        assert pid is not None
+        os.kill(pid, signal.SIGKILL)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode != 0
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err  # today: ~200 lines with 3 tracebacks
+    assert "rank 1 was killed by SIGKILL" in lines[0] and f"pid {pid}" in lines[0] and str(run) in lines[0]
+    assert "Traceback" not in err + out
+    m = _manifest(run)
+    assert m["status"] == "failed" and "rank 1 was killed by SIGKILL" in m["reason"]
+    # everything torchrun said is kept
+    log = (run / "logs" / "torchrun.log").read_text()
+    assert "Root Cause" in log and "SIGKILL" in log
+    # every trace in traces/ is whole (a rank killed while exporting leaves its part in .partial/)
+    for t in (run / "traces").iterdir():
+        with gzip.open(t, "rt") as f:
+            json.load(f)
+    r = subprocess.run([sys.executable, "-m", "tracelens.cli", "analyze", str(run), "-o", str(tmp_path / "an"),
+                        "--no-report", "--no-tables"], cwd=REPO, capture_output=True, text=True, timeout=180)
+    assert r.returncode == 0, r.stderr
+    warn = [ln for ln in r.stderr.splitlines() if "incomplete run" in ln]
+    assert len(warn) == 1 and warn[0].startswith("tracelens: warning: ") and "rank 1 was killed by SIGKILL" in warn[0]
+    summary = json.loads((tmp_path / "an" / "summary.json").read_text())
+    assert any("incomplete run" in w for w in summary["warnings"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_a_non_finite_loss_stops_the_run(tmp_path, nproc):
+    run = tmp_path / "run"
+    r = subprocess.run(_launch(run, nproc, "steps=8", "lr=1e30", "profile_step_end=0"), cwd=REPO,
+                       capture_output=True, text=True, timeout=180)
+    assert r.returncode not in (0, 2), r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1, r.stderr
+    assert lines[0].startswith("[trainer] error: rank ") and "step " in lines[0] and "non-finite" in lines[0]
+    assert "Traceback" not in r.stderr
+    step = int(lines[0].split("step ")[1].split(":")[0])
+    assert 1 <= step < 8  # the loss is finite at step 0 (the update with lr 1e30 comes after it)
+    assert f"[trainer] step {step} " not in r.stdout  # stopped before logging it
+    m = _manifest(run)
+    assert m["status"] == "failed" and f"step {step}" in m["reason"]
+
+
+@pytest.mark.slow
+def test_a_complete_run_says_so_and_a_rerun_replaces_the_previous_run(tmp_path):
+    run = tmp_path / "run"
+    # the previous run: 4 ranks, pipeline files, an analysis; plus a file of the user's
+    (run / "traces").mkdir(parents=True)
+    for r in range(4):
+        shutil.copy(FIXTURE_RUN / "traces" / "rank0.json.gz", run / "traces" / f"rank{r}.json.gz")
+    (run / "pipeline").mkdir()
+    (run / "pipeline" / "rank3.jsonl").write_text("{}\n")
+    (run / "manifest.json").write_text(json.dumps({"schema_version": 1, "status": "complete", "world_size": 4}))
+    for name in ("report.html", "summary.json"):
+        (run / name).write_text("old")
+    (run / "tables").mkdir()
+    (run / "tables" / "ops.csv").write_text("old")
+    (run / "notes.txt").write_text("mine")
+    r = subprocess.run(_launch(run, 1, "steps=4", "profile_step_start=1", "profile_step_end=2"), cwd=REPO,
+                       capture_output=True, text=True, timeout=180)
+    assert r.returncode == 0, r.stderr
+    assert f"[trainer] {run}: replaced the previous run (manifest.json, traces, pipeline, report.html, summary.json, " \
+           "tables)" in r.stdout
+    assert sorted(p.name for p in (run / "traces").iterdir()) == ["rank0.json.gz"]
+    assert sorted(p.name for p in run.iterdir()) == ["manifest.json", "notes.txt", "traces"]
+    assert (run / "notes.txt").read_text() == "mine"
+    m = _manifest(run)
+    assert m["status"] == "complete" and m["world_size"] == 1 and "reason" not in m
+    assert m["created_utc"] <= m["finished_utc"]
+    assert m["profile"]["traces"] == ["traces/rank0.json.gz"]
+    import tracelens
+
+    t = tracelens.load(run, cache=False, progress=False)
+    assert t.run_status["status"] == "complete" and t.run_status["complete"] is True
+    assert not any("incomplete" in w for w in t.warnings)
+
+
+def test_manifest_writes_are_atomic(tmp_path):
+    p = tmp_path / "manifest.json"
+    runtime.write_json_atomic(p, {"status": "running"})
+    with pytest.raises(TypeError):
+        runtime.write_json_atomic(p, {("not", "a", "str key"): 1})  # fails while serializing
+    assert json.loads(p.read_text()) == {"status": "running"}  # the old file, whole
+    assert sorted(x.name for x in tmp_path.iterdir()) == ["manifest.json"]  # no temporary left
+    assert runtime.mark_failed(tmp_path, "rank 1 was killed by SIGKILL")
+    assert json.loads(p.read_text()) == {"status": "failed", "reason": "rank 1 was killed by SIGKILL"}
+    runtime.write_json_atomic(p, {"status": "complete"})
+    assert not runtime.mark_failed(tmp_path, "late")  # a complete run stays complete
+    assert not runtime.mark_failed(tmp_path / "nowhere", "x")
+
+
+def _run_dir_with(tmp_path: Path, manifest) -> Path:
+    run = tmp_path / "r"
+    (run / "traces").mkdir(parents=True)
+    shutil.copy(FIXTURE_RUN / "traces" / "rank0.json.gz", run / "traces" / "rank0.json.gz")
+    if manifest is not None:
+        (run / "manifest.json").write_text(manifest if isinstance(manifest, str) else json.dumps(manifest))
+    return run
+
+
+@pytest.mark.parametrize("manifest, status, complete, warns", [
+    ({"status": "running"}, "running", False, "incomplete run: manifest.json says status 'running'"),
+    ({"status": "failed", "reason": "rank 1 was killed by SIGKILL"}, "failed", False,
+     "incomplete run: the trainer failed (rank 1 was killed by SIGKILL)"),
+    ({"status": "complete"}, "complete", True, None),
+    ({"schema_version": 1, "metrics": {}}, "complete", True, None),  # written before the status field
+    ("{not json", "unreadable", None, "unreadable manifest"),
+    ([1, 2], "unreadable", None, "unreadable manifest"),
+    ({"status": "paused"}, "unknown", None, "unknown run status 'paused'"),
+])
+def test_trace_run_status(tmp_path, manifest, status, complete, warns):
+    import tracelens
+
+    run = _run_dir_with(tmp_path, manifest)
+    t = tracelens.load(run, cache=False, progress=False)
+    rs = t.run_status
+    assert (rs["status"], rs["complete"], rs["run_dir"]) == (status, complete, str(run.resolve()))
+    if warns is None:
+        assert rs["warning"] is None and not any("incomplete" in w for w in t.warnings)
+    else:
+        assert warns in rs["warning"] and t.warnings[0] == rs["warning"] and "\n" not in rs["warning"]
+
+
+def test_no_run_status_outside_a_run_dir(tmp_path):
+    import tracelens
+
+    run = _run_dir_with(tmp_path, None)  # traces/ without a manifest: a directory of traces, not known as a run
+    assert tracelens.load(run, cache=False, progress=False).run_status is None
+    assert tracelens.load(run / "traces" / "rank0.json.gz", cache=False, progress=False).run_status is None
+
+
+REPORT = """\
+E1124 12:55:54.673000 1240 .venv/lib/python3.11/site-packages/torch/distributed/elastic/multiprocessing/api.py:1002] failed (exitcode: {root_code}) local_rank: {root} (pid: 1291) of binary: /usr/bin/python
+Traceback (most recent call last):
+torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
+======================================================
+trainer FAILED
+------------------------------------------------------
+Failures:
+[1]:
+  time      : 2026-11-24_12:55:54
+  host      : localhost
+  rank      : {other} (local_rank: {other})
+  exitcode  : {other_code} (pid: 1290)
+  error_file: <N/A>
+------------------------------------------------------
+Root Cause (first observed failure):
+[0]:
+  time      : 2026-11-24_12:55:54
+  host      : localhost
+  rank      : {root} (local_rank: {root})
+  exitcode  : {root_code} (pid: 1291)
+  error_file: <N/A>
+======================================================"""
+
+
+@pytest.mark.parametrize("root, root_code, other, other_code, errors, want, code", [
+    (1, -9, 0, -15, {}, "rank 1 was killed by SIGKILL (pid 1291)", 137),
+    (0, -11, 1, -15, {}, "rank 0 was killed by SIGSEGV (pid 1291)", 139),
+    # the survivor's error came first (gloo noticed the lost peer before torchrun did): the kill is the cause
+    (0, 1, 1, -9, {0: "RuntimeError: Connection closed by peer"}, "rank 1 was killed by SIGKILL (pid 1290)", 137),
+    (1, 1, 0, -15, {1: "step 3: the loss is nan (non-finite): training stopped"},
+     "rank 1: step 3: the loss is nan (non-finite): training stopped", 1),
+    (0, 3, 1, -15, {}, "rank 0 exited with status 3", 3),
+])
+def test_failure_line_names_the_root_cause(root, root_code, other, other_code, errors, want, code):
+    agent = REPORT.format(root=root, root_code=root_code, other=other, other_code=other_code).splitlines()
+    line, status = failure_line(1, agent, errors)
+    assert line.startswith(want) and status == code and "\n" not in line
+    assert failure_line(1, [], {})[0] == "torchrun exited with status 1"
+    assert failure_line(-9, [], {})[0] == "torchrun was killed by SIGKILL"
