@@ -20,6 +20,7 @@ knobs:
   grouped_gemm_backend: [loop, torch]
 fixed: {steps: 3, profile_step_start: 1, profile_step_end: 2, log_every: 1}
 trial: {timeout_s: 240, env: {OMP_NUM_THREADS: 1}}
+guided: {model: false}   # the rule path: 2 trials, fixed; the model path is tests/autotune/test_model_search.py
 """
 
 
@@ -32,8 +33,10 @@ def test_bench_autotune_smoke(tmp_path):
     # --stop-after: no trial starts past the deadline; exit 3, and --resume carries on
     r = subprocess.run(cmd + ["--stop-after", "0"], cwd=REPO, capture_output=True, text=True, timeout=400)
     assert r.returncode == 3 and "--stop-after 0 s reached; continue with --resume" in r.stderr, r.stderr[-3000:]
-    r = subprocess.run(cmd + ["--resume"], cwd=REPO, capture_output=True, text=True, timeout=400)
+    r = subprocess.run(cmd + ["--resume", "--accuracy"], cwd=REPO, capture_output=True, text=True, timeout=400)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    # --accuracy: the model's prediction of the other grid point from the baseline trial alone
+    assert re.search(r"^prediction from the baseline alone over 1 grid points: median abs error [0-9.]+%", r.stdout, re.M), r.stdout
     # the grid's two real trials, read straight from its store
     con = sqlite3.connect(out / "grid" / "sweep.sqlite")
     grid = {json.loads(k)["grouped_gemm_backend"]: (s, o) for k, s, o in

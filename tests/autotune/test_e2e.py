@@ -33,7 +33,7 @@ knobs:
   grouped_gemm_backend: [loop, torch]
   manual_gc: [0, 2]
 fixed: {{steps: 4, profile_step_start: 2, profile_step_end: 3, log_every: 1}}
-guided: {{explore: 3}}
+guided: {{explore: 3, model: false}}   # the rule-driven path (it visits many points); tests/autotune/test_model_search.py covers the model
 budget: {{trials: 6}}
 trial: {{timeout_s: 150, stall_s: {STALL_S}, env: {{OMP_NUM_THREADS: 1}}}}
 command: [{json.dumps(sys.executable)}, tests/autotune/_fault_launch.py,

@@ -43,8 +43,10 @@ WORK_COMPONENTS = tuple(c for c in COMPONENTS if c not in IDLE_COMPONENTS)
 SCALES = ("tokens", "params", "fixed")
 
 _LAYER_RE = re.compile(r"(?:^|/)layer/(\d+)(?:/|$)")
-_OPTIMIZER_RE = re.compile(r"Optimizer\.step|Optimizer\.zero_grad|clip_grad|_foreach_|fused_adam|_fused_adamw?\b",
-                           re.IGNORECASE)
+# the optimizer: its record_function range (torch.optim wraps step/zero_grad), or a fused optimizer op;
+# not any foreach op (FSDP copies parameters in and out with _foreach_copy_)
+_OPTIMIZER_PATH_RE = re.compile(r"Optimizer\.(?:step|zero_grad)|clip_grad", re.IGNORECASE)
+_OPTIMIZER_OP_RE = re.compile(r"_fused_adamw?_?\b|_fused_sgd|fused_adam", re.IGNORECASE)
 _FSDP_RE = re.compile(r"FSDP::|post_backward_reduce|all_gather|reduce_scatter", re.IGNORECASE)
 _MOE_TOKENS_RE = re.compile(r"(?:^|/)moe/(?:experts|permute|unpermute|dispatch|combine|router|gate|shared)")
 _DIMS_RE = re.compile(r"\d+")
@@ -120,7 +122,7 @@ def _token_shaped(dims: str, tokens: int, mbs: int, seq_len: int) -> bool:
 def _component(category: str, is_comm: bool, fpath: str, op: str, expert_path: bool) -> str:
     if is_comm or category == "communication":
         return "exposed communication"
-    if _OPTIMIZER_RE.search(fpath) or _OPTIMIZER_RE.search(op):
+    if _OPTIMIZER_PATH_RE.search(fpath) or _OPTIMIZER_OP_RE.search(op):
         return "optimizer step"
     if category == "grouped GEMM" or (category == "GEMM" and expert_path):
         return "expert GEMMs"
