@@ -725,6 +725,15 @@ class Model:
                             default=len(plan.kind)), fwd) for (_at, fwd), ly in zip(inserts, sorted(r1 - r0))]
         orig_pos = {j: i for i, (kd, j) in enumerate(zip(plan.kind, plan.ref)) if kd == 0}
         for at, fwd in sorted(inserts, key=lambda x: -x[0]):
+            if plan.cpu:
+                # on a CPU the host is the device: the layer's forward costs its whole span (its ops' own
+                # time and the Python between them), run again
+                st = w["start"].to_numpy()[fwd]
+                en = st + w["dur"].to_numpy()[fwd]
+                span = float(en.max() - st.min()) if len(fwd) else 0.0
+                plan.add_unit(span, 0, "other", 0.0, at)
+                added_ns += span
+                continue
             for j in reversed(fwd):
                 gap = plan.gap[orig_pos[j]] if j in orig_pos else 0.0
                 plan.add_unit(plan.dur[j], plan.stream[j], plan.comp[j], gap, at)
