@@ -11,8 +11,12 @@ Conventions (docs/roofline.md):
 - Attention FLOPs count the two matmuls (QK^T, PV) over the attended (query, key) pairs: causal
   (top-left aligned, as torch's is_causal) counts only pairs with key <= query. Backward = the
   recomputed QK^T plus four matmuls: 2 * pairs * (3*D + 2*Dv) (2.5x forward when D == Dv).
+- Convolution FLOPs are 2 per multiply-add: 2 * N * numel(weight) * output positions (input positions
+  for a transposed convolution); backward costs that once per requested input / weight gradient.
 - Elementwise/norm/softmax/reduction FLOPs are small per-element constants (below); these ops are
   memory-bound, their bytes are what matters.
+- out= variants (`aten::mm.out`, `aten::mm_out`, a functional name recorded with an out= tensor) count
+  like the functional op: the out tensor is written once, never read (`canonical_name`).
 """
 
 from __future__ import annotations
@@ -49,7 +53,7 @@ class Perf:
     flops: float
     bytes: float
     dtype: str  # dtype class of the compute: bf16, fp16, fp8, fp32, fp64, int
-    kind: str  # gemm, grouped_gemm, attention, elementwise, norm, softmax, reduction, loss, embedding, index, copy
+    kind: str  # gemm, grouped_gemm, conv, attention, elementwise, norm, softmax, reduction, loss, embedding, index, copy
     matrix: bool = False  # runs on tensor cores / MFMA (GEMM, attention): bounded by the matrix peak
     mnk: tuple[int, int, int] | None = None  # GEMM (M, N, K) without batch, for shape families
     batch: int = 1
@@ -290,7 +294,13 @@ _ATTN: dict[str, tuple[int, int | None, bool, str, bool]] = {
     "aten::_cudnn_attention_backward": (1, 14, False, "bhsd", True),
     "aten::_flash_attention_backward": (1, 11, False, "bshd", True),
     "aten::_efficient_attention_backward": (1, 14, True, "bshd", True),
+    "aten::_scaled_dot_product_flash_attention_for_cpu_backward": (1, 7, False, "bhsd", True),
+    "aten::_scaled_dot_product_fused_attention_overrideable": (0, 5, False, "bhsd", False),
+    "aten::_scaled_dot_product_fused_attention_overrideable_backward": (1, 13, False, "bhsd", True),
 }
+# the cu_seqlens_q argument of the ops that take one with 4-D inputs: present = a variable-length batch
+# packed into one sequence, whose per-sequence lengths the trace does not record
+_ATTN_VARLEN = {"aten::_efficient_attention_forward": 4, "aten::_efficient_attention_backward": 6}
 
 
 def causal_pairs(sq: int, sk: int) -> int:
@@ -311,6 +321,9 @@ def _bhsd(shape: list[int], layout: str, what: str) -> tuple[int, int, int, int]
 
 def attention_model(name: str, x: Args) -> Perf:
     qi, ci, mask_type, layout, bwd = _ATTN[name]
+    vi = _ATTN_VARLEN.get(name)
+    if vi is not None and x.is_tensor(vi) and numel(x.dims[vi]) > 0:
+        raise Unmodeled("variable-length batch (cu_seqlens): the per-sequence lengths are not recorded")
     q, k, v = x.tensor(qi, "query"), x.tensor(qi + 1, "key"), x.tensor(qi + 2, "value")
     b, h, sq, d = _bhsd(q[0], layout, "query")
     bk, hk, sk, dk = _bhsd(k[0], layout, "key")
@@ -342,16 +355,20 @@ def attention_model(name: str, x: Args) -> Perf:
 # ------------------------------------------------------------------------------------ memory-bound ops
 
 
-def elementwise(flops_per_elem: float, kind: str = "elementwise") -> Callable[[Args], Perf]:
-    """Every tensor argument read once, output (broadcast shape, dtype of the first tensor) written once;
-    in-place ops write self, which has the broadcast shape."""
+def elementwise(flops_per_elem: float, kind: str = "elementwise",
+                inputs: tuple[int, ...] | None = None) -> Callable[[Args], Perf]:
+    """Every tensor input read once, output (broadcast shape, dtype of the first tensor) written once;
+    in-place ops write self, which has the broadcast shape. `inputs`: the argument positions that are
+    tensor inputs in the op's schemas; a tensor anywhere else is an `out=` argument, the output itself
+    (written once, not read)."""
 
     def f(x: Args) -> Perf:
-        ts = x.tensors()
+        pos = [i for i in range(len(x.types)) if x.is_tensor(i) and (inputs is None or i in inputs)]
+        ts = [x.tensor(i) for i in pos]
         if not ts:
             raise Unmodeled("no tensor arguments recorded")
         out = numel(broadcast(*[t[0] for t in ts]))
-        first = next(i for i in range(len(x.types)) if x.is_tensor(i))
+        first = pos[0]
         return Perf(flops=float(flops_per_elem * out), bytes=float(sum(nbytes(t) for t in ts) + out * ts[0][1]),
                     dtype=x.dtype(first), kind=kind)
 
@@ -460,6 +477,8 @@ def m_reduce(x: Args) -> Perf:
 def m_reduce_all(x: Args) -> Perf:
     """max / min (self) over the whole tensor, or (self, dim, keepdim) writing values and int64 indices."""
     t = x.tensor(0, "self")
+    if x.is_tensor(1):  # max.other / min.other (self, other): the elementwise maximum / minimum
+        return elementwise(1, inputs=(0, 1))(x)
     out_bytes = t[1]
     if len(x.types) > 1 and x.types[1] == "Scalar":
         dim = x.int_const(1, "dim")
@@ -538,6 +557,266 @@ def m_scatter(x: Args) -> Perf:
                 dtype=x.dtype(0), kind="index")
 
 
+# ------------------------------------------------------------------------------------ convolution
+
+
+@dataclass(frozen=True)
+class _ConvArgs:
+    """Argument positions of one convolution schema (None: absent from it)."""
+    weight: int = 1
+    bias: int | None = 2
+    stride: int = 3
+    padding: int = 4
+    dilation: int = 5
+    transposed: int | bool = False  # position of the flag, or the fixed value
+    output_padding: int | None = None
+    groups: int = 6
+    extra: tuple[int, ...] = ()  # other tensors read (cudnn_convolution_add_relu's z)
+
+
+# schemas as torch 2.x declares them (aten/src/ATen/native/native_functions.yaml)
+_CONV: dict[str, _ConvArgs] = {
+    "aten::convolution": _ConvArgs(transposed=6, output_padding=7, groups=8),
+    "aten::_convolution": _ConvArgs(transposed=6, output_padding=7, groups=8),
+    "aten::conv1d": _ConvArgs(), "aten::conv2d": _ConvArgs(), "aten::conv3d": _ConvArgs(),
+    "aten::_convolution_mode": _ConvArgs(),
+    "aten::conv_transpose1d": _ConvArgs(transposed=True, output_padding=5, groups=6, dilation=7),
+    "aten::conv_transpose2d": _ConvArgs(transposed=True, output_padding=5, groups=6, dilation=7),
+    "aten::conv_transpose3d": _ConvArgs(transposed=True, output_padding=5, groups=6, dilation=7),
+    "aten::cudnn_convolution": _ConvArgs(bias=None, padding=2, stride=3, dilation=4, groups=5),
+    "aten::cudnn_convolution_transpose": _ConvArgs(bias=None, padding=2, output_padding=3, stride=4, dilation=5,
+                                                   groups=6, transposed=True),
+    "aten::cudnn_convolution_relu": _ConvArgs(),
+    "aten::cudnn_convolution_add_relu": _ConvArgs(bias=4, stride=5, padding=6, dilation=7, groups=8, extra=(2,)),
+    "aten::miopen_convolution": _ConvArgs(padding=3, stride=4, dilation=5, groups=6),
+    "aten::miopen_depthwise_convolution": _ConvArgs(padding=3, stride=4, dilation=5, groups=6),
+    "aten::miopen_convolution_transpose": _ConvArgs(padding=3, output_padding=4, stride=5, dilation=6, groups=7,
+                                                    transposed=True),
+    "aten::mkldnn_convolution": _ConvArgs(padding=3, stride=4, dilation=5, groups=6),
+}
+
+
+def _int_list(x: Args, i: int | None, n: int, what: str, default: int) -> list[int]:
+    """An int-list argument (stride, padding, ...) broadcast to n spatial dims; the default when absent."""
+    if i is None or i >= len(x.types):
+        return [default] * n
+    v = x.const(i).strip()
+    if v == "":
+        if i < len(x.types) and x.types[i] in ("", "ScalarList"):
+            raise Unmodeled(f"convolution {what} (argument {i}) not recorded in Concrete Inputs")
+        return [default] * n
+    try:
+        val = json.loads(v)
+    except ValueError:
+        raise Unmodeled(f"convolution {what} (argument {i}) is {v!r}") from None
+    if isinstance(val, int):
+        val = [val]
+    if not isinstance(val, list) or not all(isinstance(a, int) for a in val):
+        raise Unmodeled(f"convolution {what} (argument {i}) is {v!r}")
+    if len(val) == 1:
+        val = val * n
+    if len(val) != n:
+        raise Unmodeled(f"convolution {what} {val} does not match {n} spatial dims")
+    return val
+
+
+def _conv_geometry(x: Args, spec: _ConvArgs, what: str):
+    """(input, weight, batch, input spatial, output spatial, transposed, groups) of a convolution call."""
+    inp, w = x.tensor(0, "input"), x.tensor(spec.weight, "weight")
+    nsp = len(w[0]) - 2
+    if nsp < 1:
+        raise Unmodeled(f"{what}: weight {w[0]} has no spatial dims")
+    if len(inp[0]) == nsp + 2:
+        n, sp_in = inp[0][0], inp[0][2:]
+    elif len(inp[0]) == nsp + 1:  # unbatched input
+        n, sp_in = 1, inp[0][1:]
+    else:
+        raise Unmodeled(f"{what}: input {inp[0]} does not match weight {w[0]}")
+    transposed = spec.transposed if isinstance(spec.transposed, bool) else x.flag(spec.transposed, "transposed")
+    groups = x.int_const(spec.groups, "groups") if spec.groups < len(x.types) else 1
+    if groups < 1:
+        raise Unmodeled(f"{what}: groups {groups}")
+    stride = _int_list(x, spec.stride, nsp, "stride", 1)
+    dil = _int_list(x, spec.dilation, nsp, "dilation", 1)
+    k = w[0][2:]
+    pad_text = x.const(spec.padding).strip().strip("'\"") if spec.padding < len(x.types) else ""
+    if pad_text in ("same", "valid"):  # conv*d.padding / _convolution_mode
+        pad = [0] * nsp if pad_text == "valid" else None
+    else:
+        pad = _int_list(x, spec.padding, nsp, "padding", 0)
+    if transposed:
+        opad = _int_list(x, spec.output_padding, nsp, "output_padding", 0)
+        if pad is None:
+            raise Unmodeled(f"{what}: padding 'same' on a transposed convolution")
+        sp_out = [(i - 1) * s - 2 * p + d * (kk - 1) + op + 1 for i, s, p, d, kk, op in zip(sp_in, stride, pad, dil, k, opad)]
+        c_in_w = w[0][0]  # transposed weight: [C_in, C_out / groups, *k]
+    else:
+        if pad is None:  # 'same': output spatial = input spatial (torch requires stride 1)
+            sp_out = list(sp_in)
+        else:
+            sp_out = [(i + 2 * p - d * (kk - 1) - 1) // s + 1 for i, s, p, d, kk in zip(sp_in, stride, pad, dil, k)]
+        c_in_w = w[0][1] * groups  # weight: [C_out, C_in / groups, *k]
+    c_in = inp[0][1] if len(inp[0]) == nsp + 2 else inp[0][0]
+    if c_in != c_in_w or any(v <= 0 for v in sp_out) or any(s <= 0 for s in stride):
+        raise Unmodeled(f"{what}: input {inp[0]}, weight {w[0]}, groups {groups} do not give a valid output")
+    return inp, w, n, sp_in, sp_out, transposed, groups
+
+
+def conv_model(name: str, x: Args) -> Perf:
+    """Convolution forward: 2 FLOPs per multiply-add, N x numel(weight) x (output positions, or input
+    positions for a transposed convolution); bias adds and fused activations are not counted as FLOPs.
+    Bytes: input, weight, bias (and other tensors read) + output written."""
+    spec = _CONV[name]
+    inp, w, n, sp_in, sp_out, transposed, groups = _conv_geometry(x, spec, name.split("::")[-1])
+    c_out = w[0][1] * groups if transposed else w[0][0]
+    positions = numel(sp_in) if transposed else numel(sp_out)
+    flops = 2.0 * n * numel(w[0]) * positions
+    bias = x.opt_tensor(spec.bias) if spec.bias is not None else None
+    extra = sum(nbytes(x.opt_tensor(i)) for i in spec.extra)
+    out_bytes = n * c_out * numel(sp_out) * inp[1]
+    return Perf(flops=flops, bytes=float(nbytes(inp) + nbytes(w) + nbytes(bias) + extra + out_bytes),
+                dtype=x.dtype(0), kind="conv", matrix=True,
+                note=("transposed, " if transposed else "") + f"groups={groups}")
+
+
+def m_conv_backward(x: Args) -> Perf:
+    """convolution_backward(grad_output, input, weight, bias_sizes, stride, padding, dilation, transposed,
+    output_padding, groups, output_mask): grad_input and grad_weight each cost the forward's FLOPs
+    (2 x N x numel(weight) x positions, from grad_output's spatial dims, or input's when transposed),
+    grad_bias one add per grad_output element; each per `output_mask`. Bytes: grad_output read, input
+    read for grad_weight, weight read for grad_input, the requested gradients written."""
+    go, inp, w = x.tensor(0, "grad_output"), x.tensor(1, "input"), x.tensor(2, "weight")
+    nsp = len(w[0]) - 2
+    if nsp < 1 or len(go[0]) != len(inp[0]) or len(inp[0]) not in (nsp + 1, nsp + 2):
+        raise Unmodeled(f"convolution_backward: grad_output {go[0]}, input {inp[0]}, weight {w[0]} do not match")
+    transposed = x.flag(7, "transposed")
+    try:
+        mask = json.loads(x.const(10).lower())
+        if not (isinstance(mask, list) and len(mask) == 3):
+            raise ValueError
+    except ValueError:
+        raise Unmodeled("convolution_backward output_mask (argument 10) not recorded in Concrete Inputs") from None
+    batched = len(inp[0]) == nsp + 2
+    n = inp[0][0] if batched else 1
+    positions = numel((inp[0] if transposed else go[0])[2 if batched else 1:])
+    fwd = 2.0 * n * numel(w[0]) * positions
+    flops = fwd * (int(bool(mask[0])) + int(bool(mask[1]))) + (numel(go[0]) if mask[2] else 0)
+    c_bias = go[0][1 if batched else 0]
+    reads = nbytes(go) + (nbytes(w) if mask[0] else 0) + (nbytes(inp) if mask[1] else 0)
+    writes = (nbytes(inp) if mask[0] else 0) + (nbytes(w) if mask[1] else 0) + (c_bias * go[1] if mask[2] else 0)
+    byts = reads + writes
+    return Perf(flops=flops, bytes=float(byts), dtype=x.dtype(0), kind="conv", matrix=True,
+                note=("transposed, " if transposed else "") + "grads " + "".join("iwb"[i] for i in range(3) if mask[i]))
+
+
+# ------------------------------------------------------------------------------------ batch / group norm
+
+# name -> (grad_out / input positions are 0; training flag position or fixed value)
+_BN_FWD: dict[str, int | bool] = {
+    "aten::native_batch_norm": 5, "aten::batch_norm": 5, "aten::_batch_norm_impl_index": 5,
+    "aten::cudnn_batch_norm": 5, "aten::miopen_batch_norm": 5, "aten::_native_batch_norm_legit": 5,
+    "aten::_native_batch_norm_legit_no_training": False, "aten::_batch_norm_with_update": True,
+    "aten::_batch_norm_no_update": False,
+}
+
+
+def _channels(shape: list[int], what: str) -> tuple[int, int]:
+    """(C, elements per channel) of an [N, C, *] tensor."""
+    if len(shape) < 2:
+        raise Unmodeled(f"{what}: input {shape} has no channel dim")
+    return shape[1], numel(shape) // max(shape[1], 1)
+
+
+def bn_model(name: str, x: Args) -> Perf:
+    """Batch norm forward. Training: per-channel mean and variance over (N, *) then normalize and scale,
+    ~5 FLOPs/element; running stats read and written, fp32 save_mean / save_invstd written. Eval: the
+    running stats folded into a scale and shift, 2 FLOPs/element. Bytes: input read, output written,
+    weight / bias / running stats per channel."""
+    inp = x.tensor(0, "input")
+    c, _ = _channels(inp[0], name)
+    flag = _BN_FWD[name]
+    stats = (3, 4)
+    if name == "aten::_native_batch_norm_legit" and not x.is_tensor(3) and len(x.types) == 6:
+        flag, stats = 3, ()  # the no_stats overload: (input, weight, bias, training, momentum, eps)
+    training = flag if isinstance(flag, bool) else x.flag(flag, "training")
+    params = nbytes(x.opt_tensor(1)) + nbytes(x.opt_tensor(2))
+    run = sum(nbytes(x.opt_tensor(i)) for i in stats)
+    byts = 2 * nbytes(inp) + params + (2 * run + 2 * c * 4 if training else run)
+    return Perf(flops=(5.0 if training else 2.0) * numel(inp[0]), bytes=float(byts), dtype=x.dtype(0),
+                kind="norm", note="training" if training else "eval")
+
+
+# name -> (grad_out position, input position, weight position, save_mean, save_invstd, output_mask or None)
+_BN_BWD: dict[str, tuple[int, int, int, int, int, int | None]] = {
+    "aten::native_batch_norm_backward": (0, 1, 2, 5, 6, 9),
+    "aten::batch_norm_backward": (0, 1, 2, 5, 6, 9),
+    "aten::cudnn_batch_norm_backward": (1, 0, 2, 5, 6, None),
+    "aten::miopen_batch_norm_backward": (1, 0, 2, 5, 6, None),
+}
+
+
+def _mask(x: Args, i: int | None, what: str) -> list[bool]:
+    if i is None:
+        return [True, True, True]
+    try:
+        m = json.loads(x.const(i).lower())
+        if isinstance(m, list) and len(m) == 3:
+            return [bool(v) for v in m]
+    except ValueError:
+        pass
+    raise Unmodeled(f"{what} output_mask (argument {i}) not recorded in Concrete Inputs")
+
+
+def bn_backward_model(name: str, x: Args) -> Perf:
+    """Batch norm backward: two reductions over (N, *) per channel and the input gradient, ~8
+    FLOPs/element. Bytes: grad_output, input, weight, saved mean / invstd read; grad_input (input's
+    size), grad_weight and grad_bias (per channel) written, per output_mask (cuDNN / MIOpen: all)."""
+    gi, ii, wi, mi, si, maski = _BN_BWD[name]
+    go, inp = x.tensor(gi, "grad_output"), x.tensor(ii, "input")
+    c, _ = _channels(inp[0], name)
+    mask = _mask(x, maski, name)
+    w = x.opt_tensor(wi)
+    reads = nbytes(go) + nbytes(inp) + nbytes(w) + nbytes(x.opt_tensor(mi)) + nbytes(x.opt_tensor(si))
+    wsize = w[1] if w is not None else inp[1]
+    writes = (nbytes(inp) if mask[0] else 0) + (c * wsize if mask[1] else 0) + (c * wsize if mask[2] else 0)
+    return Perf(flops=8.0 * numel(inp[0]), bytes=float(reads + writes), dtype=x.dtype(ii), kind="norm")
+
+
+def m_group_norm(x: Args) -> Perf:
+    """native_group_norm(input, weight, bias, N, C, HxW, group, eps) / group_norm(input, num_groups,
+    weight, bias, eps, cudnn_enabled): ~5 FLOPs/element; input read, output written, weight and bias,
+    fp32 mean and rstd per (sample, group) written (native_group_norm)."""
+    inp = x.tensor(0, "input")
+    if x.is_tensor(1) or len(x.types) >= 7:  # native_group_norm
+        w, bias = x.opt_tensor(1), x.opt_tensor(2)
+        groups = x.int_const(6, "group")
+        stats = True
+    else:  # group_norm
+        w, bias = x.opt_tensor(2), x.opt_tensor(3)
+        groups = x.int_const(1, "num_groups")
+        stats = False
+    c, _ = _channels(inp[0], "group_norm")
+    if groups < 1 or c % groups:
+        raise Unmodeled(f"group_norm: {c} channels in {groups} groups")
+    n = inp[0][0]
+    byts = 2 * nbytes(inp) + nbytes(w) + nbytes(bias) + (2 * n * groups * 4 if stats else 0)
+    return Perf(flops=5.0 * numel(inp[0]), bytes=float(byts), dtype=x.dtype(0), kind="norm")
+
+
+def m_group_norm_backward(x: Args) -> Perf:
+    """native_group_norm_backward(grad_out, input, mean, rstd, weight, N, C, HxW, group, output_mask):
+    ~8 FLOPs/element; grad_out, input, mean, rstd, weight read; grad_input, grad_weight, grad_bias written
+    per output_mask."""
+    go, inp = x.tensor(0, "grad_out"), x.tensor(1, "input")
+    c, _ = _channels(inp[0], "native_group_norm_backward")
+    mask = _mask(x, 9, "native_group_norm_backward")
+    w = x.opt_tensor(4)
+    reads = nbytes(go) + nbytes(inp) + nbytes(x.opt_tensor(2)) + nbytes(x.opt_tensor(3)) + nbytes(w)
+    wsize = w[1] if w is not None else inp[1]
+    writes = (nbytes(inp) if mask[0] else 0) + (c * wsize if mask[1] else 0) + (c * wsize if mask[2] else 0)
+    return Perf(flops=8.0 * numel(inp[0]), bytes=float(reads + writes), dtype=x.dtype(1), kind="norm")
+
+
 # ------------------------------------------------------------------------------------ the table
 
 _EW1 = ("aten::add", "aten::add_", "aten::sub", "aten::sub_", "aten::rsub", "aten::mul", "aten::mul_", "aten::div",
@@ -554,13 +833,39 @@ _EW_ACT = {  # activations and their backward: FLOPs per output element (documen
     "aten::native_dropout_backward": 1, "aten::mse_loss_backward": 3,
 }
 
+# tensor-input positions of the elementwise ops, from their schemas (torch 2.x, every overload but the
+# out= ones): a tensor argument elsewhere is an out= argument (e.g. `aten::mul` recorded with three
+# tensors is mul.out(self, other, *, out)), written once and not read
+_EW_INPUTS: dict[str, tuple[int, ...]] = {
+    **{n: (0,) for n in ("aten::neg", "aten::neg_", "aten::abs", "aten::relu", "aten::relu_", "aten::reciprocal",
+                         "aten::sqrt", "aten::rsqrt", "aten::sign", "aten::square", "aten::silu", "aten::silu_",
+                         "aten::gelu", "aten::gelu_", "aten::sigmoid", "aten::tanh", "aten::exp", "aten::log",
+                         "aten::dropout", "aten::native_dropout")},
+    **{n: (0, 1) for n in ("aten::add", "aten::add_", "aten::sub", "aten::sub_", "aten::rsub", "aten::mul",
+                           "aten::mul_", "aten::div", "aten::div_", "aten::clamp_min", "aten::clamp_min_",
+                           "aten::clamp_max", "aten::maximum", "aten::minimum", "aten::threshold_backward",
+                           "aten::pow", "aten::remainder", "aten::floor_divide", "aten::eq", "aten::ne", "aten::lt",
+                           "aten::le", "aten::gt", "aten::ge", "aten::fmod", "aten::mse_loss", "aten::silu_backward",
+                           "aten::gelu_backward", "aten::sigmoid_backward", "aten::tanh_backward",
+                           "aten::native_dropout_backward")},
+    **{n: (0, 1, 2) for n in ("aten::clamp", "aten::clamp_", "aten::where", "aten::masked_fill",
+                              "aten::masked_fill_", "aten::lerp_", "aten::addcmul_", "aten::addcdiv_",
+                              "aten::mse_loss_backward")},
+}
+
 MODELS: dict[str, Callable[[Args], Perf]] = {
     "aten::mm": m_mm, "aten::addmm": m_addmm, "aten::bmm": m_bmm, "aten::baddbmm": m_baddbmm,
     "aten::matmul": m_matmul, "aten::linear": m_linear, "aten::_scaled_mm": m_scaled_mm,
     "aten::_grouped_mm": m_grouped_mm, "aten::_scaled_grouped_mm": m_grouped_mm,
     **{name: (lambda x, _n=name: attention_model(_n, x)) for name in _ATTN},
-    **{name: elementwise(1) for name in _EW1},
-    **{name: elementwise(f) for name, f in _EW_ACT.items()},
+    **{name: elementwise(1, inputs=_EW_INPUTS[name]) for name in _EW1},
+    **{name: elementwise(f, inputs=_EW_INPUTS[name]) for name, f in _EW_ACT.items()},
+    **{name: (lambda x, _n=name: conv_model(_n, x)) for name in _CONV},
+    "aten::convolution_backward": m_conv_backward,
+    **{name: (lambda x, _n=name: bn_model(_n, x)) for name in _BN_FWD},
+    **{name: (lambda x, _n=name: bn_backward_model(_n, x)) for name in _BN_BWD},
+    "aten::native_group_norm": m_group_norm, "aten::group_norm": m_group_norm,
+    "aten::native_group_norm_backward": m_group_norm_backward,
     "aten::copy_": m_copy, "aten::fill_": m_fill, "aten::zero_": m_fill,
     "aten::layer_norm": m_layer_norm, "aten::native_layer_norm": m_layer_norm,
     "aten::native_layer_norm_backward": m_layer_norm_backward,
@@ -594,8 +899,38 @@ def _loads(text: Any) -> list:
     return v
 
 
+# ops seen in real traces whose FLOPs the recorded arguments cannot give: reported with the reason
+UNMODELABLE: dict[str, str] = {
+    "aiter::mha_batch_prefill": ("variable-length paged attention (ROCm aiter / CK): the per-sequence query and "
+                                 "key lengths are not recorded, only their offsets' shapes"),
+    "vllm::unified_attention_with_output": ("variable-length paged attention: the per-sequence query and key lengths "
+                                            "are not recorded"),
+}
+# overload names of out= variants that are not 'out' / '..._out'
+_OUT_OVERLOADS = frozenset({"grad_input"})
+
+
+def canonical_name(name: str) -> tuple[str, bool]:
+    """(the op name MODELS knows, whether the call is an out= variant). `aten::mm.out`, `aten::add.Scalar_out`,
+    `aten::silu_backward.grad_input` and `aten::mm_out` are out= variants of `aten::mm`, `aten::add`, ...;
+    `aten::add.Tensor` is `aten::add`. The models read inputs by position (the out= tensors come after them
+    in every schema) or, for elementwise ops, only at the schema's tensor-input positions, so an out=
+    variant is counted once, like its functional form: never as one more input read."""
+    if name in MODELS:
+        return name, False
+    base, dot, overload = name.partition(".")
+    if dot and "::" in base and "::" not in overload:
+        is_out = overload == "out" or overload.endswith("_out") or overload in _OUT_OVERLOADS
+        if base in MODELS:
+            return base, is_out
+        name = base
+    if name.endswith("_out") and name[:-4] in MODELS:
+        return name[:-4], True
+    return name, False
+
+
 def has_model(name: str) -> bool:
-    return name in MODELS
+    return canonical_name(name)[0] in MODELS
 
 
 def model(name: str, input_dims: Any = "", input_types: Any = "", concrete_inputs: Any = "",
@@ -617,9 +952,9 @@ def model(name: str, input_dims: Any = "", input_types: Any = "", concrete_input
 
 @lru_cache(maxsize=65536)
 def _model(name: str, input_dims: str, input_types: str, concrete_inputs: str, input_strides: str) -> Result:
-    fn = MODELS.get(name)
+    fn = MODELS.get(canonical_name(name)[0])
     if fn is None:
-        return Result(None, "no model for this op")
+        return Result(None, UNMODELABLE.get(name, "no model for this op"))
     try:
         args = Args(_loads(input_dims), _loads(input_types), _loads(concrete_inputs))
     except (ValueError, TypeError):
