@@ -52,6 +52,12 @@ class ModelSearch:
         return m
 
     def ready(self, base: dict) -> bool:
+        from tracelens.projection.whatif import MODELED, NEUTRAL
+
+        other = [k for k in self.space.knobs if k not in MODELED and k not in NEUTRAL]
+        if other:
+            self.why = f"the model has no mechanism for {', '.join(other)}"
+            return False
         if self.model_of(base) is None:
             self.why = self.failed.get(base["id"], "no model")
             return False
