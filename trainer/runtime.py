@@ -117,11 +117,15 @@ def peak_memory_bytes(device) -> tuple[int, str]:
 
 
 # ------------------------------------------------------------------------------------------ run dir
-# What a run writes into its directory: the trainer's files and dirs, and what `tracelens analyze RUN`
-# derives from them. A new run into a used directory removes these first (docs/trainer.md, "Run dir").
+# What a run writes into its directory, and what `tracelens analyze RUN` derives from it: name -> the
+# files of ours in it (None: a file). A new run into a used run dir removes these first (docs/trainer.md,
+# "Re-running"); a directory keeps anything else it holds, and is removed only when that leaves it empty.
 PARTIAL_DIR = ".partial"  # files being written (traces), renamed into place when whole
-TRAINER_OUTPUTS = ("manifest.json", "traces", "pipeline", "logs", PARTIAL_DIR)
-ANALYSIS_OUTPUTS = ("report.html", "summary.json", "tables", "ppvis.html")
+RUN_OUTPUTS: dict[str, tuple[str, ...] | None] = {
+    "manifest.json": None, "traces": ("*.json", "*.json.gz"), "pipeline": ("*.jsonl", "*.jsonl.gz"),
+    "logs": ("torchrun.log", "rank*.traceback.txt"), PARTIAL_DIR: ("*",),
+    "report.html": None, "summary.json": None, "ppvis.html": None, "tables": ("*.parquet", "*.csv"),
+}
 
 
 def write_json_atomic(path: str | Path, doc) -> None:
@@ -148,23 +152,45 @@ def write_json_atomic(path: str | Path, doc) -> None:
         pass
 
 
-def clear_previous_run(out: str | Path, keep: tuple[str, ...] = ()) -> list[str]:
-    """Remove a previous run's outputs from ``out`` (the names in TRAINER_OUTPUTS and ANALYSIS_OUTPUTS,
-    except ``keep``) so that new traces never sit beside an old manifest or an old rank's trace.
-    Nothing else in the directory is touched. Returns what was removed."""
+def looks_like_run_dir(out: str | Path) -> bool:
+    """A trainer run dir: a manifest.json, or rank traces under traces/ (a run killed before manifests
+    were written first)."""
     out = Path(out)
+    return (out / "manifest.json").is_file() or any((out / "traces").glob("rank*.json*"))
+
+
+def clear_previous_run(out: str | Path, keep: tuple[str, ...] = ()) -> list[str]:
+    """Remove a previous run's outputs from ``out`` (RUN_OUTPUTS, except ``keep``) so that new traces
+    never sit beside an old manifest or an old rank's trace. Only in a directory that holds a run
+    (:func:`looks_like_run_dir`: ``-o ~`` never loses ``~/logs``); only our files. Returns the names
+    of what was removed."""
+    out = Path(out)
+    if not looks_like_run_dir(out):
+        return []
     removed = []
-    for name in TRAINER_OUTPUTS + ANALYSIS_OUTPUTS:
-        if name in keep:
-            continue
+    for name, patterns in RUN_OUTPUTS.items():
         p = out / name
-        if p.is_symlink() or p.is_file():
-            p.unlink()
-        elif p.is_dir():
-            shutil.rmtree(p)
-        else:
+        if name in keep or not (p.exists() or p.is_symlink()):
             continue
-        removed.append(name)
+        if patterns is None or p.is_symlink() or not p.is_dir():
+            if patterns is None and (p.is_file() or p.is_symlink()):
+                p.unlink()
+                removed.append(name)
+            continue
+        hit = False
+        for pat in patterns:
+            for f in p.glob(pat):
+                if f.is_dir() and not f.is_symlink():
+                    shutil.rmtree(f)
+                else:
+                    f.unlink()
+                hit = True
+        try:
+            p.rmdir()  # only when nothing else is left in it
+        except OSError:
+            pass
+        if hit:
+            removed.append(name)
     return removed
 
 

@@ -176,6 +176,24 @@ def test_manifest_writes_are_atomic(tmp_path):
     assert not runtime.mark_failed(tmp_path / "nowhere", "x")
 
 
+def test_clearing_touches_only_a_previous_run_and_only_its_files(tmp_path):
+    home = tmp_path / "home"  # `-o ~`: not a run dir, so its logs/ and tables/ are not ours
+    for f in ("logs/torchrun.log", "tables/a.csv", "report.html", "traces/notes.txt"):
+        (home / f).parent.mkdir(parents=True, exist_ok=True)
+        (home / f).write_text("keep")
+    assert runtime.clear_previous_run(home) == []
+    assert sorted(str(p.relative_to(home)) for p in home.rglob("*") if p.is_file()) == [
+        "logs/torchrun.log", "report.html", "tables/a.csv", "traces/notes.txt"]
+    run = tmp_path / "run"  # a run dir (its traces, no manifest: killed before manifests came first)
+    for f in ("traces/rank0.json.gz", "traces/rank1.json.gz", "traces/README.txt", "logs/torchrun.log",
+              "logs/rank1.traceback.txt", "logs/mine.txt", ".partial/rank0.json.gz", "pipeline/rank0.jsonl"):
+        (run / f).parent.mkdir(parents=True, exist_ok=True)
+        (run / f).write_text("x")
+    assert runtime.clear_previous_run(run) == ["traces", "pipeline", "logs", ".partial"]
+    assert sorted(str(p.relative_to(run)) for p in run.rglob("*")) == [
+        "logs", "logs/mine.txt", "traces", "traces/README.txt"]
+
+
 def _run_dir_with(tmp_path: Path, manifest) -> Path:
     run = tmp_path / "r"
     (run / "traces").mkdir(parents=True)
