@@ -620,7 +620,7 @@ def memory(config, overrides, world, pp, vpp, ep, tp, cp, dp, mbs, seq, microbat
             _fail("memory: --sweep needs --device-memory (or --device) and --global-batch")
         from .progress import bar
 
-        with bar(desc="memory sweep", unit="pp x tp x cp") as b:
+        with bar(desc="memory sweep (pp x tp x cp groups)", unit=" group") as b:
             def tick(done, total):
                 b.total = total
                 b.n = done
