@@ -65,9 +65,30 @@ def _rank_pid(launcher: int, rank: int) -> int | None:
     return None
 
 
+def _agent_pid(launcher: int) -> int | None:
+    for p in _descendants(launcher):
+        try:
+            if b"torch.distributed.run" in Path(f"/proc/{p}/cmdline").read_bytes():
+                return p
+        except OSError:
+            continue
+    return None
+
+
+def _gone(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(not Path("/proc").is_dir(), reason="finds the rank's pid through /proc")
-def test_a_killed_rank_ends_the_job_in_one_line_and_analyze_warns(tmp_path):
+@pytest.mark.parametrize("peer_fails_first", [False, True], ids=["agent-stops-peers", "peer-fails-first"])
+def test_a_killed_rank_ends_the_job_in_one_line_and_analyze_warns(tmp_path, peer_fails_first):
+    """peer-fails-first: the elastic agent is paused until rank 0 has failed on the lost connection
+    (gloo "Connection reset by peer"), so torchrun's own root cause is rank 0 -- the issue's ~200 lines
+    with 3 tracebacks. The one line must still name rank 1 and SIGKILL."""
     run = tmp_path / "run"
     proc = subprocess.Popen(_launch(run, 2, "steps=5000", "profile_step_start=1", "profile_step_end=3"),
                             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -81,7 +102,19 @@ def test_a_killed_rank_ends_the_job_in_one_line_and_analyze_warns(tmp_path):
         assert _manifest(run)["status"] == "running"
         pid = _rank_pid(proc.pid, 1)
         assert pid is not None
-        os.kill(pid, signal.SIGKILL)
+        if peer_fails_first:
+            agent, rank0 = _agent_pid(proc.pid), _rank_pid(proc.pid, 0)
+            os.kill(agent, signal.SIGSTOP)
+            try:
+                os.kill(pid, signal.SIGKILL)
+                deadline = time.time() + 60
+                while not _gone(rank0) and time.time() < deadline:
+                    time.sleep(0.1)
+                assert _gone(rank0), "rank 0 did not fail on the lost peer"
+            finally:
+                os.kill(agent, signal.SIGCONT)
+        else:
+            os.kill(pid, signal.SIGKILL)
         out, err = proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:
@@ -97,6 +130,8 @@ def test_a_killed_rank_ends_the_job_in_one_line_and_analyze_warns(tmp_path):
     # everything torchrun said is kept
     log = (run / "logs" / "torchrun.log").read_text()
     assert "Root Cause" in log and "SIGKILL" in log
+    if peer_fails_first:  # rank 0's own failure line and traceback are kept, not shown
+        assert "[trainer] error: rank 0: " in log and (run / "logs" / "rank0.traceback.txt").is_file()
     # every trace in traces/ is whole (a rank killed while exporting leaves its part in .partial/)
     for t in (run / "traces").iterdir():
         with gzip.open(t, "rt") as f:
