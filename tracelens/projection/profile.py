@@ -67,6 +67,10 @@ class StepProfile:
     syncs: pd.DataFrame  # ts, end (ns), moe (bool: issued inside the MoE layer), path
     tokens: int  # tokens per micro-batch on this rank (micro_batch_size * seq_len)
     config: dict = field(default_factory=dict)
+    # host time spent in the MoE expert stage's own CPU ops (outermost ops whose place, or whose forward's
+    # place for a backward op, is moe/experts): intervals (ts, end) in ns; a per-expert backend runs
+    # several ops per expert there, a grouped one a few per pass
+    expert_host: pd.DataFrame = field(default_factory=lambda: pd.DataFrame({"ts": [], "end": [], "backward": []}))
 
     @property
     def step_ns(self) -> int:
@@ -201,7 +205,8 @@ def step_profile(analysis, config: dict, rank: int, step: int | None = None) -> 
         work = _cpu_work(tree, analysis.trace.events, rank, start, end, fwd_paths, tokens, mbs, seq_len)
         device = "cpu"
     syncs = _syncs(tree, rank, start, end)
-    return StepProfile(rank, int(step), device, start, end, work, syncs, tokens, dict(config))
+    return StepProfile(rank, int(step), device, start, end, work, syncs, tokens, dict(config),
+                       _expert_host(tree, analysis.trace.events, rank, start, end, fwd_paths))
 
 
 def _paths_of(tree: pd.DataFrame, events: pd.DataFrame, rows: np.ndarray, fwd_paths: dict, rank: int) -> tuple[np.ndarray, np.ndarray]:
@@ -316,6 +321,22 @@ def _cpu_work(tree: pd.DataFrame, events: pd.DataFrame, rank: int, start: int, e
     })
     work = work[work["dur"] > 0].sort_values("start", kind="stable").reset_index(drop=True)
     return work
+
+
+def _expert_host(tree: pd.DataFrame, events: pd.DataFrame, rank: int, start: int, end: int,
+                 fwd_paths: dict) -> pd.DataFrame:
+    """Host intervals of the outermost CPU ops of the MoE expert stage within the step."""
+    t = tree[(tree["rank"] == rank) & (tree["kind"].to_numpy() == KIND_OP) & (tree["depth"].to_numpy() == 0)]
+    ts = t["ts"].to_numpy()
+    t = t[(ts >= start) & (ts < end)]
+    if t.empty:
+        return pd.DataFrame({"ts": np.zeros(0, np.int64), "end": np.zeros(0, np.int64), "backward": np.zeros(0, bool)})
+    path, back = _paths_of(tree, events, t.index.to_numpy(), fwd_paths, rank)
+    own = C.strings(t["path"])
+    where = np.array([f"{o}/{p}" for o, p in zip(own, path)], dtype=object)
+    m = np.array(["moe/experts" in x for x in where], dtype=bool)
+    return pd.DataFrame({"ts": t["ts"].to_numpy(np.int64)[m], "end": (t["ts"] + t["dur"]).to_numpy(np.int64)[m],
+                         "backward": back[m]})
 
 
 def _syncs(tree: pd.DataFrame, rank: int, start: int, end: int) -> pd.DataFrame:

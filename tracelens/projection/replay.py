@@ -54,6 +54,7 @@ class Program:
     sync_ret: np.ndarray  # per sync: return latency after the device drained
     latency: float  # launch -> start when nothing else holds a unit back
     cpu: bool
+    gap_expert: np.ndarray | None = None  # per item: the part of its host gap spent in the expert stage's ops
 
 
 def prepare(p: StepProfile) -> Program:
@@ -119,7 +120,36 @@ def prepare(p: StepProfile) -> Program:
             sync_min[j] = sync_ret[j]
             release = max(release, sen[j])
     tail = max(float(p.step_ns) - release, 0.0)
-    return Program(p, kinds, idx, gap, tail, stream, dep, wait, sync_min, sync_ret, latency, False)
+    gx = _gap_overlap(kinds, idx, launch, sts, sen, gap, p)
+    return Program(p, kinds, idx, gap, tail, stream, dep, wait, sync_min, sync_ret, latency, False, gx)
+
+
+def _gap_overlap(kinds, idx, launch, sts, sen, gap, p: StepProfile) -> np.ndarray:
+    """Per host item: how much of the host time before it was spent inside the expert stage's own CPU
+    ops (``StepProfile.expert_host``)."""
+    eh = p.expert_host
+    out = np.zeros(len(gap))
+    if eh is None or not len(eh):
+        return out
+    us, ue = I.union(eh["ts"].to_numpy(np.int64) - p.start, eh["end"].to_numpy(np.int64) - p.start)
+    cum = np.concatenate([[0], np.cumsum(ue - us)])
+
+    def covered(a: float, b: float) -> float:  # length of [a, b] inside the union
+        if b <= a:
+            return 0.0
+        i = np.searchsorted(ue, a, side="right")
+        j = np.searchsorted(us, b, side="left")
+        if j <= i:
+            return 0.0
+        tot = cum[j] - cum[i]
+        tot -= max(0, a - us[i])
+        tot -= max(0, ue[j - 1] - b)
+        return float(max(tot, 0))
+
+    for n, (kd, j) in enumerate(zip(kinds, idx)):
+        t = launch[j] if kd == 0 else sts[j]
+        out[n] = min(covered(t - gap[n], t), gap[n])
+    return out
 
 
 @dataclass

@@ -145,14 +145,16 @@ class _Plan:
     tail: float
     latency: float
     cpu: bool
+    gap_x: list  # per item: the part of its gap spent in the expert stage's own CPU ops
 
     @classmethod
     def of(cls, prog: R.Program) -> "_Plan":
         w = prog.profile.work
+        gx = prog.gap_expert if prog.gap_expert is not None else np.zeros(len(prog.gap))
         return cls(list(prog.order_kind.tolist()), list(prog.order_idx.tolist()), list(prog.gap.tolist()),
                    list(w["dur"].to_numpy(float).tolist()), list(prog.stream.tolist()), list(prog.dep.tolist()),
                    list(prog.wait.tolist()), list(w["component"].tolist()), list(prog.sync_min.tolist()),
-                   list(prog.sync_ret.tolist()), float(prog.tail), float(prog.latency), prog.cpu)
+                   list(prog.sync_ret.tolist()), float(prog.tail), float(prog.latency), prog.cpu, list(gx.tolist()))
 
     def replay(self, host_scale: float) -> R.Result:
         if self.cpu:
@@ -207,6 +209,7 @@ class _Plan:
         self.kind.insert(at, 0)
         self.ref.insert(at, j)
         self.gap.insert(at, gap)
+        self.gap_x.insert(at, 0.0)
         return j
 
     def add_sync(self, at: int, cost: float) -> None:
@@ -216,12 +219,14 @@ class _Plan:
         self.kind.insert(at, 1)
         self.ref.insert(at, j)
         self.gap.insert(at, 0.0)
+        self.gap_x.insert(at, 0.0)
 
     def drop_items(self, positions: set[int]) -> None:
         keep = [i for i in range(len(self.kind)) if i not in positions]
         self.kind = [self.kind[i] for i in keep]
         self.ref = [self.ref[i] for i in keep]
         self.gap = [self.gap[i] for i in keep]
+        self.gap_x = [self.gap_x[i] for i in keep]
 
 
 # ------------------------------------------------------------------------------------------ the model
@@ -543,6 +548,7 @@ class Model:
         pos = {j: i for i, (kd, j) in enumerate(zip(plan.kind, plan.ref)) if kd == 0}
         source = "table" if self.table is not None else "merge"
         pending: list[tuple] = []  # (item position, units, ns each, stream, host gap each) to insert
+        inserted: list[int] = []
         drop: set[int] = set()
         groups: dict[tuple, list[int]] = {}
         for j in ex:
@@ -589,6 +595,20 @@ class Model:
                     drop.add(pos[j])
             # new units go where the first of the group was launched
             pending.append((first, n_new, new_total / n_new, stream, host_gap))
+        pool = 0.0
+        n_old = n_kept = 0
+        if pending:
+            # the expert stage's host time (its own CPU ops: one set per expert for a per-expert backend, a
+            # few per pass for a grouped one) scales with the number of units the stage launches
+            pool = float(sum(plan.gap_x))
+            for i in range(len(plan.gap)):
+                plan.gap[i] -= plan.gap_x[i]
+                plan.gap_x[i] = 0.0
+            stg = w["moe_stage"].to_numpy()
+            in_stage = {int(j) for j in np.flatnonzero(stg == "moe/experts")}
+            n_old = sum(1 for kd, j in zip(plan.kind, plan.ref) if kd == 0 and j in in_stage)
+            n_kept = sum(1 for i, (kd, j) in enumerate(zip(plan.kind, plan.ref))
+                         if kd == 0 and j in in_stage and i not in drop)
         if drop or pending:
             pend = sorted(pending, reverse=True)
             keep_pos = [i for i in range(len(plan.kind)) if i not in drop]
@@ -599,14 +619,26 @@ class Model:
                 if at is None:
                     at = next((remap[i] for i in range(first, first + 10**6) if i in remap), len(plan.kind))
                 for _ in range(n_new):
-                    plan.add_unit(each, stream, "expert GEMMs", gap, at)
+                    inserted.append(plan.add_unit(each, stream, "expert GEMMs", 0.0, at))
+        if inserted and n_old:
+            n_after = n_kept + len(inserted)
+            share = pool * n_after / n_old / len(inserted)
+            pos_new = {j: i for i, (kd, j) in enumerate(zip(plan.kind, plan.ref)) if kd == 0}
+            for j in inserted:
+                plan.gap[pos_new[j]] += share
+                plan.gap_x[pos_new[j]] += share
+            merged_host = pool - share * len(inserted)
+        else:
+            merged_host = 0.0
         new_ns = float(sum(plan.dur[j] for kd, j in zip(plan.kind, plan.ref) if kd == 0 and plan.comp[j] == "expert GEMMs"))
         what = "kernel-table ratio" if used_table else "merged per-expert work (no kernel table)"
         modeled.append(f"grouped_gemm_backend {b0} -> {b1}" + (" (masked reference)" if masked1 else "")
                        + f": expert GEMMs {base_ns / 1e6:.2f} -> {new_ns / 1e6:.2f} ms by {what}"
                        + ("; launches per pass 1 per expert" if b1 in PER_EXPERT else "; one launch per pass")
                        + (f"; the per-expert copies/elementwise kernels merged ({merged_ns / 1e6:.2f} ms less)"
-                          if merged_ns else ""))
+                          if merged_ns else "")
+                       + (f"; the expert stage's host time x{(n_kept + len(inserted)) / n_old:.2f} with its launches "
+                          f"({merged_host / 1e6:+.2f} ms less, profiled)" if inserted and n_old and pool else ""))
         if b0 not in PER_EXPERT and b1 in PER_EXPERT:
             notes.append(f"{b1}: the per-expert backend's extra copies and elementwise kernels (besides its GEMMs) are "
                          "not in this grouped run's trace: predicted time is a lower bound")
