@@ -469,3 +469,26 @@ def test_innermost_range_at_long_trace_path_agrees():
             open_ = [i for i in range(n) if group[i] == g_ and ts[i] <= t_ < end[i]]
             if open_ and all(end[i] <= end[parent[i]] for i in range(n) if parent[i] >= 0):
                 assert a[j] == max(open_, key=lambda i: (ts[i], -end[i], i))
+
+
+def test_multi_rank_load_keeps_ranks_apart():
+    """External ids repeat across ranks: loaded together, each rank's GPU events still go to that rank's
+    ops (checked against the reference run on each rank's file alone)."""
+    run = ROOT / "tests" / "fixtures" / "h200_ep2_run" / "L3_torch"
+    a = tracelens.analyze(tracelens.load(run, cache=False), window="all")
+    g, tree = a.gpu, a.tree
+    assert sorted(g["rank"].unique().tolist()) == [0, 1]
+    t_key = dict(zip(tree.index, zip(tree["ts"], tree["dur"], tree["name"].astype(str), tree["tid"], tree["rank"])))
+    got = collections.Counter(
+        ((ts, dur, name, corr, rank), t_key[row][:4] if row >= 0 else None) for ts, dur, name, corr, rank, row in
+        zip(g["ts"].tolist(), g["dur"].tolist(), g["name"].astype(str).tolist(), g["correlation"].tolist(),
+            g["rank"].tolist(), g["op_row"].tolist()))
+    assert all(row < 0 or t_key[row][4] == rank for rank, row in zip(g["rank"].tolist(), g["op_row"].tolist()))
+    want = collections.Counter()
+    for rank in (0, 1):
+        ref = reference(read_events(run / "traces" / f"rank{rank}.json.gz"))
+        for (ts, dur, name, corr), op, _ in ref["gpu"]:
+            e = ref["ops"].get(op)
+            want[((ts, dur, name, corr, rank),
+                  None if e is None else (ns(e["ts"]), ns(e.get("dur", 0)), e.get("name"), e.get("tid")))] += 1
+    assert got == want
