@@ -492,3 +492,31 @@ def test_multi_rank_load_keeps_ranks_apart():
             want[((ts, dur, name, corr, rank),
                   None if e is None else (ns(e["ts"]), ns(e.get("dur", 0)), e.get("name"), e.get("tid")))] += 1
     assert got == want
+
+
+@pytest.mark.parametrize("name", ["h200_moe_1gpu/moe1gpu_loop.json.gz", "external/hta/trace_diff/test.json.gz",
+                                  "external/hta/benchmark_result_2869224_1695835535_trace.json.gz"])
+def test_runtime_call_parents_match_a_stack_walk(name):
+    """The parent range (op, annotation or nn.Module range) of every runtime call is the top of a plain
+    stack walk over the thread's host events (parents before children: by start, longer first, ranges
+    before calls), popping what has ended by the call's start: whole-µs ties and zero-duration ranges
+    included."""
+    tree = CT.build_tree(tracelens.load(ROOT / "tests" / "fixtures" / name, cache=False).events)
+    cols = [tree[c].to_numpy() for c in ("rank", "pid", "tid", "ts", "dur", "kind", "external_id")]
+    rows = sorted(range(len(tree)), key=lambda i: (cols[0][i], cols[1][i], cols[2][i], cols[3][i], -cols[4][i],
+                                                   cols[5][i], cols[6][i], i))
+    labels, parent = tree.index.to_numpy(), tree["parent"].to_numpy()
+    want, got = {}, {}
+    stack, thread = [], None
+    for i in rows:
+        thr = (cols[0][i], cols[1][i], cols[2][i])
+        if thr != thread:
+            stack, thread = [], thr
+        while stack and cols[3][stack[-1]] + cols[4][stack[-1]] <= cols[3][i]:
+            stack.pop()
+        if cols[5][i] == CT.KIND_RUNTIME:
+            want[labels[i]] = labels[stack[-1]] if stack else -1
+            got[labels[i]] = parent[i]
+        else:
+            stack.append(i)
+    assert want and got == want
