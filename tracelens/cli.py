@@ -78,6 +78,11 @@ class _Group(click.Group):
             sys.exit(0)
         except MemoryError:
             _fail("out of memory while analyzing; try fewer ranks at once", 3)
+        except OSError as e:
+            if e.filename is None or os.environ.get("TRACELENS_DEBUG"):
+                raise
+            # a path the user gave that cannot be read or written (read-only or full output dir, ...)
+            _fail(f"{e.filename}: {e.strerror or e}")
         except Exception as e:  # an internal bug: one line by default, the traceback on request
             if os.environ.get("TRACELENS_DEBUG"):
                 raise
