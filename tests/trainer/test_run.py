@@ -25,7 +25,8 @@ def test_single_process_run_writes_run_dir(tmp_path):
     assert "numa_bind: no-op" in r.stdout  # CPU: clear no-op message
     m = check_run_dir(run, world=1, steps=6, profiled=range(2, 4))
     assert m["toggles"] == {"sync_free_level": 2, "grouped_gemm_backend": "torch", "recompute_layer_ids": [1],
-                            "loss_fusion": True, "manual_gc": 2, "numa_bind": True, "dtype": "fp32"}
+                            "optimizer": "adamw", "loss_fusion": True, "manual_gc": 2, "numa_bind": True,
+                            "dtype": "fp32"}
     assert m["env"]["knobs"] == {"TRACELENS_TEST_KNOB": "7"}
     assert m["env"]["recorded"] is not None
     assert m["numa"]["bound"] is False and "no-op" in m["numa"]["reason"]
