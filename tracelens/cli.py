@@ -519,6 +519,51 @@ def autotune(space_file, out, strategy, resume, seed):
 
 
 @main.command()
+@click.argument("run", type=click.Path())
+@click.option("--set", "sets", multiple=True, metavar="KEY=VALUE",
+              help="A changed trainer key (repeatable), e.g. --set micro_batch_size=8 --set grouped_gemm_backend=torch.")
+@click.option("--kernel-table", type=click.Path(dir_okay=False),
+              help="Grouped-GEMM timings (`tracelens kernels tune --json` rows or the tuner cache) for the backend knob.")
+@click.option("--memory-gib", type=click.FloatRange(min=0.001), help="Memory capacity to fit in (default: the GPU's).")
+@click.option("--json", "json_out", type=click.Path(dir_okay=False), help="Write the prediction here.")
+def whatif(run, sets, kernel_table, memory_gib, json_out):
+    """Predict step time, tokens/s/GPU and peak memory of RUN with changed trainer keys, component by
+    component, from RUN's profiled step (the host/device replay, calibrated to its measured step time).
+    See docs/whatif.md."""
+    import json
+
+    from .projection.whatif import Model, WhatIfError, parse_sets
+
+    try:
+        changes = parse_sets(list(sets))
+        m = Model.from_run(run, kernel_table=kernel_table, capacity_gib=memory_gib)
+        p = m.predict(changes)
+    except WhatIfError as e:
+        _fail(str(e))
+    ch = ", ".join(f"{k}={v}" for k, v in p.changes.items()) or "(no change)"
+    _echo(f"what-if {ch} on {run}")
+    unc = f"+/- {100 * p.uncertainty:.0f}%"
+    _echo(f"  step time      {1e3 * p.base_step_s:9.1f} ms -> {1e3 * p.step_s:9.1f} ms")
+    _echo(f"  tokens/s/GPU   {p.base_tokens_per_s_per_gpu:9,.0f}    -> {p.tokens_per_s_per_gpu:9,.0f}    "
+          f"({100 * p.gain:+.1f}%, {unc}, 1 sigma)")
+    if p.peak_gib is not None:
+        cap = f" of {p.capacity_bytes / 2**30:.1f} GiB" if p.capacity_bytes else ""
+        verdict = "fits" if p.fits else "OUT OF MEMORY: would not run"
+        _echo(f"  peak memory    {p.peak_gib:9.2f} GiB{cap}: {verdict}")
+    _echo(f"  {'component':<22} {'base ms':>9} {'predicted':>10} {'change':>9}")
+    for r in p.table().itertuples(index=False):
+        _echo(f"  {r.component:<22} {r.base_ms:>9.2f} {r.predicted_ms:>10.2f} {r.delta_ms:>+9.2f}")
+    _echo("  measured: " + "; ".join(p.measured))
+    for line in p.modeled:
+        _echo(f"  modeled: {line}")
+    for line in p.notes:
+        _echo(f"  note: {line}")
+    if json_out:
+        Path(json_out).write_text(json.dumps(p.as_dict(), indent=1, default=str))
+        _echo(f"wrote {json_out}")
+
+
+@main.command()
 @click.argument("paths", nargs=-1, required=True, type=click.Path())
 @click.option("--ceilings", type=click.Path(dir_okay=False), help="Measured ceilings JSON (see docs/roofline.md), overriding the datasheet.")
 @click.option("--json", "json_out", type=click.Path(dir_okay=False), help="Write the roofline tables and summary here.")
