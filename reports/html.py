@@ -211,6 +211,11 @@ def render(analysis: Analysis, title: str | None = None) -> str:
     if not a.breakdown.empty:
         figures["plot-breakdown"] = breakdown_figure(a.breakdown)
     extra = _deep_sections(a)
+    from .decomposition import section_context as decomposition_context  # never raises: a failure is one line
+
+    decomp = decomposition_context(a)
+    if decomp.get("decomp_figure"):
+        figures["plot-decomposition"] = decomp["decomp_figure"]
     if extra.get("roofline_figure"):
         figures["plot-roofline"] = extra.pop("roofline_figure")
     pipeline = None
@@ -239,6 +244,7 @@ def render(analysis: Analysis, title: str | None = None) -> str:
         ann_cols = [c for c in ann_cols if c[0] not in ("gpu_total_us", "kernels")]
     return _env().get_template("report.html").render(
         **extra,
+        **{k: v for k, v in decomp.items() if k != "decomp_figure"},
         title=title,
         subtitle=f"{len(trace.ranks)} rank(s) · {', '.join(devices) or 'no GPU'}",
         version=_version(),

@@ -51,6 +51,7 @@ class Analysis:
     gpu_window: pd.DataFrame | None = None  # the GPU events the views read (durations with cuts removed)
     host_window: Any = None  # boolean mask over `tree` rows: host events inside the window's steps (None: all)
     manifest: dict | None = field(default=None, repr=False)  # the run dir's manifest.json, when there is one
+    _decomposition: Any = field(default=None, repr=False)  # DataFrame or the exception that stopped it
 
     def roofline(self, ceilings: Any = None):
         """Roofline of every modeled op group (tracelens.analysis.roofline); computed once per ceilings."""
@@ -87,6 +88,22 @@ class Analysis:
 
             self._findings = findings(self)
         return self._findings
+
+    def decomposition(self) -> pd.DataFrame:
+        """The step decomposition (tracelens.projection.decomposition): per rank, the components that add
+        up to the step time, how each scales, calibrated to the manifest's measured mean step time when
+        the traces sit in a run dir (``attrs["basis"]``, ``attrs["note"]``); computed once. Raises
+        DecompositionError (one line) when there is no profiled step to decompose."""
+        if self._decomposition is None:
+            from .projection.decomposition import decomposition
+
+            try:
+                self._decomposition = decomposition(self)
+            except Exception as e:  # noqa: BLE001 - kept, so a second call raises the same without recomputing
+                self._decomposition = e
+        if isinstance(self._decomposition, Exception):
+            raise self._decomposition
+        return self._decomposition
 
     @property
     def trace_rank_count(self) -> int:
@@ -143,11 +160,22 @@ class Analysis:
             "roofline": self.roofline().summary() if self.has_gpu else None,
             "warnings": list(self.warnings),
             "health": _health_summary(self.health()),
+            "decomposition": _decomposition_summary(self),
         }
 
 
 _FIELDS = ("span_us", "gpu_busy_us", "gpu_idle_us", "compute_us", "comm_us", "memcpy_us", "memset_us",
            "exposed_comm_us", "kernel_count")
+
+
+def _decomposition_summary(a: Analysis) -> dict[str, Any]:
+    """summary.json's ``decomposition``: the records, or ``available: false`` with the reason in one line."""
+    from .projection.decomposition import reason, to_summary, unavailable
+
+    try:
+        return to_summary(a.decomposition())
+    except Exception as e:  # noqa: BLE001 - summary.json is written whatever the decomposition meets
+        return unavailable(reason(e))
 
 
 def _health_summary(df: pd.DataFrame) -> dict[str, Any]:

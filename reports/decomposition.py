@@ -1,0 +1,139 @@
+"""The step decomposition in HTML (tracelens.projection.decomposition): a stacked horizontal bar per rank
+and a small table, at the top of report.html; and the side-by-side decomposition of two configs (the
+sweep report's baseline vs best). Same conventions as reports/html.py: figure dicts for plotly whose
+labels are HTML-escaped, tables through ``html_table``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pandas as pd
+
+from .html import _plot_text, html_table
+
+# one colour per component: work in blues/greens/purples, communication red, idle in greys
+COLORS = {
+    "expert GEMMs": "#1b4f9c", "dense GEMMs": "#3b7dd8", "attention": "#8e5ad6", "norms/activations": "#29a37a",
+    "optimizer step": "#17a2b8", "copies/casts": "#f3a712", "exposed communication": "#e4572e",
+    "sync waits": "#c0392b", "launch-bound idle": "#b8c2d1", "pipeline bubble": "#6c7a91", "other": "#9aa6b8",
+}
+MECHANISM_TEXT = {"sync waits": "per blocking sync", "launch-bound idle": "per launch",
+                  "pipeline bubble": "share of the stage time", "other": "idle of no known cause"}
+
+
+def components_order() -> tuple[str, ...]:
+    from tracelens.projection.profile import COMPONENTS
+
+    return COMPONENTS
+
+
+def scale_text(scales_with: Any, scale_share: Any, scale_basis: Any, component: str) -> str:
+    """``tokens (84 %)`` from the units' labels; ``fixed (per launch)`` for an idle component."""
+    if scales_with is None or scales_with != scales_with:
+        return "–"
+    if scale_basis == "mechanism":
+        return f"{scales_with} ({MECHANISM_TEXT.get(component, 'idle')})"
+    if scale_share is None or scale_share != scale_share:
+        return str(scales_with)
+    return f"{scales_with} ({100 * float(scale_share):.0f} %)"
+
+
+def figure(df: pd.DataFrame) -> dict:
+    """Stacked horizontal bar per rank: the components of its step (ms), in COMPONENTS order."""
+    ranks = sorted(int(r) for r in df["rank"].unique())
+    totals = df.groupby("rank")["ms"].sum()
+    ylab = [f"rank {r} ({totals.loc[r]:,.1f} ms)" for r in ranks]
+    data = []
+    for comp in components_order():
+        sub = df[df["component"] == comp].set_index("rank").reindex(ranks)
+        if not (sub["ms"].fillna(0) > 0).any():
+            continue
+        custom = [[f"{100 * float(s):.1f}" if s == s else "–",
+                   _plot_text(scale_text(sw, ss, sb, comp))]
+                  for s, sw, ss, sb in zip(sub["share"], sub["scales_with"], sub["scale_share"], sub["scale_basis"])]
+        data.append({"type": "bar", "orientation": "h", "name": _plot_text(comp), "y": ylab,
+                     "x": [round(float(v), 4) if v == v else 0.0 for v in sub["ms"]],
+                     "marker": {"color": COLORS.get(comp, "#888")}, "customdata": custom,
+                     "hovertemplate": "%{y}: %{x:.3f} ms " + _plot_text(comp)
+                     + " (%{customdata[0]} % of the step)<br>scales with %{customdata[1]}<extra></extra>"})
+    layout = {"barmode": "stack", "height": 150 + 34 * len(ranks), "margin": {"l": 120, "r": 20, "t": 10, "b": 40},
+              "xaxis": {"title": {"text": "ms per step"}}, "yaxis": {"autorange": "reversed", "automargin": True},
+              "legend": {"orientation": "h"}}
+    return {"data": data, "layout": layout}
+
+
+def table(df: pd.DataFrame) -> str:
+    """One row per component (those with time on some rank): how it scales, then ms and % of the step
+    per rank (up to 4 ranks), else the mean, min and max over the ranks."""
+    ranks = sorted(int(r) for r in df["rank"].unique())
+    rows = []
+    for comp in components_order():
+        sub = df[df["component"] == comp]
+        if not (sub["ms"] > 0).any():
+            continue
+        # the label of the rank where the component takes most time (ranks of one job agree in practice)
+        top = sub.loc[sub["ms"].idxmax()]
+        row: dict[str, Any] = {"component": comp,
+                               "scales": scale_text(top["scales_with"], top["scale_share"], top["scale_basis"], comp)}
+        if len(ranks) <= 4:
+            for r in ranks:
+                x = sub[sub["rank"] == r]
+                row[f"ms{r}"] = float(x["ms"].iloc[0]) if len(x) else None
+                row[f"pct{r}"] = 100 * float(x["share"].iloc[0]) if len(x) else None
+        else:
+            row.update(mean=float(sub["ms"].mean()), min=float(sub["ms"].min()), max=float(sub["ms"].max()),
+                       pct=100 * float(sub["share"].mean()))
+        rows.append(row)
+    total: dict[str, Any] = {"component": "step (sum)", "scales": ""}
+    tot = df.groupby("rank")["ms"].sum()
+    if len(ranks) <= 4:
+        for r in ranks:
+            total[f"ms{r}"], total[f"pct{r}"] = float(tot.loc[r]), 100.0
+    else:
+        total.update(mean=float(tot.mean()), min=float(tot.min()), max=float(tot.max()), pct=100.0)
+    rows.append(total)
+    cols = [("component", "component", "text"), ("scales", "scales with (share of its units' time)", "text")]
+    if len(ranks) <= 4:
+        for r in ranks:
+            cols += [(f"ms{r}", f"rank {r} ms", "num"), (f"pct{r}", f"rank {r} % of step", "pct")]
+    else:
+        cols += [("mean", "mean ms", "num"), ("min", "min ms", "num"), ("max", "max ms", "num"),
+                 ("pct", "mean % of step", "pct")]
+    return html_table(pd.DataFrame(rows), cols)
+
+
+def section_context(analysis) -> dict:
+    """What report.html's "Step decomposition" section needs: ``decomp_note`` (which basis, how close),
+    ``decomp_table``, ``decomp_figure`` (or None), or ``decomp_error``: one line saying why there is none.
+    Never raises: a failure anywhere becomes that line."""
+    from tracelens.projection.decomposition import reason
+
+    try:
+        df = analysis.decomposition()
+        return {"decomp_note": df.attrs.get("note", ""), "decomp_basis": df.attrs.get("basis", ""),
+                "decomp_table": table(df), "decomp_figure": figure(df), "decomp_error": ""}
+    except Exception as e:  # noqa: BLE001 - the report is written whatever the decomposition meets
+        return {"decomp_note": "", "decomp_basis": "", "decomp_table": "", "decomp_figure": None,
+                "decomp_error": reason(e)}
+
+
+def compare_figure(sides: list[tuple[str, dict[str, float]]]) -> dict:
+    """Grouped horizontal bars per component, one colour per side (e.g. baseline vs best): ms per step.
+    ``sides``: (label, {component: ms})."""
+    comps = [c for c in components_order() if any(v.get(c, 0.0) > 0 for _, v in sides)]
+    palette = ["#9aa6b8", "#2e9d5b", "#3b7dd8", "#e4572e"]
+    data = []
+    for i, (label, comp_ms) in enumerate(sides):
+        tot = sum(comp_ms.get(c, 0.0) for c in components_order())
+        data.append({"type": "bar", "orientation": "h", "name": _plot_text(f"{label} ({tot:,.1f} ms)"),
+                     "y": [_plot_text(c) for c in comps], "x": [round(float(comp_ms.get(c, 0.0)), 4) for c in comps],
+                     "marker": {"color": palette[i % len(palette)]},
+                     "hovertemplate": _plot_text(label) + ": %{y} %{x:.3f} ms<extra></extra>"})
+    layout = {"barmode": "group", "height": 160 + 46 * len(comps), "margin": {"l": 150, "r": 20, "t": 10, "b": 40},
+              "xaxis": {"title": {"text": "ms per step"}}, "yaxis": {"autorange": "reversed", "automargin": True},
+              "legend": {"orientation": "h"}}
+    return {"data": data, "layout": layout}
+
+
+__all__ = ["figure", "table", "section_context", "compare_figure", "scale_text", "COLORS"]

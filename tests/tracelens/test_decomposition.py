@@ -1,0 +1,255 @@
+"""The step decomposition (tracelens/projection/decomposition.py): per rank, components that add up to the
+step, calibrated to the manifest's measured mean step time on a run dir, else the replay of the traced
+step. Expected step times come from the raw files (manifest.json, the gzipped trace JSON's
+ProfilerStep#N event), read here with the standard library."""
+
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+
+import tracelens
+from reports.html import render
+from tracelens.projection import decomposition as D
+from tracelens.projection.profile import COMPONENTS
+from tracelens.projection.whatif import Model
+
+from ..conftest import CPU_ONLY, FIXTURES, MOE_LOOP, NCCL_2RANK
+
+EP2 = FIXTURES / "h200_ep2_run"
+RUNS = [EP2 / "L0_loop", EP2 / "L3_torch"]
+PP_RUNS = [FIXTURES / "h200_pp2_run" / n for n in ("1f1b", "vpp2", "zb1p")]
+
+
+def _analysis(path, cache={}):  # noqa: B006 - one analysis per input for the whole module
+    key = str(path)
+    if key not in cache:
+        cache[key] = tracelens.analyze(tracelens.load(path, progress=False))
+    return cache[key]
+
+
+def _raw_profiler_step_ms(trace_file: Path, step: int) -> float:
+    """Duration of the host's ``ProfilerStep#<step>`` (or ``## step <step>``) range in the raw trace JSON
+    (µs -> ms); the GPU-side
+    copy of the range (``gpu_user_annotation``) spans the step's kernels, not the step."""
+    with gzip.open(trace_file, "rt") as f:
+        doc = json.load(f)
+    events = doc["traceEvents"] if isinstance(doc, dict) else doc
+    durs = [float(e["dur"]) for e in events if e.get("ph") == "X"
+            and e.get("name") in (f"ProfilerStep#{step}", f"## step {step}") and e.get("cat") != "gpu_user_annotation"]
+    assert len(durs) == 1, (trace_file, step, durs)
+    return durs[0] / 1e3
+
+
+def _check_shape(df: pd.DataFrame) -> None:
+    assert list(df.columns[:5]) == ["rank", "component", "ms", "share", "scales_with"]
+    for rank, sub in df.groupby("rank"):
+        assert list(sub["component"]) == list(COMPONENTS), rank  # every component once, in order
+        assert (sub["ms"] >= 0).all() and np.isfinite(sub["ms"]).all()
+        assert sub["share"].sum() == pytest.approx(1.0, abs=1e-9)
+        assert sub["scales_with"].dropna().isin(["tokens", "params", "fixed"]).all()
+
+
+@pytest.mark.parametrize("run", RUNS, ids=lambda p: p.name)
+def test_calibrated_parts_add_up_to_the_manifests_mean_step(run):
+    mean_s = json.loads((run / "manifest.json").read_text())["metrics"]["mean_step_time_s"]
+    df = _analysis(run).decomposition()
+    _check_shape(df)
+    assert df.attrs["basis"] == "calibrated"
+    assert f"{1e3 * mean_s:.3f} ms" in df.attrs["note"]
+    sums = df.groupby("rank")["ms"].sum()
+    assert sorted(sums.index) == [0, 1]
+    for rank, total in sums.items():
+        assert total == pytest.approx(1e3 * mean_s, rel=1e-9), rank
+    # the profiled step the split comes from is named, with its raw duration
+    for r in df.attrs["ranks"]:
+        raw = _raw_profiler_step_ms(run / "traces" / f"rank{r['rank']}.json.gz", r["step"])
+        assert r["traced_step_ms"] == pytest.approx(raw, abs=1e-3)
+
+
+@pytest.mark.parametrize("run", RUNS, ids=lambda p: p.name)
+def test_uncalibrated_replay_is_the_raw_profiler_step_within_2_percent(run):
+    df = D.decomposition(_analysis(run), calibrate=False)
+    _check_shape(df)
+    assert df.attrs["basis"] == "replay" and "not calibrated" in df.attrs["note"]
+    steps = df.groupby("rank")["step"].first()
+    for rank, total in df.groupby("rank")["ms"].sum().items():
+        raw = _raw_profiler_step_ms(run / "traces" / f"rank{rank}.json.gz", int(steps[rank]))
+        assert abs(total - raw) / raw < 0.02, (rank, total, raw)
+    assert "WARNING" not in df.attrs["note"]  # within 5 %: no fidelity warning
+
+
+def test_loose_trace_files_replay_and_an_explicit_manifest_calibrates():
+    files = sorted(str(p) for p in (NCCL_2RANK).glob("rank*.json.gz"))
+    a = _analysis(NCCL_2RANK)
+    df = a.decomposition()
+    assert df.attrs["basis"] == "replay" and "no run manifest" in df.attrs["note"]
+    _check_shape(df)
+    assert len(files) == 2 and sorted(df["rank"].unique()) == [0, 1]
+    # the replayed step is the steady-state window's step, not the start-up wait step 0
+    assert set(df["step"]) <= set(a.window.used)
+    for r in df.attrs["ranks"]:
+        raw = _raw_profiler_step_ms(NCCL_2RANK / f"rank{r['rank']}.json.gz", r["step"])
+        assert r["traced_step_ms"] == pytest.approx(raw, abs=1e-3)
+        assert sum(df[df["rank"] == r["rank"]]["ms"]) == pytest.approx(r["step_ms"], rel=1e-9)
+    # the L3 run's manifest handed over with its traces analysed as a run dir: calibrated to its mean
+    man = json.loads((EP2 / "L3_torch" / "manifest.json").read_text())
+    man["metrics"]["mean_step_time_s"] = 0.04
+    cal = D.decomposition(_analysis(EP2 / "L3_torch"), manifest=man)
+    assert cal.attrs["basis"] == "calibrated"
+    for total in cal.groupby("rank")["ms"].sum():
+        assert total == pytest.approx(40.0, rel=1e-9)
+    # a manifest without step times: the replay, and the note says why
+    man["metrics"].pop("mean_step_time_s")
+    rep = D.decomposition(_analysis(EP2 / "L3_torch"), manifest=man)
+    assert rep.attrs["basis"] == "replay" and "no measured mean step time" in rep.attrs["note"]
+
+
+def test_scale_labels_are_the_label_holding_most_time():
+    work = pd.DataFrame({
+        "component": ["expert GEMMs", "expert GEMMs", "optimizer step", "copies/casts", "copies/casts", "copies/casts",
+                      "other"],
+        "scale": ["tokens", "tokens", "params", "tokens", "fixed", "fixed", "tokens"],
+        "dur": [100, 50, 70, 30, 20, 25, 10]})
+    lab = D.scale_labels(work)
+    assert lab["expert GEMMs"] == ("tokens", 1.0)
+    assert lab["optimizer step"] == ("params", 1.0)
+    assert lab["copies/casts"][0] == "fixed" and lab["copies/casts"][1] == pytest.approx(45 / 75)
+    # "other" that is 60 % idle (no unit): the idle part counts as fixed
+    lab = D.scale_labels(work, other_idle=0.6)
+    assert lab["other"] == ("fixed", pytest.approx(0.6))
+    assert D.scale_labels(work, other_idle=0.3)["other"] == ("tokens", pytest.approx(0.7))
+
+
+def test_labels_on_a_real_run():
+    df = _analysis(EP2 / "L0_loop").decomposition()
+    r0 = df[df["rank"] == 0].set_index("component")
+    assert r0.loc["optimizer step", "scales_with"] == "params" and r0.loc["optimizer step", "scale_basis"] == "units"
+    assert r0.loc["expert GEMMs", "scales_with"] == "tokens"
+    for idle in ("sync waits", "launch-bound idle"):
+        assert r0.loc[idle, "scale_basis"] == "mechanism" and r0.loc[idle, "scales_with"] == "fixed"
+    assert r0.loc["sync waits", "ms"] > 0  # level 0: the MoE layer's blocking syncs
+    l3 = _analysis(EP2 / "L3_torch").decomposition()
+    assert l3[(l3["rank"] == 0) & (l3["component"] == "sync waits")]["ms"].iloc[0] == 0.0  # sync-free level 3
+
+
+@pytest.mark.parametrize("run", PP_RUNS, ids=lambda p: p.name)
+def test_pipeline_runs_show_the_bubble_and_still_add_up(run):
+    a = _analysis(run)
+    mean_s = json.loads((run / "manifest.json").read_text())["metrics"]["mean_step_time_s"]
+    df = a.decomposition()
+    _check_shape(df)
+    model = Model.from_run(run, analysis=a)
+    base = {p.rank: c for p, c in zip(model.profiles, model.base_by_rank)}
+    idle = ("sync waits", "launch-bound idle", "other")
+    for rank, sub in df.groupby("rank"):
+        assert sub["ms"].sum() == pytest.approx(1e3 * mean_s, rel=1e-9)
+        c = sub.set_index("component")["ms"]
+        assert c["pipeline bubble"] > 0, rank
+        # the bubble only takes idle time the model's replay had: the work parts are the model's, and
+        # bubble + the idle parts = the model's idle parts
+        for comp in ("expert GEMMs", "dense GEMMs", "attention", "norms/activations", "optimizer step",
+                     "copies/casts", "exposed communication"):
+            assert c[comp] == pytest.approx(1e3 * base[rank][comp], rel=1e-9, abs=1e-9), (rank, comp)
+        for comp in idle:
+            assert c[comp] <= 1e3 * base[rank][comp] + 1e-9
+        assert c["pipeline bubble"] + sum(c[k] for k in idle) == pytest.approx(
+            1e3 * sum(base[rank][k] for k in idle + ("pipeline bubble",)), rel=1e-9)
+    assert "pipeline bubble" in df.attrs["note"]
+
+
+def test_cpu_only_run_dir_gets_the_host_decomposition(cpu_run):
+    df = _analysis(cpu_run).decomposition()
+    _check_shape(df)
+    mean_s = json.loads((cpu_run / "manifest.json").read_text())["metrics"]["mean_step_time_s"]
+    assert df.attrs["basis"] == "calibrated"
+    assert df["ms"].sum() == pytest.approx(1e3 * mean_s, rel=1e-9)
+    c = df.set_index("component")
+    assert c.loc["dense GEMMs", "ms"] > 0 and c.loc["optimizer step", "scales_with"] == "params"
+    rep = D.decomposition(_analysis(cpu_run), calibrate=False)
+    raw = _raw_profiler_step_ms(cpu_run / "traces" / "rank0.json.gz", int(rep["step"].iloc[0]))
+    assert abs(rep["ms"].sum() - raw) / raw < 0.02
+
+
+@pytest.fixture(scope="module")
+def cpu_run(tmp_path_factory):
+    """A real CPU run of the tiny config (the trainer, one process, a few steps, one profiled step)."""
+    import subprocess
+    import sys
+
+    out = tmp_path_factory.mktemp("cpu") / "run"
+    cmd = [sys.executable, "-m", "trainer.launch", "--config", "tiny", "--nproc", "1", "-o", str(out),
+           "--set", "steps=6", "--set", "profile_step_start=3", "--set", "profile_step_end=4",
+           "--set", "timing_warmup_steps=1", "--set", "log_every=3"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**__import__("os").environ,
+                                                                              "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, r.stderr[-2000:]
+    return out
+
+
+def test_no_decomposition_is_one_line_in_summary_and_report(tmp_path):
+    for path, why in ((MOE_LOOP, "no profiler step marked"), (CPU_ONLY, "no profiled step with device work")):
+        a = _analysis(path)
+        s = a.summary()["decomposition"]
+        assert s["available"] is False and why in s["reason"] and "\n" not in s["reason"]
+        html = render(a)
+        assert f"No step decomposition: {why}" in html
+        with pytest.raises(D.DecompositionError):
+            a.decomposition()
+
+
+def test_a_failure_inside_never_breaks_the_report(monkeypatch):
+    a = tracelens.analyze(tracelens.load(EP2 / "L3_torch", progress=False))
+
+    def boom(*_a, **_k):
+        raise RuntimeError("replay exploded\nsecond line")
+
+    monkeypatch.setattr(D, "decomposition", boom)
+    html = render(a)
+    assert "No step decomposition: RuntimeError: replay exploded second line" in html
+    s = a.summary()["decomposition"]
+    assert s == {"available": False, "reason": "RuntimeError: replay exploded second line"}
+
+
+def test_summary_json_record():
+    a = _analysis(EP2 / "L0_loop")
+    s = a.summary()["decomposition"]
+    mean_s = json.loads((EP2 / "L0_loop" / "manifest.json").read_text())["metrics"]["mean_step_time_s"]
+    assert s["available"] and s["basis"] == "calibrated" and "calibrated" in s["note"]
+    assert [r["rank"] for r in s["ranks"]] == [0, 1]
+    for r in s["ranks"]:
+        assert [c["component"] for c in r["components"]] == list(COMPONENTS)
+        assert sum(c["us"] for c in r["components"]) == pytest.approx(1e6 * mean_s, abs=0.01)
+        assert r["step_us"] == pytest.approx(1e6 * mean_s, abs=0.001)
+        assert r["traced_step_us"] == pytest.approx(1e3 * _raw_profiler_step_ms(
+            EP2 / "L0_loop" / "traces" / f"rank{r['rank']}.json.gz", r["step"]), abs=1)
+    json.dumps(s, allow_nan=False)  # strict JSON
+
+
+def test_report_section_at_the_top():
+    html = render(_analysis(EP2 / "L3_torch"))
+    assert html.index('id="decomposition"') < html.index('id="overview"') < html.index('id="findings"')
+    assert '"plot-decomposition"' in html and "Measured step, modeled split" in html
+    html = render(_analysis(NCCL_2RANK))
+    assert "Traced step, replayed" in html
+
+
+def test_calibrated_decomposition_imports_no_torch():
+    """The calibrated path (what-if model, memory projection) on a run dir, in summary.json and the
+    report, with torch and triton imports refused."""
+    import subprocess
+    import sys
+
+    code = ("import builtins\nreal = builtins.__import__\n"
+            "def guard(name, *a, **k):\n    assert not name.startswith(('torch', 'triton')), name\n    return real(name, *a, **k)\n"
+            "builtins.__import__ = guard\nimport tracelens, reports.html as h\n"
+            f"a = tracelens.analyze(tracelens.load({str(EP2 / 'L3_torch')!r}, cache=False))\n"
+            "s = a.summary()['decomposition']\nassert s['available'] and s['basis'] == 'calibrated', s\n"
+            "h.render(a)\nprint('ok')")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert p.returncode == 0 and p.stdout.strip() == "ok", p.stderr[-2000:]
