@@ -118,20 +118,25 @@ def section_context(analysis) -> dict:
                 "decomp_error": reason(e)}
 
 
-def compare_figure(sides: list[tuple[str, dict[str, float]]]) -> dict:
-    """Grouped horizontal bars per component, one colour per side (e.g. baseline vs best): ms per step.
-    ``sides``: (label, {component: ms})."""
+def compare_figure(sides: list[tuple[str, dict[str, float]]], unit: str = "ms per step") -> dict:
+    """Grouped horizontal bars per component, one colour per side (e.g. baseline vs best), in ``unit``.
+    ``sides``: (label, {component: value})."""
     comps = [c for c in components_order() if any(v.get(c, 0.0) > 0 for _, v in sides)]
-    palette = ["#9aa6b8", "#2e9d5b", "#3b7dd8", "#e4572e"]
+    # the baseline grey, the best green, the moves between in blues (in the search's order)
+    blues = ["#9ec5f0", "#6fa3e0", "#3b7dd8", "#1b4f9c"]
     data = []
     for i, (label, comp_ms) in enumerate(sides):
+        color = "#9aa6b8" if label.startswith("baseline") else "#2e9d5b" if label.startswith("best") \
+            else blues[(i - 1) % len(blues)]
         tot = sum(comp_ms.get(c, 0.0) for c in components_order())
-        data.append({"type": "bar", "orientation": "h", "name": _plot_text(f"{label} ({tot:,.1f} ms)"),
+        data.append({"type": "bar", "orientation": "h", "name": _plot_text(f"{label} ({tot:,.1f} {unit.split()[0]})"),
+                     "legendgroup": str(i),
                      "y": [_plot_text(c) for c in comps], "x": [round(float(comp_ms.get(c, 0.0)), 4) for c in comps],
-                     "marker": {"color": palette[i % len(palette)]},
-                     "hovertemplate": _plot_text(label) + ": %{y} %{x:.3f} ms<extra></extra>"})
-    layout = {"barmode": "group", "height": 160 + 46 * len(comps), "margin": {"l": 150, "r": 20, "t": 10, "b": 40},
-              "xaxis": {"title": {"text": "ms per step"}}, "yaxis": {"autorange": "reversed", "automargin": True},
+                     "marker": {"color": color},
+                     "hovertemplate": _plot_text(label) + ": %{y} %{x:.3f} " + _plot_text(unit) + "<extra></extra>"})
+    layout = {"barmode": "group", "height": 160 + 22 * len(comps) * max(2, len(sides)),
+              "margin": {"l": 150, "r": 20, "t": 10, "b": 40},
+              "xaxis": {"title": {"text": _plot_text(unit)}}, "yaxis": {"autorange": "reversed", "automargin": True},
               "legend": {"orientation": "h"}}
     return {"data": data, "layout": layout}
 

@@ -1,7 +1,9 @@
 """Sweep report (OUT/sweep.html): the objective of every trial, the path the guided search took with
 the finding that motivated each step, per-knob effects, the best config as a ready YAML file
 (OUT/best.yaml, also shown) and a diff of the best trial against the baseline
-(OUT/diff_best_vs_baseline/diff.html, made with tracelens.analysis.diff and reports/diff.py, linked).
+(OUT/diff_best_vs_baseline/diff.html, made with tracelens.analysis.diff and reports/diff.py, linked);
+the what-if model's predicted vs measured objective of every model-driven trial and the step
+decomposition of the baseline and each kept move (reports/sweep_model.py).
 
 Input: an ``autotune.sweep.SweepResult`` and its ``Space``; reads the trials' run dirs (manifests and
 traces) for the YAML and the diff, nothing else.
@@ -184,9 +186,13 @@ def render(result, space, diff_link: str | None = None, diff_error: str | None =
     speedup = None
     if best and base and base.get("status") == "ok" and base.get("objective"):
         speedup = best["objective"] / base["objective"] if space.maximize else base["objective"] / best["objective"]
+    from .sweep_model import context as model_context  # predicted vs measured, decomposition per kept move
+
+    model = model_context(result, space)
+    figures = {**_figures(df, result.path, space), **model.pop("figures")}
     return _env().get_template("sweep.html").render(
         title=f"tracelens autotune: {space.config} ({result.strategy})", warnings=[], plotly_js=plotly_js(),
-        figures_json=safe_json(_figures(df, result.path, space)), tables=tables, best=best, top=getattr(result, "top", None), baseline=base,
+        figures_json=safe_json(figures), tables=tables, model=model, best=best, top=getattr(result, "top", None), baseline=base,
         speedup=speedup, objective=obj, stopped=result.stopped, strategy=result.strategy,
         best_yaml=best_yaml(space, best), n=len(df), failed=int((df["status"] != "ok").sum()) if len(df) else 0,
         diff_link=diff_link, diff_error=diff_error, has_path=bool(result.path) and result.strategy == "guided",

@@ -1,11 +1,19 @@
 """The sweep report in headless Chromium: every chart drawn, no JavaScript errors, the guided path with
 the finding behind each step, the ready best.yaml shown, and the best-vs-baseline diff linked and
 rendering. Trials are replayed from the recorded H200 MoE traces (tests/autotune/_replay_launch.py),
-so the findings are a real GPU run's."""
+so the findings are a real GPU run's.
+
+The what-if sections (issue 18) on a real tiny sweep of the trainer on the CPU, steered by the model:
+predicted vs measured per model-driven trial, the configs predicted out of memory (not run), and the
+step decomposition of the baseline vs each kept move. Expected numbers come from the store file and the
+trials' manifests, read here with sqlite3 and json."""
 
 from __future__ import annotations
 
+import json
+import sqlite3
 import sys
+from pathlib import Path
 
 import pytest
 import yaml
@@ -62,5 +70,105 @@ def test_sweep_report_renders(browser, sweep):  # noqa: F811
     assert page.url.endswith("diff_best_vs_baseline/diff.html")
     assert plot_ok(page, "plot-bars") > 3
     assert "best (trial 3)" in page.inner_text("header")
+    assert errors == []
+    page.close()
+
+
+def test_rule_driven_sweep_says_there_is_no_model_section(browser, sweep):  # noqa: F811
+    """The replayed traces hold no profiled step: no model, no decomposition; each section says so in one line."""
+    _, _, paths = sweep
+    page, errors = open_report(browser, paths["sweep.html"])
+    assert "No model-driven trial in this sweep" in page.inner_text("#predicted-none")
+    text = page.inner_text("#decomp-compare")
+    assert "No decomposition to compare" in text and "no profiled step with device work" in text
+    assert page.locator("#plot-predicted .main-svg").count() == 0
+    assert errors == []
+    page.close()
+
+
+MODEL_SPACE = {
+    "config": "tiny",
+    "knobs": {"sync_free_level": [0, 3], "grouped_gemm_backend": ["loop", "torch"], "micro_batch_size": [2, 8, 4096]},
+    "constraints": ["not (grouped_gemm_backend == 'loop' and sync_free_level >= 2)"],
+    "fixed": {"steps": 8, "profile_step_start": 4, "profile_step_end": 5, "log_every": 4, "timing_warmup_steps": 2},
+    "trial": {"timeout_s": 300, "env": {"OMP_NUM_THREADS": 1}},
+    # micro-batch 4096 projects ~4.6 GiB on the tiny config: predicted out of memory, never run; the trials
+    # that run stay near 0.4 GiB of RSS
+    "limits": {"memory_gib": 2.0},
+}
+
+
+@pytest.fixture(scope="module")
+def model_sweep(tmp_path_factory):
+    out = tmp_path_factory.mktemp("model_sweep")
+    space = parse_space(MODEL_SPACE, "space.yaml")
+    res = run_sweep(space, out, log=lambda m: None)
+    con = sqlite3.connect(str(out / "sweep.sqlite"))
+    preds = json.loads(con.execute("SELECT v FROM autotune_meta WHERE k = 'predictions'").fetchone()[0])
+    con.close()
+    return res, space, sweep_report.write(res, space), preds
+
+
+def _manifest(run_dir) -> dict:
+    return json.loads((Path(run_dir) / "manifest.json").read_text())
+
+
+def test_model_driven_sweep_predicted_vs_measured(browser, model_sweep, tmp_path):  # noqa: F811
+    res, space, paths, preds = model_sweep
+    ran = [p for p in preds if p["trial"] is not None and p["measured"] is not None]
+    oom = [p for p in preds if p["trial"] is None]
+    assert ran, preds  # the baseline predicts a larger micro-batch / grouped backend: at least one trial ran
+    assert oom and all(p["knobs"]["micro_batch_size"] == 4096 for p in oom)
+    assert all(t["knobs"]["micro_batch_size"] != 4096 for t in res.trials)  # never run
+    page, errors = open_report(browser, paths["sweep.html"])
+    assert plot_ok(page, "plot-predicted") > 3
+    traces = page.evaluate("document.getElementById('plot-predicted').data")
+    line, points = traces[0], traces[1:]
+    assert line["x"] == line["y"]  # the y = x line
+    xs = [x for t in points for x in t["x"]]
+    ys = [y for t in points for y in t["y"]]
+    labels = [lbl for t in points for lbl in t["text"]]
+    trials = {t["id"]: t for t in res.trials}
+    for p in ran:
+        i = labels.index(f"#{p['trial']}")
+        assert xs[i] == pytest.approx(p["predicted"])
+        # the measured objective is the trial's own: its manifest's tokens/s/GPU
+        assert ys[i] == pytest.approx(_manifest(trials[p["trial"]]["run_dir"])["metrics"]["tokens_per_s_per_gpu"])
+        err = [e for t in points for e in t["error_x"]["array"]][i]
+        assert err == pytest.approx(p["predicted"] * p["uncertainty"], rel=1e-4)
+    assert len(xs) == len(ran)
+    assert page.locator("#plot-predicted .scatterlayer .point").count() == len(ran)
+    oom_text = page.inner_text("#predicted-oom")
+    assert oom_text.count("micro_batch_size=4096") == len(oom)
+    page.locator("#predicted").screenshot(path=str(tmp_path / "predicted.png"))
+    assert errors == []
+    page.close()
+
+
+def test_model_driven_sweep_decomposition_baseline_vs_kept(browser, model_sweep, tmp_path):  # noqa: F811
+    res, space, paths, preds = model_sweep
+    kept = [p["trial"] for p in res.path if p["decision"] == "kept"]
+    page, errors = open_report(browser, paths["sweep.html"])
+    assert plot_ok(page, "plot-decomp-compare") > 3
+    traces = page.evaluate("document.getElementById('plot-decomp-compare').data")
+    names = [t["name"] for t in traces]
+    assert names[0].startswith(f"baseline #{res.baseline['id']}")
+    assert len(traces) == 1 + len(kept)  # the baseline and every kept move (the last is the best)
+    if kept:
+        assert names[-1].startswith(f"best #{res.best['id']}")
+    # each side's parts add up to its measured step: per token when the micro-batch changed
+    order = [res.baseline["id"]] + kept
+    toks = [_manifest(res.trials[i - 1]["run_dir"])["metrics"]["tokens_per_step_per_gpu"] for i in order]
+    per_token = len(set(toks)) > 1
+    assert page.evaluate("document.getElementById('plot-decomp-compare').layout.xaxis.title.text") == (
+        "µs per token" if per_token else "ms per step")
+    for tid, tr in zip(order, traces):
+        m = _manifest(res.trials[tid - 1]["run_dir"])["metrics"]
+        want = 1e3 * m["mean_step_time_s"] * (1e3 / m["tokens_per_step_per_gpu"] if per_token else 1.0)
+        assert sum(tr["x"]) == pytest.approx(want, rel=1e-3), tid
+    table = page.inner_text("#decomp-compare table")
+    assert "optimizer step" in table and "tokens per step per GPU" in table if per_token else True
+    page.locator("#decomp-compare").screenshot(path=str(tmp_path / "decomp.png"))
+    page.screenshot(path=str(tmp_path / "sweep_full.png"), full_page=True)
     assert errors == []
     page.close()
