@@ -253,3 +253,80 @@ def test_calibrated_decomposition_imports_no_torch():
             "h.render(a)\nprint('ok')")
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert p.returncode == 0 and p.stdout.strip() == "ok", p.stderr[-2000:]
+
+
+# ----------------------------------------------------------------------------- property: parts add up
+hypothesis = pytest.importorskip("hypothesis")
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+_KERNELS = ["volta_sgemm_128x64_nn", "vectorized_elementwise_kernel", "ncclDevKernel_AllReduce_Sum_f32",
+            "flash_fwd_kernel", "Memcpy DtoD", "reduce_kernel", "triton_poi_fused_add_0"]
+
+
+@st.composite
+def _step_traces(draw):
+    """One rank, 1-3 profiler steps of ops launching kernels on 1-2 streams, some blocking syncs."""
+    base, ev, corr, t = 1_700_000_000_000_000, [], 0, 0
+    for step in range(draw(st.integers(1, 3))):
+        start = t
+        t += draw(st.integers(0, 50))
+        gpu_free = {7: 0, 8: 0}
+        for _ in range(draw(st.integers(1, 25))):
+            corr += 1
+            host = draw(st.integers(1, 40))
+            stream = draw(st.sampled_from([7, 7, 8]))
+            name = draw(st.sampled_from(_KERNELS))
+            op = {"ph": "X", "cat": "cpu_op", "name": draw(st.sampled_from(["aten::mm", "aten::add", "aten::copy_"])),
+                  "pid": 1, "tid": 1, "ts": base + t, "dur": host + 2, "args": {"External id": corr}}
+            call = {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "pid": 1, "tid": 1,
+                    "ts": base + t + 1, "dur": host, "args": {"correlation": corr, "External id": corr}}
+            k_start = max(t + 1 + draw(st.integers(2, 20)), gpu_free[stream])
+            k_dur = draw(st.integers(1, 300))
+            gpu_free[stream] = k_start + k_dur
+            cat = "gpu_memcpy" if name.startswith("Memcpy") else "kernel"
+            kern = {"ph": "X", "cat": cat, "name": name, "pid": 0, "tid": stream, "ts": base + k_start, "dur": k_dur,
+                    "args": {"correlation": corr, "External id": corr, "device": 0, "stream": stream}}
+            ev += [op, call, kern]
+            t += host + 3
+            if draw(st.integers(0, 6)) == 0:  # a blocking sync: the host waits for the device
+                drain = max(gpu_free.values())
+                end = max(t + 2, drain + 2)
+                ev.append({"ph": "X", "cat": "cuda_runtime", "name": "cudaStreamSynchronize", "pid": 1, "tid": 1,
+                           "ts": base + t, "dur": end - t, "args": {}})
+                t = end
+        t = max(t, max(gpu_free.values())) + draw(st.integers(1, 30))
+        ev.append({"ph": "X", "cat": "user_annotation", "name": f"ProfilerStep#{step}", "pid": 1, "tid": 1,
+                   "ts": base + start, "dur": t - start, "args": {}})
+        t += 5
+    return ev, draw(st.floats(1e-4, 1.0))
+
+
+@settings(max_examples=25, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow,
+                                                                                     HealthCheck.function_scoped_fixture])
+@given(case=_step_traces())
+def test_parts_add_up_on_any_step(tmp_path_factory, case):
+    """On generated traces: every rank's parts are >= 0 and add up to its step (the replayed one; and with
+    a manifest, the measured mean step), both bases, or there is a one-line reason."""
+    events, mean_s = case
+    run = tmp_path_factory.mktemp("prop")
+    (run / "traces").mkdir()
+    (run / "traces" / "rank0.json").write_text(json.dumps({"traceEvents": events}))
+    loose = tracelens.analyze(tracelens.load(run / "traces" / "rank0.json", progress=False, cache=False))
+    for a, manifest in ((loose, None), (loose, {"config": {"micro_batch_size": 1, "seq_len": 8},
+                                                "metrics": {"mean_step_time_s": mean_s}})):
+        try:
+            df = D.decomposition(a, manifest=manifest)
+        except D.DecompositionError as e:
+            assert "\n" not in str(e)
+            continue
+        _check_shape(df)
+        for r in df.attrs["ranks"]:
+            total = df[df["rank"] == r["rank"]]["ms"].sum()
+            assert total == pytest.approx(r["step_ms"], rel=1e-9, abs=1e-9)
+            if manifest is not None and df.attrs["basis"] == "calibrated":
+                assert total == pytest.approx(1e3 * mean_s, rel=1e-9)
+        rec = D.to_summary(df)  # summary.json's record adds up too (µs)
+        for r in rec["ranks"]:
+            assert sum(c["us"] for c in r["components"]) == pytest.approx(r["step_us"], abs=0.01)
+        json.dumps(rec, allow_nan=False)

@@ -341,7 +341,7 @@ def to_summary(df: pd.DataFrame) -> dict[str, Any]:
             "rank": int(rank), "step": int(sub["step"].iloc[0]),
             "step_us": _round(1e3 * step_ms, 3), "traced_step_us": None if traced is None else _round(1e3 * traced, 3),
             "components": [{"component": r.component, "us": _round(1e3 * r.ms, 3), "share": _round(r.share, 6),
-                            "scales_with": r.scales_with,
+                            "scales_with": r.scales_with if isinstance(r.scales_with, str) else None,
                             "scale_share": None if r.scale_share is None or r.scale_share != r.scale_share
                             else _round(r.scale_share, 4),
                             "scale_basis": r.scale_basis} for r in sub.itertuples(index=False)],
