@@ -237,6 +237,11 @@ def test_report_section_at_the_top():
     assert '"plot-decomposition"' in html and "Measured step, modeled split" in html
     html = render(_analysis(NCCL_2RANK))
     assert "Traced step, replayed" in html
+    # a replay more than 5 % from the raw traced step is said in a warning box (and only then)
+    df = _analysis(NCCL_2RANK).decomposition()
+    off = [abs(r["step_ms"] / _raw_profiler_step_ms(NCCL_2RANK / f"rank{r['rank']}.json.gz", r["step"]) - 1) > 0.05
+           for r in df.attrs["ranks"]]
+    assert ('<div class="warn" id="decomposition-fidelity">The replay does not reproduce the traced step' in html) == any(off)
 
 
 def test_calibrated_decomposition_imports_no_torch():
