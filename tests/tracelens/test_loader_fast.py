@@ -124,7 +124,10 @@ def test_remembered_cache_key_is_only_reused_for_the_same_bytes(tmp_path):
 def test_runtime_call_parents_match_a_per_thread_step_function(path):
     """build_tree places runtime calls with one vectorized search over (thread, time) keys. Reference:
     per thread, the innermost open range as a step function of time (a range's start makes it the top,
-    its end makes its parent the top; ends sort before starts at one instant), searched with bisect."""
+    its end makes its parent the top), searched with bisect. At one instant, half-open intervals
+    [ts, ts + dur): ends before starts, the deepest end first (a child ending in its parent's
+    microsecond leaves the parent's parent on top, not the parent), starts parents first; a
+    zero-duration range encloses nothing, so it never becomes the top."""
     import bisect
     from collections import defaultdict
 
@@ -135,11 +138,21 @@ def test_runtime_call_parents_match_a_per_thread_step_function(path):
     thread = list(zip(tree["rank"], tree["pid"], tree["tid"]))
     ts, end = tree["ts"].tolist(), (tree["ts"] + tree["dur"]).tolist()
     labels, kind, parent = tree.index.tolist(), tree["kind"].tolist(), tree["parent"].tolist()
-    steps = defaultdict(list)
+    pos = {lab: i for i, lab in enumerate(labels)}
+    depth = {}  # from the parent links: the number of enclosing ranges
+
+    def depth_of(lab):
+        if lab not in depth:
+            p = parent[pos[lab]]
+            depth[lab] = 0 if p < 0 else depth_of(p) + 1
+        return depth[lab]
+
+    steps = defaultdict(list)  # (time, 0 = end / 1 = start, order at the instant, top afterwards)
     for i, lab in enumerate(labels):
-        if kind[i] != CT.KIND_RUNTIME:
-            steps[thread[i]].append((ts[i], 1, lab))
-            steps[thread[i]].append((end[i], 0, parent[i]))
+        if kind[i] != CT.KIND_RUNTIME and end[i] > ts[i]:
+            d = depth_of(lab)
+            steps[thread[i]].append((ts[i], 1, d, lab))
+            steps[thread[i]].append((end[i], 0, -d, parent[i]))
     for v in steps.values():
         v.sort()
     expected = {}
@@ -147,7 +160,7 @@ def test_runtime_call_parents_match_a_per_thread_step_function(path):
         if kind[i] == CT.KIND_RUNTIME:
             v = steps.get(thread[i], [])
             k = bisect.bisect_right(v, (ts[i], 2)) - 1
-            expected[lab] = v[k][2] if k >= 0 else -1
+            expected[lab] = v[k][3] if k >= 0 else -1
     got = {lab: p for lab, k, p in zip(labels, kind, parent) if k == CT.KIND_RUNTIME}
     assert len(got) > 100 and sum(p >= 0 for p in got.values()) > len(got) / 2
     assert got == expected
