@@ -71,6 +71,9 @@ class StepProfile:
     # place for a backward op, is moe/experts): intervals (ts, end) in ns; a per-expert backend runs
     # several ops per expert there, a grouped one a few per pass
     expert_host: pd.DataFrame = field(default_factory=lambda: pd.DataFrame({"ts": [], "end": [], "backward": []}))
+    # per stream: how long (ns after the step's start) work launched before the step kept the stream busy
+    # (a loop without a sync at the end of its step lets one step's GPU work run into the next)
+    backlog: dict = field(default_factory=dict)
 
     @property
     def step_ns(self) -> int:
@@ -163,6 +166,10 @@ def _choose_step(analysis, rank: int) -> int:
     if len(g):
         counts = g[g["rank"] == rank].groupby("step").size()
         counts = counts[counts.index >= 0]
+        if len(counts) > 1:
+            # not the first profiled step: its device work may queue behind work launched before the trace
+            # began, which the trace does not show
+            counts = counts[counts.index > counts.index.min()]
         if len(counts):
             # the profiled step with the most device work (a step cut by the profiler window has less)
             return int(counts.idxmax())
@@ -196,8 +203,14 @@ def step_profile(analysis, config: dict, rank: int, step: int | None = None) -> 
     mbs, seq_len = int(config.get("micro_batch_size") or 1), int(config.get("seq_len") or 1)
     tree = analysis.tree
     fwd_paths = _forward_paths(tree[tree["rank"] == rank], analysis.trace.events)
-    g = analysis.gpu
-    g = g[(g["rank"] == rank) & (g["step"] == step)] if len(g) else g
+    g_all = analysis.gpu
+    g_all = g_all[g_all["rank"] == rank] if len(g_all) else g_all
+    g = g_all[g_all["step"] == step] if len(g_all) else g_all
+    backlog: dict = {}
+    if len(g):
+        before = g_all[(g_all["launch_ts"].where(g_all["launch_ts"] >= 0, g_all["ts"]) < start) & (g_all["end"] > start)]
+        for st_, e_ in before.groupby("stream")["end"].max().items():
+            backlog[int(st_)] = int(e_) - start
     if len(g):
         work = _gpu_work(g, tree, analysis.trace.events, fwd_paths, tokens, mbs, seq_len)
         device = "gpu"
@@ -206,7 +219,7 @@ def step_profile(analysis, config: dict, rank: int, step: int | None = None) -> 
         device = "cpu"
     syncs = _syncs(tree, rank, start, end)
     return StepProfile(rank, int(step), device, start, end, work, syncs, tokens, dict(config),
-                       _expert_host(tree, analysis.trace.events, rank, start, end, fwd_paths))
+                       _expert_host(tree, analysis.trace.events, rank, start, end, fwd_paths), backlog)
 
 
 def _paths_of(tree: pd.DataFrame, events: pd.DataFrame, rows: np.ndarray, fwd_paths: dict, rank: int) -> tuple[np.ndarray, np.ndarray]:
@@ -277,6 +290,7 @@ def _gpu_work(g: pd.DataFrame, tree: pd.DataFrame, events: pd.DataFrame, fwd_pat
         "is_comm": is_comm.astype(bool),
     })
     bad = work["launch"].to_numpy() < 0  # no launch event linked: it ran when it ran
+    work["linked"] = ~bad
     work.loc[bad, "launch"] = work.loc[bad, "start"]
     return work.reset_index(drop=True)
 

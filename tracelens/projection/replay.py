@@ -55,6 +55,7 @@ class Program:
     latency: float  # launch -> start when nothing else holds a unit back
     cpu: bool
     gap_expert: np.ndarray | None = None  # per item: the part of its host gap spent in the expert stage's ops
+    sync_streams: list | None = None  # per sync: the streams it waited for
 
 
 def prepare(p: StepProfile) -> Program:
@@ -71,14 +72,16 @@ def prepare(p: StepProfile) -> Program:
     dur = w["dur"].to_numpy(np.int64)
     end = start + dur
     stream = w["stream"].to_numpy(np.int64)
-    lag = start - launch
-    pos = lag[lag > 0]
-    latency = float(np.percentile(pos, 5)) if len(pos) else 0.0
+    linked = w["linked"].to_numpy(bool) if "linked" in w else np.ones(n, bool)
+    backlog = {int(k): int(v) for k, v in (p.backlog or {}).items()}
+    latency = _launch_latency(launch, start, end, stream, linked, backlog)
+    # a unit with no launch event linked to it was launched, as far as anyone can tell, just in time
+    launch = np.where(linked, launch, start - int(latency))
     # per unit: the previous unit on its stream, and what held it back
     dep = np.full(n, -1, dtype=np.int64)
     wait = np.zeros(n)
     order = np.argsort(start, kind="stable")
-    last_end: dict[int, int] = {}
+    last_end: dict[int, int] = dict(backlog)  # the previous step's work still running at the start
     ends_sorted_idx = np.argsort(end, kind="stable")
     ends_sorted = end[ends_sorted_idx]
     for k in order:
@@ -107,21 +110,50 @@ def prepare(p: StepProfile) -> Program:
     release = 0
     sync_min = np.zeros(len(sy))
     sync_ret = np.zeros(len(sy))
+    sync_streams: list[tuple] = [()] * len(sy)
+    last_end = dict(backlog)  # per stream: measured end of the last unit launched so far
     for i, (kd, j) in enumerate(zip(kinds, idx)):
         t = launch[j] if kd == 0 else sts[j]
         gap[i] = max(t - release, 0)
         if kd == 0:
             release = max(release, t)
+            last_end[int(stream[j])] = max(last_end.get(int(stream[j]), 0), int(end[j]))
         else:
-            # what the sync waited for: every unit launched before it
-            before = launch <= sts[j]
-            drain = int(end[before].max()) if before.any() else 0
+            # what the sync waited for: the streams whose launched work had ended when it returned (a
+            # stream sync waits for one stream; a kernel still running on another stream, e.g. a
+            # collective, was not waited for)
+            cov = tuple(s_ for s_, e_ in last_end.items() if e_ <= sen[j] + _TOL_NS)
+            drain = max((last_end[s_] for s_ in cov), default=0)
+            sync_streams[j] = cov
             sync_ret[j] = max(sen[j] - max(drain, sts[j]), 0)
             sync_min[j] = sync_ret[j]
             release = max(release, sen[j])
     tail = max(float(p.step_ns) - release, 0.0)
     gx = _gap_overlap(kinds, idx, launch, sts, sen, gap, p)
-    return Program(p, kinds, idx, gap, tail, stream, dep, wait, sync_min, sync_ret, latency, False, gx)
+    return Program(p, kinds, idx, gap, tail, stream, dep, wait, sync_min, sync_ret, latency, False, gx, sync_streams)
+
+
+def _launch_latency(launch, start, end, stream, linked, backlog) -> float:
+    """Launch call -> kernel start when nothing held the kernel back. Every linked unit started at least
+    that long after its launch, so the constant cannot exceed the smallest lags: the 1st percentile of
+    the linked units' lags (robust to a stray unit whose clocks disagree; negative when the device clock
+    runs behind the host's), and, when some units started on an idle stream, the smallest of their lags
+    (a step whose every kernel queued behind earlier work, e.g. the first profiled step of a loop whose
+    host runs far ahead, shows large lags everywhere else)."""
+    if not linked.any():
+        return 0.0
+    lag = start - launch
+    est = float(np.percentile(lag[linked], 1))
+    n = len(start)
+    prev_end = np.full(n, -(1 << 62), dtype=np.int64)
+    last: dict[int, int] = dict(backlog)
+    for k in np.argsort(start, kind="stable"):
+        prev_end[k] = last.get(int(stream[k]), -(1 << 62))
+        last[int(stream[k])] = max(last.get(int(stream[k]), 0), int(end[k]))
+    idle = linked & (start > prev_end + _TOL_NS) & (lag >= 0)
+    if idle.any():
+        est = min(est, float(lag[idle].min()))
+    return est
 
 
 def _gap_overlap(kinds, idx, launch, sts, sen, gap, p: StepProfile) -> np.ndarray:
@@ -160,72 +192,145 @@ class Result:
     end: np.ndarray | None = None
 
 
+@dataclass
+class Plan:
+    """An editable replay program: host items in order and the units they launch."""
+
+    kind: list  # per item: 0 unit, 1 sync
+    ref: list  # per item: unit index (kind 0) or sync index (kind 1)
+    gap: list  # per item: host time before it
+    dur: list  # per unit
+    stream: list
+    dep: list
+    wait: list
+    comp: list
+    sync_min: list
+    sync_ret: list
+    tail: float
+    latency: float
+    cpu: bool
+    gap_x: list  # per item: the part of its gap spent in the expert stage's own CPU ops
+    sync_streams: list  # per sync: the streams it waits for (None: every stream)
+    backlog: dict  # per stream: busy with the previous step's work until (ns after the step start)
+
+    @classmethod
+    def of(cls, prog: Program) -> "Plan":
+        w = prog.profile.work
+        gx = prog.gap_expert if prog.gap_expert is not None else np.zeros(len(prog.gap))
+        return cls(list(prog.order_kind.tolist()), list(prog.order_idx.tolist()), list(prog.gap.tolist()),
+                   list(w["dur"].to_numpy(float).tolist()), list(prog.stream.tolist()), list(prog.dep.tolist()),
+                   list(prog.wait.tolist()), list(w["component"].tolist()), list(prog.sync_min.tolist()),
+                   list(prog.sync_ret.tolist()), float(prog.tail), float(prog.latency), prog.cpu, list(gx.tolist()),
+                   list(prog.sync_streams) if prog.sync_streams is not None else [None] * len(prog.sync_min),
+                   dict(prog.profile.backlog or {}))
+
+    def replay(self, host_scale: float) -> "Result":
+        """Replay the step. The device starts with the work the previous step left running
+        (``backlog``, measured); the step is the host's time or, when the device is the bottleneck, the
+        device's time from the end of that backlog to the end of this step's work (in a loop without a
+        sync at the end of a step, one step's GPU work runs into the next one's host time). The
+        components cut that window."""
+        if self.cpu:
+            comps = {c: 0.0 for c in COMPONENTS}
+            live = [self.ref[i] for i in range(len(self.kind)) if self.kind[i] == 0]
+            for j in live:
+                comps[self.comp[j]] = comps.get(self.comp[j], 0.0) + self.dur[j]
+            host = (sum(self.gap) + self.tail) * host_scale
+            comps["other"] += host
+            return Result(sum(comps.values()), comps)
+        n = len(self.dur)
+        start = np.full(n, np.nan)
+        end = np.full(n, np.nan)
+        cause = np.zeros(n, np.int8)
+        keep = np.zeros(n, bool)
+        free: dict[int, float] = {int(k): float(v) for k, v in self.backlog.items()}
+        back = max(free.values(), default=0.0)
+        h, drain, last_sync = 0.0, back, -1.0
+        lat, tol = self.latency, _TOL_NS
+        for kd, j, g in zip(self.kind, self.ref, self.gap):
+            h += g * host_scale
+            if kd == 0:
+                t_launch = h + lat
+                s = max(t_launch, free.get(self.stream[j], 0.0))
+                d = self.dep[j]
+                if d >= 0 and keep[d]:
+                    s = max(s, end[d])
+                ready = s
+                s += self.wait[j]
+                if s > drain + tol and t_launch >= ready - tol:
+                    cause[j] = 1 if last_sync >= drain else 2
+                e = s + self.dur[j]
+                start[j], end[j], keep[j] = s, e, True
+                free[self.stream[j]] = e
+                if e > drain:
+                    drain = e
+            else:
+                cov = self.sync_streams[j]
+                waited = drain if cov is None else max((free.get(s_, 0.0) for s_ in cov), default=0.0)
+                h = max(h + self.sync_min[j], waited + self.sync_ret[j])
+                last_sync = h
+        h += self.tail * host_scale
+        gpu = drain - back  # the device's own time for this step's work (after the previous step's)
+        if gpu > h:
+            step, w0 = gpu, back
+        else:
+            step, w0 = max(h, 0.0), 0.0
+        st, en = np.clip(start - w0, 0, step), np.clip(end - w0, 0, step)
+        kp = keep & (en > st)
+        return Result(step, decompose(st, en, np.asarray(self.comp, dtype=object), kp, cause, step), start - w0, end - w0)
+
+    def add_unit(self, dur: float, stream: int, comp: str, gap: float, at: int) -> int:
+        """Insert a new unit launched at item position ``at`` (before the item now there)."""
+        j = len(self.dur)
+        self.dur.append(dur)
+        self.stream.append(stream)
+        self.dep.append(-1)
+        self.wait.append(0.0)
+        self.comp.append(comp)
+        self.kind.insert(at, 0)
+        self.ref.insert(at, j)
+        self.gap.insert(at, gap)
+        self.gap_x.insert(at, 0.0)
+        return j
+
+    def add_sync(self, at: int, cost: float) -> None:
+        j = len(self.sync_min)
+        self.sync_min.append(cost)
+        self.sync_ret.append(cost)
+        self.sync_streams.append(None)  # an added sync (.tolist() of counts) waits for the device
+        self.kind.insert(at, 1)
+        self.ref.insert(at, j)
+        self.gap.insert(at, 0.0)
+        self.gap_x.insert(at, 0.0)
+
+    def drop_items(self, positions: set[int]) -> None:
+        keep = [i for i in range(len(self.kind)) if i not in positions]
+        self.kind = [self.kind[i] for i in keep]
+        self.ref = [self.ref[i] for i in keep]
+        self.gap = [self.gap[i] for i in keep]
+        self.gap_x = [self.gap_x[i] for i in keep]
+
+
 def run(prog: Program, dur: np.ndarray | None = None, keep_unit: np.ndarray | None = None,
         keep_sync: np.ndarray | None = None, host_scale: float = 1.0, gap_scale: np.ndarray | None = None,
         component: np.ndarray | None = None) -> Result:
     """Replay ``prog`` with unit durations ``dur`` (default: measured), units/syncs dropped where
     ``keep_*`` is False (their host gap goes with them), host gaps times ``host_scale`` (and per item
-    ``gap_scale``). Returns the step time and its components."""
-    w = prog.profile.work
-    n = len(w)
-    d = w["dur"].to_numpy(np.float64) if dur is None else np.asarray(dur, dtype=np.float64)
-    ku = np.ones(n, bool) if keep_unit is None else keep_unit
-    comp = w["component"].to_numpy() if component is None else component
-    if prog.cpu:
-        busy_by = {}
-        for c in set(comp[ku]):
-            busy_by[c] = float(d[ku & (comp == c)].sum())
-        other_host = prog.tail * host_scale
-        total = sum(busy_by.values()) + other_host
-        comps = {c: 0.0 for c in COMPONENTS}
-        for c, v in busy_by.items():
-            comps[c] = comps.get(c, 0.0) + v
-        comps["other"] += other_host
-        return Result(total, comps)
-    ks = np.ones(len(prog.sync_min), bool) if keep_sync is None else keep_sync
-    gs = np.ones(len(prog.gap)) if gap_scale is None else gap_scale
-    start = np.full(n, np.nan)
-    end = np.full(n, np.nan)
-    cause = np.zeros(n, np.int8)  # idle before this unit: 0 none/other, 1 sync, 2 launch
-    h = 0.0
-    free: dict[int, float] = {}
-    drain = 0.0
-    last_sync_release = -1.0
-    lat = prog.latency
-    stream, dep, wait = prog.stream, prog.dep, prog.wait
-    for i in range(len(prog.gap)):
-        j = int(prog.order_idx[i])
-        if prog.order_kind[i] == 0:
-            if not ku[j]:
-                continue
-            h += prog.gap[i] * host_scale * gs[i]
-            s_free = free.get(int(stream[j]), 0.0)
-            t_launch = h + lat
-            s = max(t_launch, s_free)
-            dj = dep[j]
-            if dj >= 0 and ku[dj] and not np.isnan(end[dj]):
-                s = max(s, end[dj])
-            s += wait[j]
-            if s > drain + _TOL_NS:
-                if last_sync_release >= drain and t_launch >= s - wait[j] - _TOL_NS:
-                    cause[j] = 1
-                elif t_launch >= s - wait[j] - _TOL_NS:
-                    cause[j] = 2
-            e = s + d[j]
-            start[j], end[j] = s, e
-            free[int(stream[j])] = e
-            if e > drain:
-                drain = e
-        else:
-            if not ks[j]:
-                continue
-            h += prog.gap[i] * host_scale * gs[i]
-            h = max(h + prog.sync_min[j], drain + prog.sync_ret[j])
-            last_sync_release = h
-    h += prog.tail * host_scale
-    step = max(h, drain)
-    comps = decompose(start, end, comp, ku, cause, step)
-    return Result(step, comps, start, end)
+    ``gap_scale``). Returns the steady-state step time and its components (:meth:`Plan.replay`)."""
+    plan = Plan.of(prog)
+    if dur is not None:
+        plan.dur = [float(x) for x in np.asarray(dur, dtype=np.float64)]
+    if component is not None:
+        plan.comp = list(component)
+    if gap_scale is not None:
+        plan.gap = [g * float(f) for g, f in zip(plan.gap, gap_scale)]
+    drop = set()
+    for i, (kd, j) in enumerate(zip(plan.kind, plan.ref)):
+        if (kd == 0 and keep_unit is not None and not keep_unit[j]) or (kd == 1 and keep_sync is not None and not keep_sync[j]):
+            drop.add(i)
+    if drop:
+        plan.drop_items(drop)
+    return plan.replay(host_scale)
 
 
 def decompose(start: np.ndarray, end: np.ndarray, comp: np.ndarray, keep: np.ndarray, cause: np.ndarray,
@@ -264,4 +369,4 @@ def decompose(start: np.ndarray, end: np.ndarray, comp: np.ndarray, keep: np.nda
     return out
 
 
-__all__ = ["Program", "Result", "prepare", "run", "decompose"]
+__all__ = ["Program", "Plan", "Result", "prepare", "run", "decompose"]
