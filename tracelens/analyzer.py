@@ -261,6 +261,12 @@ def analyze(trace: Trace, window: str = "steady") -> Analysis:
     for info in trace.ranks:
         if info.rank not in gpu_ranks:
             warnings.append(f"{info.path}: CPU-only trace (no GPU kernels, memcpy or memset): GPU sections unavailable")
+    op_ranks = set(tree.loc[tree["kind"].to_numpy() == calltree.KIND_OP, "rank"].unique().tolist())
+    host_ranks = set(tree["rank"].unique().tolist())
+    for info in trace.ranks:
+        if info.rank in gpu_ranks and info.rank not in op_ranks:
+            what = "no CPU op" if info.rank in host_ranks else "GPU-only trace, no CPU events"
+            warnings.append(f"{info.path}: {what}: GPU timeline and kernels only, no op or call-tree figures")
     stl = _mark_startup_waits(stl, waits, warnings, sw)
     if not stl.empty:
         stl["steady"] = stl["step"].isin(sw.used).to_numpy() if sw.restricts else True
@@ -277,7 +283,7 @@ def analyze(trace: Trace, window: str = "steady") -> Analysis:
         host_mask = None
     busy_by_rank = {int(r.rank): r.gpu_busy_us * 1000.0 for r in tl.itertuples(index=False)}
     busy_total = float(sum(busy_by_rank.values()))
-    if not gpu.empty and (gpu["op_row"] < 0).all():
+    if not gpu.empty and op_ranks and (gpu["op_row"] < 0).all():  # (no op at all: said per rank above)
         warnings.append("no GPU event could be linked to a CPU op (trace lacks runtime events/correlation ids)")
     if not steps.empty and not stl.empty and (gpu["step"] < 0).mean() > 0.5:
         warnings.append("most GPU activity was launched outside the marked profiler steps")

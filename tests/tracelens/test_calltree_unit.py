@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pandas as pd
 import pytest
 
 import tracelens
@@ -91,3 +92,87 @@ def test_random_properly_nested(seed):
     order = np.lexsort((kind, -(end - ts), ts, g))
     step = rng.random(len(arr)) < 0.1
     check_same((g[order], ts[order], end[order], kind[order], name[order], step[order]))
+
+
+# ------------------------------------------------------------------ degenerate traces (issue 17)
+
+
+def _x(name, cat, ts, dur, pid=1, tid=1, **args):
+    return {"ph": "X", "name": name, "cat": cat, "ts": ts, "dur": dur, "pid": pid, "tid": tid, "args": args}
+
+
+def _write(tmp_path, events):
+    import json
+
+    p = tmp_path / "t.json"
+    p.write_text(json.dumps({"traceEvents": events}))
+    return p
+
+
+def test_innermost_range_at_with_only_zero_length_ranges():
+    # sorted positions on one thread: Z1[5,5) call@5 Z2[7,7) call@7 call@3 call@9. Every range is
+    # zero-length (no range ever closes after opening), so nothing encloses any call.
+    group = np.zeros(6, dtype=np.int64)
+    ts = np.array([5, 5, 7, 7, 3, 9], dtype=np.int64)
+    end = ts.copy()
+    rng_pos, query_pos = np.array([0, 2]), np.array([1, 3, 4, 5])
+    parent = np.full(6, -1, dtype=np.int64)
+    depth = np.zeros(6, dtype=np.int64)
+    got = CT._innermost_range_at(group, ts, end, rng_pos, parent, depth, query_pos)
+    assert got.tolist() == [-1, -1, -1, -1]
+    # with one non-empty range on another thread: still nothing on thread 0
+    group2 = np.r_[group, 1, 1]
+    ts2, end2 = np.r_[ts, 0, 4], np.r_[end, 10, 4]
+    got = CT._innermost_range_at(group2, ts2, end2, np.array([0, 2, 6]), np.full(8, -1), np.zeros(8, np.int64),
+                                 np.array([1, 3, 4, 5, 7]))
+    assert got.tolist() == [-1, -1, -1, -1, 6]
+
+
+def test_build_tree_when_every_duration_is_zero(tmp_path):
+    # a zero-duration op encloses nothing: the calls have no parent and no launching op by time; the
+    # External id still names the op (rule 1 of the module's docstring)
+    p = _write(tmp_path, [
+        _x("aten::a", "cpu_op", 100, 0, **{"External id": 5}),
+        _x("aten::b", "cpu_op", 100, 0, **{"External id": 6}),
+        _x("cudaLaunchKernel", "cuda_runtime", 100, 0, correlation=11),
+        _x("cudaLaunchKernel", "cuda_runtime", 103, 0, correlation=12, **{"External id": 6}),
+        _x("k1", "kernel", 110, 0, pid=0, tid=7, correlation=11, stream=7),
+        _x("k2", "kernel", 111, 0, pid=0, tid=7, correlation=12, stream=7, **{"External id": 6}),
+    ])
+    events = tracelens.load(p, cache=False).events
+    tree = CT.build_tree(events)
+    rt = tree[tree["kind"] == CT.KIND_RUNTIME].sort_values("ts")
+    assert rt["parent"].tolist() == [-1, -1] and rt["depth"].tolist() == [0, 0]
+    names = dict(zip(tree.index, tree["name"].astype(str)))
+    assert [names.get(i, None) for i in rt["inner_op"]] == [None, "aten::b"]
+    ops = tree[tree["kind"] == CT.KIND_OP]
+    assert (ops["parent"] == -1).all() and (ops["self_dur"] == 0).all()
+    gpu = CT.attribute_gpu(CT.gpu_events(events), tree, CT.steps_table(tree)).sort_values("ts")
+    assert gpu["op"].astype(str).tolist() == ["", "aten::b"]
+
+
+def test_gpu_only_trace_empty_tree_and_attribution(tmp_path):
+    p = _write(tmp_path, [
+        _x("k1", "kernel", 100, 40, pid=0, tid=7, correlation=1, stream=7),
+        _x("k2", "kernel", 120, 50, pid=0, tid=8, correlation=2, stream=8),
+        _x("Memcpy HtoD (Pageable -> Device)", "gpu_memcpy", 200, 10, pid=0, tid=7, correlation=3, stream=7),
+    ])
+    trace = tracelens.load(p, cache=False)
+    tree = CT.build_tree(trace.events)
+    assert tree.empty
+    full = CT.build_tree(tracelens.load(MOE_GROUPED, cache=False).events)
+    assert list(tree.columns) == list(full.columns)  # same schema as a real tree
+    assert isinstance(tree["path"].dtype, pd.CategoricalDtype) and isinstance(tree["name"].dtype, pd.CategoricalDtype)
+    gpu = CT.attribute_gpu(CT.gpu_events(trace.events), tree, CT.steps_table(tree))
+    assert len(gpu) == 3 and (gpu["op_row"] == -1).all() and (gpu["launch"] == -1).all()
+    assert set(gpu["op"].astype(str)) == {""} and set(gpu["path"].astype(str)) == {""}
+    # the whole analysis: GPU figures from the raw intervals (2 kernels + 1 memcpy; union [100,170) +
+    # [200,210) = 80 us busy, span 110 us), no ops, a warning naming the file
+    a = tracelens.analyze(trace)
+    s = a.summary()
+    r = s["ranks"][0]
+    assert r["kernel_count"] == 2 and r["gpu_busy_us"] == pytest.approx(80.0) and r["span_us"] == pytest.approx(110.0)
+    assert r["memcpy_us"] == pytest.approx(10.0) and r["compute_us"] == pytest.approx(70.0)
+    assert a.ops.empty and len(a.kernels) == 3
+    assert f"{p}: GPU-only trace, no CPU events: GPU timeline and kernels only, no op or call-tree figures" in s["warnings"]
+    assert not any("could be linked" in w for w in s["warnings"])

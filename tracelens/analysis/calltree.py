@@ -67,11 +67,16 @@ def build_tree(events: pd.DataFrame) -> pd.DataFrame:
     n = len(host)
     labels = host.index.to_numpy()
     if n == 0:
-        for col, val in (("parent", -1), ("depth", 0), ("inner_op", -1), ("outer_op", -1), ("self_dur", 0)):
-            host[col] = pd.Series(dtype=np.int64)
-        host["path"] = pd.Series(dtype=str)
-        host["is_step"] = pd.Series(dtype=bool)
-        host["step"] = pd.Series(dtype=np.int64)
+        # the same columns and dtypes as a non-empty tree (path and name categorical), so that
+        # attribute_gpu and the summaries take a GPU-only trace like any other
+        for col, dt in (("parent", np.int64), ("depth", np.int32), ("inner_op", np.int64), ("outer_op", np.int64)):
+            host[col] = np.empty(0, dtype=dt)
+        host["path"] = pd.Categorical([], categories=pd.Index([], dtype=object))
+        host["self_dur"] = np.empty(0, dtype=np.int64)
+        if not isinstance(host["name"].dtype, pd.CategoricalDtype):
+            host["name"] = pd.Categorical(host["name"].astype(object))
+        host["is_step"] = np.empty(0, dtype=bool)
+        host["step"] = np.empty(0, dtype=np.int64)
         return host
     ts = host["ts"].to_numpy()
     dur = host["dur"].to_numpy()
@@ -360,12 +365,13 @@ def _innermost_range_at(group: np.ndarray, ts: np.ndarray, end: np.ndarray, rng_
         c_key = r_group[nz] * span + (r_end[nz] - t0)
         c_ord = np.argsort(c_key * dmax + (dmax - 1 - d[nz]), kind="stable")
         c_key, c_rng = c_key[c_ord], nz[c_ord]
-        c_idx = np.searchsorted(c_key, q_key, side="right") - 1
+        c_idx = np.searchsorted(c_key, q_key, side="right") - 1  # all -1 when every range is zero-length
         o_ok = o_idx >= 0
         o_ok[o_ok] = r_group[o_idx[o_ok]] == q_group[o_ok]
         c_ok = c_idx >= 0
         c_ok[c_ok] = r_group[c_rng[c_idx[c_ok]]] == q_group[c_ok]
-        o_i, c_i = np.maximum(o_idx, 0), c_rng[np.maximum(c_idx, 0)]
+        # c_i is read only where c_ok (a closing exists); with no closing at all it points at range 0
+        o_i, c_i = np.maximum(o_idx, 0), (c_rng[np.maximum(c_idx, 0)] if len(c_rng) else np.zeros_like(c_idx))
         close_wins = c_ok & (~o_ok | (r_end[c_i] > r_ts[o_i]))
         o_top = np.where(zero[o_i], parent[rng_pos[o_i]], rng_pos[o_i])
         out = np.where(close_wins, parent[rng_pos[c_i]], np.where(o_ok, o_top, -1))
