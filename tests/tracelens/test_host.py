@@ -93,3 +93,28 @@ def test_cli_host(tmp_path):
     assert "aten::to" in p.stdout and "findings:" in p.stdout
     doc = json.loads(out.read_text())
     assert doc["findings"] and doc["sync_summary"]
+
+
+@pytest.mark.parametrize("kernels", [[(130, 40)], [(130, 40), (150, 40)]], ids=["one GPU event", "one busy stretch"])
+def test_host_syncs_when_the_gpu_never_goes_idle(tmp_path, kernels):
+    # aten::foo [100,200) launches the kernels and blocks in cudaStreamSynchronize [120,180); the GPU's
+    # work is one busy stretch (no idle gap), so the sync is reported and caused no GPU idle time
+    def x(name, cat, ts, dur, pid=1, tid=1, **args):
+        return {"ph": "X", "name": name, "cat": cat, "ts": ts, "dur": dur, "pid": pid, "tid": tid, "args": args}
+
+    ev = [x("aten::foo", "cpu_op", 100, 100)]
+    for k, (ts, dur) in enumerate(kernels):
+        ev.append(x("cudaLaunchKernel", "cuda_runtime", 105 + k, 1, correlation=10 + k))
+        ev.append(x(f"k{k}", "kernel", ts, dur, pid=0, tid=7, correlation=10 + k, stream=7))
+    ev.append(x("cudaStreamSynchronize", "cuda_runtime", 120, 60, correlation=99))
+    p = tmp_path / "t.json"
+    p.write_text(json.dumps({"traceEvents": ev}))
+    a = tracelens.analyze(tracelens.load(p, cache=False))
+    s = H.host_syncs(a)
+    assert len(s) == 1 and s.iloc[0]["op"] == "aten::foo" and s.iloc[0]["call"] == "cudaStreamSynchronize"
+    assert s.iloc[0]["host_blocked_us"] == 60.0 and s.iloc[0]["gpu_idle_caused_us"] == 0.0
+    assert H.idle_gaps(a).empty
+    f = {x["type"]: x for x in findings(a)}
+    assert f["host_sync"]["evidence"]["count"] == 1 and f["host_sync"]["recoverable_us"] == 0.0
+    assert "launch_bound" not in f
+    assert a.summary()["ranks"][0]["kernel_count"] == len(kernels)

@@ -60,6 +60,8 @@ def host_syncs(analysis) -> pd.DataFrame:
         if gr.empty:
             continue
         gs, ge = I.gaps(gr["ts"].to_numpy(), gr["end"].to_numpy())
+        if not len(gs):  # the GPU's work is one busy stretch (e.g. a single event): no idle gap to cause
+            continue
         # the gap during which the sync returned: it began before the sync ended, ended after
         idx = np.searchsorted(gs, end[m] + SYNC_TOLERANCE_NS, side="right") - 1
         ok = (idx >= 0) & (ge[np.maximum(idx, 0)] > end[m])
