@@ -286,7 +286,9 @@ def _deep_sections(a: Analysis) -> dict:
         out["roofline_figure"] = RR.roofline_figure(r.table, r.ceilings)
         out["roofline_table"] = html_table(r.table, RR.roofline_table_columns())
         s = r.summary()
-        out["roofline_note"] = (f"{100 * s['modeled_share']:.0f}% of non-communication GPU time is in modeled ops. "
+        share = s.get("modeled_share")  # None when there is no non-communication GPU time (all durations 0)
+        out["roofline_note"] = ((f"{100 * share:.0f}% of non-communication GPU time is in modeled ops. "
+                                 if share is not None else "No non-communication GPU time to model. ")
                                 + " ".join(r.warnings))
     if not r.unmodeled.empty:
         out["roofline_unmodeled"] = html_table(r.unmodeled, RR.unmodeled_table_columns())
