@@ -548,7 +548,9 @@ class Model:
             notes.append("no kernel table for the backend change: run `tracelens kernels tune --config ... --json T.json` "
                          "on the GPU and pass --kernel-table T.json for a measured ratio")
             source = "merge"
-        return (SIGMA[source] * (abs(new_ns - base_ns) + merged_ns) / max(float(p.step_ns), 1.0)) ** 2
+        # the GEMM change, the merged kernels and the expert stage's host time moved: each modeled
+        changed = abs(new_ns - base_ns) + merged_ns + abs(merged_host)
+        return (SIGMA[source] * changed / max(float(p.step_ns), 1.0)) ** 2
 
     @staticmethod
     def _merge_per_expert(plan: _Plan, w: pd.DataFrame, pos: dict, ly: int, bw: bool, e_local: int,
