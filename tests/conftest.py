@@ -45,3 +45,20 @@ def to_ns(v) -> int:
 def _isolated_cache(tmp_path_factory, monkeypatch):
     """Every test gets its own parsed-trace cache, so tests never see each other's entries."""
     monkeypatch.setenv("TRACELENS_CACHE_DIR", str(tmp_path_factory.mktemp("cache")))
+
+
+def merged_length(intervals):
+    """Length of the union of (start, end) intervals: a plain sweep, independent of tracelens (ints,
+    floats or Decimals; 0 for none)."""
+    total, cur_s, cur_e = 0, None, None
+    for s, e in sorted(intervals):
+        if cur_e is None or s > cur_e:
+            if cur_e is not None:
+                total += cur_e - cur_s
+            cur_s, cur_e = s, e
+        else:
+            cur_e = max(cur_e, e)
+    if cur_e is not None:
+        total += cur_e - cur_s
+    return total
+

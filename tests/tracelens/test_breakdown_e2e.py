@@ -14,24 +14,12 @@ import pytest
 import tracelens
 from tracelens.errors import TraceError
 
-from ..conftest import (ALEXNET, CPU_ONLY, DIFF_CONTROL, DIFF_TEST, GPU_TRACES, MI250, MOE_GROUPED, MOE_LOOP,
+from ..conftest import (merged_length, ALEXNET, CPU_ONLY, DIFF_CONTROL, DIFF_TEST, GPU_TRACES, MI250, MOE_GROUPED, MOE_LOOP,
                         NCCL_2RANK, TRITON, raw_events)
 
 GPU_CATS = {"kernel", "gpu_memcpy", "gpu_memset"}
 
 
-def merged_length(intervals):
-    total, cur_s, cur_e = Decimal(0), None, None
-    for s, e in sorted(intervals):
-        if cur_e is None or s > cur_e:
-            if cur_e is not None:
-                total += cur_e - cur_s
-            cur_s, cur_e = s, e
-        else:
-            cur_e = max(cur_e, e)
-    if cur_e is not None:
-        total += cur_e - cur_s
-    return total
 
 
 def expected_timeline(path):

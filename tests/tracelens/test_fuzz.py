@@ -44,7 +44,7 @@ from hypothesis import strategies as st  # noqa: E402
 import tracelens  # noqa: E402
 from tracelens.errors import TraceError  # noqa: E402
 
-from ..conftest import ALEXNET, FIXTURES, MOE_GROUPED, NCCL_2RANK  # noqa: E402
+from ..conftest import ALEXNET, FIXTURES, MOE_GROUPED, NCCL_2RANK, merged_length  # noqa: E402
 
 EXAMPLES = int(os.environ.get("TRACELENS_FUZZ_EXAMPLES", "30"))
 LONG_RUN = "TRACELENS_FUZZ_EXAMPLES" in os.environ
@@ -197,18 +197,6 @@ def _gpu_intervals(events: list) -> list[tuple[int, int]]:
     return out
 
 
-def _union(iv: list[tuple[float, float]]) -> float:
-    total, cur_s, cur_e = 0, None, None
-    for s, e in sorted(iv):
-        if cur_e is None or s > cur_e:
-            if cur_e is not None:
-                total += cur_e - cur_s
-            cur_s, cur_e = s, e
-        else:
-            cur_e = max(cur_e, e)
-    if cur_e is not None:
-        total += cur_e - cur_s
-    return total
 
 
 def _truth(events: list) -> dict:
@@ -216,8 +204,8 @@ def _truth(events: list) -> dict:
     distinct = {json.dumps(e, sort_keys=True, default=str) for e in events
                 if isinstance(e, dict) and e.get("ph") == "X" and e.get("cat") in GPU_CATS}
     return {  # in us
-        "union": _union(iv) / 1e3,
-        "overlap": (sum(e - s for s, e in iv) - _union(iv)) / 1e3,
+        "union": merged_length(iv) / 1e3,
+        "overlap": (sum(e - s for s, e in iv) - merged_length(iv)) / 1e3,
         "extent": ((max(e for _, e in iv) - min(s for s, _ in iv)) if iv else 0) / 1e3,
         "distinct_gpu": len(distinct),
         "distinct_kernels": len({d for d in distinct if '"cat": "kernel"' in d or '"cat": "Kernel"' in d}),

@@ -20,22 +20,12 @@ import tracelens
 from tracelens.analysis import steps as S
 from tracelens.analysis.diff import check_rules, diff, parse_rule, student_t_two_sided, welch_test
 
-from ..conftest import FIXTURES, MI250, MOE_LOOP, NCCL_2RANK, raw_events
+from ..conftest import FIXTURES, MI250, MOE_LOOP, NCCL_2RANK, merged_length, raw_events
 
 PP_1F1B = FIXTURES / "h200_pp2_run" / "1f1b"
 GPU = {"kernel", "gpu_memcpy", "gpu_memset"}
 
 
-def merged(iv):
-    total, cs, ce = Decimal(0), None, None
-    for s, e in sorted(iv):
-        if ce is None or s > ce:
-            if ce is not None:
-                total += ce - cs
-            cs, ce = s, e
-        else:
-            ce = max(ce, e)
-    return total + (ce - cs if ce is not None else 0)
 
 
 def raw_steps(ev):
@@ -64,9 +54,9 @@ def raw_figures(gpu_events):
     comm = [e for e in kern if "nccl" in e["name"].lower()]
     comp = [e for e in kern if e not in comm]
     span = max(e for _, e in iv(gpu_events)) - min(s for s, _ in iv(gpu_events))
-    compute = merged(iv(comp))
-    return {"span_us": span, "gpu_busy_us": merged(iv(gpu_events)), "comm_us": merged(iv(comm)),
-            "exposed_comm_us": merged(iv(comp + comm)) - compute, "kernel_count": len(kern)}
+    compute = merged_length(iv(comp))
+    return {"span_us": span, "gpu_busy_us": merged_length(iv(gpu_events)), "comm_us": merged_length(iv(comm)),
+            "exposed_comm_us": merged_length(iv(comp + comm)) - compute, "kernel_count": len(kern)}
 
 
 @pytest.fixture(scope="module")
@@ -147,7 +137,7 @@ def test_single_step_with_startup_wait_is_cut_not_dropped():
                 left.append((Decimal(ce), e))
     tl = a.timeline.set_index("rank").loc[1]
     assert tl["span_us"] == pytest.approx(float((hi - lo - (ce - cs)) / 1000), abs=1e-3)
-    assert tl["gpu_busy_us"] == pytest.approx(float(merged(left) / 1000), abs=1e-3)
+    assert tl["gpu_busy_us"] == pytest.approx(float(merged_length(left) / 1000), abs=1e-3)
     assert tl["gpu_busy_us"] + tl["gpu_idle_us"] == pytest.approx(tl["span_us"], abs=1e-3)
     assert any("cut out of step 4" in x for x in a.warnings)
 
