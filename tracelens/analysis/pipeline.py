@@ -912,8 +912,11 @@ def _step_graph(a: pd.DataFrame) -> tuple[list[list[int]], list[list[int]]]:
     return preds, order
 
 
-def simulate_step(a: pd.DataFrame, durations, t0: int | None = None) -> tuple[np.ndarray, np.ndarray, int]:
-    """Replay one step's schedule with the given action durations and no communication or host time.
+def simulate_step(a: pd.DataFrame, durations, t0: int | None = None,
+                  handoff_ns: int = 0) -> tuple[np.ndarray, np.ndarray, int]:
+    """Replay one step's schedule with the given action durations and no communication or host time
+    (or, with ``handoff_ns``, that much more before an action whose data dependency ran on another rank:
+    the what-if model's per-hand-off overhead).
 
     Each rank runs its actions in the measured order; an action starts as soon as its rank is free and
     its data dependency (see `_step_graph`) has ended; every rank is free from t0 (default: the step's
@@ -928,6 +931,7 @@ def simulate_step(a: pd.DataFrame, durations, t0: int | None = None) -> tuple[np
     preds, order = _step_graph(a)
     t0 = int(a["start_ns"].min()) if t0 is None else int(t0)
     meas_start = a["start_ns"].tolist()
+    rank_of, handoff = a["rank"].tolist(), int(handoff_ns)
     start, end = [-1] * n, [-1] * n
     pos, free = [0] * len(order), [t0] * len(order)
     left, forced = n, 0
@@ -947,7 +951,7 @@ def simulate_step(a: pd.DataFrame, durations, t0: int | None = None) -> tuple[np
                     if end[j] < 0:
                         ready = -1
                         break
-                    ready = max(ready, end[j])
+                    ready = max(ready, end[j] + (handoff if rank_of[j] != rank_of[i] else 0))
                 if ready < 0:
                     break
                 run(k, i, ready)

@@ -50,6 +50,7 @@ import pandas as pd
 
 from ..errors import TraceError
 from . import kerneltable as KT
+from . import pipeline_whatif as PW
 from . import replay as R
 from .profile import COMPONENTS, ProfileError, StepProfile, read_manifest, step_profile
 
@@ -58,13 +59,13 @@ PER_EXPERT = ("loop", "multistream")
 GROUPED = ("torch", "triton", "auto")
 # keys the model predicts, and keys that do not change a step's time
 MODELED = ("micro_batch_size", "grouped_gemm_backend", "sync_free_level", "recompute_layer_ids", "microbatches",
-           "manual_gc", "optimizer")
+           "manual_gc", "optimizer", "pipeline_schedule", "vpp", "pipeline_layout", "pipeline_layer_costs")
 NEUTRAL = ("steps", "profile_step_start", "profile_step_end", "log_every", "timing_warmup_steps", "seed", "lr",
            "min_lr_ratio", "warmup_steps", "weight_decay", "adam_beta1", "adam_beta2", "grad_clip", "numa_bind",
            "env", "multistream_num_streams", "init_std")
 # relative uncertainty (1 sigma) of each kind of modeled change, on the time it changes
 SIGMA = {"tokens": 0.10, "table": 0.10, "merge": 0.30, "syncs": 0.30, "recompute": 0.15, "microbatches": 0.05,
-         "gc": 1.0, "optimizer": 0.30, "masked": 0.30}
+         "gc": 1.0, "optimizer": 0.30, "masked": 0.30, "pipeline": 0.12}
 
 
 class WhatIfError(ValueError):
@@ -153,6 +154,7 @@ class Model:
     mem_ratio: float | None = None  # measured / projected peak of the run
     notes: list = field(default_factory=list)
     base_by_rank: list = field(default_factory=list)  # calibrated base components per profile
+    pipe_base: Any = None  # pipeline_whatif.PipelineBase of a pipelined run, measured on first use
 
     # -------------------------------------------------------------- building
     @classmethod
@@ -241,13 +243,22 @@ class Model:
         from trainer.config import DEFAULTS  # noqa: PLC0415
 
         diff = {k: v for k, v in new.items() if k in changes and self.config.get(k, DEFAULTS.get(k)) != v}
+        # ---- pipeline knobs (pipeline_whatif.py): the replay below runs the other knobs on the old pipeline
+        pipe = PW.changes_pipeline(self.config, new)
+        new_all = new
+        if pipe:
+            keep = PW.PIPELINE_KEYS + ("microbatches",)
+            new = {**new, **{k: self.config.get(k, DEFAULTS.get(k)) for k in keep}}
+            diff_other = {k: v for k, v in diff.items() if k not in keep}
+        # ---- end pipeline knobs
         notes: list[str] = []
         modeled: list[str] = []
         sig2 = 0.0
         steps, comps_list = [], []
         for prog, hs, ds in zip(self.programs, self.host_scale, self.device_scale):
             plan = _Plan.of(prog)
-            var = self._apply(plan, prog.profile, new, diff, modeled if not comps_list else [], notes)
+            var = self._apply(plan, prog.profile, new, diff_other if pipe else diff,
+                              modeled if not comps_list else [], notes)
             res = plan.replay(hs)
             steps.append(res.step_ns * ds / 1e9)
             comps_list.append({k: v * ds / 1e9 for k, v in res.components.items()})
@@ -272,6 +283,10 @@ class Model:
             step += tail_gain
             comps_list[slow]["other"] += tail_gain
         comps = comps_list[slow]
+        if pipe:  # ---- pipeline knobs: the new schedule's window replaces the old one
+            new = new_all
+            step, comps, var = self._pipeline(new, step, comps, self.profiles[slow].rank, modeled, notes)
+            sig2 += var
         base_comps = self.base_by_rank[slow] if self.base_by_rank else self.base_components
         tokens = self._tokens_per_gpu(new)
         tps = tokens / step
@@ -398,6 +413,52 @@ class Model:
         if old.get("optimizer", "adamw") != new.get("optimizer", "adamw"):
             var += self._optimizer(plan, p, old.get("optimizer", "adamw"), new["optimizer"], modeled, notes)
         return var
+
+    def _pipeline(self, new: dict, step_other: float, comps: dict, rank: int, modeled: list,
+                  notes: list) -> tuple[float, dict, float]:
+        """Pipeline knobs (schedule, vpp, layout, micro-batches of a pipelined run): the new schedule replayed
+        over the run's measured stage costs (`pipeline_whatif`), scaled by what the other knobs did to the
+        step. Returns (step s, components adding up to it, variance)."""
+        try:
+            if self.pipe_base is None:
+                self.pipe_base = PW.pipeline_base(self.run, manifest=self.manifest)
+            scale = step_other / self.base_step_s if self.base_step_s > 0 else 1.0
+            pr = PW.predict_pipeline(self.pipe_base, new, scale)
+        except PW.PipelineWhatIfError as e:
+            raise WhatIfError(str(e)) from None
+        base = self.pipe_base
+        modeled.extend(pr.modeled)
+        notes.extend(pr.notes + base.notes)
+        if abs(base.step_ns / 1e9 / self.base_step_s - 1.0) > 0.05:
+            notes.append(f"pipeline: the step is predicted from the steady steps ({base.step_basis}; median "
+                         f"{base.step_ns / 1e6:.1f} ms), not the manifest's mean step {1e3 * self.base_step_s:.1f} ms "
+                         "(a warm-up or trace-export step in that mean?)")
+        step = pr.step_ns / 1e9
+        # the components of the reported rank: its pipeline work changes with its actions, the rest of the
+        # change is idle (the bubble); no part goes below zero
+        pp_rank = base.rank_to_pp.get(rank)
+        d_busy = (pr.busy_ns[pp_rank] - pr.base_busy_ns[pp_rank]) / 1e9 if pp_rank is not None else 0.0
+        out = dict(comps)
+        work = [c for c in out if c not in ("sync waits", "launch-bound idle", "pipeline bubble", "other")]
+        tot_work = sum(out[c] for c in work)
+        if tot_work > 0 and d_busy:
+            f = max(tot_work + d_busy, 0.0) / tot_work
+            for c in work:
+                out[c] *= f
+        rest = step - sum(out.values())
+        for c in ("pipeline bubble", "other", "launch-bound idle", "sync waits"):
+            if rest >= 0:
+                break
+            take = min(out.get(c, 0.0), -rest)
+            out[c] = out.get(c, 0.0) - take
+            rest += take
+        if rest >= 0:
+            out["pipeline bubble"] = out.get("pipeline bubble", 0.0) + rest
+        else:  # still too much: everything shrinks in proportion
+            tot = sum(out.values())
+            out = {c: v * step / tot for c, v in out.items()} if tot > 0 else out
+        var = (SIGMA["pipeline"] * pr.window_ns / max(pr.step_ns, 1.0)) ** 2
+        return step, {c: float(v) for c, v in out.items()}, var
 
     @staticmethod
     def _chunk_units(w: pd.DataFrame, cfg: dict) -> np.ndarray:
