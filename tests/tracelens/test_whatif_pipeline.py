@@ -3,7 +3,7 @@
 The three fixtures are the same model (gpu_proxy, 4 layers, pp 2, 8 micro-batches) under 1F1B, interleaved
 1F1B (vpp 2) and ZB-H1; each is predicted from each other one and compared with its measured step time,
 read here from the manifest (median of metrics.step_times_s over the steps that are not the first, a
-warm-up step of timing_warmup_steps, a profiled step or the trace-export step after the window).
+profiled step or the trace-export step after the window).
 """
 
 from __future__ import annotations
@@ -38,9 +38,8 @@ def _measured_step_s(run: str) -> float:
     """Independent of the code under test: the manifest's step times over the clean steps."""
     m = _manifest(run)
     times = m["metrics"]["step_times_s"]
-    warm = int(m["config"].get("timing_warmup_steps") or 0)
     lo, hi = m["profile"]["step_start"], m["profile"]["step_end"]
-    clean = [t for i, t in enumerate(times) if i >= max(1, warm) and not (lo <= i <= hi)]
+    clean = [t for i, t in enumerate(times) if i >= 1 and not (lo <= i <= hi)]
     return float(np.median(clean))
 
 
@@ -132,16 +131,18 @@ def test_handoff_overhead_calibrates_the_run_window():
         rows += [json.loads(x) for x in gzip.decompress(f.read_bytes()).splitlines() if x.strip()]
     df = pd.DataFrame(rows)
     win = df.groupby("step").apply(lambda g: g["end_ns"].max() - g["start_ns"].min(), include_groups=False)
-    assert base.steps == [3]
-    assert base.window_ns == pytest.approx(float(win[3]))
-    assert base.rest_ns == pytest.approx(times[3] * 1e9 - float(win[3]))
+    assert base.steps == [1, 2, 3]  # step 0 warm-up, 4 profiled, 5 the trace export
+    assert base.window_ns == pytest.approx(float(np.median(win[[1, 2, 3]])))
+    assert base.rest_ns == pytest.approx(float(np.median([times[s] * 1e9 - win[s] for s in (1, 2, 3)])))
+    assert base.step_ns == pytest.approx(float(np.median(times[1:4])) * 1e9)
 
 
-# measured errors of the six predictions (docs/whatif.md, "Pipeline knobs"): -13.8 % (1f1b -> vpp2), +5.4 %
-# (1f1b -> zb1p), +9.1 % (vpp2 -> 1f1b), +13.2 % (vpp2 -> zb1p), -3.6 % (zb1p -> 1f1b), -9.1 % (zb1p -> vpp2):
-# median |error| 9.1 %, max 13.8 %. The bounds leave ~1.5x that for a change in the model that keeps it as
-# good; a regression to "no pipeline mechanism" (the source's own step) misses vpp2 <- zb1p by 29 %.
-MAX_ERR, MEDIAN_ERR = 0.20, 0.13
+# measured errors of the six predictions (docs/whatif.md, "Pipeline knobs"): -7.4 % (1f1b -> vpp2), +2.9 %
+# (1f1b -> zb1p), +5.2 % (vpp2 -> 1f1b), +6.4 % (vpp2 -> zb1p), +0.1 % (zb1p -> 1f1b), -0.2 % (zb1p -> vpp2):
+# median |error| 4.1 %, max 7.4 % (with only the steps after timing_warmup_steps as truth and base, one step
+# for two of the runs: median 9.1 %, max 13.8 %). The bounds sit above the noisier basis's errors; no
+# pipeline mechanism (the source's own step) misses by 8-28 %, median 17 %.
+MAX_ERR, MEDIAN_ERR = 0.15, 0.08
 
 
 def test_fixture_predictions(models):

@@ -8,9 +8,10 @@
 The mechanism (docs/whatif.md, "Pipeline knobs"), over the run's pipeline actions
 (``RUN/pipeline/rank<N>.jsonl``, `tracelens.analysis.pipeline`) and the old and new trainer config:
 
-1. **Steady steps.** The steps that are neither the first, a warm-up step of the manifest
-   (``timing_warmup_steps``), a profiled step nor the trace-export step (`manifest_step_roles`); when
-   none is left, every step but the first and the profiled ones.
+1. **Steady steps.** Every step but the first (the pipeline analysis' warm-up convention), the profiled
+   steps (the profiler's overhead) and the trace-export step after the window (`manifest_step_roles`);
+   the trainer's ``timing_warmup_steps`` are kept (their actions and step times are steady on the H200
+   runs, and more steps average out the micro-batch spread).
 2. **Piece costs.** Per stage and kind (F, B, W) the mean action time over those steps, split over the
    stage's pieces (``embedding``, ``layer<i>``, ``loss`` from the manifest's ``stage_modules``) in
    proportion to the FLOP model of each piece (`trainer.pipeline_layout.layer_costs`: the embedding is
@@ -208,12 +209,13 @@ class PipelineBase:
 
 def _steady_steps(actions: pd.DataFrame, manifest: dict | None) -> tuple[list[int], str]:
     steps = sorted(actions["step"].unique().tolist())
-    roles = manifest_step_roles(manifest, include_profiled=True)
+    roles = {s: r for s, (r, _d) in manifest_step_roles(manifest, include_profiled=True).items()
+             if r in ("profiled", "export")}
     first = steps[:1] if len(steps) > 1 else []
     clean = [s for s in steps if s not in roles and s not in first]
     if clean:
-        return clean, (f"step(s) {P._ranges(clean)}: not the first, a warm-up (timing_warmup_steps), a profiled "
-                       "or the trace-export step")
+        return clean, (f"step(s) {P._ranges(clean)}: every step but the first, the profiled and the trace-export "
+                       "step")
     loose = [s for s in steps if s not in first and roles.get(s, ("",))[0] != "profiled"] or steps
     return loose, f"step(s) {P._ranges(loose)}: every step but the first and the profiled ones (no other left)"
 
