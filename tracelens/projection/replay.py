@@ -56,6 +56,7 @@ class Program:
     cpu: bool
     gap_expert: np.ndarray | None = None  # per item: the part of its host gap spent in the expert stage's ops
     sync_streams: list | None = None  # per sync: the streams it waited for
+    lead: float = 0.0  # the step's lead-in with no recorded host event (StepProfile.lead), out of gap[0]
 
 
 def prepare(p: StepProfile) -> Program:
@@ -130,7 +131,12 @@ def prepare(p: StepProfile) -> Program:
             release = max(release, sen[j])
     tail = max(float(p.step_ns) - release, 0.0)
     gx = _gap_overlap(kinds, idx, launch, sts, sen, gap, p)
-    return Program(p, kinds, idx, gap, tail, stream, dep, wait, sync_min, sync_ret, latency, False, gx, sync_streams)
+    lead = 0.0
+    if len(gap):
+        lead = float(min(max(p.lead, 0), gap[0]))
+        gap[0] -= lead
+    return Program(p, kinds, idx, gap, tail, stream, dep, wait, sync_min, sync_ret, latency, False, gx, sync_streams,
+                   lead)
 
 
 def _launch_latency(launch, start, end, stream, linked, backlog) -> float:
@@ -212,9 +218,12 @@ class Plan:
     gap_x: list  # per item: the part of its gap spent in the expert stage's own CPU ops
     sync_streams: list  # per sync: the streams it waits for (None: every stream)
     backlog: dict  # per stream: busy with the previous step's work until (ns after the step start)
+    lead: float = 0.0  # host time before the step's first recorded event (the profiler's step transition)
 
     @classmethod
-    def of(cls, prog: Program) -> "Plan":
+    def of(cls, prog: Program, profiler_lead: bool = True) -> "Plan":
+        """``profiler_lead``: keep the step's lead-in with no recorded event (true to the trace); the
+        what-if model drops it (the profiler's own step transition, absent from unprofiled steps)."""
         w = prog.profile.work
         gx = prog.gap_expert if prog.gap_expert is not None else np.zeros(len(prog.gap))
         return cls(list(prog.order_kind.tolist()), list(prog.order_idx.tolist()), list(prog.gap.tolist()),
@@ -222,7 +231,7 @@ class Plan:
                    list(prog.wait.tolist()), list(w["component"].tolist()), list(prog.sync_min.tolist()),
                    list(prog.sync_ret.tolist()), float(prog.tail), float(prog.latency), prog.cpu, list(gx.tolist()),
                    list(prog.sync_streams) if prog.sync_streams is not None else [None] * len(prog.sync_min),
-                   dict(prog.profile.backlog or {}))
+                   dict(prog.profile.backlog or {}), float(prog.lead) if profiler_lead else 0.0)
 
     def replay(self, host_scale: float) -> "Result":
         """Replay the step. The device starts with the work the previous step left running
@@ -245,7 +254,7 @@ class Plan:
         keep = np.zeros(n, bool)
         free: dict[int, float] = {int(k): float(v) for k, v in self.backlog.items()}
         back = max(free.values(), default=0.0)
-        h, drain, last_sync = 0.0, back, -1.0
+        h, drain, last_sync = float(self.lead), back, -1.0
         lat, tol = self.latency, _TOL_NS
         for kd, j, g in zip(self.kind, self.ref, self.gap):
             h += g * host_scale

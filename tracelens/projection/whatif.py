@@ -259,7 +259,7 @@ class Model:
         sig2 = 0.0
         steps, comps_list = [], []
         for prog, hs, ds in zip(self.programs, self.host_scale, self.device_scale):
-            plan = _Plan.of(prog)
+            plan = _Plan.of(prog, profiler_lead=False)
             var = self._apply(plan, prog.profile, new, diff_other if pipe else diff,
                               modeled if not comps_list else [], notes)
             res = plan.replay(hs)
@@ -808,7 +808,7 @@ def _calibrate(prog: R.Program, target_ns: float) -> tuple[float, float, R.Resul
     """Host factor h (0.3..1.2: the profiler only slows the host) that makes the replay match the measured
     unprofiled step, then the factor that removes what is left (device-side profiler cost, or a step that
     is faster than any host speed explains)."""
-    plan = _Plan.of(prog)
+    plan = _Plan.of(prog, profiler_lead=False)
     lo, hi = 0.3, 1.2
     f_lo, f_hi = plan.replay(lo).step_ns, plan.replay(hi).step_ns
     if f_lo >= target_ns:
