@@ -305,9 +305,13 @@ class Model:
         m = self.manifest.get("metrics") or {}
         base = m.get("tokens_per_step_per_gpu")
         if not isinstance(base, (int, float)) or base <= 0:
+            # the trainer's definition: dp * ep replicas each take microbatches x micro-batch x seq tokens a
+            # step, spread over the world (pipeline ranks share their replica's tokens)
             world = int(self.manifest.get("world_size") or 1)
-            base = (int(self.config.get("micro_batch_size", 1)) * int(self.config.get("seq_len", 1))
-                    * int(self.config.get("microbatches", 1)) * world) / world
+            par = self.manifest.get("parallel") or {}
+            replicas = int(par.get("dp") or 1) * int(par.get("ep") or 1)
+            base = (replicas * int(self.config.get("micro_batch_size", 1)) * int(self.config.get("seq_len", 1))
+                    * int(self.config.get("microbatches") or 1)) / world
         scale = (int(cfg["micro_batch_size"]) * int(cfg.get("microbatches") or 1) * int(cfg["seq_len"])) / (
             int(self.config["micro_batch_size"]) * int(self.config.get("microbatches") or 1) * int(self.config["seq_len"]))
         return float(base) * scale
