@@ -197,7 +197,7 @@ class RanksAnalysis:
     def tables(self) -> dict[str, pd.DataFrame]:
         out = {"timeline": self.timeline, "timeline_all": self.timeline_all, "step_timeline": self.step_timeline,
                "categories": self.categories, "comm_instances": self.instances, "comm_summary": self.comm_summary,
-               "comm_stragglers": self.stragglers, "comm_coverage": self.coverage}
+               "comm_stragglers": self.stragglers}
         if self.pipeline is not None:
             out.update(self.pipeline.tables())
         return out
@@ -383,7 +383,7 @@ def _client(workers: int | None, scheduler: str | None, memory_limit: str | None
             return Client(scheduler, timeout="20s"), None, f"dask scheduler {scheduler}"
         except (OSError, TimeoutError) as e:
             raise TraceError(scheduler, f"cannot reach the Dask scheduler: {e}") from None
-    cluster = LocalCluster(n_workers=workers, threads_per_worker=1, processes=True, dashboard_address=None,
+    cluster = LocalCluster(n_workers=workers, threads_per_worker=1, processes=True, dashboard_address=":0",
                            memory_limit=memory_limit or "auto", silence_logs=50)
     return Client(cluster), cluster, f"dask LocalCluster ({workers} worker process{'es' if workers != 1 else ''})"
 
