@@ -22,7 +22,6 @@ import argparse
 import json
 import os
 import pickle
-import resource
 import shutil
 import subprocess
 import sys
@@ -35,9 +34,15 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 SHARED = ("schema_version", "tool", "world_size", "window", "ranks", "categories", "warnings")
 
 _ONE_RANK = r"""
-import json, pickle, resource, sys, time
-t0 = time.perf_counter()
+import json, pickle, sys, time
+def hwm():  # this process's peak RSS (VmHWM: ru_maxrss would carry the parent's over fork + exec)
+    for line in open("/proc/self/status"):
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
 from tracelens import scale
+from tracelens.analysis import calltree, comm, pipeline, steps, summaries, timeline  # imports not timed
+base = hwm()
+t0 = time.perf_counter()
 rt = scale.reduce_rank(sys.argv[1], 0, 1, cache=False)
 t1 = time.perf_counter()
 used = sorted(int(s) for s in rt.steps["step"].unique())  # every step: the timeline is recomputed as in steady mode
@@ -45,20 +50,29 @@ plan = scale.WindowPlan(restricts=bool(used), used=used, cuts={}, whole_gpu=Fals
 scale.window_rank(rt, plan)
 t2 = time.perf_counter()
 print(json.dumps({"reduce_s": t1 - t0, "window_s": t2 - t1,
-                  "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+                  "peak_rss_mb": hwm(), "imports_rss_mb": base,
                   "light_mb": len(pickle.dumps(rt.light())) / 1e6, "gpu_table_mb": len(pickle.dumps(rt.gpu)) / 1e6,
                   "events": rt.n_events, "gpu_events": rt.n_gpu, "comm_rows": len(rt.comm)}))
 """
 
 
 def _peak_rss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    """This process's peak RSS in MB: VmHWM of /proc/self/status (Linux). Not ru_maxrss, which Linux
+    carries over fork + exec, so a worker spawned by a large parent would report the parent's peak."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
 
 
 def _worker_peak() -> float:
-    import resource as r
-
-    return r.getrusage(r.RUSAGE_SELF).ru_maxrss / 1024
+    """Run on each Dask worker process (client.run): its peak RSS in MB."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
 
 
 def one_rank(path: Path) -> dict:
@@ -91,10 +105,10 @@ def main(argv: list[str] | None = None) -> None:
     out: dict = {"ranks": a.ranks, "mb": a.mb, "workers": a.workers, "memory_limit": a.memory_limit,
                  "source": a.source, "cpus": os.cpu_count()}
     try:
-        from tile_ranks import tile_ranks
-
-        t = time.perf_counter()
-        files = tile_ranks([a.source], a.ranks, work, target_mb=a.mb)
+        t = time.perf_counter()  # in a subprocess: this process's peak RSS is the analysis's alone
+        subprocess.run([sys.executable, str(ROOT / "benchmarks" / "tile_ranks.py"), a.source, str(work),
+                        "--ranks", str(a.ranks), "--target-mb", str(a.mb)], check=True)
+        files = sorted(work.glob("rank*.json"), key=lambda f: int(f.name[4:-5]))
         out["tile_s"] = round(time.perf_counter() - t, 1)
         out["total_gb"] = round(sum(f.stat().st_size for f in files) / 1e9, 2)
         print(f"tiled {len(files)} ranks, {out['total_gb']} GB in {out['tile_s']} s", file=sys.stderr)
@@ -114,6 +128,7 @@ def main(argv: list[str] | None = None) -> None:
             res = scale.analyze_ranks(work, cache=False, client=client)
             t_done = time.perf_counter()
             peaks = client.run(_worker_peak)
+        out["dask_phases_s"] = res.timings
         out["cluster_start_s"] = round(t_up - t, 2)
         out["dask_wall_s"] = round(t_done - t_up, 2)
         out["worker_peak_rss_mb"] = {k: round(v, 1) for k, v in peaks.items()}
@@ -128,7 +143,9 @@ def main(argv: list[str] | None = None) -> None:
             if a.compare == "full":
                 want = tracelens.analyze(tracelens.load(work, cache=False)).summary()
             else:
-                want = scale.analyze_ranks(work, cache=False).summary()
+                ref = scale.analyze_ranks(work, cache=False)
+                out["inprocess_phases_s"] = ref.timings
+                want = ref.summary()
                 want_comm = want["comm"]
                 out["comm_equal"] = got["comm"] == want_comm and got["pipeline"] == want["pipeline"]
             out[f"{a.compare}_s"] = round(time.perf_counter() - t, 2)

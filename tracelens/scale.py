@@ -32,6 +32,7 @@ the step decomposition; `summary()` says so under `distributed`.
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Sequence
@@ -193,6 +194,7 @@ class RanksAnalysis:
     pipeline: Any
     warnings: list[str]
     engine: str  # "in-process", "dask LocalCluster (N workers)", "dask scheduler ADDR"
+    timings: dict = field(default_factory=dict)  # wall seconds: reduce (per-rank tasks), combine (driver), window, finish
 
     def tables(self) -> dict[str, pd.DataFrame]:
         out = {"timeline": self.timeline, "timeline_all": self.timeline_all, "step_timeline": self.step_timeline,
@@ -431,13 +433,27 @@ def analyze_ranks(paths: str | os.PathLike | Sequence[str | os.PathLike], *, wor
     n = len(files)
     want = _wants_activity(files)
     cdir = os.fspath(cache_dir) if cache_dir else None
+    clock = [time.perf_counter()]
+    timings: dict[str, float] = {}
+
+    def lap(name: str) -> None:
+        now = time.perf_counter()
+        timings[name] = round(now - clock[0], 3)
+        clock[0] = now
+
     if workers is None and scheduler is None and client is None:
         full = [reduce_rank(f, i, n, cache=cache, cache_dir=cdir, want_activity=want) for i, f in enumerate(files)]
         light = [r.light() for r in full]
+        lap("reduce")
         rt, sw, kern, inst, waits, _ = combine(light, files, window)
         plan = plan_window(light, sw)
+        lap("combine")
         windowed = {r.info.rank: window_rank(r, plan) for r in full}
-        return finish(light, windowed, rt, sw, kern, inst, waits, "in-process")
+        lap("window")
+        res = finish(light, windowed, rt, sw, kern, inst, waits, "in-process")
+        lap("finish")
+        res.timings = timings
+        return res
     own = None
     if client is None:
         client, own, engine = _client(workers, scheduler, memory_limit)
@@ -449,14 +465,20 @@ def analyze_ranks(paths: str | os.PathLike | Sequence[str | os.PathLike], *, wor
         light_f = client.map(RankTables.light, full, pure=False)
         light = _gather(client, light_f, files)
         del light_f
+        lap("reduce")
         rt, sw, kern, inst, waits, _ = combine(light, files, window)
         plan = plan_window(light, sw)
+        lap("combine")
         win_f = client.map(window_rank, full, plan=plan, pure=False)
         win = _gather(client, win_f, files)
         del full, win_f
+        lap("window")
         by_index = {r.index: r.info.rank for r in light}
         windowed = {by_index[i]: w for i, w in enumerate(win)}
-        return finish(light, windowed, rt, sw, kern, inst, waits, engine)
+        res = finish(light, windowed, rt, sw, kern, inst, waits, engine)
+        lap("finish")
+        res.timings = timings
+        return res
     finally:
         if own is not None or scheduler:
             client.close()
