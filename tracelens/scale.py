@@ -378,15 +378,15 @@ def _client(workers: int | None, scheduler: str | None, memory_limit: str | None
         from distributed import Client, LocalCluster
     except ImportError:
         raise NeedsDask(f"the distributed path needs Dask distributed: {INSTALL_HINT}") from None
-    # a rank that kills its worker (out of memory, a crash in native code) fails at once, not after 3 retries
-    dask.config.set({"distributed.scheduler.allowed-failures": 0})
     if scheduler:
         try:
             return Client(scheduler, timeout="20s"), None, f"dask scheduler {scheduler}"
         except (OSError, TimeoutError) as e:
             raise TraceError(scheduler, f"cannot reach the Dask scheduler: {e}") from None
-    cluster = LocalCluster(n_workers=workers, threads_per_worker=1, processes=True, dashboard_address=":0",
-                           memory_limit=memory_limit or "auto", silence_logs=50)
+    # a rank that kills its worker (out of memory, a crash in native code) fails at once, not after 3 retries
+    with dask.config.set({"distributed.scheduler.allowed-failures": 0}):
+        cluster = LocalCluster(n_workers=workers, threads_per_worker=1, processes=True, dashboard_address=":0",
+                               memory_limit=memory_limit or "auto", silence_logs=50)
     return Client(cluster), cluster, f"dask LocalCluster ({workers} worker process{'es' if workers != 1 else ''})"
 
 

@@ -59,9 +59,10 @@ def client():
 
     import dask
 
-    dask.config.set({"distributed.scheduler.allowed-failures": 0})
-    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0",
-                      silence_logs=50) as cluster, Client(cluster) as c:
+    with dask.config.set({"distributed.scheduler.allowed-failures": 0}):  # a dead worker fails its task at once
+        cluster = LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0",
+                               silence_logs=50)
+    with cluster, Client(cluster) as c:
         yield c
 
 
