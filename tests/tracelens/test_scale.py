@@ -119,6 +119,18 @@ def test_eight_nccl_ranks_steady_window_equal(nccl8, client):
     assert waits == {1, 3, 5, 7}
 
 
+def test_all_steps_window_and_scheduler_address(nccl8, client):
+    """window="all" equals analyze(..., window="all"); a scheduler address (here the test cluster's) is
+    the --scheduler path: a Client of its own on a running cluster."""
+    want = tracelens.analyze(tracelens.load(nccl8, cache=False), window="all").summary()
+    got = scale.analyze_ranks(nccl8, cache=False, window="all", scheduler=client.scheduler.address)
+    s = got.summary()
+    assert got.engine == f"dask scheduler {client.scheduler.address}"
+    assert s["window"]["mode"] == "all" and s["window"]["steps_used"] == [0, 1, 2]
+    for k in SHARED_KEYS:
+        assert s[k] == want[k], k
+
+
 def test_bad_rank_file_names_it(nccl8, tmp_path, client):
     d = tmp_path / "run"
     d.mkdir()
@@ -165,3 +177,11 @@ def test_without_dask_one_line_exit_2(tmp_path):
     assert p.returncode == 2
     assert p.stderr.strip() == ("tracelens: error: the distributed path needs Dask distributed: "
                                 "pip install 'tracelens[distributed]'")
+
+
+def test_local_default_imports_no_dask():
+    code = ("import sys, tracelens; r = tracelens.analyze_ranks(%r, cache=False); "
+            "assert r.engine == 'in-process' and len(r.trace.ranks) == 2; "
+            "assert not [m for m in sys.modules if m.split('.')[0] in ('dask', 'distributed')], 'dask imported'" % str(NCCL_2RANK))
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr
