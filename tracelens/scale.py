@@ -171,6 +171,7 @@ class _RanksTrace:
     rank_activity: dict | None = None
     pipeline_actions: pd.DataFrame | None = None
     events: pd.DataFrame = field(default_factory=pd.DataFrame)
+    load_issues: pd.DataFrame | None = None  # as Trace.load_issues
 
     @property
     def rank_ids(self) -> list[int]:
@@ -246,15 +247,17 @@ def combine(light: list[RankTables], files: list[str], window: str = "steady"):
     from .analysis import steps as steps_mod
     from .analysis.comm import match_instances
     from .io.rundir import run_status
-    from .trace import check_ranks
+    from .trace import _issues_table, check_ranks
 
     light = sorted(light, key=lambda r: r.index)
     warnings: list[str] = []
+    issues: list[dict] = []
     for r in light:
         warnings += r.warnings
+        issues += r.issues
     warnings += check_ranks([r.info for r in light])
     light = sorted(light, key=lambda r: r.info.rank)
-    rt = _RanksTrace(ranks=[r.info for r in light], warnings=warnings)
+    rt = _RanksTrace(ranks=[r.info for r in light], warnings=warnings, load_issues=_issues_table(issues))
     rt.run_status = run_status(files)
     if rt.run_status and rt.run_status["warning"]:
         rt.warnings.insert(0, rt.run_status["warning"])

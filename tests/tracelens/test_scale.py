@@ -80,6 +80,7 @@ def _check_equal(path, client):
         assert res.comm_summary.equals(C.comm_summary(inst))
         assert res.stragglers.equals(C.stragglers(inst))
         assert res.coverage.equals(C.group_coverage(full, inst))
+        assert res.trace.load_issues.equals(full.trace.load_issues)
         assert (res.pipeline is None) == (full.pipeline is None)
         if full.pipeline is not None:
             assert res.pipeline.to_dict() == full.pipeline.to_dict()
