@@ -93,8 +93,9 @@ def _expected(argv: list[str]) -> list[str]:
     cmd = argv[1] if argv[0].endswith("tracelens") else "trainer"
     out = _flag(argv, "-o", "--out")
     files = [p for p in (_flag(argv, "--json"), _flag(argv, "--perfetto")) if p]
-    if cmd in ("analyze", "profile") and out:
-        files.append(f"{out}/report.html")
+    if cmd in ("analyze", "profile") and out:  # rank by rank on Dask (--workers/--scheduler): no report
+        many = "--workers" in argv or "--scheduler" in argv
+        files.append(f"{out}/summary.json" if many else f"{out}/report.html")
     elif cmd == "diff":
         files += [f"{out}/diff.html", f"{out}/diff.md", f"{out}/diff.json"]
     elif cmd == "ppvis":

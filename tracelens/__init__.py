@@ -6,6 +6,7 @@ Scriptable API (the CLI and the reports are thin layers over it):
     trace = tracelens.load("runs/demo")      # a trace file, a directory of rank files, or a run dir
     result = tracelens.analyze(trace)        # timeline, call tree, ops/kernels/category tables
     result.summary()                         # the summary.json machine interface
+    many = tracelens.analyze_ranks("runs/big", workers=8)   # rank by rank on Dask (tracelens.scale)
 
 torch is never imported here: analyzing traces needs only pandas, pyarrow and msgspec. Importing the
 package is light: pandas and the analyses load on first use of `Trace`, `Analysis` or `analyze`, or
@@ -25,9 +26,9 @@ if TYPE_CHECKING:  # pragma: no cover
     from .analyzer import Analysis, analyze
     from .trace import Trace
 
-__all__ = ["Analysis", "Trace", "TraceError", "TraceWarning", "analyze", "load", "__version__"]
+__all__ = ["Analysis", "Trace", "TraceError", "TraceWarning", "analyze", "analyze_ranks", "load", "__version__"]
 
-_LAZY = {"Trace": "trace", "Analysis": "analyzer", "analyze": "analyzer"}
+_LAZY = {"Trace": "trace", "Analysis": "analyzer", "analyze": "analyzer", "analyze_ranks": "scale"}
 
 
 def load(

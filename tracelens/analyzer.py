@@ -126,42 +126,53 @@ class Analysis:
 
     def summary(self) -> dict[str, Any]:
         """The documented machine interface (docs/summary-json.md)."""
-        ranks = []
-        tl = self.timeline.set_index("rank") if not self.timeline.empty else None
-        tla = (self.timeline_all if self.timeline_all is not None else self.timeline)
-        tla = tla.set_index("rank") if not tla.empty else None
-        used = set(self.window.used) if self.window is not None and self.window.restricts else None
-        for info in self.trace.ranks:
-            r: dict[str, Any] = {"rank": info.rank, "file": info.path, "device": info.device_name,
-                                 "gpu_available": tla is not None and info.rank in tla.index}
-            if tl is not None and info.rank in tl.index:
-                r.update(_metric_fields(tl.loc[info.rank]))
-            else:
-                r.update({k: None for k in _FIELDS})
-            r["all_steps"] = (_metric_fields(tla.loc[info.rank]) if tla is not None and info.rank in tla.index
-                              else {k: None for k in _FIELDS})
-            st = self.step_timeline[self.step_timeline["rank"] == info.rank]
-            r["steps"] = [dict(step=int(s["step"]), **_metric_fields(s),
-                               startup_wait_us=_num(s.get("startup_wait_us", 0.0)),
-                               steady=used is None or int(s["step"]) in used) for _, s in st.iterrows()]
-            ranks.append(r)
         return {
-            "schema_version": SUMMARY_SCHEMA,
-            "tool": {"name": "tracelens", "version": __version__},
-            "world_size": _world_size(self.trace),
-            "window": self.window.to_dict() if self.window is not None else None,
-            "ranks": ranks,
-            "categories": [
-                {"rank": int(c.rank), "category": c.category, "count": int(c.count), "total_us": _num(c.total_us),
-                 "pct_gpu_busy": _num(c.pct_gpu_busy)}
-                for c in self.categories.itertuples(index=False)
-            ],
+            **summary_core(self.trace, self.window, self.timeline,
+                           self.timeline_all if self.timeline_all is not None else self.timeline,
+                           self.step_timeline, self.categories),
             "findings": self.findings(),
             "roofline": self.roofline().summary() if self.has_gpu else None,
             "warnings": list(self.warnings),
             "health": _health_summary(self.health()),
             "decomposition": _decomposition_summary(self),
         }
+
+
+def summary_core(trace: Any, window: Any, timeline: pd.DataFrame, timeline_all: pd.DataFrame,
+                 step_timeline: pd.DataFrame, categories: pd.DataFrame) -> dict[str, Any]:
+    """The per-rank part of summary.json (schema, tool, world size, window, ranks, categories) from the
+    per-rank tables; `Analysis.summary` and the many-rank path (`tracelens.scale`) both build it here.
+    `trace` needs only `.ranks`."""
+    ranks = []
+    tl = timeline.set_index("rank") if not timeline.empty else None
+    tla = timeline_all.set_index("rank") if not timeline_all.empty else None
+    used = set(window.used) if window is not None and window.restricts else None
+    for info in trace.ranks:
+        r: dict[str, Any] = {"rank": info.rank, "file": info.path, "device": info.device_name,
+                             "gpu_available": tla is not None and info.rank in tla.index}
+        if tl is not None and info.rank in tl.index:
+            r.update(_metric_fields(tl.loc[info.rank]))
+        else:
+            r.update({k: None for k in _FIELDS})
+        r["all_steps"] = (_metric_fields(tla.loc[info.rank]) if tla is not None and info.rank in tla.index
+                          else {k: None for k in _FIELDS})
+        st = step_timeline[step_timeline["rank"] == info.rank]
+        r["steps"] = [dict(step=int(s["step"]), **_metric_fields(s),
+                           startup_wait_us=_num(s.get("startup_wait_us", 0.0)),
+                           steady=used is None or int(s["step"]) in used) for _, s in st.iterrows()]
+        ranks.append(r)
+    return {
+        "schema_version": SUMMARY_SCHEMA,
+        "tool": {"name": "tracelens", "version": __version__},
+        "world_size": _world_size(trace),
+        "window": window.to_dict() if window is not None else None,
+        "ranks": ranks,
+        "categories": [
+            {"rank": int(c.rank), "category": c.category, "count": int(c.count), "total_us": _num(c.total_us),
+             "pct_gpu_busy": _num(c.pct_gpu_busy)}
+            for c in categories.itertuples(index=False)
+        ],
+    }
 
 
 _FIELDS = ("span_us", "gpu_busy_us", "gpu_idle_us", "compute_us", "comm_us", "memcpy_us", "memset_us",

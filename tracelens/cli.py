@@ -108,15 +108,30 @@ def main() -> None:
               help="Measured ceilings JSON (e.g. from `tracelens calibrate`) for the roofline in the report and summary.json.")
 @click.option("--all-steps", is_flag=True, help="Read the whole profiled window (every step, start-up and partial steps "
               "included) instead of the steady-state steps.")
-def analyze(paths, out, open_browser, no_cache, no_report, no_tables, jobs, quiet, ceilings, all_steps):
+@click.option("--workers", type=click.IntRange(1, 4096), default=None,
+              help="Analyze rank by rank on a local Dask cluster of N worker processes (needs tracelens[distributed]); "
+                   "writes summary.json and tables, no report.")
+@click.option("--scheduler", default=None, metavar="ADDR",
+              help="Like --workers, on a running Dask cluster (tcp://host:8786) whose workers see the same paths.")
+@click.option("--memory-limit", default=None, metavar="SIZE",
+              help="With --workers: each worker's memory limit for Dask (e.g. 2GB; default: Dask's 'auto').")
+def analyze(paths, out, open_browser, no_cache, no_report, no_tables, jobs, quiet, ceilings, all_steps,
+            workers, scheduler, memory_limit):
     """Analyze traces: PATHS are trace files (.json/.json.gz), directories of per-rank traces, or run dirs.
 
-    Writes report.html, summary.json and tables/ (Parquet + CSV) into the output directory.
+    Writes report.html, summary.json and tables/ (Parquet + CSV) into the output directory. With
+    --workers or --scheduler every rank is loaded and reduced as its own Dask task and only the reduced
+    per-rank tables meet on this machine: summary.json then holds the per-rank figures, the window, the
+    communication and pipeline analyses (not findings, roofline, health or the decomposition).
     """
     from . import analyze as run_analysis, load
     from reports.artifacts import write_all
 
     t0 = time.perf_counter()
+    if workers is not None or scheduler is not None:
+        _analyze_ranks(paths, out, no_cache, no_tables, quiet, ceilings, all_steps, workers, scheduler,
+                       memory_limit, t0)
+        return
     trace = load(list(paths), cache=not no_cache, jobs=jobs, progress=None if not quiet else False)
     result = run_analysis(trace, window="all" if all_steps else "steady")
     if ceilings and result.has_gpu:
@@ -133,6 +148,35 @@ def analyze(paths, out, open_browser, no_cache, no_report, no_tables, jobs, quie
         _echo(f"wrote {out_dir} ({', '.join(p.name for p in written.values())}) in {time.perf_counter() - t0:.2f}s")
     if open_browser and "report" in written:
         _open_report(written["report"])
+
+
+def _analyze_ranks(paths, out, no_cache, no_tables, quiet, ceilings, all_steps, workers, scheduler, memory_limit, t0):
+    """`analyze --workers/--scheduler`: tracelens.scale on Dask."""
+    from reports.artifacts import write_all
+
+    from .scale import NeedsDask, analyze_ranks
+
+    if workers is not None and scheduler is not None:
+        _fail("--workers starts a local cluster and --scheduler uses a running one: give one of them")
+    if ceilings:
+        _fail("--ceilings feeds the roofline, which --workers/--scheduler leave out: run without them")
+    try:
+        result = analyze_ranks(list(paths), workers=workers, scheduler=scheduler, cache=not no_cache,
+                               window="all" if all_steps else "steady", memory_limit=memory_limit)
+    except NeedsDask as e:
+        _fail(str(e))
+    out_dir = Path(out) if out else _default_out(paths)
+    written = write_all(result, out_dir, report=False, tables=not no_tables)
+    if not quiet:
+        for w in result.warnings:
+            _echo(f"tracelens: warning: {w}", err=True)
+        if result.timeline.empty:
+            _echo(f"window: {result.window.describe()}")
+            _echo("no GPU activity in these traces: per-rank host figures need the single-process path")
+        else:
+            _print_summary(result)
+        _echo(f"wrote {out_dir} ({', '.join(p.name for p in written.values())}) in {time.perf_counter() - t0:.2f}s "
+              f"[{result.engine}, {len(result.trace.ranks)} ranks]")
 
 
 @main.command(context_settings={"ignore_unknown_options": True})

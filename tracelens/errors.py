@@ -17,6 +17,9 @@ class TraceError(Exception):
         self.problem = problem
         super().__init__(self.one_line())
 
+    def __reduce__(self):  # pickled as (path, problem): it crosses process boundaries (loader pool, Dask workers)
+        return (type(self), (self.path, self.problem))
+
     def one_line(self) -> str:
         problem = " ".join(str(self.problem).split())  # never more than one line
         return f"{self.path}: {problem}" if self.path else problem

@@ -272,43 +272,73 @@ def assemble(parsed: Iterable[ParsedTrace]) -> Trace:
     issues: list[dict] = []
     infos: list[RankInfo] = []
     for i, p in enumerate(parsed):
-        dist = p.meta.get("distributed_info") or {}
-        if not isinstance(dist, dict):
-            dist = {}
-        rank = dist.get("rank")
-        named = _rank_from_name(p.path)
-        if type(rank) is not int:  # absent or of another type: the file name decides, as before
-            rank = None
-        elif not 0 <= rank < MAX_RANK:
-            raise TraceError(p.path, f"distributedInfo rank {rank} is not a rank (0 <= rank < 2**31)")
-        ws = dist.get("world_size")
-        if isinstance(ws, (int, float)) and not isinstance(ws, bool) and not (ws == ws and 1 <= ws <= MAX_RANK):
-            raise TraceError(p.path, f"distributedInfo world_size {ws!r} is not a world size (1 <= size <= 2**31)")
-        if rank is None:
-            rank = named
-        elif named is not None and named != rank and len(parsed) > 1:
-            warnings.append(f"{p.path}: the file name says rank {named} but its distributedInfo says rank {rank}; "
-                            f"using rank {rank} (the profiler's own record)")
-            issues.append({"rank": rank, "file": p.path, "check": "rank_name_mismatch", "action": "kept",
-                           "events": 0, "message": warnings[-1]})
-        if rank is None:
-            rank = i if len(parsed) > 1 else 0
-        if rank >= MAX_RANK:
-            raise TraceError(p.path, f"rank {rank} in the file name is not a rank (0 <= rank < 2**31)")
-        for issue in p.meta.get("load_issues") or []:
-            issues.append({"rank": int(rank), "file": p.path, **issue})
-            warnings.append(issue["message"])
-        if p.meta.get("cache_warning"):
-            warnings.append(p.meta["cache_warning"])
-            issues.append({"rank": int(rank), "file": p.path, "check": "cache_entry", "action": "replaced",
-                           "events": 0, "message": p.meta["cache_warning"]})
-        infos.append(
-            RankInfo(
-                rank=int(rank), path=p.path, device_properties=p.meta.get("device_properties") or [],
-                distributed_info=dist, base_time_ns=p.meta.get("base_time_ns"),
-                n_raw_events=int(p.meta.get("n_raw_events") or 0), from_cache=bool(p.meta.get("from_cache")),
-            )
-        )
+        info, w, iss = rank_of(p, i, len(parsed))
+        infos.append(info)
+        warnings += w
+        issues += iss
+    warnings += check_ranks(infos)
+
+    order = sorted(range(len(infos)), key=lambda i: infos[i].rank)
+    parsed = [parsed[i] for i in order]
+    infos = [infos[i] for i in order]
+    tables = [p.events for p in parsed]
+    for p in parsed:  # the list is the only holder, so to_pandas can free Arrow memory column by column
+        p.events = None
+    events = _concat_ranks(tables, infos)
+    flows = None if any(p.flows is None for p in parsed) else _concat_ranks([p.flows for p in parsed], infos)
+    threads = _concat_ranks([p.threads for p in parsed], infos)
+    return Trace(events=events, flows=flows, threads=threads, ranks=infos, warnings=warnings,
+                 load_issues=_issues_table(issues))
+
+
+def rank_of(p: ParsedTrace, i: int, n_files: int) -> tuple[RankInfo, list[str], list[dict]]:
+    """The rank of the i-th of n_files parsed files (distributedInfo, else the file name, else its
+    position), its `RankInfo`, and the warnings / load-issue rows its file adds. The per-file half of
+    `assemble`; `tracelens.scale.reduce_rank` uses it on one file at a time."""
+    warnings: list[str] = []
+    issues: list[dict] = []
+    dist = p.meta.get("distributed_info") or {}
+    if not isinstance(dist, dict):
+        dist = {}
+    rank = dist.get("rank")
+    named = _rank_from_name(p.path)
+    if type(rank) is not int:  # absent or of another type: the file name decides, as before
+        rank = None
+    elif not 0 <= rank < MAX_RANK:
+        raise TraceError(p.path, f"distributedInfo rank {rank} is not a rank (0 <= rank < 2**31)")
+    ws = dist.get("world_size")
+    if isinstance(ws, (int, float)) and not isinstance(ws, bool) and not (ws == ws and 1 <= ws <= MAX_RANK):
+        raise TraceError(p.path, f"distributedInfo world_size {ws!r} is not a world size (1 <= size <= 2**31)")
+    if rank is None:
+        rank = named
+    elif named is not None and named != rank and n_files > 1:
+        warnings.append(f"{p.path}: the file name says rank {named} but its distributedInfo says rank {rank}; "
+                        f"using rank {rank} (the profiler's own record)")
+        issues.append({"rank": rank, "file": p.path, "check": "rank_name_mismatch", "action": "kept",
+                       "events": 0, "message": warnings[-1]})
+    if rank is None:
+        rank = i if n_files > 1 else 0
+    if rank >= MAX_RANK:
+        raise TraceError(p.path, f"rank {rank} in the file name is not a rank (0 <= rank < 2**31)")
+    for issue in p.meta.get("load_issues") or []:
+        issues.append({"rank": int(rank), "file": p.path, **issue})
+        warnings.append(issue["message"])
+    if p.meta.get("cache_warning"):
+        warnings.append(p.meta["cache_warning"])
+        issues.append({"rank": int(rank), "file": p.path, "check": "cache_entry", "action": "replaced",
+                       "events": 0, "message": p.meta["cache_warning"]})
+    info = RankInfo(
+        rank=int(rank), path=p.path, device_properties=p.meta.get("device_properties") or [],
+        distributed_info=dist, base_time_ns=p.meta.get("base_time_ns"),
+        n_raw_events=int(p.meta.get("n_raw_events") or 0), from_cache=bool(p.meta.get("from_cache")),
+    )
+    return info, warnings, issues
+
+
+def check_ranks(infos: list[RankInfo]) -> list[str]:
+    """The cross-file half of `assemble`: no rank claimed twice, one world size, ranks below it. Raises
+    TraceError naming the offending file; returns the warning for a partial rank set (or none)."""
+    warnings: list[str] = []
     seen: dict[int, str] = {}
     for info in infos:
         if info.rank in seen:
@@ -325,18 +355,7 @@ def assemble(parsed: Iterable[ParsedTrace]) -> Trace:
         bad = [i for i in infos if i.rank >= ws]
         if bad:
             raise TraceError(bad[0].path, f"mismatched ranks: rank {bad[0].rank} >= world_size {ws}")
-
-    order = sorted(range(len(infos)), key=lambda i: infos[i].rank)
-    parsed = [parsed[i] for i in order]
-    infos = [infos[i] for i in order]
-    tables = [p.events for p in parsed]
-    for p in parsed:  # the list is the only holder, so to_pandas can free Arrow memory column by column
-        p.events = None
-    events = _concat_ranks(tables, infos)
-    flows = None if any(p.flows is None for p in parsed) else _concat_ranks([p.flows for p in parsed], infos)
-    threads = _concat_ranks([p.threads for p in parsed], infos)
-    return Trace(events=events, flows=flows, threads=threads, ranks=infos, warnings=warnings,
-                 load_issues=_issues_table(issues))
+    return warnings
 
 
 LOAD_ISSUE_COLUMNS = ("rank", "file", "check", "action", "events", "message")

@@ -430,10 +430,21 @@ def collective_instances(analysis) -> pd.DataFrame:
         return pd.DataFrame(columns=INSTANCE_COLUMNS)
     events = analysis.trace.events
     window_start = events.groupby("rank")["ts"].min()  # where each rank's profiled window begins
+    return match_instances(kern, window_start, analysis.trace)
+
+
+def match_instances(kern: pd.DataFrame, window_start: pd.Series, trace) -> pd.DataFrame:
+    """`collective_instances` from what it needs of each rank: the comm-kernel rows (`comm_kernels`, every
+    rank's in rank order; `row` = the GPU event's row label in the all-ranks tables), each rank's first
+    event time (a Series indexed by rank) and the ranks' `RankInfo`s (`trace.ranks`). The cross-rank step
+    `tracelens.scale` runs on per-rank reductions, so it never holds any rank's event tables."""
+    if kern.empty:
+        return pd.DataFrame(columns=INSTANCE_COLUMNS)
+    kern = kern.copy()
     fam_codes = {f: i for i, f in enumerate(sorted(set(kern["family"])))}
     kern["fam"] = kern["family"].map(fam_codes).astype(np.int64)
     kern["key"] = np.where(kern["variable"].to_numpy() | (kern["bytes"].to_numpy() <= 0), -1, kern["bytes"].to_numpy())
-    expected = expected_ranks(kern, analysis.trace)
+    expected = expected_ranks(kern, trace)
     entries = []  # (group, peers, chunk start, position, members)
     for (group, peers, step), chunk in kern.groupby(["group", "peers", "step"], sort=False):
         items = {int(r): g.sort_values(["ts", "row"]) for r, g in chunk.groupby("rank")}
@@ -487,7 +498,7 @@ def collective_instances(analysis) -> pd.DataFrame:
         alg = np.where((df["bytes"] > 0) & (df["comm_ns"] > 0), df["bytes"] / df["comm_ns"], np.nan)  # bytes/ns = GB/s
     df["algbw_gbps"] = alg
     df["busbw_gbps"] = alg * np.array([bus_factor(f, int(n)) for f, n in zip(df["family"], df["group_size"])])
-    t0 = int(events["ts"].min())
+    t0 = int(window_start.min())
     out = pd.DataFrame({
         "group": df["group"].astype(str), "peers": df["peers"].astype(str), "family": df["family"],
         "collective": df["collective"], "seq": df["seq"].astype(int), "instance": df["instance"].astype(int),
@@ -503,16 +514,17 @@ def collective_instances(analysis) -> pd.DataFrame:
     return out.sort_values(["start_us", "rank"], ignore_index=True)[INSTANCE_COLUMNS]
 
 
-def group_coverage(analysis, inst: pd.DataFrame | None = None) -> pd.DataFrame:
+def group_coverage(analysis, inst: pd.DataFrame | None = None, kern: pd.DataFrame | None = None) -> pd.DataFrame:
     """Per process group (and peer pair): the ranks it spans, those loaded, those missing, and how many of
-    its instances have cross-rank figures. `complete` is False when a rank of the group was not loaded."""
+    its instances have cross-rank figures. `complete` is False when a rank of the group was not loaded.
+    `analysis` needs only `.trace.ranks` when `inst` and `kern` (the comm-kernel rows) are given."""
     cols = ["group", "peers", "group_size", "ranks_expected", "ranks_loaded", "ranks_missing", "instances",
             "cross_rank_instances", "complete"]
-    kern = comm_kernels(analysis)
+    kern = comm_kernels(analysis) if kern is None else kern
     if kern.empty:
         return pd.DataFrame(columns=cols)
     inst = collective_instances(analysis) if inst is None else inst
-    loaded = {int(r) for r in analysis.trace.rank_ids}
+    loaded = {int(r.rank) for r in analysis.trace.ranks}
     rows = []
     for (group, peers), (ranks, size) in expected_ranks(kern, analysis.trace).items():
         have = sorted({int(r) for r in kern.loc[(kern["group"] == group) & (kern["peers"] == peers), "rank"]})

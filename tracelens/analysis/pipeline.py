@@ -203,7 +203,11 @@ def actions_from_trace(trace) -> pd.DataFrame:
     several GPU streams that overlap are merged. The k-th occurrence of a range on a rank belongs to the
     k-th step: numbered by the rank's ``ProfilerStep#N`` markers when there are enough of them, else from 0.
     pp_rank is the lowest stage a rank holds (true of GPipe, 1F1B, interleaved and V schedules).
+    A trace-like object with `pipeline_actions` (every rank's, as `tracelens.scale` gathers them) gives those.
     """
+    pre = getattr(trace, "pipeline_actions", None)
+    if pre is not None:
+        return pre
     ev = trace.events
     if ev.empty:
         return _empty_actions()
@@ -1006,25 +1010,22 @@ def trace_activity(trace, actions: pd.DataFrame) -> TraceActivity | None:
     """Interval sets per rank from a loaded `Trace`: communication kernels, other GPU work, host
     communication calls, other host ops. The clock offset of a rank is the one (0, or the trace's
     baseTimeNanoseconds: jsonl times are epoch ns, Kineto ts are relative to that base) under which most
-    of its actions fall inside its trace; a rank with no action inside its trace is left out."""
-    ev = trace.events
-    if ev.empty or actions.empty:
+    of its actions fall inside its trace; a rank with no action inside its trace is left out.
+
+    A trace-like object with `rank_activity` (rank -> `rank_activity` of its events, as
+    `tracelens.scale` gathers them) instead of event tables gives the same result."""
+    per_rank = getattr(trace, "rank_activity", None)
+    if per_rank is None:
+        ev = trace.events
+        if ev.empty or actions.empty:
+            return None
+        per_rank = rank_activity(ev, set(actions["rank"].unique().tolist()))
+    elif actions.empty:
         return None
-    cat, name = ev["cat"], ev["name"]
-    gpu = C.isin(cat, C.GPU_CATS)
-    comm_k = gpu & C.is_comm_kernel(name)
-    host_comm = C.isin(cat, C.OP_CATS | C.ANNOTATION_CATS | C.RUNTIME_CATS) & C.map_strings(
-        name, lambda s: bool(_HOST_COMM_RE.match(s)))
-    host = C.isin(cat, _HOST_BUSY_CATS)
-    masks = {"comm_gpu": comm_k, "gpu_other": gpu & ~comm_k, "comm_host": host_comm, "host_ops": host}
-    ts = ev["ts"].to_numpy(np.int64)
-    te = ts + np.maximum(ev["dur"].fillna(0).to_numpy(np.int64), 0)
-    rank_col = ev["rank"].to_numpy()
     base = {ri.rank: int(ri.base_time_ns or 0) for ri in trace.ranks}
     span, sets, offset = {}, {}, {}
-    for r, idx in pd.Series(np.arange(len(ev))).groupby(rank_col).indices.items():
-        r = int(r)
-        lo, hi = int(ts[idx].min()), int(te[idx].max())
+    for r in sorted(per_rank):
+        lo, hi, rank_sets = per_rank[r]
         acts = actions[actions["rank"] == r]
         if acts.empty:
             continue
@@ -1037,13 +1038,36 @@ def trace_activity(trace, actions: pd.DataFrame) -> TraceActivity | None:
         if best is None:
             continue
         offset[r], span[r] = best, (lo + best, hi + best)
-        sets[r] = {}
-        for cls, m in masks.items():
-            sel = idx[m[idx]]
-            sets[r][cls] = I.union(ts[sel] + best, te[sel] + best)
+        sets[r] = {cls: (a + best, b + best) for cls, (a, b) in rank_sets.items()}
     if not sets:
         return None
     return TraceActivity(span=span, sets=sets, offset=offset)
+
+
+def rank_activity(ev: pd.DataFrame, ranks: set | None = None) -> dict[int, tuple[int, int, dict]]:
+    """Per rank of `ev` (those in `ranks` when given): (first event start, last event end, class ->
+    disjoint (starts, ends)) on the trace's own clock; `trace_activity` shifts them to the actions' clock
+    (a union commutes with the shift)."""
+    out: dict[int, tuple[int, int, dict]] = {}
+    if ev.empty:
+        return out
+    cat, name = ev["cat"], ev["name"]
+    gpu = C.isin(cat, C.GPU_CATS)
+    comm_k = gpu & C.is_comm_kernel(name)
+    host_comm = C.isin(cat, C.OP_CATS | C.ANNOTATION_CATS | C.RUNTIME_CATS) & C.map_strings(
+        name, lambda s: bool(_HOST_COMM_RE.match(s)))
+    host = C.isin(cat, _HOST_BUSY_CATS)
+    masks = {"comm_gpu": comm_k, "gpu_other": gpu & ~comm_k, "comm_host": host_comm, "host_ops": host}
+    ts = ev["ts"].to_numpy(np.int64)
+    te = ts + np.maximum(ev["dur"].fillna(0).to_numpy(np.int64), 0)
+    rank_col = ev["rank"].to_numpy()
+    for r, idx in pd.Series(np.arange(len(ev))).groupby(rank_col).indices.items():
+        r = int(r)
+        if ranks is not None and r not in ranks:
+            continue
+        lo, hi = int(ts[idx].min()), int(te[idx].max())
+        out[r] = (lo, hi, {cls: I.union(ts[idx[m[idx]]], te[idx[m[idx]]]) for cls, m in masks.items()})
+    return out
 
 
 @dataclass

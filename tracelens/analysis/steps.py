@@ -395,13 +395,28 @@ def step_window(trace, tree: pd.DataFrame, gpu: pd.DataFrame, steps: pd.DataFram
     if not all_steps:
         sw.outside_gpu_events, sw.outside_gpu_us = 0, 0.0
         return sw
+    waits = startup_waits(trace, gpu) if waits is None else waits
+    ts = host_steps(tree, steps) if tree_step is None else tree_step
+    from .calltree import KIND_OP
+
+    is_op = tree["kind"].to_numpy() == KIND_OP
+    ops_per = pd.DataFrame({"rank": tree["rank"].to_numpy()[is_op], "step": ts[is_op]})
+    ops_per = ops_per[ops_per["step"] >= 0].groupby(["rank", "step"]).size()
+    return classify_steps(sw, steps, waits, ops_per, manifest)
+
+
+def classify_steps(sw: StepWindow, steps: pd.DataFrame, waits: pd.DataFrame, ops_per: pd.Series,
+                   manifest: dict | None) -> StepWindow:
+    """The reasons and the chosen steps of `step_window`, from what it needs of the ranks: the steps table,
+    the start-up waits, the op count per (rank, step) (steps >= 0) and the manifest; fills `sw`, whose
+    mode, steps and outside-GPU counts are set. `tracelens.scale` calls it on per-rank reductions."""
+    mode, all_steps = sw.mode, sw.steps
     reasons: dict[int, list[dict]] = {}
 
     def add(step, reason, ranks, detail):
         reasons.setdefault(int(step), []).append({"step": int(step), "reason": reason, "ranks": sorted(set(ranks)),
                                                   "detail": detail})
 
-    waits = startup_waits(trace, gpu) if waits is None else waits
     for (step, rank), g in waits.groupby(["step", "rank"]):
         if step < 0:
             continue
@@ -413,12 +428,6 @@ def step_window(trace, tree: pd.DataFrame, gpu: pd.DataFrame, steps: pd.DataFram
         missing = sorted(set(ranks_with_steps) - set(int(r) for r in g["rank"]))
         if missing:
             add(step, "missing_ranks", missing, f"not marked on rank(s) {', '.join(map(str, missing))}")
-    ts = host_steps(tree, steps) if tree_step is None else tree_step
-    from .calltree import KIND_OP
-
-    is_op = tree["kind"].to_numpy() == KIND_OP
-    ops_per = pd.DataFrame({"rank": tree["rank"].to_numpy()[is_op], "step": ts[is_op]})
-    ops_per = ops_per[ops_per["step"] >= 0].groupby(["rank", "step"]).size()
     for r, g in steps.groupby("rank"):
         counts = {int(s): int(ops_per.get((r, s), 0)) for s in g["step"]}
         if any(counts.values()):
