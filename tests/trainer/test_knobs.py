@@ -218,3 +218,16 @@ def test_compiled_dense_matches_eager_on_cpu(tmp_path):
         names = {e.get("name") for e in json.load(f)["traceEvents"]}
     assert {"layer/0", "layer/1", "moe/router", "moe/permute", "moe/experts", "moe/unpermute"} <= names
     assert any(n and n.startswith("Torch-Compiled Region") for n in names)  # it did run compiled
+
+
+def test_knobs_are_autotune_knobs():
+    """The shipped space over the four knobs: the trainer's own loader accepts every value (autotune asks it),
+    and the constraint leaves the 12 points where cuda_graphs has its compiled regions."""
+    from autotune.space import load_space
+
+    s = load_space(REPO / "autotune" / "spaces" / "gpu_proxy_knobs.yaml")
+    grid = s.grid()
+    assert len(grid) == 12 and s.baseline in grid
+    assert all(p["compile"] == "dense" for p in grid if p["cuda_graphs"] == "on")
+    for p in grid:  # each point is a valid trainer config (on a GPU machine: device checked at run time)
+        load_config("gpu_proxy", {**s.fixed, **p, "device": "auto"})
