@@ -82,3 +82,25 @@ def compile_dense(model: torch.nn.Module, cfg: dict, device: torch.device) -> li
              " (cuda_graphs=on: mode=reduce-overhead)" if mode else "", len(names),
              ", ".join(names[:4]) + (", ..." if len(names) > 4 else ""))
     return names
+
+
+def compile_stats(cfg: dict) -> dict | None:
+    """What torch.compile did in this process (the manifest's ``compile``; None with compile=none): dynamo's
+    unique graphs and graph breaks (with their most frequent reasons), and with cuda_graphs=on how many
+    compiled graphs inductor ran without CUDA graphs (``cudagraph_skips``: TORCH_LOGS=cudagraphs says why;
+    a note says so when it is not 0)."""
+    if cfg["compile"] != "dense":
+        return None
+    from torch._dynamo.utils import counters  # noqa: PLC0415
+
+    breaks = counters.get("graph_break", {})
+    out = {"mode": "reduce-overhead" if cfg["cuda_graphs"] == "on" else "default",
+           "unique_graphs": int(counters.get("stats", {}).get("unique_graphs", 0)),
+           "graph_breaks": int(sum(breaks.values())),
+           "graph_break_reasons": [f"{n}x {' '.join(str(r).split())[:200]}"
+                                   for r, n in sorted(breaks.items(), key=lambda kv: -kv[1])[:5]],
+           "cudagraph_skips": int(counters.get("inductor", {}).get("cudagraph_skips", 0))}
+    if cfg["cuda_graphs"] == "on" and out["cudagraph_skips"]:
+        log.warning("cuda_graphs=on: inductor ran %d compiled graph(s) without CUDA graphs (rerun with "
+                    "TORCH_LOGS=cudagraphs to see why)", out["cudagraph_skips"])
+    return out

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from trainer import runtime
-from trainer.compiling import compile_dense
+from trainer.compiling import compile_dense, compile_stats
 from trainer.config import ConfigError
 from trainer.data import make_data
 from trainer.flops import count_params, model_flops_per_token, peak_bf16_flops
@@ -438,6 +438,7 @@ def _finish(cfg, d: Dist, out: Path, model, losses, auxes, gnorms, step_times, t
         "notes": notes,
         "pipeline": pipe.manifest() if pipe is not None else None,  # docs/pipeline.md
         "kernels": experts.kernels_record(cfg),  # what ran each MoE op; auto's backend per pass
+        "compile": compile_stats(cfg),  # compile=dense: graphs, graph breaks, CUDA-graph skips (trainer/compiling.py)
     }
     runtime.write_json_atomic(out / "manifest.json", manifest)
     mt = manifest["metrics"]

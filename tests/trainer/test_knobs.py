@@ -214,6 +214,10 @@ def test_compiled_dense_matches_eager_on_cpu(tmp_path):
     assert [n for n in runs["dense"]["notes"] if n.startswith("compile=dense")] == [
         "compile=dense: torch.compile of 3 regions (layer/0.dense_block, layer/1.attn_half, layer/1.ffn.shared); "
         "MoE routing/dispatch/experts eager"]
+    # one graph per region, none broken; nothing compiled in the eager run
+    assert runs["dense"]["compile"] == {"mode": "default", "unique_graphs": 3, "graph_breaks": 0,
+                                        "graph_break_reasons": [], "cudagraph_skips": 0}
+    assert runs["none"]["compile"] is None
     with gzip.open(tmp_path / "dense" / "traces" / "rank0.json.gz", "rt") as f:
         names = {e.get("name") for e in json.load(f)["traceEvents"]}
     assert {"layer/0", "layer/1", "moe/router", "moe/permute", "moe/experts", "moe/unpermute"} <= names
