@@ -76,6 +76,12 @@ DEFAULTS: dict[str, Any] = {
     "device": "auto",            # auto | cpu | cuda
     "log_every": 1,
     "timing_warmup_steps": 1,    # steps excluded from tokens/s and MFU
+    "step_timing": "sync",       # sync (torch.cuda.synchronize after every step) | events (CUDA events, read only
+                                 # where a value is logged and at the end: the host runs ahead; CPU: wall clock)
+    "compile": "none",           # none | dense (torch.compile of each block's attention, norms, rotary and dense /
+                                 # shared-expert SwiGLU; MoE routing, permutation, dispatch and experts stay eager)
+    "cuda_graphs": "off",        # off | on (the compiled dense regions as CUDA graphs, torch.compile
+                                 # mode=reduce-overhead; needs CUDA, compile=dense, sync_free_level 3, pp 1)
     # ---- parallelism ----
     "dp": None,                  # None -> world_size // ep
     "ep": 1,
@@ -130,6 +136,9 @@ _CHOICES = {
     "data_dtype": ("uint16", "uint32", "int32", "int64"),
     "pipeline_schedule": PIPELINE_SCHEDULES,
     "optimizer": ("adamw", "adamw_fused"),
+    "step_timing": ("sync", "events"),
+    "compile": ("none", "dense"),
+    "cuda_graphs": ("off", "on"),
 }
 
 # Bounds (docs/trainer.md "Bounds"): every integer key is in [0, MAX_INT] (seed: [0, MAX_SEED]); the ones below
@@ -152,7 +161,7 @@ MAX_CONFIG_BYTES = 1 << 20
 CLI_FLAG_KEYS = ("sync_free_level", "grouped_gemm_backend", "recompute_layer_ids", "loss_fusion",
                  "manual_gc", "numa_bind", "steps", "ep", "dp", "dp_mode", "dtype", "device",
                  "profile_step_start", "profile_step_end", "pp", "vpp", "pipeline_schedule", "pipeline_layout",
-                 "microbatches")
+                 "microbatches", "optimizer", "step_timing", "compile", "cuda_graphs")
 
 
 def _parse_value(text: str, key: str = "config", where: str = "") -> Any:
@@ -235,8 +244,14 @@ def _merge(cfg: dict, data: dict) -> None:
         cfg[key] = value
 
 
+# off|on keys: YAML 1.1 reads a bare on/off (``--set cuda_graphs=on``) as a boolean; taken as the word
+_ON_OFF_KEYS = {"cuda_graphs"}
+
+
 def _check_type(cfg: dict, key: str) -> None:
     v = cfg[key]
+    if key in _ON_OFF_KEYS and isinstance(v, bool):
+        v = cfg[key] = "on" if v else "off"
     if key in _INT_KEYS and (not isinstance(v, int) or isinstance(v, bool)):
         raise ConfigError(key, f"expected an integer, got {_short(v)}")
     if key in _OPT_INT_KEYS and v is not None and (not isinstance(v, int) or isinstance(v, bool)):
@@ -350,6 +365,25 @@ def validate(cfg: dict) -> None:
     if cfg["dp"] is not None and cfg["dp"] < 1:
         raise ConfigError("dp", "must be >= 1")
     _validate_pipeline(cfg)
+    _validate_cuda_graphs(cfg)
+
+
+def _validate_cuda_graphs(cfg: dict) -> None:
+    """cuda_graphs=on: graphs need static shapes and no host sync inside the step (sync_free_level 3), run
+    on the compiled dense regions (compile=dense) and a GPU; the device is checked again at run time
+    (device=auto on a machine without CUDA)."""
+    if cfg["cuda_graphs"] != "on":
+        return
+    if cfg["device"] == "cpu":
+        raise ConfigError("cuda_graphs", "on needs CUDA (device=cpu): CUDA graphs do not exist on a CPU")
+    if cfg["sync_free_level"] != 3:
+        raise ConfigError("cuda_graphs", f"on needs sync_free_level 3 (static shapes, no host sync in the step), "
+                                         f"got sync_free_level={cfg['sync_free_level']}")
+    if cfg["compile"] != "dense":
+        raise ConfigError("cuda_graphs", "on graphs the compiled dense regions (torch.compile "
+                                         "mode=reduce-overhead): set compile=dense too")
+    if cfg["pp"] > 1:
+        raise ConfigError("cuda_graphs", f"on is not supported with pipeline parallelism (pp={cfg['pp']})")
 
 
 def _validate_pipeline(cfg: dict) -> None:

@@ -7,7 +7,6 @@ import logging
 import math
 import os
 import sys
-import time
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -15,11 +14,14 @@ import torch
 import torch.distributed as dist
 
 from trainer import runtime
+from trainer.compiling import compile_dense, compile_stats
+from trainer.config import ConfigError
 from trainer.data import make_data
 from trainer.flops import count_params, model_flops_per_token, peak_bf16_flops
 from trainer.model import Transformer
 from trainer.model import experts
 from trainer.parallel import Dist, init_distributed, sync_expert_grads, wrap_data_parallel
+from trainer.timing import StepTimer
 
 SCHEMA_VERSION = 1
 log = logging.getLogger("trainer")
@@ -33,13 +35,21 @@ class TrainingError(RuntimeError):
 class _LossWatch:
     """Stops the run at the first non-finite loss, without a host sync of its own: on a GPU the step's loss
     is copied into pinned memory asynchronously before the step's ``synchronize`` (which the loop does anyway
-    for its step time) and read after it; on a CPU the value is read directly."""
+    for its step time) and read after it; on a CPU the value is read directly. ``deferred``
+    (``step_timing=events`` on a GPU, no sync per step): the losses are kept on the device and checked
+    together by :meth:`flush`, where the loop logs a step and at the end (a non-finite loss then stops the
+    run at the next log point, naming its step)."""
 
-    def __init__(self, device: torch.device):
-        self.buf = torch.zeros((), dtype=torch.float32, pin_memory=True) if device.type == "cuda" else None
+    def __init__(self, device: torch.device, deferred: bool = False):
+        self.deferred = deferred
+        self.buf = torch.zeros((), dtype=torch.float32, pin_memory=True) if device.type == "cuda" and not deferred else None
         self.cur: torch.Tensor | None = None
+        self.pending: list[tuple[int, torch.Tensor]] = []
 
-    def post(self, loss: torch.Tensor) -> None:
+    def post(self, loss: torch.Tensor, step: int = -1) -> None:
+        if self.deferred:
+            self.pending.append((step, loss.detach()))
+            return
         if self.buf is not None:
             self.buf.copy_(loss.detach(), non_blocking=True)
             self.cur = self.buf
@@ -50,6 +60,20 @@ class _LossWatch:
         if self.cur is None:
             return
         v = float(self.cur.float().numpy()) if self.cur.dim() == 0 else float(self.cur.float().numpy().sum())
+        self._raise_if_bad(step, v)
+
+    def flush(self) -> None:
+        """Deferred mode: check every loss posted since the last flush (one device-to-host copy)."""
+        if not self.pending:
+            return
+        vals = torch.stack([v.float().reshape(-1).sum() for _, v in self.pending]).cpu().tolist()
+        steps = [s for s, _ in self.pending]
+        self.pending.clear()
+        for step, v in zip(steps, vals):
+            self._raise_if_bad(step, v)
+
+    @staticmethod
+    def _raise_if_bad(step: int, v: float) -> None:
         if not math.isfinite(v):
             raise TrainingError(f"step {step}: the loss is {v} (non-finite): training stopped "
                                 "(learning rate too high, or a bad init_std?)")
@@ -178,6 +202,7 @@ def train(cfg: dict, out_dir: str | Path) -> dict | None:
     logging.getLogger("trainer").addHandler(notes)
     env_knobs = runtime.apply_env(cfg["env"])
     d = init_distributed(cfg)
+    _check_device_knobs(cfg, d.device)  # before the run dir is touched, like the config's own checks
     if d.rank == 0:  # a new run replaces the previous one in ``out``; the manifest says "running" until the end
         out.mkdir(parents=True, exist_ok=True)
         removed = runtime.clear_previous_run(out, keep=("logs",))
@@ -195,6 +220,19 @@ def train(cfg: dict, out_dir: str | Path) -> dict | None:
         raise
     finally:
         logging.getLogger("trainer").removeHandler(notes)
+
+
+def _check_device_knobs(cfg: dict, device: torch.device) -> None:
+    """The knobs whose validity depends on the resolved device (``device: auto``): one-line ConfigErrors."""
+    from trainer.compiling import compile_problem  # noqa: PLC0415
+
+    if cfg["cuda_graphs"] == "on" and device.type != "cuda":
+        raise ConfigError("cuda_graphs", f"on needs CUDA, and this run is on {device.type} (CUDA graphs do not "
+                                         "exist on a CPU)")
+    if cfg["compile"] == "dense":
+        why = compile_problem(device)
+        if why:
+            raise ConfigError("compile", f"dense {why}")
 
 
 def one_line(err: BaseException) -> str:
@@ -228,6 +266,8 @@ def _train(cfg: dict, out: Path, d: Dist, notes: _Notes, env_knobs: dict) -> dic
     torch.manual_seed(cfg["seed"])
     model = Transformer(cfg, d.ep_group, d.ep, d.ep_rank)
     model.init_weights(cfg["seed"])
+    if cfg["compile"] == "dense":
+        compile_dense(model, cfg, d.device)  # the same Block objects end up in the pipeline stages / DP wrappers
     pipe = None
     if d.pp > 1:  # keep this rank's stages of the full model (same init as without PP), DP-wrap each
         from trainer.parallel.pipeline import build_pipeline
@@ -249,8 +289,16 @@ def _train(cfg: dict, out: Path, d: Dist, notes: _Notes, env_knobs: dict) -> dic
     prof = _profiler(cfg, d, trace_path)
     if prof is not None:
         prof.start()
-    losses, auxes, gnorms, step_times = [], [], [], []
-    watch = _LossWatch(d.device)
+    losses, auxes, gnorms = [], [], []
+    timer = StepTimer(cfg["step_timing"], d.device)
+    if cfg["step_timing"] == "events" and not timer.events:
+        log.warning("step_timing=events: no CUDA events on %s, steps are timed by the wall clock (no sync either)",
+                    d.device.type)
+    if timer.events and pipe is not None:
+        log.warning("step_timing=events with pp > 1: the pipeline's action recorder still waits for each step's "
+                    "last action (a host sync per step)")
+    watch = _LossWatch(d.device, deferred=timer.deferred)
+    graphs = cfg["cuda_graphs"] == "on"
     try:
         for step in range(cfg["steps"]):
             gcm.step(step)
@@ -259,7 +307,9 @@ def _train(cfg: dict, out: Path, d: Dist, notes: _Notes, env_knobs: dict) -> dic
             tokens, targets = data.batch(step)
             tokens = tokens.to(d.device, non_blocking=True)
             targets = targets.to(d.device, non_blocking=True)
-            t0 = time.perf_counter()
+            if graphs:  # a new iteration for CUDA-graph trees: the previous step's graph outputs may be reused
+                torch.compiler.cudagraph_mark_step_begin()
+            timer.start()
             if pipe is not None:
                 loss, aux = pipe.step(step, tokens, targets)
             else:
@@ -268,11 +318,9 @@ def _train(cfg: dict, out: Path, d: Dist, notes: _Notes, env_knobs: dict) -> dic
             gnorms.append(clip_grad_norm(core, cfg["grad_clip"], cfg, d).detach())
             opt.step()
             opt.zero_grad(set_to_none=True)
-            watch.post(loss)
-            if d.device.type == "cuda":
-                torch.cuda.synchronize(d.device)
-            step_times.append(time.perf_counter() - t0)
-            watch.check(step)
+            watch.post(loss, step)
+            timer.stop()  # step_timing=sync: torch.cuda.synchronize; events: an event, no sync
+            watch.check(step)  # deferred (events): checked at the log points below and at the end
             if pipe is not None:
                 pipe.end_step()  # after the synchronisation above: resolves CUDA event times
             losses.append(loss.detach().float())
@@ -280,9 +328,12 @@ def _train(cfg: dict, out: Path, d: Dist, notes: _Notes, env_knobs: dict) -> dic
             if prof is not None:
                 prof.step()
             if d.rank == log_rank and cfg["log_every"] > 0 and (step % cfg["log_every"] == 0 or step == cfg["steps"] - 1):
+                watch.flush()
                 aux_txt = f"aux {aux.item():.4f}" if pipe is None else f"aux(stages {pipe.my_stages}) {aux.item():.4f}"
                 print(f"[trainer] step {step} loss {loss.item():.4f} {aux_txt} "
-                      f"time {step_times[-1] * 1e3:.1f} ms", flush=True)
+                      f"time {timer.last() * 1e3:.1f} ms", flush=True)
+        step_times = timer.finish()
+        watch.flush()
     finally:
         if prof is not None:
             prof.stop()
@@ -290,7 +341,7 @@ def _train(cfg: dict, out: Path, d: Dist, notes: _Notes, env_knobs: dict) -> dic
         if pipe is not None:
             pipe.close()
     return _finish(cfg, d, out, core, losses, auxes, gnorms, step_times, trace_path if prof else None,
-                   env_knobs, numa, notes.messages, pipe)
+                   env_knobs, numa, notes.messages, pipe, timer)
 
 
 def make_optimizer(model, cfg: dict, device) -> torch.optim.Optimizer:
@@ -308,11 +359,12 @@ def make_optimizer(model, cfg: dict, device) -> torch.optim.Optimizer:
 
 
 def _finish(cfg, d: Dist, out: Path, model, losses, auxes, gnorms, step_times, trace_path, env_knobs, numa, notes,
-            pipe=None):
+            pipe=None, timer: StepTimer | None = None):
     n = len(losses)
     dev = d.device
     stats = torch.stack([torch.stack(losses), torch.stack(auxes)]) if n else torch.zeros(2, 0, device=dev)
-    times = torch.tensor(step_times, dtype=torch.float64, device=dev)
+    wall = timer.wall_s if timer is not None and timer.wall_s is not None else sum(step_times)
+    times = torch.tensor([*step_times, wall], dtype=torch.float64, device=dev)
     peak, peak_kind = runtime.peak_memory_bytes(dev)
     if d.world_size > 1:
         dist.all_reduce(stats)
@@ -334,6 +386,7 @@ def _finish(cfg, d: Dist, out: Path, model, losses, auxes, gnorms, step_times, t
         pass
     loss_l, aux_l = stats.tolist()
     times_l = times.tolist()
+    steps_wall = times_l.pop()  # the last entry: the host's wall time of the step loop (max over ranks)
     prof_lo, prof_hi = cfg["profile_step_start"], min(cfg["profile_step_end"], cfg["steps"])
     warm = min(cfg["timing_warmup_steps"], max(n - 1, 0))
     # not timed: warm-up steps, the profiled steps, and the step right after the window (the profiler
@@ -356,7 +409,8 @@ def _finish(cfg, d: Dist, out: Path, model, losses, auxes, gnorms, step_times, t
         "versions": runtime.versions(),
         "device": {"type": dev.type, "name": dev_name, "count": d.world_size, "peak_bf16_flops": peak_flops},
         "toggles": {k: cfg[k] for k in ("sync_free_level", "grouped_gemm_backend", "recompute_layer_ids", "optimizer",
-                                        "loss_fusion", "manual_gc", "numa_bind", "dtype")},
+                                        "loss_fusion", "manual_gc", "numa_bind", "dtype", "step_timing", "compile",
+                                        "cuda_graphs")},
         "numa": numa,
         "env": {"knobs": env_knobs, "recorded": runtime.recorded_env()},
         "params": {**count_params(cfg), "local_routed_experts": cfg["n_routed_experts"] // d.ep},
@@ -365,6 +419,8 @@ def _finish(cfg, d: Dist, out: Path, model, losses, auxes, gnorms, step_times, t
             "tokens_per_step": tokens_step,
             "tokens_per_step_per_gpu": tokens_rank,
             "step_times_s": times_l,
+            "step_timing": timer.method if timer is not None else None,  # host_sync | cuda_events | wall_clock
+            "steps_wall_s": steps_wall,  # host wall time from the first step's start to the last step's end
             "timed_steps": timed,
             "mean_step_time_s": mean_t,
             "tokens_per_s": tps_gpu * d.world_size if tps_gpu else None,
@@ -382,6 +438,7 @@ def _finish(cfg, d: Dist, out: Path, model, losses, auxes, gnorms, step_times, t
         "notes": notes,
         "pipeline": pipe.manifest() if pipe is not None else None,  # docs/pipeline.md
         "kernels": experts.kernels_record(cfg),  # what ran each MoE op; auto's backend per pass
+        "compile": compile_stats(cfg),  # compile=dense: graphs, graph breaks, CUDA-graph skips (trainer/compiling.py)
     }
     runtime.write_json_atomic(out / "manifest.json", manifest)
     mt = manifest["metrics"]

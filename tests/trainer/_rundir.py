@@ -26,6 +26,12 @@ def check_run_dir(run: Path, world: int, steps: int, profiled: range) -> dict:
     assert len(mt["loss"]) == len(mt["step_times_s"]) == len(mt["aux_loss"]) == len(mt["grad_norm"]) == steps
     assert all(g > 0 for g in mt["grad_norm"])
     assert all(t > 0 for t in mt["step_times_s"])
+    # step times (what tracelens and autotune read): the mean over the timed steps; disjoint intervals within the
+    # wall time of the step loop. Over ranks both are maxima (per step, and of the walls): a little slack there
+    timed = mt["timed_steps"]
+    assert abs(mt["mean_step_time_s"] - sum(mt["step_times_s"][i] for i in timed) / len(timed)) <= 1e-12 * mt["mean_step_time_s"]
+    assert mt["step_timing"] in ("host_sync", "cuda_events", "wall_clock")
+    assert sum(mt["step_times_s"]) <= mt["steps_wall_s"] * (1 if world == 1 else 1.1)
     assert mt["tokens_per_step"] == world * cfg["micro_batch_size"] * cfg["seq_len"]
     assert abs(mt["tokens_per_s"] - mt["tokens_per_s_per_gpu"] * world) < 1e-6 * mt["tokens_per_s"]
     assert abs(mt["tokens_per_s_per_gpu"] * mt["mean_step_time_s"] - cfg["micro_batch_size"] * cfg["seq_len"]) < 1e-6

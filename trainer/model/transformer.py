@@ -23,6 +23,9 @@ class Block(nn.Module):
         self.is_moe = layer_id >= cfg["first_k_dense"]
         self.ffn = MoE(cfg, ep_group, ep_size, ep_rank) if self.is_moe else SwiGLU(cfg["d_model"], cfg["d_ff"])
         self.recompute = layer_id in cfg["recompute_layer_ids"]
+        # compile=dense (trainer/compiling.py): torch.compile'd versions of the dense halves below, else None
+        self.compiled_attn = None
+        self.compiled_dense = None
 
     def _forward(self, x, cos, sin):
         # one trace range per block forward ("layer/<i>"; a recomputed block shows it again inside the
@@ -31,13 +34,21 @@ class Block(nn.Module):
             return self._block(x, cos, sin)
 
     def _block(self, x, cos, sin):
-        x = x + self.attn(self.attn_norm(x), cos, sin)
-        h = self.ffn_norm(x)
-        if self.is_moe:
-            y, aux = self.ffn(h)
-        else:
-            y, aux = self.ffn(h), x.new_zeros((), dtype=torch.float32)
+        if not self.is_moe:
+            return (self.compiled_dense or self.dense_block)(x, cos, sin)
+        x, h = (self.compiled_attn or self.attn_half)(x, cos, sin)
+        y, aux = self.ffn(h)  # MoE: routing, permutation, dispatch and experts stay eager (moe/<stage> ranges)
         return x + y, aux
+
+    def attn_half(self, x, cos, sin):
+        """The block's dense first half: attention residual and the FFN's input norm -> (x, ffn_norm(x))."""
+        x = x + self.attn(self.attn_norm(x), cos, sin)
+        return x, self.ffn_norm(x)
+
+    def dense_block(self, x, cos, sin):
+        """A dense layer's whole block (attention half + SwiGLU residual) -> (x, aux = 0)."""
+        x, h = self.attn_half(x, cos, sin)
+        return x + self.ffn(h), x.new_zeros((), dtype=torch.float32)
 
     def forward(self, x, cos, sin):
         if self.recompute and torch.is_grad_enabled():

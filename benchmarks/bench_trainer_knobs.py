@@ -1,0 +1,254 @@
+"""Trainer efficiency knobs (issue 19), one at a time, from a baseline, on the single-GPU proxy.
+
+    python benchmarks/bench_trainer_knobs.py [--out runs/bench_trainer_knobs] [--steps 12]
+                                             [--check-loss] [--diff] [--cpu] [--set key=value ...]
+
+Rows, each adding one knob to the row before (cumulative):
+
+    baseline        gpu_proxy, sync_free_level 3, grouped_gemm_backend torch, micro_batch_size 16
+    + optimizer     optimizer=adamw_fused
+    + step_timing   step_timing=events
+    + compile       compile=dense
+    + cuda_graphs   cuda_graphs=on
+
+Each row is one ``python -m trainer.launch`` run (a fresh process) of ``--steps`` steps (12; warm-up
+steps 0-2 and the profiled step 8 with the export step 9 untimed, so 7 timed steps) writing its own
+run dir with one profiled step, so ``tracelens diff ROW_BEFORE ROW`` names what each knob changed
+(``--diff`` runs those diffs after the table). The table reads the manifests: tokens/s/GPU, MFU (the
+trainer's: model FLOPs per token x tokens/s against the device's bf16 dense peak, trainer/flops.py),
+mean step time, peak memory, and each row's per-step loss against the baseline's (eager, foreach
+AdamW): the largest relative difference over the steps, within ``--loss-rtol`` (bf16: 1e-2).
+
+``--check-loss``: the same rows at 50 steps, unprofiled, for the loss comparison alone (issue 19:
+compiled / fused / graphed runs match eager within bf16 tolerance over 50 steps). Exit 1 when a row
+fails or is outside the tolerance.
+
+Budget: the table (5 rows) is meant to fit in 9 minutes on one H100 (a 12-step eager row is ~40 s,
+compile adds its compilation); ``--budget-s`` (default 540) skips the rows that would start after it,
+saying so. Progress goes to stderr as the runs go (the trainer's step lines included).
+
+``--cpu``: the tiny config on the CPU with the knobs that exist there (adamw_fused falls back to the
+default AdamW, events to wall-clock timing, compile=dense runs inductor's C++ code); the cuda_graphs row
+shows the trainer's one-line refusal. About 1-2 minutes on 2 cores: a test of this script, not a
+measurement.
+
+Writes ``OUT/bench_trainer_knobs.json`` and ``.md`` (``check_loss.json`` / ``.md`` with
+``--check-loss``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+# (row name, the knob this row adds); cumulative
+KNOBS = [
+    ("baseline", {}),
+    ("+ optimizer", {"optimizer": "adamw_fused"}),
+    ("+ step_timing", {"step_timing": "events"}),
+    ("+ compile", {"compile": "dense"}),
+    ("+ cuda_graphs", {"cuda_graphs": "on"}),
+]
+GPU_BASE = {"config": "gpu_proxy", "set": {"sync_free_level": 3, "grouped_gemm_backend": "torch",
+                                           "micro_batch_size": 16, "timing_warmup_steps": 3}}
+CPU_BASE = {"config": "tiny", "set": {"sync_free_level": 3, "grouped_gemm_backend": "torch", "timing_warmup_steps": 3,
+                                      "log_every": 4}}
+
+
+def _fmt(v, spec: str, none: str = "n/a") -> str:
+    return none if v is None else format(v, spec)
+
+
+def loss_diff(base: list[float], new: list[float]) -> float | None:
+    """Largest relative per-step difference of ``new`` from ``base`` over their common steps (None if
+    either is empty; inf if a loss is not finite)."""
+    n = min(len(base), len(new))
+    if n == 0:
+        return None
+    worst = 0.0
+    for a, b in zip(base[:n], new[:n]):
+        if not (math.isfinite(a) and math.isfinite(b)):
+            return math.inf
+        worst = max(worst, abs(b - a) / max(abs(a), 1e-12))
+    return worst
+
+
+def run_row(i: int, n: int, name: str, over: dict, args, base: dict, out: Path, steps: int, profile: bool) -> dict:
+    run = out / f"{i}_{name.replace('+ ', '').replace(' ', '_')}"
+    sets = {**base["set"], "steps": steps, **over}
+    if profile:
+        sets.update(profile_step_start=8, profile_step_end=9)
+    else:
+        sets.update(profile_step_start=0, profile_step_end=0)
+    cmd = [sys.executable, "-m", "trainer.launch", "--config", base["config"], "--nproc", "1", "-o", str(run)]
+    for k, v in sets.items():
+        cmd += ["--set", f"{k}={json.dumps(v) if not isinstance(v, str) else v}"]
+    for o in args.overrides:
+        cmd += ["--set", o]
+    print(f"[bench] {i + 1}/{n} {name}: {' '.join(f'{k}={v}' for k, v in over.items()) or 'baseline'} "
+          f"({steps} steps) ...", file=sys.stderr, flush=True)
+    t0 = time.time()
+    tail: list[str] = []
+    try:
+        p = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        deadline = t0 + args.timeout
+        for line in p.stdout:  # progress: the trainer's own lines, as they come
+            line = line.rstrip()
+            tail = (tail + [line])[-20:]
+            if line.startswith(("[trainer] step", "[trainer] wrote", "[trainer] note", "config error", "[trainer] error",
+                                "[launch]")):
+                print(f"[bench]    {line[:200]}", file=sys.stderr, flush=True)
+            if time.time() > deadline:
+                p.kill()
+                break
+        rc = p.wait()
+        if time.time() > deadline:
+            rc = "timeout"
+    except OSError as e:
+        rc, tail = "error", [str(e)]
+    row = {"name": name, "adds": over, "overrides": sets, "rc": rc, "wall_s": round(time.time() - t0, 1),
+           "run_dir": str(run)}
+    man = run / "manifest.json"
+    doc = json.loads(man.read_text()) if rc == 0 and man.exists() else None
+    if doc and doc.get("status") == "complete":
+        m = doc["metrics"]
+        row.update(tokens_per_s_per_gpu=m["tokens_per_s_per_gpu"], mfu=m["mfu"],
+                   step_ms=m["mean_step_time_s"] * 1e3 if m["mean_step_time_s"] else None,
+                   step_timing=m.get("step_timing"), timed_steps=m["timed_steps"],
+                   peak_gib=max(m["peak_memory_bytes"]) / 2**30, loss=m["loss"], notes=doc.get("notes", []),
+                   device=doc["device"]["name"])
+    else:
+        errs = [ln for ln in tail if ln.startswith(("config error", "[trainer] error", "[launch]"))]
+        row["error"] = (errs or tail or [str(rc)])[-1][:300]
+    mfu = "n/a" if row.get("mfu") is None else f"{100 * row['mfu']:.1f} %"
+    done = (f"{_fmt(row.get('tokens_per_s_per_gpu'), ',.0f')} tokens/s/GPU, MFU {mfu}" if "loss" in row
+            else f"{'refused' if rc == 2 else 'failed'}: {row['error']}")
+    print(f"[bench] {i + 1}/{n} {name}: {done} ({row['wall_s']:.0f} s)", file=sys.stderr, flush=True)
+    return row
+
+
+def table(rows: list[dict], rtol: float, title: str) -> str:
+    lines = [title, "",
+             "| row | adds | tokens/s/GPU | MFU | step ms | vs previous | peak GiB | max rel. loss diff vs baseline | run |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---|"]
+    prev = None
+    for r in rows:
+        adds = ", ".join(f"`{k}={v}`" for k, v in r["adds"].items()) or "—"
+        if "loss" not in r:
+            what = "skipped" if r.get("skipped") else ("refused (exit 2)" if r.get("rc") == 2 else f"failed (rc={r.get('rc')})")
+            lines.append(f"| {r['name']} | {adds} | {what}: "
+                         f"{r.get('error', '').replace('|', '/')} | | | | | | `{r.get('run_dir', '')}` |")
+            continue
+        tps = r["tokens_per_s_per_gpu"]
+        gain = (f"{100 * (tps / prev - 1):+.1f} %" if prev and tps else "")
+        d = r.get("loss_rel_diff")
+        dtxt = "—" if r is rows[0] else (f"{d:.2e} ({'ok' if r.get('loss_ok') else 'OUT of tolerance'})"
+                                          if d is not None else "n/a")
+        lines.append(f"| {r['name']} | {adds} | {_fmt(tps, ',.0f')} | {_fmt(r['mfu'] and 100 * r['mfu'], '.1f')}"
+                     f"{'' if r['mfu'] is None else ' %'} | {_fmt(r['step_ms'], '.1f')} | {gain} | "
+                     f"{r['peak_gib']:.2f} | {dtxt} | `{r['run_dir']}` |")
+        prev = tps or prev
+    lines += ["", f"Loss tolerance: largest per-step |loss - baseline loss| / baseline loss <= {rtol:g}."]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default=None, help="output dir (default runs/bench_trainer_knobs[_cpu])")
+    p.add_argument("--steps", type=int, default=None, help="steps per row (12; 50 with --check-loss)")
+    p.add_argument("--check-loss", action="store_true", help="50 unprofiled steps per row: the loss comparison")
+    p.add_argument("--diff", action="store_true", help="run `tracelens diff` between consecutive rows afterwards")
+    p.add_argument("--cpu", action="store_true", help="tiny config on the CPU (tests this script)")
+    p.add_argument("--loss-rtol", type=float, default=1e-2, help="relative loss tolerance vs the baseline (bf16)")
+    p.add_argument("--budget-s", type=float, default=540, help="start no row after this many seconds")
+    p.add_argument("--timeout", type=int, default=300, help="seconds per row")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="extra trainer overrides for every row")
+    args = p.parse_args(argv)
+    steps = args.steps or (50 if args.check_loss else 12)
+    if args.cpu:
+        base, device = CPU_BASE, "cpu"
+    else:
+        try:
+            import torch
+        except ImportError:
+            print("bench_trainer_knobs: torch is not installed; this benchmark needs a CUDA GPU (or --cpu).",
+                  file=sys.stderr)
+            return 1
+        if not torch.cuda.is_available():
+            print("bench_trainer_knobs: no CUDA device visible; run with --cpu to test the script on the tiny "
+                  "config.", file=sys.stderr)
+            return 1
+        base, device = GPU_BASE, torch.cuda.get_device_name(0)
+    out = Path(args.out or f"runs/bench_trainer_knobs{'_cpu' if args.cpu else ''}")
+    if args.check_loss:
+        out = out / "check_loss"
+    out.mkdir(parents=True, exist_ok=True)
+    rows: list[dict] = []
+    acc: dict = {}
+    t_start = time.time()
+    for i, (name, knob) in enumerate(KNOBS):
+        acc = {**acc, **knob}
+        if time.time() - t_start > args.budget_s:
+            rows.append({"name": name, "adds": knob, "skipped": True, "rc": None,
+                         "error": f"budget of {args.budget_s:.0f} s spent before this row"})
+            print(f"[bench] {i + 1}/{len(KNOBS)} {name}: skipped (budget {args.budget_s:.0f} s spent)",
+                  file=sys.stderr, flush=True)
+            continue
+        row = run_row(i, len(KNOBS), name, dict(acc), args, base, out, steps, profile=not args.check_loss)
+        row["adds"] = knob
+        rows.append(row)
+    ref = rows[0].get("loss") or []
+    for r in rows[1:]:
+        if "loss" in r:
+            r["loss_rel_diff"] = loss_diff(ref, r["loss"])
+            r["loss_ok"] = r["loss_rel_diff"] is not None and r["loss_rel_diff"] <= args.loss_rtol
+    kind = "check_loss" if args.check_loss else "bench_trainer_knobs"
+    title = (f"## Trainer knobs, one at a time ({'loss check, ' if args.check_loss else ''}config "
+             f"{base['config']} + {', '.join(f'{k}={v}' for k, v in base['set'].items())}, {steps} steps, "
+             f"device {device})")
+    md = table(rows, args.loss_rtol, title)
+    if args.diff and not args.check_loss:
+        md += "\n" + diffs(rows, out)
+    else:
+        done = [r for r in rows if "loss" in r]
+        md += "\nWhat each knob changed: " + "; ".join(
+            f"`tracelens diff {a['run_dir']} {b['run_dir']}`" for a, b in zip(done, done[1:])) + "\n"
+    doc = {"device": device, "config": base["config"], "base_overrides": base["set"], "steps": steps,
+           "loss_rtol": args.loss_rtol, "wall_s": round(time.time() - t_start, 1), "rows": rows}
+    (out / f"{kind}.json").write_text(json.dumps(doc, indent=1, default=str))
+    (out / f"{kind}.md").write_text(md)
+    print(md)
+    print(f"[bench] wrote {out / (kind + '.json')} and {kind}.md ({doc['wall_s']:.0f} s)", file=sys.stderr)
+    expected_refusal = args.cpu  # on a CPU the cuda_graphs row is refused (exit 2, one line): that is the check
+    ok = all(r.get("rc") == 0 or (expected_refusal and r["name"] == "+ cuda_graphs" and r.get("rc") == 2)
+             for r in rows if not r.get("skipped"))
+    ok = ok and all(r.get("loss_ok", True) for r in rows)
+    return 0 if ok else 1
+
+
+def diffs(rows: list[dict], out: Path) -> str:
+    """``tracelens diff`` between consecutive completed rows; the headline lines of each."""
+    done = [r for r in rows if "loss" in r]
+    text = []
+    for a, b in zip(done, done[1:]):
+        d = out / f"diff_{Path(a['run_dir']).name}__{Path(b['run_dir']).name}"
+        print(f"[bench] tracelens diff {a['name']} -> {b['name']} ...", file=sys.stderr, flush=True)
+        r = subprocess.run([sys.executable, "-m", "tracelens", "diff", a["run_dir"], b["run_dir"], "-o", str(d), "-q"],
+                           cwd=REPO, capture_output=True, text=True)
+        text.append(f"### {a['name']} -> {b['name']}: `tracelens diff {a['run_dir']} {b['run_dir']}` "
+                    f"({'see ' + str(d / 'diff.md') if r.returncode == 0 else 'failed: ' + (r.stderr.strip().splitlines() or ['?'])[-1]})")
+    return "\n".join(text) + "\n"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
