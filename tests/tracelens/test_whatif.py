@@ -190,3 +190,46 @@ def test_cpu_prediction_accuracy_on_a_grid_of_real_runs(tmp_path):
         lines.append(f"{ch}: predicted {pred:.0f} measured {meas:.0f} error {100 * errs[-1]:.1f}%")
     print("\n".join(lines))
     assert statistics.median(errs) <= 0.20, "\n".join(lines)
+
+
+def _synthetic_profile(units: list[tuple[int, int, int]]) -> P.StepProfile:
+    """A GPU step profile from (launch ns, start ns, duration ns) units on one stream, no recorded syncs."""
+    import pandas as pd
+
+    n = len(units)
+    work = pd.DataFrame({
+        "launch": [u[0] for u in units], "start": [u[1] for u in units], "dur": [u[2] for u in units],
+        "stream": [7] * n, "name": [f"k{i}" for i in range(n)], "op": ["aten::mm"] * n, "path": [""] * n,
+        "dims": [""] * n, "component": ["dense GEMMs"] * n, "scale": ["tokens"] * n, "expert": [False] * n,
+        "moe_stage": [""] * n, "layer": [-1] * n, "backward": [False] * n, "recompute": [False] * n,
+        "is_comm": [False] * n, "linked": [True] * n})
+    syncs = pd.DataFrame({"ts": pd.Series([], dtype="int64"), "end": pd.Series([], dtype="int64"),
+                          "moe": pd.Series([], dtype=bool), "path": pd.Series([], dtype=object)})
+    end = max(u[1] + u[2] for u in units) + 10_000
+    return P.StepProfile(0, 1, "gpu", 0, end, work, syncs, 1)
+
+
+def test_a_host_wait_for_the_device_drain_is_a_sync_and_moves_with_the_device():
+    # the host launches a 5 ms unit, then sits 5.06 ms until the device drained (a wait no sync call recorded),
+    # then launches the next; the 10 µs gaps are its own work
+    units = [(0, 5_000, 5_000_000), (10_000, 5_005_000, 20_000), (5_085_000, 5_090_000, 20_000),
+             (5_095_000, 5_110_000, 20_000)]
+    prog = R.prepare(_synthetic_profile(units))
+    assert list(prog.order_kind).count(1) == 1, "the drain wait is found as one sync"
+    # replayed unchanged it reproduces the step; with the long unit halved the host waits 2.5 ms less
+    plan = R.Plan.of(prog)
+    full = plan.replay(1.0).step_ns
+    plan.dur[0] = 2_500_000
+    half = plan.replay(1.0).step_ns
+    assert abs(full - _synthetic_profile(units).step_ns) <= 20_000
+    assert 2_400_000 <= full - half <= 2_600_000
+
+
+def test_host_work_while_the_device_is_idle_is_not_a_sync():
+    # a 5 ms host gap that starts after the device drained (device idle): host work, kept as host time
+    units = [(0, 5_000, 20_000), (5_040_000, 5_045_000, 20_000), (5_050_000, 5_065_000, 20_000)]
+    prog = R.prepare(_synthetic_profile(units))
+    assert list(prog.order_kind).count(1) == 0
+    plan = R.Plan.of(prog)
+    plan.dur[0] = 10_000
+    assert abs(plan.replay(1.0).step_ns - R.Plan.of(prog).replay(1.0).step_ns) <= 1_000

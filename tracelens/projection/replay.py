@@ -130,6 +130,8 @@ def prepare(p: StepProfile) -> Program:
             sync_min[j] = sync_ret[j]
             release = max(release, sen[j])
     tail = max(float(p.step_ns) - release, 0.0)
+    kinds, idx, gap, sts, sen, sync_min, sync_ret, sync_streams = _hidden_syncs(
+        kinds, idx, gap, launch, end, stream, sts, sen, sync_min, sync_ret, sync_streams, backlog)
     gx = _gap_overlap(kinds, idx, launch, sts, sen, gap, p)
     lead = 0.0
     if len(gap):
@@ -137,6 +139,70 @@ def prepare(p: StepProfile) -> Program:
         gap[0] -= lead
     return Program(p, kinds, idx, gap, tail, stream, dep, wait, sync_min, sync_ret, latency, False, gx, sync_streams,
                    lead)
+
+
+# a host gap of _HIDDEN_MIN_WAIT_NS or more that ended within max(_HIDDEN_RET_NS, _HIDDEN_RET_SHARE x the
+# gap) after the device drained waited for it: for host work independent of the device, ending inside that
+# window is a coincidence of at most ~_HIDDEN_RET_SHARE (a recorded sync returns 5-30 µs after the drain;
+# a call that waited inside a library may do some work after it: 158 µs after a 64 ms wait on the H100 proxy)
+_HIDDEN_RET_NS = 50_000
+_HIDDEN_RET_SHARE = 0.02
+_HIDDEN_MIN_WAIT_NS = 1_000_000
+
+
+def _hidden_syncs(kinds, idx, gap, launch, end, stream, sts, sen, sync_min, sync_ret, sync_streams, backlog):
+    """Blocking waits no sync call recorded: a host gap during which the device ran work launched before it
+    and which ended just after the device drained (an allocator that frees cached blocks, a library call
+    that waits for the device inside an op: the call's time is the device's, not the host's). Each becomes
+    a sync on every stream (the host's own work before it: the step's median gap), so a changed config's
+    device time moves it, as it moves the recorded ones. Returns the host order and sync arrays with them."""
+    n_items = len(kinds)
+    if not n_items:
+        return kinds, idx, gap, sts, sen, sync_min, sync_ret, sync_streams
+    unit_gaps = gap[kinds == 0]
+    typical = float(np.median(unit_gaps)) if len(unit_gaps) else 0.0
+    drain = max(backlog.values(), default=0)
+    release = 0
+    found: list[tuple[int, float, float, float]] = []  # (item, host work before, wait start, return)
+    for i, (kd, j) in enumerate(zip(kinds, idx)):
+        t = launch[j] if kd == 0 else sts[j]
+        r0 = t - gap[i]
+        if kd == 0 and gap[i] >= _HIDDEN_MIN_WAIT_NS and drain - r0 >= _HIDDEN_MIN_WAIT_NS and 0 <= t - drain <= max(_HIDDEN_RET_NS, _HIDDEN_RET_SHARE * gap[i]):
+            found.append((i, min(typical, float(gap[i])), float(r0), float(t - drain)))
+        if kd == 0:
+            drain = max(drain, int(end[j]))
+            release = max(release, t)
+        else:
+            release = max(release, sen[j])
+    if not found:
+        return kinds, idx, gap, sts, sen, sync_min, sync_ret, sync_streams
+    n_sy = len(sync_min)
+    ins_at = {i: k for k, (i, _, _, _) in enumerate(found)}
+    k_out, i_out, g_out = [], [], []
+    add_ts, add_end, add_ret = [], [], []
+    for i in range(n_items):
+        if i in ins_at:
+            _, pre, r0, ret = found[ins_at[i]]
+            k_out.append(1)
+            i_out.append(n_sy + len(add_ts))
+            g_out.append(pre)
+            add_ts.append(r0 + pre)
+            add_end.append(launch[idx[i]])
+            add_ret.append(ret)
+            k_out.append(0)
+            i_out.append(idx[i])
+            g_out.append(0.0)
+        else:
+            k_out.append(kinds[i])
+            i_out.append(idx[i])
+            g_out.append(gap[i])
+    sts = np.concatenate([sts, np.asarray(add_ts, dtype=np.int64)])
+    sen = np.concatenate([sen, np.asarray(add_end, dtype=np.int64)])
+    sync_min = np.concatenate([sync_min, np.asarray(add_ret)])
+    sync_ret = np.concatenate([sync_ret, np.asarray(add_ret)])
+    sync_streams = list(sync_streams) + [None] * len(add_ts)
+    return (np.asarray(k_out, np.int8), np.asarray(i_out), np.asarray(g_out), sts, sen, sync_min, sync_ret,
+            sync_streams)
 
 
 def _launch_latency(launch, start, end, stream, linked, backlog) -> float:
