@@ -70,7 +70,7 @@ NEUTRAL = ("steps", "profile_step_start", "profile_step_end", "log_every", "timi
 # the host's return after a device drain inside a per-expert expert stage (124-256 µs on the H100 proxy)
 DRAIN_RETURN_NS = 150_000.0
 SIGMA = {"tokens": 0.10, "table": 0.10, "merge": 0.30, "syncs": 0.30, "recompute": 0.15, "microbatches": 0.05,
-         "gc": 1.0, "optimizer": 0.30, "masked": 0.30, "pipeline": 0.12}
+         "gc": 1.0, "optimizer": 0.30, "shapes": 0.30, "masked": 0.30, "pipeline": 0.12}
 
 
 class WhatIfError(ValueError):
@@ -377,6 +377,9 @@ class Model:
                            f"proportional work x{s_tok:g} above each kernel's fixed part"
                            + (f"; chunked loss x{reps:g} launches" if chunked.any() else "")
                            + "; per-step work and host launch costs unchanged")
+        # ---- a per-expert backend's GEMMs meet new shapes more often with more tokens
+        if s_tok != 1.0 and old["grouped_gemm_backend"] in PER_EXPERT and new["grouped_gemm_backend"] in PER_EXPERT:
+            var += self._shape_misses(plan, p, t0, t1, modeled, notes)
         # ---- expert GEMM backend (and the rows it sees)
         b0, b1 = old["grouped_gemm_backend"], new["grouped_gemm_backend"]
         lvl0, lvl1 = int(old["sync_free_level"]), int(new["sync_free_level"])
@@ -416,6 +419,53 @@ class Model:
         if old.get("optimizer", "adamw") != new.get("optimizer", "adamw"):
             var += self._optimizer(plan, p, old.get("optimizer", "adamw"), new["optimizer"], modeled, notes)
         return var
+
+    @staticmethod
+    def _shape_misses(plan: _Plan, p: StepProfile, t0: int, t1: int, modeled: list, notes: list) -> float:
+        """A per-expert backend runs one GEMM per expert on that expert's token count, a new shape nearly every
+        step; the BLAS library's host-side choice of kernel for a shape it has not seen costs a few hundred µs
+        (on the H100 proxy a GEMM whose shape already ran in the step took a median 33-41 µs of host time; of
+        the first ones 34 % were slow at micro-batch 2, 73 % at 12). The counts spread over a range that grows
+        with the tokens, so a shape is new with probability p = exp(-c / tokens): measured p0 at the baseline
+        gives p1 = p0 ** (t0 / t1). From the baseline's expert-stage GEMMs: the host gap before each GEMM whose
+        shape is the first of its kind in the step, against those of repeated shapes (median + 3 MADs: slow),
+        gives p0 and the cost of a miss (median slow - median repeated); each first GEMM's gap moves by
+        (p1 - p0) x cost."""
+        w = p.work
+        stage = w["moe_stage"].to_numpy()
+        op = w["op"].to_numpy()
+        dims = w["dims"].to_numpy()
+        items = [(i, int(j)) for i, (kd, j) in enumerate(zip(plan.kind, plan.ref))
+                 if kd == 0 and j < len(w) and stage[j] == "moe/experts" and op[j] in ("aten::mm", "aten::addmm")]
+        seen: set = set()
+        first, rep = [], []
+        for i, j in items:
+            (rep if dims[j] in seen else first).append(i)
+            seen.add(dims[j])
+        if len(first) < 20 or len(rep) < 20:
+            notes.append("per-expert GEMM shapes: too few in the profiled step to measure how often a new shape "
+                         "costs host time: its change with the tokens is not modeled")
+            return 0.0
+        g_rep = np.array([plan.gap[i] for i in rep])
+        g_first = np.array([plan.gap[i] for i in first])
+        med = float(np.median(g_rep))
+        thr = med + 3 * 1.4826 * float(np.median(np.abs(g_rep - med)))
+        slow = g_first > thr
+        p0 = float(slow.mean())
+        if not 0.0 < p0 < 1.0:
+            return 0.0
+        cost = float(np.median(g_first[slow])) - med
+        p1 = p0 ** (t0 / t1)
+        moved = 0.0
+        for i in first:
+            d = (p1 - p0) * cost
+            new_gap = max(plan.gap[i] + d, 0.0)
+            moved += new_gap - plan.gap[i]
+            plan.gap[i] = new_gap
+        modeled.append(f"per-expert GEMMs: a new shape costs {cost / 1e3:.0f} µs of host time; {100 * p0:.0f} % of the "
+                       f"step's {len(first)} first shapes were new at {t0} tokens, {100 * p1:.0f} % predicted at {t1} "
+                       f"({moved / 1e6:+.1f} ms of host time, profiled)")
+        return (SIGMA["shapes"] * moved / max(float(p.step_ns), 1.0)) ** 2
 
     def _drains(self, plan: _Plan, p: StepProfile, new: dict, modeled: list) -> float:
         """Per-expert backends (loop, multistream) allocate per-expert buffers of a different size for every
