@@ -21,6 +21,8 @@ trace after the other; prints a per-trace table and the minimum HTA / tracelens 
     python benchmarks/bench_load.py --corpus --work /tmp/corpus            # all, 200 MB, 3 repeats
     python benchmarks/bench_load.py --corpus --only moe_loop,cpu_tiny --repeat 1 --target-mb 50
     python benchmarks/bench_load.py --corpus --no-hta --json out.json      # tracelens only
+    git worktree add --detach /tmp/before main && cp tracelens/io/_kineto_fast*.so /tmp/before/tracelens/io/
+    python benchmarks/bench_load.py --corpus --compare-root /tmp/before    # + that checkout's tracelens
 """
 
 from __future__ import annotations
@@ -108,12 +110,12 @@ print(json.dumps(r))
 """
 
 
-def run_isolated(code: str, *args: str, env: dict | None = None, pss: bool = True) -> dict:
+def run_isolated(code: str, *args: str, env: dict | None = None, pss: bool = True, cwd: Path = ROOT) -> dict:
     """Run `code` in a fresh interpreter under a wrapper, so RUSAGE_CHILDREN holds exactly its peak
     (the largest single process). Wall time is measured without PSS sampling (which costs CPU); a
     second run with sampling (unless `pss` is false) gives the process tree's physical memory (summed PSS)."""
     e = {**os.environ, **(env or {})}
-    p = subprocess.run([sys.executable, "-c", _WRAPPER, code, *args], capture_output=True, cwd=str(ROOT), env=e)
+    p = subprocess.run([sys.executable, "-c", _WRAPPER, code, *args], capture_output=True, cwd=str(cwd), env=e)
     if p.returncode:
         raise SystemExit(f"benchmark child failed:\n{p.stderr.decode()[-3000:]}")
     timed = json.loads(p.stdout.decode().strip().splitlines()[-1])
@@ -201,9 +203,11 @@ def tile(src: Path, work: Path, name: str, target_mb: float) -> Path:
 
 
 def run_corpus(names: list[str] | None, target_mb: float, work: Path, repeat: int = 3, hta: bool = True,
-               log=None) -> list[dict]:
+               log=None, compare_root: Path | None = None) -> list[dict]:
     """Each corpus trace (or those named) tiled to `target_mb`; tracelens cold and, with `hta`, HTA cold,
-    `repeat` fresh processes each, medians. One dict per trace."""
+    `repeat` fresh processes each, medians. One dict per trace. compare_root: another checkout of the
+    project (e.g. `git worktree add --detach DIR main`, with the compiled scanner copied or built there)
+    whose tracelens runs the same way, in the same minutes ("before")."""
     known = {n for n, _, _ in CORPUS}
     bad = [n for n in (names or []) if n not in known]
     if bad:
@@ -216,6 +220,9 @@ def run_corpus(names: list[str] | None, target_mb: float, work: Path, repeat: in
         cache = work / "cache-unused"
         tl = _median([run_isolated(TRACELENS, str(trace), "0", str(cache), pss=False) for _ in range(repeat)])
         row = {"name": name, "what": what, "size_mb": trace.stat().st_size / 1e6, "tracelens": tl, "hta": None}
+        if compare_root:
+            row["before"] = _median([run_isolated(TRACELENS, str(trace), "0", str(cache), pss=False,
+                                                  cwd=compare_root) for _ in range(repeat)])
         if hta:
             try:
                 row["hta"] = _median([run_isolated(HTA, str(trace.parent), pss=False) for _ in range(repeat)])
@@ -223,6 +230,8 @@ def run_corpus(names: list[str] | None, target_mb: float, work: Path, repeat: in
                 row["hta_error"] = str(err).strip().splitlines()[-1][:200]
         if row["hta"]:
             row["ratio"] = row["hta"]["wall_s"] / tl["wall_s"]
+            if row.get("before"):
+                row["ratio_before"] = row["hta"]["wall_s"] / row["before"]["wall_s"]
         rows.append(row)
         if log:
             log(format_corpus([row], header=not rows[:-1], footer=False))
@@ -231,21 +240,32 @@ def run_corpus(names: list[str] | None, target_mb: float, work: Path, repeat: in
 
 def format_corpus(rows: list[dict], header: bool = True, footer: bool = True) -> str:
     out = []
+    before = any(r.get("before") for r in rows)
     if header:
         out.append(f"{'trace':<17} {'MB':>5} {'events':>9} {'tl wall s':>9} {'load s':>6} {'anal s':>6} "
-                   f"{'tl RSS MB':>9} {'HTA wall s':>10} {'HTA RSS MB':>10} {'HTA/tl':>7} {'GPU busy ms':>11}")
+                   f"{'tl RSS MB':>9} {'HTA wall s':>10} {'HTA RSS MB':>10} {'HTA/tl':>7} {'GPU busy ms':>11}"
+                   + (f" {'before s':>8} {'before MB':>9} {'HTA/before':>10}" if before else ""))
     for r in rows:
         t, h = r["tracelens"], r.get("hta")
         busy = f"{t['busy_us'] / 1e3:>11.1f}" if t.get("busy_us") is not None else f"{'(no GPU)':>11}"
         hs = (f"{h['wall_s']:>10.2f} {h['peak_mb']:>10.0f} {r['ratio']:>6.1f}x" if h else
               f"{'failed' if r.get('hta_error') else 'n/a':>10} {'':>10} {'':>7}")
+        b = r.get("before")
+        bs = ""
+        if b:
+            rb = f"{r['ratio_before']:>9.1f}x" if r.get("ratio_before") else f"{'':>10}"
+            bs = f" {b['wall_s']:>8.2f} {b['peak_mb']:>9.0f} {rb}"
         out.append(f"{r['name']:<17} {r['size_mb']:>5.0f} {t['events']:>9,} {t['wall_s']:>9.2f} {t['load_s']:>6.2f} "
-                   f"{t['analyze_s']:>6.2f} {t['peak_mb']:>9.0f} {hs} {busy}")
+                   f"{t['analyze_s']:>6.2f} {t['peak_mb']:>9.0f} {hs} {busy}{bs}")
     if footer:
         rat = [r for r in rows if r.get("ratio")]
         if rat:
             lo = min(rat, key=lambda r: r["ratio"])
             out.append(f"minimum HTA / tracelens ratio: {lo['ratio']:.1f}x ({lo['name']}) over {len(rat)} traces")
+            rb = [r for r in rat if r.get("ratio_before")]
+            if rb:
+                lb = min(rb, key=lambda r: r["ratio_before"])
+                out.append(f"minimum HTA / before ratio: {lb['ratio_before']:.1f}x ({lb['name']})")
         worst = max(rows, key=lambda r: r["tracelens"]["peak_mb"]) if rows else None
         if worst:
             out.append(f"maximum tracelens peak RSS: {worst['tracelens']['peak_mb']:.0f} MB ({worst['name']})")
@@ -270,7 +290,8 @@ def main_corpus(a) -> None:
 
     print(f"corpus at {a.target_mb:g} MB, median of {a.repeat}; CPUs usable: {len(os.sched_getaffinity(0))} of "
           f"{os.cpu_count()}; decoder: {decoder()}; work dir {work}", flush=True)
-    rows = run_corpus(names, a.target_mb, work, repeat=a.repeat, hta=hta, log=lambda s: print(s, flush=True))
+    rows = run_corpus(names, a.target_mb, work, repeat=a.repeat, hta=hta, log=lambda s: print(s, flush=True),
+                      compare_root=Path(a.compare_root) if a.compare_root else None)
     print(format_corpus(rows, header=True, footer=True))
     if a.json:
         Path(a.json).write_text(json.dumps({"target_mb": a.target_mb, "repeat": a.repeat, "rows": rows}, indent=1))
@@ -288,6 +309,8 @@ def main() -> None:
     ap.add_argument("--corpus", action="store_true", help="every trace of the corpus, a table and the minimum ratio")
     ap.add_argument("--only", default=None, help="with --corpus: comma-separated trace names (a subset)")
     ap.add_argument("--json", default=None, help="with --corpus: write the rows to this JSON file")
+    ap.add_argument("--compare-root", default=None,
+                    help="with --corpus: also run the tracelens of this other checkout (\"before\"), same minutes")
     a = ap.parse_args()
     if a.corpus:
         a.repeat = a.repeat or 3
