@@ -110,12 +110,25 @@ print(json.dumps(r))
 """
 
 
-def run_isolated(code: str, *args: str, env: dict | None = None, pss: bool = True, cwd: Path = ROOT) -> dict:
+def run_isolated(code: str, *args: str, env: dict | None = None, pss: bool = True, cwd: Path = ROOT,
+                 timeout: float | None = None) -> dict:
     """Run `code` in a fresh interpreter under a wrapper, so RUSAGE_CHILDREN holds exactly its peak
     (the largest single process). Wall time is measured without PSS sampling (which costs CPU); a
     second run with sampling (unless `pss` is false) gives the process tree's physical memory (summed PSS)."""
     e = {**os.environ, **(env or {})}
-    p = subprocess.run([sys.executable, "-c", _WRAPPER, code, *args], capture_output=True, cwd=str(cwd), env=e)
+    if timeout is not None:  # its own session, so the child it runs can be stopped with it
+        proc = subprocess.Popen([sys.executable, "-c", _WRAPPER, code, *args], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, cwd=str(cwd), env=e, start_new_session=True)
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, 9)
+            proc.communicate()
+            return {"wall_s": float(timeout), "timed_out": True, "load_s": float("nan"), "analyze_s": float("nan"),
+                    "peak_mb": float("nan")}
+        p = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+    else:
+        p = subprocess.run([sys.executable, "-c", _WRAPPER, code, *args], capture_output=True, cwd=str(cwd), env=e)
     if p.returncode:
         raise SystemExit(f"benchmark child failed:\n{p.stderr.decode()[-3000:]}")
     timed = json.loads(p.stdout.decode().strip().splitlines()[-1])
@@ -203,11 +216,12 @@ def tile(src: Path, work: Path, name: str, target_mb: float) -> Path:
 
 
 def run_corpus(names: list[str] | None, target_mb: float, work: Path, repeat: int = 3, hta: bool = True,
-               log=None, compare_root: Path | None = None) -> list[dict]:
+               log=None, compare_root: Path | None = None, hta_timeout: float | None = None) -> list[dict]:
     """Each corpus trace (or those named) tiled to `target_mb`; tracelens cold and, with `hta`, HTA cold,
     `repeat` fresh processes each, medians. One dict per trace. compare_root: another checkout of the
     project (e.g. `git worktree add --detach DIR main`, with the compiled scanner copied or built there)
-    whose tracelens runs the same way, in the same minutes ("before")."""
+    whose tracelens runs the same way, in the same minutes ("before"). hta_timeout: an HTA run stopped
+    after this many seconds counts as that long (the ratio is then a lower bound) and is not repeated."""
     known = {n for n, _, _ in CORPUS}
     bad = [n for n in (names or []) if n not in known]
     if bad:
@@ -225,7 +239,12 @@ def run_corpus(names: list[str] | None, target_mb: float, work: Path, repeat: in
                                                   cwd=compare_root) for _ in range(repeat)])
         if hta:
             try:
-                row["hta"] = _median([run_isolated(HTA, str(trace.parent), pss=False) for _ in range(repeat)])
+                runs = []
+                for _ in range(repeat):
+                    runs.append(run_isolated(HTA, str(trace.parent), pss=False, timeout=hta_timeout))
+                    if runs[-1].get("timed_out"):
+                        break
+                row["hta"] = runs[-1] if runs[-1].get("timed_out") else _median(runs)
             except SystemExit as err:  # HTA fails on some traces: say so, leave it out of the ratio
                 row["hta_error"] = str(err).strip().splitlines()[-1][:200]
         if row["hta"]:
@@ -248,12 +267,16 @@ def format_corpus(rows: list[dict], header: bool = True, footer: bool = True) ->
     for r in rows:
         t, h = r["tracelens"], r.get("hta")
         busy = f"{t['busy_us'] / 1e3:>11.1f}" if t.get("busy_us") is not None else f"{'(no GPU)':>11}"
-        hs = (f"{h['wall_s']:>10.2f} {h['peak_mb']:>10.0f} {r['ratio']:>6.1f}x" if h else
+        hs = (f"{'>' + format(h['wall_s'], '.0f'):>10} {'':>10} {'>=' + format(r['ratio'], '.1f') + 'x':>7}"
+              if h and h.get("timed_out") else
+              f"{h['wall_s']:>10.2f} {h['peak_mb']:>10.0f} {r['ratio']:>6.1f}x" if h else
               f"{'failed' if r.get('hta_error') else 'n/a':>10} {'':>10} {'':>7}")
         b = r.get("before")
         bs = ""
         if b:
-            rb = f"{r['ratio_before']:>9.1f}x" if r.get("ratio_before") else f"{'':>10}"
+            rb = (f"{r['ratio_before']:>9.1f}x" if r.get("ratio_before") else f"{'':>10}")
+            if h and h.get("timed_out"):
+                rb = f"{'>=' + format(r['ratio_before'], '.1f') + 'x':>10}"
             bs = f" {b['wall_s']:>8.2f} {b['peak_mb']:>9.0f} {rb}"
         out.append(f"{r['name']:<17} {r['size_mb']:>5.0f} {t['events']:>9,} {t['wall_s']:>9.2f} {t['load_s']:>6.2f} "
                    f"{t['analyze_s']:>6.2f} {t['peak_mb']:>9.0f} {hs} {busy}{bs}")
@@ -261,7 +284,9 @@ def format_corpus(rows: list[dict], header: bool = True, footer: bool = True) ->
         rat = [r for r in rows if r.get("ratio")]
         if rat:
             lo = min(rat, key=lambda r: r["ratio"])
-            out.append(f"minimum HTA / tracelens ratio: {lo['ratio']:.1f}x ({lo['name']}) over {len(rat)} traces")
+            out.append(f"minimum HTA / tracelens ratio: {lo['ratio']:.1f}x ({lo['name']}) over {len(rat)} traces"
+                       + (" (HTA stopped at the timeout on " + ", ".join(r["name"] for r in rat if r["hta"].get("timed_out"))
+                          + ": lower bounds)" if any(r["hta"].get("timed_out") for r in rat) else ""))
             rb = [r for r in rat if r.get("ratio_before")]
             if rb:
                 lb = min(rb, key=lambda r: r["ratio_before"])
@@ -291,7 +316,7 @@ def main_corpus(a) -> None:
     print(f"corpus at {a.target_mb:g} MB, median of {a.repeat}; CPUs usable: {len(os.sched_getaffinity(0))} of "
           f"{os.cpu_count()}; decoder: {decoder()}; work dir {work}", flush=True)
     rows = run_corpus(names, a.target_mb, work, repeat=a.repeat, hta=hta, log=lambda s: print(s, flush=True),
-                      compare_root=Path(a.compare_root) if a.compare_root else None)
+                      compare_root=Path(a.compare_root) if a.compare_root else None, hta_timeout=a.hta_timeout)
     print(format_corpus(rows, header=True, footer=True))
     if a.json:
         Path(a.json).write_text(json.dumps({"target_mb": a.target_mb, "repeat": a.repeat, "rows": rows}, indent=1))
@@ -309,6 +334,8 @@ def main() -> None:
     ap.add_argument("--corpus", action="store_true", help="every trace of the corpus, a table and the minimum ratio")
     ap.add_argument("--only", default=None, help="with --corpus: comma-separated trace names (a subset)")
     ap.add_argument("--json", default=None, help="with --corpus: write the rows to this JSON file")
+    ap.add_argument("--hta-timeout", type=float, default=300.0,
+                    help="with --corpus: stop an HTA run after this many seconds (ratio a lower bound; default 300)")
     ap.add_argument("--compare-root", default=None,
                     help="with --corpus: also run the tracelens of this other checkout (\"before\"), same minutes")
     a = ap.parse_args()
