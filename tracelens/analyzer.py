@@ -153,7 +153,7 @@ class Analysis:
             st = self.step_timeline[self.step_timeline["rank"] == info.rank]
             r["steps"] = [dict(step=int(s["step"]), **_metric_fields(s),
                                startup_wait_us=_num(s.get("startup_wait_us", 0.0)),
-                               steady=used is None or int(s["step"]) in used) for _, s in st.iterrows()]
+                               steady=used is None or int(s["step"]) in used) for s in st.to_dict("records")]
             ranks.append(r)
         return {
             "schema_version": SUMMARY_SCHEMA,
