@@ -14,6 +14,15 @@ and prints wall seconds, peak RSS (MB, the child's ru_maxrss) and the ratios HTA
     pip install --no-deps HolisticTraceAnalysis==0.5.0 && pip install psutil networkx pydot
     python benchmarks/bench_load.py                      # 200 MB from the A100 trace_diff fixture
     python benchmarks/bench_load.py --target-mb 1000 --src tests/fixtures/h200_moe_1gpu/moe1gpu_loop.json.gz
+
+Corpus mode (issue 20): every trace of CORPUS below tiled to --target-mb, tracelens cold (load + analyze
++ summary, no cache) and HTA cold, each in a fresh subprocess, median of --repeat runs (default 3), one
+trace after the other; prints a per-trace table and the minimum HTA / tracelens ratio over the corpus:
+    python benchmarks/bench_load.py --corpus --work /tmp/corpus            # all, 200 MB, 3 repeats
+    python benchmarks/bench_load.py --corpus --only moe_loop,cpu_tiny --repeat 1 --target-mb 50
+    python benchmarks/bench_load.py --corpus --no-hta --json out.json      # tracelens only
+    git worktree add --detach /tmp/before main && cp tracelens/io/_kineto_fast*.so /tmp/before/tracelens/io/
+    python benchmarks/bench_load.py --corpus --compare-root /tmp/before    # + that checkout's tracelens
 """
 
 from __future__ import annotations
@@ -44,8 +53,9 @@ t1 = time.perf_counter()
 a = tracelens.analyze(tr)
 s = a.summary()
 t2 = time.perf_counter()
-print(json.dumps({"load_s": t1 - t0, "analyze_s": t2 - t1, "busy_us": s["ranks"][0]["gpu_busy_us"],
-                  "kernels": int((a.gpu["kind"] == "kernel").sum())}))
+r0 = s["ranks"][0]["all_steps"] if s.get("ranks") else {}  # the whole profiled window, as HTA reads it
+print(json.dumps({"load_s": t1 - t0, "analyze_s": t2 - t1, "busy_us": r0.get("gpu_busy_us"),
+                  "kernels": int((a.gpu["kind"] == "kernel").sum()), "events": int(len(tr.events))}))
 """
 
 HTA = """
@@ -100,15 +110,30 @@ print(json.dumps(r))
 """
 
 
-def run_isolated(code: str, *args: str, env: dict | None = None) -> dict:
+def run_isolated(code: str, *args: str, env: dict | None = None, pss: bool = True, cwd: Path = ROOT,
+                 timeout: float | None = None) -> dict:
     """Run `code` in a fresh interpreter under a wrapper, so RUSAGE_CHILDREN holds exactly its peak
     (the largest single process). Wall time is measured without PSS sampling (which costs CPU); a
-    second run with sampling gives the process tree's physical memory (summed PSS)."""
+    second run with sampling (unless `pss` is false) gives the process tree's physical memory (summed PSS)."""
     e = {**os.environ, **(env or {})}
-    p = subprocess.run([sys.executable, "-c", _WRAPPER, code, *args], capture_output=True, cwd=str(ROOT), env=e)
+    if timeout is not None:  # its own session, so the child it runs can be stopped with it
+        proc = subprocess.Popen([sys.executable, "-c", _WRAPPER, code, *args], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, cwd=str(cwd), env=e, start_new_session=True)
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, 9)
+            proc.communicate()
+            return {"wall_s": float(timeout), "timed_out": True, "load_s": float("nan"), "analyze_s": float("nan"),
+                    "peak_mb": float("nan")}
+        p = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+    else:
+        p = subprocess.run([sys.executable, "-c", _WRAPPER, code, *args], capture_output=True, cwd=str(cwd), env=e)
     if p.returncode:
         raise SystemExit(f"benchmark child failed:\n{p.stderr.decode()[-3000:]}")
     timed = json.loads(p.stdout.decode().strip().splitlines()[-1])
+    if not pss:
+        return timed
     p = subprocess.run([sys.executable, "-c", _WRAPPER, code, *args], capture_output=True, cwd=str(ROOT),
                        env={**e, "BENCH_SAMPLE_PSS": "1"})
     if p.returncode:
@@ -139,15 +164,185 @@ print(json.dumps(res))
 """
 
 
+_FX = ROOT / "tests" / "fixtures"
+_EXT = ROOT.parent / "shared" / "fixtures" / "external"  # ../shared as the project finds it
+# (name, trace file, what kind of trace it is); the external ones fall back to tests/fixtures/external
+CORPUS = [
+    ("moe_loop", _FX / "h200_moe_1gpu" / "moe1gpu_loop.json.gz", "H200 MoE 1 GPU, per-expert loop, syncs"),
+    ("moe_grouped", _FX / "h200_moe_1gpu" / "moe1gpu_grouped.json.gz", "H200 MoE 1 GPU, grouped GEMM"),
+    ("ep2_loop_r0", _FX / "h200_ep2_run" / "L0_loop" / "traces" / "rank0.json.gz", "H200 EP=2 run, rank 0, NCCL"),
+    ("pp2_1f1b_r0", _FX / "h200_pp2_run" / "1f1b" / "traces" / "rank0.json.gz", "H200 PP=2 1F1B run, rank 0"),
+    ("a100_control", _EXT / "hta" / "trace_diff" / "control.json.gz", "A100 training, world 8 (HTA data)"),
+    ("v100_test", _EXT / "hta" / "trace_diff" / "test.json.gz", "V100 training, world 2 (HTA data)"),
+    ("a100_alexnet", _EXT / "hta" / "benchmark_result_2869224_1695835535_trace.json.gz", "A100 AlexNet"),
+    ("mi250", _EXT / "hta" / "mi250_minitoy_train_ROCm6_2_kineto.json.gz", "AMD MI250, ROCm 6.2"),
+    ("mi300_resnet", _EXT / "tracelens" / "mi300_resnet_act_checkpoint.json.gz", "AMD MI300X ResNet, RCCL"),
+    ("mi300_sglang", _EXT / "tracelens" / "mi300_sglang_qwen3_8b_prefilldecode.json.gz", "MI300X SGLang serving"),
+    ("b200_eager", _EXT / "tracelens" / "b200_eager.json.gz", "B200 eager training, rank of 8"),
+    ("h100_owlv2", _EXT / "tracelens" / "h100_owlv2_inference.json.gz", "H100 inference, Python stacks"),
+    ("h100_timesformer", _EXT / "tracelens" / "h100_timesformer.json.gz", "H100 TimeSformer inference"),
+    ("cpu_tiny", _FX / "cpu_tiny" / "rank0.json.gz", "CPU only, trainer tiny, record_shapes, deep op stacks"),
+]
+
+
+def corpus_source(path: Path) -> Path:
+    if path.exists():
+        return path
+    alt = _FX / "external" / path.relative_to(_EXT) if _EXT in path.parents else path
+    if alt.exists():
+        return alt
+    raise SystemExit(f"{path}: corpus trace not found (needs ../shared/fixtures; see ../shared/fixtures/README.md)")
+
+
+def _median(runs: list[dict]) -> dict:
+    runs = sorted(runs, key=lambda r: r["wall_s"])
+    return runs[len(runs) // 2]
+
+
+def tile(src: Path, work: Path, name: str, target_mb: float) -> Path:
+    """The tiled copy of `src` under work/<name>-<MB>/rank0.json, built once (its own directory: HTA
+    reads every file of a directory)."""
+    d = work / f"{name}-{target_mb:g}MB"
+    trace = d / "rank0.json"
+    if not trace.exists():
+        d.mkdir(parents=True, exist_ok=True)
+        tmp = d / "rank0.json.part"
+        t = time.perf_counter()
+        copies, n = scale(str(src), str(tmp), target_mb=target_mb)
+        os.replace(tmp, trace)
+        print(f"built {trace} ({trace.stat().st_size / 1e6:.0f} MB, {n:,} events, {copies} copies) in "
+              f"{time.perf_counter() - t:.1f}s", file=sys.stderr)
+    return trace
+
+
+def run_corpus(names: list[str] | None, target_mb: float, work: Path, repeat: int = 3, hta: bool = True,
+               log=None, compare_root: Path | None = None, hta_timeout: float | None = None) -> list[dict]:
+    """Each corpus trace (or those named) tiled to `target_mb`; tracelens cold and, with `hta`, HTA cold,
+    `repeat` fresh processes each, medians. One dict per trace. compare_root: another checkout of the
+    project (e.g. `git worktree add --detach DIR main`, with the compiled scanner copied or built there)
+    whose tracelens runs the same way, in the same minutes ("before"). hta_timeout: an HTA run stopped
+    after this many seconds counts as that long (the ratio is then a lower bound) and is not repeated."""
+    known = {n for n, _, _ in CORPUS}
+    bad = [n for n in (names or []) if n not in known]
+    if bad:
+        raise SystemExit(f"unknown corpus trace(s) {', '.join(bad)}; known: {', '.join(sorted(known))}")
+    rows = []
+    for name, src, what in CORPUS:
+        if names and name not in names:
+            continue
+        trace = tile(corpus_source(src), work, name, target_mb)
+        cache = work / "cache-unused"
+        tl = _median([run_isolated(TRACELENS, str(trace), "0", str(cache), pss=False) for _ in range(repeat)])
+        row = {"name": name, "what": what, "size_mb": trace.stat().st_size / 1e6, "tracelens": tl, "hta": None}
+        if compare_root:
+            row["before"] = _median([run_isolated(TRACELENS, str(trace), "0", str(cache), pss=False,
+                                                  cwd=compare_root) for _ in range(repeat)])
+        if hta:
+            try:
+                runs = []
+                for _ in range(repeat):
+                    runs.append(run_isolated(HTA, str(trace.parent), pss=False, timeout=hta_timeout))
+                    if runs[-1].get("timed_out"):
+                        break
+                row["hta"] = runs[-1] if runs[-1].get("timed_out") else _median(runs)
+            except SystemExit as err:  # HTA fails on some traces: say so, leave it out of the ratio
+                row["hta_error"] = str(err).strip().splitlines()[-1][:200]
+        if row["hta"]:
+            row["ratio"] = row["hta"]["wall_s"] / tl["wall_s"]
+            if row.get("before"):
+                row["ratio_before"] = row["hta"]["wall_s"] / row["before"]["wall_s"]
+        rows.append(row)
+        if log:
+            log(format_corpus([row], header=not rows[:-1], footer=False))
+    return rows
+
+
+def format_corpus(rows: list[dict], header: bool = True, footer: bool = True) -> str:
+    out = []
+    before = any(r.get("before") for r in rows)
+    if header:
+        out.append(f"{'trace':<17} {'MB':>5} {'events':>9} {'tl wall s':>9} {'load s':>6} {'anal s':>6} "
+                   f"{'tl RSS MB':>9} {'HTA wall s':>10} {'HTA RSS MB':>10} {'HTA/tl':>7} {'GPU busy ms':>11}"
+                   + (f" {'before s':>8} {'before MB':>9} {'HTA/before':>10}" if before else ""))
+    for r in rows:
+        t, h = r["tracelens"], r.get("hta")
+        busy = f"{t['busy_us'] / 1e3:>11.1f}" if t.get("busy_us") is not None else f"{'(no GPU)':>11}"
+        hs = (f"{'>' + format(h['wall_s'], '.0f'):>10} {'':>10} {'>=' + format(r['ratio'], '.1f') + 'x':>7}"
+              if h and h.get("timed_out") else
+              f"{h['wall_s']:>10.2f} {h['peak_mb']:>10.0f} {r['ratio']:>6.1f}x" if h else
+              f"{'failed' if r.get('hta_error') else 'n/a':>10} {'':>10} {'':>7}")
+        b = r.get("before")
+        bs = ""
+        if b:
+            rb = (f"{r['ratio_before']:>9.1f}x" if r.get("ratio_before") else f"{'':>10}")
+            if h and h.get("timed_out"):
+                rb = f"{'>=' + format(r['ratio_before'], '.1f') + 'x':>10}"
+            bs = f" {b['wall_s']:>8.2f} {b['peak_mb']:>9.0f} {rb}"
+        out.append(f"{r['name']:<17} {r['size_mb']:>5.0f} {t['events']:>9,} {t['wall_s']:>9.2f} {t['load_s']:>6.2f} "
+                   f"{t['analyze_s']:>6.2f} {t['peak_mb']:>9.0f} {hs} {busy}{bs}")
+    if footer:
+        rat = [r for r in rows if r.get("ratio")]
+        if rat:
+            lo = min(rat, key=lambda r: r["ratio"])
+            out.append(f"minimum HTA / tracelens ratio: {lo['ratio']:.1f}x ({lo['name']}) over {len(rat)} traces"
+                       + (" (HTA stopped at the timeout on " + ", ".join(r["name"] for r in rat if r["hta"].get("timed_out"))
+                          + ": lower bounds)" if any(r["hta"].get("timed_out") for r in rat) else ""))
+            rb = [r for r in rat if r.get("ratio_before")]
+            if rb:
+                lb = min(rb, key=lambda r: r["ratio_before"])
+                out.append(f"minimum HTA / before ratio: {lb['ratio_before']:.1f}x ({lb['name']})")
+        worst = max(rows, key=lambda r: r["tracelens"]["peak_mb"]) if rows else None
+        if worst:
+            out.append(f"maximum tracelens peak RSS: {worst['tracelens']['peak_mb']:.0f} MB ({worst['name']})")
+        for r in rows:
+            if r.get("hta_error"):
+                out.append(f"HTA failed on {r['name']}: {r['hta_error']}")
+    return "\n".join(out)
+
+
+def main_corpus(a) -> None:
+    work = Path(a.work or tempfile.mkdtemp(prefix="tracelens-corpus-"))
+    names = [n for n in (a.only or "").split(",") if n] or None
+    hta = not a.no_hta
+    if hta:
+        try:
+            import hta as _  # noqa: F401
+        except ImportError:
+            print("HolisticTraceAnalysis not installed (pip install --no-deps HolisticTraceAnalysis==0.5.0 "
+                  "psutil networkx pydot): tracelens only", file=sys.stderr)
+            hta = False
+    from tracelens.io.kineto import decoder
+
+    print(f"corpus at {a.target_mb:g} MB, median of {a.repeat}; CPUs usable: {len(os.sched_getaffinity(0))} of "
+          f"{os.cpu_count()}; decoder: {decoder()}; work dir {work}", flush=True)
+    rows = run_corpus(names, a.target_mb, work, repeat=a.repeat, hta=hta, log=lambda s: print(s, flush=True),
+                      compare_root=Path(a.compare_root) if a.compare_root else None, hta_timeout=a.hta_timeout)
+    print(format_corpus(rows, header=True, footer=True))
+    if a.json:
+        Path(a.json).write_text(json.dumps({"target_mb": a.target_mb, "repeat": a.repeat, "rows": rows}, indent=1))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--src", default=str(DEFAULT_SRC), help="real trace to tile")
     ap.add_argument("--target-mb", type=float, default=200.0)
     ap.add_argument("--work", default=None, help="work directory (default: a temporary one)")
     ap.add_argument("--no-hta", action="store_true", help="skip HolisticTraceAnalysis")
-    ap.add_argument("--repeat", type=int, default=1, help="repeat each measurement, report the median")
+    ap.add_argument("--repeat", type=int, default=None,
+                    help="repeat each measurement, report the median (default 1; 3 with --corpus)")
     ap.add_argument("--decoders", action="store_true", help="also time JSON decoders on the trace")
+    ap.add_argument("--corpus", action="store_true", help="every trace of the corpus, a table and the minimum ratio")
+    ap.add_argument("--only", default=None, help="with --corpus: comma-separated trace names (a subset)")
+    ap.add_argument("--json", default=None, help="with --corpus: write the rows to this JSON file")
+    ap.add_argument("--hta-timeout", type=float, default=300.0,
+                    help="with --corpus: stop an HTA run after this many seconds (ratio a lower bound; default 300)")
+    ap.add_argument("--compare-root", default=None,
+                    help="with --corpus: also run the tracelens of this other checkout (\"before\"), same minutes")
     a = ap.parse_args()
+    if a.corpus:
+        a.repeat = a.repeat or 3
+        return main_corpus(a)
+    a.repeat = a.repeat or 1
 
     work = Path(a.work or tempfile.mkdtemp(prefix="tracelens-bench-"))
     trace_dir = work / "trace"

@@ -52,6 +52,7 @@ class Analysis:
     host_window: Any = None  # boolean mask over `tree` rows: host events inside the window's steps (None: all)
     manifest: dict | None = field(default=None, repr=False)  # the run dir's manifest.json, when there is one
     _decomposition: Any = field(default=None, repr=False)  # DataFrame or the exception that stopped it
+    _comm_instances: pd.DataFrame | None = field(default=None, repr=False)
 
     def roofline(self, ceilings: Any = None):
         """Roofline of every modeled op group (tracelens.analysis.roofline); computed once per ceilings."""
@@ -72,13 +73,22 @@ class Analysis:
 
         self._roofline = roofline_result(self, ceilings=ceilings)
 
+    def comm_instances(self) -> pd.DataFrame:
+        """One row per (collective instance, rank) (tracelens.analysis.comm.collective_instances); computed
+        once and shared by `health` and `findings` (read-only: callers filter it, never change it)."""
+        if self._comm_instances is None:
+            from .analysis.comm import collective_instances
+
+            self._comm_instances = collective_instances(self)
+        return self._comm_instances
+
     def health(self) -> pd.DataFrame:
         """Trace health checks (tracelens.analysis.health): one row per finding with its severity, the ranks,
         what was found and which figures it invalidates; computed once."""
         if self._health is None:
             from .analysis.health import health_checks, run_context
 
-            self._health = health_checks(self, run_context(self.trace))
+            self._health = health_checks(self, run_context(self.trace), inst=self.comm_instances())
         return self._health
 
     def findings(self) -> list[dict[str, Any]]:
@@ -159,7 +169,7 @@ def summary_core(trace: Any, window: Any, timeline: pd.DataFrame, timeline_all: 
         st = step_timeline[step_timeline["rank"] == info.rank]
         r["steps"] = [dict(step=int(s["step"]), **_metric_fields(s),
                            startup_wait_us=_num(s.get("startup_wait_us", 0.0)),
-                           steady=used is None or int(s["step"]) in used) for _, s in st.iterrows()]
+                           steady=used is None or int(s["step"]) in used) for s in st.to_dict("records")]
         ranks.append(r)
     return {
         "schema_version": SUMMARY_SCHEMA,

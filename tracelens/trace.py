@@ -259,6 +259,10 @@ def load(
         if bar is not None:
             bar.close()
     trace = assemble(parsed)
+    del parsed
+    # Arrow's allocator keeps the buffers the conversion to pandas freed (~40% of the events table's size):
+    # hand them back, no analysis uses Arrow memory afterwards (1 GB trace: 784 -> 610 MB after the load)
+    pa.default_memory_pool().release_unused()
     trace.run_status = run_status(files)
     if trace.run_status and trace.run_status["warning"]:
         trace.warnings.insert(0, trace.run_status["warning"])

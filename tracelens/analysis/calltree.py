@@ -91,26 +91,32 @@ def build_tree(events: pd.DataFrame) -> pd.DataFrame:
     ext_a = host["external_id"].to_numpy()
     # per thread; parents first: by start, then longer first, then annotation < module < op < runtime,
     # then the one entered first (smaller External id: identical intervals of a parent and its child)
+    # (memory: a 2 GB trace has millions of host rows, 8 bytes x rows per temporary array; the ones no
+    # longer needed are dropped as the function goes, and sorted copies are made once and shared)
     order = np.lexsort((kind, -dur, ts, tid_a, pid_a, rank_a))
-    o_ts, o_dur, o_kind, o_ext = ts[order], dur[order], kind[order], ext_a[order]
-    if ((o_ts[1:] == o_ts[:-1]) & (o_dur[1:] == o_dur[:-1]) & (o_kind[1:] == o_kind[:-1])
-            & (o_ext[1:] < o_ext[:-1])).any():  # rare: sort again with the External id as the last key
+    if _tied_out_of_order(order, ts, dur, kind, ext_a):  # rare: sort again with the External id as the last key
         order = np.lexsort((ext_a, kind, -dur, ts, tid_a, pid_a, rank_a))
-    so = (rank_a[order], pid_a[order], tid_a[order])
-    new_group = np.ones(n, dtype=bool)
-    new_group[1:] = (so[0][1:] != so[0][:-1]) | (so[1][1:] != so[1][:-1]) | (so[2][1:] != so[2][:-1])
-    group = np.empty(n, dtype=np.int64)
-    group[order] = np.cumsum(new_group)
+    new_group = np.zeros(n, dtype=bool)
+    new_group[0] = True
+    for a in (rank_a, pid_a, tid_a):
+        so = a[order]
+        new_group[1:] |= so[1:] != so[:-1]
+    del so
+    o_group = np.cumsum(new_group)  # the thread of each sorted position
+    del new_group
 
     # Ranges (ops, annotations, modules) get their parents from a stack walk in Python; runtime calls,
     # ~half of all host events and always leaves, are placed afterwards with a vectorized lookup of
     # "which range was innermost at this instant" (the stack top as a step function of time).
     o_kind_a = kind[order]
     rng_pos = np.flatnonzero(o_kind_a != KIND_RUNTIME)  # sorted positions of ranges
+    o_ts, o_end = ts[order], end[order]
+    del end
     r_parent, r_depth, r_inner, r_outer, r_path, path_parent, path_name = link_ranges(
-        group[order][rng_pos], ts[order][rng_pos], end[order][rng_pos], o_kind_a[rng_pos],
-        name_codes[order][rng_pos], is_step[order][rng_pos],
+        o_group[rng_pos], o_ts[rng_pos], o_end[rng_pos], o_kind_a[rng_pos],
+        name_codes[order[rng_pos]], is_step[order[rng_pos]],
     )
+    del name_codes
 
     # back to all sorted positions: ranges' links are range indices -> sorted positions
     def spread(vals: np.ndarray, is_index: bool) -> np.ndarray:
@@ -127,9 +133,9 @@ def build_tree(events: pd.DataFrame) -> pd.DataFrame:
     inner_s = spread(r_inner, True)
     outer_s = spread(r_outer, True)
     path_s = spread(r_path, False)
+    del r_parent, r_depth, r_inner, r_outer, r_path
     rt_pos = np.flatnonzero(o_kind_a == KIND_RUNTIME)
     if len(rt_pos):
-        o_group, o_ts, o_end = group[order], ts[order], end[order]
         top = _innermost_range_at(o_group, o_ts, o_end, rng_pos, parent_s, depth_s, rt_pos)
         has = top >= 0
         parent_s[rt_pos] = top
@@ -154,7 +160,10 @@ def build_tree(events: pd.DataFrame) -> pd.DataFrame:
         safe = np.where(has, launcher, 0)
         inner_s[rt_pos] = np.where(has, launcher, -1)
         outer_s[rt_pos] = np.where(has, outer_s[safe], -1)
+        del top, has, safe, launcher, named, o_rank, o_ext
+    del o_group, o_ts, o_end, rt_pos, rng_pos, o_kind_a
     parent, depth, inner, outer, path = parent_s, depth_s, inner_s, outer_s, path_s
+    del parent_s, depth_s, inner_s, outer_s, path_s
 
     # sorted positions -> original row labels
     pos_to_label = labels[order]
@@ -178,20 +187,44 @@ def build_tree(events: pd.DataFrame) -> pd.DataFrame:
     inv = np.empty(n, dtype=np.int64)
     inv[order] = np.arange(n)
     out = host
-    out["parent"] = to_labels(parent_a)[inv]
-    out["depth"] = depth.astype(np.int32)[inv]
-    out["inner_op"] = to_labels(inner_a)[inv]
-    out["outer_op"] = to_labels(outer_a)[inv]
-    out["path"] = _path_categorical(path_str, path_a[inv])
     # self time: own duration minus the durations of direct children
     self_dur = dur.astype(np.int64).copy()
     par_pos = parent_a[inv]
     has = par_pos >= 0
     np.subtract.at(self_dur, order[par_pos[has]], dur[has])  # order: sorted -> original position
+    del par_pos, has
+    out["parent"] = to_labels(parent_a)[inv]
+    del parent, parent_a
+    out["depth"] = depth.astype(np.int32)[inv]
+    del depth
+    out["inner_op"] = to_labels(inner_a)[inv]
+    del inner, inner_a
+    out["outer_op"] = to_labels(outer_a)[inv]
+    del outer, outer_a, pos_to_label
+    out["path"] = _path_categorical(path_str, path_a[inv])
+    del path, path_a, inv, order
     out["self_dur"] = np.maximum(self_dur, 0)
     out["is_step"] = is_step
     out["step"] = np.where(is_step, step_num, -1)
     return out
+
+
+def _tied_out_of_order(order: np.ndarray, ts: np.ndarray, dur: np.ndarray, kind: np.ndarray,
+                       ext: np.ndarray) -> bool:
+    """Whether two neighbours of the sort have the same start, duration and kind but External ids in
+    descending order (then the sort is redone with the External id as its last key)."""
+    o_ts = ts[order]
+    same = o_ts[1:] == o_ts[:-1]
+    del o_ts
+    o_dur = dur[order]
+    same &= o_dur[1:] == o_dur[:-1]
+    del o_dur
+    o_kind = kind[order]
+    same &= o_kind[1:] == o_kind[:-1]
+    del o_kind
+    o_ext = ext[order]
+    same &= o_ext[1:] < o_ext[:-1]
+    return bool(same.any())
 
 
 def _path_categorical(path_str: list[str], ids: np.ndarray) -> pd.Categorical:
@@ -203,6 +236,45 @@ def _path_categorical(path_str: list[str], ids: np.ndarray) -> pd.Categorical:
     code_of = np.zeros(int(used.max(initial=0)) + 1, dtype=np.int32)
     code_of[used] = [pos[path_str[i]] for i in used.tolist()]
     return pd.Categorical.from_codes(code_of[ids], categories=pd.Index(cats))  # dtype inferred, as pd.Categorical(values) does
+
+
+def _range_depth(group: np.ndarray, ts: np.ndarray, end: np.ndarray) -> np.ndarray:
+    """Depth of each range of `link_ranges`: earlier ranges of its thread still open at its start."""
+    m = len(ts)
+    idx = np.arange(m, dtype=np.int64)
+    gstart = np.searchsorted(group, group, side="left")  # first index of each range's thread
+    # ranges of the same thread whose end <= ts_i (ended before i started), counted by searching
+    # (group, end) pairs; keys are made from times relative to the trace start
+    t0 = min(int(ts.min()), int(end.min()))
+    span = int(max(end.max(), ts.max())) - t0 + 1
+    e_order = np.lexsort((end, group))
+    if int(group.max() + 1) * span < (1 << 62):
+        ekey = group[e_order] * span + (end[e_order] - t0)
+        del e_order
+        ended = np.searchsorted(ekey, group * span + (ts - t0), side="right")
+        del ekey
+        ended -= gstart
+    else:  # astronomically long traces: per thread
+        ended = np.empty(m, dtype=np.int64)
+        for g in np.unique(group):
+            lo, hi = np.searchsorted(group, [g, g + 1])
+            ended[lo:hi] = np.searchsorted(np.sort(end[lo:hi]), ts[lo:hi], side="right")
+    # zero-length ranges at exactly ts_i that sort after i were counted as ended but are not earlier
+    zero = end == ts
+    run_start = np.flatnonzero(np.r_[True, (group[1:] != group[:-1]) | (ts[1:] != ts[:-1])])
+    run_id = np.cumsum(np.r_[True, (group[1:] != group[:-1]) | (ts[1:] != ts[:-1])]) - 1
+    run_end = np.r_[run_start[1:], m] - 1
+    zeros_per_run = np.bincount(run_id, weights=zero, minlength=len(run_start)).astype(np.int64)
+    first_zero = run_end - zeros_per_run + 1  # zero-length ranges sort last in their run (-dur)
+    fz = first_zero[run_id]
+    later_zeros = np.where(zeros_per_run[run_id] > 0, run_end[run_id] - np.maximum(idx, fz) + 1, 0)
+    del zero, run_start, run_id, run_end, zeros_per_run, first_zero, fz
+    depth = idx - gstart
+    del idx, gstart
+    depth -= ended
+    del ended
+    depth += later_zeros
+    return np.maximum(depth, 0)
 
 
 def link_ranges(group, ts, end, kind, name, is_step):
@@ -219,32 +291,7 @@ def link_ranges(group, ts, end, kind, name, is_step):
     empty = np.empty(0, np.int64)
     if m == 0:
         return empty, empty, empty, empty, empty, np.array([-1]), np.array([-1])
-    idx = np.arange(m, dtype=np.int64)
-    gstart = np.searchsorted(group, group, side="left")  # first index of each range's thread
-    # ranges of the same thread whose end <= ts_i (ended before i started), counted by searching
-    # (group, end) pairs; keys are made from times relative to the trace start
-    t0 = min(int(ts.min()), int(end.min()))
-    span = int(max(end.max(), ts.max())) - t0 + 1
-    e_order = np.lexsort((end, group))
-    if int(group.max() + 1) * span < (1 << 62):
-        ekey = group[e_order] * span + (end[e_order] - t0)
-        ended = np.searchsorted(ekey, group * span + (ts - t0), side="right") - gstart
-    else:  # astronomically long traces: per thread
-        ended = np.empty(m, dtype=np.int64)
-        for g in np.unique(group):
-            lo, hi = np.searchsorted(group, [g, g + 1])
-            ended[lo:hi] = np.searchsorted(np.sort(end[lo:hi]), ts[lo:hi], side="right")
-    # zero-length ranges at exactly ts_i that sort after i were counted as ended but are not earlier
-    zero = end == ts
-    run_start = np.flatnonzero(np.r_[True, (group[1:] != group[:-1]) | (ts[1:] != ts[:-1])])
-    run_id = np.cumsum(np.r_[True, (group[1:] != group[:-1]) | (ts[1:] != ts[:-1])]) - 1
-    run_end = np.r_[run_start[1:], m] - 1
-    zeros_per_run = np.bincount(run_id, weights=zero, minlength=len(run_start)).astype(np.int64)
-    first_zero = run_end - zeros_per_run + 1  # zero-length ranges sort last in their run (-dur)
-    fz = first_zero[run_id]
-    later_zeros = np.where(zeros_per_run[run_id] > 0, run_end[run_id] - np.maximum(idx, fz) + 1, 0)
-    depth = (idx - gstart) - (ended - later_zeros)
-    depth = np.maximum(depth, 0)
+    depth = _range_depth(group, ts, end)  # (a function of its own: its temporaries go when it returns)
 
     parent = np.full(m, -1, dtype=np.int64)
     inner = np.full(m, -1, dtype=np.int64)

@@ -94,7 +94,7 @@ def findings(analysis, small_us: float = H.SMALL_KERNEL_US) -> list[dict[str, An
             "recoverable_us": rec, "ranks": ls["rank"].astype(int).tolist(),
         })
 
-    inst_all = CM.collective_instances(a)
+    inst_all = a.comm_instances() if hasattr(a, "comm_instances") else CM.collective_instances(a)
     inst = inst_all[inst_all["step"].isin(sw.used)] if restricts and not inst_all.empty else inst_all
     if not inst.empty:
         ok = inst[~inst["startup"] & inst["cross_rank"]]  # sync wait needs every rank of the group

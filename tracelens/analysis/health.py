@@ -336,16 +336,16 @@ def _linking(analysis, add) -> None:
 
 def _shapes_and_stacks(analysis, add) -> None:
     tree = analysis.tree
-    ops = tree[tree["kind"].to_numpy() == 2] if not tree.empty else tree
-    if ops.empty:
+    is_op = tree["kind"].to_numpy() == 2  # the two columns read, not a copy of the ops' rows of the whole tree
+    if not is_op.any():
         return
-    has_dims = ~pd.isna(ops["input_dims"]).to_numpy()
-    by_rank = pd.Series(has_dims).groupby(ops["rank"].to_numpy()).mean()
+    has_dims = ~pd.isna(tree["input_dims"]).to_numpy()[is_op]
+    by_rank = pd.Series(has_dims).groupby(tree["rank"].to_numpy()[is_op]).mean()
     none = [int(r) for r, v in by_rank.items() if v == 0]
     if none:
         add("record_shapes", "warning", none, f"rank(s) {_list(none)}: none of the ops carries input shapes (the trace "
             "was recorded without record_shapes=True)", "ops by input shape, roofline FLOPs/bytes and % of ceiling, "
-            "replay scripts, shape-based findings", ops=int(len(ops)))
+            "replay scripts, shape-based findings", ops=int(is_op.sum()))
     ev = analysis.trace.events
     py = C.isin(ev["cat"], C.PYTHON_CATS)
     stacks = "call_stack" in ev.columns and bool(C.map_strings(ev["call_stack"], lambda s: s != "").any())

@@ -148,11 +148,13 @@ def _owner_rows(tree: pd.DataFrame, op_rows: np.ndarray) -> tuple[np.ndarray, np
     return labels.to_numpy()[cur], enclosing[cur]
 
 
-def _event_col(ev: pd.DataFrame, rows: np.ndarray, col: str) -> np.ndarray:
-    """The string arg `col` of event rows (labels), "" where absent."""
-    if col not in ev:
-        return np.full(len(rows), "", dtype=object)
-    return C.strings(ev[col].iloc[ev.index.get_indexer(rows)])
+def _codes_at(col: pd.Series, pos: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Codes of a (categorical) string column at positions `pos`, and the lookup table code -> str
+    (code -1, a missing value, -> "", the last entry)."""
+    if not isinstance(col.dtype, pd.CategoricalDtype):
+        col = col.astype("category")
+    lut = np.array([str(c) for c in col.cat.categories] + [""], dtype=object)
+    return col.cat.codes.to_numpy()[pos].astype(np.int64), lut
 
 
 def _empty(cols) -> pd.DataFrame:
@@ -190,20 +192,24 @@ def roofline_result(analysis, ceilings: Any = None) -> RooflineResult:
     rows = per.index.to_numpy()
     ev = analysis.trace.events
     at = tree.index.get_indexer(rows)  # owners are tree rows: one lookup for every column
-    ops = pd.DataFrame({  # strings looked up per category ("" where an arg is absent)
-        "rank": tree["rank"].to_numpy()[at],
-        "op": C.strings(tree["name"].iloc[at]),
-        "input_dims": C.strings(tree["input_dims"].iloc[at]),
-        "input_types": C.strings(tree["input_types"].iloc[at]),
-        "concrete_inputs": _event_col(ev, rows, "concrete_inputs"),
-        "input_strides": _event_col(ev, rows, "input_strides"),
-        "dur_ns": per["sum"].to_numpy(),
-        "kernels": per["size"].to_numpy(),
-        "nested": np.isin(rows, owner_u[nested_u]),
-    })
-    ops["device"] = ops["rank"].map(rank_dev).fillna("unknown device")
     keys = ["device", "op", "input_dims", "input_types", "concrete_inputs", "input_strides", "nested"]
-    grp = ops.groupby(keys, sort=False).agg(count=("dur_ns", "size"), kernels=("kernels", "sum"),
+    # grouped first on (rank, string codes), then the few groups' strings are looked up and grouped again
+    # by device and text: no string per owner row (a 1 GB trace has ~10^5 owners)
+    cols = {"rank": tree["rank"].to_numpy()[at]}
+    texts = {}
+    for key, col in (("op", tree["name"]), ("input_dims", tree["input_dims"]), ("input_types", tree["input_types"])):
+        cols[key], texts[key] = _codes_at(col, at)
+    ev_at = ev.index.get_indexer(rows)
+    for key in ("concrete_inputs", "input_strides"):
+        cols[key], texts[key] = _codes_at(ev[key], ev_at) if key in ev else (np.full(len(rows), -1), None)
+    cols.update(dur_ns=per["sum"].to_numpy(), kernels=per["size"].to_numpy(), nested=np.isin(rows, owner_u[nested_u]))
+    first = ["rank", "op", "input_dims", "input_types", "concrete_inputs", "input_strides", "nested"]
+    ops = pd.DataFrame(cols).groupby(first, sort=False).agg(
+        count=("dur_ns", "size"), kernels=("kernels", "sum"), dur_ns=("dur_ns", "sum")).reset_index()
+    for key, lut in texts.items():  # codes -> strings ("" where an arg is absent: code -1)
+        ops[key] = lut[ops[key].to_numpy()] if lut is not None else np.full(len(ops), "", dtype=object)
+    ops["device"] = ops["rank"].map(rank_dev).fillna("unknown device")
+    grp = ops.groupby(keys, sort=False).agg(count=("count", "sum"), kernels=("kernels", "sum"),
                                             dur_ns=("dur_ns", "sum")).reset_index()
     total_us = float(grp["dur_ns"].sum()) / 1e3
     results = [perfmodels.Result(None, NESTED_REASON) if n else perfmodels.model(o, d, t, c, s) for o, d, t, c, s, n in

@@ -234,7 +234,8 @@ class StepWindow:
 
     @property
     def excluded_steps(self) -> list[int]:
-        return sorted({int(e["step"]) for e in self.excluded if int(e["step"]) not in self.used})
+        used = {int(u) for u in self.used}  # (a set: thousands of steps)
+        return sorted({int(e["step"]) for e in self.excluded if int(e["step"]) not in used})
 
     def describe(self) -> str:
         """One line for reports and the terminal."""
@@ -243,7 +244,8 @@ class StepWindow:
         if self.mode == ALL:
             return f"whole profiled window: every step ({_ranges(self.steps)}) and the events between them"
         text = f"steady-state steps {_ranges(self.used)} of {_ranges(self.steps)}"
-        left = [e for e in self.excluded if int(e["step"]) not in self.used]
+        used = {int(u) for u in self.used}  # (a set: a list lookup per excluded step is quadratic)
+        left = [e for e in self.excluded if int(e["step"]) not in used]
         if left:
             text += "; excluded " + "; ".join(f"step {e['step']} ({REASON_TEXT.get(e['reason'], e['reason'])}: "
                                                f"{e['detail']})" for e in left)
@@ -255,12 +257,13 @@ class StepWindow:
         return text
 
     def to_dict(self) -> dict:
+        used = {int(u) for u in self.used}
         return {
             "mode": self.mode,
             "steps": [int(s) for s in self.steps],
             "steps_used": [int(s) for s in self.used],
             "steps_excluded": [{"step": int(e["step"]), "reason": e["reason"], "ranks": [int(r) for r in e["ranks"]],
-                                "detail": e["detail"], "kept": int(e["step"]) in self.used} for e in self.excluded],
+                                "detail": e["detail"], "kept": int(e["step"]) in used} for e in self.excluded],
             "cuts": [{"rank": int(r), "start_ns": int(s), "end_ns": int(e), "us": round((e - s) / US, 3)}
                      for r, iv in sorted(self.cuts.items()) for s, e in iv],
             "gpu_events_outside_steps": int(self.outside_gpu_events),

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import mmap
 import os
 import re
 import shutil
@@ -45,7 +46,7 @@ import pyarrow as pa
 from ..errors import TraceError
 
 from .checks import MAX_ABS_US, UNREPRESENTABLE, check_events
-from .scanner import FAST_FEED, Scan, _kineto_fast, decoder, fast_enabled, read_bytes  # noqa: F401 - re-exported
+from .scanner import FAST_FEED, Scan, _kineto_fast, decoder, fast_enabled, map_file, read_bytes  # noqa: F401 - re-exported
 
 BATCH = 32768  # events per decode: smaller batches lower the peak memory, larger ones gain nothing measurable
 
@@ -855,7 +856,7 @@ def _parse_file(path: str | os.PathLike, data: bytes | list | None = None, paral
     if scan is not None:
         data = scan.data
     elif data is None:
-        data = read_bytes(path)
+        data = (map_file(path) if fast_enabled() else None) or read_bytes(path)
     if scan is not None or fast_enabled():
         try:
             if scan is None:
@@ -866,6 +867,8 @@ def _parse_file(path: str | os.PathLike, data: bytes | list | None = None, paral
             pass  # the msgspec path is the reference: it parses what the scanner does not take, or names the problem
         finally:
             scan = None
+    if isinstance(data, mmap.mmap):  # the msgspec path keeps slices of the bytes: read them into memory
+        data = data[:]
     doc, raws = _doc_and_raws(path, data)
     del data
     n_total = len(raws)

@@ -52,6 +52,13 @@ class Prefetch:
                     # a cached file needs no scan (the load checks the entry against this identity)
                     self._key, self._source = key, _cache.source_of_identity(ident)
                     return
+            mapped = None if use_cache else scanner.map_file(self.path)  # (a cached load hashes the bytes it scans)
+            if mapped is not None:
+                scan = self._active = scanner.Scan(mapped)
+                del mapped
+                scan.run()
+                self.scan = scan
+                return
             raw = scanner.read_raw(self.path)
             if use_cache:  # the key of exactly these bytes (no second read, no second hash)
                 self._key = _cache.key_of(self.path, cache_root, raw=raw, ident=ident)

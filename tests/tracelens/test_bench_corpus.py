@@ -1,0 +1,68 @@
+"""benchmarks/bench_load.py --corpus on a tiny tiled size, tracelens only (HTA is not installed in CI):
+every trace is tiled, loaded and analyzed in a fresh process, and the table's GPU busy time and kernel
+count equal what the tiled file's raw JSON says (union of GPU event intervals, read with the standard
+library)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from decimal import Decimal
+from pathlib import Path
+
+import pytest
+
+from ..conftest import merged_length
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "benchmarks"))
+import bench_load  # noqa: E402
+
+GPU_CATS = {"kernel", "gpu_memcpy", "gpu_memset"}
+NAMES = ["moe_grouped", "mi250", "cpu_tiny"]
+
+
+def _raw_truth(path: Path) -> tuple[float | None, int]:
+    with open(path) as f:
+        events = json.load(f, parse_float=Decimal)["traceEvents"]
+    gpu = [(Decimal(e["ts"]), Decimal(e["ts"]) + Decimal(e.get("dur", 0))) for e in events
+           if e.get("ph") == "X" and e.get("cat") in GPU_CATS]
+    kernels = sum(1 for e in events if e.get("ph") == "X" and e.get("cat") == "kernel")
+    return (float(merged_length(gpu)) if gpu else None), kernels
+
+
+def test_corpus_table_matches_the_raw_json(tmp_path):
+    rows = bench_load.run_corpus(NAMES, target_mb=1.0, work=tmp_path, repeat=1, hta=False)
+    assert [r["name"] for r in rows] == NAMES
+    for r in rows:
+        trace = tmp_path / f"{r['name']}-1MB" / "rank0.json"
+        assert trace.exists() and r["size_mb"] == pytest.approx(trace.stat().st_size / 1e6)
+        busy, kernels = _raw_truth(trace)
+        t = r["tracelens"]
+        assert t["kernels"] == kernels, r["name"]
+        if busy is None:  # the CPU-only trace
+            assert t["busy_us"] is None and kernels == 0
+        else:
+            assert t["busy_us"] == pytest.approx(busy, rel=1e-9, abs=1e-3), r["name"]
+        assert t["wall_s"] > 0 and t["peak_mb"] > 0 and r["hta"] is None and "ratio" not in r
+    table = bench_load.format_corpus(rows)
+    for n in NAMES:
+        assert n in table
+    assert "(no GPU)" in table and "maximum tracelens peak RSS" in table and "minimum HTA" not in table
+
+
+def test_corpus_cli_subset(tmp_path):
+    out = tmp_path / "rows.json"
+    r = subprocess.run([sys.executable, "benchmarks/bench_load.py", "--corpus", "--no-hta", "--only", "mi250",
+                        "--repeat", "1", "--target-mb", "0.5", "--work", str(tmp_path), "--json", str(out)],
+                       cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "median of 1" in r.stdout and r.stdout.count("\nmi250 ") >= 1
+    rows = json.loads(out.read_text())["rows"]
+    assert [x["name"] for x in rows] == ["mi250"]
+    busy, kernels = _raw_truth(tmp_path / "mi250-0.5MB" / "rank0.json")
+    assert rows[0]["tracelens"]["busy_us"] == pytest.approx(busy, rel=1e-9) and rows[0]["tracelens"]["kernels"] == kernels
+    bad = subprocess.run([sys.executable, "benchmarks/bench_load.py", "--corpus", "--no-hta", "--only", "nope"],
+                         cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert bad.returncode != 0 and "unknown corpus trace(s) nope" in bad.stderr
