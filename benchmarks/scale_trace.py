@@ -48,6 +48,28 @@ def _max_id(events: list[dict]) -> int:
     return best
 
 
+def shifted_copy(e: dict, c: int, period: float, id_step: int, step_span: int) -> dict:
+    """Copy number ``c`` of event ``e``: ``c`` periods later, its ids (correlation, External id, Python ids,
+    flow id) moved past every id of the other copies, its step number ``c * step_span`` on."""
+    e2 = dict(e)
+    e2["ts"] = round(float(e["ts"]) + c * period, 3)
+    if not c:
+        return e2
+    a = e.get("args")
+    if isinstance(a, dict):
+        a2 = dict(a)
+        for k in _ID_ARGS:
+            v = a2.get(k)
+            if isinstance(v, int) and v >= 0:
+                a2[k] = v + c * id_step
+        e2["args"] = a2
+    if isinstance(e.get("id"), int):
+        e2["id"] = e["id"] + c * id_step
+    if step_span and (m := _STEP.match(str(e.get("name", "")))):
+        e2["name"] = f"{m.group(1)}{int(m.group(2)) + c * step_span}" + str(e["name"])[m.end():]
+    return e2
+
+
 def scale(src: str, out: str, copies: int | None = None, target_mb: float | None = None) -> tuple[int, int]:
     """Write the tiled trace; returns (copies, events written)."""
     doc = _load(src)
@@ -75,24 +97,7 @@ def scale(src: str, out: str, copies: int | None = None, target_mb: float | None
             first = False
             n += 1
         for c in range(copies):
-            shift = c * period
-            buf = []
-            for e in timed:
-                e2 = dict(e)
-                e2["ts"] = round(float(e["ts"]) + shift, 3)
-                a = e.get("args")
-                if isinstance(a, dict) and c:
-                    a2 = dict(a)
-                    for k in _ID_ARGS:
-                        v = a2.get(k)
-                        if isinstance(v, int) and v >= 0:
-                            a2[k] = v + c * id_step
-                    e2["args"] = a2
-                if c and isinstance(e.get("id"), int):
-                    e2["id"] = e["id"] + c * id_step
-                if c and step_span and (m := _STEP.match(str(e.get("name", "")))):
-                    e2["name"] = f"{m.group(1)}{int(m.group(2)) + c * step_span}" + str(e["name"])[m.end():]
-                buf.append(enc.encode(e2))
+            buf = [enc.encode(shifted_copy(e, c, period, id_step, step_span)) for e in timed]
             f.write((b"" if first else b",") + b",".join(buf))
             first = False
             n += len(buf)

@@ -28,7 +28,7 @@ from pathlib import Path
 import msgspec
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from scale_trace import _ID_ARGS, _STEP, _load, _max_id  # noqa: E402
+from scale_trace import _STEP, _load, _max_id, shifted_copy  # noqa: E402
 
 _PG_NAME = re.compile(rb'("Process Group Name": ?")([^"]*)(")')
 _PG_RANKS = re.compile(rb'("Process Group Ranks": ?")\[([0-9, ]*)\](")')
@@ -75,23 +75,7 @@ def tile_time(files: list[Path], out_dir: Path, target_mb: float) -> list[Path]:
             fh.write(b",".join(enc.encode(e) for e in meta))
             first = not meta
             for c in range(copies):
-                buf = []
-                for e in timed:
-                    e2 = dict(e)
-                    e2["ts"] = round(float(e["ts"]) + c * period, 3)
-                    a = e.get("args")
-                    if isinstance(a, dict) and c:
-                        a2 = dict(a)
-                        for k in _ID_ARGS:
-                            v = a2.get(k)
-                            if isinstance(v, int) and v >= 0:
-                                a2[k] = v + c * id_step
-                        e2["args"] = a2
-                    if c and isinstance(e.get("id"), int):
-                        e2["id"] = e["id"] + c * id_step
-                    if c and step_span and (m := _STEP.match(str(e.get("name", "")))):
-                        e2["name"] = f"{m.group(1)}{int(m.group(2)) + c * step_span}" + str(e["name"])[m.end():]
-                    buf.append(enc.encode(e2))
+                buf = [enc.encode(shifted_copy(e, c, period, id_step, step_span)) for e in timed]
                 fh.write((b"" if first else b",") + b",".join(buf))
                 first = False
             fh.write(b"]}")

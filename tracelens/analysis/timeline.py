@@ -55,7 +55,12 @@ def _metrics(g: pd.DataFrame, cut: list | None = None) -> dict:
     c_or_n = U(C, N)
     c_n_y = U(C, N, Y)
     busy = U(C, N, Y, M)
-    span = end - start - cut_len
+    return _figures(end - start - cut_len, busy, compute, comm_u, c_or_n, c_n_y, U(Y), U(M), int(is_k.sum()),
+                    start, end)
+
+
+def _figures(span, busy, compute, comm_u, c_or_n, c_n_y, memcpy, memset, kernels, start, end) -> dict:
+    """The timeline figures (µs) from the union lengths (ns): scalars for one group, arrays for many."""
     exposed = c_or_n - compute
     return {
         "span_us": span / NS_PER_US,
@@ -63,13 +68,13 @@ def _metrics(g: pd.DataFrame, cut: list | None = None) -> dict:
         "gpu_idle_us": (span - busy) / NS_PER_US,
         "compute_us": compute / NS_PER_US,
         "comm_us": comm_u / NS_PER_US,
-        "memcpy_us": U(Y) / NS_PER_US,
-        "memset_us": U(M) / NS_PER_US,
+        "memcpy_us": memcpy / NS_PER_US,
+        "memset_us": memset / NS_PER_US,
         "exposed_comm_us": exposed / NS_PER_US,
         "overlapped_comm_us": (comm_u - exposed) / NS_PER_US,
         "excl_memcpy_us": (c_n_y - c_or_n) / NS_PER_US,
         "excl_memset_us": (busy - c_n_y) / NS_PER_US,
-        "kernel_count": int(is_k.sum()),
+        "kernel_count": kernels,
         "start_ns": start,
         "end_ns": end,
     }
@@ -160,24 +165,10 @@ def _step_metrics(data: pd.DataFrame) -> pd.DataFrame | None:
     c_or_n = U(comp | comm)
     c_n_y = U(comp | comm | cpy)
     busy = U(comp | comm | cpy | mst)
-    span = end - start
-    exposed = c_or_n - compute
     return pd.DataFrame({
         "rank": pairs[:, 0], "step": pairs[:, 1],
-        "span_us": span / NS_PER_US,
-        "gpu_busy_us": busy / NS_PER_US,
-        "gpu_idle_us": (span - busy) / NS_PER_US,
-        "compute_us": compute / NS_PER_US,
-        "comm_us": comm_u / NS_PER_US,
-        "memcpy_us": U(cpy) / NS_PER_US,
-        "memset_us": U(mst) / NS_PER_US,
-        "exposed_comm_us": exposed / NS_PER_US,
-        "overlapped_comm_us": (comm_u - exposed) / NS_PER_US,
-        "excl_memcpy_us": (c_n_y - c_or_n) / NS_PER_US,
-        "excl_memset_us": (busy - c_n_y) / NS_PER_US,
-        "kernel_count": np.bincount(gid, weights=is_k, minlength=n).astype(np.int64),
-        "start_ns": start,
-        "end_ns": end,
+        **_figures(end - start, busy, compute, comm_u, c_or_n, c_n_y, U(cpy), U(mst),
+                   np.bincount(gid, weights=is_k, minlength=n).astype(np.int64), start, end),
     }, columns=TIMELINE_COLUMNS)
 
 
