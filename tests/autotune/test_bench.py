@@ -53,11 +53,17 @@ def test_bench_autotune_smoke(tmp_path):
     assert re.search(r"^guided: 2 trials \(replay of the grid's measurements\)", r.stdout, re.M)
     m = re.search(r"^guided's configuration, as the grid measured it, vs the grid best: ([0-9.]+) .*"
                   r"guided's own measurement of it: ([0-9.]+)$", r.stdout, re.M)
-    assert m and float(m.group(1)) == pytest.approx(max(guided.values()) / best, abs=1e-4)
+    summary = json.loads((out / "bench_autotune.json").read_text())
+    # the configuration the guided search ends on: the torch move is kept only when it beats the loop
+    # baseline by more than the noise (on the CPU the two can tie, and the baseline stays)
+    kept = summary["guided_best"]["knobs"]["grouped_gemm_backend"]
+    expect = grid[kept][1] / best
+    assert kept == "torch" or grid["torch"][1] / grid["loop"][1] < 1.05, summary["guided_path"]
+    assert m and float(m.group(1)) == pytest.approx(expect, abs=1e-4)
     assert float(m.group(2)) == float(m.group(1))  # replay: the same measurement
     assert re.search(r"^guided ran 100% of the grid's trials \(target <= 30%\): MISS$", r.stdout, re.M)
-    summary = json.loads((out / "bench_autotune.json").read_text())
-    assert (summary["grid_trials"], summary["guided_trials"], summary["ratio"], summary["config_ratio"]) == (2, 2, 1.0, 1.0)
-    assert summary["guided_best_in_grid"] == best
+    assert (summary["grid_trials"], summary["guided_trials"]) == (2, 2)
+    assert summary["config_ratio"] == pytest.approx(expect, abs=1e-4) and summary["ratio"] == summary["config_ratio"]
+    assert summary["guided_best_in_grid"] == grid[kept][1]
     assert summary["pass"] is False  # 2 of 2 trials is not <= 30 %: a 2-point grid cannot show the saving
     assert (out / "grid" / "sweep.html").exists() and (out / "guided" / "sweep.html").exists()
