@@ -10,9 +10,16 @@ it: the model is refit on every measurement. The search stops when no candidate'
 the incumbent beats the measured noise (``guided.noise_z`` standard errors of the incumbent's
 objective, at least ``guided.min_gain``), or the budget is spent.
 
+A knob the model has no mechanism for (``compile``, ``cuda_graphs``: what they buy depends on code
+generation no trace of the unchanged run shows) does not stop the model: a point is predicted only from
+a measured trial with the same values of every such knob (its context). When no prediction beats the
+noise and some context has never run, the search measures it once, at the allowed point nearest the
+incumbent, and goes on from there (kept or not, that trial anchors its context's predictions).
+
 The policy's rules (``autotune/policy.py``) are no longer what orders the moves; the findings that
 motivate them are still shown in each trial's report. Without a usable model (no profiled step in the
-baseline's traces, a trainer that is not ours) the sweep falls back to the rules.
+baseline's traces, a trainer that is not ours, a space of unmodeled knobs only) the sweep falls back to
+the rules.
 """
 
 from __future__ import annotations
@@ -52,16 +59,25 @@ class ModelSearch:
         return m
 
     def ready(self, base: dict) -> bool:
-        from tracelens.projection.whatif import MODELED, NEUTRAL
-
-        other = [k for k in self.space.knobs if k not in MODELED and k not in NEUTRAL]
-        if other:
-            self.why = f"the model has no mechanism for {', '.join(other)}"
-            return False
         if self.model_of(base) is None:
             self.why = self.failed.get(base["id"], "no model")
             return False
+        if len(self.unmodeled) == len(self.space.knobs):
+            self.why = f"the model has no mechanism for any knob of the space ({', '.join(self.unmodeled)})"
+            return False
         return True
+
+    @property
+    def unmodeled(self) -> list[str]:
+        """The space's knobs the model has no mechanism for (e.g. ``compile``): it predicts a point only from a
+        measured trial with the same values of all of them (its *context*); each context is measured once,
+        from the point nearest the incumbent, before the search may stop."""
+        from tracelens.projection.whatif import MODELED, NEUTRAL
+
+        return [k for k in self.space.knobs if k not in MODELED and k not in NEUTRAL]
+
+    def _context(self, knobs: dict) -> tuple:
+        return tuple(repr(knobs.get(k)) for k in self.unmodeled)
 
     # ------------------------------------------------------------------ predictions
     def _anchor(self, point: dict, anchors: list[dict], best: dict) -> dict:
@@ -101,12 +117,19 @@ class ModelSearch:
             measured = [t for t in sw.store.trials(finished_only=True)
                         if t["status"] == "ok" and t["run_dir"] and key_of(t["knobs"]) in seen]
             anchors = [t for t in measured if self.model_of(t) is not None] or [best]
-            cands = []
+            by_ctx: dict[tuple, list[dict]] = {}
+            for t in anchors:
+                by_ctx.setdefault(self._context(t["knobs"]), []).append(t)
+            cands, unexplored = [], []
             for p in space.grid():
                 k = key_of(p)
                 if k in seen or k in skipped_oom:
                     continue
-                pr = self.predict(p, self._anchor(p, anchors, best))
+                same = by_ctx.get(self._context(p))
+                if not same:  # a value of a knob the model cannot predict, never measured with these
+                    unexplored.append(p)
+                    continue
+                pr = self.predict(p, self._anchor(p, same, best))
                 if pr is None or "error" in pr:
                     continue
                 if not pr["fits"]:
@@ -116,17 +139,24 @@ class ModelSearch:
                     self._record(None, p, pr, "predicted OOM: not run")
                     continue
                 cands.append((pr["objective"], p, pr))
+            stop = None
             if not cands:
-                return "every allowed point measured or predicted not to fit"
-            cands.sort(key=lambda c: c[0], reverse=space.maximize)
-            obj, point, pr = cands[0]
-            inc = best["objective"]
-            gain = (obj - inc) / abs(inc) if space.maximize else (inc - obj) / abs(inc)
-            se = float((best["metrics"] or {}).get("noise") or 0.0)
-            noise = max(space.min_gain, space.noise_z * se)
-            if gain <= noise:
-                return (f"no candidate's predicted gain beats the noise (best: {_fmt(point)} predicted "
-                        f"{gain:+.1%} vs noise {noise:.1%})")
+                stop = "every allowed point measured or predicted not to fit"
+            else:
+                cands.sort(key=lambda c: c[0], reverse=space.maximize)
+                obj, point, pr = cands[0]
+                inc = best["objective"]
+                gain = (obj - inc) / abs(inc) if space.maximize else (inc - obj) / abs(inc)
+                se = float((best["metrics"] or {}).get("noise") or 0.0)
+                noise = max(space.min_gain, space.noise_z * se)
+                if gain <= noise:
+                    stop = (f"no candidate's predicted gain beats the noise (best: {_fmt(point)} predicted "
+                            f"{gain:+.1%} vs noise {noise:.1%})")
+            if stop is not None:
+                if not unexplored:
+                    return stop
+                best = self._explore(unexplored, best)
+                continue
             why = (f"what-if from trial {pr['anchor']}: predicted {obj:.4g} ({gain:+.1%} +/- "
                    f"{100 * pr['uncertainty']:.0f}%)" + (f"; {pr['change']}" if pr["change"] else ""))
             cur = best
@@ -137,6 +167,29 @@ class ModelSearch:
             if t["decision"] == "kept":
                 best = t
         return "budget spent"
+
+    def _explore(self, unexplored: list[dict], best: dict) -> dict:
+        """Measure one point of a context no trial has: the one nearest the incumbent (fewest knobs changed;
+        ties: fewest unmodeled knobs changed, then grid order). Returns the incumbent after it."""
+        sw = self.sw
+        inc = best["knobs"]
+
+        def dist(p):
+            return (sum(1 for k in self.space.knobs if p.get(k) != inc.get(k)),
+                    sum(1 for k in self.unmodeled if p.get(k) != inc.get(k)))
+
+        point = min(unexplored, key=dist)
+        what = ", ".join(f"{k}={point[k]}" for k in self.unmodeled if point.get(k) != inc.get(k)) or "context"
+        why = f"what-if: no mechanism for {what}: measured once, nearest the incumbent"
+        cur = best
+        t = sw.evaluate(point, why, parent=cur, source="whatif",
+                        decide=lambda t, cur=cur: "kept" if sw.better(t, cur) else
+                        ("failed" if t["status"] != "ok" else "reverted"))
+        row = {"objective": float("nan"), "uncertainty": float("nan"), "anchor": None, "peak_gib": None,
+               "modeled": [f"not predicted: {what} has no mechanism in the model"], "components_ms": {},
+               "base_components_ms": {}}
+        self._record(t, point, row, t["decision"])
+        return t if t["decision"] == "kept" else best
 
     def _record(self, t: dict | None, point: dict, pr: dict, decision: str | None) -> None:
         row = {"trial": t["id"] if t else None, "knobs": point, "predicted": pr["objective"],

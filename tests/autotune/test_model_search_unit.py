@@ -91,3 +91,32 @@ def test_a_point_predicted_not_to_fit_is_never_run(tmp_path, monkeypatch):
     con.close()
     not_run = [p["knobs"] for p in preds if p["status"] == "not run"]
     assert _pt("torch", 8) in not_run and _pt("triton", 8) in not_run
+
+
+class _CompileModel(_Model):
+    def predict(self, point: dict) -> _Pred:
+        assert point.get("compile", "none") == self.anchor.get("compile", "none"), "predicted across contexts"
+        p = (point["grouped_gemm_backend"], point["micro_batch_size"])
+        a = (self.anchor["grouped_gemm_backend"], self.anchor["micro_batch_size"])
+        f = 1.2 if point.get("compile") == "dense" else 1.0
+        return _Pred(TRUE[p] * f, TRUE[a] * f)
+
+
+def test_a_knob_without_a_mechanism_is_measured_once_per_value_from_the_incumbent(tmp_path, monkeypatch):
+    # compile has no mechanism in the model: a point is predicted only from a trial with the same compile;
+    # when no prediction beats the noise the search measures compile=dense once, at the incumbent's other
+    # knobs (torch/8), keeps it (x1.2), then predicts the dense points from that trial: triton/8 dense (468)
+    # does not beat 480, and it stops
+    knobs = {**KNOBS, "compile": ["none", "dense"]}
+    space = parse_space({"config": "tiny", "knobs": knobs, "baseline": {**_pt("loop", 2), "compile": "none"},
+                         "budget": {"trials": 8}}, check_trainer=False)
+    table = {key_of({**_pt(b, m), "compile": c}): (v * (1.2 if c == "dense" else 1.0), [], {}, 0.0)
+             for (b, m), v in TRUE.items() for c in ("none", "dense")}
+    monkeypatch.setattr(ModelSearch, "model_of", lambda self, t: _CompileModel(t["knobs"], {}, set()))
+    res = run_sweep(space, tmp_path, log=lambda m: None, runner=FakeRunner(table))
+    got = [(p["knobs"], p["decision"]) for p in res.path]
+    assert got == [({**_pt("loop", 2), "compile": "none"}, "start"), ({**_pt("torch", 8), "compile": "none"}, "kept"),
+                   ({**_pt("torch", 8), "compile": "dense"}, "kept")]
+    assert "no mechanism for compile=dense: measured once" in res.path[2]["motivation"]
+    assert res.stopped.startswith("no candidate's predicted gain beats the noise")
+    assert res.best["objective"] == 480.0

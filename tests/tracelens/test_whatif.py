@@ -289,3 +289,60 @@ def test_the_unrecorded_device_drain_of_a_real_loop_run_is_found():
     # unchanged, the model still predicts the measurement
     base = m.predict({})
     assert base.tokens_per_s_per_gpu == pytest.approx(m.base_tokens_per_s_per_gpu, rel=1e-6)
+
+
+def _with_end_sync(units: list[tuple[int, int, int]], sync: tuple[int, int]) -> P.StepProfile:
+    """A synthetic step that ends with a recorded blocking sync ``(ts, end)`` (the trainer's step timing)."""
+    import pandas as pd
+
+    p = _synthetic_profile(units)
+    p.syncs = pd.DataFrame({"ts": [sync[0]], "end": [sync[1]], "moe": [False], "path": [""]})
+    p.end = sync[1] + 10_000
+    return p
+
+
+@pytest.mark.parametrize("dur", [8_000_000, 20_000_000])
+def test_events_timing_lets_the_host_queue_the_next_steps(dur):
+    """sync -> events on a step whose host works 9 ms and then launches one unit of ``dur``, then waits for it.
+    By hand, with the log point every 4 steps (a blocking read after the 4th): host-bound (8 ms unit), steps
+    1-3 last the host's 9.01 ms and the 4th the whole synced step; device-bound (20 ms), the device runs the
+    four units back to back from the first launch and the read returns after the last."""
+    launch, lat, ret, tail = 9_000_000, 5_000, 15_000, 10_000
+    units = [(launch, launch + lat, dur)]
+    sync = (launch + 10_000, launch + lat + dur + ret)
+    p = _with_end_sync(units, sync)
+    prog = R.prepare(p)
+    plan = R.Plan.of(prog, profiler_lead=False)
+    synced = plan.replay(1.0).step_ns
+    assert synced == pytest.approx(sync[1] + tail, abs=2_000)  # the measured step, replayed
+    modeled: list = []
+    W.Model._step_timing(plan, p, "sync", "events", modeled, [])
+    assert plan.kind.count(1) == 0 and "sync after the step dropped (1" in modeled[0]
+    res = plan.replay_chain(1.0, 4, ret)
+    host = launch + 10_000 + tail  # the host's own time a step: up to the (dropped) sync's start, and the tail
+    if dur < host:
+        expect = (3 * host + synced) / 4
+    else:
+        expect = (launch + lat + 4 * dur + ret + tail) / 4
+    assert res.step_ns == pytest.approx(expect, rel=2e-3)
+    assert sum(res.components.values()) == pytest.approx(res.step_ns, rel=1e-9)
+    assert all(v >= -1e-6 for v in res.components.values())
+    # and back: events -> sync adds the sync after the last launch, on a drained device
+    W.Model._step_timing(plan, p, "events", "sync", [], [])
+    assert plan.replay(1.0).step_ns == pytest.approx(synced, abs=2_000)
+
+
+def test_events_timing_on_a_real_run_never_slows_a_step_and_cpu_is_unchanged():
+    m = W.Model.from_run(FIX / "h100_proxy_loop_mbs8")
+    p = m.predict({"step_timing": "events"})
+    assert p.step_s <= m.base_step_s * (1 + 1e-9)
+    assert sum(p.components.values()) == pytest.approx(p.step_s, rel=1e-6)
+    assert any("step_timing sync -> events" in x for x in p.modeled)
+    ep = W.Model.from_run(EP2[0])  # two ranks: the slower one's chain decides
+    assert ep.predict({"step_timing": "events"}).step_s <= ep.base_step_s * (1 + 1e-9)
+    cpu = _synthetic_profile([(0, 5_000, 20_000)])
+    cpu.device = "cpu"
+    plan = R.Plan.of(R.prepare(cpu))
+    modeled: list = []
+    W.Model._step_timing(plan, cpu, "sync", "events", modeled, [])
+    assert "no change on a CPU" in modeled[0] and plan.kind == R.Plan.of(R.prepare(cpu)).kind

@@ -269,6 +269,8 @@ class Result:
     components: dict  # component -> ns (adds up to step_ns)
     start: np.ndarray | None = None
     end: np.ndarray | None = None
+    host_ns: float = 0.0  # when the host was done with the step (after its tail), in the step's own frame
+    free: dict | None = None  # per stream: when its last unit ends, in the same frame
 
 
 @dataclass
@@ -359,7 +361,52 @@ class Plan:
             step, w0 = max(h, 0.0), 0.0
         st, en = np.clip(start - w0, 0, step), np.clip(end - w0, 0, step)
         kp = keep & (en > st)
-        return Result(step, decompose(st, en, np.asarray(self.comp, dtype=object), kp, cause, step), start - w0, end - w0)
+        return Result(step, decompose(st, en, np.asarray(self.comp, dtype=object), kp, cause, step), start - w0,
+                      end - w0, h, free)
+
+    def replay_chain(self, host_scale: float, n: int, end_cost: float) -> "Result":
+        """Steps timed without a sync at their end (``step_timing: events``): ``n`` consecutive steps,
+        each one's host starting when the previous one's host is done while the device still runs that
+        step's work (it becomes the next step's ``backlog``), and a blocking read after the last (the
+        trainer's log point: ``end_cost`` is that sync's return). The first step starts on an idle device
+        (after the previous cycle's read). Returns the mean step over the cycle, its components scaled to
+        it (they add up to it). On a CPU profile nothing is asynchronous: :meth:`replay`."""
+        if self.cpu or n < 1:
+            return self.replay(host_scale)
+        saved = self.backlog
+        total, steps = 0.0, 0.0
+        comps: dict = {}
+        backlog: dict = {}
+        try:
+            for k in range(n):
+                self.backlog = backlog
+                last = k == n - 1
+                if last:
+                    self.add_sync(len(self.kind), end_cost)
+                try:
+                    r = self.replay(host_scale)
+                finally:
+                    if last:
+                        self._pop_last_sync()
+                total += r.host_ns
+                steps += r.step_ns
+                for c, v in r.components.items():
+                    comps[c] = comps.get(c, 0.0) + v
+                backlog = {s: f - r.host_ns for s, f in r.free.items() if f - r.host_ns > 0}
+        finally:
+            self.backlog = saved
+        mean = total / n
+        f = mean / steps if steps > 0 else 0.0
+        return Result(mean, {c: v * f for c, v in comps.items()})
+
+    def _pop_last_sync(self) -> None:
+        self.kind.pop()
+        self.ref.pop()
+        self.gap.pop()
+        self.gap_x.pop()
+        self.sync_min.pop()
+        self.sync_ret.pop()
+        self.sync_streams.pop()
 
     def add_unit(self, dur: float, stream: int, comp: str, gap: float, at: int) -> int:
         """Insert a new unit launched at item position ``at`` (before the item now there)."""

@@ -62,7 +62,7 @@ PER_EXPERT = ("loop", "multistream")
 GROUPED = ("torch", "triton", "auto")
 # keys the model predicts, and keys that do not change a step's time
 MODELED = ("micro_batch_size", "grouped_gemm_backend", "sync_free_level", "recompute_layer_ids", "microbatches",
-           "manual_gc", "optimizer", "pipeline_schedule", "vpp", "pipeline_layout", "pipeline_layer_costs")
+           "manual_gc", "optimizer", "step_timing", "pipeline_schedule", "vpp", "pipeline_layout", "pipeline_layer_costs")
 NEUTRAL = ("steps", "profile_step_start", "profile_step_end", "log_every", "timing_warmup_steps", "seed", "lr",
            "min_lr_ratio", "warmup_steps", "weight_decay", "adam_beta1", "adam_beta2", "grad_clip", "numa_bind",
            "env", "multistream_num_streams", "init_std")
@@ -70,7 +70,7 @@ NEUTRAL = ("steps", "profile_step_start", "profile_step_end", "log_every", "timi
 # the host's return after a device drain inside a per-expert expert stage (124-256 µs on the H100 proxy)
 DRAIN_RETURN_NS = 150_000.0
 SIGMA = {"tokens": 0.10, "table": 0.10, "merge": 0.30, "syncs": 0.30, "recompute": 0.15, "microbatches": 0.05,
-         "gc": 1.0, "optimizer": 0.30, "shapes": 0.30, "masked": 0.30, "pipeline": 0.12}
+         "gc": 1.0, "optimizer": 0.30, "timing": 0.30, "shapes": 0.30, "masked": 0.30, "pipeline": 0.12}
 
 
 class WhatIfError(ValueError):
@@ -260,11 +260,18 @@ class Model:
         modeled: list[str] = []
         sig2 = 0.0
         steps, comps_list = [], []
+        chain = (self.config.get("step_timing", "sync") != new.get("step_timing", "sync")
+                 and new.get("step_timing") == "events")
         for prog, hs, ds in zip(self.programs, self.host_scale, self.device_scale):
             plan = _Plan.of(prog, profiler_lead=False)
             var = self._apply(plan, prog.profile, new, diff_other if pipe else diff,
                               modeled if not comps_list else [], notes)
-            res = plan.replay(hs)
+            if chain:  # the steady state of steps the host queues ahead; its change from one step is uncertain
+                one = plan.replay(hs).step_ns
+                res = plan.replay_chain(hs, _log_cycle(new), _median_sync_return(plan))
+                var += (SIGMA["timing"] * abs(res.step_ns - one) / max(one, 1.0)) ** 2
+            else:
+                res = plan.replay(hs)
             steps.append(res.step_ns * ds / 1e9)
             comps_list.append({k: v * ds / 1e9 for k, v in res.components.items()})
             sig2 = max(sig2, var)
@@ -418,7 +425,37 @@ class Model:
         # ---- optimizer implementation
         if old.get("optimizer", "adamw") != new.get("optimizer", "adamw"):
             var += self._optimizer(plan, p, old.get("optimizer", "adamw"), new["optimizer"], modeled, notes)
+        # ---- step timing: the sync at the end of every step, or none (the last edit: it acts on the step's end)
+        if old.get("step_timing", "sync") != new.get("step_timing", "sync"):
+            self._step_timing(plan, p, old.get("step_timing", "sync"), new["step_timing"], modeled, notes)
         return var
+
+    @staticmethod
+    def _step_timing(plan: _Plan, p: StepProfile, s0: str, s1: str, modeled: list, notes: list) -> None:
+        """``sync``: ``torch.cuda.synchronize`` after every step (the trace's blocking syncs after the
+        step's last launch); ``events``: none, the host queues the next steps while the GPU works, and only a
+        log point blocks (:meth:`replay.Plan.replay_chain`, run by :meth:`predict`). Dropping the end syncs
+        here, adding one (and no backlog: the device is drained at every step start) for events -> sync."""
+        if p.device != "gpu":
+            modeled.append(f"step_timing {s0} -> {s1}: no change on a CPU (nothing asynchronous to wait for)")
+            return
+        units = [i for i, kd in enumerate(plan.kind) if kd == 0]
+        last_launch = units[-1] if units else -1
+        trailing = {i for i, kd in enumerate(plan.kind) if kd == 1 and i > last_launch}
+        if s1 == "events":
+            if not trailing:
+                notes.append("step_timing sync -> events: no blocking sync after the step's last launch in the "
+                             "profiled step; only the run-ahead across steps is modeled")
+            plan.drop_items(trailing)
+            modeled.append(f"step_timing sync -> events: the sync after the step dropped ({len(trailing)} blocking "
+                           "call(s)); the host queues the next steps while the device works, a blocking read at "
+                           "each log point (a chain of log_every steps replayed)")
+        else:
+            if not trailing:
+                plan.add_sync(len(plan.kind), _median_sync_return(plan))
+            plan.backlog = {}
+            modeled.append("step_timing events -> sync: a blocking sync after each step; every step starts on a "
+                           "drained device")
 
     @staticmethod
     def _shape_misses(plan: _Plan, p: StepProfile, t0: int, t1: int, modeled: list, notes: list) -> float:
@@ -933,6 +970,21 @@ def _calibrate(prog: R.Program, target_ns: float) -> tuple[float, float, R.Resul
     res = plan.replay(h)
     d = target_ns / res.step_ns if res.step_ns > 0 else 1.0
     return h, d, res
+
+
+def _log_cycle(cfg: dict) -> int:
+    """Steps between two blocking reads when steps are timed by events: the trainer reads the loss and the
+    step time at each log point (``log_every``); without one, only at the run's end (a long chain: 8 steps
+    stand for it, past which the mean changes little)."""
+    every = int(cfg.get("log_every") or 0)
+    return max(1, min(every if every > 0 else 8, int(cfg.get("steps") or 8), 64))
+
+
+def _median_sync_return(plan: _Plan) -> float:
+    """A blocking sync's return after the device drained: the step's recorded syncs' median (20 µs
+    without one)."""
+    ret = [r for r, st in zip(plan.sync_ret, plan.sync_streams) if r > 0]
+    return float(np.median(ret)) if ret else 20_000.0
 
 
 def _noise(metrics: dict) -> tuple[float, float]:
