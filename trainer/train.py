@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+
 import datetime
 import logging
 import math
 import os
 import sys
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import torch
@@ -264,8 +265,13 @@ def _train(cfg: dict, out: Path, d: Dist, notes: _Notes, env_knobs: dict) -> dic
     gcm = runtime.ManualGC(cfg["manual_gc"])
 
     torch.manual_seed(cfg["seed"])
-    model = Transformer(cfg, d.ep_group, d.ep, d.ep_rank)
-    model.init_weights(cfg["seed"])
+    # one GPU stage per rank: build and initialise the model on its GPU (seconds where the CPU's default
+    # init and the copy take ~40 s for the GPU proxy); a pipeline builds the whole model and keeps its
+    # stages, so it stays on the CPU until then
+    on_device = d.device.type == "cuda" and d.pp == 1
+    with torch.device(d.device) if on_device else nullcontext():
+        model = Transformer(cfg, d.ep_group, d.ep, d.ep_rank)
+    model.init_weights(cfg["seed"], device=d.device if on_device else None)
     if cfg["compile"] == "dense":
         compile_dense(model, cfg, d.device)  # the same Block objects end up in the pipeline stages / DP wrappers
     pipe = None

@@ -131,8 +131,9 @@ class MoE(nn.Module):
     def init_weights(self, std: float, generator: torch.Generator | None = None):
         """Initialise this rank's slice of the *global* expert weights (same result for any EP size)."""
         E, (two_ff, d), ff = self.E, self.experts.w13.shape[1:], self.experts.w2.shape[2]
-        w13 = torch.empty(E, two_ff, d).normal_(0, std, generator=generator)
-        w2 = torch.empty(E, d, ff).normal_(0, std, generator=generator)
+        dev = generator.device if generator is not None else "cpu"
+        w13 = torch.empty(E, two_ff, d, device=dev).normal_(0, std, generator=generator)
+        w2 = torch.empty(E, d, ff, device=dev).normal_(0, std, generator=generator)
         lo, hi = self.ep_rank * self.E_local, (self.ep_rank + 1) * self.E_local
         with torch.no_grad():
             self.experts.w13.copy_(w13[lo:hi])
