@@ -12,8 +12,8 @@
 #   --live SPACE run that space's guided search for real (its own trials, before the grid) instead of
 #                answering it from the grid's store
 #
-# Packing, into $OUT when set (at most 8 files): per space <space>.json (bench_autotune.json),
-# <space>_runs.tgz (every trial's manifest.json + traces + trial.log, the grid and guided stores, the sweep
+# Packing, into $OUT when set (at most 8 files: a call works on at most 3 spaces): per space this call worked
+# on, <space>.json (bench_autotune.json), <space>_runs.tgz (every trial's manifest.json + traces + trial.log, the grid and guided stores, the sweep
 # reports), and log.txt. Wheels for packages the device image lacks are installed from .whl/ when present.
 set -u
 BUDGET=480
@@ -42,12 +42,15 @@ fi
 { echo "== $(date -u) host=$(hostname) budget=${BUDGET}s"; nvidia-smi --query-gpu=name,memory.used --format=csv,noheader 2>&1; } | tee -a "$LOG"
 python3 -c "import yaml, tracelens, reports.sweep, autotune.sweep" 2>&1 | tee -a "$LOG" || exit 9
 rc=0
+RAN=""
 for S in $SPACES; do
   [ -f "$WORK/$S.done" ] && { echo "== $S: done in an earlier call" | tee -a "$LOG"; continue; }
   LEFT=$(( BUDGET - ($(date +%s) - T0) ))
   [ "$LEFT" -lt 60 ] && { echo "== no time left for $S (resume it in the next call)" | tee -a "$LOG"; rc=3; break; }
   MODE=""
   case " $LIVE " in *" $S "*) MODE="--live" ;; esac
+  [ "$(echo $RAN | wc -w)" -ge 3 ] && { echo "== $S: next call (a call packs at most 3 spaces)" | tee -a "$LOG"; rc=3; break; }
+  RAN="$RAN $S"
   echo "== $(date -u) $S ${MODE:-replay} stop-after ${LEFT}s" | tee -a "$LOG"
   set -o pipefail
   python3 benchmarks/bench_autotune.py --config "$S" --out "$WORK/$S" --accuracy --tolerance 0.05 --max-share 0.25 \
@@ -58,7 +61,7 @@ for S in $SPACES; do
   if [ $brc -eq 0 ]; then touch "$WORK/$S.done"; else rc=$brc; break; fi
 done
 if [ -n "${OUT:-}" ]; then
-  for S in $SPACES; do
+  for S in $RAN; do  # the spaces this call worked on (an earlier call packed the others)
     [ -d "$WORK/$S" ] || continue
     cp "$WORK/$S/bench_autotune.json" "$OUT/$S.json" 2>/dev/null
     (cd "$WORK" && tar czf "$OUT/${S}_runs.tgz" --exclude='*.lock' --exclude='*.html' "$S" 2>/dev/null)
