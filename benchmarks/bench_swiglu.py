@@ -1,4 +1,4 @@
-"""Fused expert SwiGLU (``expert_swiglu=triton``, kernels/swiglu.py) vs eager ``silu(g) * u``: kernels and trainer.
+"""Fused expert SwiGLU (``expert_swiglu=triton``, kernels/activation.py) vs eager ``silu(g) * u``: kernels and trainer.
 
     python benchmarks/bench_swiglu.py [--out DIR] [--steps 14] [--mbs 16] [--repeats 1] [--no-trainer]
                                       [--set key=value ...] [--cpu]
@@ -74,7 +74,7 @@ def kernel_bench(R: int, F: int, dtype, device, warmup: int, reps: int) -> dict:
 
     import kernels
     from kernels._runtime import median_ms
-    from kernels.swiglu import swiglu_backward, swiglu_forward
+    from kernels.activation import swiglu_backward, swiglu_forward
 
     def eager(h):
         g, u = h.chunk(2, dim=-1)

@@ -11,7 +11,7 @@ Rows, each adding one knob to the row before (cumulative):
     + compile       compile=dense
     + cuda_graphs   cuda_graphs=on
     + expert_swiglu expert_swiglu=triton (the routed experts' silu(gate)*up as one fused Triton kernel
-                    each way, kernels/swiglu.py; benchmarks/bench_swiglu.py times it on its own)
+                    each way, kernels/activation.py; benchmarks/bench_swiglu.py times it on its own)
 
 Each row is one ``python -m trainer.launch`` run (a fresh process) of ``--steps`` steps (12; warm-up
 steps 0-2 and the profiled step 8 with the export step 9 untimed, so 7 timed steps) writing its own

@@ -35,7 +35,7 @@ from .cross_entropy import linear_cross_entropy
 from .grouped_gemm import grouped_mm
 from .permutation import Permutation, permute, unpermute
 from .router import fused_router
-from .swiglu import swiglu
+from .activation import swiglu
 
 if not HAS_TRITON:
     from ._runtime import _IMPORT_ERROR

@@ -12,7 +12,7 @@ import torch
 
 from kernels import swiglu
 from kernels.reference import swiglu_ref
-from kernels.swiglu import swiglu_backward, swiglu_blocks, swiglu_forward
+from kernels.activation import swiglu_backward, swiglu_blocks, swiglu_forward
 
 from .conftest import assert_close
 
