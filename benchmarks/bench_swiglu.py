@@ -1,7 +1,7 @@
 """Fused expert SwiGLU (``expert_swiglu=triton``, kernels/activation.py) vs eager ``silu(g) * u``: kernels and trainer.
 
     python benchmarks/bench_swiglu.py [--out DIR] [--steps 14] [--mbs 16] [--repeats 1] [--no-trainer]
-                                      [--set key=value ...] [--cpu]
+                                      [--kernels-row] [--set key=value ...] [--cpu]
 
 1. Kernels, at the proxy's expert shape (``h = [R, 2F]`` bf16 with R = micro_batch_size x seq_len x top_k
    rows, F = moe_d_ff: 196,608 x 2 x 1,408 at micro-batch 16): the eager activation as the trainer ran it
@@ -12,7 +12,9 @@
 2. The trainer (``python -m trainer.launch``, one process each), gpu_proxy at sync-free level 3, torch
    grouped GEMM, micro-batch ``--mbs``, unprofiled: ``expert_swiglu=torch`` then ``triton`` (``--repeats``
    N alternates the pair N times): tokens/s/GPU, MFU, mean step time, peak memory, and the largest
-   relative per-step loss difference (bf16 tolerance 1e-2).
+   relative per-step loss difference (bf16 tolerance 1e-2). ``--kernels-row`` adds one run with
+   ``use_triton_kernels=true`` as well (the Triton router, permutation and fused loss: the trace's largest
+   estimated gain, an existing knob; ~45 s more).
 
 About 2 minutes on one H100 (the kernel part ~10 s, each 14-step trainer run ~45 s). Prints a markdown
 table; writes ``bench_swiglu.json`` and ``.md`` into ``--out``, else ``$OUT`` when set, else
@@ -48,6 +50,7 @@ GPU_BASE = {"config": "gpu_proxy", "set": {"sync_free_level": 3, "grouped_gemm_b
 CPU_BASE = {"config": "tiny", "set": {"sync_free_level": 3, "grouped_gemm_backend": "torch", "timing_warmup_steps": 1,
                                       "log_every": 2}}
 LOSS_RTOL = 1e-2
+KERNELS_VARIANT = "triton+kernels"  # --kernels-row: expert_swiglu=triton and use_triton_kernels=true
 
 
 def _saved_bytes(fn, h):
@@ -128,24 +131,23 @@ def trainer_runs(args, base: dict, out: Path) -> list[dict]:
     steps = args.steps
     rows = []
     pairs = [("torch", {"expert_swiglu": "torch"}), ("triton", {"expert_swiglu": "triton"})]
-    n = 2 * args.repeats
-    i = 0
-    for rep in range(args.repeats):
-        for name, over in pairs:
-            b = {"config": base["config"], "set": {**base["set"], "micro_batch_size": args.mbs}} \
-                if not args.cpu else base
-            # plain run-dir names (letters, digits, _): what comes back from $OUT on the device machines
-            row = K.run_row(i, n, f"swiglu_{name}_{rep + 1}", over, run_args, b, out, steps, profile=False)
-            row["expert_swiglu"] = name
-            rows.append(row)
-            i += 1
+    runs = [(f"swiglu_{name}_{rep + 1}", name, over) for rep in range(args.repeats) for name, over in pairs]
+    if args.kernels_row:  # plus the Triton router / permutation / loss (the trace's largest estimated item)
+        runs.append(("swiglu_triton_kernels_1", KERNELS_VARIANT, {"expert_swiglu": "triton", "use_triton_kernels": True}))
+    b = base if args.cpu else {"config": base["config"], "set": {**base["set"], "micro_batch_size": args.mbs}}
+    for i, (run_name, variant, over) in enumerate(runs):
+        # plain run-dir names (letters, digits, _): what comes back from $OUT on the device machines
+        row = K.run_row(i, len(runs), run_name, over, run_args, b, out, steps, profile=False)
+        row["expert_swiglu"] = variant
+        rows.append(row)
     return rows
 
 
 def summarize(rows: list[dict]) -> dict:
-    """Per implementation: mean tokens/s over its runs, step ms, peak GiB; the gain; the loss check."""
+    """Per variant: mean tokens/s over its runs, step ms, peak GiB; the gains over ``torch``; the loss checks
+    against the first ``torch`` run (``loss_rel_diff``: triton; ``loss_rel_diff_kernels``: the kernels row)."""
     out: dict = {}
-    for impl in ("torch", "triton"):
+    for impl in ("torch", "triton", KERNELS_VARIANT):
         done = [r for r in rows if r["expert_swiglu"] == impl and "loss" in r]
         if not done:
             continue
@@ -161,6 +163,11 @@ def summarize(rows: list[dict]) -> dict:
         base = next(r for r in rows if r["expert_swiglu"] == "torch" and "loss" in r)
         diffs = [_loss_diff(base["loss"], r["loss"]) for r in rows if r["expert_swiglu"] == "triton" and "loss" in r]
         out["loss_rel_diff"] = max((d for d in diffs if d is not None), default=None)
+    if "torch" in out and KERNELS_VARIANT in out:
+        out["gain_kernels"] = out[KERNELS_VARIANT]["tokens_per_s_per_gpu"] / out["torch"]["tokens_per_s_per_gpu"] - 1
+        base = next(r for r in rows if r["expert_swiglu"] == "torch" and "loss" in r)
+        kr = next(r for r in rows if r["expert_swiglu"] == KERNELS_VARIANT and "loss" in r)
+        out["loss_rel_diff_kernels"] = _loss_diff(base["loss"], kr["loss"])
     return out
 
 
@@ -213,6 +220,12 @@ def report(doc: dict) -> str:
                           f"step {_f(s['torch']['step_ms'], '.1f')} -> {_f(s['triton']['step_ms'], '.1f')} ms, "
                           f"peak {s['torch']['peak_gib']:.2f} -> {s['triton']['peak_gib']:.2f} GiB; largest relative "
                           f"per-step loss difference {_f(s.get('loss_rel_diff'), '.2e')} (tolerance {LOSS_RTOL:g})."]
+        if "gain_kernels" in s:
+            k2 = s[KERNELS_VARIANT]
+            lines += ["", f"expert_swiglu=triton + use_triton_kernels=true vs torch: {100 * s['gain_kernels']:+.2f} % "
+                          f"tokens/s/GPU ({s['torch']['tokens_per_s_per_gpu']:,.0f} -> {k2['tokens_per_s_per_gpu']:,.0f}), "
+                          f"step {_f(k2['step_ms'], '.1f')} ms, peak {k2['peak_gib']:.2f} GiB; largest relative per-step "
+                          f"loss difference {_f(s.get('loss_rel_diff_kernels'), '.2e')}."]
     return "\n".join(lines) + "\n"
 
 
@@ -223,6 +236,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mbs", type=int, default=16, help="micro_batch_size of the trainer runs and the kernel shape")
     p.add_argument("--repeats", type=int, default=1, help="torch/triton trainer pairs, alternating")
     p.add_argument("--no-trainer", action="store_true", help="the kernel part only")
+    p.add_argument("--kernels-row", action="store_true",
+                   help="one more trainer run with use_triton_kernels=true too (Triton router, permutation, loss)")
     p.add_argument("--timeout", type=int, default=240, help="seconds per trainer run")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="extra trainer overrides for every run")
@@ -283,6 +298,9 @@ def main(argv: list[str] | None = None) -> int:
         ok = ok and all(r.get("rc") == 0 for r in doc["trainer_rows"])
         lrd = doc["summary"].get("loss_rel_diff")
         ok = ok and lrd is not None and lrd <= LOSS_RTOL
+        if args.kernels_row:
+            lrk = doc["summary"].get("loss_rel_diff_kernels")
+            ok = ok and lrk is not None and lrk <= LOSS_RTOL
     return 0 if ok else 1
 
 

@@ -48,6 +48,8 @@ def test_summary_gain_and_loss_check():
         {"name": "swiglu_torch_2", "expert_swiglu": "torch", "tokens_per_s_per_gpu": 98.0, "mfu": 0.196,
          "step_ms": 10.2, "peak_gib": 50.0, "loss": [10.0, 9.0], "run_dir": "c", "rc": 0},
         {"name": "swiglu_triton_2", "expert_swiglu": "triton", "rc": 1, "run_dir": "d", "error": "boom"},
+        {"name": "swiglu_triton_kernels_1", "expert_swiglu": "triton+kernels", "tokens_per_s_per_gpu": 110.0,
+         "mfu": 0.22, "step_ms": 9.0, "peak_gib": 47.0, "loss": [10.0, 8.82], "run_dir": "e", "rc": 0},
     ]
     s = b.summarize(rows)
     assert s["torch"]["runs"] == 2 and s["triton"]["runs"] == 1
@@ -59,3 +61,6 @@ def test_summary_gain_and_loss_check():
     assert "| swiglu_triton_1 | 102 | 20.4 % | 9.8 | 48.50 | `b` |" in md
     assert "| swiglu_triton_2 | failed: boom |" in md
     assert "+3.03 % tokens/s/GPU (99 -> 102)" in md
+    assert s["gain_kernels"] == pytest.approx(110.0 / 99.0 - 1)
+    assert s["loss_rel_diff_kernels"] == pytest.approx(0.02)  # 0.18 / 9.0, against the first torch run
+    assert "use_triton_kernels=true vs torch: +11.11 % tokens/s/GPU (99 -> 110)" in md
