@@ -3,12 +3,12 @@
     python benchmarks/bench_swiglu.py [--out DIR] [--steps 14] [--mbs 16] [--repeats 1] [--no-trainer]
                                       [--kernels-row] [--set key=value ...] [--cpu]
 
-1. Kernels, at the proxy's expert shape (``h = [R, 2F]`` bf16 with R = micro_batch_size x seq_len x top_k
-   rows, F = moe_d_ff: 196,608 x 2 x 1,408 at micro-batch 16): the eager activation as the trainer ran it
-   before (``h.chunk(2)``, ``F.silu(g) * u``; backward = two ``mul``, ``silu_backward`` and the chunk's
-   ``cat``) against ``kernels.swiglu`` (one kernel each way), forward and backward, CUDA-event medians;
-   the bytes each path keeps for the backward (saved-tensor hooks); the largest error of each against the
-   fp32 formula.
+1. Kernels (run after the trainer runs), at the proxy's expert shape (``h = [R, 2F]`` bf16 with R =
+   micro_batch_size x seq_len x top_k rows, F = moe_d_ff: 196,608 x 2 x 1,408 at micro-batch 16): the
+   eager activation as the trainer ran it before (``h.chunk(2)``, ``F.silu(g) * u``; backward = two
+   ``mul``, ``silu_backward`` and the chunk's ``cat``) against ``kernels.swiglu`` (one kernel each way),
+   forward and backward, CUDA-event medians; the bytes each path keeps for the backward (saved-tensor
+   hooks); the largest error of each against the fp32 formula.
 2. The trainer (``python -m trainer.launch``, one process each), gpu_proxy at sync-free level 3, torch
    grouped GEMM, micro-batch ``--mbs``, unprofiled: ``expert_swiglu=torch`` then ``triton`` (``--repeats``
    N alternates the pair N times): tokens/s/GPU, MFU, mean step time, peak memory, and the largest
@@ -133,7 +133,8 @@ def trainer_runs(args, base: dict, out: Path) -> list[dict]:
     pairs = [("torch", {"expert_swiglu": "torch"}), ("triton", {"expert_swiglu": "triton"})]
     runs = [(f"swiglu_{name}_{rep + 1}", name, over) for rep in range(args.repeats) for name, over in pairs]
     if args.kernels_row:  # plus the Triton router / permutation / loss (the trace's largest estimated item)
-        runs.append(("swiglu_triton_kernels_1", KERNELS_VARIANT, {"expert_swiglu": "triton", "use_triton_kernels": True}))
+        runs.append(("swiglu_triton_kernels_1", KERNELS_VARIANT,
+                     {"expert_swiglu": "triton", "use_triton_kernels": True}))
     b = base if args.cpu else {"config": base["config"], "set": {**base["set"], "micro_batch_size": args.mbs}}
     for i, (run_name, variant, over) in enumerate(runs):
         # plain run-dir names (letters, digits, _): what comes back from $OUT on the device machines
@@ -199,8 +200,8 @@ def report(doc: dict) -> str:
                       f"{k['err']['fused_dh']:.2e}.", ""]
         if doc.get("n_moe_layers"):
             per = (k["eager_fwd_ms"] + k["eager_bwd_ms"]) - (k["fused_fwd_ms"] + k["fused_bwd_ms"])
-            lines += [f"Kernel time saved per step ({doc['n_moe_layers']} MoE layers): {per * doc['n_moe_layers']:.2f} ms.",
-                      ""]
+            n = doc["n_moe_layers"]
+            lines += [f"Kernel time saved per step ({n} MoE layers): {per * n:.2f} ms.", ""]
     rows = doc.get("trainer_rows") or []
     if rows:
         lines += ["| run | tokens/s/GPU | MFU | step ms | peak GiB | run dir |", "|---|---:|---:|---:|---:|---|"]
@@ -223,9 +224,10 @@ def report(doc: dict) -> str:
         if "gain_kernels" in s:
             k2 = s[KERNELS_VARIANT]
             lines += ["", f"expert_swiglu=triton + use_triton_kernels=true vs torch: {100 * s['gain_kernels']:+.2f} % "
-                          f"tokens/s/GPU ({s['torch']['tokens_per_s_per_gpu']:,.0f} -> {k2['tokens_per_s_per_gpu']:,.0f}), "
-                          f"step {_f(k2['step_ms'], '.1f')} ms, peak {k2['peak_gib']:.2f} GiB; largest relative per-step "
-                          f"loss difference {_f(s.get('loss_rel_diff_kernels'), '.2e')}."]
+                          f"tokens/s/GPU ({s['torch']['tokens_per_s_per_gpu']:,.0f} -> "
+                          f"{k2['tokens_per_s_per_gpu']:,.0f}), step {_f(k2['step_ms'], '.1f')} ms, peak "
+                          f"{k2['peak_gib']:.2f} GiB; largest relative per-step loss difference "
+                          f"{_f(s.get('loss_rel_diff_kernels'), '.2e')}."]
     return "\n".join(lines) + "\n"
 
 
@@ -241,7 +243,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=int, default=240, help="seconds per trainer run")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="extra trainer overrides for every run")
-    p.add_argument("--cpu", action="store_true", help="small shapes, Triton's interpreter, tiny config (tests the script)")
+    p.add_argument("--cpu", action="store_true",
+                   help="small shapes, Triton's interpreter, tiny config (tests the script)")
     args = p.parse_args(argv)
     if args.steps < 1 or args.mbs < 1 or args.repeats < 1:
         print("bench_swiglu: --steps, --mbs and --repeats must be >= 1", file=sys.stderr)
@@ -264,27 +267,26 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as err:
         print(f"bench_swiglu: {err}", file=sys.stderr)
         return 2
-    device = "cpu" if args.cpu else torch.device("cuda", 0)
-    dev_name = "cpu (Triton interpreter)" if args.cpu else torch.cuda.get_device_name(0)
     out = Path(args.out or os.environ.get("OUT") or f"runs/bench_swiglu{'_cpu' if args.cpu else ''}")
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
     R = cfg["micro_batch_size"] * cfg["seq_len"] * cfg["top_k"]
     n_moe = cfg["n_layers"] - cfg["first_k_dense"]
-    doc: dict = {"device": dev_name, "config": base["config"], "overrides": {**base["set"], "micro_batch_size": cfg[
-        "micro_batch_size"]}, "n_moe_layers": n_moe, "steps": args.steps}
+    doc: dict = {"config": base["config"], "overrides": {**base["set"], "micro_batch_size": cfg["micro_batch_size"]},
+                 "n_moe_layers": n_moe, "steps": args.steps}
+    # the trainer runs first, while this process holds no GPU memory (micro-batch 24 runs at the allocator's limit)
+    if not args.no_trainer:
+        doc["trainer_rows"] = trainer_runs(args, base, out)
+        doc["summary"] = summarize(doc["trainer_rows"])
+    device = "cpu" if args.cpu else torch.device("cuda", 0)
+    doc["device"] = "cpu (Triton interpreter)" if args.cpu else torch.cuda.get_device_name(0)
     print(f"[bench] kernels at h = [{R}, 2 x {cfg['moe_d_ff']}] ...", file=sys.stderr, flush=True)
     try:
         dtype = torch.float32 if args.cpu else torch.bfloat16
         doc["kernel"] = kernel_bench(R, cfg["moe_d_ff"], dtype, device, warmup=1 if args.cpu else 5,
                                      reps=2 if args.cpu else 20)
-    except Exception as err:  # report it, still run the trainer part
+    except Exception as err:  # reported in the table and the exit status
         doc["kernel"] = {"error": f"{type(err).__name__}: {' '.join(str(err).split())[:300]}"}
-    if device != "cpu":
-        torch.cuda.empty_cache()
-    if not args.no_trainer:
-        doc["trainer_rows"] = trainer_runs(args, base, out)
-        doc["summary"] = summarize(doc["trainer_rows"])
     doc["wall_s"] = round(time.time() - t0, 1)
     md = report(doc)
     (out / "bench_swiglu.json").write_text(json.dumps(doc, indent=1, default=str))

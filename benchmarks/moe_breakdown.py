@@ -56,7 +56,8 @@ def breakdown(run: str | Path) -> dict:
         "categories": {str(r.category): round(float(r.total_us) / 1e3 / n_steps, 3) for r in cats.itertuples()},
     }
     moe = w[w["moe_stage"] != ""]
-    out["stages"] = {f"{s} {d}": round(float(v), 3) for (s, d), v in moe.groupby(["moe_stage", "dir"])["ms"].sum().items()}
+    per_stage = moe.groupby(["moe_stage", "dir"])["ms"].sum()
+    out["stages"] = {f"{s} {d}": round(float(v), 3) for (s, d), v in per_stage.items()}
     by_op = moe.groupby(["moe_stage", "dir", "op"])["ms"].agg(["sum", "count"]).sort_values("sum", ascending=False)
     out["stage_ops"] = [{"stage": s, "dir": d, "op": o, "ms": round(float(r["sum"]), 3), "kernels": int(r["count"])}
                         for (s, d, o), r in by_op.iterrows()]
@@ -99,9 +100,11 @@ def render(b: dict) -> str:
     lines += ["", "MoE stage (all layers)   ms"]
     lines += [f"  {k:<22} {v:9.2f}" for k, v in b["stages"].items()]
     lines += ["", "top MoE ops              ms  kernels"]
-    lines += [f"  {r['stage']:<14} {r['dir']} {r['op']:<28} {r['ms']:8.2f} {r['kernels']:5d}" for r in b["stage_ops"][:25]]
+    lines += [f"  {r['stage']:<14} {r['dir']} {r['op']:<28} {r['ms']:8.2f} {r['kernels']:5d}"
+              for r in b["stage_ops"][:25]]
     s, pm, lo = b["swiglu"], b["permutation"], b["loss"]
-    lines += ["", f"expert SwiGLU: fwd {s['fwd']:.2f} + bwd {s['bwd']:.2f} = {s['fwd'] + s['bwd']:.2f} ms ({s['kernels']} kernels)",
+    lines += ["", f"expert SwiGLU: fwd {s['fwd']:.2f} + bwd {s['bwd']:.2f} = {s['fwd'] + s['bwd']:.2f} ms "
+                  f"({s['kernels']} kernels)",
               f"permute + unpermute: fwd {pm['fwd']:.2f} + bwd {pm['bwd']:.2f} = {pm['fwd'] + pm['bwd']:.2f} ms "
               f"({pm['kernels']} kernels)",
               f"LM head + loss (vocabulary-shaped ops): {lo['ms']:.2f} ms ({lo['kernels']} kernels)"]

@@ -365,7 +365,8 @@ def swiglu_activation(h: torch.Tensor, impl: str = "torch") -> torch.Tensor:
     if impl == "triton":
         from kernels import swiglu  # noqa: PLC0415
 
-        record_use("expert_swiglu", "kernels.swiglu (Triton" + (", CPU interpreter)" if h.device.type == "cpu" else ")"))
+        where = ", CPU interpreter)" if h.device.type == "cpu" else ")"
+        record_use("expert_swiglu", "kernels.swiglu (Triton" + where)
         return swiglu(h)
     g, u = h.chunk(2, dim=-1)
     return F.silu(g) * u
