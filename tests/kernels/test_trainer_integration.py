@@ -307,3 +307,11 @@ def test_expert_swiglu_triton_is_refused_where_triton_cannot_run(tmp_path, monke
     assert msg.startswith("config error: expert_swiglu: triton needs Triton on this run's device (cpu)"), msg
     assert "\n" not in msg
     assert not (tmp_path / "refused").exists()
+
+
+def test_expert_swiglu_refusal_names_a_missing_triton(monkeypatch):
+    """Without triton at all the reason is the missing package, not the device."""
+    monkeypatch.setattr(kernels, "HAS_TRITON", False)
+    assert experts.swiglu_problem("cpu") == "needs triton, which is not importable here (pip install triton)"
+    monkeypatch.undo()
+    assert experts.swiglu_problem("cpu") is None  # the interpreter runs it here

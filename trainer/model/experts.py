@@ -351,8 +351,11 @@ def swiglu_problem(device) -> str | None:
     """Why ``expert_swiglu=triton`` cannot run on ``device`` (None: it can): the fused kernel is Triton, which
     runs on CUDA, or on a CPU under its interpreter (``TRITON_INTERPRET=1`` before ``kernels`` is imported)."""
     probe = torch.empty(0, device=device)
-    if _kernels() is None:
+    k = _kernels()
+    if k is None:
         return "needs the kernels package (Triton), which cannot be imported here"
+    if not k.HAS_TRITON:
+        return "needs triton, which is not importable here (pip install triton)"
     if kernels_can_run(probe):
         return None
     return (f"needs Triton on this run's device ({probe.device.type}): CUDA, or a CPU with TRITON_INTERPRET=1 "
