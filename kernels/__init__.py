@@ -17,6 +17,8 @@ Public API (details in docs/kernels.md; the specification of each op is its func
   statistics in one kernel (and one for the backward).
 - :func:`linear_cross_entropy`: ``hidden @ weight.T`` fused with cross-entropy in row chunks,
   never materialising the full logits.
+- :func:`swiglu` ``(h [R, 2F]) -> [R, F]``: ``silu(gate) * up`` of the expert MLP in one kernel, its
+  backward in one (writing ``dh`` in ``h``'s layout), saving only ``h``.
 - :mod:`kernels.calibrate` (imported on demand): measured matmul TFLOP/s per dtype and memory
   bandwidth of the device, as the ceilings JSON of ``tracelens calibrate``.
 
@@ -33,6 +35,7 @@ from .cross_entropy import linear_cross_entropy
 from .grouped_gemm import grouped_mm
 from .permutation import Permutation, permute, unpermute
 from .router import fused_router
+from .activation import swiglu
 
 if not HAS_TRITON:
     from ._runtime import _IMPORT_ERROR
@@ -41,6 +44,6 @@ if not HAS_TRITON:
 
 __all__ = [
     "HAS_TRITON", "INTERPRET", "triton_ok",
-    "grouped_mm", "permute", "unpermute", "Permutation", "fused_router", "linear_cross_entropy",
+    "grouped_mm", "permute", "unpermute", "Permutation", "fused_router", "linear_cross_entropy", "swiglu",
     "PASSES", "available_backends", "register_backend", "select_backend", "tune", "tune_table",
 ]

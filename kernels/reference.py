@@ -18,6 +18,7 @@ __all__ = [
     "unpermute_ref",
     "router_ref",
     "linear_cross_entropy_ref",
+    "swiglu_ref",
 ]
 
 
@@ -129,3 +130,12 @@ def linear_cross_entropy_ref(hidden: torch.Tensor, weight: torch.Tensor, target:
     """
     logits = (hidden.float() @ weight.float().t())
     return F.cross_entropy(logits, target, ignore_index=ignore_index, reduction=reduction)
+
+
+def swiglu_ref(h: torch.Tensor) -> torch.Tensor:
+    """``silu(g) * u`` for ``h = [g | u]`` [R, 2F] (gate columns first): computed in fp32 and rounded to
+    ``h.dtype`` once, like the kernel. Differentiable through ordinary autograd."""
+    if h.dim() != 2 or h.shape[1] % 2:
+        raise ValueError(f"swiglu: expected h [R, 2F] (gate columns, then up columns); got {tuple(h.shape)}")
+    g, u = h.float().chunk(2, dim=-1)
+    return (F.silu(g) * u).to(h.dtype)

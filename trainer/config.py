@@ -98,6 +98,8 @@ DEFAULTS: dict[str, Any] = {
     "grouped_gemm_backend": "loop",  # loop | multistream | torch | triton | auto (tuned per pass, docs/kernels.md)
     "multistream_num_streams": 4,
     "grouped_gemm_align": 0,     # torch/triton: pad each expert's rows to a multiple of this (0/1 = off)
+    "expert_swiglu": "torch",    # torch (silu(gate) * up: 2 kernels forward, 4 backward) | triton (kernels.swiglu:
+                                 # one fused kernel each way, silu(gate) not kept; CUDA, or CPU under TRITON_INTERPRET=1)
     "recompute_layer_ids": [],   # activation checkpointing of these layer indices
     "loss_fusion": False,        # chunked cross-entropy, never materialises full fp32 logits
     "loss_chunk_size": 1024,     # tokens per chunk when loss_fusion is on
@@ -139,6 +141,7 @@ _CHOICES = {
     "step_timing": ("sync", "events"),
     "compile": ("none", "dense"),
     "cuda_graphs": ("off", "on"),
+    "expert_swiglu": ("torch", "triton"),
 }
 
 # Bounds (docs/trainer.md "Bounds"): every integer key is in [0, MAX_INT] (seed: [0, MAX_SEED]); the ones below
@@ -161,7 +164,7 @@ MAX_CONFIG_BYTES = 1 << 20
 CLI_FLAG_KEYS = ("sync_free_level", "grouped_gemm_backend", "recompute_layer_ids", "loss_fusion",
                  "manual_gc", "numa_bind", "steps", "ep", "dp", "dp_mode", "dtype", "device",
                  "profile_step_start", "profile_step_end", "pp", "vpp", "pipeline_schedule", "pipeline_layout",
-                 "microbatches", "optimizer", "step_timing", "compile", "cuda_graphs")
+                 "microbatches", "optimizer", "step_timing", "compile", "cuda_graphs", "expert_swiglu")
 
 
 def _parse_value(text: str, key: str = "config", where: str = "") -> Any:

@@ -234,6 +234,12 @@ def _check_device_knobs(cfg: dict, device: torch.device) -> None:
         why = compile_problem(device)
         if why:
             raise ConfigError("compile", f"dense {why}")
+    if cfg["expert_swiglu"] == "triton":
+        from trainer.model.experts import swiglu_problem  # noqa: PLC0415
+
+        why = swiglu_problem(device)
+        if why:
+            raise ConfigError("expert_swiglu", f"triton {why}")
 
 
 def one_line(err: BaseException) -> str:

@@ -11,7 +11,7 @@ import time
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from kernels import grouped_gemm as G, permutation as P, router as R, cross_entropy as C
+from kernels import grouped_gemm as G, permutation as P, router as R, cross_entropy as C, activation as S
 
 TARGET = GPUTarget("cuda", 90, 32)
 NODIV = {"T", "E", "M_BUCKET", "n", "R", "k", "rows", "ignore_index", "s_dw"}
@@ -36,12 +36,13 @@ def comp(name, kernel, sig, consts, num_warps=4, num_stages=3):
         ck = triton.compile(src, target=TARGET, options={"num_warps": num_warps, "num_stages": num_stages})
         ptx = ck.asm.get("ptx", "")
         print(json.dumps({"name": name, "ok": True, "s": round(time.time() - t0, 2), "wgmma": "wgmma" in ptx,
-                          "tma": "cp.async.bulk" in ptx, "shared": ck.metadata.shared}), flush=True)
+                          "tma": "cp.async.bulk" in ptx, "shared": ck.metadata.shared,
+                          "vec128": "ld.global.v4" in ptx}), flush=True)
     except Exception as e:
         print(json.dumps({"name": name, "ok": False, "error": f"{type(e).__name__}: {str(e)[:2000]}"}), flush=True)
 
 i32, i64 = "i32", "i64"
-which = sys.argv[1:] or ["fwd", "dw", "tma", "perm", "router", "ce"]
+which = sys.argv[1:] or ["fwd", "dw", "tma", "perm", "router", "ce", "swiglu"]
 if "fwd" in which:
     for dt, kmaj in [("*bf16", False), ("*bf16", True), ("*fp32", False)]:  # fp32 compiles slowly: one layout
         if True:
@@ -87,3 +88,8 @@ if "ce" in which:
     for hs in [False, True]:
         comp(f"ce_chunk scale={hs}", C._ce_chunk_kernel, dict(logits_ptr="*bf16", target_ptr="*i64", loss_ptr="*fp32",
              scale_ptr="*fp32", V=i32, s_l=i32, ignore_index=i32), dict(HAS_GRAD=True, HAS_SCALE=hs, BLOCK_V=4096), 8)
+if "swiglu" in which:  # F = 1408 (16-divisible, like every stride here): the GPU's 32 x 128 tiles
+    comp("swiglu_fwd", S._swiglu_fwd_kernel, dict(h_ptr="*bf16", a_ptr="*bf16", R=i32, F=i32, s_h=i32, s_a=i32),
+         dict(BR=32, BF=128), 4)
+    comp("swiglu_bwd", S._swiglu_bwd_kernel, dict(h_ptr="*bf16", da_ptr="*bf16", dh_ptr="*bf16", R=i32, F=i32,
+         s_h=i32, s_da=i32, s_dh=i32), dict(BR=32, BF=128), 4)

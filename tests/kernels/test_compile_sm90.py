@@ -2,7 +2,8 @@
 
 The interpreter tests check numerics but never run Triton's GPU compiler; this compiles each kernel
 to PTX/cubin for sm_90 with Triton's bundled ptxas, in a subprocess without TRITON_INTERPRET, and
-checks that the GEMM kernels use wgmma and are software-pipelined (several stages of shared memory).
+checks that the GEMM kernels use wgmma and are software-pipelined (several stages of shared memory), and
+that the SwiGLU kernels load 128 bits at a time.
 """
 
 import json
@@ -36,3 +37,6 @@ def test_all_kernels_compile_for_sm90():
             assert r["shared"] >= 3 * 32768, f"{name}: not software-pipelined (shared {r['shared']})"
         if name.startswith("gmm_fwd_tma"):
             assert r["tma"], f"{name}: no TMA (cp.async.bulk) in the PTX"
+        if name.startswith("swiglu"):  # memory-bound: 128-bit loads of bf16 columns (F divisible by 16)
+            assert r["vec128"], f"{name}: no 128-bit global loads in the PTX"
+    assert {"swiglu_fwd", "swiglu_bwd"} <= set(by)

@@ -246,3 +246,72 @@ def test_fused_loss_equals_cross_entropy_of_the_full_logits():
     torch.testing.assert_close(gh, h.grad, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(gw, w.grad, rtol=1e-5, atol=1e-6)
     assert math.isfinite(loss.item())
+
+
+# ---------------------------------------------------------------------------------------- expert_swiglu
+def test_expert_swiglu_triton_trains_like_the_eager_activation(tmp_path, loop_run, monkeypatch):
+    """expert_swiglu=triton (the fused kernel, interpreted) against the reference run, which differs only
+    in the activation: same loss, aux loss and gradient norm per step; one kernels.swiglu call per MoE
+    layer and step; the manifest names what ran."""
+    calls = []
+    orig = kernels.swiglu
+
+    def spy(h):
+        calls.append(tuple(h.shape))
+        return orig(h)
+
+    monkeypatch.setattr(kernels, "swiglu", spy)
+    m = _train(tmp_path, "swiglu", expert_swiglu="triton")
+    _same_training(m, loop_run)
+    cfg = load_config("tiny", SMALL)
+    rows = cfg["micro_batch_size"] * cfg["seq_len"] * cfg["top_k"]
+    assert calls == [(rows, 2 * cfg["moe_d_ff"])] * 2  # 1 MoE layer x 2 steps, h = [T*k, 2F]
+    assert m["kernels"]["expert_swiglu"] == "triton"
+    assert m["kernels"]["ops"]["expert_swiglu"] == "kernels.swiglu (Triton, CPU interpreter)"
+    assert m["notes"] == []
+
+
+def test_expert_swiglu_moe_layer_gradients_match_eager():
+    """One MoE layer on the torch grouped-GEMM path at level 3 (the benchmark's setting) with the fused
+    and the eager activation: output and every gradient agree (fp32)."""
+    cfg = load_config("tiny", {**SMALL, "grouped_gemm_backend": "torch", "sync_free_level": 3})
+    g = torch.Generator().manual_seed(0)
+    ref = MoE(dict(cfg, expert_swiglu="torch"))
+    with torch.no_grad():
+        for prm in ref.parameters():
+            prm.copy_(torch.randn(prm.shape, generator=g) * 0.3)
+    fused = MoE(dict(cfg, expert_swiglu="triton"))
+    fused.load_state_dict(ref.state_dict())
+    x = torch.randn(1, 16, cfg["d_model"], generator=g)
+    res = []
+    for layer in (ref, fused):
+        xi = x.clone().requires_grad_(True)
+        y, aux = layer(xi)
+        ((y * torch.linspace(-1, 1, y.numel()).view_as(y)).sum() + aux).backward()
+        res.append((y.detach(), xi.grad, layer.gate.weight.grad, layer.experts.w13.grad, layer.experts.w2.grad))
+    for name, a, b in zip(("y", "dx", "dgate", "dw13", "dw2"), res[1], res[0]):
+        assert_close(a, b, torch.float32, name)
+    assert experts.KERNEL_USE["expert_swiglu"] == "kernels.swiglu (Triton, CPU interpreter)"
+
+
+def test_expert_swiglu_triton_is_refused_where_triton_cannot_run(tmp_path, monkeypatch):
+    """Without Triton on the run's device (a CPU without the interpreter) the run stops before it starts,
+    with one line naming the key, and writes no run dir."""
+    from trainer.config import ConfigError
+    from trainer.train import train
+
+    monkeypatch.setattr(experts, "kernels_can_run", lambda t: False)
+    with pytest.raises(ConfigError) as err:
+        train(load_config("tiny", {**SMALL, "expert_swiglu": "triton"}), tmp_path / "refused")
+    msg = str(err.value)
+    assert msg.startswith("config error: expert_swiglu: triton needs Triton on this run's device (cpu)"), msg
+    assert "\n" not in msg
+    assert not (tmp_path / "refused").exists()
+
+
+def test_expert_swiglu_refusal_names_a_missing_triton(monkeypatch):
+    """Without triton at all the reason is the missing package, not the device."""
+    monkeypatch.setattr(kernels, "HAS_TRITON", False)
+    assert experts.swiglu_problem("cpu") == "needs triton, which is not importable here (pip install triton)"
+    monkeypatch.undo()
+    assert experts.swiglu_problem("cpu") is None  # the interpreter runs it here

@@ -346,3 +346,83 @@ def test_events_timing_on_a_real_run_never_slows_a_step_and_cpu_is_unchanged():
     modeled: list = []
     W.Model._step_timing(plan, cpu, "sync", "events", modeled, [])
     assert "no change on a CPU" in modeled[0] and plan.kind == R.Plan.of(R.prepare(cpu)).kind
+
+
+def _raw_swiglu_ns(run: Path, step: int) -> list[dict]:
+    """Per MoE layer of rank 0's ProfilerStep#<step>, read from the raw JSON: GPU ns of the eager SwiGLU's
+    forward ``silu`` and ``mul`` (kernels launched inside those ops within a ``moe/experts`` range) and of
+    their backward (kernels launched inside the autograd functions carrying the forward ops' sequence
+    numbers: SiluBackward0, MulBackward0, and SplitBackward0 of the ``chunk`` before them)."""
+    with gzip.open(run / "traces" / "rank0.json.gz", "rt") as f:
+        ev = json.load(f)["traceEvents"]
+    (ps,) = [e for e in ev if e.get("cat") == "user_annotation" and e["name"] == f"ProfilerStep#{step}"]
+    lo, hi = ps["ts"], ps["ts"] + ps["dur"]
+    dur_of = {}  # correlation -> kernel ns
+    for e in ev:
+        if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "correlation" in e.get("args", {}):
+            dur_of[e["args"]["correlation"]] = dur_of.get(e["args"]["correlation"], 0) + e["dur"] * 1000
+    calls = [(e["ts"], e["tid"], e["args"]["correlation"]) for e in ev
+             if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})]
+
+    def gpu_ns(op) -> float:
+        return sum(dur_of.get(c, 0) for ts, tid, c in calls if tid == op["tid"] and op["ts"] <= ts < op["ts"] + op["dur"])
+
+    ops = [e for e in ev if e.get("cat") == "cpu_op" and lo <= e["ts"] < hi]
+    experts = [e for e in ev if e.get("cat") == "user_annotation" and e["name"] == "moe/experts" and lo <= e["ts"] < hi]
+    layers = []
+    for r in sorted(experts, key=lambda e: e["ts"]):
+        inside = [o for o in ops if o["tid"] == r["tid"] and r["ts"] <= o["ts"] < r["ts"] + r["dur"]]
+        silu = [o for o in inside if o["name"] == "aten::silu"]
+        mul = [o for o in inside if o["name"] == "aten::mul"]
+        chunk = [o for o in inside if o["name"] == "aten::chunk"]
+        assert len(silu) == len(mul) == 1 and chunk, "one eager SwiGLU per expert stage"
+        seq = {silu[0]["args"]["Sequence number"]: "SiluBackward0", mul[0]["args"]["Sequence number"]: "MulBackward0",
+               chunk[-1]["args"]["Sequence number"]: "SplitBackward0"}
+        back = [o for o in ops if o["name"].startswith("autograd::engine::evaluate_function: ")
+                and seq.get(o["args"].get("Sequence number")) == o["name"].rsplit(": ", 1)[1]]
+        assert len(back) == 3
+        layers.append({"silu": gpu_ns(silu[0]), "mul": gpu_ns(mul[0]), "backward": sum(gpu_ns(o) for o in back)})
+    return layers
+
+
+def test_expert_swiglu_mechanism_against_the_raw_trace():
+    """torch -> triton on the H100 proxy run: per MoE layer the eager SwiGLU kernels (from the raw JSON by
+    sequence numbers) leave, and the fused pair costs the forward mul's time x (1 + 5/3); the step gets no
+    longer, and a triton run predicted back scales the fused kernels by 5/3 and 13/5."""
+    run = FIX / "h100_proxy_loop_mbs8"
+    m = W.Model.from_run(run)
+    p = m.profiles[0]
+    layers = _raw_swiglu_ns(run, p.step)
+    assert len(layers) == 3
+    before = sum(ly["silu"] + ly["mul"] + ly["backward"] for ly in layers)
+    after = sum(ly["mul"] * (1 + 5 / 3) for ly in layers)
+    plan = R.Plan.of(R.prepare(p), profiler_lead=False)
+
+    def device_ns(pl) -> float:
+        return sum(pl.dur[j] for kd, j in zip(pl.kind, pl.ref) if kd == 0)
+
+    d0 = device_ns(plan)
+    modeled: list = []
+    W.Model._swiglu(plan, p, "torch", "triton", modeled, [])
+    assert device_ns(plan) - d0 == pytest.approx(after - before, abs=3_000)  # ns; µs rounding of the raw JSON
+    assert f"{before / 1e6:.2f} -> {after / 1e6:.2f} ms" in modeled[0]
+    pred = m.predict({"expert_swiglu": "triton"})
+    assert pred.step_s <= m.base_step_s * (1 + 1e-9)
+    assert sum(pred.components.values()) == pytest.approx(pred.step_s, rel=1e-6)
+    # the other way: a fused run's kernels, by name, scaled to the eager bytes
+    fused = _synthetic_profile([(0, 5_000, 30_000), (40_000, 45_000, 50_000)])
+    fused.work["name"] = ["_swiglu_fwd_kernel", "_swiglu_bwd_kernel"]
+    fused.work["moe_stage"] = "moe/experts"
+    fused.work["layer"] = 1
+    plan = R.Plan.of(R.prepare(fused), profiler_lead=False)
+    notes: list = []
+    W.Model._swiglu(plan, fused, "triton", "torch", [], notes)
+    assert plan.dur[0] == pytest.approx(30_000 * 5 / 3) and plan.dur[1] == pytest.approx(50_000 * 13 / 5)
+    assert any("extra launches" in n for n in notes)
+    # a CPU trace: no model, nothing changes
+    cpu = _synthetic_profile([(0, 5_000, 20_000)])
+    cpu.device = "cpu"
+    plan = R.Plan.of(R.prepare(cpu))
+    modeled = []
+    W.Model._swiglu(plan, cpu, "torch", "triton", modeled, [])
+    assert "no model on a CPU trace" in modeled[0] and list(plan.dur) == [20_000]

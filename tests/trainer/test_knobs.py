@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import sys
 import time
@@ -36,6 +37,7 @@ def _trainer(args: list[str], timeout: int = 300) -> subprocess.CompletedProcess
     ({"cuda_graphs": "on", "device": "auto", "sync_free_level": 3}, "cuda_graphs", "set compile=dense"),
     ({"cuda_graphs": "on", "device": "auto", "sync_free_level": 3, "compile": "dense", "pp": 2, "n_layers": 4,
       "microbatches": 2}, "cuda_graphs", "pipeline parallelism"),
+    ({"expert_swiglu": "fused"}, "expert_swiglu", "not one of torch, triton"),
 ])
 def test_bad_knob_values_are_one_line_errors(over, key, words):
     with pytest.raises(ConfigError) as e:
@@ -59,10 +61,12 @@ def test_knobs_have_cli_flags():
     from trainer.cli import build_parser, config_from_args
 
     args = build_parser().parse_args(["--config", "tiny", "--step-timing", "events", "--compile", "dense",
-                                      "--optimizer", "adamw_fused", "--cuda-graphs", "off"])
+                                      "--optimizer", "adamw_fused", "--cuda-graphs", "off",
+                                      "--expert-swiglu", "triton"])
     cfg = config_from_args(args)
-    assert (cfg["step_timing"], cfg["compile"], cfg["optimizer"], cfg["cuda_graphs"]) == \
-        ("events", "dense", "adamw_fused", "off")
+    assert (cfg["step_timing"], cfg["compile"], cfg["optimizer"], cfg["cuda_graphs"], cfg["expert_swiglu"]) == \
+        ("events", "dense", "adamw_fused", "off", "triton")
+    assert load_config("tiny")["expert_swiglu"] == "torch"
 
 
 @pytest.mark.parametrize("sets, msg", [
@@ -87,6 +91,21 @@ def test_cli_refuses_knobs_the_machine_cannot_run(tmp_path, sets, msg):
     r = _trainer(argv, timeout=120)
     assert r.returncode == 2, r.stderr[-2000:]
     assert r.stderr.strip().splitlines() == [msg] and "Traceback" not in r.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_cli_refuses_expert_swiglu_triton_without_triton_on_the_device(tmp_path):
+    """expert_swiglu=triton on a CPU without Triton's interpreter: one line, exit 2, no run dir (the
+    fused kernel itself is tested under the interpreter in tests/kernels/test_swiglu.py)."""
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, "-m", "trainer", "--config", "tiny", "-o", str(tmp_path / "run"),
+                        "--expert-swiglu", "triton"], cwd=REPO, capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 2, r.stderr[-2000:]
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in r.stderr
+    assert lines[0].startswith("config error: expert_swiglu: triton needs ") and "TRITON_INTERPRET=1" in lines[0]
     assert not (tmp_path / "run").exists()
 
 
@@ -225,13 +244,14 @@ def test_compiled_dense_matches_eager_on_cpu(tmp_path):
 
 
 def test_knobs_are_autotune_knobs():
-    """The shipped space over the four knobs: the trainer's own loader accepts every value (autotune asks it),
-    and the constraint leaves the 12 points where cuda_graphs has its compiled regions."""
+    """The shipped space over the five knobs: the trainer's own loader accepts every value (autotune asks it),
+    and the constraint leaves the 24 points where cuda_graphs has its compiled regions."""
     from autotune.space import load_space
 
     s = load_space(REPO / "autotune" / "spaces" / "gpu_proxy_knobs.yaml")
     grid = s.grid()
-    assert len(grid) == 12 and s.baseline in grid
+    assert len(grid) == 24 and s.baseline in grid
+    assert {p["expert_swiglu"] for p in grid} == {"torch", "triton"}
     assert all(p["compile"] == "dense" for p in grid if p["cuda_graphs"] == "on")
     for p in grid:  # each point is a valid trainer config (on a GPU machine: device checked at run time)
         load_config("gpu_proxy", {**s.fixed, **p, "device": "auto"})

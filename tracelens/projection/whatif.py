@@ -33,6 +33,8 @@ for the rest. A changed config edits the replayed program by the mechanism of ea
   steps above their median (which may be them, or not) is the uncertainty.
 * ``optimizer`` (``adamw`` -> ``adamw_fused``): the optimizer's foreach kernels become one pass over
   the optimizer state at the measured kernels' achieved bandwidth.
+* ``expert_swiglu`` (``torch`` <-> ``triton``): the routed experts' eager SwiGLU kernels become the fused
+  pair (or back), by the bytes each moves at the measured kernels' bandwidth.
 
 Peak memory: the memory projection (``tracelens.analysis.memory``) of the new config, scaled by the
 run's measured / projected peak; over the capacity (the space's limit, else the device's) it is
@@ -62,7 +64,8 @@ PER_EXPERT = ("loop", "multistream")
 GROUPED = ("torch", "triton", "auto")
 # keys the model predicts, and keys that do not change a step's time
 MODELED = ("micro_batch_size", "grouped_gemm_backend", "sync_free_level", "recompute_layer_ids", "microbatches",
-           "manual_gc", "optimizer", "step_timing", "pipeline_schedule", "vpp", "pipeline_layout", "pipeline_layer_costs")
+           "manual_gc", "optimizer", "step_timing", "expert_swiglu", "pipeline_schedule", "vpp", "pipeline_layout",
+           "pipeline_layer_costs")
 NEUTRAL = ("steps", "profile_step_start", "profile_step_end", "log_every", "timing_warmup_steps", "seed", "lr",
            "min_lr_ratio", "warmup_steps", "weight_decay", "adam_beta1", "adam_beta2", "grad_clip", "numa_bind",
            "env", "multistream_num_streams", "init_std")
@@ -70,7 +73,8 @@ NEUTRAL = ("steps", "profile_step_start", "profile_step_end", "log_every", "timi
 # the host's return after a device drain inside a per-expert expert stage (124-256 µs on the H100 proxy)
 DRAIN_RETURN_NS = 150_000.0
 SIGMA = {"tokens": 0.10, "table": 0.10, "merge": 0.30, "syncs": 0.30, "recompute": 0.15, "microbatches": 0.05,
-         "gc": 1.0, "optimizer": 0.30, "timing": 0.30, "shapes": 0.30, "masked": 0.30, "pipeline": 0.12}
+         "gc": 1.0, "optimizer": 0.30, "timing": 0.30, "swiglu": 0.30, "shapes": 0.30, "masked": 0.30,
+         "pipeline": 0.12}
 
 
 class WhatIfError(ValueError):
@@ -442,6 +446,10 @@ class Model:
         # ---- optimizer implementation
         if old.get("optimizer", "adamw") != new.get("optimizer", "adamw"):
             var += self._optimizer(plan, p, old.get("optimizer", "adamw"), new["optimizer"], modeled, notes)
+        # ---- the routed experts' SwiGLU: eager kernels or the fused pair
+        e0, e1 = old.get("expert_swiglu", "torch"), new.get("expert_swiglu", "torch")
+        if e0 != e1:
+            var += self._swiglu(plan, p, e0, e1, modeled, notes)
         # ---- step timing: the sync at the end of every step, or none (the last edit: it acts on the step's end)
         if old.get("step_timing", "sync") != new.get("step_timing", "sync"):
             self._step_timing(plan, p, old.get("step_timing", "sync"), new["step_timing"], modeled, notes)
@@ -924,6 +932,81 @@ class Model:
             modeled.append(f"recompute_layer_ids {sorted(r0)} -> {sorted(r1)}: forward of the recomputed layers runs "
                            f"again in the backward ({added_ns / 1e6:+.2f} ms of device work)")
         return (SIGMA["recompute"] * abs(added_ns) / max(float(p.step_ns), 1.0)) ** 2
+
+    @staticmethod
+    def _swiglu(plan: _Plan, p: StepProfile, e0: str, e1: str, modeled: list, notes: list) -> float:
+        """``expert_swiglu``: per MoE layer, the eager activation (forward ``silu`` + ``mul``; backward two
+        ``mul``, ``silu_backward`` and the ``cat`` of ``h.chunk(2)``'s backward, the first ``cat`` after the
+        ``silu_backward`` before any GEMM) against the fused pair (``_swiglu_fwd_kernel`` /
+        ``_swiglu_bwd_kernel``), by the bytes each moves at the measured kernels' bandwidth: the forward mul
+        and the fused forward both move 3 R F elements (read gate and up, write the product), so the fused
+        forward lasts as long as that layer's eager mul and the fused backward (5 R F: read gate, up and the
+        output gradient, write both input gradients) 5/3 of it; eager is 5 R F forward (silu 2, mul 3) and 13
+        R F backward (mul 3, mul 3, silu_backward 3, cat 4). Launches removed with the eager kernels; the
+        other way the fused kernels are scaled up, without the eager kernels' extra launches."""
+        if p.device != "gpu":
+            modeled.append(f"expert_swiglu {e0} -> {e1}: no model on a CPU trace (the fused kernel runs under "
+                           "Triton's interpreter there)")
+            return 0.0
+        w = p.work
+        op = w["op"].to_numpy()
+        name = w["name"].astype(str).to_numpy()
+        exp = (w["moe_stage"] == "moe/experts").to_numpy()
+        back = w["backward"].to_numpy()
+        layer = w["layer"].to_numpy()
+        pos = {j: i for i, (kd, j) in enumerate(zip(plan.kind, plan.ref)) if kd == 0}
+        before = after = 0.0
+        done: list[int] = []
+        if e1 == "triton":
+            gemm = np.isin(op, ("aten::mm", "aten::addmm", "aten::_grouped_mm", "aten::bmm")) | np.char.find(
+                name.astype(str), "gmm") >= 0
+            drop: set[int] = set()
+            for ly in sorted({int(v) for v in layer[exp]}):
+                at = exp & (layer == ly)
+                f_silu = np.flatnonzero(at & ~back & (op == "aten::silu"))
+                f_mul = np.flatnonzero(at & ~back & (op == "aten::mul"))
+                b_silu = np.flatnonzero(at & back & (op == "aten::silu_backward"))
+                b_mul = np.flatnonzero(at & back & (op == "aten::mul"))
+                if not (len(f_silu) == len(f_mul) == len(b_silu) == 1 and len(b_mul) == 2):
+                    notes.append(f"expert_swiglu: layer {ly}: the eager SwiGLU kernels (1 silu + 1 mul forward, "
+                                 "2 mul + 1 silu_backward backward) were not found as expected; layer not modeled")
+                    continue
+                cat = []
+                for j in range(int(b_silu[0]) + 1, len(w)):  # launch order: the chunk's cat follows silu_backward
+                    if at[j] and back[j] and gemm[j]:
+                        break
+                    if at[j] and back[j] and op[j] == "aten::cat":
+                        cat = [j]
+                        break
+                old_units = [int(f_silu[0]), int(f_mul[0]), int(b_silu[0]), *map(int, b_mul), *cat]
+                d_mul = float(plan.dur[int(f_mul[0])])
+                before += sum(float(plan.dur[j]) for j in old_units)
+                plan.dur[int(f_mul[0])] = d_mul  # the fused forward: the mul's bytes at the mul's bandwidth
+                plan.dur[int(b_silu[0])] = d_mul * 5.0 / 3.0
+                after += d_mul * (1.0 + 5.0 / 3.0)
+                drop |= {pos[j] for j in (int(f_silu[0]), *map(int, b_mul), *cat) if j in pos}
+                done.append(ly)
+            plan.drop_items(drop)
+        else:
+            for j in np.flatnonzero(exp):
+                f = 5.0 / 3.0 if "_swiglu_fwd_kernel" in name[j] else 13.0 / 5.0 if "_swiglu_bwd_kernel" in name[j] else 0.0
+                if f:
+                    before += float(plan.dur[j])
+                    plan.dur[j] = float(plan.dur[j]) * f
+                    after += float(plan.dur[j])
+                    done.append(int(layer[j]))
+            done = sorted(set(done))
+            if done:
+                notes.append("expert_swiglu triton -> torch: the eager kernels' extra launches (4 per layer) are not "
+                             "added")
+        if not done:
+            notes.append(f"expert_swiglu {e0} -> {e1}: no SwiGLU kernels of the routed experts in the profiled step; "
+                         "not modeled")
+            return 0.0
+        modeled.append(f"expert_swiglu {e0} -> {e1}: SwiGLU of {len(done)} MoE layer(s) {before / 1e6:.2f} -> "
+                       f"{after / 1e6:.2f} ms (bytes moved at the measured kernels' bandwidth); peak memory not "
+                       "modeled (the fused pair keeps R x F fewer elements per layer)")
+        return (SIGMA["swiglu"] * abs(after - before) / max(float(p.step_ns), 1.0)) ** 2
 
     def _optimizer(self, plan: _Plan, p: StepProfile, o0: str, o1: str, modeled: list, notes: list) -> float:
         if p.device != "gpu":

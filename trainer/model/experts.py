@@ -279,6 +279,7 @@ def record_use(op: str, what: str) -> None:
 def kernels_record(cfg: dict) -> dict:
     """The manifest's ``kernels`` section: which implementation ran each op, and auto's choices per pass."""
     return {"grouped_gemm_backend": cfg["grouped_gemm_backend"], "use_triton_kernels": cfg["use_triton_kernels"],
+            "expert_swiglu": cfg.get("expert_swiglu", "torch"),
             "ops": dict(KERNEL_USE), "auto_choices": list(AUTO_CHOICES.values())}
 
 
@@ -346,13 +347,43 @@ def grouped_gemm(x: torch.Tensor, w_nk: torch.Tensor, *, backend: str, counts: l
     raise ValueError(f"unknown grouped_gemm_backend {backend!r}")
 
 
-def expert_swiglu(x, w13, w2, *, backend: str, counts=None, offs=None, n_streams: int = 4, align: int = 0):
-    """SwiGLU expert MLP on a buffer grouped by expert."""
+def swiglu_problem(device) -> str | None:
+    """Why ``expert_swiglu=triton`` cannot run on ``device`` (None: it can): the fused kernel is Triton, which
+    runs on CUDA, or on a CPU under its interpreter (``TRITON_INTERPRET=1`` before ``kernels`` is imported)."""
+    probe = torch.empty(0, device=device)
+    k = _kernels()
+    if k is None:
+        return "needs the kernels package (Triton), which cannot be imported here"
+    if not k.HAS_TRITON:
+        return "needs triton, which is not importable here (pip install triton)"
+    if kernels_can_run(probe):
+        return None
+    return (f"needs Triton on this run's device ({probe.device.type}): CUDA, or a CPU with TRITON_INTERPRET=1 "
+            "(Triton's interpreter, for tests)")
+
+
+def swiglu_activation(h: torch.Tensor, impl: str = "torch") -> torch.Tensor:
+    """``silu(gate) * up`` of ``h = [gate | up]`` [R, 2F]: eager PyTorch (``torch``), or ``kernels.swiglu``
+    (``triton``: one kernel each way; the run was refused at start where it cannot run)."""
+    if impl == "triton":
+        from kernels import swiglu  # noqa: PLC0415
+
+        where = ", CPU interpreter)" if h.device.type == "cpu" else ")"
+        record_use("expert_swiglu", "kernels.swiglu (Triton" + where)
+        return swiglu(h)
+    g, u = h.chunk(2, dim=-1)
+    return F.silu(g) * u
+
+
+def expert_swiglu(x, w13, w2, *, backend: str, counts=None, offs=None, n_streams: int = 4, align: int = 0,
+                  swiglu: str = "torch"):
+    """SwiGLU expert MLP on a buffer grouped by expert; ``swiglu``: the activation's implementation
+    (:func:`swiglu_activation`)."""
     if align > 1 and backend in ("torch", "triton", "auto"):  # pad once for both GEMMs
         if offs is None:
             offs = counts_to_offs(counts, x.device)
         xp, offs_p, dest = align_groups(x, offs, align)
-        return expert_swiglu(xp, w13, w2, backend=backend, offs=offs_p).index_select(0, dest)
+        return expert_swiglu(xp, w13, w2, backend=backend, offs=offs_p, swiglu=swiglu).index_select(0, dest)
     h = grouped_gemm(x, w13, backend=backend, counts=counts, offs=offs, n_streams=n_streams)
-    g, u = h.chunk(2, dim=-1)
-    return grouped_gemm(F.silu(g) * u, w2, backend=backend, counts=counts, offs=offs, n_streams=n_streams)
+    return grouped_gemm(swiglu_activation(h, swiglu), w2, backend=backend, counts=counts, offs=offs,
+                        n_streams=n_streams)

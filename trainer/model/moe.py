@@ -94,9 +94,9 @@ class GroupedExperts(nn.Module):
     """The routed experts that live on this EP rank: ``w13[E_local, 2F, D]``, ``w2[E_local, D, F]``."""
 
     def __init__(self, n_local: int, d: int, ff: int, backend: str, n_streams: int = 4, grad_scale: float = 1.0,
-                 align: int = 0):
+                 align: int = 0, swiglu: str = "torch"):
         super().__init__()
-        self.align = align
+        self.align, self.swiglu = align, swiglu
         self.w13 = nn.Parameter(torch.empty(n_local, 2 * ff, d))
         self.w2 = nn.Parameter(torch.empty(n_local, d, ff))
         self.backend, self.n_streams, self.grad_scale = backend, n_streams, grad_scale
@@ -109,7 +109,7 @@ class GroupedExperts(nn.Module):
         else:
             x = x.to(w13.dtype)
         return expert_swiglu(x, w13, w2, backend=self.backend, counts=counts, offs=offs, n_streams=self.n_streams,
-                             align=self.align)
+                             align=self.align, swiglu=self.swiglu)
 
 
 class MoE(nn.Module):
@@ -124,7 +124,7 @@ class MoE(nn.Module):
         self.gate = nn.Linear(d, self.E, bias=False)
         self.experts = GroupedExperts(self.E_local, d, ff, cfg["grouped_gemm_backend"],
                                       cfg["multistream_num_streams"], grad_scale=1.0 / ep_size,
-                                      align=cfg["grouped_gemm_align"])
+                                      align=cfg["grouped_gemm_align"], swiglu=cfg["expert_swiglu"])
         ns = cfg["n_shared_experts"]
         self.shared = SwiGLU(d, ff * ns) if ns else None
 
