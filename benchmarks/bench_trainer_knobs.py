@@ -9,9 +9,12 @@ Rows, each adding one knob to the row before (cumulative):
     + optimizer     optimizer=adamw_fused
     + step_timing   step_timing=events
     + compile       compile=dense
-    + cuda_graphs   cuda_graphs=on
+    + triton_kernels use_triton_kernels=true (the Triton router, permutation / unpermutation gathers and
+                    fused loss of kernels/)
     + expert_swiglu expert_swiglu=triton (the routed experts' silu(gate)*up as one fused Triton kernel
                     each way, kernels/activation.py; benchmarks/bench_swiglu.py times it on its own)
+    + micro_batch_24 micro_batch_size=24 (the memory the rows above freed)
+    + cuda_graphs   cuda_graphs=on (last: on the H100 it halved tokens/s, see docs/performance.md)
 
 Each row is one ``python -m trainer.launch`` run (a fresh process) of ``--steps`` steps (12; warm-up
 steps 0-2 and the profiled step 8 with the export step 9 untimed, so 7 timed steps) writing its own
@@ -25,14 +28,14 @@ AdamW): the largest relative difference over the steps, within ``--loss-rtol`` (
 compiled / fused / graphed runs match eager within bf16 tolerance over 50 steps). Exit 1 when a row
 fails or is outside the tolerance.
 
-Budget: the table (6 rows) is meant to fit in 9 minutes on one H100 (a 12-step eager row is ~40 s,
+Budget: the table (8 rows) is meant to fit in 9 minutes on one H100 (a 12-step eager row is ~40 s,
 compile adds its compilation); ``--budget-s`` (default 540) skips the rows that would start after it,
 saying so. Progress goes to stderr as the runs go (the trainer's step lines included).
 
 ``--cpu``: the tiny config on the CPU with the knobs that exist there (adamw_fused falls back to the
 default AdamW, events to wall-clock timing, compile=dense runs inductor's C++ code); the cuda_graphs row
-shows the trainer's one-line refusal, and so does the expert_swiglu row, which carries cuda_graphs=on
-(the rows are cumulative; expert_swiglu=triton alone is refused on a CPU without Triton's interpreter). About 1-2 minutes on 2 cores: a test of this script, not a
+shows the trainer's one-line refusal, and so do the expert_swiglu row and the rows after it (cumulative:
+expert_swiglu=triton is refused on a CPU without Triton's interpreter). About 1-2 minutes on 2 cores: a test of this script, not a
 measurement.
 
 Writes ``OUT/bench_trainer_knobs.json`` and ``.md`` (``check_loss.json`` / ``.md`` with
@@ -58,8 +61,10 @@ KNOBS = [
     ("+ optimizer", {"optimizer": "adamw_fused"}),
     ("+ step_timing", {"step_timing": "events"}),
     ("+ compile", {"compile": "dense"}),
-    ("+ cuda_graphs", {"cuda_graphs": "on"}),
+    ("+ triton_kernels", {"use_triton_kernels": True}),
     ("+ expert_swiglu", {"expert_swiglu": "triton"}),
+    ("+ micro_batch_24", {"micro_batch_size": 24}),
+    ("+ cuda_graphs", {"cuda_graphs": "on"}),
 ]
 GPU_BASE = {"config": "gpu_proxy", "set": {"sync_free_level": 3, "grouped_gemm_backend": "torch",
                                            "micro_batch_size": 16, "timing_warmup_steps": 3}}
@@ -233,9 +238,9 @@ def main(argv: list[str] | None = None) -> int:
     (out / f"{kind}.md").write_text(md)
     print(md)
     print(f"[bench] wrote {out / (kind + '.json')} and {kind}.md ({doc['wall_s']:.0f} s)", file=sys.stderr)
-    # on a CPU the cuda_graphs row is refused (exit 2, one line), and so is the expert_swiglu row after it
-    # (cumulative: it carries cuda_graphs=on): that is the check
-    refusable = ("+ cuda_graphs", "+ expert_swiglu") if args.cpu else ()
+    # on a CPU the expert_swiglu row is refused (exit 2, one line: no Triton there), and so are the rows after
+    # it (cumulative: they carry it): that is the check
+    refusable = ("+ expert_swiglu", "+ micro_batch_24", "+ cuda_graphs") if args.cpu else ()
     ok = all(r.get("rc") == 0 or (r["name"] in refusable and r.get("rc") == 2)
              for r in rows if not r.get("skipped"))
     ok = ok and all(r.get("loss_ok", True) for r in rows)

@@ -33,16 +33,16 @@ def test_knob_rows_are_cumulative_and_trainer_keys():
     from trainer.config import load_config
 
     b = _bench()
-    assert [n for n, _ in b.KNOBS] == ["baseline", "+ optimizer", "+ step_timing", "+ compile", "+ cuda_graphs",
-                                       "+ expert_swiglu"]
+    assert [n for n, _ in b.KNOBS] == ["baseline", "+ optimizer", "+ step_timing", "+ compile", "+ triton_kernels",
+                                       "+ expert_swiglu", "+ micro_batch_24", "+ cuda_graphs"]
     acc = {}
     for _, knob in b.KNOBS:
         acc.update(knob)
     # the last row is a valid trainer config on a GPU machine (device checked at run time)
     cfg = load_config(b.GPU_BASE["config"], {**b.GPU_BASE["set"], **acc, "device": "auto"})
     assert (cfg["optimizer"], cfg["step_timing"], cfg["compile"], cfg["cuda_graphs"], cfg["micro_batch_size"],
-            cfg["sync_free_level"], cfg["grouped_gemm_backend"], cfg["expert_swiglu"]) == \
-        ("adamw_fused", "events", "dense", "on", 16, 3, "torch", "triton")
+            cfg["sync_free_level"], cfg["grouped_gemm_backend"], cfg["expert_swiglu"], cfg["use_triton_kernels"]) == \
+        ("adamw_fused", "events", "dense", "on", 24, 3, "torch", "triton", True)
 
 
 def test_table_shows_gain_loss_check_and_refusals():
