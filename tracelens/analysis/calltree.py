@@ -47,6 +47,8 @@ def host_events(events: pd.DataFrame) -> pd.DataFrame:
     sel = x & (is_op | is_ann | is_rt | is_mod)
     host = events.loc[sel, ["rank", "pid", "tid", "ts", "dur", "name", "cat", "correlation", "external_id",
                             "input_dims", "input_types", "module"]].copy(deep=False)
+    for c in ("correlation", "external_id"):  # narrowed in the events table (trace.narrow_args); int64 in the tree
+        host[c] = host[c].to_numpy().astype(np.int64, copy=False)
     kind = np.full(len(host), KIND_OP, dtype=np.int8)
     kind[is_ann[sel]] = KIND_ANNOTATION
     kind[is_mod[sel]] = KIND_MODULE
@@ -577,6 +579,8 @@ def gpu_events(events: pd.DataFrame) -> pd.DataFrame:
     g = events.loc[sel, ["rank", "pid", "tid", "ts", "dur", "name", "cat", "correlation", "external_id", "device",
                          "stream", "bytes", "grid", "block", "collective", "in_nelems", "out_nelems", "dtype",
                          "group_size", "pg_name", "pg_ranks"]].copy(deep=False)
+    for c in ("correlation", "external_id", "device", "stream", "bytes", "in_nelems", "out_nelems", "group_size"):
+        g[c] = g[c].to_numpy().astype(np.int64, copy=False)  # narrowed in the events table (trace.narrow_args)
     code = np.where(C.isin(g["cat"], C.KERNEL_CATS), 0, np.where(C.isin(g["cat"], C.MEMCPY_CATS), 1, 2))
     g["kind"] = pd.Categorical.from_codes(code, categories=["kernel", "memcpy", "memset"])
     g["end"] = g["ts"] + g["dur"]
