@@ -655,11 +655,8 @@ def attribute_gpu(gpu: pd.DataFrame, tree: pd.DataFrame, steps: pd.DataFrame) ->
 
 
 def _positions(frame: pd.DataFrame, labels: np.ndarray) -> np.ndarray:
-    """Row positions of labels in a frame whose index is sorted (the tree keeps event order)."""
-    index = frame.index.to_numpy()
-    if frame.index.is_monotonic_increasing:
-        return np.searchsorted(index, labels)
-    return frame.index.get_indexer(labels)
+    """Row positions of labels of the frame (the tree keeps event order: binary search, no hash table)."""
+    return C.positions(frame.index, labels)
 
 
 def assign_steps(rank: np.ndarray, t: np.ndarray, steps: pd.DataFrame) -> np.ndarray:
