@@ -87,8 +87,7 @@ def build_tree(events: pd.DataFrame) -> pd.DataFrame:
     names = host["name"]
     name_codes = names.cat.codes.to_numpy().astype(np.int64)
     name_uniques = list(names.cat.categories.astype(str)) + [""]  # code -1 -> ""
-    step_num = C.map_strings(names, _step_number, dtype=np.int64)
-    is_step = (step_num >= 0) & (kind == KIND_ANNOTATION)
+    is_step = (C.map_strings(names, _step_number, dtype=np.int64) >= 0) & (kind == KIND_ANNOTATION)  # numbers: at the end
     rank_a, pid_a, tid_a = (host[c].to_numpy() for c in ("rank", "pid", "tid"))
     ext_a = host["external_id"].to_numpy()
     # per thread; parents first: by start, then longer first, then annotation < module < op < runtime,
@@ -121,8 +120,8 @@ def build_tree(events: pd.DataFrame) -> pd.DataFrame:
     del name_codes
 
     # back to all sorted positions: ranges' links are range indices -> sorted positions
-    def spread(vals: np.ndarray, is_index: bool) -> np.ndarray:
-        out = np.full(n, -1 if is_index else 0, dtype=np.int64)
+    def spread(vals: np.ndarray, is_index: bool, dtype=np.int64) -> np.ndarray:
+        out = np.full(n, -1 if is_index else 0, dtype=dtype)
         v = np.asarray(vals, dtype=np.int64)
         if is_index:
             ok = v >= 0
@@ -131,12 +130,14 @@ def build_tree(events: pd.DataFrame) -> pd.DataFrame:
         return out
 
     parent_s = spread(r_parent, True)
-    depth_s = spread(r_depth, False)
+    depth_s = spread(r_depth, False, np.int32)  # depths and path ids are small: half the bytes
     inner_s = spread(r_inner, True)
     outer_s = spread(r_outer, True)
-    path_s = spread(r_path, False)
+    path_s = spread(r_path, False, np.int32)
     del r_parent, r_depth, r_inner, r_outer, r_path
     rt_pos = np.flatnonzero(o_kind_a == KIND_RUNTIME)
+    inv = np.empty(n, dtype=np.int64)  # original position -> sorted position
+    inv[order] = np.arange(n)
     if len(rt_pos):
         top = _innermost_range_at(o_group, o_ts, o_end, rng_pos, parent_s, depth_s, rt_pos)
         has = top >= 0
@@ -154,15 +155,17 @@ def build_tree(events: pd.DataFrame) -> pd.DataFrame:
             op_pos = np.flatnonzero(o_kind_a == KIND_OP)  # sorted by (thread, ts, -end, External id, row)
             k = innermost_op_at(o_group[op_pos], o_ts[op_pos], o_end[op_pos], o_group[rt_pos], o_ts[rt_pos])
             launcher = np.where(k >= 0, op_pos[np.maximum(k, 0)], -1)
-        o_rank, o_ext = rank_a[order], ext_a[order]
-        named = _op_by_external_id(o_rank, o_ext, labels[order], o_kind_a == KIND_OP, o_rank[rt_pos],
-                                   o_ext[rt_pos], _ranks_with_op_ids(events))
-        launcher = np.where(named >= 0, named, launcher)
+        # (in original order, so no sorted copy of rank / External id / labels is made; -> sorted positions)
+        rt_orig = order[rt_pos]
+        named = _op_by_external_id(rank_a, ext_a, labels, kind == KIND_OP, rank_a[rt_orig], ext_a[rt_orig],
+                                   _ranks_with_op_ids(events))
+        del rt_orig
+        launcher = np.where(named >= 0, inv[np.maximum(named, 0)], launcher)
         has = launcher >= 0
         safe = np.where(has, launcher, 0)
         inner_s[rt_pos] = np.where(has, launcher, -1)
         outer_s[rt_pos] = np.where(has, outer_s[safe], -1)
-        del top, has, safe, launcher, named, o_rank, o_ext
+        del top, has, safe, launcher, named
     del o_group, o_ts, o_end, rt_pos, rng_pos, o_kind_a
     parent, depth, inner, outer, path = parent_s, depth_s, inner_s, outer_s, path_s
     del parent_s, depth_s, inner_s, outer_s, path_s
@@ -186,8 +189,6 @@ def build_tree(events: pd.DataFrame) -> pd.DataFrame:
         path_str[pid_] = f"{path_str[pp]}/{nm}" if pp > 0 else nm
     path_a = path
 
-    inv = np.empty(n, dtype=np.int64)
-    inv[order] = np.arange(n)
     out = host
     # self time: own duration minus the durations of direct children
     self_dur = dur.astype(np.int64).copy()
@@ -207,7 +208,7 @@ def build_tree(events: pd.DataFrame) -> pd.DataFrame:
     del path, path_a, inv, order
     out["self_dur"] = np.maximum(self_dur, 0)
     out["is_step"] = is_step
-    out["step"] = np.where(is_step, step_num, -1)
+    out["step"] = np.where(is_step, C.map_strings(names, _step_number, dtype=np.int64), -1)
     return out
 
 
