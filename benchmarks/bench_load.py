@@ -370,24 +370,30 @@ def main_big(a) -> None:
             f"of {os.cpu_count()}; cold (no cache) load + analyze + summary, fresh process per run")
         say(f"{'run':>3} {'wall s':>7} {'load s':>7} {'anal s':>7} {'peak RSS MB':>11} {'after load':>10} "
             f"{'after analyze':>13} {'events':>11}")
-        runs = []
+        runs, before = [], []
+        roots = [("", ROOT, runs)] + ([("before", Path(a.compare_root), before)] if a.compare_root else [])
         for i in range(a.repeat):
-            r = run_isolated(TRACELENS, str(trace), "0", str(work / "cache-unused"), pss=False, cpus=cpus)
-            runs.append(r)
-            say(f"{i + 1:>3} {r['wall_s']:>7.2f} {r['load_s']:>7.2f} {r['analyze_s']:>7.2f} {r['peak_mb']:>11,.0f} "
-                f"{r.get('peak_load_mb', float('nan')):>10,.0f} {r.get('peak_analyze_mb', float('nan')):>13,.0f} "
-                f"{r['events']:>11,}")
+            for tag, root, acc in roots:  # alternating, so both see the same minutes of a shared machine
+                r = run_isolated(TRACELENS, str(trace), "0", str(work / "cache-unused"), pss=False, cpus=cpus,
+                                 cwd=root)
+                acc.append(r)
+                say(f"{i + 1:>3} {r['wall_s']:>7.2f} {r['load_s']:>7.2f} {r['analyze_s']:>7.2f} {r['peak_mb']:>11,.0f} "
+                    f"{r.get('peak_load_mb', float('nan')):>10,.0f} {r.get('peak_analyze_mb', float('nan')):>13,.0f} "
+                    f"{r['events']:>11,} {tag}")
             left = a.budget - (time.perf_counter() - t_start)
-            if i + 1 < a.repeat and left < r["wall_s"] * 1.2:
+            if i + 1 < a.repeat and left < sum(acc[-1]["wall_s"] for _, _, acc in roots) * 1.2:
                 say(f"(stopped after {i + 1} run(s): {left:.0f} s of the {a.budget:.0f} s budget left)")
                 break
-        med = _median(runs)
-        say(f"{size_mb:,.0f} MB: median of {len(runs)}: wall {med['wall_s']:.2f} s, peak RSS {med['peak_mb']:,.0f} MB "
-            f"(max over runs {max(r['peak_mb'] for r in runs):,.0f} MB)")
+        for tag, root, acc in roots:
+            med = _median(acc)
+            say(f"{size_mb:,.0f} MB{' ' + tag + ' (' + str(root) + ')' if tag else ''}: median of {len(acc)}: wall "
+                f"{med['wall_s']:.2f} s, peak RSS {med['peak_mb']:,.0f} MB (max over runs "
+                f"{max(r['peak_mb'] for r in acc):,.0f} MB)")
         if out:
             out.mkdir(parents=True, exist_ok=True)
             (out / "big.json").write_text(json.dumps({"size_mb": size_mb, "src": str(src), "cpus": cpus,
-                                                      "decoder": decoder(), "runs": runs}, indent=1))
+                                                      "decoder": decoder(), "runs": runs, "before": before or None},
+                                                     indent=1))
             (out / "big.txt").write_text("\n".join(lines) + "\n")
     finally:
         if not a.keep:
@@ -410,7 +416,8 @@ def main() -> None:
     ap.add_argument("--hta-timeout", type=float, default=300.0,
                     help="with --corpus: stop an HTA run after this many seconds (ratio a lower bound; default 300)")
     ap.add_argument("--compare-root", default=None,
-                    help="with --corpus: also run the tracelens of this other checkout (\"before\"), same minutes")
+                    help="with --corpus or --big: also run the tracelens of this other checkout (\"before\"), "
+                         "same minutes")
     ap.add_argument("--big", action="store_true", help="one large tiled trace: wall time and peak RSS (see above)")
     ap.add_argument("--cpus", default=None, help="with --big: pin the analysis to these CPUs, e.g. 2,3")
     ap.add_argument("--budget", type=float, default=420.0,
