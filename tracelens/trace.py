@@ -416,6 +416,6 @@ def narrow_args(table: pa.Table) -> pa.Table:
         else:
             to = None
         if to is not None:
-            table = table.set_column(i, name, col.cast(to))
+            table = table.set_column(i, name, col.cast(to, safe=False))  # the range is checked above
         del col
     return table
