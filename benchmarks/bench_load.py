@@ -27,7 +27,7 @@ trace after the other; prints a per-trace table and the minimum HTA / tracelens 
 Big mode (issue 20, bounded memory): one trace (default: the H200 MoE loop fixture) tiled to --target-mb
 by every CPU this process may use, then cold load + analyze + summary in fresh processes pinned to --cpus,
 up to --repeat runs while --budget seconds allow; prints wall time, load / analyze+summary time and peak
-RSS (whole run, and peak so far after the load and after analyze), writes big.json / big.txt into --out
+RSS (whole run, and peak so far after the load and after analyze), writes big-<MB>MB.json / .txt into --out
 (default $OUT when set) and deletes the trace unless --keep (benchmarks/bench_big.sh runs it on the
 device machine's CPU):
     python benchmarks/bench_load.py --big --target-mb 2000 --cpus 0,1 --repeat 3 --work /tmp/big
@@ -391,10 +391,10 @@ def main_big(a) -> None:
                 f"{max(r['peak_mb'] for r in acc):,.0f} MB)")
         if out:
             out.mkdir(parents=True, exist_ok=True)
-            (out / "big.json").write_text(json.dumps({"size_mb": size_mb, "src": str(src), "cpus": cpus,
+            (out / f"big-{a.target_mb:g}MB.json").write_text(json.dumps({"size_mb": size_mb, "src": str(src), "cpus": cpus,
                                                       "decoder": decoder(), "runs": runs, "before": before or None},
                                                      indent=1))
-            (out / "big.txt").write_text("\n".join(lines) + "\n")
+            (out / f"big-{a.target_mb:g}MB.txt").write_text("\n".join(lines) + "\n")
     finally:
         if not a.keep:
             shutil.rmtree(d, ignore_errors=True)
@@ -422,7 +422,7 @@ def main() -> None:
     ap.add_argument("--cpus", default=None, help="with --big: pin the analysis to these CPUs, e.g. 2,3")
     ap.add_argument("--budget", type=float, default=420.0,
                     help="with --big: start no further run past this many seconds (default 420)")
-    ap.add_argument("--out", default=None, help="with --big: write big.json and big.txt here (default $OUT)")
+    ap.add_argument("--out", default=None, help="with --big: write big-<MB>MB.json and .txt here (default $OUT)")
     ap.add_argument("--keep", action="store_true", help="with --big: keep the tiled trace")
     a = ap.parse_args()
     if a.big:

@@ -88,8 +88,8 @@ def test_big_mode_writes_wall_time_and_peak_rss(tmp_path):
                         str(min(__import__("os").sched_getaffinity(0))), "--repeat", "2", "--work", str(work),
                         "--out", str(out)], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
-    doc = json.loads((out / "big.json").read_text())
-    assert len(doc["runs"]) == 2 and (out / "big.txt").read_text().count("median of 2") == 1
+    doc = json.loads((out / "big-1MB.json").read_text())
+    assert len(doc["runs"]) == 2 and (out / "big-1MB.txt").read_text().count("median of 2") == 1
     for run in doc["runs"]:
         assert run["wall_s"] > 0 and run["peak_mb"] >= run["peak_analyze_mb"] >= run["peak_load_mb"] > 0
     # the events the analysis saw are the tiled file's ph X / i events: ~1 MB of the MoE loop trace
