@@ -263,11 +263,35 @@ def load(
     del parsed
     # Arrow's allocator keeps the buffers the conversion to pandas freed (~40% of the events table's size):
     # hand them back, no analysis uses Arrow memory afterwards (1 GB trace: 784 -> 610 MB after the load)
-    pa.default_memory_pool().release_unused()
+    give_back_memory()
     trace.run_status = run_status(files)
     if trace.run_status and trace.run_status["warning"]:
         trace.warnings.insert(0, trace.run_status["warning"])
     return trace
+
+
+def give_back_memory() -> None:
+    """Hand memory the process freed but its allocators keep back to the system: Arrow's pool (pandas'
+    string columns live there too) and glibc's heap (numpy's temporaries below its mmap threshold). Called
+    between the large steps of a load and an analysis, so that one step's freed temporaries do not stay
+    counted in the next one's peak (2 GB trace: -124 MB after `analyze`, roofline's peak -234 MB)."""
+    pa.default_memory_pool().release_unused()
+    if _MALLOC_TRIM is not None:
+        _MALLOC_TRIM(0)
+
+
+def _malloc_trim():
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        import ctypes
+
+        return ctypes.CDLL(None).malloc_trim  # glibc; absent on musl
+    except (OSError, AttributeError):
+        return None
+
+
+_MALLOC_TRIM = _malloc_trim()
 
 
 def assemble(parsed: Iterable[ParsedTrace]) -> Trace:
