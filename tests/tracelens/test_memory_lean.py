@@ -142,3 +142,16 @@ def test_positions_match_get_indexer():
         got = C.positions(index, queries)
         want = index.get_indexer(queries)
         assert np.array_equal(got, want), repr(index)[:60]
+
+
+def test_idle_gaps_object_columns_hold_the_same_values():
+    from tracelens.analysis import host as H
+
+    a = tracelens.analyze(tracelens.load(str(EP2_L0), cache=False))
+    text, lean = H.idle_gaps(a), H.idle_gaps(a, text_columns=False)
+    assert len(text) == len(lean) > 100 and list(text.columns) == list(lean.columns)
+    for c in text.columns:
+        assert text[c].tolist() == lean[c].tolist(), c
+    assert all(lean[c].dtype == object for c in ("cause", "next_op", "next_top_op"))
+    # the gaps end where a GPU event of their rank starts, and each starts no earlier than it ends
+    assert (lean["end_ns"] > lean["start_ns"]).all()
