@@ -23,6 +23,14 @@ trace after the other; prints a per-trace table and the minimum HTA / tracelens 
     python benchmarks/bench_load.py --corpus --no-hta --json out.json      # tracelens only
     git worktree add --detach /tmp/before main && cp tracelens/io/_kineto_fast*.so /tmp/before/tracelens/io/
     python benchmarks/bench_load.py --corpus --compare-root /tmp/before    # + that checkout's tracelens
+
+Big mode (issue 20, bounded memory): one trace (default: the H200 MoE loop fixture) tiled to --target-mb
+by every CPU this process may use, then cold load + analyze + summary in fresh processes pinned to --cpus,
+up to --repeat runs while --budget seconds allow; prints wall time, load / analyze+summary time and peak
+RSS (whole run, and peak so far after the load and after analyze), writes big-<MB>MB.json / .txt into --out
+(default $OUT when set) and deletes the trace unless --keep (benchmarks/bench_big.sh runs it on the
+device machine's CPU):
+    python benchmarks/bench_load.py --big --target-mb 2000 --cpus 0,1 --repeat 3 --work /tmp/big
 """
 
 from __future__ import annotations
@@ -45,17 +53,21 @@ from scale_trace import scale  # noqa: E402
 DEFAULT_SRC = ROOT / "tests" / "fixtures" / "external" / "hta" / "trace_diff" / "control.json.gz"
 
 TRACELENS = """
-import sys, time, json
+import sys, time, json, resource
+maxrss = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # MB, peak so far
 t0 = time.perf_counter()
 import tracelens
 tr = tracelens.load(sys.argv[1], cache=sys.argv[2] == "1", cache_dir=sys.argv[3], progress=False)
 t1 = time.perf_counter()
+m1 = maxrss()
 a = tracelens.analyze(tr)
+m2 = maxrss()
 s = a.summary()
 t2 = time.perf_counter()
 r0 = s["ranks"][0]["all_steps"] if s.get("ranks") else {}  # the whole profiled window, as HTA reads it
 print(json.dumps({"load_s": t1 - t0, "analyze_s": t2 - t1, "busy_us": r0.get("gpu_busy_us"),
-                  "kernels": int((a.gpu["kind"] == "kernel").sum()), "events": int(len(tr.events))}))
+                  "kernels": int((a.gpu["kind"] == "kernel").sum()), "events": int(len(tr.events)),
+                  "peak_load_mb": m1, "peak_analyze_mb": m2}))
 """
 
 HTA = """
@@ -111,14 +123,17 @@ print(json.dumps(r))
 
 
 def run_isolated(code: str, *args: str, env: dict | None = None, pss: bool = True, cwd: Path = ROOT,
-                 timeout: float | None = None) -> dict:
+                 timeout: float | None = None, cpus: list[int] | None = None) -> dict:
     """Run `code` in a fresh interpreter under a wrapper, so RUSAGE_CHILDREN holds exactly its peak
     (the largest single process). Wall time is measured without PSS sampling (which costs CPU); a
-    second run with sampling (unless `pss` is false) gives the process tree's physical memory (summed PSS)."""
+    second run with sampling (unless `pss` is false) gives the process tree's physical memory (summed PSS).
+    cpus: pin the run to these CPUs (as `taskset -c`), whatever this process may use."""
     e = {**os.environ, **(env or {})}
-    if timeout is not None:  # its own session, so the child it runs can be stopped with it
+    pin = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
+    if timeout is not None or pin is not None:  # its own session, so the child it runs can be stopped with it
         proc = subprocess.Popen([sys.executable, "-c", _WRAPPER, code, *args], stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, cwd=str(cwd), env=e, start_new_session=True)
+                                stderr=subprocess.PIPE, cwd=str(cwd), env=e, start_new_session=True,
+                                preexec_fn=pin)
         try:
             out, err = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -322,9 +337,73 @@ def main_corpus(a) -> None:
         Path(a.json).write_text(json.dumps({"target_mb": a.target_mb, "repeat": a.repeat, "rows": rows}, indent=1))
 
 
+BIG_SRC = _FX / "h200_moe_1gpu" / "moe1gpu_loop.json.gz"
+
+
+def main_big(a) -> None:
+    src = Path(a.src or BIG_SRC)
+    out = Path(a.out or os.environ.get("OUT") or "") if (a.out or os.environ.get("OUT")) else None
+    work = Path(a.work or tempfile.mkdtemp(prefix="tracelens-big-"))
+    cpus = [int(c) for c in a.cpus.split(",")] if a.cpus else None
+    d = work / f"big-{a.target_mb:g}MB"
+    trace = d / "rank0.json"
+    t_start = time.perf_counter()
+    lines: list[str] = []
+
+    def say(s: str) -> None:
+        print(s, flush=True)
+        lines.append(s)
+
+    from tracelens.io.kineto import decoder
+
+    try:
+        if not trace.exists():
+            d.mkdir(parents=True, exist_ok=True)
+            jobs = len(os.sched_getaffinity(0))
+            t = time.perf_counter()
+            copies, n = scale(str(src), str(d / "rank0.json.part"), target_mb=a.target_mb, jobs=jobs)
+            os.replace(d / "rank0.json.part", trace)
+            say(f"built {trace} from {src.name}: {trace.stat().st_size / 1e6:,.0f} MB, {n:,} events, {copies} copies, "
+                f"{jobs} processes, {time.perf_counter() - t:.1f} s")
+        size_mb = trace.stat().st_size / 1e6
+        say(f"decoder: {decoder()}; analysis pinned to CPUs {cpus or sorted(os.sched_getaffinity(0))} "
+            f"of {os.cpu_count()}; cold (no cache) load + analyze + summary, fresh process per run")
+        say(f"{'run':>3} {'wall s':>7} {'load s':>7} {'anal s':>7} {'peak RSS MB':>11} {'after load':>10} "
+            f"{'after analyze':>13} {'events':>11}")
+        runs, before = [], []
+        roots = [("", ROOT, runs)] + ([("before", Path(a.compare_root), before)] if a.compare_root else [])
+        for i in range(a.repeat):
+            for tag, root, acc in roots:  # alternating, so both see the same minutes of a shared machine
+                r = run_isolated(TRACELENS, str(trace), "0", str(work / "cache-unused"), pss=False, cpus=cpus,
+                                 cwd=root)
+                acc.append(r)
+                say(f"{i + 1:>3} {r['wall_s']:>7.2f} {r['load_s']:>7.2f} {r['analyze_s']:>7.2f} {r['peak_mb']:>11,.0f} "
+                    f"{r.get('peak_load_mb', float('nan')):>10,.0f} {r.get('peak_analyze_mb', float('nan')):>13,.0f} "
+                    f"{r['events']:>11,} {tag}")
+            left = a.budget - (time.perf_counter() - t_start)
+            if i + 1 < a.repeat and left < sum(acc[-1]["wall_s"] for _, _, acc in roots) * 1.2:
+                say(f"(stopped after {i + 1} run(s): {left:.0f} s of the {a.budget:.0f} s budget left)")
+                break
+        for tag, root, acc in roots:
+            med = _median(acc)
+            say(f"{size_mb:,.0f} MB{' ' + tag + ' (' + str(root) + ')' if tag else ''}: median of {len(acc)}: wall "
+                f"{med['wall_s']:.2f} s, peak RSS {med['peak_mb']:,.0f} MB (max over runs "
+                f"{max(r['peak_mb'] for r in acc):,.0f} MB)")
+        if out:
+            out.mkdir(parents=True, exist_ok=True)
+            (out / f"big-{a.target_mb:g}MB.json").write_text(json.dumps({"size_mb": size_mb, "src": str(src), "cpus": cpus,
+                                                      "decoder": decoder(), "runs": runs, "before": before or None},
+                                                     indent=1))
+            (out / f"big-{a.target_mb:g}MB.txt").write_text("\n".join(lines) + "\n")
+    finally:
+        if not a.keep:
+            shutil.rmtree(d, ignore_errors=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--src", default=str(DEFAULT_SRC), help="real trace to tile")
+    ap.add_argument("--src", default=None, help="real trace to tile (default: the A100 trace_diff control; "
+                                                "with --big the H200 MoE loop trace)")
     ap.add_argument("--target-mb", type=float, default=200.0)
     ap.add_argument("--work", default=None, help="work directory (default: a temporary one)")
     ap.add_argument("--no-hta", action="store_true", help="skip HolisticTraceAnalysis")
@@ -337,8 +416,19 @@ def main() -> None:
     ap.add_argument("--hta-timeout", type=float, default=300.0,
                     help="with --corpus: stop an HTA run after this many seconds (ratio a lower bound; default 300)")
     ap.add_argument("--compare-root", default=None,
-                    help="with --corpus: also run the tracelens of this other checkout (\"before\"), same minutes")
+                    help="with --corpus or --big: also run the tracelens of this other checkout (\"before\"), "
+                         "same minutes")
+    ap.add_argument("--big", action="store_true", help="one large tiled trace: wall time and peak RSS (see above)")
+    ap.add_argument("--cpus", default=None, help="with --big: pin the analysis to these CPUs, e.g. 2,3")
+    ap.add_argument("--budget", type=float, default=420.0,
+                    help="with --big: start no further run past this many seconds (default 420)")
+    ap.add_argument("--out", default=None, help="with --big: write big-<MB>MB.json and .txt here (default $OUT)")
+    ap.add_argument("--keep", action="store_true", help="with --big: keep the tiled trace")
     a = ap.parse_args()
+    if a.big:
+        a.repeat = a.repeat or 1
+        return main_big(a)
+    a.src = a.src or str(DEFAULT_SRC)
     if a.corpus:
         a.repeat = a.repeat or 3
         return main_corpus(a)

@@ -5,10 +5,13 @@ Copy c of every timed event is shifted by c * period (the source's span plus 5 %
 offset so every link stays one-to-one: `correlation` and `External id` (runtime <-> kernel, op <->
 kernel), flow ids, and Python ids. Profiler-step annotations are renumbered so steps stay distinct.
 Metadata events (process/thread names) are written once. Output is streamed, so a multi-GB trace
-needs no more memory than the source.
+needs no more memory than the source. With --jobs N (uncompressed output) N forked processes encode
+contiguous ranges of copies into part files next to OUT, which are then appended in order: the same
+bytes as one process writes, ~N times faster (an 8 GB trace in well under a minute on 16 cores).
 
     python benchmarks/scale_trace.py SRC.json.gz OUT.json --target-mb 200
     python benchmarks/scale_trace.py SRC.json.gz OUT.json.gz --copies 10
+    python benchmarks/scale_trace.py SRC.json.gz /tmp/big/rank0.json --target-mb 8000 --jobs 16
 """
 
 from __future__ import annotations
@@ -17,7 +20,10 @@ import argparse
 import gzip
 import os
 import re
+import shutil
 import sys
+from concurrent.futures import ProcessPoolExecutor
+from multiprocessing import get_context
 
 import msgspec
 
@@ -70,8 +76,29 @@ def shifted_copy(e: dict, c: int, period: float, id_step: int, step_span: int) -
     return e2
 
 
-def scale(src: str, out: str, copies: int | None = None, target_mb: float | None = None) -> tuple[int, int]:
-    """Write the tiled trace; returns (copies, events written)."""
+# What the forked part writers read (set by `scale` before the pool forks, so the source is not pickled)
+_TILE: dict = {}
+
+
+def _write_part(job: tuple[str, int, int]) -> int:
+    """Copies [lo, hi) of the source's timed events, comma-separated, into the file `path`; returns the
+    number of events written."""
+    path, lo, hi = job
+    t = _TILE
+    enc = msgspec.json.Encoder()
+    n = 0
+    with open(path, "wb") as f:
+        for c in range(lo, hi):
+            buf = [enc.encode(shifted_copy(e, c, t["period"], t["id_step"], t["step_span"])) for e in t["timed"]]
+            f.write((b"," if c > lo else b"") + b",".join(buf))
+            n += len(buf)
+    return n
+
+
+def scale(src: str, out: str, copies: int | None = None, target_mb: float | None = None,
+          jobs: int = 1) -> tuple[int, int]:
+    """Write the tiled trace; returns (copies, events written). jobs > 1 (uncompressed `out` only): that
+    many forked processes write contiguous ranges of copies to part files, appended to `out` in order."""
     doc = _load(src)
     events = doc.pop("traceEvents")
     timed = [e for e in events if e.get("ph") != "M" and "ts" in e]
@@ -86,6 +113,7 @@ def scale(src: str, out: str, copies: int | None = None, target_mb: float | None
     if copies is None:
         one = sum(len(enc.encode(e)) + 1 for e in timed)
         copies = max(1, int((target_mb or 0) * 1e6 / one))
+    jobs = max(1, min(jobs, copies)) if not out.endswith(".gz") and timed else 1
     opener = gzip.open if out.endswith(".gz") else open
     n = 0
     with opener(out, "wb") as f:
@@ -96,11 +124,30 @@ def scale(src: str, out: str, copies: int | None = None, target_mb: float | None
             f.write((b"" if first else b",") + enc.encode(e))
             first = False
             n += 1
-        for c in range(copies):
-            buf = [enc.encode(shifted_copy(e, c, period, id_step, step_span)) for e in timed]
-            f.write((b"" if first else b",") + b",".join(buf))
-            first = False
-            n += len(buf)
+        if jobs > 1:
+            _TILE.update(timed=timed, period=period, id_step=id_step, step_span=step_span)
+            bounds = [copies * k // jobs for k in range(jobs + 1)]
+            parts = [(f"{out}.part{k}", bounds[k], bounds[k + 1]) for k in range(jobs)]
+            try:
+                with ProcessPoolExecutor(jobs, mp_context=get_context("fork")) as ex:
+                    n += sum(ex.map(_write_part, parts))
+                for path, _, _ in parts:
+                    f.write(b"" if first else b",")
+                    first = False
+                    with open(path, "rb") as p:
+                        shutil.copyfileobj(p, f, 16 << 20)
+                    os.unlink(path)
+            finally:
+                _TILE.clear()
+                for path, _, _ in parts:
+                    if os.path.exists(path):
+                        os.unlink(path)
+        else:
+            for c in range(copies):
+                buf = [enc.encode(shifted_copy(e, c, period, id_step, step_span)) for e in timed]
+                f.write((b"" if first else b",") + b",".join(buf))
+                first = False
+                n += len(buf)
         f.write(b"]}")
     return copies, n
 
@@ -112,8 +159,9 @@ def main(argv: list[str] | None = None) -> None:
     g = ap.add_mutually_exclusive_group(required=True)
     g.add_argument("--copies", type=int)
     g.add_argument("--target-mb", type=float, help="approximate uncompressed size of OUT in MB")
+    ap.add_argument("--jobs", type=int, default=1, help="processes writing copies in parallel (uncompressed OUT)")
     a = ap.parse_args(argv)
-    copies, n = scale(a.src, a.out, a.copies, a.target_mb)
+    copies, n = scale(a.src, a.out, a.copies, a.target_mb, jobs=a.jobs)
     print(f"{a.out}: {copies} copies, {n} events, {os.path.getsize(a.out) / 1e6:.1f} MB on disk", file=sys.stderr)
 
 

@@ -22,7 +22,7 @@ import pandas as pd
 
 from . import __version__
 from .analysis import calltree, steps as steps_mod, summaries, timeline
-from .trace import Trace
+from .trace import Trace, give_back_memory
 
 SUMMARY_SCHEMA = 2
 
@@ -60,6 +60,7 @@ class Analysis:
             from .analysis.roofline import roofline_result
 
             r = roofline_result(self, ceilings=ceilings)
+            give_back_memory()
             if ceilings is not None:
                 return r
             self._roofline = r
@@ -80,6 +81,7 @@ class Analysis:
             from .analysis.comm import collective_instances
 
             self._comm_instances = collective_instances(self)
+            give_back_memory()
         return self._comm_instances
 
     def health(self) -> pd.DataFrame:
@@ -89,6 +91,7 @@ class Analysis:
             from .analysis.health import health_checks, run_context
 
             self._health = health_checks(self, run_context(self.trace), inst=self.comm_instances())
+            give_back_memory()
         return self._health
 
     def findings(self) -> list[dict[str, Any]]:
@@ -97,6 +100,7 @@ class Analysis:
             from .analysis.findings import findings
 
             self._findings = findings(self)
+            give_back_memory()
         return self._findings
 
     def decomposition(self) -> pd.DataFrame:
@@ -111,6 +115,7 @@ class Analysis:
                 self._decomposition = decomposition(self)
             except Exception as e:  # noqa: BLE001 - kept, so a second call raises the same without recomputing
                 self._decomposition = e
+            give_back_memory()
         if isinstance(self._decomposition, Exception):
             raise self._decomposition
         return self._decomposition
@@ -270,8 +275,10 @@ def analyze(trace: Trace, window: str = "steady") -> Analysis:
         raise ValueError(f"window must be 'steady' or 'all', got {window!r}")
     warnings = list(trace.warnings)
     tree = calltree.build_tree(trace.events)
+    give_back_memory()  # build_tree's temporaries (the largest of an analysis)
     steps = calltree.steps_table(tree)
     gpu = calltree.attribute_gpu(calltree.gpu_events(trace.events), tree, steps)
+    give_back_memory()
     manifest = steps_mod.run_manifest(trace)
     waits = steps_mod.startup_waits(trace, gpu)
     tree_step = steps_mod.host_steps(tree, steps)
@@ -308,7 +315,7 @@ def analyze(trace: Trace, window: str = "steady") -> Analysis:
         warnings.append("no GPU event could be linked to a CPU op (trace lacks runtime events/correlation ids)")
     if not steps.empty and not stl.empty and (gpu["step"] < 0).mean() > 0.5:
         warnings.append("most GPU activity was launched outside the marked profiler steps")
-    return Analysis(
+    a = Analysis(
         trace=trace, tree=tree, gpu=gpu, steps=steps, timeline=tl, step_timeline=stl,
         ops=summaries.ops_summary(tree, gw, busy_total, host_mask=host_mask),
         kernels=summaries.kernel_summary(gw, busy_total),
@@ -320,3 +327,5 @@ def analyze(trace: Trace, window: str = "steady") -> Analysis:
         pipeline=_pipeline(trace, warnings),
         window=sw, timeline_all=tl_all, gpu_window=gw, host_window=host_mask, manifest=manifest,
     )
+    give_back_memory()
+    return a

@@ -114,7 +114,7 @@ def reduce_rank(path: str, index: int = 0, n_files: int = 1, *, cache: bool = Tr
     info, warnings, issues = rank_of(parsed, index, n_files)
     tables = [parsed.events]
     parsed.events = None
-    events = _concat_ranks(tables, [info])
+    events = _concat_ranks(tables, [info], narrow=True)
     trace = Trace(events=events, flows=pd.DataFrame(), threads=pd.DataFrame(), ranks=[info])
     tree = calltree.build_tree(events)
     steps = calltree.steps_table(tree)

@@ -66,3 +66,35 @@ def test_corpus_cli_subset(tmp_path):
     bad = subprocess.run([sys.executable, "benchmarks/bench_load.py", "--corpus", "--no-hta", "--only", "nope"],
                          cwd=REPO, capture_output=True, text=True, timeout=60)
     assert bad.returncode != 0 and "unknown corpus trace(s) nope" in bad.stderr
+
+
+def test_parallel_tiling_writes_the_same_bytes(tmp_path):
+    from scale_trace import scale
+
+    src = REPO / "tests" / "fixtures" / "h200_moe_1gpu" / "moe1gpu_grouped.json.gz"
+    one, par = tmp_path / "one.json", tmp_path / "par.json"
+    assert scale(str(src), str(one), copies=5) == scale(str(src), str(par), copies=5, jobs=3)
+    assert one.read_bytes() == par.read_bytes()
+    assert not list(tmp_path.glob("*.part*"))  # the part files are gone
+    timed = [e for e in json.loads(one.read_text())["traceEvents"] if e.get("ph") != "M" and "ts" in e]
+    src_timed = [e for e in json.loads(__import__("gzip").open(src, "rt").read())["traceEvents"]
+                 if e.get("ph") != "M" and "ts" in e]
+    assert len(timed) == 5 * len(src_timed)
+
+
+def test_big_mode_writes_wall_time_and_peak_rss(tmp_path):
+    out, work = tmp_path / "out", tmp_path / "work"
+    r = subprocess.run([sys.executable, "benchmarks/bench_load.py", "--big", "--target-mb", "1", "--cpus",
+                        str(min(__import__("os").sched_getaffinity(0))), "--repeat", "2", "--work", str(work),
+                        "--out", str(out)], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    doc = json.loads((out / "big-1MB.json").read_text())
+    assert len(doc["runs"]) == 2 and (out / "big-1MB.txt").read_text().count("median of 2") == 1
+    for run in doc["runs"]:
+        assert run["wall_s"] > 0 and run["peak_mb"] >= run["peak_analyze_mb"] >= run["peak_load_mb"] > 0
+    # the events the analysis saw are the tiled file's ph X / i events: ~1 MB of the MoE loop trace
+    src = REPO / "tests" / "fixtures" / "h200_moe_1gpu" / "moe1gpu_loop.json.gz"
+    per_copy = sum(1 for e in json.loads(__import__("gzip").open(src, "rt").read())["traceEvents"]
+                   if e.get("ph") in ("X", "i"))
+    assert doc["runs"][0]["events"] % per_copy == 0 and doc["runs"][0]["events"] >= per_copy
+    assert not list(work.glob("big-*/rank0.json"))  # the tiled trace is deleted (no --keep)

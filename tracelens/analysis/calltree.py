@@ -47,6 +47,8 @@ def host_events(events: pd.DataFrame) -> pd.DataFrame:
     sel = x & (is_op | is_ann | is_rt | is_mod)
     host = events.loc[sel, ["rank", "pid", "tid", "ts", "dur", "name", "cat", "correlation", "external_id",
                             "input_dims", "input_types", "module"]].copy(deep=False)
+    for c in ("correlation", "external_id"):  # narrowed in the events table (trace.narrow_args); int64 in the tree
+        host[c] = host[c].to_numpy().astype(np.int64, copy=False)
     kind = np.full(len(host), KIND_OP, dtype=np.int8)
     kind[is_ann[sel]] = KIND_ANNOTATION
     kind[is_mod[sel]] = KIND_MODULE
@@ -85,8 +87,7 @@ def build_tree(events: pd.DataFrame) -> pd.DataFrame:
     names = host["name"]
     name_codes = names.cat.codes.to_numpy().astype(np.int64)
     name_uniques = list(names.cat.categories.astype(str)) + [""]  # code -1 -> ""
-    step_num = C.map_strings(names, _step_number, dtype=np.int64)
-    is_step = (step_num >= 0) & (kind == KIND_ANNOTATION)
+    is_step = (C.map_strings(names, _step_number, dtype=np.int64) >= 0) & (kind == KIND_ANNOTATION)  # numbers: at the end
     rank_a, pid_a, tid_a = (host[c].to_numpy() for c in ("rank", "pid", "tid"))
     ext_a = host["external_id"].to_numpy()
     # per thread; parents first: by start, then longer first, then annotation < module < op < runtime,
@@ -119,8 +120,8 @@ def build_tree(events: pd.DataFrame) -> pd.DataFrame:
     del name_codes
 
     # back to all sorted positions: ranges' links are range indices -> sorted positions
-    def spread(vals: np.ndarray, is_index: bool) -> np.ndarray:
-        out = np.full(n, -1 if is_index else 0, dtype=np.int64)
+    def spread(vals: np.ndarray, is_index: bool, dtype=np.int64) -> np.ndarray:
+        out = np.full(n, -1 if is_index else 0, dtype=dtype)
         v = np.asarray(vals, dtype=np.int64)
         if is_index:
             ok = v >= 0
@@ -129,12 +130,13 @@ def build_tree(events: pd.DataFrame) -> pd.DataFrame:
         return out
 
     parent_s = spread(r_parent, True)
-    depth_s = spread(r_depth, False)
+    depth_s = spread(r_depth, False, np.int32)  # depths and path ids are small: half the bytes
     inner_s = spread(r_inner, True)
     outer_s = spread(r_outer, True)
-    path_s = spread(r_path, False)
+    path_s = spread(r_path, False, np.int32)
     del r_parent, r_depth, r_inner, r_outer, r_path
     rt_pos = np.flatnonzero(o_kind_a == KIND_RUNTIME)
+    launcher = None
     if len(rt_pos):
         top = _innermost_range_at(o_group, o_ts, o_end, rng_pos, parent_s, depth_s, rt_pos)
         has = top >= 0
@@ -152,16 +154,24 @@ def build_tree(events: pd.DataFrame) -> pd.DataFrame:
             op_pos = np.flatnonzero(o_kind_a == KIND_OP)  # sorted by (thread, ts, -end, External id, row)
             k = innermost_op_at(o_group[op_pos], o_ts[op_pos], o_end[op_pos], o_group[rt_pos], o_ts[rt_pos])
             launcher = np.where(k >= 0, op_pos[np.maximum(k, 0)], -1)
-        o_rank, o_ext = rank_a[order], ext_a[order]
-        named = _op_by_external_id(o_rank, o_ext, labels[order], o_kind_a == KIND_OP, o_rank[rt_pos],
-                                   o_ext[rt_pos], _ranks_with_op_ids(events))
-        launcher = np.where(named >= 0, named, launcher)
+            del op_pos, k
+        del top, has, safe, r_par
+    del o_group, o_ts, o_end, rng_pos, o_kind_a  # (before the External-id lookup below: the peak of build_tree)
+    inv = np.empty(n, dtype=np.int64)  # original position -> sorted position
+    inv[order] = np.arange(n)
+    if launcher is not None:
+        # (in original order, so no sorted copy of rank / External id / labels is made; -> sorted positions)
+        rt_orig = order[rt_pos]
+        named = _op_by_external_id(rank_a, ext_a, labels, kind == KIND_OP, rank_a[rt_orig], ext_a[rt_orig],
+                                   _ranks_with_op_ids(events))
+        del rt_orig
+        launcher = np.where(named >= 0, inv[np.maximum(named, 0)], launcher)
         has = launcher >= 0
         safe = np.where(has, launcher, 0)
         inner_s[rt_pos] = np.where(has, launcher, -1)
         outer_s[rt_pos] = np.where(has, outer_s[safe], -1)
-        del top, has, safe, launcher, named, o_rank, o_ext
-    del o_group, o_ts, o_end, rt_pos, rng_pos, o_kind_a
+        del has, safe, named
+    del launcher, rt_pos
     parent, depth, inner, outer, path = parent_s, depth_s, inner_s, outer_s, path_s
     del parent_s, depth_s, inner_s, outer_s, path_s
 
@@ -184,8 +194,6 @@ def build_tree(events: pd.DataFrame) -> pd.DataFrame:
         path_str[pid_] = f"{path_str[pp]}/{nm}" if pp > 0 else nm
     path_a = path
 
-    inv = np.empty(n, dtype=np.int64)
-    inv[order] = np.arange(n)
     out = host
     # self time: own duration minus the durations of direct children
     self_dur = dur.astype(np.int64).copy()
@@ -205,7 +213,7 @@ def build_tree(events: pd.DataFrame) -> pd.DataFrame:
     del path, path_a, inv, order
     out["self_dur"] = np.maximum(self_dur, 0)
     out["is_step"] = is_step
-    out["step"] = np.where(is_step, step_num, -1)
+    out["step"] = np.where(is_step, C.map_strings(names, _step_number, dtype=np.int64), -1)
     return out
 
 
@@ -239,42 +247,48 @@ def _path_categorical(path_str: list[str], ids: np.ndarray) -> pd.Categorical:
 
 
 def _range_depth(group: np.ndarray, ts: np.ndarray, end: np.ndarray) -> np.ndarray:
-    """Depth of each range of `link_ranges`: earlier ranges of its thread still open at its start."""
+    """Depth of each range of `link_ranges`: earlier ranges of its thread still open at its start.
+
+    (Memory: one array of the ranges' size at a time beside the result where possible; a 2 GB trace has
+    ~2.3M ranges, 18 MB per int64 array.)"""
     m = len(ts)
-    idx = np.arange(m, dtype=np.int64)
-    gstart = np.searchsorted(group, group, side="left")  # first index of each range's thread
     # ranges of the same thread whose end <= ts_i (ended before i started), counted by searching
-    # (group, end) pairs; keys are made from times relative to the trace start
+    # (group, end) pairs; keys are made from times relative to the trace start. depth = (i - first index
+    # of its thread) - (ranges of its thread ended by ts_i) = i - (ranges ended by ts_i, all threads before)
     t0 = min(int(ts.min()), int(end.min()))
     span = int(max(end.max(), ts.max())) - t0 + 1
-    e_order = np.lexsort((end, group))
     if int(group.max() + 1) * span < (1 << 62):
+        e_order = np.lexsort((end, group))
         ekey = group[e_order] * span + (end[e_order] - t0)
         del e_order
-        ended = np.searchsorted(ekey, group * span + (ts - t0), side="right")
+        depth = np.arange(m, dtype=np.int64)
+        depth -= np.searchsorted(ekey, group * span + (ts - t0), side="right")
         del ekey
-        ended -= gstart
     else:  # astronomically long traces: per thread
         ended = np.empty(m, dtype=np.int64)
         for g in np.unique(group):
             lo, hi = np.searchsorted(group, [g, g + 1])
             ended[lo:hi] = np.searchsorted(np.sort(end[lo:hi]), ts[lo:hi], side="right")
+        depth = np.arange(m, dtype=np.int64) - np.searchsorted(group, group, side="left")
+        depth -= ended
+        del ended
     # zero-length ranges at exactly ts_i that sort after i were counted as ended but are not earlier
-    zero = end == ts
-    run_start = np.flatnonzero(np.r_[True, (group[1:] != group[:-1]) | (ts[1:] != ts[:-1])])
-    run_id = np.cumsum(np.r_[True, (group[1:] != group[:-1]) | (ts[1:] != ts[:-1])]) - 1
+    brk = np.empty(m, dtype=bool)
+    brk[0] = True
+    brk[1:] = (group[1:] != group[:-1]) | (ts[1:] != ts[:-1])
+    run_start = np.flatnonzero(brk)  # runs of ranges of one thread starting at one instant
+    run_id = np.cumsum(brk) - 1
+    del brk
     run_end = np.r_[run_start[1:], m] - 1
-    zeros_per_run = np.bincount(run_id, weights=zero, minlength=len(run_start)).astype(np.int64)
-    first_zero = run_end - zeros_per_run + 1  # zero-length ranges sort last in their run (-dur)
-    fz = first_zero[run_id]
-    later_zeros = np.where(zeros_per_run[run_id] > 0, run_end[run_id] - np.maximum(idx, fz) + 1, 0)
-    del zero, run_start, run_id, run_end, zeros_per_run, first_zero, fz
-    depth = idx - gstart
-    del idx, gstart
-    depth -= ended
-    del ended
-    depth += later_zeros
-    return np.maximum(depth, 0)
+    del run_start
+    zeros_per_run = np.bincount(run_id, weights=end == ts, minlength=len(run_end)).astype(np.int64)
+    rows = np.flatnonzero(zeros_per_run[run_id] > 0)  # ranges in a run holding a zero-length range (few)
+    if len(rows):
+        rid = run_id[rows]
+        first_zero = run_end[rid] - zeros_per_run[rid] + 1  # zero-length ranges sort last in their run (-dur)
+        depth[rows] += run_end[rid] - np.maximum(rows, first_zero) + 1
+    del run_id, run_end, zeros_per_run, rows
+    return np.maximum(depth, 0, out=depth)
 
 
 def link_ranges(group, ts, end, kind, name, is_step):
@@ -387,9 +401,8 @@ def _innermost_range_at(group: np.ndarray, ts: np.ndarray, end: np.ndarray, rng_
     open). So a range ending exactly when another event starts does not enclose it, as in the walk.
     Arrays are in sorted order.
     """
-    out = np.full(len(query_pos), -1, dtype=np.int64)
     if len(rng_pos) == 0 or len(query_pos) == 0:
-        return out
+        return np.full(len(query_pos), -1, dtype=np.int64)
     r_group = group[rng_pos]
     q_group = group[query_pos]
     r_ts = ts[rng_pos]
@@ -406,26 +419,39 @@ def _innermost_range_at(group: np.ndarray, ts: np.ndarray, end: np.ndarray, rng_
         # so by (thread, start)) against the last closing of a non-empty range (sorted by (thread, end),
         # the shallowest last among equal ends). A closing wins only when strictly later; a zero-length
         # range that opened last has closed again, leaving its parent on top.
+        # (temporaries are dropped as soon as they are used: at 2 GB each is ~18 MB)
         q_key = q_group * span + (q_time - t0)
-        o_idx = np.searchsorted(r_group * span + (r_ts - t0), q_key, side="right") - 1
+        del q_time
+        o_key = r_group * span + (r_ts - t0)
+        o_idx = np.searchsorted(o_key, q_key, side="right") - 1
+        del o_key
         nz = np.flatnonzero(~zero)
         c_key = r_group[nz] * span + (r_end[nz] - t0)
         c_ord = np.argsort(c_key * dmax + (dmax - 1 - d[nz]), kind="stable")
+        del d
         c_key, c_rng = c_key[c_ord], nz[c_ord]
+        del c_ord, nz
         c_idx = np.searchsorted(c_key, q_key, side="right") - 1  # all -1 when every range is zero-length
+        del c_key, q_key
         o_ok = o_idx >= 0
         o_ok[o_ok] = r_group[o_idx[o_ok]] == q_group[o_ok]
         c_ok = c_idx >= 0
         c_ok[c_ok] = r_group[c_rng[c_idx[c_ok]]] == q_group[c_ok]
+        del q_group, r_group
         # c_i is read only where c_ok (a closing exists); with no closing at all it points at range 0
-        o_i, c_i = np.maximum(o_idx, 0), (c_rng[np.maximum(c_idx, 0)] if len(c_rng) else np.zeros_like(c_idx))
+        o_i = np.maximum(o_idx, 0)
+        del o_idx
+        c_i = c_rng[np.maximum(c_idx, 0)] if len(c_rng) else np.zeros_like(c_idx)
+        del c_idx, c_rng
         close_wins = c_ok & (~o_ok | (r_end[c_i] > r_ts[o_i]))
+        del c_ok, r_end, r_ts
         o_top = np.where(zero[o_i], parent[rng_pos[o_i]], rng_pos[o_i])
-        out = np.where(close_wins, parent[rng_pos[c_i]], np.where(o_ok, o_top, -1))
-        return out
+        del o_i
+        return np.where(close_wins, parent[rng_pos[c_i]], np.where(o_ok, o_top, -1))
     # astronomically long traces: all boundaries sorted, thread by thread. Closings of non-empty ranges
     # first, the deepest first; then openings in tree order, a zero-length range closing right after
     # its opening
+    out = np.full(len(query_pos), -1, dtype=np.int64)
     pos2 = 2 * np.arange(len(rng_pos), dtype=np.int64)
     base = dmax
     b_group = np.concatenate([r_group, r_group])
@@ -577,6 +603,8 @@ def gpu_events(events: pd.DataFrame) -> pd.DataFrame:
     g = events.loc[sel, ["rank", "pid", "tid", "ts", "dur", "name", "cat", "correlation", "external_id", "device",
                          "stream", "bytes", "grid", "block", "collective", "in_nelems", "out_nelems", "dtype",
                          "group_size", "pg_name", "pg_ranks"]].copy(deep=False)
+    for c in ("correlation", "external_id", "device", "stream", "bytes", "in_nelems", "out_nelems", "group_size"):
+        g[c] = g[c].to_numpy().astype(np.int64, copy=False)  # narrowed in the events table (trace.narrow_args)
     code = np.where(C.isin(g["cat"], C.KERNEL_CATS), 0, np.where(C.isin(g["cat"], C.MEMCPY_CATS), 1, 2))
     g["kind"] = pd.Categorical.from_codes(code, categories=["kernel", "memcpy", "memset"])
     g["end"] = g["ts"] + g["dur"]
@@ -651,11 +679,8 @@ def attribute_gpu(gpu: pd.DataFrame, tree: pd.DataFrame, steps: pd.DataFrame) ->
 
 
 def _positions(frame: pd.DataFrame, labels: np.ndarray) -> np.ndarray:
-    """Row positions of labels in a frame whose index is sorted (the tree keeps event order)."""
-    index = frame.index.to_numpy()
-    if frame.index.is_monotonic_increasing:
-        return np.searchsorted(index, labels)
-    return frame.index.get_indexer(labels)
+    """Row positions of labels of the frame (the tree keeps event order: binary search, no hash table)."""
+    return C.positions(frame.index, labels)
 
 
 def assign_steps(rank: np.ndarray, t: np.ndarray, steps: pd.DataFrame) -> np.ndarray:

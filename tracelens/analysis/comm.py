@@ -156,7 +156,7 @@ def _enclosing(tree: pd.DataFrame | None, start: np.ndarray) -> tuple[np.ndarray
         live = np.flatnonzero(cur >= 0)
         if not len(live):
             break
-        pos = index.get_indexer(cur[live])
+        pos = C.positions(index, cur[live])
         ok = pos >= 0
         live, pos = live[ok], pos[ok]
         hit = is_rpc[pos] & (rpc[live] < 0)
@@ -176,7 +176,7 @@ def _values(frame: pd.DataFrame, col: str, labels: np.ndarray, missing):
     ok = labels >= 0
     if not ok.any() or col not in frame.columns:
         return out
-    pos = frame.index.get_indexer(labels[ok])
+    pos = C.positions(frame.index, labels[ok])
     good = pos >= 0
     vals = frame[col].iloc[pos[good]].to_numpy(dtype=object)
     isna = pd.isna(vals)

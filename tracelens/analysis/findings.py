@@ -62,7 +62,7 @@ def findings(analysis, small_us: float = H.SMALL_KERNEL_US) -> list[dict[str, An
             "recoverable_us": rec, "ranks": sorted(set(syncs.loc[syncs["op"] == s["op"], "rank"].astype(int))),
         })
 
-    gaps = H.idle_gaps(a, syncs)
+    gaps = H.idle_gaps(a, syncs, text_columns=False)  # filtered and grouped only: no per-gap string columns
     if restricts and not gaps.empty:  # idle inside the window's GPU extent of each rank
         ext = a.timeline.set_index("rank")
         lo, hi = gaps["rank"].map(ext["start_ns"]), gaps["rank"].map(ext["end_ns"])

@@ -109,7 +109,7 @@ def _owner_rows(tree: pd.DataFrame, op_rows: np.ndarray) -> tuple[np.ndarray, np
     covers the whole op while only part of the time is left to it, so it must not be reported as modeled.
     """
     labels = tree.index
-    pos_of = lambda lab: labels.get_indexer(lab)  # noqa: E731
+    pos_of = lambda lab: C.positions(labels, lab)  # noqa: E731
     modeled = C.map_strings(tree["name"], perfmodels.has_model) & (tree["kind"].to_numpy() == calltree.KIND_OP)
     parent = tree["parent"].to_numpy()
     inner = tree["inner_op"].to_numpy()
@@ -191,7 +191,7 @@ def roofline_result(analysis, ceilings: Any = None) -> RooflineResult:
     per = pd.DataFrame({"owner": owner, "dur": g["dur"].to_numpy()}).groupby("owner")["dur"].agg(["sum", "size"])
     rows = per.index.to_numpy()
     ev = analysis.trace.events
-    at = tree.index.get_indexer(rows)  # owners are tree rows: one lookup for every column
+    at = C.positions(tree.index, rows)  # owners are tree rows: one lookup for every column
     keys = ["device", "op", "input_dims", "input_types", "concrete_inputs", "input_strides", "nested"]
     # grouped first on (rank, string codes), then the few groups' strings are looked up and grouped again
     # by device and text: no string per owner row (a 1 GB trace has ~10^5 owners)
@@ -199,7 +199,7 @@ def roofline_result(analysis, ceilings: Any = None) -> RooflineResult:
     texts = {}
     for key, col in (("op", tree["name"]), ("input_dims", tree["input_dims"]), ("input_types", tree["input_types"])):
         cols[key], texts[key] = _codes_at(col, at)
-    ev_at = ev.index.get_indexer(rows)
+    ev_at = C.positions(ev.index, rows)
     for key in ("concrete_inputs", "input_strides"):
         cols[key], texts[key] = _codes_at(ev[key], ev_at) if key in ev else (np.full(len(rows), -1), None)
     cols.update(dur_ns=per["sum"].to_numpy(), kernels=per["size"].to_numpy(), nested=np.isin(rows, owner_u[nested_u]))

@@ -371,7 +371,7 @@ def startup_waits(trace, gpu: pd.DataFrame) -> pd.DataFrame:
     su = inst[inst["startup"] & (inst["sync_us"] > 0)]
     if su.empty:
         return pd.DataFrame(columns=cols)
-    ts = gpu.loc[su["gpu_row"].to_numpy(), "ts"].to_numpy().astype(np.int64)
+    ts = gpu["ts"].to_numpy()[C.positions(gpu.index, su["gpu_row"].to_numpy())].astype(np.int64)
     wait = np.round(su["sync_us"].to_numpy() * US).astype(np.int64)
     return pd.DataFrame({"rank": su["rank"].to_numpy(), "step": su["step"].to_numpy(), "collective": su["collective"].to_numpy(),
                          "instance": su["instance"].to_numpy(), "sync_us": su["sync_us"].to_numpy(),

@@ -30,10 +30,15 @@ def ops_summary(tree: pd.DataFrame, gpu: pd.DataFrame, busy_ns: float, host_mask
         return pd.DataFrame(columns=["op", "input_dims", "count", "cpu_total_us", "cpu_self_us", "gpu_total_us",
                                      "gpu_mean_us", "kernels", "pct_gpu_busy"])
     gpu_ns, nk = _per_row(gpu, "op_row", ops.index.to_numpy())
-    op_c = ops["name"].cat.codes.to_numpy().astype(np.int64)
-    dims_c = ops["input_dims"].cat.codes.to_numpy().astype(np.int64)
-    # groups in order of first appearance (as groupby(sort=False)), sums by bincount
-    grp, first = pd.factorize(op_c * (len(ops["input_dims"].cat.categories) + 1) + (dims_c + 1), sort=False)
+    op_c = ops["name"].cat.codes.to_numpy()
+    dims_c = ops["input_dims"].cat.codes.to_numpy()
+    # groups in order of first appearance (as groupby(sort=False)), sums by bincount; the key built in place
+    key = op_c.astype(np.int64)
+    key *= len(ops["input_dims"].cat.categories) + 1
+    key += dims_c
+    key += 1
+    grp, first = pd.factorize(key, sort=False)
+    del key
     n = len(first)
     starts = np.full(n, len(grp), dtype=np.int64)
     np.minimum.at(starts, grp, np.arange(len(grp)))
@@ -57,13 +62,21 @@ def ops_summary(tree: pd.DataFrame, gpu: pd.DataFrame, busy_ns: float, host_mask
 
 def _per_row(gpu: pd.DataFrame, col: str, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """GPU time (ns, float) and event count of each row label in `rows`, from the GPU events whose
-    `col` (op_row / top_op_row) is that label; bincount over labels instead of groupby + reindex."""
+    `col` (op_row / top_op_row) is that label; bincount instead of groupby + reindex. rows are sorted
+    tree labels, so the bins are their positions (found by binary search), not every event label."""
     lab = gpu[col].to_numpy()
-    ok = lab >= 0
-    lab, dur = lab[ok], gpu["dur"].to_numpy()[ok]
-    size = int(max(lab.max(initial=-1), rows.max(initial=-1))) + 1
-    return (np.bincount(lab, weights=dur, minlength=size)[rows].astype(float),
-            np.bincount(lab, minlength=size)[rows].astype(float))
+    if len(rows) > 1 and not (rows[1:] > rows[:-1]).all():  # not sorted: bins over the labels themselves
+        ok = lab >= 0
+        lab, dur = lab[ok], gpu["dur"].to_numpy()[ok]
+        size = int(max(lab.max(initial=-1), rows.max(initial=-1))) + 1
+        return (np.bincount(lab, weights=dur, minlength=size)[rows].astype(float),
+                np.bincount(lab, minlength=size)[rows].astype(float))
+    pos = np.searchsorted(rows, lab)
+    ok = (lab >= 0) & (pos < len(rows))
+    ok[ok] = rows[pos[ok]] == lab[ok]
+    pos, dur = pos[ok], gpu["dur"].to_numpy()[ok]
+    return (np.bincount(pos, weights=dur, minlength=len(rows)).astype(float),
+            np.bincount(pos, minlength=len(rows)).astype(float))
 
 
 def _decode_codes(codes: np.ndarray, col: pd.Series) -> np.ndarray:

@@ -244,12 +244,13 @@ def _paths_of(tree: pd.DataFrame, events: pd.DataFrame, rows: np.ndarray, fwd_pa
     back = np.zeros(n, dtype=bool)
     if not ok.any():
         return path, back
-    path[ok] = C.strings(tree["path"].loc[rows[ok]]) if n else path[ok]
+    at = C.positions(tree.index, rows[ok])  # rows are tree labels
+    path[ok] = C.strings(tree["path"].iloc[at]) if n else path[ok]
     if "seq" in events:
         seq = np.full(n, -1, dtype=np.int64)
         seq[ok] = events["seq"].reindex(rows[ok]).fillna(-1).to_numpy(dtype=np.int64)
         names = np.full(n, "", dtype=object)
-        names[ok] = C.strings(tree["name"].loc[rows[ok]])
+        names[ok] = C.strings(tree["name"].iloc[at])
         for i in np.flatnonzero(ok & (seq >= 0)):
             nm = names[i]
             if nm.startswith("autograd::engine::evaluate_function") or nm.endswith(("Backward0", "Backward1")):
