@@ -1100,33 +1100,28 @@ def _calibrate(prog: R.Program, target_ns: float, prep=None,
     elif f_hi <= target_ns:
         h = hi
         if per_expert and f_hi < target_ns and sum(plan.gap_x) > 0:
-            x_lo, x_hi = 1.0, 50.0
-            if build(x_hi).replay(hi).step_ns <= target_ns:
-                x = x_hi
-            else:
-                for _ in range(40):
-                    mid = 0.5 * (x_lo + x_hi)
-                    if build(mid).replay(hi).step_ns < target_ns:
-                        x_lo = mid
-                    else:
-                        x_hi = mid
-                    if x_hi - x_lo < 1e-3:
-                        break
-                x = 0.5 * (x_lo + x_hi)
+            x_hi = 50.0
+            x = x_hi if build(x_hi).replay(hi).step_ns <= target_ns else \
+                _bisect(lambda v: build(v).replay(hi).step_ns, 1.0, x_hi, target_ns)
             plan = build(x)
     else:
-        for _ in range(30):
-            mid = 0.5 * (lo + hi)
-            if plan.replay(mid).step_ns < target_ns:
-                lo = mid
-            else:
-                hi = mid
-            if hi - lo < 1e-3:
-                break
-        h = 0.5 * (lo + hi)
+        h = _bisect(lambda v: plan.replay(v).step_ns, lo, hi, target_ns)
     res = plan.replay(h)
     d = target_ns / res.step_ns if res.step_ns > 0 else 1.0
     return h, d, x, res
+
+
+def _bisect(f, lo: float, hi: float, target: float, tol: float = 1e-3) -> float:
+    """The point of [lo, hi] where the increasing ``f`` reaches ``target`` (to ``tol``)."""
+    for _ in range(60):
+        mid = 0.5 * (lo + hi)
+        if f(mid) < target:
+            lo = mid
+        else:
+            hi = mid
+        if hi - lo < tol:
+            break
+    return 0.5 * (lo + hi)
 
 
 def _scale_expert_host(plan: _Plan, x: float) -> None:
