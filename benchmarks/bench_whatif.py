@@ -28,19 +28,16 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-KNOBS = ("sync_free_level", "grouped_gemm_backend", "micro_batch_size", "recompute_layer_ids", "manual_gc",
-         "optimizer", "microbatches")
-
 
 def accuracy(base: Path, runs: list[Path], kernel_table: str | None) -> dict:
-    from tracelens.projection.whatif import Model
+    from tracelens.projection.whatif import MODELED, Model
 
     m = Model.from_run(base, kernel_table=kernel_table)
     rows = []
     for r in runs:
         man = json.loads((r / "manifest.json").read_text())
         cfg = man["config"]
-        ch = {k: cfg[k] for k in KNOBS if k in cfg}
+        ch = {k: cfg[k] for k in MODELED if k in cfg}  # every key the model has a mechanism for
         p = m.predict(ch)
         meas = man["metrics"]["tokens_per_s_per_gpu"]
         pred = m.base_tokens_per_s_per_gpu * p.tokens_per_s_per_gpu / p.base_tokens_per_s_per_gpu
