@@ -244,14 +244,15 @@ def test_compiled_dense_matches_eager_on_cpu(tmp_path):
 
 
 def test_knobs_are_autotune_knobs():
-    """The shipped space over the five knobs: the trainer's own loader accepts every value (autotune asks it),
-    and the constraint leaves the 24 points where cuda_graphs has its compiled regions."""
+    """The shipped space over the six knobs: the trainer's own loader accepts every value (autotune asks it),
+    and the constraint leaves the 48 points where cuda_graphs has its compiled regions."""
     from autotune.space import load_space
 
     s = load_space(REPO / "autotune" / "spaces" / "gpu_proxy_knobs.yaml")
     grid = s.grid()
-    assert len(grid) == 24 and s.baseline in grid
+    assert len(grid) == 48 and s.baseline in grid
     assert {p["expert_swiglu"] for p in grid} == {"torch", "triton"}
+    assert {p["use_triton_kernels"] for p in grid} == {False, True}
     assert all(p["compile"] == "dense" for p in grid if p["cuda_graphs"] == "on")
     for p in grid:  # each point is a valid trainer config (on a GPU machine: device checked at run time)
         load_config("gpu_proxy", {**s.fixed, **p, "device": "auto"})
