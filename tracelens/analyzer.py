@@ -313,6 +313,11 @@ def analyze(trace: Trace, window: str = "steady") -> Analysis:
     busy_total = float(sum(busy_by_rank.values()))
     if not gpu.empty and op_ranks and (gpu["op_row"] < 0).all():  # (no op at all: said per rank above)
         warnings.append("no GPU event could be linked to a CPU op (trace lacks runtime events/correlation ids)")
+    for r in steps_mod.pre_window_launches(gpu, tree).itertuples(index=False):
+        if r.step >= 0:
+            warnings.append(f"rank {r.rank}: {r.events} GPU events ({r.busy_ns / 1e6:.1f} ms) were launched before the "
+                            f"trace's first recorded launch (the host ran ahead when profiling began) and run in step "
+                            f"{r.step}: its GPU figures include work of the step before")
     if not steps.empty and not stl.empty and (gpu["step"] < 0).mean() > 0.5:
         warnings.append("most GPU activity was launched outside the marked profiler steps")
     a = Analysis(

@@ -378,6 +378,30 @@ def startup_waits(trace, gpu: pd.DataFrame) -> pd.DataFrame:
                          "wait_start_ns": ts, "wait_end_ns": ts + wait})[cols].reset_index(drop=True)
 
 
+def pre_window_launches(gpu: pd.DataFrame, tree: pd.DataFrame) -> pd.DataFrame:
+    """GPU events launched before the trace's first recorded launch call on their rank: CUDA/HIP correlation
+    ids grow with every launch of a process, so an event whose id is below every runtime call's in the trace
+    was queued before profiling began (the host ran ahead of the device) and runs inside the first profiled
+    step's window without being that step's work. One row per (rank, step they fall in): count and busy ns."""
+    cols = {"rank": pd.Series([], dtype="int64"), "step": pd.Series([], dtype="int64"),
+            "events": pd.Series([], dtype="int64"), "busy_ns": pd.Series([], dtype="int64")}
+    if gpu.empty or tree.empty:
+        return pd.DataFrame(cols)
+    rt = (tree["kind"].to_numpy() == KIND_RUNTIME) & (tree["correlation"].to_numpy() >= 0)
+    if not rt.any():
+        return pd.DataFrame(cols)
+    first = pd.Series(tree["correlation"].to_numpy()[rt]).groupby(tree["rank"].to_numpy()[rt]).min()
+    fr = first.reindex(gpu["rank"].to_numpy()).to_numpy(dtype=float)
+    corr = gpu["correlation"].to_numpy()
+    pre = (gpu["launch_ts"].to_numpy() < 0) & (corr >= 0) & ~np.isnan(fr) & (corr < fr)
+    if not pre.any():
+        return pd.DataFrame(cols)
+    g = pd.DataFrame({"rank": gpu["rank"].to_numpy()[pre], "step": gpu["step"].to_numpy()[pre],
+                      "dur": gpu["dur"].to_numpy()[pre]})
+    out = g.groupby(["rank", "step"], sort=True).agg(events=("dur", "size"), busy_ns=("dur", "sum")).reset_index()
+    return out.astype({"rank": "int64", "step": "int64", "events": "int64", "busy_ns": "int64"})
+
+
 def host_steps(tree: pd.DataFrame, steps: pd.DataFrame) -> np.ndarray:
     """The profiler step of each host event (tree row order): the step whose range holds its start, else -1."""
     from .calltree import assign_steps
