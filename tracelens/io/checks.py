@@ -67,8 +67,8 @@ def _row_hash(events: pa.Table) -> np.ndarray:
         if pa.types.is_dictionary(col.type):
             idx = col.indices
             a = (idx.fill_null(-1) if idx.null_count else idx).to_numpy().astype(np.int64)
-        else:
-            a = col.to_numpy(zero_copy_only=False)
+        else:  # correlation comes narrow (narrow.narrow_args): its int64 value is what is hashed
+            a = col.to_numpy(zero_copy_only=False).astype(np.int64, copy=False)
         h ^= a.view(np.uint64)
         h *= mult
         h ^= h >> np.uint64(29)
@@ -85,7 +85,7 @@ def _exact_rows(events: pa.Table, idx: np.ndarray) -> np.ndarray:
             # codes of one table share its dictionary; compare values, not codes, when chunks differ
             a = col.indices.fill_null(-1).to_numpy().astype(np.int64)
         elif pa.types.is_floating(col.type):
-            a = np.nan_to_num(col.to_numpy(zero_copy_only=False), nan=np.inf).view(np.int64)
+            a = np.nan_to_num(col.to_numpy(zero_copy_only=False).astype(np.float64), nan=np.inf).view(np.int64)
         else:
             a = col.fill_null(-1).to_numpy(zero_copy_only=False).astype(np.int64)
         cols.append(a)
