@@ -11,6 +11,8 @@ narrowest type of the values kept, computed here from the JSON with numpy's inte
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import numpy as np
 import pyarrow as pa
@@ -121,3 +123,21 @@ def test_loaded_events_are_the_narrowest_over_the_kept_events(tmp_path):
     # External id's only wide value left with the dropped event: narrowed again after the drop
     assert ev["external_id"].dtype == np.int8
     assert ev["bytes"].dtype == np.int64 and ev["correlation"].dtype == np.int64
+
+
+def test_a_scanner_built_from_an_older_source_is_not_used(tmp_path):
+    """An extension of another result layout (an older _kineto_fast.c, e.g. a checkout not rebuilt after a
+    pull) would be misread: the loader takes the msgspec path instead and says why."""
+    path = _write(tmp_path, _events())
+    code = (
+        "import sys, types\n"
+        "old = types.ModuleType('tracelens.io._kineto_fast'); old.Parser = object\n"  # layout 1 had no LAYOUT
+        "sys.modules['tracelens.io._kineto_fast'] = old\n"
+        "from tracelens.io import kineto, scanner\n"
+        "print(scanner.fast_enabled()); print(scanner.decoder())\n"
+        f"print(kineto.parse_file({path!r}).meta['decoder'])\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.splitlines()
+    assert out[0] == "False"
+    assert "out of date" in out[1] and "layout 1" in out[1]
+    assert out[2] == "msgspec"

@@ -43,6 +43,11 @@
 
 static PyObject *Unsupported;
 
+/* The layout of Parser.result(); scanner.py refuses a build whose LAYOUT is not the one it reads (an
+   extension built from an older copy of this file), and the loader then uses its msgspec path.
+   1: every int arg as int64. 2: int args in 'arg_widths' bytes each. */
+#define LAYOUT 2
+
 /* ----------------------------------------------------------------------------------------------
    Dictionary encoding: spans of the input buffer -> int32 codes in order of first appearance. */
 
@@ -1181,6 +1186,10 @@ PyMODINIT_FUNC PyInit__kineto_fast(void) {
     Unsupported = PyErr_NewException("tracelens.io._kineto_fast.Unsupported", PyExc_ValueError, NULL);
     if (!Unsupported || PyModule_AddObject(m, "Unsupported", Unsupported) < 0) {
         Py_XDECREF(Unsupported);
+        Py_DECREF(m);
+        return NULL;
+    }
+    if (PyModule_AddIntConstant(m, "LAYOUT", LAYOUT) < 0) {
         Py_DECREF(m);
         return NULL;
     }
