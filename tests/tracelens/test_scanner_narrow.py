@@ -5,7 +5,9 @@ bytes per absent arg. Checked here on synthetic traces whose values force every 
 (1 -> 2 -> 4 -> 8 bytes), a value of another JSON type converted after the scan ("bytes": "5000000000"),
 and an event dropped at load that held a column's only wide value: the scanner's widths and values, the
 per-file table against the msgspec decoder's, and the loaded events table against the raw JSON (the
-narrowest type of the values kept, computed here from the JSON with numpy's integer limits).
+narrowest type of the values kept, computed here from the JSON with numpy's integer limits). Also the
+load's other large step, `check_events`' outlier bounds (now computed with less memory), against the
+documented rule applied to the raw events.
 """
 
 from __future__ import annotations
@@ -141,3 +143,27 @@ def test_a_scanner_built_from_an_older_source_is_not_used(tmp_path):
     assert out[0] == "False"
     assert "out of date" in out[1] and "layout 1" in out[1]
     assert out[2] == "msgspec"
+
+
+def test_time_outlier_bounds_with_an_event_already_dropped(tmp_path):
+    """`check_events` computes the outlier bounds from one float array at a time, partitioned in place
+    (the load's peak at 8 GB): with a negative-dur event already dropped, the bounds are the 1st
+    percentile of the other starts and the 99th of their ends (docs/robustness.md), computed here with
+    sorted lists."""
+    events = _events()
+    far = dict(_kernel(400, {"correlation": 1}), ts=4000 + 10**7)  # 10 s after the trace's body
+    events.append(far)
+    trace = tracelens.load(_write(tmp_path, events), cache=False)
+    issues = trace.load_issues
+    assert list(issues["check"]) == ["negative_dur", "time_outlier"]
+    assert list(issues["events"]) == [1, 1]
+    kept = [e for e in events if e["dur"] >= 0]  # what the bounds are computed over (the outlier included)
+    starts = sorted(e["ts"] * 1000 for e in kept)
+    ends = sorted((e["ts"] + e["dur"]) * 1000 for e in kept)
+    n = len(kept)
+    lo, hi = starts[int(0.01 * (n - 1))], ends[-(-99 * (n - 1) // 100)]  # ceil(0.99 (n - 1))
+    away_ns = (far["ts"] + far["dur"]) * 1000 - hi
+    msg = issues["message"].iloc[1]
+    assert f"{away_ns / 1e9:,.1f} s after the other events, which span {(hi - lo) / 1e3:,.3f} us" in msg, msg
+    assert len(trace.events) == len(events) - 2
+    assert trace.events["ts"].max() == max(e["ts"] for e in kept if e is not far) * 1000
