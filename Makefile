@@ -21,7 +21,14 @@ $(STAMP): pyproject.toml
 	$(PIP) install -q -e ".[trainer,kernels,tune,dev]"
 	touch $(STAMP)
 
-install: $(STAMP)
+# The compiled scanner (optional: setup.py builds it where a C compiler exists) again whenever its
+# source changed since the last build, so an existing checkout never runs a stale one after a pull.
+SCANNER := $(VENV)/.scanner-built
+$(SCANNER): tracelens/io/_kineto_fast.c setup.py $(STAMP)
+	$(PY) setup.py -q build_ext --inplace
+	touch $(SCANNER)
+
+install: $(STAMP) $(SCANNER)
 
 # Debian's Chromium for the real-browser report test (Playwright drives /usr/bin/chromium; it never
 # downloads a browser of its own).
@@ -33,15 +40,15 @@ browser:
 # The main job: train a tiny DeepSeek-style MoE on the CPU (10 steps, steps 3-4 profiled), analyze its
 # trace and open the report (tracelens says whether it could). `make demo-gpu-trace` analyzes a bundled
 # real 2-GPU H200 trace instead. The commands are in .venv/bin: the README's use them by that path.
-demo: $(STAMP)
+demo: install
 	$(VENV)/bin/tracelens profile --config tiny -o runs/demo --open
 	@echo "next: the commands under 'Use it' in README.md, e.g. $(VENV)/bin/tracelens analyze runs/demo" \
 	      "(or 'source $(VENV)/bin/activate' once, then plain 'tracelens ...')"
 
-demo-gpu-trace: $(STAMP)
+demo-gpu-trace: install
 	$(VENV)/bin/tracelens analyze tests/fixtures/h200_nccl_2rank -o out/demo --open
 
-test: $(STAMP) browser
+test: install browser
 	$(PY) -m pytest -q
 
 clean:

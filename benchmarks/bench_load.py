@@ -21,7 +21,7 @@ trace after the other; prints a per-trace table and the minimum HTA / tracelens 
     python benchmarks/bench_load.py --corpus --work /tmp/corpus            # all, 200 MB, 3 repeats
     python benchmarks/bench_load.py --corpus --only moe_loop,cpu_tiny --repeat 1 --target-mb 50
     python benchmarks/bench_load.py --corpus --no-hta --json out.json      # tracelens only
-    git worktree add --detach /tmp/before main && cp tracelens/io/_kineto_fast*.so /tmp/before/tracelens/io/
+    git worktree add --detach /tmp/before main && (cd /tmp/before && python setup.py -q build_ext --inplace)
     python benchmarks/bench_load.py --corpus --compare-root /tmp/before    # + that checkout's tracelens
 
 Big mode (issue 20, bounded memory): one trace (default: the H200 MoE loop fixture) tiled to --target-mb

@@ -26,6 +26,7 @@ from .errors import TraceError
 from .io import cache as _cache
 from .io.files import TRACE_SUFFIXES, _is_trace_file, discover  # noqa: F401 - re-exported
 from .io.kineto import ParsedTrace, parse_file, parse_flows, usable_cpus
+from .io.narrow import narrow_args  # noqa: F401 - re-exported (the loader applies it per file and after the concat)
 from .io.rundir import run_status
 from .io.scanner import gunzip, read_raw
 from .io.schema import ARG_FIELDS
@@ -394,37 +395,3 @@ def _concat_ranks(tables: list[pa.Table], infos: list[RankInfo], narrow: bool = 
     if narrow:
         table = narrow_args(table)
     return table.to_pandas(split_blocks=True, self_destruct=True)
-
-
-_NARROW_INTS = ((pa.int8(), np.iinfo(np.int8)), (pa.int16(), np.iinfo(np.int16)), (pa.int32(), np.iinfo(np.int32)))
-
-
-def narrow_args(table: pa.Table) -> pa.Table:
-    """The events table with its numeric arg columns (`ARG_FIELDS`: device, stream, bytes, sizes, ids,
-    sequence numbers, flops) stored in the narrowest type that holds every value exactly: an int column
-    in int8/int16/int32 when all its values (-1 = absent) fit, a float column with no value (all NaN) in
-    float32. Most of these args are absent from most events (a 2 GB trace: 12 int64 columns of mostly -1,
-    96 of its ~170 bytes per row), so this halves the table; the values are unchanged, and the analyses
-    widen what they copy into their own tables (`calltree.gpu_events`). ts, dur, pid, tid, correlation
-    and External id, read everywhere, stay int64."""
-    import pyarrow.compute as pc
-
-    for name, (_, kind) in ARG_FIELDS.items():
-        i = table.schema.get_field_index(name)
-        if i < 0 or table.num_rows == 0:
-            continue
-        col = table.column(i)
-        if col.null_count:
-            continue
-        if kind == "int" and pa.types.is_int64(col.type):
-            mm = pc.min_max(col)
-            lo, hi = mm["min"].as_py(), mm["max"].as_py()
-            to = next((t for t, info in _NARROW_INTS if info.min <= lo and hi <= info.max), None)
-        elif kind == "float" and pa.types.is_float64(col.type):
-            to = pa.float32() if pc.all(pc.is_nan(col)).as_py() else None
-        else:
-            to = None
-        if to is not None:
-            table = table.set_column(i, name, col.cast(to, safe=False))  # the range is checked above
-        del col
-    return table

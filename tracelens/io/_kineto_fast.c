@@ -1,9 +1,11 @@
 /* Compiled fast path of the Kineto / Chrome-trace loader (tracelens.io.kineto).
 
    One pass over the JSON bytes of a trace file that writes the loader's event columns directly:
-   integers and nanosecond timestamps into int64 arrays, strings into int32 dictionary codes (one
-   hash table per column, values in order of first appearance), without creating a Python object
-   per event. The msgspec path in kineto.py builds ~2 objects per event and reads ~30 attributes
+   nanosecond timestamps and ids into int64 arrays, integer args into arrays of the narrowest of
+   int8/16/32/64 that holds every value seen so far (widened in place when one does not fit: most
+   args are absent, -1, from most events, so 8 bytes each would be most of the scan's memory),
+   strings into int32 dictionary codes (one hash table per column, values in order of first
+   appearance), without creating a Python object per event. The msgspec path in kineto.py builds ~2 objects per event and reads ~30 attributes
    back from them; this is what docs/performance.md measured as the cost the 10x target could not
    absorb.
 
@@ -40,6 +42,11 @@
 #define MAX_NUMBER_LEN 64
 
 static PyObject *Unsupported;
+
+/* The layout of Parser.result(); scanner.py refuses a build whose LAYOUT is not the one it reads (an
+   extension built from an older copy of this file), and the loader then uses its msgspec path.
+   1: every int arg as int64. 2: int args in 'arg_widths' bytes each. */
+#define LAYOUT 2
 
 /* ----------------------------------------------------------------------------------------------
    Dictionary encoding: spans of the input buffer -> int32 codes in order of first appearance. */
@@ -191,6 +198,7 @@ typedef struct {
     int32_t *ph, *cat, *name, *pid_s, *tid_s;
     int64_t *pid, *tid, *ts, *dur;
     void *arg[MAX_ARGS];
+    uint8_t arg_w[MAX_ARGS]; /* bytes per value of an int arg's column (1, 2, 4 or 8); see put_int */
     Dict d_ph, d_cat, d_name, d_pidtid, d_arg[MAX_ARGS];
     int8_t *cat_group; /* per cat code */
     size_t cat_group_cap;
@@ -522,7 +530,8 @@ static int grow_rows(Parser *p) {
     GROW(ts, int64_t);
     GROW(dur, int64_t);
     for (int a = 0; a < p->n_args; a++) {
-        size_t size = p->kinds[a] == 'i' ? sizeof(int64_t) : p->kinds[a] == 'f' ? sizeof(double) : sizeof(int32_t);
+        if (p->kinds[a] == 'i' && !p->arg_w[a]) p->arg_w[a] = 1;
+        size_t size = p->kinds[a] == 'i' ? p->arg_w[a] : p->kinds[a] == 'f' ? sizeof(double) : sizeof(int32_t);
         void *q = realloc(p->arg[a], cap * size);
         if (!q) FAIL(p, "out of memory", p->pos);
         p->arg[a] = q;
@@ -563,6 +572,50 @@ static int cat_group(Parser *p, int32_t code, int *group) {
         p->cat_group[code] = (int8_t)g;
     }
     *group = p->cat_group[code];
+    return 0;
+}
+
+/* Bytes needed to hold v as a signed integer: 1, 2, 4 or 8. */
+static inline int int_width(int64_t v) {
+    if (v >= INT8_MIN && v <= INT8_MAX) return 1;
+    if (v >= INT16_MIN && v <= INT16_MAX) return 2;
+    if (v >= INT32_MIN && v <= INT32_MAX) return 4;
+    return 8;
+}
+
+static inline int64_t int_at(const void *col, int w, size_t i) {
+    switch (w) {
+    case 1: return ((const int8_t *)col)[i];
+    case 2: return ((const int16_t *)col)[i];
+    case 4: return ((const int32_t *)col)[i];
+    default: return ((const int64_t *)col)[i];
+    }
+}
+
+static inline void int_put(void *col, int w, size_t i, int64_t v) {
+    switch (w) {
+    case 1: ((int8_t *)col)[i] = (int8_t)v; break;
+    case 2: ((int16_t *)col)[i] = (int16_t)v; break;
+    case 4: ((int32_t *)col)[i] = (int32_t)v; break;
+    default: ((int64_t *)col)[i] = v;
+    }
+}
+
+/* Row r of int arg a := v. The column is kept in the narrowest width that holds every value written so
+   far: a value that does not fit widens rows [0, r) in place (from the last row down, so no value is
+   overwritten before it is read: row i's new bytes start at or after its old ones), at most 3 times per
+   column. The column's width is thus the narrowest that holds all its values, as trace.narrow_args
+   would choose it over the finished column. */
+static int put_int(Parser *p, int a, size_t r, int64_t v) {
+    int w = p->arg_w[a], need = int_width(v);
+    if (need > w) {
+        void *q = realloc(p->arg[a], p->cap * (size_t)need);
+        if (!q) FAIL(p, "out of memory", p->pos);
+        for (size_t i = r; i-- > 0;) int_put(q, need, i, int_at(q, w, i));
+        p->arg[a] = q;
+        p->arg_w[a] = (uint8_t)(w = need);
+    }
+    int_put(p->arg[a], w, r, v);
     return 0;
 }
 
@@ -704,7 +757,7 @@ done:
                 if (i64_push2(&p->fixups, (int64_t)r, a) < 0 || i64_push2(&p->fixups, s->off, s->len) < 0)
                     FAIL(p, "out of memory", s->off);
             }
-            ((int64_t *)p->arg[a])[r] = v;
+            if (put_int(p, a, r, v) < 0) return -1;
             break;
         }
         case 'f': {
@@ -1040,7 +1093,8 @@ static int put(PyObject *d, const char *key, PyObject *v) {
 
 /* Everything scanned, as a dict of Columns (buffers, no copies); call once, after feed returned True. Row columns:
    'ph','cat','name','pid_tid_str' and each str/raw arg -> (codes, values, escaped); 'pid','tid',
-   'ts','dur' and int args -> int64; float args -> float64; 'pid_s','tid_s' ->
+   'ts','dur' -> int64; int args -> signed integers of 'arg_widths'[a] bytes each (1, 2, 4 or 8: the
+   narrowest that holds the column's values); float args -> float64; 'pid_s','tid_s' ->
    int32 codes into 'pid_tid_str' (-1: the id was an integer); 'fixups' -> int64 quadruples (row, arg,
    offset, length) of int/float arg values of another JSON type, left -1/NaN for the caller to convert;
    'meta_spans', 'flow_spans' -> int64 (start, end) pairs. */
@@ -1076,10 +1130,11 @@ static PyObject *Parser_result(Parser *p, PyObject *Py_UNUSED(ignored)) {
     for (int a = 0; a < p->n_args; a++) {
         PyObject *v;
         if (p->kinds[a] == 's' || p->kinds[a] == 'r') v = dict_result(p, &p->d_arg[a], &p->arg[a], r);
-        else v = take(&p->arg[a], r * 8);
+        else v = take(&p->arg[a], r * (p->kinds[a] == 'i' ? p->arg_w[a] : 8));
         if (!v) goto fail;
         PyList_SET_ITEM(args, a, v);
     }
+    if (put(d, "arg_widths", PyBytes_FromStringAndSize((const char *)p->arg_w, p->n_args)) < 0) goto fail;
     if (PyDict_SetItemString(d, "args", args) < 0) goto fail;
     Py_DECREF(args);
     return d;
@@ -1131,6 +1186,10 @@ PyMODINIT_FUNC PyInit__kineto_fast(void) {
     Unsupported = PyErr_NewException("tracelens.io._kineto_fast.Unsupported", PyExc_ValueError, NULL);
     if (!Unsupported || PyModule_AddObject(m, "Unsupported", Unsupported) < 0) {
         Py_XDECREF(Unsupported);
+        Py_DECREF(m);
+        return NULL;
+    }
+    if (PyModule_AddIntConstant(m, "LAYOUT", LAYOUT) < 0) {
         Py_DECREF(m);
         return NULL;
     }

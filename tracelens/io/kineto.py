@@ -46,6 +46,7 @@ import pyarrow as pa
 from ..errors import TraceError
 
 from .checks import MAX_ABS_US, UNREPRESENTABLE, check_events
+from .narrow import narrow_args
 from .scanner import FAST_FEED, Scan, _kineto_fast, decoder, fast_enabled, map_file, read_bytes  # noqa: F401 - re-exported
 
 BATCH = 32768  # events per decode: smaller batches lower the peak memory, larger ones gain nothing measurable
@@ -770,6 +771,9 @@ def _fast_dict_column(part: tuple, raw_unquote: bool | None = None) -> pa.Dictio
     return _dict_column(a, values)
 
 
+_INT_OF_WIDTH = {1: np.int8, 2: np.int16, 4: np.int32, 8: np.int64}
+
+
 def _parse_fast(path: str, scan: Scan, flows: bool = True) -> ParsedTrace:
     if scan.result is None:
         raise _NotFast(scan.error or "not scanned")
@@ -808,12 +812,16 @@ def _parse_fast(path: str, scan: Scan, flows: bool = True) -> ParsedTrace:
     cols["ts"] = pa.array(np.frombuffer(r.pop("ts"), dtype=np.int64))
     cols["dur"] = pa.array(np.frombuffer(r.pop("dur"), dtype=np.int64))
     numeric = {}
-    for c, (_, kind), part in zip(ARG_FIELDS, ARG_FIELDS.values(), r["args"]):
+    widths = r.pop("arg_widths")  # an int arg's column comes in the narrowest width that holds its values
+    for (c, (_, kind)), part, w in zip(ARG_FIELDS.items(), r["args"], widths):
         if kind in ("int", "float"):
-            numeric[c] = np.frombuffer(part, dtype=np.int64 if kind == "int" else np.float64)
+            numeric[c] = np.frombuffer(part, dtype=_INT_OF_WIDTH[w] if kind == "int" else np.float64)
     fix = np.frombuffer(r.pop("fixups"), dtype=np.int64).reshape(-1, 4)
     if len(fix):  # int/float args of another JSON type ("stream": "0x0"), converted as the lenient decode does
         names = list(ARG_FIELDS)
+        for a in np.unique(fix[:, 1]).tolist():  # a converted value may not fit the column's width
+            if ARG_FIELDS[names[a]][1] == "int":
+                numeric[names[a]] = numeric[names[a]].astype(np.int64)  # narrowed again by `_parsed`
         for row, a, off, n in fix.tolist():
             c = names[a]
             v = msgspec.json.decode(data[off : off + n])
@@ -890,6 +898,7 @@ def _parse_file(path: str | os.PathLike, data: bytes | list | None = None, paral
 
 def _parsed(path: str, doc: _Doc, events: pa.Table, flows_t: pa.Table | None, rows: list[tuple], n_total: int,
             decoder: str) -> ParsedTrace:
+    events = narrow_args(events)  # both decoders' tables alike: the compiled one's int args come narrow already
     events, issues = check_events(path, events)  # impossible values dropped, each drop reported
     dropped = "; ".join(i["message"][len(path) + 2:] for i in issues)
     if not events.num_rows:

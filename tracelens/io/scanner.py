@@ -16,6 +16,8 @@ import zlib
 from ..errors import TraceError
 from .schema import _GROUPS, ARG_FIELDS, CAT_GROUP
 
+LAYOUT = 2  # the layout of `Parser.result()` this module reads (LAYOUT in _kineto_fast.c)
+
 try:  # the compiled fast path; optional (see setup.py)
     from . import _kineto_fast
 except ImportError as _e:  # pragma: no cover - depends on the install
@@ -23,6 +25,10 @@ except ImportError as _e:  # pragma: no cover - depends on the install
     _FAST_MISSING = f"compiled scanner not built ({_e})"
 else:
     _FAST_MISSING = ""
+    if getattr(_kineto_fast, "LAYOUT", 1) != LAYOUT:  # built from another version of _kineto_fast.c
+        _FAST_MISSING = (f"compiled scanner out of date (layout {getattr(_kineto_fast, 'LAYOUT', 1)}, "
+                         f"this tracelens reads {LAYOUT}; rebuild: make install, or python setup.py build_ext --inplace)")
+        _kineto_fast = None
 
 
 def read_bytes(path: str) -> bytes:
