@@ -26,20 +26,14 @@ from tracelens.trace import Trace, narrow_args
 
 from ..conftest import FIXTURES, MI250, MOE_LOOP, raw_events
 
+from ._narrow import narrowest
+
 EP2_L0 = FIXTURES / "h200_ep2_run" / "L0_loop"
 PP2_1F1B = FIXTURES / "h200_pp2_run" / "1f1b"
 CPU_TINY = FIXTURES / "cpu_tiny" / "rank0.json.gz"
 
 INT_ARGS = [c for c, (_, kind) in ARG_FIELDS.items() if kind == "int"]
 FLOAT_ARGS = [c for c, (_, kind) in ARG_FIELDS.items() if kind == "float"]
-
-
-def _narrowest(values: list[int]) -> np.dtype:
-    lo, hi = min(values), max(values)
-    for t in (np.int8, np.int16, np.int32):
-        if np.iinfo(t).min <= lo and hi <= np.iinfo(t).max:
-            return np.dtype(t)
-    return np.dtype(np.int64)
 
 
 def test_narrowed_columns_hold_the_raw_values_in_the_narrowest_type():
@@ -51,7 +45,7 @@ def test_narrowed_columns_hold_the_raw_values_in_the_narrowest_type():
     for col in INT_ARGS:
         key = ARG_FIELDS[col][0]
         raw = [v if type(v) is int else -1 for v in ((e.get("args") or {}).get(key) for e in timed)]
-        assert ev[col].dtype == _narrowest(raw), col
+        assert ev[col].dtype == narrowest(raw), col
         assert sorted(ev[col].to_numpy().tolist()) == sorted(raw), col
         narrowed += ev[col].dtype != np.int64
     assert narrowed >= 10  # most arg columns are absent or small on a real trace

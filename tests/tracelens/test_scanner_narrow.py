@@ -25,6 +25,8 @@ from tracelens.io import kineto
 from tracelens.io.scanner import Scan, fast_enabled
 from tracelens.io.schema import ARG_FIELDS
 
+from ._narrow import narrowest
+
 pytestmark = pytest.mark.skipif(not fast_enabled(), reason="compiled scanner not built")
 
 INT_ARGS = [c for c, (_, kind) in ARG_FIELDS.items() if kind == "int"]
@@ -59,14 +61,6 @@ def _write(tmp_path, events: list[dict]) -> str:
     return str(path)
 
 
-def _narrowest(values: list[int]) -> np.dtype:
-    lo, hi = min(values), max(values)
-    for t in (np.int8, np.int16, np.int32):
-        if np.iinfo(t).min <= lo and hi <= np.iinfo(t).max:
-            return np.dtype(t)
-    return np.dtype(np.int64)
-
-
 def _raw_int(e: dict, col: str) -> int:
     v = (e.get("args") or {}).get(KEY[col])
     return -1 if v is None else int(v)  # the numeric string converts exactly
@@ -87,7 +81,7 @@ def test_scanner_columns_are_narrow_and_hold_the_raw_values(tmp_path):
         # the scanner leaves an arg of another JSON type at -1 (a fix-up); every other value as written
         raw = [-1 if isinstance((e["args"]).get(KEY[col]), str) else _raw_int(e, col) for e in events]
         assert values.tolist() == raw, col
-        assert np.dtype(f"int{8 * width}") == _narrowest(raw), col
+        assert np.dtype(f"int{8 * width}") == narrowest(raw), col
     assert r["arg_widths"][cols.index("correlation")] == 8  # widened three times during the scan
     assert r["arg_widths"][cols.index("stream")] == 1 and r["arg_widths"][cols.index("seq")] == 1
 
@@ -120,7 +114,7 @@ def test_loaded_events_are_the_narrowest_over_the_kept_events(tmp_path):
     kept.sort(key=lambda e: e["ts"])
     for col in INT_ARGS:
         raw = [_raw_int(e, col) for e in kept]
-        assert ev[col].dtype == _narrowest(raw), col
+        assert ev[col].dtype == narrowest(raw), col
         assert ev[col].to_numpy()[order].tolist() == raw, col
     # External id's only wide value left with the dropped event: narrowed again after the drop
     assert ev["external_id"].dtype == np.int8
