@@ -21,15 +21,19 @@ steps 0-2 and the profiled step 8 with the export step 9 untimed, so 7 timed ste
 run dir with one profiled step, so ``tracelens diff ROW_BEFORE ROW`` names what each knob changed
 (``--diff`` runs those diffs after the table). The table reads the manifests: tokens/s/GPU, MFU (the
 trainer's: model FLOPs per token x tokens/s against the device's bf16 dense peak, trainer/flops.py),
-mean step time, peak memory, and each row's per-step loss against the baseline's (eager, foreach
-AdamW): the largest relative difference over the steps, within ``--loss-rtol`` (bf16: 1e-2).
+mean step time, peak memory, and each row's loss against the eager baseline's (``judge_loss``).
 
 ``--check-loss``: the same rows (but the micro-batch one, which changes the batches) at 50 steps,
-unprofiled, for the loss comparison alone, with the baseline run a second time as its second row (eager
-against itself: on the H100 two eager runs drifted 7.1e-3 apart over 50 steps, the bf16 atomics of the
-permutation's backward and the discrete routing amplifying them) (issue 19:
-compiled / fused / graphed runs match eager within bf16 tolerance over 50 steps). Exit 1 when a row
-fails or is outside the tolerance.
+unprofiled, for the loss comparison alone (issue 19: compiled / fused / graphed runs match eager within
+bf16 tolerance over 50 steps). The baseline runs ``--eager-runs`` times (3): two eager runs of the same
+config, seed and batches agree to ~1e-4 for a dozen steps, then drift apart (on the H100 by up to 4.7e-2
+at step 50: the bf16 atomics of the permutation's backward flip discrete routing decisions, which
+compound), so a per-step bound over 50 steps fails eager against itself. Each row is judged in two parts
+(``judge_loss``): its numerics over the steps the eager runs agree on (per-step, within ``--loss-rtol``,
+bf16: 1e-2) and its training over the whole run (finite, and the last 10 steps' mean inside the eager
+runs' 99 % prediction interval). A last row, the baseline with the learning rate x1.25, is the control:
+it must fail, or the check could not tell a change of that size apart (the run then exits 1). Exit 1
+when a row fails or is out of tolerance.
 
 Budget: the table (8 rows) is meant to fit in 9 minutes on one H100 (a 12-step eager row is ~40 s,
 compile adds its compilation); ``--budget-s`` (default 540) skips the rows that would start after it,
@@ -75,6 +79,17 @@ CPU_BASE = {"config": "tiny", "set": {"sync_free_level": 3, "grouped_gemm_backen
                                       "log_every": 4}}
 
 
+# --check-loss's last row, from the baseline (not cumulative): the learning rate x1.25, a change the check must
+# catch; a run of it that passes means the check is too loose for its purpose
+CONTROL = ("control: lr x1.25", 1.25)
+
+
+def _base_lr(base: dict) -> float:
+    from trainer.config import load_config
+
+    return float(load_config(base["config"], {**base["set"], "device": "cpu"})["lr"])
+
+
 def _fmt(v, spec: str, none: str = "n/a") -> str:
     return none if v is None else format(v, spec)
 
@@ -91,6 +106,64 @@ def loss_diff(base: list[float], new: list[float]) -> float | None:
             return math.inf
         worst = max(worst, abs(b - a) / max(abs(a), 1e-12))
     return worst
+
+
+LATE_STEPS = 10  # the last steps whose mean loss the ensemble comparison uses
+# Student's t, two-sided 99 % (0.995 quantile), by degrees of freedom 1..10; df > 10 uses df 10's (wider
+# than the exact value, so never a tighter interval than the sample supports)
+T995 = (63.657, 9.925, 5.841, 4.604, 4.032, 3.707, 3.499, 3.355, 3.250, 3.169)
+
+
+def agreed_steps(eager: list[list[float]], rtol: float) -> int:
+    """How many leading steps the eager runs agree on: their relative spread (max - min) / |mean| stays
+    within ``rtol / 10`` (all common steps with one run). Past them the runs have drifted apart (bf16
+    atomics flip discrete routing decisions, which then compound), so a per-step comparison means nothing."""
+    n = min(len(e) for e in eager)
+    for i in range(n):
+        vals = [e[i] for e in eager]
+        if not all(math.isfinite(v) for v in vals):
+            return i
+        mean = sum(vals) / len(vals)
+        if (max(vals) - min(vals)) / max(abs(mean), 1e-12) > rtol / 10:
+            return i
+    return n
+
+
+def judge_loss(eager: list[list[float]], new: list[float], rtol: float, late: int = LATE_STEPS) -> dict:
+    """Whether ``new`` trains like the eager runs ``eager`` (same config, same seed, same batches), in two parts:
+
+    * **numerics** (the steps the eager runs agree on, see ``agreed_steps``): the largest per-step relative
+      difference from the eager runs' mean is within ``rtol`` (bf16: 1e-2);
+    * **training** (the whole run): every loss is finite and the mean of the last ``late`` steps lies in the
+      99 % prediction interval of one more eager run, ``t(n-1) x sd x sqrt(1 + 1/n)`` around the n eager
+      runs' mean of theirs (sd: the spread of those means), or within ``rtol x mean`` when that is wider
+      (``rtol x mean`` alone with one run). Past the agreed steps the runs drift apart, so this part only
+      catches a run that trains differently by more than eager's own drift (a divergence, a blow-up).
+
+    Returns the figures and ``ok``. An empty ``eager`` or ``new`` gives ``ok`` False."""
+    out = {"ok": False}
+    if not eager or not new or any(not e for e in eager):
+        return out
+    n = min(min(len(e) for e in eager), len(new))
+    eager = [e[:n] for e in eager]
+    new = new[:n]
+    finite = all(math.isfinite(v) for v in new) and all(math.isfinite(v) for e in eager for v in e)
+    k = max(agreed_steps(eager, rtol), 1)
+    mean = [sum(e[i] for e in eager) / len(eager) for i in range(n)]
+    early = loss_diff(mean[:k], new[:k])
+    w = min(late, n)
+    means = [sum(e[-w:]) / w for e in eager]
+    m_eager = sum(means) / len(means)
+    r = len(means)
+    sd = math.sqrt(sum((x - m_eager) ** 2 for x in means) / (r - 1)) if r > 1 else 0.0
+    spread = T995[min(r - 1, len(T995)) - 1] * sd * math.sqrt(1 + 1 / r) if r > 1 else 0.0
+    bound = max(spread, rtol * abs(m_eager))
+    m_new = sum(new[-w:]) / w
+    out.update(agreed_steps=k, early_rel_diff=early, early_ok=early is not None and early <= rtol,
+               late_steps=w, late_mean=m_new, eager_late_mean=m_eager, late_bound=bound,
+               late_ok=finite and abs(m_new - m_eager) <= bound, finite=finite)
+    out["ok"] = bool(out["early_ok"] and out["late_ok"])
+    return out
 
 
 def run_row(i: int, n: int, name: str, over: dict, args, base: dict, out: Path, steps: int, profile: bool) -> dict:
@@ -150,7 +223,7 @@ def run_row(i: int, n: int, name: str, over: dict, args, base: dict, out: Path, 
 
 def table(rows: list[dict], rtol: float, title: str) -> str:
     lines = [title, "",
-             "| row | adds | tokens/s/GPU | MFU | step ms | vs previous | peak GiB | max rel. loss diff vs baseline | run |",
+             "| row | adds | tokens/s/GPU | MFU | step ms | vs previous | peak GiB | loss vs eager: numerics; training | run |",
              "|---|---|---:|---:|---:|---:|---:|---:|---|"]
     prev = None
     for r in rows:
@@ -162,14 +235,24 @@ def table(rows: list[dict], rtol: float, title: str) -> str:
             continue
         tps = r["tokens_per_s_per_gpu"]
         gain = (f"{100 * (tps / prev - 1):+.1f} %" if prev and tps else "")
-        d = r.get("loss_rel_diff")
-        dtxt = "—" if r is rows[0] else (f"{d:.2e} ({'ok' if r.get('loss_ok') else 'OUT of tolerance'})"
-                                          if d is not None else "n/a")
+        c = r.get("loss_check")
+        if c is None:
+            dtxt = "—"
+        elif "early_rel_diff" not in c:
+            dtxt = "n/a (no loss to compare)"
+        else:
+            dtxt = (f"first {c['agreed_steps']} steps {c['early_rel_diff']:.2e} "
+                    f"({'ok' if c['early_ok'] else 'OUT'}); last {c['late_steps']} mean {c['late_mean']:.3f} vs "
+                    f"{c['eager_late_mean']:.3f} +/- {c['late_bound']:.3f} ({'ok' if c['late_ok'] else 'OUT'})"
+                    + ("" if c["finite"] else ", non-finite loss"))
         lines.append(f"| {r['name']} | {adds} | {_fmt(tps, ',.0f')} | {_fmt(r['mfu'] and 100 * r['mfu'], '.1f')}"
                      f"{'' if r['mfu'] is None else ' %'} | {_fmt(r['step_ms'], '.1f')} | {gain} | "
                      f"{r['peak_gib']:.2f} | {dtxt} | `{r['run_dir']}` |")
         prev = tps or prev
-    lines += ["", f"Loss tolerance: largest per-step |loss - baseline loss| / baseline loss <= {rtol:g}."]
+    lines += ["", f"Loss vs eager (`judge_loss`): numerics = the largest per-step |loss - eager mean| / eager mean "
+              f"over the first steps, those the eager runs agree on within {rtol / 10:g}, <= {rtol:g}; training = "
+              "every loss finite and the last steps' mean inside the eager runs' 99 % prediction interval (or "
+              f"{rtol:g} of it, when wider). An eager run is judged against the other eager runs."]
     return "\n".join(lines) + "\n"
 
 
@@ -181,11 +264,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--diff", action="store_true", help="run `tracelens diff` between consecutive rows afterwards")
     p.add_argument("--cpu", action="store_true", help="tiny config on the CPU (tests this script)")
     p.add_argument("--loss-rtol", type=float, default=1e-2, help="relative loss tolerance vs the baseline (bf16)")
+    p.add_argument("--eager-runs", type=int, default=3,
+                   help="with --check-loss: runs of the eager baseline, the ensemble each row is judged against")
     p.add_argument("--budget-s", type=float, default=540, help="start no row after this many seconds")
     p.add_argument("--timeout", type=int, default=300, help="seconds per row")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="extra trainer overrides for every row")
     args = p.parse_args(argv)
+    if args.eager_runs < 1:
+        p.error("--eager-runs must be at least 1")
     steps = args.steps or (50 if args.check_loss else 12)
     if args.cpu:
         base, device = CPU_BASE, "cpu"
@@ -210,10 +297,13 @@ def main(argv: list[str] | None = None) -> int:
     t_start = time.time()
     # the loss check compares numerics on the same batches: the micro-batch row changes the data, not the numerics
     knobs = [(n, k) for n, k in KNOBS if not (args.check_loss and "micro_batch_size" in k)]
-    if args.check_loss:  # eager against itself: the drift a row must be judged against (bf16 atomics, routing)
-        knobs.insert(1, ("baseline again", {}))
+    if args.check_loss:
+        # eager several times: the runs' own drift is what a row is judged against (bf16 atomics, routing);
+        # then a control that must fail (the learning rate x1.25), or the check could not tell a change apart
+        knobs[1:1] = [(f"baseline (run {r})", {}) for r in range(2, args.eager_runs + 1)]
+        knobs.append((CONTROL[0], {"lr": _base_lr(base) * CONTROL[1]}))
     for i, (name, knob) in enumerate(knobs):
-        acc = {**acc, **knob}
+        acc = {**acc, **knob} if name != CONTROL[0] else {**knob}
         if time.time() - t_start > args.budget_s:
             rows.append({"name": name, "adds": knob, "skipped": True, "rc": None,
                          "error": f"budget of {args.budget_s:.0f} s spent before this row"})
@@ -223,11 +313,19 @@ def main(argv: list[str] | None = None) -> int:
         row = run_row(i, len(knobs), name, dict(acc), args, base, out, steps, profile=not args.check_loss)
         row["adds"] = knob
         rows.append(row)
-    ref = rows[0].get("loss") or []
-    for r in rows[1:]:
-        if "loss" in r:
-            r["loss_rel_diff"] = loss_diff(ref, r["loss"])
-            r["loss_ok"] = r["loss_rel_diff"] is not None and r["loss_rel_diff"] <= args.loss_rtol
+    eager = [r["loss"] for r in rows if r["name"].startswith("baseline") and r.get("loss")]
+    for j, r in enumerate(rows):
+        if "loss" not in r or not eager:
+            continue
+        if r["name"].startswith("baseline"):  # an eager run against the other eager runs (with two or more)
+            others = [e for e in eager if e is not r["loss"]]
+            if not others:
+                continue
+            r["loss_check"] = judge_loss(others, r["loss"], args.loss_rtol)
+        else:
+            r["loss_check"] = judge_loss(eager, r["loss"], args.loss_rtol)
+        r["loss_rel_diff"] = r["loss_check"].get("early_rel_diff")
+        r["loss_ok"] = r["loss_check"]["ok"]
     kind = "check_loss" if args.check_loss else "bench_trainer_knobs"
     title = (f"## Trainer knobs, one at a time ({'loss check, ' if args.check_loss else ''}config "
              f"{base['config']} + {', '.join(f'{k}={v}' for k, v in base['set'].items())}, {steps} steps, "
@@ -250,7 +348,12 @@ def main(argv: list[str] | None = None) -> int:
     refusable = ("+ expert_swiglu", "+ micro_batch_24", "+ cuda_graphs") if args.cpu else ()
     ok = all(r.get("rc") == 0 or (r["name"] in refusable and r.get("rc") == 2)
              for r in rows if not r.get("skipped"))
-    ok = ok and all(r.get("loss_ok", True) for r in rows)
+    ok = ok and all(r.get("loss_ok", True) for r in rows if r["name"] != CONTROL[0])
+    control = next((r for r in rows if r["name"] == CONTROL[0]), None)
+    if control is not None and control.get("loss_ok"):  # the check could not tell lr x1.25 from eager
+        print(f"[bench] the control ({CONTROL[0]}) passed the loss check: it cannot tell a change of that size "
+              "apart from eager's own drift", file=sys.stderr)
+        ok = False
     return 0 if ok else 1
 
 

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import math
 import subprocess
 import sys
@@ -52,12 +53,15 @@ def test_table_shows_gain_loss_check_and_refusals():
          "loss": [5.0], "run_dir": "r0", "rc": 0},
         {"name": "+ compile", "adds": {"compile": "dense"}, "tokens_per_s_per_gpu": 125.0, "mfu": 0.125,
          "step_ms": 8.0, "peak_gib": 1.1, "loss": [5.0], "run_dir": "r1", "rc": 0, "loss_rel_diff": 0.002,
-         "loss_ok": True},
+         "loss_ok": True, "loss_check": {"ok": True, "agreed_steps": 12, "early_rel_diff": 0.002, "early_ok": True,
+                                         "late_steps": 10, "late_mean": 4.9, "eager_late_mean": 5.0,
+                                         "late_bound": 0.05, "late_ok": False, "finite": True}},
         {"name": "+ cuda_graphs", "adds": {"cuda_graphs": "on"}, "rc": 2, "run_dir": "r2",
          "error": "config error: cuda_graphs: on needs CUDA (device=cpu): CUDA graphs do not exist on a CPU"},
     ]
     md = b.table(rows, 0.01, "## t")
-    assert "| + compile | `compile=dense` | 125 | 12.5 % | 8.0 | +25.0 % | 1.10 | 2.00e-03 (ok) | `r1` |" in md
+    assert ("| + compile | `compile=dense` | 125 | 12.5 % | 8.0 | +25.0 % | 1.10 | first 12 steps 2.00e-03 (ok); "
+            "last 10 mean 4.900 vs 5.000 +/- 0.050 (OUT) | `r1` |") in md
     assert "| + cuda_graphs | `cuda_graphs=on` | refused (exit 2): config error: cuda_graphs: on needs CUDA" in md
 
 
@@ -69,3 +73,64 @@ def test_without_cuda_it_says_so():
     r = subprocess.run([sys.executable, "benchmarks/bench_trainer_knobs.py"], cwd=REPO, capture_output=True, text=True,
                        timeout=60)
     assert r.returncode == 1 and "no CUDA device visible" in r.stderr and "--cpu" in r.stderr
+
+
+def _curve(n, drift_from, amp, seed):
+    """A loss curve 11 - 0.01 step whose steps from ``drift_from`` on carry a deterministic wobble of size
+    ``amp`` that differs by ``seed`` (the runs agree exactly before it)."""
+    return [11.0 - 0.01 * i + (amp * math.sin(1.7 * i + seed) if i >= drift_from else 0.0) for i in range(n)]
+
+
+def test_agreed_steps_stop_where_the_eager_runs_drift_apart():
+    b = _bench()
+    eager = [_curve(50, 13, 0.2, s) for s in (0, 1, 2)]
+    assert b.agreed_steps(eager, 1e-2) == 13           # identical before step 13, 0.2 / 10.9 > 1e-3 at it
+    assert b.agreed_steps(eager[:1], 1e-2) == 50       # one run: every step
+    assert b.agreed_steps([[1.0, math.nan], [1.0, 1.0]], 1e-2) == 1
+
+
+def test_judge_loss_numerics_on_agreed_steps_and_training_by_prediction_interval():
+    b = _bench()
+    eager = [_curve(50, 13, 0.2, s) for s in (0, 1, 2)]
+    # a run that drifts like eager does after step 13: ok, though per step it is far from each eager run
+    same = _curve(50, 13, 0.2, 3)
+    j = b.judge_loss(eager, same, 1e-2)
+    assert j["ok"] and j["agreed_steps"] == 13 and j["early_rel_diff"] < 1e-12
+    assert b.loss_diff(eager[0], same) > 1e-2
+    # the last-10 means of the eager runs and the interval, computed here from the curves
+    means = [sum(e[-10:]) / 10 for e in eager]
+    m = sum(means) / 3
+    sd = math.sqrt(sum((x - m) ** 2 for x in means) / 2)
+    assert j["eager_late_mean"] == pytest.approx(m)
+    assert j["late_bound"] == pytest.approx(max(9.925 * sd * math.sqrt(1 + 1 / 3), 1e-2 * m))
+    # 2 % off from step 1 on: the numerics part catches it
+    off = [v * (1.02 if i else 1.0) for i, v in enumerate(same)]
+    j = b.judge_loss(eager, off, 1e-2)
+    assert not j["ok"] and not j["early_ok"] and j["early_rel_diff"] == pytest.approx(0.02, rel=1e-6)
+    # right for the agreed steps, then trains away by 3 (a divergence): the training part catches it
+    away = [v - (3.0 if i >= 30 else 0.0) for i, v in enumerate(same)]
+    j = b.judge_loss(eager, away, 1e-2)
+    assert j["early_ok"] and not j["late_ok"] and not j["ok"]
+    # a non-finite loss fails
+    assert not b.judge_loss(eager, same[:40] + [math.nan] * 10, 1e-2)["ok"]
+    assert not b.judge_loss([], same, 1e-2)["ok"] and not b.judge_loss(eager, [], 1e-2)["ok"]
+
+
+def test_judge_loss_on_the_h100_runs_passes_every_knob_and_fails_the_control():
+    """The stop-18 H100 loss check (benchmarks/results/knobs_s18): three eager runs, every knob row, and the
+    control (learning rate x1.25). Per step over 50 steps, eager against eager is 4.7e-2 apart."""
+    b = _bench()
+    res = REPO / "benchmarks" / "results" / "knobs_s18"
+    rows = {r["name"]: r["loss"] for r in json.loads((res / "check_loss.json").read_text())["rows"]}
+    eager = [rows["baseline"], rows["baseline again"],
+             json.loads((res / "eager3.json").read_text())["metrics"]["loss"]]
+    assert b.loss_diff(eager[0], eager[1]) > 4e-2  # the per-step bound fails eager against itself
+    for name in ("+ optimizer", "+ step_timing", "+ compile", "+ triton_kernels", "+ expert_swiglu",
+                 "+ cuda_graphs"):
+        j = b.judge_loss(eager, rows[name], 1e-2)
+        assert j["ok"] and j["agreed_steps"] >= 10 and j["early_rel_diff"] < 3e-3, name
+    for i in range(3):  # each eager run against the two others
+        assert b.judge_loss(eager[:i] + eager[i + 1:], eager[i], 1e-2)["ok"]
+    control = json.loads((res / "lr125.json").read_text())["metrics"]["loss"]
+    j = b.judge_loss(eager, control, 1e-2)
+    assert not j["ok"] and not j["early_ok"] and j["early_rel_diff"] > 2e-2
