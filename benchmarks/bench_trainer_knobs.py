@@ -85,6 +85,8 @@ CONTROL = ("control: lr x1.25", 1.25)
 
 
 def _base_lr(base: dict) -> float:
+    if str(REPO) not in sys.path:  # run as a script: sys.path[0] is benchmarks/
+        sys.path.insert(0, str(REPO))
     from trainer.config import load_config
 
     return float(load_config(base["config"], {**base["set"], "device": "cpu"})["lr"])
@@ -129,7 +131,8 @@ def agreed_steps(eager: list[list[float]], rtol: float) -> int:
     return n
 
 
-def judge_loss(eager: list[list[float]], new: list[float], rtol: float, late: int = LATE_STEPS) -> dict:
+def judge_loss(eager: list[list[float]], new: list[float], rtol: float, late: int = LATE_STEPS,
+               window: int | None = None) -> dict:
     """Whether ``new`` trains like the eager runs ``eager`` (same config, same seed, same batches), in two parts:
 
     * **numerics** (the steps the eager runs agree on, see ``agreed_steps``): the largest per-step relative
@@ -140,7 +143,10 @@ def judge_loss(eager: list[list[float]], new: list[float], rtol: float, late: in
       (``rtol x mean`` alone with one run). Past the agreed steps the runs drift apart, so this part only
       catches a run that trains differently by more than eager's own drift (a divergence, a blow-up).
 
-    Returns the figures and ``ok``. An empty ``eager`` or ``new`` gives ``ok`` False."""
+    ``window``: the number of agreed steps when the caller knows it from more eager runs than ``eager`` holds
+    (judging one eager run against the others: two runs can track each other past the point where a third
+    has already drifted, so the window comes from all of them). Returns the figures and ``ok``. An empty
+    ``eager`` or ``new`` gives ``ok`` False."""
     out = {"ok": False}
     if not eager or not new or any(not e for e in eager):
         return out
@@ -148,7 +154,7 @@ def judge_loss(eager: list[list[float]], new: list[float], rtol: float, late: in
     eager = [e[:n] for e in eager]
     new = new[:n]
     finite = all(math.isfinite(v) for v in new) and all(math.isfinite(v) for e in eager for v in e)
-    k = max(agreed_steps(eager, rtol), 1)
+    k = max(min(window if window is not None else agreed_steps(eager, rtol), n), 1)
     mean = [sum(e[i] for e in eager) / len(eager) for i in range(n)]
     early = loss_diff(mean[:k], new[:k])
     w = min(late, n)
@@ -164,6 +170,26 @@ def judge_loss(eager: list[list[float]], new: list[float], rtol: float, late: in
                late_ok=finite and abs(m_new - m_eager) <= bound, finite=finite)
     out["ok"] = bool(out["early_ok"] and out["late_ok"])
     return out
+
+
+def judge_rows(rows: list[dict], rtol: float) -> None:
+    """Judge every row with a loss against the eager runs (the rows named ``baseline...``), in place:
+    ``loss_check`` (``judge_loss``'s figures), ``loss_rel_diff`` and ``loss_ok``. The agreed steps come from
+    all eager runs; an eager run is judged against the others (with one eager run it is not judged)."""
+    eager = [r["loss"] for r in rows if r["name"].startswith("baseline") and r.get("loss")]
+    window = agreed_steps(eager, rtol) if eager else None  # from every eager run
+    for r in rows:
+        if "loss" not in r or not eager:
+            continue
+        if r["name"].startswith("baseline"):  # an eager run against the other eager runs (with two or more)
+            others = [e for e in eager if e is not r["loss"]]
+            if not others:
+                continue
+            r["loss_check"] = judge_loss(others, r["loss"], rtol, window=window)
+        else:
+            r["loss_check"] = judge_loss(eager, r["loss"], rtol, window=window)
+        r["loss_rel_diff"] = r["loss_check"].get("early_rel_diff")
+        r["loss_ok"] = r["loss_check"]["ok"]
 
 
 def run_row(i: int, n: int, name: str, over: dict, args, base: dict, out: Path, steps: int, profile: bool) -> dict:
@@ -313,19 +339,7 @@ def main(argv: list[str] | None = None) -> int:
         row = run_row(i, len(knobs), name, dict(acc), args, base, out, steps, profile=not args.check_loss)
         row["adds"] = knob
         rows.append(row)
-    eager = [r["loss"] for r in rows if r["name"].startswith("baseline") and r.get("loss")]
-    for j, r in enumerate(rows):
-        if "loss" not in r or not eager:
-            continue
-        if r["name"].startswith("baseline"):  # an eager run against the other eager runs (with two or more)
-            others = [e for e in eager if e is not r["loss"]]
-            if not others:
-                continue
-            r["loss_check"] = judge_loss(others, r["loss"], args.loss_rtol)
-        else:
-            r["loss_check"] = judge_loss(eager, r["loss"], args.loss_rtol)
-        r["loss_rel_diff"] = r["loss_check"].get("early_rel_diff")
-        r["loss_ok"] = r["loss_check"]["ok"]
+    judge_rows(rows, args.loss_rtol)
     kind = "check_loss" if args.check_loss else "bench_trainer_knobs"
     title = (f"## Trainer knobs, one at a time ({'loss check, ' if args.check_loss else ''}config "
              f"{base['config']} + {', '.join(f'{k}={v}' for k, v in base['set'].items())}, {steps} steps, "
