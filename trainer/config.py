@@ -224,15 +224,43 @@ def resolve_config_path(name: str | Path) -> Path:
     raise ConfigError("config", f"file not found: {name}")
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | dict | None = None) -> dict:
-    """Defaults <- YAML file <- overrides, then type/consistency checks (not the world size)."""
-    cfg = copy.deepcopy(DEFAULTS)
-    if path is not None:
-        p = resolve_config_path(path)
+MAX_EXTENDS = 8  # files in one ``extends`` chain
+
+
+def _config_layers(p: Path) -> list[dict]:
+    """The mappings to merge for config file ``p``, the base first: a file may start with ``extends: NAME``
+    (another config: a path next to the file, or a name under trainer/configs/) and then sets only what
+    differs from it. A cycle or a chain longer than MAX_EXTENDS is a one-line error."""
+    layers: list[dict] = []
+    chain: list[Path] = []
+    while True:
+        if p.resolve() in chain:
+            raise ConfigError("extends", f"{p}: the extends chain returns to this file "
+                                         f"({' -> '.join(c.name for c in chain + [p.resolve()])})")
+        if len(chain) >= MAX_EXTENDS:
+            raise ConfigError("extends", f"{p}: more than {MAX_EXTENDS} files in the extends chain")
+        chain.append(p.resolve())
         data = _read_yaml_file(p) or {}
         if not isinstance(data, dict):
             raise ConfigError("config", f"{p} must hold a mapping")
-        _merge(cfg, data)
+        data = dict(data)
+        parent = data.pop("extends", None)
+        layers.append(data)
+        if parent is None:
+            return layers[::-1]
+        if not isinstance(parent, str) or not parent.strip():
+            raise ConfigError("extends", f"{p}: expected the name or path of another config, got {_short(parent)}")
+        near = [p.parent / parent, p.parent / f"{parent}.yaml"]
+        p = next((c for c in near if c.is_file()), None) or resolve_config_path(parent)
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | dict | None = None) -> dict:
+    """Defaults <- YAML file (after the files it ``extends``) <- overrides, then type/consistency checks (not
+    the world size)."""
+    cfg = copy.deepcopy(DEFAULTS)
+    if path is not None:
+        for data in _config_layers(resolve_config_path(path)):
+            _merge(cfg, data)
     if overrides:
         items = overrides.items() if isinstance(overrides, dict) else (parse_override(o) for o in overrides)
         _merge(cfg, dict(items))

@@ -92,3 +92,40 @@ def test_launch_module_imports_without_torch():
     r = _run("-c", code)
     assert r.returncode == 0, r.stderr
     assert "torch.distributed.run" in r.stdout
+
+
+def test_extends_merges_the_base_file_first(tmp_path):
+    (tmp_path / "a.yaml").write_text("d_model: 64\nn_layers: 3\nsteps: 7\n")
+    (tmp_path / "b.yaml").write_text("extends: a\nn_layers: 5\n")           # a name next to the file
+    (tmp_path / "c.yaml").write_text(f"extends: {tmp_path / 'b.yaml'}\nsteps: 9\n")  # a path
+    cfg = load_config(tmp_path / "c.yaml", ["steps=11"])
+    assert (cfg["d_model"], cfg["n_layers"], cfg["steps"]) == (64, 5, 11)
+    assert "extends" not in cfg
+
+
+@pytest.mark.parametrize("files, words", [
+    ({"a.yaml": "extends: b\n", "b.yaml": "extends: a\n"}, "the extends chain returns to this file (a.yaml -> b.yaml -> a.yaml)"),
+    ({"a.yaml": "extends: nowhere_xyz\n"}, "file not found: nowhere_xyz"),
+    ({"a.yaml": "extends: [1, 2]\n"}, "expected the name or path of another config"),
+    ({f"f{i}.yaml": f"extends: f{i + 1}\n" for i in range(9)} | {"f9.yaml": "steps: 2\n"}, "more than 8 files"),
+])
+def test_bad_extends_is_one_line(tmp_path, files, words):
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    first = sorted(files, key=lambda n: (len(n), n))[0]
+    with pytest.raises(ConfigError) as err:
+        load_config(tmp_path / first)
+    assert words in str(err.value) and "\n" not in str(err.value)
+
+
+def test_gpu_proxy_train_is_gpu_proxy_at_the_training_regime():
+    """The shipped training-regime config: gpu_proxy's values with its own on top, read here from the two
+    YAML files directly."""
+    yaml = pytest.importorskip("yaml")
+    base = yaml.safe_load((CONFIG_DIR / "gpu_proxy.yaml").read_text())
+    own = yaml.safe_load((CONFIG_DIR / "gpu_proxy_train.yaml").read_text())
+    assert own.pop("extends") == "gpu_proxy"
+    cfg = load_config("gpu_proxy_train", {"device": "auto"})
+    for k, v in {**base, **own, "device": "auto"}.items():
+        assert cfg[k] == v, k
+    assert cfg["micro_batch_size"] * cfg["seq_len"] == 32768 and base["micro_batch_size"] * base["seq_len"] == 4096
