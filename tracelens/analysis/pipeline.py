@@ -916,8 +916,8 @@ def _step_graph(a: pd.DataFrame) -> tuple[list[list[int]], list[list[int]]]:
     return preds, order
 
 
-def simulate_step(a: pd.DataFrame, durations, t0: int | None = None,
-                  handoff_ns: int = 0) -> tuple[np.ndarray, np.ndarray, int]:
+def simulate_step(a: pd.DataFrame, durations, t0: int | None = None, handoff_ns: int = 0,
+                  graph: tuple[list[list[int]], list[list[int]]] | None = None) -> tuple[np.ndarray, np.ndarray, int]:
     """Replay one step's schedule with the given action durations and no communication or host time
     (or, with ``handoff_ns``, that much more before an action whose data dependency ran on another rank:
     the what-if model's per-hand-off overhead).
@@ -926,13 +926,14 @@ def simulate_step(a: pd.DataFrame, durations, t0: int | None = None,
     its data dependency (see `_step_graph`) has ended; every rank is free from t0 (default: the step's
     first measured start). Returns (start_ns, end_ns, forced) aligned with `a`'s rows; `forced` counts
     actions started without an unmet dependency to break a deadlock, which only inconsistent records
-    (a dependency that ends after its consumer starts, e.g. skewed clocks) can produce.
+    (a dependency that ends after its consumer starts, e.g. skewed clocks) can produce. ``graph``: `_step_graph(a)`
+    when the caller replays the same step several times.
     """
     n = len(a)
     dur = np.asarray(durations, dtype=np.int64).tolist()
     if n == 0:
         return np.empty(0, np.int64), np.empty(0, np.int64), 0
-    preds, order = _step_graph(a)
+    preds, order = _step_graph(a) if graph is None else graph
     t0 = int(a["start_ns"].min()) if t0 is None else int(t0)
     meas_start = a["start_ns"].tolist()
     rank_of, handoff = a["rank"].tolist(), int(handoff_ns)
@@ -1137,6 +1138,9 @@ def bubble_account(actions: pd.DataFrame, meta: PipelineMeta | None = None, bala
     traced: list[int] = []
     gpu = None if activity is None else any(len(s["comm_gpu"][0]) or len(s["gpu_other"][0]) for s in activity.sets.values())
     part_of = {**WAIT_CLASSES, "before_trace": "other" if gpu else "host"}
+    # every (step, rank) lane at once: a lane's figures depend on its own step's actions alone
+    measured = dict(iter(bubbles(actions).groupby("step", sort=False)))
+    paths = dict(iter(critical_path(actions).groupby("step", sort=False)))  # each step's path is its own
     for step, a in actions.groupby("step", sort=True):
         a = a.sort_values(["rank", "start_ns", "end_ns"], kind="stable").reset_index(drop=True)
         t0 = int(a["start_ns"].min())
@@ -1146,17 +1150,18 @@ def bubble_account(actions: pd.DataFrame, meta: PipelineMeta | None = None, bala
         per_stage = pd.Series(dur).groupby([kind, a["stage"].to_numpy()]).transform("mean").round().to_numpy(np.int64)
         rank = a["rank"].to_numpy()
         sims, forced = {}, 0
+        graph = _step_graph(a)
         for name, d in (("equal", equal), ("stage", per_stage), ("sim", dur)):
-            s, e, f = simulate_step(a, d, t0)
+            s, e, f = simulate_step(a, d, t0, graph=graph)
             forced = max(forced, f)
             window = int(e.max() - t0)
             sims[name] = (window, window - pd.Series(d).groupby(rank).sum())
         if forced:
             warns.append(f"step {step}: {forced} action(s) start before the action they depend on ends "
                          "(skewed clocks?); the replay ignored those dependencies")
-        meas = bubbles(a).set_index("rank")
+        meas = measured[step].set_index("rank")
         # overhead classes: the critical path's waits and a late start of the path
-        cp = critical_path(a)
+        cp = paths[step]
         waits = [(int(r), int(s) - int(w), int(s)) for r, s, w in zip(cp["rank"], cp["start_ns"], cp["wait_ns"]) if w > 0]
         if len(cp) and int(cp["start_ns"].iloc[0]) > t0:
             waits.append((int(cp["rank"].iloc[0]), t0, int(cp["start_ns"].iloc[0])))
