@@ -180,7 +180,8 @@ print(json.dumps(res))
 
 
 _FX = ROOT / "tests" / "fixtures"
-_EXT = ROOT.parent / "shared" / "fixtures" / "external"  # ../shared as the project finds it
+# ../shared as the project finds it, or TRACELENS_CORPUS_EXTERNAL (a copy of it, e.g. carried to the device machine)
+_EXT = Path(os.environ.get("TRACELENS_CORPUS_EXTERNAL") or ROOT.parent / "shared" / "fixtures" / "external").resolve()
 # (name, trace file, what kind of trace it is); the external ones fall back to tests/fixtures/external
 CORPUS = [
     ("moe_loop", _FX / "h200_moe_1gpu" / "moe1gpu_loop.json.gz", "H200 MoE 1 GPU, per-expert loop, syncs"),

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Issue 20's corpus benchmark on the device machine's CPU (16 quiet cores; the issue's number of record):
+# benchmarks/bench_load.py --corpus pinned to 2 cores (CPUS, default 2,3) for tracelens and HTA alike, in
+# groups of traces that fit a 10-minute call (ONLY: comma-separated corpus names, default all 14; ~50 s a
+# trace with HTA). Writes corpus.txt / corpus.json into $OUT.
+#
+# The device copy of the repository has no ../shared, so carry a copy of the external fixtures and the
+# benchmark wheels (both git-ignored):
+#   cp -r ../shared/fixtures/external bench_data/external
+#   pip download --no-deps -d .whl/bench HolisticTraceAnalysis==0.5.0 networkx pydot pyparsing psutil \
+#       --python-version 3.12 --only-binary=:all: --platform manylinux2014_x86_64
+#   run: ONLY=moe_loop,moe_grouped,... bash benchmarks/bench_corpus.sh      carry: [".whl", "bench_data/external"]
+set -u
+CPUS=${CPUS:-2,3}
+ONLY=${ONLY:-}
+REPEAT=${REPEAT:-3}
+OUTDIR=${OUT:-/tmp/tracelens-corpus/out}
+export PYTHONUNBUFFERED=1
+mkdir -p "$OUTDIR"
+if ! python3 -c "import msgspec, hta" 2>/dev/null; then
+  ls .whl/*.whl .whl/bench/*.whl >/dev/null 2>&1 || { echo "bench_corpus.sh: no wheels in .whl/ and .whl/bench/" >&2; exit 9; }
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+    .whl/*.whl .whl/bench/*.whl || { echo "wheel install failed" >&2; exit 9; }
+  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+python3 -c "import tracelens.io._kineto_fast" 2>/dev/null || python3 setup.py -q build_ext --inplace >/dev/null 2>&1 || true
+[ -d bench_data/external ] && export TRACELENS_CORPUS_EXTERNAL=${TRACELENS_CORPUS_EXTERNAL:-$PWD/bench_data/external}
+{ echo "== $(date -u) host=$(hostname) cpus=$CPUS only=${ONLY:-all}"; nproc; python3 -c "import sys, pandas, numpy; print(sys.version.split()[0], 'pandas', pandas.__version__, 'numpy', numpy.__version__)"; } | tee "$OUTDIR/env.txt"
+taskset -c "$CPUS" python3 benchmarks/bench_load.py --corpus ${ONLY:+--only "$ONLY"} --repeat "$REPEAT" \
+  --work /tmp/tracelens-corpus --hta-timeout 120 --json "$OUTDIR/corpus.json" 2>&1 | tee "$OUTDIR/corpus.txt"
