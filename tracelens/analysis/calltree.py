@@ -94,27 +94,31 @@ def build_tree(events: pd.DataFrame) -> pd.DataFrame:
     # then the one entered first (smaller External id: identical intervals of a parent and its child)
     # (memory: a 2 GB trace has millions of host rows, 8 bytes x rows per temporary array; the ones no
     # longer needed are dropped as the function goes, and sorted copies are made once and shared)
+    # positions (sorted and original) in int32 below 2**31 host events: half the bytes of every position
+    # array; the keys built from thread ids are made in int64 (`_wide`)
+    pos_t = np.int32 if n < 2**31 else np.int64
     order = np.lexsort((kind, -dur, ts, tid_a, pid_a, rank_a))
     if _tied_out_of_order(order, ts, dur, kind, ext_a):  # rare: sort again with the External id as the last key
         order = np.lexsort((ext_a, kind, -dur, ts, tid_a, pid_a, rank_a))
+    order = order.astype(pos_t)
     new_group = np.zeros(n, dtype=bool)
     new_group[0] = True
     for a in (rank_a, pid_a, tid_a):
         so = a[order]
         new_group[1:] |= so[1:] != so[:-1]
     del so
-    o_group = np.cumsum(new_group)  # the thread of each sorted position
+    o_group = np.cumsum(new_group, dtype=pos_t)  # the thread of each sorted position (from 1)
     del new_group
 
     # Ranges (ops, annotations, modules) get their parents from a stack walk in Python; runtime calls,
     # ~half of all host events and always leaves, are placed afterwards with a vectorized lookup of
     # "which range was innermost at this instant" (the stack top as a step function of time).
     o_kind_a = kind[order]
-    rng_pos = np.flatnonzero(o_kind_a != KIND_RUNTIME)  # sorted positions of ranges
+    rng_pos = np.flatnonzero(o_kind_a != KIND_RUNTIME).astype(pos_t)  # sorted positions of ranges
     o_ts, o_end = ts[order], end[order]
     del end
     r_parent, r_depth, r_inner, r_outer, r_path, path_parent, path_name = link_ranges(
-        o_group[rng_pos], o_ts[rng_pos], o_end[rng_pos], o_kind_a[rng_pos],
+        _wide(o_group[rng_pos]), o_ts[rng_pos], o_end[rng_pos], o_kind_a[rng_pos],
         name_codes[order[rng_pos]], is_step[order[rng_pos]],
     )
     del name_codes
@@ -129,13 +133,13 @@ def build_tree(events: pd.DataFrame) -> pd.DataFrame:
         out[rng_pos] = v
         return out
 
-    parent_s = spread(r_parent, True)
+    parent_s = spread(r_parent, True, pos_t)
     depth_s = spread(r_depth, False, np.int32)  # depths and path ids are small: half the bytes
-    inner_s = spread(r_inner, True)
-    outer_s = spread(r_outer, True)
+    inner_s = spread(r_inner, True, pos_t)
+    outer_s = spread(r_outer, True, pos_t)
     path_s = spread(r_path, False, np.int32)
     del r_parent, r_depth, r_inner, r_outer, r_path
-    rt_pos = np.flatnonzero(o_kind_a == KIND_RUNTIME)
+    rt_pos = np.flatnonzero(o_kind_a == KIND_RUNTIME).astype(pos_t)
     launcher = None
     if len(rt_pos):
         top = _innermost_range_at(o_group, o_ts, o_end, rng_pos, parent_s, depth_s, rt_pos)
@@ -152,13 +156,14 @@ def build_tree(events: pd.DataFrame) -> pd.DataFrame:
             launcher = np.where(has, inner_s[safe], -1)
         else:  # some range outlasts its parent: search the ops alone
             op_pos = np.flatnonzero(o_kind_a == KIND_OP)  # sorted by (thread, ts, -end, External id, row)
-            k = innermost_op_at(o_group[op_pos], o_ts[op_pos], o_end[op_pos], o_group[rt_pos], o_ts[rt_pos])
+            k = innermost_op_at(_wide(o_group[op_pos]), o_ts[op_pos], o_end[op_pos], _wide(o_group[rt_pos]),
+                                o_ts[rt_pos])
             launcher = np.where(k >= 0, op_pos[np.maximum(k, 0)], -1)
             del op_pos, k
         del top, has, safe, r_par
     del o_group, o_ts, o_end, rng_pos, o_kind_a  # (before the External-id lookup below: the peak of build_tree)
-    inv = np.empty(n, dtype=np.int64)  # original position -> sorted position
-    inv[order] = np.arange(n)
+    inv = np.empty(n, dtype=pos_t)  # original position -> sorted position
+    inv[order] = np.arange(n, dtype=pos_t)
     if launcher is not None:
         # (in original order, so no sorted copy of rank / External id / labels is made; -> sorted positions)
         rt_orig = order[rt_pos]
@@ -201,13 +206,13 @@ def build_tree(events: pd.DataFrame) -> pd.DataFrame:
     has = par_pos >= 0
     np.subtract.at(self_dur, order[par_pos[has]], dur[has])  # order: sorted -> original position
     del par_pos, has
-    out["parent"] = to_labels(parent_a)[inv]
+    out["parent"] = to_labels(parent_a[inv])  # (permuted first: one int64 array of the tree's length)
     del parent, parent_a
     out["depth"] = depth.astype(np.int32)[inv]
     del depth
-    out["inner_op"] = to_labels(inner_a)[inv]
+    out["inner_op"] = to_labels(inner_a[inv])
     del inner, inner_a
-    out["outer_op"] = to_labels(outer_a)[inv]
+    out["outer_op"] = to_labels(outer_a[inv])
     del outer, outer_a, pos_to_label
     out["path"] = _path_categorical(path_str, path_a[inv])
     del path, path_a, inv, order
@@ -215,6 +220,11 @@ def build_tree(events: pd.DataFrame) -> pd.DataFrame:
     out["is_step"] = is_step
     out["step"] = np.where(is_step, C.map_strings(names, _step_number, dtype=np.int64), -1)
     return out
+
+
+def _wide(a: np.ndarray) -> np.ndarray:
+    """a as int64 (thread numbers enter keys like group * span + t, which overflow in int32)."""
+    return a.astype(np.int64, copy=False)
 
 
 def _tied_out_of_order(order: np.ndarray, ts: np.ndarray, dur: np.ndarray, kind: np.ndarray,
@@ -403,8 +413,8 @@ def _innermost_range_at(group: np.ndarray, ts: np.ndarray, end: np.ndarray, rng_
     """
     if len(rng_pos) == 0 or len(query_pos) == 0:
         return np.full(len(query_pos), -1, dtype=np.int64)
-    r_group = group[rng_pos]
-    q_group = group[query_pos]
+    r_group = _wide(group[rng_pos])  # (group keys below are products: int64)
+    q_group = _wide(group[query_pos])
     r_ts = ts[rng_pos]
     r_end = np.maximum(end[rng_pos], r_ts)  # a negative duration is a zero-length range
     zero = r_end == r_ts
