@@ -224,6 +224,8 @@ def load(
     files = discover(paths)
     cache_root = os.fspath(cache_dir) if cache_dir else None
     total_bytes = sum(os.path.getsize(f) for f in files)
+    if total_bytes >= LEAN_MALLOC_BYTES:
+        fix_mmap_threshold()
     jobs = jobs or usable_cpus()
     parsed: list[ParsedTrace] = []
     sizes = {f: os.path.getsize(f) for f in files}
@@ -269,6 +271,33 @@ def load(
     if trace.run_status and trace.run_status["warning"]:
         trace.warnings.insert(0, trace.run_status["warning"])
     return trace
+
+
+LEAN_MALLOC_BYTES = 1 << 30  # traces this large (in all) fix glibc's mmap threshold (`fix_mmap_threshold`)
+_MMAP_THRESHOLD = 128 * 1024  # glibc's own starting value
+_mmap_threshold_fixed = False
+
+
+def fix_mmap_threshold() -> None:
+    """Keep glibc's mmap threshold at its starting 128 KiB for the rest of the process (Linux / glibc
+    only; elsewhere nothing happens). glibc raises the threshold to the size of each large block freed
+    (up to 32 MiB), after which arrays of up to that size come from the heap, and the heap keeps the
+    pages of freed arrays that lie below a live one: after `analyze` of an 8 GB trace 337 MB of RSS were
+    such pages (`malloc_trim` handed them back), 184 MB at 2 GB. With the threshold fixed every array
+    over 128 KiB is its own mapping, returned when freed. Costs one mmap / munmap and fresh page faults
+    per array (2 GB trace: within this machine's noise, 12.3 vs 12.7 s). `load` calls it for inputs of
+    LEAN_MALLOC_BYTES or more, so smaller analyses keep glibc's default."""
+    global _mmap_threshold_fixed
+    if _mmap_threshold_fixed or not sys.platform.startswith("linux"):
+        return
+    _mmap_threshold_fixed = True
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(ctypes.c_int(-3), ctypes.c_int(_MMAP_THRESHOLD))  # M_MMAP_THRESHOLD (malloc.h)
+    except (OSError, AttributeError):  # not glibc (e.g. musl): its allocator, as it is
+        pass
 
 
 def give_back_memory() -> None:
