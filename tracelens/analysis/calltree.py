@@ -85,7 +85,7 @@ def build_tree(events: pd.DataFrame) -> pd.DataFrame:
     end = ts + dur
     kind = host["kind"].to_numpy()
     names = host["name"]
-    name_codes = names.cat.codes.to_numpy().astype(np.int64)
+    name_codes = names.cat.codes.to_numpy()  # (int16 / int32, as the categorical keeps them)
     name_uniques = list(names.cat.categories.astype(str)) + [""]  # code -1 -> ""
     is_step = (C.map_strings(names, _step_number, dtype=np.int64) >= 0) & (kind == KIND_ANNOTATION)  # numbers: at the end
     rank_a, pid_a, tid_a = (host[c].to_numpy() for c in ("rank", "pid", "tid"))
@@ -118,7 +118,7 @@ def build_tree(events: pd.DataFrame) -> pd.DataFrame:
     o_ts, o_end = ts[order], end[order]
     del end
     r_parent, r_depth, r_inner, r_outer, r_path, path_parent, path_name = link_ranges(
-        _wide(o_group[rng_pos]), o_ts[rng_pos], o_end[rng_pos], o_kind_a[rng_pos],
+        o_group[rng_pos], o_ts[rng_pos], o_end[rng_pos], o_kind_a[rng_pos],
         name_codes[order[rng_pos]], is_step[order[rng_pos]],
     )
     del name_codes
@@ -126,7 +126,7 @@ def build_tree(events: pd.DataFrame) -> pd.DataFrame:
     # back to all sorted positions: ranges' links are range indices -> sorted positions
     def spread(vals: np.ndarray, is_index: bool, dtype=np.int64) -> np.ndarray:
         out = np.full(n, -1 if is_index else 0, dtype=dtype)
-        v = np.asarray(vals, dtype=np.int64)
+        v = vals
         if is_index:
             ok = v >= 0
             v = np.where(ok, rng_pos[np.where(ok, v, 0)], -1)
@@ -262,6 +262,7 @@ def _range_depth(group: np.ndarray, ts: np.ndarray, end: np.ndarray) -> np.ndarr
     (Memory: one array of the ranges' size at a time beside the result where possible; a 2 GB trace has
     ~2.3M ranges, 18 MB per int64 array.)"""
     m = len(ts)
+    group = _wide(group)  # (keys below are group * span + t)
     # ranges of the same thread whose end <= ts_i (ended before i started), counted by searching
     # (group, end) pairs; keys are made from times relative to the trace start. depth = (i - first index
     # of its thread) - (ranges of its thread ended by ts_i) = i - (ranges ended by ts_i, all threads before)
@@ -315,27 +316,31 @@ def link_ranges(group, ts, end, kind, name, is_step):
     empty = np.empty(0, np.int64)
     if m == 0:
         return empty, empty, empty, empty, empty, np.array([-1]), np.array([-1])
-    depth = _range_depth(group, ts, end)  # (a function of its own: its temporaries go when it returns)
+    # (a function of its own: its temporaries go when it returns) links, depths and path ids in int32
+    # below 2**31 ranges: half the bytes (an 8 GB trace has ~9M ranges)
+    idx_t = np.int32 if m < 2**31 else np.int64
+    depth = _range_depth(group, ts, end).astype(idx_t)
 
-    parent = np.full(m, -1, dtype=np.int64)
-    inner = np.full(m, -1, dtype=np.int64)
-    outer = np.full(m, -1, dtype=np.int64)
-    path = np.zeros(m, dtype=np.int64)
+    parent = np.full(m, -1, dtype=idx_t)
+    inner = np.full(m, -1, dtype=idx_t)
+    outer = np.full(m, -1, dtype=idx_t)
+    path = np.zeros(m, dtype=idx_t)
     path_parent = [np.array([-1])]
     path_name = [np.array([-1])]
     n_paths = 1
     is_op = kind == KIND_OP
     extends = ~is_op & ~is_step  # annotations and modules extend the path; profiler steps do not
-    by_depth = np.argsort(depth, kind="stable")
+    by_depth = np.argsort(depth, kind="stable").astype(idx_t)
     bounds = np.searchsorted(depth[by_depth], np.arange(depth.max() + 2))
     prev_level = empty
     for d in range(depth.max() + 1):
         lvl = by_depth[bounds[d]:bounds[d + 1]]  # ascending indices at this depth
         if d == 0:
-            par = np.full(len(lvl), -1, dtype=np.int64)
+            par = np.full(len(lvl), -1, dtype=idx_t)
         else:
             k = np.searchsorted(prev_level, lvl) - 1
-            par = np.where(k >= 0, prev_level[np.maximum(k, 0)], -1)
+            par = np.where(k >= 0, prev_level[np.maximum(k, 0)], -1).astype(idx_t, copy=False)
+            del k
             par[(par >= 0) & (group[np.maximum(par, 0)] != group[lvl])] = -1
         parent[lvl] = par
         has = par >= 0
