@@ -115,15 +115,20 @@ def test_lean_analysis_equals_the_wide_reference(path):
     assert any(lean.events[c].dtype != np.int64 for c in INT_ARGS)
     wide = _widened(lean)
     a, b = tracelens.analyze(lean), tracelens.analyze(wide)
-    for name in ("tree", "gpu", "gpu_window", "steps", "timeline", "timeline_all", "step_timeline"):
+    for name in ("gpu", "gpu_window", "steps", "timeline", "timeline_all", "step_timeline"):
         _same(getattr(a, name), getattr(b, name), name)
+    ids = ("correlation", "external_id")  # the tree keeps the events table's types of these: values compared
+    assert all(np.array_equal(a.tree[c].to_numpy(), b.tree[c].to_numpy()) for c in ids)
+    _same(a.tree.drop(columns=list(ids)), b.tree.drop(columns=list(ids)), "tree")
     _same(a.tables(), b.tables(), "tables")
     _same(a.health(), b.health(), "health")
     _same(a.comm_instances(), b.comm_instances(), "comm_instances")
     sa, sb = json.loads(json.dumps(a.summary(), default=str)), json.loads(json.dumps(b.summary(), default=str))
     _same(sa, sb, "summary")
     assert a.gpu.empty or all(a.gpu[c].dtype == np.int64 for c in ("correlation", "stream", "bytes", "device"))
-    assert all(a.tree[c].dtype == np.int64 for c in ("correlation", "external_id"))
+    # the tree keeps the events table's narrow ids, and int32 links / thread ids (every label < 2**31)
+    assert all(a.tree[c].dtype == lean.events[c].dtype for c in ("correlation", "external_id"))
+    assert all(a.tree[c].dtype == np.int32 for c in ("parent", "inner_op", "outer_op", "pid", "tid"))
 
 
 def test_positions_match_get_indexer():

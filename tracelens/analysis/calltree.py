@@ -47,8 +47,10 @@ def host_events(events: pd.DataFrame) -> pd.DataFrame:
     sel = x & (is_op | is_ann | is_rt | is_mod)
     host = events.loc[sel, ["rank", "pid", "tid", "ts", "dur", "name", "cat", "correlation", "external_id",
                             "input_dims", "input_types", "module"]].copy(deep=False)
-    for c in ("correlation", "external_id"):  # narrowed in the events table (trace.narrow_args); int64 in the tree
-        host[c] = host[c].to_numpy().astype(np.int64, copy=False)
+    # correlation / External id as narrow as in the events table (trace.narrow_args); thread ids, only
+    # compared and grouped, in int32 when they fit (memory: the tree has a row per host event)
+    for c in ("pid", "tid"):
+        host[c] = _narrowest_id_type(host[c].to_numpy())
     kind = np.full(len(host), KIND_OP, dtype=np.int8)
     kind[is_ann[sel]] = KIND_ANNOTATION
     kind[is_mod[sel]] = KIND_MODULE
@@ -57,13 +59,22 @@ def host_events(events: pd.DataFrame) -> pd.DataFrame:
     return host
 
 
+def _narrowest_id_type(a: np.ndarray) -> np.ndarray:
+    """a as int32 when every value fits (labels, thread ids), else as it is."""
+    if len(a) == 0 or (int(a.min()) >= -(2**31) and int(a.max()) < 2**31):
+        return a.astype(np.int32, copy=False)
+    return a
+
+
 def build_tree(events: pd.DataFrame) -> pd.DataFrame:
     """Parent/ancestor links of host events by time containment on each (rank, pid, tid).
 
     Columns added: parent (row label of the enclosing event or -1), depth, inner_op / outer_op (row
     labels of the innermost / outermost enclosing cpu op, the event itself when it is an op, -1 if
     none), path (record_function / nn.Module names from the root, joined by '/', profiler steps left
-    out), self_dur (duration minus direct children's durations), is_step, step.
+    out), self_dur (duration minus direct children's durations), is_step, step. Row labels (the index,
+    parent, inner_op, outer_op) are event rows; the three link columns are int32 when every label fits,
+    as are pid and tid; correlation and external_id keep the events table's (narrowed) types.
     """
     host = host_events(events)
     n = len(host)
@@ -71,7 +82,7 @@ def build_tree(events: pd.DataFrame) -> pd.DataFrame:
     if n == 0:
         # the same columns and dtypes as a non-empty tree (path and name categorical), so that
         # attribute_gpu and the summaries take a GPU-only trace like any other
-        for col, dt in (("parent", np.int64), ("depth", np.int32), ("inner_op", np.int64), ("outer_op", np.int64)):
+        for col, dt in (("parent", np.int32), ("depth", np.int32), ("inner_op", np.int32), ("outer_op", np.int32)):
             host[col] = np.empty(0, dtype=dt)
         host["path"] = pd.Categorical([], categories=pd.Index([], dtype=object))
         host["self_dur"] = np.empty(0, dtype=np.int64)
@@ -184,8 +195,10 @@ def build_tree(events: pd.DataFrame) -> pd.DataFrame:
     pos_to_label = labels[order]
     parent_a, inner_a, outer_a = parent, inner, outer
 
+    lab_t = _narrowest_id_type(np.array([labels.min(), labels.max()])).dtype  # event rows: int32 below 2**31
+
     def to_labels(a: np.ndarray) -> np.ndarray:
-        out = np.full(a.size, -1, dtype=np.int64)
+        out = np.full(a.size, -1, dtype=lab_t)
         ok = a >= 0
         out[ok] = pos_to_label[a[ok]]
         return out
