@@ -431,41 +431,50 @@ def _innermost_range_at(group: np.ndarray, ts: np.ndarray, end: np.ndarray, rng_
     """
     if len(rng_pos) == 0 or len(query_pos) == 0:
         return np.full(len(query_pos), -1, dtype=np.int64)
-    r_group = _wide(group[rng_pos])  # (group keys below are products: int64)
-    q_group = _wide(group[query_pos])
     r_ts = ts[rng_pos]
     r_end = np.maximum(end[rng_pos], r_ts)  # a negative duration is a zero-length range
     zero = r_end == r_ts
     q_time = ts[query_pos]
-    d = depth[rng_pos].astype(np.int64)
     t0 = min(int(r_ts.min()), int(q_time.min()))
     span = max(int(r_end.max()), int(q_time.max())) - t0 + 1
-    n_groups = int(max(r_group.max(), q_group.max())) + 1
-    dmax = int(d.max(initial=0)) + 1
+    del q_time
+    n_groups = int(max(group[rng_pos].max(), group[query_pos].max())) + 1
+    dmax = int(depth[rng_pos].max(initial=0)) + 1
     if n_groups * span * dmax < (1 << 62):
         # The last boundary at or before each query decides: the last opening (ranges are in tree order,
         # so by (thread, start)) against the last closing of a non-empty range (sorted by (thread, end),
         # the shallowest last among equal ends). A closing wins only when strictly later; a zero-length
         # range that opened last has closed again, leaving its parent on top.
-        # (temporaries are dropped as soon as they are used: at 2 GB each is ~18 MB)
-        q_key = q_group * span + (q_time - t0)
-        del q_time
-        o_key = r_group * span + (r_ts - t0)
+        # (memory: keys built in place in int64, the threads compared in the caller's narrow array, every
+        # temporary dropped once used: at 8 GB each array of the ranges or the queries is ~70 MB)
+        def key(pos: np.ndarray, t: np.ndarray) -> np.ndarray:  # (thread, t) as one int64
+            k = _wide(group[pos])
+            k *= span
+            k += t
+            k -= t0
+            return k
+
+        q_key = key(query_pos, ts[query_pos])
+        o_key = key(rng_pos, r_ts)
         o_idx = np.searchsorted(o_key, q_key, side="right") - 1
         del o_key
         nz = np.flatnonzero(~zero)
-        c_key = r_group[nz] * span + (r_end[nz] - t0)
-        c_ord = np.argsort(c_key * dmax + (dmax - 1 - d[nz]), kind="stable")
-        del d
+        c_key = key(rng_pos[nz], r_end[nz])
+        s_key = c_key * dmax
+        s_key += dmax - 1
+        s_key -= depth[rng_pos[nz]]
+        c_ord = np.argsort(s_key, kind="stable")
+        del s_key
         c_key, c_rng = c_key[c_ord], nz[c_ord]
         del c_ord, nz
         c_idx = np.searchsorted(c_key, q_key, side="right") - 1  # all -1 when every range is zero-length
         del c_key, q_key
+        q_group = group[query_pos]
         o_ok = o_idx >= 0
-        o_ok[o_ok] = r_group[o_idx[o_ok]] == q_group[o_ok]
+        o_ok[o_ok] = group[rng_pos[o_idx[o_ok]]] == q_group[o_ok]
         c_ok = c_idx >= 0
-        c_ok[c_ok] = r_group[c_rng[c_idx[c_ok]]] == q_group[c_ok]
-        del q_group, r_group
+        c_ok[c_ok] = group[rng_pos[c_rng[c_idx[c_ok]]]] == q_group[c_ok]
+        del q_group
         # c_i is read only where c_ok (a closing exists); with no closing at all it points at range 0
         o_i = np.maximum(o_idx, 0)
         del o_idx
@@ -479,6 +488,7 @@ def _innermost_range_at(group: np.ndarray, ts: np.ndarray, end: np.ndarray, rng_
     # astronomically long traces: all boundaries sorted, thread by thread. Closings of non-empty ranges
     # first, the deepest first; then openings in tree order, a zero-length range closing right after
     # its opening
+    r_group, q_group, d = _wide(group[rng_pos]), _wide(group[query_pos]), depth[rng_pos].astype(np.int64)
     out = np.full(len(query_pos), -1, dtype=np.int64)
     pos2 = 2 * np.arange(len(rng_pos), dtype=np.int64)
     base = dmax
