@@ -129,7 +129,10 @@ def idle_gaps(analysis, syncs: pd.DataFrame | None = None, text_columns: bool = 
         rows.append(pd.DataFrame({"rank": np.full(len(gs), int(r)), "start_ns": gs, "end_ns": ge,
                                   "dur_us": (ge - gs) / US, "cause": text(cause), "next_op": text(ops),
                                   "next_top_op": text(tops)}))
-    return pd.concat(rows, ignore_index=True)[cols] if rows else pd.DataFrame(columns=cols)
+    if not rows:
+        return pd.DataFrame(columns=cols)
+    # (one rank: its frame as it is, already in column order, rather than a concatenated copy of it)
+    return rows[0] if len(rows) == 1 else pd.concat(rows, ignore_index=True)[cols]
 
 
 def idle_summary(gaps: pd.DataFrame, timeline: pd.DataFrame) -> pd.DataFrame:
