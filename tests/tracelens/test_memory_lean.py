@@ -154,3 +154,22 @@ def test_idle_gaps_object_columns_hold_the_same_values():
     assert all(lean[c].dtype == object for c in ("cause", "next_op", "next_top_op"))
     # the gaps end where a GPU event of their rank starts, and each starts no earlier than it ends
     assert (lean["end_ns"] > lean["start_ns"]).all()
+
+
+def test_roofline_owner_grouping_in_chunks_equals_one_groupby(monkeypatch):
+    """roofline groups its owner rows a chunk at a time, then the chunks' groups (bounded memory); the
+    result equals pandas' one-pass groupby of the same rows, whatever the chunk size."""
+    from tracelens.analysis import roofline as R
+
+    seen = []
+    grouped = R._group_owners
+    monkeypatch.setattr(R, "_group_owners", lambda cols, keys: seen.append((cols, keys)) or grouped(cols, keys))
+    tracelens.analyze(tracelens.load(str(EP2_L0), cache=False)).roofline()
+    (cols, keys), = seen
+    assert len(cols["rank"]) > 200
+    one = pd.DataFrame(cols).groupby(keys, sort=False).agg(
+        count=("dur_ns", "size"), kernels=("kernels", "sum"), dur_ns=("dur_ns", "sum")).reset_index()
+    assert one["count"].sum() == len(cols["rank"]) and len(one) < len(cols["rank"])  # groups do merge rows
+    for chunk in (1, 7, 64, 1 << 19):
+        monkeypatch.setattr(R, "_OWNER_CHUNK", chunk)
+        pd.testing.assert_frame_equal(grouped(cols, keys), one, check_exact=True)

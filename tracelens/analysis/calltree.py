@@ -418,6 +418,9 @@ def link_ranges_walk(group, ts, end, kind, name, is_step):
     return a(parent), a(depth), a(inner), a(outer), a(path), a(path_parent), a(path_name)
 
 
+_QUERY_CHUNK = 1 << 20  # runtime calls placed at a time by `_innermost_range_at`
+
+
 def _innermost_range_at(group: np.ndarray, ts: np.ndarray, end: np.ndarray, rng_pos: np.ndarray,
                         parent: np.ndarray, depth: np.ndarray, query_pos: np.ndarray) -> np.ndarray:
     """For each query event (sorted position), the innermost range open at its start on its thread.
@@ -454,10 +457,7 @@ def _innermost_range_at(group: np.ndarray, ts: np.ndarray, end: np.ndarray, rng_
             k -= t0
             return k
 
-        q_key = key(query_pos, ts[query_pos])
         o_key = key(rng_pos, r_ts)
-        o_idx = np.searchsorted(o_key, q_key, side="right") - 1
-        del o_key
         nz = np.flatnonzero(~zero)
         c_key = key(rng_pos[nz], r_end[nz])
         s_key = c_key * dmax
@@ -467,24 +467,28 @@ def _innermost_range_at(group: np.ndarray, ts: np.ndarray, end: np.ndarray, rng_
         del s_key
         c_key, c_rng = c_key[c_ord], nz[c_ord]
         del c_ord, nz
-        c_idx = np.searchsorted(c_key, q_key, side="right") - 1  # all -1 when every range is zero-length
-        del c_key, q_key
-        q_group = group[query_pos]
-        o_ok = o_idx >= 0
-        o_ok[o_ok] = group[rng_pos[o_idx[o_ok]]] == q_group[o_ok]
-        c_ok = c_idx >= 0
-        c_ok[c_ok] = group[rng_pos[c_rng[c_idx[c_ok]]]] == q_group[c_ok]
-        del q_group
-        # c_i is read only where c_ok (a closing exists); with no closing at all it points at range 0
-        o_i = np.maximum(o_idx, 0)
-        del o_idx
-        c_i = c_rng[np.maximum(c_idx, 0)] if len(c_rng) else np.zeros_like(c_idx)
-        del c_idx, c_rng
-        close_wins = c_ok & (~o_ok | (r_end[c_i] > r_ts[o_i]))
-        del c_ok, r_end, r_ts
-        o_top = np.where(zero[o_i], parent[rng_pos[o_i]], rng_pos[o_i])
-        del o_i
-        return np.where(close_wins, parent[rng_pos[c_i]], np.where(o_ok, o_top, -1))
+        # the queries a chunk at a time against the ranges' sorted openings and closings
+        out = np.empty(len(query_pos), dtype=np.int64)
+        for lo in range(0, len(query_pos), _QUERY_CHUNK):
+            qp = query_pos[lo:lo + _QUERY_CHUNK]
+            q_key = key(qp, ts[qp])
+            o_idx = np.searchsorted(o_key, q_key, side="right") - 1
+            c_idx = np.searchsorted(c_key, q_key, side="right") - 1  # all -1 when every range is zero-length
+            del q_key
+            q_group = group[qp]
+            o_ok = o_idx >= 0
+            o_ok[o_ok] = group[rng_pos[o_idx[o_ok]]] == q_group[o_ok]
+            c_ok = c_idx >= 0
+            c_ok[c_ok] = group[rng_pos[c_rng[c_idx[c_ok]]]] == q_group[c_ok]
+            del q_group
+            # c_i is read only where c_ok (a closing exists); with no closing at all it points at range 0
+            o_i = np.maximum(o_idx, 0)
+            c_i = c_rng[np.maximum(c_idx, 0)] if len(c_rng) else np.zeros_like(c_idx)
+            del o_idx, c_idx
+            close_wins = c_ok & (~o_ok | (r_end[c_i] > r_ts[o_i]))
+            o_top = np.where(zero[o_i], parent[rng_pos[o_i]], rng_pos[o_i])
+            out[lo:lo + len(qp)] = np.where(close_wins, parent[rng_pos[c_i]], np.where(o_ok, o_top, -1))
+        return out
     # astronomically long traces: all boundaries sorted, thread by thread. Closings of non-empty ranges
     # first, the deepest first; then openings in tree order, a zero-length range closing right after
     # its opening
