@@ -128,7 +128,7 @@ def test_lean_analysis_equals_the_wide_reference(path):
     assert a.gpu.empty or all(a.gpu[c].dtype == np.int64 for c in ("correlation", "stream", "bytes", "device"))
     # the tree keeps the events table's narrow ids, and int32 links / thread ids (every label < 2**31)
     assert all(a.tree[c].dtype == lean.events[c].dtype for c in ("correlation", "external_id"))
-    assert all(a.tree[c].dtype == np.int32 for c in ("parent", "inner_op", "outer_op", "pid", "tid"))
+    assert all(a.tree[c].dtype == np.int32 for c in ("parent", "inner_op", "outer_op", "pid", "tid", "step"))
 
 
 def test_positions_match_get_indexer():

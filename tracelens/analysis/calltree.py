@@ -74,7 +74,7 @@ def build_tree(events: pd.DataFrame) -> pd.DataFrame:
     none), path (record_function / nn.Module names from the root, joined by '/', profiler steps left
     out), self_dur (duration minus direct children's durations), is_step, step. Row labels (the index,
     parent, inner_op, outer_op) are event rows; the three link columns are int32 when every label fits,
-    as are pid and tid; correlation and external_id keep the events table's (narrowed) types.
+    as are pid, tid and step; correlation and external_id keep the events table's (narrowed) types.
     """
     host = host_events(events)
     n = len(host)
@@ -89,7 +89,7 @@ def build_tree(events: pd.DataFrame) -> pd.DataFrame:
         if not isinstance(host["name"].dtype, pd.CategoricalDtype):
             host["name"] = pd.Categorical(host["name"].astype(object))
         host["is_step"] = np.empty(0, dtype=bool)
-        host["step"] = np.empty(0, dtype=np.int64)
+        host["step"] = np.empty(0, dtype=np.int32)
         return host
     ts = host["ts"].to_numpy()
     dur = host["dur"].to_numpy()
@@ -231,7 +231,7 @@ def build_tree(events: pd.DataFrame) -> pd.DataFrame:
     del path, path_a, inv, order
     out["self_dur"] = np.maximum(self_dur, 0)
     out["is_step"] = is_step
-    out["step"] = np.where(is_step, C.map_strings(names, _step_number, dtype=np.int64), -1)
+    out["step"] = _narrowest_id_type(np.where(is_step, C.map_strings(names, _step_number, dtype=np.int64), -1))
     return out
 
 
@@ -457,7 +457,6 @@ def _innermost_range_at(group: np.ndarray, ts: np.ndarray, end: np.ndarray, rng_
             k -= t0
             return k
 
-        o_key = key(rng_pos, r_ts)
         nz = np.flatnonzero(~zero)
         c_key = key(rng_pos[nz], r_end[nz])
         s_key = c_key * dmax
@@ -465,8 +464,11 @@ def _innermost_range_at(group: np.ndarray, ts: np.ndarray, end: np.ndarray, rng_
         s_key -= depth[rng_pos[nz]]
         c_ord = np.argsort(s_key, kind="stable")
         del s_key
-        c_key, c_rng = c_key[c_ord], nz[c_ord]
-        del c_ord, nz
+        c_rng = nz[c_ord]
+        del nz
+        c_key = c_key[c_ord]
+        del c_ord
+        o_key = key(rng_pos, r_ts)
         # the queries a chunk at a time against the ranges' sorted openings and closings
         out = np.empty(len(query_pos), dtype=np.int64)
         for lo in range(0, len(query_pos), _QUERY_CHUNK):
@@ -635,6 +637,7 @@ def _step_number(name: str) -> int:
 def steps_table(tree: pd.DataFrame) -> pd.DataFrame:
     """Profiler steps per rank: rank, step, start, end (host time of the step annotation)."""
     s = tree.loc[tree["is_step"], ["rank", "step", "ts", "dur"]]
+    s = s.astype({"step": np.int64})  # (int32 in the tree when the numbers fit)
     s = s.assign(end=s["ts"] + s["dur"]).rename(columns={"ts": "start"}).drop(columns="dur")
     return s.sort_values(["rank", "start"]).drop_duplicates(["rank", "step"]).reset_index(drop=True)
 
