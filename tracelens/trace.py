@@ -224,8 +224,6 @@ def load(
     files = discover(paths)
     cache_root = os.fspath(cache_dir) if cache_dir else None
     total_bytes = sum(os.path.getsize(f) for f in files)
-    if total_bytes >= LEAN_MALLOC_BYTES:
-        fix_mmap_threshold()
     jobs = jobs or usable_cpus()
     parsed: list[ParsedTrace] = []
     sizes = {f: os.path.getsize(f) for f in files}
@@ -267,6 +265,8 @@ def load(
     # Arrow's allocator keeps the buffers the conversion to pandas freed (~40% of the events table's size):
     # hand them back, no analysis uses Arrow memory afterwards (1 GB trace: 784 -> 610 MB after the load)
     give_back_memory()
+    if total_bytes >= LEAN_MALLOC_BYTES:  # for the analysis (the load's own peak is the scanner's columns)
+        fix_mmap_threshold()
     trace.run_status = run_status(files)
     if trace.run_status and trace.run_status["warning"]:
         trace.warnings.insert(0, trace.run_status["warning"])
@@ -285,8 +285,9 @@ def fix_mmap_threshold() -> None:
     pages of freed arrays that lie below a live one: after `analyze` of an 8 GB trace 337 MB of RSS were
     such pages (`malloc_trim` handed them back), 184 MB at 2 GB. With the threshold fixed every array
     over 128 KiB is its own mapping, returned when freed. Costs one mmap / munmap and fresh page faults
-    per array (2 GB trace: within this machine's noise, 12.3 vs 12.7 s). `load` calls it for inputs of
-    LEAN_MALLOC_BYTES or more, so smaller analyses keep glibc's default."""
+    per array. `load` calls it at its end for inputs of LEAN_MALLOC_BYTES or more (the load's own peak is
+    the scanner's columns, and the scan was measured slower with it), so smaller analyses keep glibc's
+    default."""
     global _mmap_threshold_fixed
     if _mmap_threshold_fixed or not sys.platform.startswith("linux"):
         return
