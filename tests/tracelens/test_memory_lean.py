@@ -115,15 +115,20 @@ def test_lean_analysis_equals_the_wide_reference(path):
     assert any(lean.events[c].dtype != np.int64 for c in INT_ARGS)
     wide = _widened(lean)
     a, b = tracelens.analyze(lean), tracelens.analyze(wide)
-    for name in ("tree", "gpu", "gpu_window", "steps", "timeline", "timeline_all", "step_timeline"):
+    for name in ("gpu", "gpu_window", "steps", "timeline", "timeline_all", "step_timeline"):
         _same(getattr(a, name), getattr(b, name), name)
+    ids = ("correlation", "external_id")  # the tree keeps the events table's types of these: values compared
+    assert all(np.array_equal(a.tree[c].to_numpy(), b.tree[c].to_numpy()) for c in ids)
+    _same(a.tree.drop(columns=list(ids)), b.tree.drop(columns=list(ids)), "tree")
     _same(a.tables(), b.tables(), "tables")
     _same(a.health(), b.health(), "health")
     _same(a.comm_instances(), b.comm_instances(), "comm_instances")
     sa, sb = json.loads(json.dumps(a.summary(), default=str)), json.loads(json.dumps(b.summary(), default=str))
     _same(sa, sb, "summary")
     assert a.gpu.empty or all(a.gpu[c].dtype == np.int64 for c in ("correlation", "stream", "bytes", "device"))
-    assert all(a.tree[c].dtype == np.int64 for c in ("correlation", "external_id"))
+    # the tree keeps the events table's narrow ids, and int32 links / thread ids (every label < 2**31)
+    assert all(a.tree[c].dtype == lean.events[c].dtype for c in ("correlation", "external_id"))
+    assert all(a.tree[c].dtype == np.int32 for c in ("parent", "inner_op", "outer_op", "pid", "tid", "step"))
 
 
 def test_positions_match_get_indexer():
@@ -149,3 +154,22 @@ def test_idle_gaps_object_columns_hold_the_same_values():
     assert all(lean[c].dtype == object for c in ("cause", "next_op", "next_top_op"))
     # the gaps end where a GPU event of their rank starts, and each starts no earlier than it ends
     assert (lean["end_ns"] > lean["start_ns"]).all()
+
+
+def test_roofline_owner_grouping_in_chunks_equals_one_groupby(monkeypatch):
+    """roofline groups its owner rows a chunk at a time, then the chunks' groups (bounded memory); the
+    result equals pandas' one-pass groupby of the same rows, whatever the chunk size."""
+    from tracelens.analysis import roofline as R
+
+    seen = []
+    grouped = R._group_owners
+    monkeypatch.setattr(R, "_group_owners", lambda cols, keys: seen.append((cols, keys)) or grouped(cols, keys))
+    tracelens.analyze(tracelens.load(str(EP2_L0), cache=False)).roofline()
+    (cols, keys), = seen
+    assert len(cols["rank"]) > 200
+    one = pd.DataFrame(cols).groupby(keys, sort=False).agg(
+        count=("dur_ns", "size"), kernels=("kernels", "sum"), dur_ns=("dur_ns", "sum")).reset_index()
+    assert one["count"].sum() == len(cols["rank"]) and len(one) < len(cols["rank"])  # groups do merge rows
+    for chunk in (1, 7, 64, 1 << 19):
+        monkeypatch.setattr(R, "_OWNER_CHUNK", chunk)
+        pd.testing.assert_frame_equal(grouped(cols, keys), one, check_exact=True)

@@ -47,8 +47,10 @@ def host_events(events: pd.DataFrame) -> pd.DataFrame:
     sel = x & (is_op | is_ann | is_rt | is_mod)
     host = events.loc[sel, ["rank", "pid", "tid", "ts", "dur", "name", "cat", "correlation", "external_id",
                             "input_dims", "input_types", "module"]].copy(deep=False)
-    for c in ("correlation", "external_id"):  # narrowed in the events table (trace.narrow_args); int64 in the tree
-        host[c] = host[c].to_numpy().astype(np.int64, copy=False)
+    # correlation / External id as narrow as in the events table (trace.narrow_args); thread ids, only
+    # compared and grouped, in int32 when they fit (memory: the tree has a row per host event)
+    for c in ("pid", "tid"):
+        host[c] = _narrowest_id_type(host[c].to_numpy())
     kind = np.full(len(host), KIND_OP, dtype=np.int8)
     kind[is_ann[sel]] = KIND_ANNOTATION
     kind[is_mod[sel]] = KIND_MODULE
@@ -57,13 +59,22 @@ def host_events(events: pd.DataFrame) -> pd.DataFrame:
     return host
 
 
+def _narrowest_id_type(a: np.ndarray) -> np.ndarray:
+    """a as int32 when every value fits (labels, thread ids), else as it is."""
+    if len(a) == 0 or (int(a.min()) >= -(2**31) and int(a.max()) < 2**31):
+        return a.astype(np.int32, copy=False)
+    return a
+
+
 def build_tree(events: pd.DataFrame) -> pd.DataFrame:
     """Parent/ancestor links of host events by time containment on each (rank, pid, tid).
 
     Columns added: parent (row label of the enclosing event or -1), depth, inner_op / outer_op (row
     labels of the innermost / outermost enclosing cpu op, the event itself when it is an op, -1 if
     none), path (record_function / nn.Module names from the root, joined by '/', profiler steps left
-    out), self_dur (duration minus direct children's durations), is_step, step.
+    out), self_dur (duration minus direct children's durations), is_step, step. Row labels (the index,
+    parent, inner_op, outer_op) are event rows; the three link columns are int32 when every label fits,
+    as are pid, tid and step; correlation and external_id keep the events table's (narrowed) types.
     """
     host = host_events(events)
     n = len(host)
@@ -71,21 +82,21 @@ def build_tree(events: pd.DataFrame) -> pd.DataFrame:
     if n == 0:
         # the same columns and dtypes as a non-empty tree (path and name categorical), so that
         # attribute_gpu and the summaries take a GPU-only trace like any other
-        for col, dt in (("parent", np.int64), ("depth", np.int32), ("inner_op", np.int64), ("outer_op", np.int64)):
+        for col, dt in (("parent", np.int32), ("depth", np.int32), ("inner_op", np.int32), ("outer_op", np.int32)):
             host[col] = np.empty(0, dtype=dt)
         host["path"] = pd.Categorical([], categories=pd.Index([], dtype=object))
         host["self_dur"] = np.empty(0, dtype=np.int64)
         if not isinstance(host["name"].dtype, pd.CategoricalDtype):
             host["name"] = pd.Categorical(host["name"].astype(object))
         host["is_step"] = np.empty(0, dtype=bool)
-        host["step"] = np.empty(0, dtype=np.int64)
+        host["step"] = np.empty(0, dtype=np.int32)
         return host
     ts = host["ts"].to_numpy()
     dur = host["dur"].to_numpy()
     end = ts + dur
     kind = host["kind"].to_numpy()
     names = host["name"]
-    name_codes = names.cat.codes.to_numpy().astype(np.int64)
+    name_codes = names.cat.codes.to_numpy()  # (int16 / int32, as the categorical keeps them)
     name_uniques = list(names.cat.categories.astype(str)) + [""]  # code -1 -> ""
     is_step = (C.map_strings(names, _step_number, dtype=np.int64) >= 0) & (kind == KIND_ANNOTATION)  # numbers: at the end
     rank_a, pid_a, tid_a = (host[c].to_numpy() for c in ("rank", "pid", "tid"))
@@ -94,23 +105,27 @@ def build_tree(events: pd.DataFrame) -> pd.DataFrame:
     # then the one entered first (smaller External id: identical intervals of a parent and its child)
     # (memory: a 2 GB trace has millions of host rows, 8 bytes x rows per temporary array; the ones no
     # longer needed are dropped as the function goes, and sorted copies are made once and shared)
+    # positions (sorted and original) in int32 below 2**31 host events: half the bytes of every position
+    # array; the keys built from thread ids are made in int64 (`_wide`)
+    pos_t = np.int32 if n < 2**31 else np.int64
     order = np.lexsort((kind, -dur, ts, tid_a, pid_a, rank_a))
     if _tied_out_of_order(order, ts, dur, kind, ext_a):  # rare: sort again with the External id as the last key
         order = np.lexsort((ext_a, kind, -dur, ts, tid_a, pid_a, rank_a))
+    order = order.astype(pos_t)
     new_group = np.zeros(n, dtype=bool)
     new_group[0] = True
     for a in (rank_a, pid_a, tid_a):
         so = a[order]
         new_group[1:] |= so[1:] != so[:-1]
     del so
-    o_group = np.cumsum(new_group)  # the thread of each sorted position
+    o_group = np.cumsum(new_group, dtype=pos_t)  # the thread of each sorted position (from 1)
     del new_group
 
     # Ranges (ops, annotations, modules) get their parents from a stack walk in Python; runtime calls,
     # ~half of all host events and always leaves, are placed afterwards with a vectorized lookup of
     # "which range was innermost at this instant" (the stack top as a step function of time).
     o_kind_a = kind[order]
-    rng_pos = np.flatnonzero(o_kind_a != KIND_RUNTIME)  # sorted positions of ranges
+    rng_pos = np.flatnonzero(o_kind_a != KIND_RUNTIME).astype(pos_t)  # sorted positions of ranges
     o_ts, o_end = ts[order], end[order]
     del end
     r_parent, r_depth, r_inner, r_outer, r_path, path_parent, path_name = link_ranges(
@@ -122,20 +137,20 @@ def build_tree(events: pd.DataFrame) -> pd.DataFrame:
     # back to all sorted positions: ranges' links are range indices -> sorted positions
     def spread(vals: np.ndarray, is_index: bool, dtype=np.int64) -> np.ndarray:
         out = np.full(n, -1 if is_index else 0, dtype=dtype)
-        v = np.asarray(vals, dtype=np.int64)
+        v = vals
         if is_index:
             ok = v >= 0
             v = np.where(ok, rng_pos[np.where(ok, v, 0)], -1)
         out[rng_pos] = v
         return out
 
-    parent_s = spread(r_parent, True)
+    parent_s = spread(r_parent, True, pos_t)
     depth_s = spread(r_depth, False, np.int32)  # depths and path ids are small: half the bytes
-    inner_s = spread(r_inner, True)
-    outer_s = spread(r_outer, True)
+    inner_s = spread(r_inner, True, pos_t)
+    outer_s = spread(r_outer, True, pos_t)
     path_s = spread(r_path, False, np.int32)
     del r_parent, r_depth, r_inner, r_outer, r_path
-    rt_pos = np.flatnonzero(o_kind_a == KIND_RUNTIME)
+    rt_pos = np.flatnonzero(o_kind_a == KIND_RUNTIME).astype(pos_t)
     launcher = None
     if len(rt_pos):
         top = _innermost_range_at(o_group, o_ts, o_end, rng_pos, parent_s, depth_s, rt_pos)
@@ -152,13 +167,14 @@ def build_tree(events: pd.DataFrame) -> pd.DataFrame:
             launcher = np.where(has, inner_s[safe], -1)
         else:  # some range outlasts its parent: search the ops alone
             op_pos = np.flatnonzero(o_kind_a == KIND_OP)  # sorted by (thread, ts, -end, External id, row)
-            k = innermost_op_at(o_group[op_pos], o_ts[op_pos], o_end[op_pos], o_group[rt_pos], o_ts[rt_pos])
+            k = innermost_op_at(_wide(o_group[op_pos]), o_ts[op_pos], o_end[op_pos], _wide(o_group[rt_pos]),
+                                o_ts[rt_pos])
             launcher = np.where(k >= 0, op_pos[np.maximum(k, 0)], -1)
             del op_pos, k
         del top, has, safe, r_par
     del o_group, o_ts, o_end, rng_pos, o_kind_a  # (before the External-id lookup below: the peak of build_tree)
-    inv = np.empty(n, dtype=np.int64)  # original position -> sorted position
-    inv[order] = np.arange(n)
+    inv = np.empty(n, dtype=pos_t)  # original position -> sorted position
+    inv[order] = np.arange(n, dtype=pos_t)
     if launcher is not None:
         # (in original order, so no sorted copy of rank / External id / labels is made; -> sorted positions)
         rt_orig = order[rt_pos]
@@ -179,8 +195,10 @@ def build_tree(events: pd.DataFrame) -> pd.DataFrame:
     pos_to_label = labels[order]
     parent_a, inner_a, outer_a = parent, inner, outer
 
+    lab_t = _narrowest_id_type(np.array([labels.min(), labels.max()])).dtype  # event rows: int32 below 2**31
+
     def to_labels(a: np.ndarray) -> np.ndarray:
-        out = np.full(a.size, -1, dtype=np.int64)
+        out = np.full(a.size, -1, dtype=lab_t)
         ok = a >= 0
         out[ok] = pos_to_label[a[ok]]
         return out
@@ -201,20 +219,25 @@ def build_tree(events: pd.DataFrame) -> pd.DataFrame:
     has = par_pos >= 0
     np.subtract.at(self_dur, order[par_pos[has]], dur[has])  # order: sorted -> original position
     del par_pos, has
-    out["parent"] = to_labels(parent_a)[inv]
+    out["parent"] = to_labels(parent_a[inv])  # (permuted first: one int64 array of the tree's length)
     del parent, parent_a
     out["depth"] = depth.astype(np.int32)[inv]
     del depth
-    out["inner_op"] = to_labels(inner_a)[inv]
+    out["inner_op"] = to_labels(inner_a[inv])
     del inner, inner_a
-    out["outer_op"] = to_labels(outer_a)[inv]
+    out["outer_op"] = to_labels(outer_a[inv])
     del outer, outer_a, pos_to_label
     out["path"] = _path_categorical(path_str, path_a[inv])
     del path, path_a, inv, order
     out["self_dur"] = np.maximum(self_dur, 0)
     out["is_step"] = is_step
-    out["step"] = np.where(is_step, C.map_strings(names, _step_number, dtype=np.int64), -1)
+    out["step"] = _narrowest_id_type(np.where(is_step, C.map_strings(names, _step_number, dtype=np.int64), -1))
     return out
+
+
+def _wide(a: np.ndarray) -> np.ndarray:
+    """a as int64 (thread numbers enter keys like group * span + t, which overflow in int32)."""
+    return a.astype(np.int64, copy=False)
 
 
 def _tied_out_of_order(order: np.ndarray, ts: np.ndarray, dur: np.ndarray, kind: np.ndarray,
@@ -252,6 +275,7 @@ def _range_depth(group: np.ndarray, ts: np.ndarray, end: np.ndarray) -> np.ndarr
     (Memory: one array of the ranges' size at a time beside the result where possible; a 2 GB trace has
     ~2.3M ranges, 18 MB per int64 array.)"""
     m = len(ts)
+    group = _wide(group)  # (keys below are group * span + t)
     # ranges of the same thread whose end <= ts_i (ended before i started), counted by searching
     # (group, end) pairs; keys are made from times relative to the trace start. depth = (i - first index
     # of its thread) - (ranges of its thread ended by ts_i) = i - (ranges ended by ts_i, all threads before)
@@ -305,27 +329,31 @@ def link_ranges(group, ts, end, kind, name, is_step):
     empty = np.empty(0, np.int64)
     if m == 0:
         return empty, empty, empty, empty, empty, np.array([-1]), np.array([-1])
-    depth = _range_depth(group, ts, end)  # (a function of its own: its temporaries go when it returns)
+    # (a function of its own: its temporaries go when it returns) links, depths and path ids in int32
+    # below 2**31 ranges: half the bytes (an 8 GB trace has ~9M ranges)
+    idx_t = np.int32 if m < 2**31 else np.int64
+    depth = _range_depth(group, ts, end).astype(idx_t)
 
-    parent = np.full(m, -1, dtype=np.int64)
-    inner = np.full(m, -1, dtype=np.int64)
-    outer = np.full(m, -1, dtype=np.int64)
-    path = np.zeros(m, dtype=np.int64)
+    parent = np.full(m, -1, dtype=idx_t)
+    inner = np.full(m, -1, dtype=idx_t)
+    outer = np.full(m, -1, dtype=idx_t)
+    path = np.zeros(m, dtype=idx_t)
     path_parent = [np.array([-1])]
     path_name = [np.array([-1])]
     n_paths = 1
     is_op = kind == KIND_OP
     extends = ~is_op & ~is_step  # annotations and modules extend the path; profiler steps do not
-    by_depth = np.argsort(depth, kind="stable")
+    by_depth = np.argsort(depth, kind="stable").astype(idx_t)
     bounds = np.searchsorted(depth[by_depth], np.arange(depth.max() + 2))
     prev_level = empty
     for d in range(depth.max() + 1):
         lvl = by_depth[bounds[d]:bounds[d + 1]]  # ascending indices at this depth
         if d == 0:
-            par = np.full(len(lvl), -1, dtype=np.int64)
+            par = np.full(len(lvl), -1, dtype=idx_t)
         else:
             k = np.searchsorted(prev_level, lvl) - 1
-            par = np.where(k >= 0, prev_level[np.maximum(k, 0)], -1)
+            par = np.where(k >= 0, prev_level[np.maximum(k, 0)], -1).astype(idx_t, copy=False)
+            del k
             par[(par >= 0) & (group[np.maximum(par, 0)] != group[lvl])] = -1
         parent[lvl] = par
         has = par >= 0
@@ -390,6 +418,9 @@ def link_ranges_walk(group, ts, end, kind, name, is_step):
     return a(parent), a(depth), a(inner), a(outer), a(path), a(path_parent), a(path_name)
 
 
+_QUERY_CHUNK = 1 << 20  # runtime calls placed at a time by `_innermost_range_at`
+
+
 def _innermost_range_at(group: np.ndarray, ts: np.ndarray, end: np.ndarray, rng_pos: np.ndarray,
                         parent: np.ndarray, depth: np.ndarray, query_pos: np.ndarray) -> np.ndarray:
     """For each query event (sorted position), the innermost range open at its start on its thread.
@@ -403,54 +434,67 @@ def _innermost_range_at(group: np.ndarray, ts: np.ndarray, end: np.ndarray, rng_
     """
     if len(rng_pos) == 0 or len(query_pos) == 0:
         return np.full(len(query_pos), -1, dtype=np.int64)
-    r_group = group[rng_pos]
-    q_group = group[query_pos]
     r_ts = ts[rng_pos]
     r_end = np.maximum(end[rng_pos], r_ts)  # a negative duration is a zero-length range
     zero = r_end == r_ts
     q_time = ts[query_pos]
-    d = depth[rng_pos].astype(np.int64)
     t0 = min(int(r_ts.min()), int(q_time.min()))
     span = max(int(r_end.max()), int(q_time.max())) - t0 + 1
-    n_groups = int(max(r_group.max(), q_group.max())) + 1
-    dmax = int(d.max(initial=0)) + 1
+    del q_time
+    n_groups = int(max(group[rng_pos].max(), group[query_pos].max())) + 1
+    dmax = int(depth[rng_pos].max(initial=0)) + 1
     if n_groups * span * dmax < (1 << 62):
         # The last boundary at or before each query decides: the last opening (ranges are in tree order,
         # so by (thread, start)) against the last closing of a non-empty range (sorted by (thread, end),
         # the shallowest last among equal ends). A closing wins only when strictly later; a zero-length
         # range that opened last has closed again, leaving its parent on top.
-        # (temporaries are dropped as soon as they are used: at 2 GB each is ~18 MB)
-        q_key = q_group * span + (q_time - t0)
-        del q_time
-        o_key = r_group * span + (r_ts - t0)
-        o_idx = np.searchsorted(o_key, q_key, side="right") - 1
-        del o_key
+        # (memory: keys built in place in int64, the threads compared in the caller's narrow array, every
+        # temporary dropped once used: at 8 GB each array of the ranges or the queries is ~70 MB)
+        def key(pos: np.ndarray, t: np.ndarray) -> np.ndarray:  # (thread, t) as one int64
+            k = _wide(group[pos])
+            k *= span
+            k += t
+            k -= t0
+            return k
+
         nz = np.flatnonzero(~zero)
-        c_key = r_group[nz] * span + (r_end[nz] - t0)
-        c_ord = np.argsort(c_key * dmax + (dmax - 1 - d[nz]), kind="stable")
-        del d
-        c_key, c_rng = c_key[c_ord], nz[c_ord]
-        del c_ord, nz
-        c_idx = np.searchsorted(c_key, q_key, side="right") - 1  # all -1 when every range is zero-length
-        del c_key, q_key
-        o_ok = o_idx >= 0
-        o_ok[o_ok] = r_group[o_idx[o_ok]] == q_group[o_ok]
-        c_ok = c_idx >= 0
-        c_ok[c_ok] = r_group[c_rng[c_idx[c_ok]]] == q_group[c_ok]
-        del q_group, r_group
-        # c_i is read only where c_ok (a closing exists); with no closing at all it points at range 0
-        o_i = np.maximum(o_idx, 0)
-        del o_idx
-        c_i = c_rng[np.maximum(c_idx, 0)] if len(c_rng) else np.zeros_like(c_idx)
-        del c_idx, c_rng
-        close_wins = c_ok & (~o_ok | (r_end[c_i] > r_ts[o_i]))
-        del c_ok, r_end, r_ts
-        o_top = np.where(zero[o_i], parent[rng_pos[o_i]], rng_pos[o_i])
-        del o_i
-        return np.where(close_wins, parent[rng_pos[c_i]], np.where(o_ok, o_top, -1))
+        c_key = key(rng_pos[nz], r_end[nz])
+        s_key = c_key * dmax
+        s_key += dmax - 1
+        s_key -= depth[rng_pos[nz]]
+        c_ord = np.argsort(s_key, kind="stable")
+        del s_key
+        c_rng = nz[c_ord]
+        del nz
+        c_key = c_key[c_ord]
+        del c_ord
+        o_key = key(rng_pos, r_ts)
+        # the queries a chunk at a time against the ranges' sorted openings and closings
+        out = np.empty(len(query_pos), dtype=np.int64)
+        for lo in range(0, len(query_pos), _QUERY_CHUNK):
+            qp = query_pos[lo:lo + _QUERY_CHUNK]
+            q_key = key(qp, ts[qp])
+            o_idx = np.searchsorted(o_key, q_key, side="right") - 1
+            c_idx = np.searchsorted(c_key, q_key, side="right") - 1  # all -1 when every range is zero-length
+            del q_key
+            q_group = group[qp]
+            o_ok = o_idx >= 0
+            o_ok[o_ok] = group[rng_pos[o_idx[o_ok]]] == q_group[o_ok]
+            c_ok = c_idx >= 0
+            c_ok[c_ok] = group[rng_pos[c_rng[c_idx[c_ok]]]] == q_group[c_ok]
+            del q_group
+            # c_i is read only where c_ok (a closing exists); with no closing at all it points at range 0
+            o_i = np.maximum(o_idx, 0)
+            c_i = c_rng[np.maximum(c_idx, 0)] if len(c_rng) else np.zeros_like(c_idx)
+            del o_idx, c_idx
+            close_wins = c_ok & (~o_ok | (r_end[c_i] > r_ts[o_i]))
+            o_top = np.where(zero[o_i], parent[rng_pos[o_i]], rng_pos[o_i])
+            out[lo:lo + len(qp)] = np.where(close_wins, parent[rng_pos[c_i]], np.where(o_ok, o_top, -1))
+        return out
     # astronomically long traces: all boundaries sorted, thread by thread. Closings of non-empty ranges
     # first, the deepest first; then openings in tree order, a zero-length range closing right after
     # its opening
+    r_group, q_group, d = _wide(group[rng_pos]), _wide(group[query_pos]), depth[rng_pos].astype(np.int64)
     out = np.full(len(query_pos), -1, dtype=np.int64)
     pos2 = 2 * np.arange(len(rng_pos), dtype=np.int64)
     base = dmax
@@ -593,6 +637,7 @@ def _step_number(name: str) -> int:
 def steps_table(tree: pd.DataFrame) -> pd.DataFrame:
     """Profiler steps per rank: rank, step, start, end (host time of the step annotation)."""
     s = tree.loc[tree["is_step"], ["rank", "step", "ts", "dur"]]
+    s = s.astype({"step": np.int64})  # (int32 in the tree when the numbers fit)
     s = s.assign(end=s["ts"] + s["dur"]).rename(columns={"ts": "start"}).drop(columns="dur")
     return s.sort_values(["rank", "start"]).drop_duplicates(["rank", "step"]).reset_index(drop=True)
 

@@ -302,36 +302,46 @@ def _linking(analysis, add) -> None:
                 "(no matching correlation / External id)", "ops table, roofline and per-op categories for that time "
                 "(it is counted in the timeline but credited to no op)", events=n, us=us, of_events=len(sub))
     # launches whose GPU activity is absent: dropped by the profiler, or cut by the window's end
+    # (the four columns read at the launches' rows, not a copy of the runtime rows of the whole tree)
     tree = analysis.tree
-    rt = tree[(tree["kind"].to_numpy() == 3) & (tree["correlation"].to_numpy() >= 0)]
-    if rt.empty:
+    t_corr = tree["correlation"].to_numpy()
+    sel = (tree["kind"].to_numpy() == 3) & (t_corr >= 0)
+    if not sel.any():
         return
-    is_launch = C.map_strings(rt["name"], lambda s: bool(_LAUNCH_RE.search(s)))
-    rt = rt[is_launch]
-    def key(frame):
-        return (frame["rank"].to_numpy().astype(np.int64) << 44) ^ frame["correlation"].to_numpy().astype(np.int64)
+    sel &= C.map_strings(tree["name"], lambda s: bool(_LAUNCH_RE.search(s)))
+    rows = np.flatnonzero(sel)
+    del sel
+    rt_rank = tree["rank"].to_numpy()[rows]
 
-    gkeys = key(g[g["correlation"].to_numpy() >= 0])
-    absent = ~np.isin(key(rt), gkeys)
-    for rank, sub in rt.groupby("rank"):
+    def key(rank, corr):
+        return (rank.astype(np.int64) << 44) ^ corr.astype(np.int64)
+
+    g_corr = g["correlation"].to_numpy()
+    gkeys = key(g["rank"].to_numpy()[g_corr >= 0], g_corr[g_corr >= 0])
+    absent = ~np.isin(key(rt_rank, t_corr[rows]), gkeys)
+    del gkeys
+    t_ts = tree["ts"].to_numpy()
+    for rank in np.unique(rt_rank).tolist():
         gr = g[g["rank"].to_numpy() == rank]
         if gr.empty:
             continue
-        miss = absent[rt["rank"].to_numpy() == rank]
+        of_rank = rt_rank == rank
+        miss = absent[of_rank]
         if not miss.any():
             continue
+        launches = int(of_rank.sum())
         last_launch = int(gr["launch_ts"].max()) if (gr["launch_ts"] >= 0).any() else int(gr["ts"].max())
-        tail = sub["ts"].to_numpy()[miss] > last_launch  # after the last launch that did reach the GPU
+        tail = t_ts[rows[of_rank]][miss] > last_launch  # after the last launch that did reach the GPU
         n_tail, n_mid = int(tail.sum()), int((~tail).sum())
         if n_mid:
-            add("dropped_gpu_events", "warning", [rank], f"rank {rank}: {n_mid} of {len(sub)} kernel launches "
+            add("dropped_gpu_events", "warning", [rank], f"rank {rank}: {n_mid} of {launches} kernel launches "
                 "have no GPU activity in the trace although later launches do (dropped by the profiler, e.g. a full "
                 "CUPTI buffer)", "GPU busy time, per-op GPU time and category totals (undercounted)",
-                launches=len(sub), missing=n_mid)
+                launches=launches, missing=n_mid)
         if n_tail:
             add("dropped_gpu_events", "info", [rank], f"rank {rank}: the last {n_tail} launch(es) have no GPU activity: "
                 "the profiler stopped before they ran", "the last step's GPU figures (partial)",
-                launches=len(sub), missing_at_end=n_tail)
+                launches=launches, missing_at_end=n_tail)
 
 
 def _shapes_and_stacks(analysis, add) -> None:

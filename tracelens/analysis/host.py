@@ -129,7 +129,10 @@ def idle_gaps(analysis, syncs: pd.DataFrame | None = None, text_columns: bool = 
         rows.append(pd.DataFrame({"rank": np.full(len(gs), int(r)), "start_ns": gs, "end_ns": ge,
                                   "dur_us": (ge - gs) / US, "cause": text(cause), "next_op": text(ops),
                                   "next_top_op": text(tops)}))
-    return pd.concat(rows, ignore_index=True)[cols] if rows else pd.DataFrame(columns=cols)
+    if not rows:
+        return pd.DataFrame(columns=cols)
+    # (one rank: its frame as it is, already in column order, rather than a concatenated copy of it)
+    return rows[0] if len(rows) == 1 else pd.concat(rows, ignore_index=True)[cols]
 
 
 def idle_summary(gaps: pd.DataFrame, timeline: pd.DataFrame) -> pd.DataFrame:
@@ -146,16 +149,23 @@ def launch_stats(analysis, small_us: float = SMALL_KERNEL_US) -> pd.DataFrame:
     """Per rank: kernels, launch latency percentiles, small-kernel count and shares."""
     cols = ["rank", "kernels", "launch_p50_us", "launch_p90_us", "small_kernels", "small_share",
             "small_time_share"]
-    k = analysis.gpu.loc[analysis.gpu["kind"] == "kernel", ["rank", "ts", "dur", "launch_ts"]]
+    g = analysis.gpu
+    is_kernel = (g["kind"] == "kernel").to_numpy()
+    rank_all = g["rank"].to_numpy()
     rows = []
-    for r, kr in k.groupby("rank"):
-        lat = (kr["ts"] - kr["launch_ts"])[kr["launch_ts"] >= 0] / US
-        small = kr["dur"] < small_us * US
-        rows.append({"rank": int(r), "kernels": len(kr),
+    for r in np.unique(rank_all[is_kernel]).tolist():  # each rank's kernels by position: no copy of the table
+        at = np.flatnonzero(is_kernel & (rank_all == r))
+        launch = g["launch_ts"].to_numpy()[at]
+        linked = launch >= 0
+        lat = pd.Series((g["ts"].to_numpy()[at][linked] - launch[linked]) / US)
+        del launch, linked
+        dur = g["dur"].to_numpy()[at]
+        small = dur < small_us * US
+        rows.append({"rank": int(r), "kernels": len(at),
                      "launch_p50_us": float(lat.median()) if len(lat) else np.nan,
                      "launch_p90_us": float(lat.quantile(0.9)) if len(lat) else np.nan,
                      "small_kernels": int(small.sum()), "small_share": float(small.mean()),
-                     "small_time_share": float(kr["dur"][small].sum() / max(1, kr["dur"].sum()))})
+                     "small_time_share": float(dur[small].sum() / max(1, dur.sum()))})
     return pd.DataFrame(rows, columns=cols)
 
 

@@ -23,37 +23,72 @@ def _in(tree: pd.DataFrame, host_mask) -> np.ndarray:
     return np.ones(len(tree), dtype=bool) if host_mask is None else np.asarray(host_mask, dtype=bool)
 
 
+_CHUNK = 1 << 20  # tree rows per step of ops_summary (its temporaries scale with this, not with the trace)
+
+
 def ops_summary(tree: pd.DataFrame, gpu: pd.DataFrame, busy_ns: float, host_mask=None) -> pd.DataFrame:
     """By (op name, input shapes): instances, CPU inclusive/self time, GPU time, kernels, % of busy."""
-    ops = tree.loc[(tree["kind"].to_numpy() == KIND_OP) & _in(tree, host_mask), ["name", "input_dims", "dur", "self_dur"]]
-    if ops.empty:
+    sel = (tree["kind"].to_numpy() == KIND_OP) & _in(tree, host_mask)
+    if not sel.any():
         return pd.DataFrame(columns=["op", "input_dims", "count", "cpu_total_us", "cpu_self_us", "gpu_total_us",
                                      "gpu_mean_us", "kernels", "pct_gpu_busy"])
-    gpu_ns, nk = _per_row(gpu, "op_row", ops.index.to_numpy())
-    op_c = ops["name"].cat.codes.to_numpy()
-    dims_c = ops["input_dims"].cat.codes.to_numpy()
-    # groups in order of first appearance (as groupby(sort=False)), sums by bincount; the key built in place
-    key = op_c.astype(np.int64)
-    key *= len(ops["input_dims"].cat.categories) + 1
-    key += dims_c
-    key += 1
-    grp, first = pd.factorize(key, sort=False)
-    del key
-    n = len(first)
-    starts = np.full(n, len(grp), dtype=np.int64)
-    np.minimum.at(starts, grp, np.arange(len(grp)))
-    count = np.bincount(grp, minlength=n)
-    gpu_sum = np.bincount(grp, weights=gpu_ns, minlength=n)
+    name_c = tree["name"].cat.codes.to_numpy()
+    dims_c = tree["input_dims"].cat.codes.to_numpy()
+    width = len(tree["input_dims"].cat.categories) + 1
+    dur, self_dur = tree["dur"].to_numpy(), tree["self_dur"].to_numpy()
+
+    def keys(rows) -> np.ndarray:  # (name code, dims code) as one int64: name * width + dims + 1 (codes from -1)
+        k = name_c[rows].astype(np.int64)
+        k *= width
+        k += dims_c[rows]
+        k += 1
+        return k
+
+    # groups in order of first appearance (as groupby(sort=False)), summed chunk by chunk of the tree so
+    # that no temporary spans every op (a 8 GB trace has ~9M); durations are integers, so the float sums
+    # are exact and do not depend on the order they are added in
+    group_of: dict[int, int] = {}
+    count = np.zeros(0, dtype=np.int64)
+    cpu = np.zeros(0)
+    cpu_self = np.zeros(0)
+    for lo in range(0, len(sel), _CHUNK):
+        m = np.flatnonzero(sel[lo:lo + _CHUNK])
+        if len(m) == 0:
+            continue
+        m += lo
+        uniq, first, inv = np.unique(keys(m), return_index=True, return_inverse=True)
+        for j in np.argsort(first, kind="stable").tolist():
+            group_of.setdefault(int(uniq[j]), len(group_of))
+        g = np.fromiter((group_of[k] for k in uniq.tolist()), dtype=np.int64, count=len(uniq))[inv]
+        del inv
+        n = len(group_of)
+        count = np.pad(count, (0, n - len(count))) + np.bincount(g, minlength=n)
+        cpu = np.pad(cpu, (0, n - len(cpu))) + np.bincount(g, weights=dur[m], minlength=n)
+        cpu_self = np.pad(cpu_self, (0, n - len(cpu_self))) + np.bincount(g, weights=self_dur[m], minlength=n)
+        del g, m
+    n = len(group_of)
+    group_keys = np.fromiter(group_of, dtype=np.int64, count=n)  # in group order (dict order)
+    # GPU time and kernels per group: the GPU events whose op_row is a selected op
+    lab = gpu["op_row"].to_numpy()
+    ok = np.flatnonzero(lab >= 0)
+    pos = C.positions(tree.index, lab[ok])
+    hit = pos >= 0
+    hit[hit] = sel[pos[hit]]
+    ok, pos = ok[hit], pos[hit]
+    by_key = np.argsort(group_keys)
+    g = by_key[np.searchsorted(group_keys[by_key], keys(pos))]  # every selected op's key has a group
+    gpu_sum = np.bincount(g, weights=gpu["dur"].to_numpy()[ok], minlength=n)
+    nk = np.bincount(g, minlength=n)
     out = pd.DataFrame(
         {
-            "op": _decode_codes(op_c[starts], ops["name"]),
-            "input_dims": _decode_codes(dims_c[starts], ops["input_dims"]),
+            "op": _decode_codes(group_keys // width, tree["name"]),
+            "input_dims": _decode_codes(group_keys % width - 1, tree["input_dims"]),
             "count": count.astype(np.int64),
-            "cpu_total_us": np.bincount(grp, weights=ops["dur"].to_numpy(), minlength=n) / US,
-            "cpu_self_us": np.bincount(grp, weights=ops["self_dur"].to_numpy(), minlength=n) / US,
+            "cpu_total_us": cpu / US,
+            "cpu_self_us": cpu_self / US,
             "gpu_total_us": gpu_sum / US,
             "gpu_mean_us": gpu_sum / US / count,
-            "kernels": np.bincount(grp, weights=nk, minlength=n).astype(np.int64),
+            "kernels": nk.astype(np.int64),
             "pct_gpu_busy": 100.0 * gpu_sum / busy_ns if busy_ns > 0 else np.nan,
         }
     )
