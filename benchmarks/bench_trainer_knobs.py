@@ -297,8 +297,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="extra trainer overrides for every row")
     args = p.parse_args(argv)
-    if args.eager_runs < 1:
-        p.error("--eager-runs must be at least 1")
+    if args.eager_runs < 1 or (args.check_loss and args.eager_runs < 2):
+        p.error("--eager-runs must be at least 1, and at least 2 with --check-loss (one eager run cannot show "
+                "where eager runs drift apart)")
     steps = args.steps or (50 if args.check_loss else 12)
     if args.cpu:
         base, device = CPU_BASE, "cpu"

@@ -149,3 +149,9 @@ def test_judge_rows_on_the_h100_runs_passes_every_knob_and_eager_run_and_fails_t
             assert r["loss_rel_diff"] < 3e-3, r["name"]
     control = by["control: lr x1.25"]
     assert not control["loss_ok"] and not control["loss_check"]["early_ok"] and control["loss_rel_diff"] > 2e-2
+
+
+def test_check_loss_needs_two_eager_runs():
+    r = subprocess.run([sys.executable, "benchmarks/bench_trainer_knobs.py", "--check-loss", "--eager-runs", "1"],
+                       cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "at least 2 with --check-loss" in r.stderr and "Traceback" not in r.stderr
