@@ -2,7 +2,7 @@
 # Issue 20's corpus benchmark on the device machine's CPU (16 quiet cores; the issue's number of record):
 # benchmarks/bench_load.py --corpus pinned to 2 cores (CPUS, default 2,3) for tracelens and HTA alike, in
 # groups of traces that fit a 10-minute call (ONLY: comma-separated corpus names, default all 14; ~50 s a
-# trace with HTA). Writes corpus.txt / corpus.json into $OUT.
+# trace with HTA). Writes corpus.txt / corpus.json into $OUT; tiled traces in WORK (default /tmp/tracelens-corpus).
 #
 # The device copy of the repository has no ../shared, so carry a copy of the external fixtures and the
 # benchmark wheels (both git-ignored):
@@ -14,6 +14,7 @@ set -u
 CPUS=${CPUS:-2,3}
 ONLY=${ONLY:-}
 REPEAT=${REPEAT:-3}
+WORK=${WORK:-/tmp/tracelens-corpus}
 OUTDIR=${OUT:-/tmp/tracelens-corpus/out}
 export PYTHONUNBUFFERED=1
 mkdir -p "$OUTDIR"
@@ -27,4 +28,4 @@ python3 -c "import tracelens.io._kineto_fast" 2>/dev/null || python3 setup.py -q
 [ -d bench_data/external ] && export TRACELENS_CORPUS_EXTERNAL=${TRACELENS_CORPUS_EXTERNAL:-$PWD/bench_data/external}
 { echo "== $(date -u) host=$(hostname) cpus=$CPUS only=${ONLY:-all}"; nproc; python3 -c "import sys, pandas, numpy; print(sys.version.split()[0], 'pandas', pandas.__version__, 'numpy', numpy.__version__)"; } | tee "$OUTDIR/env.txt"
 taskset -c "$CPUS" python3 benchmarks/bench_load.py --corpus ${ONLY:+--only "$ONLY"} --repeat "$REPEAT" \
-  --work /tmp/tracelens-corpus --hta-timeout 120 --json "$OUTDIR/corpus.json" 2>&1 | tee "$OUTDIR/corpus.txt"
+  --work "$WORK" --hta-timeout 120 --json "$OUTDIR/corpus.json" 2>&1 | tee "$OUTDIR/corpus.txt"

@@ -64,6 +64,37 @@ _RULES: tuple[tuple[str, re.Pattern | None, re.Pattern | None], ...] = (
 )
 
 
+MODULE_PREFIX = "nn.Module: "  # python_function events of this name are nn.Module ranges
+
+
+def is_call_tree_event(ph: str, cat: str, name: str) -> bool:
+    """Whether an event is a node of the call tree (tracelens.analysis.calltree): a complete event (ph
+    X) that is a CPU op, a user annotation, a runtime/driver call, or an nn.Module range (a Python
+    event named "nn.Module: ..."). The loader puts these rows first in the events table
+    (tracelens/io/roworder.py), so that the tree shares their columns instead of copying them."""
+    return ph == "X" and (cat in OP_CATS or cat in ANNOTATION_CATS or cat in RUNTIME_CATS
+                          or (cat in PYTHON_CATS and name.startswith(MODULE_PREFIX)))
+
+
+def call_tree_mask(ph: tuple[np.ndarray, list], cat: tuple[np.ndarray, list], name: tuple[np.ndarray, list]
+                   ) -> np.ndarray:
+    """`is_call_tree_event` per row of dictionary-coded columns, each given as (codes, distinct values);
+    code -1 is a missing value (never a tree event). Tests each distinct value once, as map_strings does."""
+    def lut(col, fn):
+        codes, values = col
+        used = np.flatnonzero(np.bincount(codes.astype(np.intp) + 1, minlength=len(values) + 1)[1:])
+        out = np.zeros(len(values) + 1, dtype=bool)  # the last entry: code -1
+        out[used] = [fn("" if values[i] is None else str(values[i])) for i in used.tolist()]
+        return out[codes]
+
+    m = lut(ph, lambda v: v == "X")
+    m &= lut(cat, lambda c: is_call_tree_event("X", c, MODULE_PREFIX))  # the tree's categories (Python: maybe)
+    py = m & lut(cat, PYTHON_CATS.__contains__)
+    if py.any():  # Python events: only nn.Module ranges
+        m[py] = lut((name[0][py], name[1]), lambda v: v.startswith(MODULE_PREFIX))
+    return m
+
+
 def is_comm_kernel(names: pd.Series) -> np.ndarray:
     """Vectorized over a (categorical) name column: True for communication kernels."""
     return map_strings(names, lambda s: bool(COMM_RE.search(s)))
@@ -112,8 +143,17 @@ def positions(index: pd.Index, labels: np.ndarray) -> np.ndarray:
     life (~30 bytes per row: ~130 MB on the call tree of a 2 GB trace): a RangeIndex (the events table)
     by arithmetic, a sorted unique one (the tree and GPU tables keep event order) by binary search;
     any other index by `get_indexer`."""
-    labels = np.asarray(labels, dtype=np.int64)
     n = len(index)
+    if isinstance(index, pd.RangeIndex) and index.step == 1 and index.start == 0:
+        # (the call tree and the events table: positions are labels; in the labels' own integer type,
+        # int32 for the tree's links, and with two bool temporaries, not five int64 ones)
+        labels = np.asarray(labels)
+        if labels.dtype.kind not in "iu" or labels.dtype.itemsize > 8 or (labels.dtype.kind == "u" and labels.dtype.itemsize == 8):
+            labels = labels.astype(np.int64)
+        ok = labels >= 0
+        ok &= labels < n
+        return np.where(ok, labels, np.array(-1, dtype=labels.dtype if labels.dtype.kind == "i" else np.int64))
+    labels = np.asarray(labels, dtype=np.int64)
     if isinstance(index, pd.RangeIndex) and index.step > 0:
         rel = labels - index.start
         pos = rel // index.step
@@ -133,11 +173,13 @@ def take_strings(col: pd.Series, rows: np.ndarray, fill: str = "") -> pd.Categor
     if fill not in cats:
         cats = cats.append(pd.Index([fill]))
     fill_code = cats.get_loc(fill)
-    codes = np.full(len(rows), fill_code, dtype=np.int64)
+    code_t = np.int32 if len(cats) < 2**31 else np.int64
+    codes = np.full(len(rows), fill_code, dtype=code_t)
     ok = rows >= 0
-    got = col.cat.codes.to_numpy()[positions(col.index, rows[ok])].astype(np.int64)  # rows are labels of col
+    got = col.cat.codes.to_numpy()[positions(col.index, rows[ok])].astype(code_t)  # rows are labels of col
     got[got < 0] = fill_code
     codes[ok] = got
+    del got, ok
     return pd.Categorical.from_codes(codes, categories=cats)
 
 

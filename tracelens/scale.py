@@ -58,6 +58,7 @@ class RankTables:
     warnings: list[str]
     issues: list[dict]
     n_events: int
+    n_tree: int  # the call tree's events: the rank's first rows (io/roworder.py)
     window_start: int | None  # first event ts (ns); None when the rank has no event
     steps: pd.DataFrame  # calltree.steps_table
     ops_per: pd.Series  # ops per (rank, step >= 0)
@@ -114,7 +115,7 @@ def reduce_rank(path: str, index: int = 0, n_files: int = 1, *, cache: bool = Tr
     info, warnings, issues = rank_of(parsed, index, n_files)
     tables = [parsed.events]
     parsed.events = None
-    events = _concat_ranks(tables, [info], narrow=True)
+    events = _concat_ranks(tables, [info], events=True)
     trace = Trace(events=events, flows=pd.DataFrame(), threads=pd.DataFrame(), ranks=[info])
     tree = calltree.build_tree(events)
     steps = calltree.steps_table(tree)
@@ -131,7 +132,7 @@ def reduce_rank(path: str, index: int = 0, n_files: int = 1, *, cache: bool = Tr
     if want_activity or not actions.empty:
         activity = rank_activity(events).get(info.rank)
     out = RankTables(
-        info=info, index=index, warnings=warnings, issues=issues, n_events=len(events),
+        info=info, index=index, warnings=warnings, issues=issues, n_events=len(events), n_tree=len(tree),
         window_start=int(events["ts"].min()) if len(events) else None,
         steps=steps, ops_per=ops_per, n_ops=int(is_op.sum()), has_host=len(tree) > 0,
         outside_n=int(outside.sum()), outside_ns=int(gpu["dur"].to_numpy()[outside].sum()),
@@ -261,9 +262,17 @@ def combine(light: list[RankTables], files: list[str], window: str = "steady"):
     rt.run_status = run_status(files)
     if rt.run_status and rt.run_status["warning"]:
         rt.warnings.insert(0, rt.run_status["warning"])
-    # comm-kernel rows with the row labels of the all-ranks tables (ranks concatenated in rank order)
-    offsets = np.cumsum([0] + [r.n_events for r in light[:-1]])
-    parts = [r.comm.assign(row=r.comm["row"].to_numpy() + off) for r, off in zip(light, offsets) if not r.comm.empty]
+    # comm-kernel rows with the row labels of the all-ranks tables: the ranks' call-tree events in rank
+    # order, then their other events in rank order (trace._concat_ranks)
+    k = np.array([r.n_tree for r in light], dtype=np.int64)
+    rest = np.array([r.n_events for r in light], dtype=np.int64) - k
+    tree_off = np.concatenate([[0], np.cumsum(k)[:-1]])
+    rest_off = k.sum() + np.concatenate([[0], np.cumsum(rest)[:-1]]) - k  # (minus k: local rows past the tree)
+
+    def global_rows(i: int, row: np.ndarray) -> np.ndarray:
+        return np.where(row < k[i], row + tree_off[i], row + rest_off[i])
+
+    parts = [r.comm.assign(row=global_rows(i, r.comm["row"].to_numpy())) for i, r in enumerate(light) if not r.comm.empty]
     kern = pd.concat(parts, ignore_index=True) if parts else light[0].comm.iloc[:0]
     window_start = pd.Series({r.info.rank: r.window_start for r in light if r.window_start is not None}, dtype=np.int64)
     inst = match_instances(kern, window_start, rt)

@@ -26,6 +26,7 @@ from .errors import TraceError
 from .io import cache as _cache
 from .io.files import TRACE_SUFFIXES, _is_trace_file, discover  # noqa: F401 - re-exported
 from .io.kineto import ParsedTrace, parse_file, parse_flows, usable_cpus
+from .io.roworder import tree_rows_first
 from .io.narrow import narrow_args  # noqa: F401 - re-exported (the loader applies it per file and after the concat)
 from .io.rundir import run_status
 from .io.scanner import gunzip, read_raw
@@ -329,7 +330,7 @@ def assemble(parsed: Iterable[ParsedTrace]) -> Trace:
     tables = [p.events for p in parsed]
     for p in parsed:  # the list is the only holder, so to_pandas can free Arrow memory column by column
         p.events = None
-    events = _concat_ranks(tables, infos, narrow=True)
+    events = _concat_ranks(tables, infos, events=True)
     flows = None if any(p.flows is None for p in parsed) else _concat_ranks([p.flows for p in parsed], infos)
     threads = _concat_ranks([p.threads for p in parsed], infos)
     return Trace(events=events, flows=flows, threads=threads, ranks=infos, warnings=warnings,
@@ -411,17 +412,33 @@ def _issues_table(issues: list[dict]) -> pd.DataFrame:
     return df.astype({"rank": "int64", "events": "int64"})
 
 
-def _concat_ranks(tables: list[pa.Table], infos: list[RankInfo], narrow: bool = False) -> pd.DataFrame:
+def _concat_ranks(tables: list[pa.Table], infos: list[RankInfo], events: bool = False) -> pd.DataFrame:
     """Per-file tables (in the order of `infos`) -> one DataFrame with a `rank` column. Empties
-    `tables`, so that its Arrow memory is released while pandas takes the data over. narrow: the
-    events table's arg columns in the narrowest type that holds their values (`narrow_args`)."""
+    `tables`, so that its Arrow memory is released while pandas takes the data over. events: the tables
+    are events tables: their arg columns come in the narrowest type that holds their values
+    (`narrow_args`), and the ranks' call-tree events first (rank by rank, in file order), then their other
+    events (io/roworder.py: the call tree shares the columns of these rows)."""
     tabs = [t.append_column("rank", pa.array(np.full(t.num_rows, info.rank, dtype=np.int32)))
             for t, info in zip(tables, infos)]
     tables.clear()
+    if events:  # (a file parsed by this loader comes with its call-tree events first already)
+        parts = []
+        tabs.reverse()
+        while tabs:
+            parts.append(tree_rows_first([tabs.pop()]))
+        tabs = ([t for t, _ in parts] if len(parts) == 1 else
+                [t.slice(0, k) for t, k in parts] + [t.slice(k) for t, k in parts])
+        del parts
     table = tabs[0] if len(tabs) == 1 else pa.concat_tables(tabs, promote_options="permissive")
     del tabs
-    if any(table[c].num_chunks > 1 for c in table.column_names if pa.types.is_dictionary(table.schema.field(c).type)):
+    multi = [i for i, f in enumerate(table.schema) if pa.types.is_dictionary(f.type) and table.column(i).num_chunks > 1]
+    if multi:  # one dictionary for all chunks; codes in int32 first (a file's may be int8: too narrow for the union)
+        for i in multi:
+            f = table.schema.field(i)
+            if f.type.index_type.bit_width < 32:
+                table = table.set_column(i, f.name, table.column(i).cast(pa.dictionary(pa.int32(), f.type.value_type)))
         table = table.unify_dictionaries()
-    if narrow:
+    if events:
         table = narrow_args(table)
     return table.to_pandas(split_blocks=True, self_destruct=True)
+

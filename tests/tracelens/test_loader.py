@@ -18,12 +18,24 @@ from tracelens.io.kineto import parse_file
 from ..conftest import ALL_TRACES, CPU_ONLY, DIFF_CONTROL, MOE_LOOP, NCCL_2RANK, raw_events, to_ns
 
 
+_TREE_CATS = {"cpu_op", "Operator", "user_annotation", "cuda_runtime", "cuda_driver", "Runtime"}
+
+
+def tree_first(raw: list[dict]) -> list[dict]:
+    """Raw timed events in the events table's order: the call tree's events first (complete ops,
+    annotations, runtime calls and nn.Module ranges), then the others, each part in file order."""
+    def is_tree(e):
+        return e.get("ph") == "X" and (e.get("cat") in _TREE_CATS or (
+            e.get("cat") in ("python_function", "Python") and str(e.get("name", "")).startswith("nn.Module: ")))
+    return [e for e in raw if is_tree(e)] + [e for e in raw if not is_tree(e)]
+
+
 @pytest.mark.parametrize("path", ALL_TRACES, ids=lambda p: p.name)
 def test_events_match_raw_json(path):
-    raw = [e for e in raw_events(path) if e.get("ph") in ("X", "i", "I")]
+    raw = tree_first([e for e in raw_events(path) if e.get("ph") in ("X", "i", "I")])
     ev = parse_file(path).events.to_pandas()
     assert len(ev) == len(raw)
-    # exact integer ns timestamps and durations, same order as the file
+    # exact integer ns timestamps and durations, in file order within the two parts
     assert ev["ts"].tolist() == [to_ns(e["ts"]) for e in raw]
     assert ev["dur"].tolist() == [to_ns(e.get("dur", 0)) for e in raw]
     assert ev["name"].astype(str).tolist() == [e.get("name", "") for e in raw]
@@ -36,7 +48,7 @@ def test_events_match_raw_json(path):
 
 def test_op_args_and_collectives():
     ev = parse_file(NCCL_2RANK / "rank0.json.gz").events.to_pandas()
-    raw = [e for e in raw_events(NCCL_2RANK / "rank0.json.gz") if e.get("ph") == "X"]
+    raw = tree_first([e for e in raw_events(NCCL_2RANK / "rank0.json.gz") if e.get("ph") in ("X", "i", "I")])
     i = next(i for i, e in enumerate(raw) if e.get("cat") == "kernel" and "AllReduce" in e["name"])
     row = ev.iloc[i]
     a = raw[i]["args"]

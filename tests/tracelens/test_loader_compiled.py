@@ -133,6 +133,16 @@ CASES = [
     ("non-string str args", _doc([_kernel(**{"Collective name": c}) for c in
                                   [True, "true", "True", 5, "5", 1.5, [1, "a"], {"k": None}, None]]), True),
     ("non-number float args", _doc([_op(flops=f) for f in ["1.5", "x", True, [1], None, 2]]), True),
+    # a string arg's codes widen as its dictionary grows (int8 -> int16 past 127 values, in the scanner)
+    ("300 distinct shapes, absent between", _doc([_op(**{"Input Dims": [[i, 3]]}) if i % 3 else _op(**{"Input Dims": None})
+                                                  for i in range(450)]), True),
+    # rows reordered: the call tree's events first, each part in file order (roworder.py)
+    ("kernels, ops, runtime calls, modules and instants interleaved", _doc([
+        _kernel("k0"), _op("aten::a"), {"ph": "i", "name": "mark", "pid": 100, "tid": 100, "ts": 1, "s": "t"},
+        dict(_kernel("rt"), cat="cuda_runtime"), {"ph": "X", "cat": "python_function", "name": "nn.Module: L",
+                                                   "pid": 100, "tid": 100, "ts": 2, "dur": 9},
+        {"ph": "X", "cat": "python_function", "name": "f.py(1): g", "pid": 100, "tid": 100, "ts": 3, "dur": 1},
+        _kernel("k1", correlation=9), dict(_op("step"), cat="user_annotation")]), True),
     # the scanner hands these to the msgspec path: same outcome either way
     ("args not an object", _doc([dict(_op(), args=[1, 2])]), False),
     ("escaped key", b'{"traceEvents":[{"p\\u0068":"X","name":"a","pid":1,"tid":1,"ts":1}]}', False),

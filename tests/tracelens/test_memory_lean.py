@@ -126,9 +126,14 @@ def test_lean_analysis_equals_the_wide_reference(path):
     sa, sb = json.loads(json.dumps(a.summary(), default=str)), json.loads(json.dumps(b.summary(), default=str))
     _same(sa, sb, "summary")
     assert a.gpu.empty or all(a.gpu[c].dtype == np.int64 for c in ("correlation", "stream", "bytes", "device"))
-    # the tree keeps the events table's narrow ids, and int32 links / thread ids (every label < 2**31)
-    assert all(a.tree[c].dtype == lean.events[c].dtype for c in ("correlation", "external_id"))
-    assert all(a.tree[c].dtype == np.int32 for c in ("parent", "inner_op", "outer_op", "pid", "tid", "step"))
+    # the tree keeps the events table's types (narrow ids) and int32 links (every label < 2**31)
+    assert all(a.tree[c].dtype == lean.events[c].dtype for c in ("correlation", "external_id", "pid", "tid"))
+    assert all(a.tree[c].dtype == np.int32 for c in ("parent", "inner_op", "outer_op", "step"))
+    # the loader puts the tree's events first, so the tree's columns are views of the events' (no copy)
+    assert isinstance(a.tree.index, pd.RangeIndex) and a.tree.index.start == 0
+    for c in ("ts", "dur", "pid", "tid", "correlation", "external_id", "rank"):
+        assert np.shares_memory(a.tree[c].to_numpy(), lean.events[c].to_numpy()), c
+    assert np.shares_memory(a.tree["name"].array.codes, lean.events["name"].array.codes)
 
 
 def test_positions_match_get_indexer():
@@ -141,6 +146,8 @@ def test_positions_match_get_indexer():
         got = C.positions(index, queries)
         want = index.get_indexer(queries)
         assert np.array_equal(got, want), repr(index)[:60]
+        small = queries[np.abs(queries) < 2**31].astype(np.int32)  # the tree's int32 links
+        assert np.array_equal(C.positions(index, small), index.get_indexer(small)), repr(index)[:60]
 
 
 def test_idle_gaps_object_columns_hold_the_same_values():

@@ -45,8 +45,8 @@ static PyObject *Unsupported;
 
 /* The layout of Parser.result(); scanner.py refuses a build whose LAYOUT is not the one it reads (an
    extension built from an older copy of this file), and the loader then uses its msgspec path.
-   1: every int arg as int64. 2: int args in 'arg_widths' bytes each. */
-#define LAYOUT 2
+   1: every int arg as int64. 2: int args in 'arg_widths' bytes each. 3: str/raw args' codes too. */
+#define LAYOUT 3
 
 /* ----------------------------------------------------------------------------------------------
    Dictionary encoding: spans of the input buffer -> int32 codes in order of first appearance. */
@@ -198,7 +198,8 @@ typedef struct {
     int32_t *ph, *cat, *name, *pid_s, *tid_s;
     int64_t *pid, *tid, *ts, *dur;
     void *arg[MAX_ARGS];
-    uint8_t arg_w[MAX_ARGS]; /* bytes per value of an int arg's column (1, 2, 4 or 8); see put_int */
+    uint8_t arg_w[MAX_ARGS]; /* bytes per value of an int arg's column or a str/raw arg's codes (1, 2, 4 or 8);
+                                see put_int */
     Dict d_ph, d_cat, d_name, d_pidtid, d_arg[MAX_ARGS];
     int8_t *cat_group; /* per cat code */
     size_t cat_group_cap;
@@ -530,8 +531,8 @@ static int grow_rows(Parser *p) {
     GROW(ts, int64_t);
     GROW(dur, int64_t);
     for (int a = 0; a < p->n_args; a++) {
-        if (p->kinds[a] == 'i' && !p->arg_w[a]) p->arg_w[a] = 1;
-        size_t size = p->kinds[a] == 'i' ? p->arg_w[a] : p->kinds[a] == 'f' ? sizeof(double) : sizeof(int32_t);
+        if (p->kinds[a] != 'f' && !p->arg_w[a]) p->arg_w[a] = 1;
+        size_t size = p->kinds[a] == 'f' ? sizeof(double) : p->arg_w[a];
         void *q = realloc(p->arg[a], cap * size);
         if (!q) FAIL(p, "out of memory", p->pos);
         p->arg[a] = q;
@@ -601,8 +602,8 @@ static inline void int_put(void *col, int w, size_t i, int64_t v) {
     }
 }
 
-/* Row r of int arg a := v. The column is kept in the narrowest width that holds every value written so
-   far: a value that does not fit widens rows [0, r) in place (from the last row down, so no value is
+/* Row r of int arg a := v (or of a str/raw arg's codes: -1 = absent). The column is kept in the narrowest
+   width that holds every value written so far: a value that does not fit widens rows [0, r) in place (from the last row down, so no value is
    overwritten before it is read: row i's new bytes start at or after its old ones), at most 3 times per
    column. The column's width is thus the narrowest that holds all its values, as trace.narrow_args
    would choose it over the finished column. */
@@ -779,13 +780,13 @@ done:
             } else if (set && s->tag != T_NULL) {
                 if (code_of(p, &p->d_arg[a], s->off, s->len, F_JSON, &c) < 0) return -1;
             }
-            ((int32_t *)p->arg[a])[r] = c;
+            if (put_int(p, a, r, c) < 0) return -1; /* codes as narrow as the dictionary's size allows */
             break;
         }
         default: { /* raw: the value's JSON text as written */
             int32_t c = -1;
             if (set && code_of(p, &p->d_arg[a], s->off, s->len, 0, &c) < 0) return -1;
-            ((int32_t *)p->arg[a])[r] = c;
+            if (put_int(p, a, r, c) < 0) return -1;
         }
         }
     }
@@ -1064,10 +1065,10 @@ static PyObject *take(void **ptr, size_t n) {
 }
 
 /* (codes: Column of int32, values: list[bytes], flags: bytes of F_* per value); takes the codes. */
-static PyObject *dict_result(const Parser *p, const Dict *d, void **codes, size_t rows) {
+static PyObject *dict_result(const Parser *p, const Dict *d, void **codes, size_t rows, size_t width) {
     PyObject *values = PyList_New((Py_ssize_t)d->n);
     PyObject *esc = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)d->n);
-    PyObject *c = take(codes, rows * sizeof(int32_t));
+    PyObject *c = take(codes, rows * width);
     if (!values || !esc || !c) goto fail;
     for (size_t k = 0; k < d->n; k++) {
         const DictEntry *e = &d->entries[k];
@@ -1092,7 +1093,8 @@ static int put(PyObject *d, const char *key, PyObject *v) {
 }
 
 /* Everything scanned, as a dict of Columns (buffers, no copies); call once, after feed returned True. Row columns:
-   'ph','cat','name','pid_tid_str' and each str/raw arg -> (codes, values, escaped); 'pid','tid',
+   'ph','cat','name','pid_tid_str' and each str/raw arg -> (codes, values, escaped), codes int32 (a str/raw
+   arg's: of 'arg_widths'[a] bytes, the narrowest that holds its dictionary's codes); 'pid','tid',
    'ts','dur' -> int64; int args -> signed integers of 'arg_widths'[a] bytes each (1, 2, 4 or 8: the
    narrowest that holds the column's values); float args -> float64; 'pid_s','tid_s' ->
    int32 codes into 'pid_tid_str' (-1: the id was an integer); 'fixups' -> int64 quadruples (row, arg,
@@ -1116,10 +1118,10 @@ static PyObject *Parser_result(Parser *p, PyObject *Py_UNUSED(ignored)) {
     if (put(d, "rows", PyLong_FromSize_t(r)) < 0 || put(d, "n_events", PyLong_FromLongLong(p->n_events)) < 0 ||
         put(d, "events_span", Py_BuildValue("(LL)", (long long)p->ev_lo, (long long)p->ev_hi)) < 0 ||
         put(d, "top_object", PyBool_FromLong(p->top_object)) < 0 ||
-        put(d, "ph", dict_result(p, &p->d_ph, (void **)&p->ph, r)) < 0 ||
-        put(d, "cat", dict_result(p, &p->d_cat, (void **)&p->cat, r)) < 0 ||
-        put(d, "name", dict_result(p, &p->d_name, (void **)&p->name, r)) < 0 ||
-        put(d, "pid_tid_str", dict_result(p, &p->d_pidtid, &no_codes, 0)) < 0 ||
+        put(d, "ph", dict_result(p, &p->d_ph, (void **)&p->ph, r, 4)) < 0 ||
+        put(d, "cat", dict_result(p, &p->d_cat, (void **)&p->cat, r, 4)) < 0 ||
+        put(d, "name", dict_result(p, &p->d_name, (void **)&p->name, r, 4)) < 0 ||
+        put(d, "pid_tid_str", dict_result(p, &p->d_pidtid, &no_codes, 0, 4)) < 0 ||
         put(d, "pid", take((void **)&p->pid, r * 8)) < 0 || put(d, "tid", take((void **)&p->tid, r * 8)) < 0 ||
         put(d, "pid_s", take((void **)&p->pid_s, r * 4)) < 0 || put(d, "tid_s", take((void **)&p->tid_s, r * 4)) < 0 ||
         put(d, "ts", take((void **)&p->ts, r * 8)) < 0 || put(d, "dur", take((void **)&p->dur, r * 8)) < 0 ||
@@ -1129,7 +1131,7 @@ static PyObject *Parser_result(Parser *p, PyObject *Py_UNUSED(ignored)) {
         goto fail;
     for (int a = 0; a < p->n_args; a++) {
         PyObject *v;
-        if (p->kinds[a] == 's' || p->kinds[a] == 'r') v = dict_result(p, &p->d_arg[a], &p->arg[a], r);
+        if (p->kinds[a] == 's' || p->kinds[a] == 'r') v = dict_result(p, &p->d_arg[a], &p->arg[a], r, p->arg_w[a]);
         else v = take(&p->arg[a], r * (p->kinds[a] == 'i' ? p->arg_w[a] : 8));
         if (!v) goto fail;
         PyList_SET_ITEM(args, a, v);

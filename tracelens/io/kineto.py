@@ -47,6 +47,7 @@ from ..errors import TraceError
 
 from .checks import MAX_ABS_US, UNREPRESENTABLE, check_events
 from .narrow import narrow_args
+from .roworder import tree_rows_first
 from .scanner import FAST_FEED, Scan, _kineto_fast, decoder, fast_enabled, map_file, read_bytes  # noqa: F401 - re-exported
 
 BATCH = 32768  # events per decode: smaller batches lower the peak memory, larger ones gain nothing measurable
@@ -323,9 +324,11 @@ class _Dict:
 
 
 def _dict_column(codes: np.ndarray, values: list) -> pa.DictionaryArray:
-    """Dictionary<int32, string> array from codes (-1 = null) and the code -> string list."""
+    """Dictionary<int, string> array from codes (-1 = null; int8/16/32, kept as they come: the compiled
+    scanner gives an arg's codes in the narrowest width its dictionary allows) and the code -> string list."""
     mask = codes < 0
-    indices = pa.array(codes, type=pa.int32(), mask=mask if mask.any() else None)
+    codes = codes if codes.dtype in (np.int8, np.int16, np.int32) else codes.astype(np.int32)
+    indices = pa.array(codes, mask=mask if mask.any() else None)
     return pa.DictionaryArray.from_arrays(indices, pa.array(values, type=pa.string()))
 
 
@@ -759,9 +762,9 @@ def _fast_strings(values: list, flags: bytes) -> tuple[list, np.ndarray | None]:
     return kept, remap
 
 
-def _fast_dict_column(part: tuple, raw_unquote: bool | None = None) -> pa.DictionaryArray:
+def _fast_dict_column(part: tuple, raw_unquote: bool | None = None, width: int = 4) -> pa.DictionaryArray:
     codes, values, escaped = part
-    a = np.frombuffer(codes, dtype=np.int32)
+    a = np.frombuffer(codes, dtype=_INT_OF_WIDTH[width])
     if raw_unquote is None:
         values, remap = _fast_strings(values, escaped)
     else:  # raw JSON text, as the msgspec path keeps it
@@ -826,13 +829,15 @@ def _parse_fast(path: str, scan: Scan, flows: bool = True) -> ParsedTrace:
             c = names[a]
             v = msgspec.json.decode(data[off : off + n])
             numeric[c][row] = _lenient_int(v) if ARG_FIELDS[c][1] == "int" else _float_or_nan(v)
-    for c, (_, kind), part in zip(ARG_FIELDS, ARG_FIELDS.values(), r.pop("args")):
+    for c, (_, kind), part, w in zip(ARG_FIELDS, ARG_FIELDS.values(), r.pop("args"), widths):
         if kind in ("int", "float"):
             cols[c] = pa.array(numeric[c])
         else:
-            cols[c] = _fast_dict_column(part, (c in UNQUOTE_COLS) if kind == "raw" else None)
-    events = pa.table(cols)
-    return _parsed(path, doc, events, rp.flows_table(), rp.thread_rows(), r["n_events"], "compiled")
+            cols[c] = _fast_dict_column(part, (c in UNQUOTE_COLS) if kind == "raw" else None, w)
+    n_events = r["n_events"]
+    holder = [pa.table(cols)]
+    del cols, numeric, r, a  # (the table holds the only references: `_parsed` can free the columns it replaces)
+    return _parsed(path, doc, holder, rp.flows_table(), rp.thread_rows(), n_events, "compiled")
 
 
 def parse_file(path: str | os.PathLike, data: bytes | list | None = None, parallel: int | None = None,
@@ -893,13 +898,20 @@ def _parse_file(path: str | os.PathLike, data: bytes | list | None = None, paral
         del rp
     if events is None:
         raise TraceError(path, "no timed events (ph 'X') in 'traceEvents'")
-    return _parsed(path, doc, events, flows_t, rows, n_total, "msgspec")
+    holder = [events]
+    del events
+    return _parsed(path, doc, holder, flows_t, rows, n_total, "msgspec")
 
 
-def _parsed(path: str, doc: _Doc, events: pa.Table, flows_t: pa.Table | None, rows: list[tuple], n_total: int,
+def _parsed(path: str, doc: _Doc, holder: list[pa.Table], flows_t: pa.Table | None, rows: list[tuple], n_total: int,
             decoder: str) -> ParsedTrace:
-    events = narrow_args(events)  # both decoders' tables alike: the compiled one's int args come narrow already
+    """The ParsedTrace of a decoded file; holder: a one-element list holding its events table (emptied
+    here, so that the table's columns can be freed as they are replaced)."""
+    events = narrow_args(holder.pop())  # both decoders' tables alike: the compiled one's int args come narrow already
     events, issues = check_events(path, events)  # impossible values dropped, each drop reported
+    holder.append(events)
+    del events
+    events, _ = tree_rows_first(holder)  # the call tree's events first (roworder.py)
     dropped = "; ".join(i["message"][len(path) + 2:] for i in issues)
     if not events.num_rows:
         raise TraceError(path, "no valid timed events: " + dropped)

@@ -1,4 +1,5 @@
-"""Numeric arg columns of an events table in the narrowest type that holds their values (`narrow_args`).
+"""Numeric arg columns of an events table in the narrowest type that holds their values, and string
+columns' dictionary codes in the narrowest type their dictionary's size allows (`narrow_args`).
 
 Applied twice by the loader: to each file's table as it is parsed (`kineto._parsed`: the compiled
 scanner already writes its int args narrow, the msgspec path's come as int64, and both decoders must
@@ -24,7 +25,9 @@ def narrow_args(table: pa.Table) -> pa.Table:
     value (all NaN) in float32. Most of these args are absent from most events (a 2 GB trace: 13 int64
     columns of mostly -1, 104 of its ~170 bytes per row), so this halves the table; the values are
     unchanged, and the analyses widen what they copy into their own tables (`calltree.gpu_events`).
-    ts, dur, pid and tid, read everywhere, are not arg columns and stay int64."""
+    ts, dur, pid and tid, read everywhere, are not arg columns and stay int64. String columns (dictionary
+    encoded) get codes of the narrowest signed type that indexes their dictionary (int8 below 128 values),
+    whatever width the decoder gave them."""
     import pyarrow.compute as pc
 
     for name, (_, kind) in ARG_FIELDS.items():
@@ -45,5 +48,14 @@ def narrow_args(table: pa.Table) -> pa.Table:
             to = pa.float32() if pc.all(pc.is_nan(col)).as_py() else None
         if to is not None:
             table = table.set_column(i, name, col.cast(to, safe=False))  # the range is checked above
+        del col
+    for i, f in enumerate(table.schema):  # string columns: codes in int8 below 128 distinct values, ...
+        if not pa.types.is_dictionary(f.type) or not table.num_rows:
+            continue
+        col = table.column(i)
+        size = max((len(c.dictionary) for c in col.chunks), default=0)
+        to = next((t for t, info in _NARROW_INTS if size - 1 <= info.max), pa.int32())
+        if to != f.type.index_type and to.bit_width <= 32:
+            table = table.set_column(i, f.name, col.cast(pa.dictionary(to, f.type.value_type)))
         del col
     return table

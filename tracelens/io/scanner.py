@@ -16,7 +16,7 @@ import zlib
 from ..errors import TraceError
 from .schema import _GROUPS, ARG_FIELDS, CAT_GROUP
 
-LAYOUT = 2  # the layout of `Parser.result()` this module reads (LAYOUT in _kineto_fast.c)
+LAYOUT = 3  # the layout of `Parser.result()` this module reads (LAYOUT in _kineto_fast.c)
 
 try:  # the compiled fast path; optional (see setup.py)
     from . import _kineto_fast
