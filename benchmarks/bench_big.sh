@@ -31,10 +31,11 @@ fi
 if ! python3 -c "import tracelens.io._kineto_fast" 2>/dev/null; then
   python3 setup.py -q build_ext --inplace >"$WORK/build_ext.log" 2>&1 || echo "compiled scanner not built (see $WORK/build_ext.log)"
 fi
-# byte-compile tracelens and the wheels' packages (HTA's too) once, as an installed package is: a copy of the
-# repository, or packages installed with --no-compile, would otherwise be compiled from source in every
-# fresh process when bytecode is not written (PYTHONDONTWRITEBYTECODE)
-python3 -m compileall -q -j 0 tracelens reports ${PYTHONPATH:+$(echo "$PYTHONPATH" | tr ':' ' ')} >/dev/null 2>&1 || true
+# bytecode as an installed Python has it: with PYTHONDONTWRITEBYTECODE set (the device image sets it) and
+# packages installed without it, every fresh process compiles pandas, numpy, pyarrow, HTA and tracelens from
+# source (~1 s, the same for both tools, a third of a 200 MB run of tracelens). So bytecode is written once,
+# under PYTHONPYCACHEPREFIX, for those packages and the wheels' (both tools alike), then read by every run.
+. benchmarks/bytecode.sh
 { echo "== $(date -u) host=$(hostname) cpus=$(nproc) sizes=$SIZES pinned=$CPUS"
   python3 -c "import sys, numpy, pandas, pyarrow; print('python', sys.version.split()[0], 'numpy', numpy.__version__, 'pandas', pandas.__version__, 'pyarrow', pyarrow.__version__)"
   free -g | head -2; } 2>&1 | tee "$OUTDIR/env.txt"

@@ -25,10 +25,11 @@ if ! python3 -c "import msgspec, hta" 2>/dev/null; then
   export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
 python3 -c "import tracelens.io._kineto_fast" 2>/dev/null || python3 setup.py -q build_ext --inplace >/dev/null 2>&1 || true
-# byte-compile tracelens and the wheels' packages (HTA's too) once, as an installed package is: a copy of the
-# repository, or packages installed with --no-compile, would otherwise be compiled from source in every
-# fresh process when bytecode is not written (PYTHONDONTWRITEBYTECODE)
-python3 -m compileall -q -j 0 tracelens reports ${PYTHONPATH:+$(echo "$PYTHONPATH" | tr ':' ' ')} >/dev/null 2>&1 || true
+# bytecode as an installed Python has it: with PYTHONDONTWRITEBYTECODE set (the device image sets it) and
+# packages installed without it, every fresh process compiles pandas, numpy, pyarrow, HTA and tracelens from
+# source (~1 s, the same for both tools, a third of a 200 MB run of tracelens). So bytecode is written once,
+# under PYTHONPYCACHEPREFIX, for those packages and the wheels' (both tools alike), then read by every run.
+. benchmarks/bytecode.sh
 [ -d bench_data/external ] && export TRACELENS_CORPUS_EXTERNAL=${TRACELENS_CORPUS_EXTERNAL:-$PWD/bench_data/external}
 { echo "== $(date -u) host=$(hostname) cpus=$CPUS only=${ONLY:-all}"; nproc; python3 -c "import sys, pandas, numpy; print(sys.version.split()[0], 'pandas', pandas.__version__, 'numpy', numpy.__version__)"; } | tee "$OUTDIR/env.txt"
 taskset -c "$CPUS" python3 benchmarks/bench_load.py --corpus ${ONLY:+--only "$ONLY"} --repeat "$REPEAT" \
