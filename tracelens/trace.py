@@ -67,7 +67,9 @@ class Trace:
     are read from the rank files on first access of `trace.flows`.
     """
 
-    events: pd.DataFrame  # one row per ph X / i event; column `rank`
+    events: pd.DataFrame  # one row per ph X / i event; column `rank`. Rows: every rank's call-tree events
+    # (ops, annotations, runtime calls, nn.Module ranges), rank by rank, then every rank's other events,
+    # each in file order (io/roworder.py); the call tree is a view of the first rows
     flows: pd.DataFrame  # ph s/t/f flow events; column `rank` (read on first access when given as None)
     threads: pd.DataFrame  # process/thread names and sort order (ph M); column `rank`
     ranks: list[RankInfo]
