@@ -62,3 +62,11 @@ def merged_length(intervals):
         total += cur_e - cur_s
     return total
 
+
+_TREE_CATS = {"cpu_op", "Operator", "user_annotation", "cuda_runtime", "cuda_driver", "Runtime"}
+
+
+def is_tree_event(ph, cat, name) -> bool:
+    """A raw event that the call tree holds (complete ops, annotations, runtime calls, nn.Module ranges),
+    written here from Kineto's categories, independently of tracelens.categories."""
+    return ph == "X" and (cat in _TREE_CATS or (cat in ("python_function", "Python") and str(name).startswith("nn.Module: ")))

@@ -15,18 +15,14 @@ import tracelens
 from tracelens.errors import TraceError
 from tracelens.io.kineto import parse_file
 
-from ..conftest import ALL_TRACES, CPU_ONLY, DIFF_CONTROL, MOE_LOOP, NCCL_2RANK, raw_events, to_ns
-
-
-_TREE_CATS = {"cpu_op", "Operator", "user_annotation", "cuda_runtime", "cuda_driver", "Runtime"}
+from ..conftest import ALL_TRACES, CPU_ONLY, DIFF_CONTROL, MOE_LOOP, NCCL_2RANK, is_tree_event, raw_events, to_ns
 
 
 def tree_first(raw: list[dict]) -> list[dict]:
     """Raw timed events in the events table's order: the call tree's events first (complete ops,
     annotations, runtime calls and nn.Module ranges), then the others, each part in file order."""
     def is_tree(e):
-        return e.get("ph") == "X" and (e.get("cat") in _TREE_CATS or (
-            e.get("cat") in ("python_function", "Python") and str(e.get("name", "")).startswith("nn.Module: ")))
+        return is_tree_event(e.get("ph"), e.get("cat"), e.get("name", ""))
     return [e for e in raw if is_tree(e)] + [e for e in raw if not is_tree(e)]
 
 

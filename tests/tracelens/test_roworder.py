@@ -14,12 +14,7 @@ from tracelens import categories as C
 from tracelens.io.roworder import tree_mask, tree_rows_first
 
 from ..conftest import NCCL_2RANK, raw_events
-
-_TREE_CATS = {"cpu_op", "Operator", "user_annotation", "cuda_runtime", "cuda_driver", "Runtime"}
-
-
-def is_tree(ph, cat, name) -> bool:
-    return ph == "X" and (cat in _TREE_CATS or (cat in ("python_function", "Python") and name.startswith("nn.Module: ")))
+from ..conftest import is_tree_event as is_tree
 
 
 PHS = ["X", "i", "I", None]
