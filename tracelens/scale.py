@@ -100,17 +100,18 @@ class _One:  # the fields comm.comm_kernels reads of an Analysis
 
 
 def reduce_rank(path: str, index: int = 0, n_files: int = 1, *, cache: bool = True,
-                cache_dir: str | None = None, want_activity: bool = False) -> RankTables:
+                cache_dir: str | None = None, want_activity: bool = False, threads: int | None = None) -> RankTables:
     """Load one rank file and reduce it to `RankTables` (see the module docstring). `index` / `n_files`:
     the file's place among the run's files (the rank of a file without distributedInfo or a rank in its
-    name is its position, as `tracelens.load` assigns it). Raises TraceError naming the file."""
+    name is its position, as `tracelens.load` assigns it). threads: the compiled scanner's threads (1 on a
+    Dask worker, which shares the machine with the others). Raises TraceError naming the file."""
     from .analysis import calltree, timeline
     from .analysis.comm import comm_kernels
     from .analysis.pipeline import actions_from_trace, rank_activity
     from .analysis.steps import host_steps
     from .trace import Trace, _concat_ranks, _parse_one, rank_of
 
-    parsed, hit = _parse_one(os.fspath(path), cache, os.fspath(cache_dir) if cache_dir else None)
+    parsed, hit = _parse_one(os.fspath(path), cache, os.fspath(cache_dir) if cache_dir else None, threads=threads)
     parsed.meta["from_cache"] = hit
     info, warnings, issues = rank_of(parsed, index, n_files)
     tables = [parsed.events]
@@ -473,7 +474,7 @@ def analyze_ranks(paths: str | os.PathLike | Sequence[str | os.PathLike], *, wor
         engine = "dask client"
     try:
         full = client.map(reduce_rank, files, range(n), [n] * n, cache=cache, cache_dir=cdir, want_activity=want,
-                          pure=False)
+                          threads=1, pure=False)  # (a worker process per CPU: one scanner thread each)
         light_f = client.map(RankTables.light, full, pure=False)
         light = _gather(client, light_f, files)
         del light_f

@@ -118,8 +118,8 @@ def _rank_from_name(path: str) -> int | None:
 # ------------------------------------------------------------------------------------ loading
 
 
-def _parse_one(path: str, use_cache: bool, cache_root: str | None, progress=None, prefetch=None
-               ) -> tuple[ParsedTrace, bool]:
+def _parse_one(path: str, use_cache: bool, cache_root: str | None, progress=None, prefetch=None,
+               threads: int | None = None) -> tuple[ParsedTrace, bool]:
     """A parsed file, from the cache when it holds a valid entry; flow events are left for `Trace.flows`.
 
     The file is read once: its cache key is the hash of exactly the bytes that are parsed (a file
@@ -128,7 +128,7 @@ def _parse_one(path: str, use_cache: bool, cache_root: str | None, progress=None
     re-parsed and replaced, and `meta["cache_warning"]` says so."""
     if not use_cache:
         scan = prefetch.take(path, progress) if prefetch is not None else None
-        return parse_file(path, progress=progress, flows=False, scan=scan), False
+        return parse_file(path, progress=progress, flows=False, scan=scan, threads=threads), False
     root = Path(cache_root) if cache_root else None
     warning = ident = None
     try:
@@ -165,7 +165,7 @@ def _parse_one(path: str, use_cache: bool, cache_root: str | None, progress=None
             warning = why or warning
         holder = [gunzip(path, raw)]
         del raw
-        parsed = parse_file(path, data=holder, progress=progress, flows=False)  # it lets the bytes go
+        parsed = parse_file(path, data=holder, progress=progress, flows=False, threads=threads)  # it lets the bytes go
     _cache.store(parsed, key, root, source, replace=warning is not None)
     if warning:
         parsed.meta["cache_warning"] = (f"{path}: cache entry {key} rejected ({warning}); "
@@ -175,8 +175,8 @@ def _parse_one(path: str, use_cache: bool, cache_root: str | None, progress=None
 
 def _worker(args: tuple[str, bool, str | None]) -> tuple[str, Any]:
     path, use_cache, cache_root = args
-    try:
-        parsed, hit = _parse_one(path, use_cache, cache_root)
+    try:  # one scanner thread: the pool already runs a process per CPU
+        parsed, hit = _parse_one(path, use_cache, cache_root, threads=1)
     except TraceError as e:
         return "error", (e.path, e.problem)
     if use_cache:  # the parent memory-maps the cache entry instead of receiving the tables by pipe

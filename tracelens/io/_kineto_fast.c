@@ -24,12 +24,22 @@
      the second only when asked for).
 
    The GIL is released while scanning; a Parser must not be fed from two threads at once (checked).
+
+   Parallel scan (scanner.Scan.run): the events array is cut at guessed event boundaries (a '{' behind
+   "}," found by a byte search, which may lie inside a string); each later part is scanned by a Parser
+   `fork`ed from the first, in its own thread, as if its first event opened the array. A parser stops
+   ("hands off") only where it lands exactly on the start of an event that is a later part's guessed
+   start (`set_limits`): that confirms the guess, since it is where one parser would have gone on. A part
+   whose start no parser lands on is ignored (its bytes are scanned by the part before it, which does not
+   stop there). `absorb` then appends each confirmed part's rows to the first parser's, renumbering
+   dictionary codes in order of first appearance, so the result is the one a single parser gives.
 */
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
 #include <math.h>
+#include <stddef.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -161,7 +171,7 @@ static int i64_push2(I64Vec *v, int64_t a, int64_t b) {
    The parser. */
 
 enum { T_ABSENT = 0, T_NULL, T_INT, T_NUM, T_STR, T_OTHER };
-enum { ST_START = 0, ST_ARRAY_FIRST, ST_ARRAY_NEXT, ST_TAIL, ST_DONE };
+enum { ST_START = 0, ST_ARRAY_FIRST, ST_ARRAY_NEXT, ST_TAIL, ST_DONE, ST_HANDOFF };
 
 typedef struct {
     uint32_t gen; /* == parser's event generation when set in this event */
@@ -179,9 +189,13 @@ typedef struct {
     int64_t n, pos;
     int state, top_object, busy, taken;
     int64_t ev_lo, ev_hi;
+    int64_t start;            /* where this parser began: 0, or a forked part's first event */
+    int64_t *limits;          /* sorted event starts of later parts: stop on landing exactly on one */
+    size_t n_limits, li;
+    int64_t stopped_at;       /* the limit this parser stopped at (state ST_HANDOFF), else -1 */
     const char *err;
     int64_t err_pos;
-    /* spec */
+    /* spec (fork copies it as one block: every field from n_args up to rows) */
     int n_args;
     char kinds[MAX_ARGS];
     unsigned char keys[MAX_ARGS][MAX_KEY_LEN];
@@ -513,8 +527,10 @@ static int scan_args(Parser *p, int64_t *i) {
     return 0;
 }
 
-static int grow_rows(Parser *p) {
-    size_t cap = p->cap ? p->cap * 2 : 65536;
+/* Room for `need` rows in every row column (exactly that many: `take` trims the capacity later anyway). */
+static int reserve_rows(Parser *p, size_t need) {
+    if (need <= p->cap) return 0;
+    size_t cap = need;
 #define GROW(field, type)                                       \
     do {                                                        \
         void *q = realloc(p->field, cap * sizeof(type));        \
@@ -541,6 +557,8 @@ static int grow_rows(Parser *p) {
     p->cap = cap;
     return 0;
 }
+
+static int grow_rows(Parser *p) { return reserve_rows(p, p->cap ? p->cap * 2 : 65536); }
 
 static int code_of(Parser *p, Dict *d, int64_t off, int64_t len, int escaped, int32_t *out) {
     int64_t c = dict_code(d, p->buf, off, len, escaped);
@@ -607,16 +625,20 @@ static inline void int_put(void *col, int w, size_t i, int64_t v) {
    overwritten before it is read: row i's new bytes start at or after its old ones), at most 3 times per
    column. The column's width is thus the narrowest that holds all its values, as trace.narrow_args
    would choose it over the finished column. */
+static int widen(Parser *p, int a, size_t rows, int need) {
+    int w = p->arg_w[a];
+    if (need <= w) return 0;
+    void *q = realloc(p->arg[a], p->cap * (size_t)need);
+    if (!q) FAIL(p, "out of memory", p->pos);
+    for (size_t i = rows; i-- > 0;) int_put(q, need, i, int_at(q, w, i));
+    p->arg[a] = q;
+    p->arg_w[a] = (uint8_t)need;
+    return 0;
+}
+
 static int put_int(Parser *p, int a, size_t r, int64_t v) {
-    int w = p->arg_w[a], need = int_width(v);
-    if (need > w) {
-        void *q = realloc(p->arg[a], p->cap * (size_t)need);
-        if (!q) FAIL(p, "out of memory", p->pos);
-        for (size_t i = r; i-- > 0;) int_put(q, need, i, int_at(q, w, i));
-        p->arg[a] = q;
-        p->arg_w[a] = (uint8_t)(w = need);
-    }
-    int_put(p->arg[a], w, r, v);
+    if (widen(p, a, r, int_width(v)) < 0) return -1;
+    int_put(p->arg[a], p->arg_w[a], r, v);
     return 0;
 }
 
@@ -864,7 +886,8 @@ static int finish(Parser *p) {
     return 0;
 }
 
-/* Up to max_events events; 1 when the document is done, 0 when more remain, -1 on error. */
+/* Up to max_events events; 1 when the document is done (or this part handed off), 0 when more remain,
+   -1 on error. */
 static int feed(Parser *p, int64_t max_events) {
     const unsigned char *b = p->buf;
     if (p->state == ST_START && locate(p) < 0) return -1;
@@ -886,39 +909,30 @@ static int feed(Parser *p, int64_t max_events) {
             p->state = ST_TAIL;
             break;
         }
+        if (p->li < p->n_limits) { /* a later part's guessed start: hand off when landing on it exactly */
+            while (p->li < p->n_limits && p->limits[p->li] < j) p->li++;
+            if (p->li < p->n_limits && p->limits[p->li] == j) {
+                p->pos = p->stopped_at = j;
+                p->state = ST_HANDOFF;
+                return 1;
+            }
+        }
         if (parse_event(p, &j) < 0) return -1;
         p->pos = j;
         p->state = ST_ARRAY_NEXT;
     }
     if (p->state == ST_TAIL && finish(p) < 0) return -1;
-    return p->state == ST_DONE;
+    return p->state == ST_DONE || p->state == ST_HANDOFF;
 }
 
 /* ----------------------------------------------------------------------------------------------
    Python type. */
 
+static void free_rows(Parser *p);
+
 static void Parser_dealloc(Parser *p) {
-    free(p->ph);
-    free(p->cat);
-    free(p->name);
-    free(p->pid_s);
-    free(p->tid_s);
-    free(p->pid);
-    free(p->tid);
-    free(p->ts);
-    free(p->dur);
-    for (int a = 0; a < MAX_ARGS; a++) {
-        free(p->arg[a]);
-        dict_free(&p->d_arg[a]);
-    }
-    dict_free(&p->d_ph);
-    dict_free(&p->d_cat);
-    dict_free(&p->d_name);
-    dict_free(&p->d_pidtid);
-    free(p->cat_group);
-    free(p->meta.data);
-    free(p->flow.data);
-    free(p->fixups.data);
+    free_rows(p);
+    free(p->limits);
     if (p->have_view) PyBuffer_Release(&p->view);
     Py_TYPE(p)->tp_free((PyObject *)p);
 }
@@ -987,6 +1001,7 @@ static int Parser_init(Parser *p, PyObject *args, PyObject *kw) {
     p->n = p->view.len;
     p->state = ST_START;
     p->ev_lo = p->ev_hi = -1;
+    p->stopped_at = -1;
     rc = 0;
 out:
     PyBuffer_Release(&kinds);
@@ -1146,6 +1161,265 @@ fail:
     return NULL;
 }
 
+/* ----------------------------------------------------------------------------------------------
+   Parallel scan: fork, set_limits, absorb (see the top of this file). */
+
+static void free_rows(Parser *p) {
+    free(p->ph);
+    free(p->cat);
+    free(p->name);
+    free(p->pid_s);
+    free(p->tid_s);
+    free(p->pid);
+    free(p->tid);
+    free(p->ts);
+    free(p->dur);
+    p->ph = p->cat = p->name = p->pid_s = p->tid_s = NULL;
+    p->pid = p->tid = p->ts = p->dur = NULL;
+    for (int a = 0; a < MAX_ARGS; a++) {
+        free(p->arg[a]);
+        p->arg[a] = NULL;
+        dict_free(&p->d_arg[a]);
+    }
+    dict_free(&p->d_ph);
+    dict_free(&p->d_cat);
+    dict_free(&p->d_name);
+    dict_free(&p->d_pidtid);
+    free(p->cat_group);
+    p->cat_group = NULL;
+    p->cat_group_cap = 0;
+    free(p->meta.data);
+    free(p->flow.data);
+    free(p->fixups.data);
+    memset(&p->meta, 0, sizeof(p->meta));
+    memset(&p->flow, 0, sizeof(p->flow));
+    memset(&p->fixups, 0, sizeof(p->fixups));
+    p->rows = p->cap = 0;
+}
+
+/* The codes in `dst` of every entry of `src` (entries new to `dst` are added in `src`'s order). */
+static int32_t *dict_remap(Parser *p, Dict *dst, const Dict *src) {
+    int32_t *m = malloc((src->n ? src->n : 1) * sizeof(int32_t));
+    if (!m) return NULL;
+    for (size_t k = 0; k < src->n; k++) {
+        const DictEntry *e = &src->entries[k];
+        int64_t c = dict_code(dst, p->buf, e->off, e->len, e->escaped);
+        if (c < 0) {
+            free(m);
+            return NULL;
+        }
+        m[k] = (int32_t)c;
+    }
+    return m;
+}
+
+/* dst[r0 + i] = remapped src[i] for an int32 code column (-1, absent, stays -1). */
+static int append_codes(Parser *p, int32_t *dst, const int32_t *src, size_t n, Dict *dd, const Dict *sd) {
+    int32_t *m = dict_remap(p, dd, sd);
+    if (!m) FAIL(p, "out of memory", p->pos);
+    for (size_t i = 0; i < n; i++) dst[i] = src[i] < 0 ? src[i] : m[src[i]];
+    free(m);
+    return 0;
+}
+
+static int append_pairs(I64Vec *dst, const I64Vec *src) {
+    for (size_t k = 0; k + 1 < src->n; k += 2)
+        if (i64_push2(dst, src->data[k], src->data[k + 1]) < 0) return -1;
+    return 0;
+}
+
+#define DROP(ptr)   \
+    do {            \
+        free(ptr);  \
+        (ptr) = NULL; \
+    } while (0)
+
+/* Append o's rows (and its metadata / flow spans and fix-ups) to p's, as if p had scanned them. Each of
+   o's columns is freed as soon as it is copied (p's grown columns take pages only as they are written),
+   so the merge adds one column to the scan's peak, not a part's columns. */
+static int merge(Parser *p, Parser *o) {
+    size_t r0 = p->rows, r1 = o->rows;
+    if (append_pairs(&p->meta, &o->meta) < 0 || append_pairs(&p->flow, &o->flow) < 0)
+        FAIL(p, "out of memory", p->pos);
+    for (size_t k = 0; k + 3 < o->fixups.n; k += 4) {
+        if (i64_push2(&p->fixups, o->fixups.data[k] + (int64_t)r0, o->fixups.data[k + 1]) < 0 ||
+            i64_push2(&p->fixups, o->fixups.data[k + 2], o->fixups.data[k + 3]) < 0)
+            FAIL(p, "out of memory", p->pos);
+    }
+    if (!r1) return 0;
+    if (reserve_rows(p, r0 + r1) < 0) return -1;
+    if (append_codes(p, p->ph + r0, o->ph, r1, &p->d_ph, &o->d_ph) < 0) return -1;
+    DROP(o->ph);
+    if (append_codes(p, p->cat + r0, o->cat, r1, &p->d_cat, &o->d_cat) < 0) return -1;
+    DROP(o->cat);
+    if (append_codes(p, p->name + r0, o->name, r1, &p->d_name, &o->d_name) < 0) return -1;
+    DROP(o->name);
+    int32_t *m = dict_remap(p, &p->d_pidtid, &o->d_pidtid);
+    if (!m) FAIL(p, "out of memory", p->pos);
+    for (size_t i = 0; i < r1; i++) {
+        p->pid_s[r0 + i] = o->pid_s[i] < 0 ? -1 : m[o->pid_s[i]];
+        p->tid_s[r0 + i] = o->tid_s[i] < 0 ? -1 : m[o->tid_s[i]];
+    }
+    free(m);
+    DROP(o->pid_s);
+    DROP(o->tid_s);
+    memcpy(p->pid + r0, o->pid, r1 * sizeof(int64_t));
+    DROP(o->pid);
+    memcpy(p->tid + r0, o->tid, r1 * sizeof(int64_t));
+    DROP(o->tid);
+    memcpy(p->ts + r0, o->ts, r1 * sizeof(int64_t));
+    DROP(o->ts);
+    memcpy(p->dur + r0, o->dur, r1 * sizeof(int64_t));
+    DROP(o->dur);
+    for (int a = 0; a < p->n_args; a++) {
+        if (p->kinds[a] == 'f') {
+            memcpy((double *)p->arg[a] + r0, o->arg[a], r1 * sizeof(double));
+            DROP(o->arg[a]);
+            continue;
+        }
+        int w1 = o->arg_w[a];
+        int32_t *rm = NULL;
+        int need = w1;
+        if (p->kinds[a] != 'i') { /* codes: renumbered; as wide as the merged dictionary's codes need */
+            if (!(rm = dict_remap(p, &p->d_arg[a], &o->d_arg[a]))) FAIL(p, "out of memory", p->pos);
+            need = p->d_arg[a].n ? int_width((int64_t)p->d_arg[a].n - 1) : 1;
+        }
+        if (widen(p, a, r0, need) < 0) {
+            free(rm);
+            return -1;
+        }
+        int w = p->arg_w[a];
+        if (!rm && w == w1) {
+            memcpy((char *)p->arg[a] + r0 * (size_t)w, o->arg[a], r1 * (size_t)w);
+        } else {
+            for (size_t i = 0; i < r1; i++) {
+                int64_t v = int_at(o->arg[a], w1, i);
+                int_put(p->arg[a], w, r0 + i, rm && v >= 0 ? rm[v] : v);
+            }
+        }
+        free(rm);
+        DROP(o->arg[a]);
+    }
+    p->rows = r0 + r1;
+    return 0;
+}
+#undef DROP
+
+/* fork(pos) -> a Parser of the same document and spec that starts at the event at byte pos, as if it
+   opened the events array (pos: a guessed event start behind the first event). */
+static PyObject *Parser_fork(Parser *p, PyObject *arg) {
+    long long pos = PyLong_AsLongLong(arg);
+    if (pos == -1 && PyErr_Occurred()) return NULL;
+    if (!p->have_view || p->ev_lo < 0 || p->start != 0) {
+        PyErr_SetString(PyExc_RuntimeError, "fork() needs the first parser, past the start of the events array");
+        return NULL;
+    }
+    if (pos <= p->ev_lo || pos >= p->n) {
+        PyErr_SetString(PyExc_ValueError, "fork(): position outside the events array");
+        return NULL;
+    }
+    Parser *c = (Parser *)PyType_GenericNew(Py_TYPE(p), NULL, NULL);
+    if (!c) return NULL;
+    /* the spec: the fields from n_args up to rows */
+    memcpy(&c->n_args, &p->n_args, offsetof(Parser, rows) - offsetof(Parser, n_args));
+    if (PyObject_GetBuffer(p->view.obj, &c->view, PyBUF_SIMPLE) < 0) {
+        Py_DECREF(c);
+        return NULL;
+    }
+    c->have_view = 1;
+    c->buf = c->view.buf;
+    c->n = c->view.len;
+    if (c->buf != p->buf || c->n != p->n) {
+        Py_DECREF(c);
+        PyErr_SetString(PyExc_RuntimeError, "fork(): the document's buffer moved");
+        return NULL;
+    }
+    c->state = ST_ARRAY_FIRST;
+    c->pos = c->start = pos;
+    c->top_object = p->top_object;
+    c->ev_lo = p->ev_lo;
+    c->ev_hi = -1;
+    c->stopped_at = -1;
+    return (PyObject *)c;
+}
+
+/* set_limits(positions): the later parts' starts (ascending) at which this parser hands off. */
+static PyObject *Parser_set_limits(Parser *p, PyObject *arg) {
+    if (p->busy) {
+        PyErr_SetString(PyExc_RuntimeError, "Parser is being fed from another thread");
+        return NULL;
+    }
+    PyObject *seq = PySequence_Fast(arg, "set_limits() takes a sequence of positions");
+    if (!seq) return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    int64_t *lim = n ? malloc((size_t)n * sizeof(int64_t)) : NULL;
+    if (n && !lim) {
+        Py_DECREF(seq);
+        return PyErr_NoMemory();
+    }
+    for (Py_ssize_t k = 0; k < n; k++) {
+        lim[k] = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(seq, k));
+        if ((lim[k] == -1 && PyErr_Occurred()) || (k && lim[k] <= lim[k - 1]) || lim[k] <= p->start) {
+            if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "set_limits(): ascending positions past the start");
+            free(lim);
+            Py_DECREF(seq);
+            return NULL;
+        }
+    }
+    Py_DECREF(seq);
+    free(p->limits);
+    p->limits = lim;
+    p->n_limits = (size_t)n;
+    p->li = 0;
+    Py_RETURN_NONE;
+}
+
+/* absorb(part): append the rows of the part this parser handed off to (scanned to its own end or
+   hand-off), taking over its position and state; its columns are freed. Raises Unsupported when the
+   part met something the scanner does not take (as one parser would have there). */
+static PyObject *Parser_absorb(Parser *p, PyObject *arg) {
+    if (!PyObject_TypeCheck(arg, Py_TYPE(p))) {
+        PyErr_SetString(PyExc_TypeError, "absorb() takes a Parser");
+        return NULL;
+    }
+    Parser *o = (Parser *)arg;
+    if (o == p || p->busy || o->busy || p->taken || o->taken || p->err || p->state != ST_HANDOFF ||
+        o->start != p->stopped_at || o->buf != p->buf) {
+        PyErr_SetString(PyExc_RuntimeError, "absorb(): not the part this parser handed off to, or one in use");
+        return NULL;
+    }
+    if (o->err) {
+        p->err = o->err;
+        p->err_pos = o->err_pos;
+        PyErr_Format(Unsupported, "%s at byte %lld", p->err, (long long)p->err_pos);
+        return NULL;
+    }
+    if (o->state != ST_DONE && o->state != ST_HANDOFF) {
+        PyErr_SetString(PyExc_RuntimeError, "absorb(): the part was not scanned to its end");
+        return NULL;
+    }
+    int r;
+    Py_BEGIN_ALLOW_THREADS
+    r = merge(p, o);
+    Py_END_ALLOW_THREADS
+    if (r < 0) {
+        PyErr_Format(Unsupported, "%s at byte %lld", p->err ? p->err : "error", (long long)p->err_pos);
+        return NULL;
+    }
+    p->n_events += o->n_events;
+    p->state = o->state;
+    p->pos = o->pos;
+    p->ev_hi = o->ev_hi;
+    p->stopped_at = o->stopped_at;
+    free_rows(o);
+    o->taken = 1;
+    Py_RETURN_NONE;
+}
+
+static PyObject *Parser_stopped_at(Parser *p, void *Py_UNUSED(closure)) { return PyLong_FromLongLong(p->stopped_at); }
+static PyObject *Parser_start(Parser *p, void *Py_UNUSED(closure)) { return PyLong_FromLongLong(p->start); }
+static PyObject *Parser_events_start(Parser *p, void *Py_UNUSED(closure)) { return PyLong_FromLongLong(p->ev_lo); }
+
 static PyObject *Parser_position(Parser *p, void *Py_UNUSED(closure)) { return PyLong_FromLongLong(p->pos); }
 
 static PyMethodDef Parser_methods[] = {
@@ -1153,11 +1427,20 @@ static PyMethodDef Parser_methods[] = {
      "feed(max_events) -> bool: scan up to max_events more events; True once the whole document is read. "
      "Raises Unsupported for anything the msgspec path must handle."},
     {"result", (PyCFunction)Parser_result, METH_NOARGS, "The scanned columns (see the module docstring)."},
+    {"fork", (PyCFunction)Parser_fork, METH_O,
+     "fork(pos) -> Parser: a parser of the same document and spec starting at the (guessed) event at byte pos."},
+    {"set_limits", (PyCFunction)Parser_set_limits, METH_O,
+     "set_limits(positions): hand off (feed returns True) on landing exactly on one of these event starts."},
+    {"absorb", (PyCFunction)Parser_absorb, METH_O,
+     "absorb(part): append the rows of the part this parser handed off to; raises Unsupported for its errors."},
     {NULL, NULL, 0, NULL},
 };
 
 static PyGetSetDef Parser_getset[] = {
     {"position", (getter)Parser_position, NULL, "bytes of the document scanned so far", NULL},
+    {"stopped_at", (getter)Parser_stopped_at, NULL, "the part start this parser handed off at, -1 if none", NULL},
+    {"start", (getter)Parser_start, NULL, "where this parser began (0, or a forked part's first event)", NULL},
+    {"events_start", (getter)Parser_events_start, NULL, "the events array's '[' (-1 until located)", NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
 

@@ -48,7 +48,7 @@ from ..errors import TraceError
 from .checks import MAX_ABS_US, UNREPRESENTABLE, check_events
 from .narrow import narrow_args
 from .roworder import tree_rows_first
-from .scanner import FAST_FEED, Scan, _kineto_fast, decoder, fast_enabled, map_file, read_bytes  # noqa: F401 - re-exported
+from .scanner import FAST_FEED, Scan, _kineto_fast, decoder, fast_enabled, map_file, read_bytes, usable_cpus  # noqa: F401 - re-exported
 
 BATCH = 32768  # events per decode: smaller batches lower the peak memory, larger ones gain nothing measurable
 
@@ -591,14 +591,6 @@ def _tables(rp: _RangeParser) -> tuple[pa.Table | None, pa.Table | None, list[tu
 PARALLEL_MIN_EVENTS = 300_000
 
 
-def usable_cpus() -> int:
-    """CPUs this process may run on: the affinity mask (taskset, cgroup cpusets), not the machine's count."""
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except AttributeError:  # pragma: no cover - non-Linux
-        return os.cpu_count() or 1
-
-
 def _parallel_workers(n_events: int) -> int:
     if n_events < PARALLEL_MIN_EVENTS or not hasattr(os, "fork") or os.environ.get("TRACELENS_NO_FORK"):
         return 1
@@ -841,12 +833,12 @@ def _parse_fast(path: str, scan: Scan, flows: bool = True) -> ParsedTrace:
 
 
 def parse_file(path: str | os.PathLike, data: bytes | list | None = None, parallel: int | None = None,
-               progress=None, flows: bool = True, scan: Scan | None = None) -> ParsedTrace:
+               progress=None, flows: bool = True, scan: Scan | None = None, threads: int | None = None) -> ParsedTrace:
     """Parse one trace file. Raises TraceError naming the file for every kind of bad input (see
     `_parse_file`). data: the file's JSON bytes, or a one-element list holding them, which the parse
     empties so that it holds the only reference and can free the buffer early."""
     try:
-        return _parse_file(path, data, parallel, progress, flows, scan)
+        return _parse_file(path, data, parallel, progress, flows, scan, threads)
     except RecursionError:
         raise TraceError(path, "nests objects/arrays too deeply to be a trace (over ~1000 levels)") from None
     except UnicodeDecodeError as e:
@@ -854,7 +846,7 @@ def parse_file(path: str | os.PathLike, data: bytes | list | None = None, parall
 
 
 def _parse_file(path: str | os.PathLike, data: bytes | list | None = None, parallel: int | None = None,
-                progress=None, flows: bool = True, scan: Scan | None = None) -> ParsedTrace:
+                progress=None, flows: bool = True, scan: Scan | None = None, threads: int | None = None) -> ParsedTrace:
     """Parse one trace file. Raises TraceError naming the file for every kind of bad input.
 
     parallel: worker processes for one large file on the msgspec path (default: automatic, one per
@@ -862,6 +854,8 @@ def _parse_file(path: str | os.PathLike, data: bytes | list | None = None, paral
     progress: optional callback(fraction of the file done). flows=False skips the flow events (ph
     s/t/f: no analysis reads them; `parse_flows` reads them later); ParsedTrace.flows is then None.
     scan: the file's bytes already through the compiled scanner (`Scan`, run by a prefetch thread).
+    threads: threads of the compiled scanner for one large file (default `scanner.scan_threads`: one per
+    usable CPU; 1 where processes already run side by side, as the multi-file pool and Dask workers do).
     """
     path = os.fspath(path)
     if isinstance(data, list):
@@ -874,7 +868,7 @@ def _parse_file(path: str | os.PathLike, data: bytes | list | None = None, paral
         try:
             if scan is None:
                 scan = Scan(data)
-                scan.run(progress)
+                scan.run(progress, threads)
             return _parse_fast(path, scan, flows)
         except _NotFast:
             pass  # the msgspec path is the reference: it parses what the scanner does not take, or names the problem

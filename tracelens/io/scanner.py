@@ -11,6 +11,8 @@ from __future__ import annotations
 import gzip
 import mmap
 import os
+import re
+import threading
 import zlib
 
 from ..errors import TraceError
@@ -120,33 +122,130 @@ def fast_enabled() -> bool:
     return _kineto_fast is not None and not os.environ.get("TRACELENS_PURE_PYTHON")
 
 
+# One file's scan in parallel parts (see the top of _kineto_fast.c): a part's guessed start is an object
+# behind "}," that begins with an event's key (a nested object in args rarely does; a guess that is not
+# an event start costs only its part's parallelism, never a wrong table).
+PARALLEL_MIN = 32 << 20  # bytes: smaller documents are scanned by one thread
+PART_MIN = 16 << 20  # bytes per part at least
+MAX_PARTS = 8
+_PART_START = re.compile(rb'\}[ \t\r\n]*,[ \t\r\n]*\{[ \t\r\n]*"(?:ph|cat|name|pid|tid|ts|dur|id|args|bp|s)"[ \t\r\n]*:')
+
+
+def usable_cpus() -> int:
+    """CPUs this process may run on: the affinity mask (taskset, cgroup cpusets), not the machine's count."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # pragma: no cover - non-Linux
+        return os.cpu_count() or 1
+
+
+def scan_threads(size: int) -> int:
+    """Threads that scan a document of `size` bytes: one per usable CPU, at most MAX_PARTS, each part at
+    least PART_MIN bytes; 1 below PARALLEL_MIN. TRACELENS_SCAN_THREADS=N forces N (1: one thread)."""
+    forced = os.environ.get("TRACELENS_SCAN_THREADS")
+    if forced:
+        try:
+            return max(1, min(int(forced), 64))
+        except ValueError:
+            pass
+    if size < PARALLEL_MIN:
+        return 1
+    return max(1, min(usable_cpus(), MAX_PARTS, size // PART_MIN))
+
+
 class Scan:
     """One document through the compiled scanner; `run` releases the GIL while it scans, so a thread
-    can run it while the caller does other work (`tracelens/io/prefetch.py`)."""
+    can run it while the caller does other work (`tracelens/io/prefetch.py`), and a large document is
+    scanned in parallel parts, one thread each (`scan_threads`)."""
 
     def __init__(self, data: bytes):
         self.data = data
         self.parser = _kineto_fast.Parser(data, *_FAST_SPEC)
+        self.parts: list = []  # the forked parsers of a parallel scan, while it runs
+        self.parts_used = 0  # parts the result was scanned in (a guessed start no parser landed on is not one)
         self.result: dict | None = None
         self.error: str | None = None  # why the scanner did not take the file
+        self._stop = False  # set when the first part failed: the other parts stop early
 
     @property
     def fraction(self) -> float:
-        parser = self.parser  # read once: the scanning thread lets it go when done
-        return 1.0 if parser is None else min(1.0, parser.position / max(1, len(self.data)))
+        parser, parts = self.parser, self.parts  # read once: the scanning threads let them go when done
+        if parser is None:
+            return 1.0
+        done = parser.position + sum(max(0, p.position - p.start) for p in parts)
+        return min(1.0, done / max(1, len(self.data)))
 
-    def run(self, progress=None) -> None:
+    def part_starts(self, n: int) -> list[int]:
+        """Up to n - 1 guessed event starts that cut the events array into n parts of similar size."""
+        lo, size = self.parser.events_start, len(self.data)
+        starts: list[int] = []
+        if lo < 0:
+            return starts
+        for k in range(1, n):
+            m = _PART_START.search(self.data, lo + (size - lo) * k // n)
+            if m is None:
+                break
+            s = m.start() + m.group().index(b"{")
+            if not starts or s > starts[-1]:
+                starts.append(s)
+        return starts
+
+    def run(self, progress=None, threads: int | None = None) -> None:
+        """Scan the whole document (`result`, or `error` naming what the scanner does not take).
+        threads: parts scanned in parallel (default `scan_threads`; 1 for one thread)."""
         mapped = self.data if isinstance(self.data, mmap.mmap) else None
-        dropped = 0
+        first = self.parser
+        workers: list[threading.Thread] = []
         try:
-            while not self.parser.feed(FAST_FEED):
-                if mapped is not None:  # pages behind the scan go back (re-read from the page cache if needed)
-                    dropped = release_pages(mapped, dropped, self.parser.position)
-                if progress is not None:
-                    progress(self.fraction)
-            self.result = self.parser.result()
+            n = scan_threads(len(self.data)) if threads is None else max(1, int(threads))
+            starts: list[int] = []
+            if n > 1:
+                first.feed(0)  # locate the events array
+                starts = self.part_starts(n)
+            if starts:
+                self.parts = parts = [first.fork(s) for s in starts]
+                first.set_limits(starts)
+                for k, part in enumerate(parts):
+                    part.set_limits(starts[k + 1:])
+                    workers.append(threading.Thread(target=self._feed, args=(part, mapped), daemon=True,
+                                                    name=f"tracelens-scan-{k + 1}"))
+                for w in workers:
+                    w.start()
+            try:
+                self._feed(first, mapped, progress)
+            except _kineto_fast.Unsupported:
+                self._stop = True
+                raise
+            for w in workers:
+                w.join()
+            at = {p.start: p for p in self.parts}
+            used = 1
+            while first.stopped_at >= 0:  # the confirmed parts, in order (the others are not used)
+                first.absorb(at[first.stopped_at])
+                used += 1
+            self.result = first.result()
+            self.parts_used = used
         except _kineto_fast.Unsupported as e:
             self.error = str(e)
+        finally:
+            self._stop = True
+            for w in workers:
+                w.join()
+            self.parts = []
         if mapped is not None:
             release_pages(mapped, 0, len(mapped))
         self.parser = None
+
+    def _feed(self, parser, mapped: mmap.mmap | None, progress=None) -> None:
+        """Feed one part to its end (or hand-off). In a part's own thread an Unsupported stays in its
+        parser, which `absorb` raises again if the part is used."""
+        dropped = parser.start
+        try:
+            while not parser.feed(FAST_FEED) and not (self._stop and parser is not self.parser):
+                if mapped is not None:  # pages behind the scan go back (re-read from the page cache if needed)
+                    dropped = release_pages(mapped, dropped, parser.position)
+                if progress is not None:
+                    progress(self.fraction)
+        except _kineto_fast.Unsupported:
+            if parser is self.parser:
+                raise
