@@ -176,3 +176,41 @@ def test_gpu_only_trace_empty_tree_and_attribution(tmp_path):
     assert a.ops.empty and len(a.kernels) == 3
     assert f"{p}: GPU-only trace, no CPU events: GPU timeline and kernels only, no op or call-tree figures" in s["warnings"]
     assert not any("could be linked" in w for w in s["warnings"])
+
+
+def _lexsort_order(rank, pid, tid, ts, dur, kind):
+    return np.lexsort((kind, -dur, ts, tid, pid, rank))
+
+
+@pytest.mark.parametrize("path", [MOE_LOOP, MI250, DIFF_TEST, NCCL_2RANK], ids=lambda p: p.name)
+def test_thread_time_order_is_the_lexsort_on_fixtures(path):
+    host = CT.host_events(tracelens.load(path, cache=False).events)
+    cols = [host[c].to_numpy() for c in ("rank", "pid", "tid", "ts", "dur", "kind")]
+    assert np.array_equal(CT.thread_time_order(*cols), _lexsort_order(*cols))
+
+
+def test_thread_time_order_is_the_lexsort_on_any_input():
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    small = st.integers(0, 3)
+    row = st.tuples(small, st.sampled_from([1, 7, 2**40, -5]), st.sampled_from([3, 2**47 + 1, -2]),
+                    st.integers(-20, 20), st.sampled_from([0, 1, 5, 2**30]), st.integers(0, 3))
+
+    @settings(max_examples=300, deadline=None)
+    @given(st.lists(row, min_size=0, max_size=60), st.sampled_from([0, 10**15, -(10**12)]))
+    def check(rows, base):
+        a = np.array(rows, dtype=np.int64).reshape(-1, 6)
+        cols = [a[:, 0].astype(np.int32), a[:, 1], a[:, 2], a[:, 3] + base, a[:, 4], a[:, 5].astype(np.int8)]
+        assert np.array_equal(CT.thread_time_order(*cols), _lexsort_order(*cols))
+
+    check()
+
+
+def test_thread_time_order_falls_back_when_the_key_would_overflow():
+    n = 50
+    rng = np.random.default_rng(3)
+    ts = rng.integers(-(2**62), 2**62, n)  # a span past int64 once threads multiply it
+    cols = [np.zeros(n, np.int32), rng.integers(0, 9, n), rng.integers(0, 9, n), ts, rng.integers(0, 3, n),
+            rng.integers(0, 4, n).astype(np.int8)]
+    assert np.array_equal(CT.thread_time_order(*cols), _lexsort_order(*cols))

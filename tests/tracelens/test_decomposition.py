@@ -335,3 +335,48 @@ def test_parts_add_up_on_any_step(tmp_path_factory, case):
         for r in rec["ranks"]:
             assert sum(c["us"] for c in r["components"]) == pytest.approx(r["step_us"], abs=0.01)
         json.dumps(rec, allow_nan=False)
+
+
+def _gap_overlap_loop(kinds, idx, launch, sts, gap, us, ue):
+    """The per-item reference of replay._gap_overlap: [t - gap, t] inside the union of [us, ue)."""
+    cum = np.concatenate([[0], np.cumsum(ue - us)])
+    out = np.zeros(len(gap))
+    for n, (kd, j) in enumerate(zip(kinds, idx)):
+        b = launch[j] if kd == 0 else sts[j]
+        a = b - gap[n]
+        cov = 0.0
+        if b > a:
+            i, k = np.searchsorted(ue, a, side="right"), np.searchsorted(us, b, side="left")
+            if k > i:
+                tot = cum[k] - cum[i]
+                tot -= max(0, a - us[i])
+                tot -= max(0, ue[k - 1] - b)
+                cov = float(max(tot, 0))
+        out[n] = min(cov, gap[n])
+    return out
+
+
+def test_gap_overlap_matches_the_per_item_walk():
+    from types import SimpleNamespace
+
+    from tracelens.analysis import intervals as I
+    from tracelens.projection.replay import _gap_overlap
+
+    rng = np.random.default_rng(11)
+    for _ in range(200):
+        n_eh, n_l, n_s = rng.integers(0, 12), rng.integers(0, 30), rng.integers(0, 6)
+        ts = rng.integers(0, 1000, n_eh)
+        eh = pd.DataFrame({"ts": ts + 50, "end": ts + 50 + rng.integers(0, 120, n_eh)})
+        launch = np.sort(rng.integers(0, 1200, n_l))
+        sts = np.sort(rng.integers(0, 1200, n_s))
+        kinds = np.r_[np.zeros(n_l, np.int8), np.ones(n_s, np.int8)]
+        idx = np.r_[np.arange(n_l), np.arange(n_s)]
+        gap = rng.choice([0.0, 3.5, 40.0, 250.0, 1e4], len(kinds))
+        p = SimpleNamespace(expert_host=eh, start=50)
+        got = _gap_overlap(kinds, idx, launch, sts, sts, gap, p)
+        if n_eh:
+            us, ue = I.union(eh["ts"].to_numpy(np.int64) - 50, eh["end"].to_numpy(np.int64) - 50)
+            want = _gap_overlap_loop(kinds, idx, launch, sts, gap, us, ue)
+        else:
+            want = np.zeros(len(gap))
+        assert np.array_equal(got, want)

@@ -123,7 +123,7 @@ def build_tree(events: pd.DataFrame) -> pd.DataFrame:
     # positions (sorted and original) in int32 below 2**31 host events: half the bytes of every position
     # array; the keys built from thread ids are made in int64 (`_wide`)
     pos_t = np.int32 if n < 2**31 else np.int64
-    order = np.lexsort((kind, -dur, ts, tid_a, pid_a, rank_a))
+    order = thread_time_order(rank_a, pid_a, tid_a, ts, dur, kind)
     if _tied_out_of_order(order, ts, dur, kind, ext_a):  # rare: sort again with the External id as the last key
         order = np.lexsort((ext_a, kind, -dur, ts, tid_a, pid_a, rank_a))
     order = order.astype(pos_t)
@@ -255,6 +255,47 @@ def _wide(a: np.ndarray) -> np.ndarray:
     return a.astype(np.int64, copy=False)
 
 
+def thread_time_order(rank: np.ndarray, pid: np.ndarray, tid: np.ndarray, ts: np.ndarray, dur: np.ndarray,
+                      kind: np.ndarray) -> np.ndarray:
+    """The permutation `np.lexsort((kind, -dur, ts, tid, pid, rank))` gives (by thread, then start, longer
+    first, then kind; ties in file order), ~5x faster: the thread's rank in (rank, pid, tid) order and the
+    start make one int64 key, sorted stably (a merge sort, quick on the runs of a thread's time-ordered
+    events), and only the few entries whose key ties are sorted again by (-dur, kind). Falls back to the
+    lexsort when the key would not fit int64. (Memory: the key, the order and the sorted key at most.)"""
+    n = len(ts)
+    if n == 0:
+        return np.empty(0, dtype=np.int64)
+    t0, t1 = int(ts.min()), int(ts.max())
+    kinds = int(kind.max()) + 1 if n else 1
+    lo_dur, hi_dur = int(dur.min()), int(dur.max())
+    g = None
+    n_groups = 1
+    for a in (rank, pid, tid):  # thread index in (rank, pid, tid) order: mixed-radix over the sorted codes
+        codes, uniques = pd.factorize(a, sort=True)
+        n_groups *= len(uniques)
+        if n_groups * (t1 - t0 + 1) >= (1 << 62):
+            g = None
+            break
+        g = codes.astype(np.int64, copy=False) if g is None else g * len(uniques) + codes
+        del codes
+    if g is None or int(kind.min()) < 0 or (hi_dur - lo_dur + 1) * kinds >= (1 << 62):
+        return np.lexsort((kind, -dur, ts, tid, pid, rank))
+    g *= t1 - t0 + 1
+    g += ts
+    g -= t0  # g: the (thread, start) key
+    order = np.argsort(g, kind="stable")
+    s = g[order]
+    del g
+    tie = s[1:] == s[:-1]
+    if tie.any():
+        at = np.flatnonzero(tie)
+        at = np.unique(np.concatenate([at, at + 1]))  # sorted positions inside runs of one key
+        sub = order[at]
+        second = (hi_dur - dur[sub]) * kinds + kind[sub]  # longer first, then kind
+        order[at] = sub[np.lexsort((second, s[at]))]  # (stable: file order stays the last key)
+    return order
+
+
 def _tied_out_of_order(order: np.ndarray, ts: np.ndarray, dur: np.ndarray, kind: np.ndarray,
                        ext: np.ndarray) -> bool:
     """Whether two neighbours of the sort have the same start, duration and kind but External ids in
@@ -297,9 +338,10 @@ def _range_depth(group: np.ndarray, ts: np.ndarray, end: np.ndarray) -> np.ndarr
     t0 = min(int(ts.min()), int(end.min()))
     span = int(max(end.max(), ts.max())) - t0 + 1
     if int(group.max() + 1) * span < (1 << 62):
-        e_order = np.lexsort((end, group))
-        ekey = group[e_order] * span + (end[e_order] - t0)
-        del e_order
+        ekey = group * span
+        ekey += end
+        ekey -= t0
+        ekey.sort()  # the (group, end) keys in order
         depth = np.arange(m, dtype=np.int64)
         depth -= np.searchsorted(ekey, group * span + (ts - t0), side="right")
         del ekey

@@ -1110,7 +1110,7 @@ def _split(total: int, weights: list[int]) -> list[int]:
 
 
 def bubble_account(actions: pd.DataFrame, meta: PipelineMeta | None = None, balance: StageBalance | None = None,
-                   trace=None, activity: TraceActivity | None = None) -> BubbleAccount:
+                   trace=None, activity: TraceActivity | None = None, measured: pd.DataFrame | None = None) -> BubbleAccount:
     """Split every rank's idle time per step into schedule theory + stage imbalance + p2p/comm wait +
     host/launch overhead + other, adding up exactly to the measured idle (window - busy, as `bubbles`).
 
@@ -1128,6 +1128,7 @@ def bubble_account(actions: pd.DataFrame, meta: PipelineMeta | None = None, bala
     path): see WAIT_CLASSES. comm and host take their share of the overhead; other takes GPU work outside
     the actions, waits no trace covers (every untraced step's whole overhead) and integer rounding.
     A slow stage's rank idles less than the equal-stage schedule would, so its theory part is smaller.
+    measured: `bubbles(actions)` when the caller has it already.
     """
     if actions.empty:
         raise TraceError(None, "empty window: no pipeline actions to account for")
@@ -1139,7 +1140,7 @@ def bubble_account(actions: pd.DataFrame, meta: PipelineMeta | None = None, bala
     gpu = None if activity is None else any(len(s["comm_gpu"][0]) or len(s["gpu_other"][0]) for s in activity.sets.values())
     part_of = {**WAIT_CLASSES, "before_trace": "other" if gpu else "host"}
     # every (step, rank) lane at once: a lane's figures depend on its own step's actions alone
-    measured = dict(iter(bubbles(actions).groupby("step", sort=False)))
+    measured = dict(iter((bubbles(actions) if measured is None else measured).groupby("step", sort=False)))
     paths = dict(iter(critical_path(actions).groupby("step", sort=False)))  # each step's path is its own
     for step, a in actions.groupby("step", sort=True):
         a = a.sort_values(["rank", "start_ns", "end_ns"], kind="stable").reset_index(drop=True)
@@ -1378,7 +1379,7 @@ def analyze_pipeline(actions: pd.DataFrame, meta: PipelineMeta | None = None, *,
     shown = steps[-1] if step is not None else steady_pipeline_step(steps, run_manifest(trace) if trace is not None else None)
     gaps = bubble_gaps(sel[sel["step"] == shown])
     balance = stage_balance(sel, meta)
-    account = bubble_account(sel, meta, balance, trace=trace)
+    account = bubble_account(sel, meta, balance, trace=trace, measured=per_step)
     return PipelineAnalysis(actions=actions, selected=sel, steps=steps, skipped_steps=skipped, shown_step=shown, meta=meta,
                             per_step=per_step, per_rank=per_rank, overall_ratio=overall, theory_ratio=theory,
                             theory_note=note, gaps=gaps, balance=balance, source=source,

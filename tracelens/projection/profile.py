@@ -261,6 +261,18 @@ def _paths_of(tree: pd.DataFrame, events: pd.DataFrame, rows: np.ndarray, fwd_pa
     return path, back
 
 
+def _classify_kernel(cat: str, is_comm: bool, p: str, op: str, dims: str, back: bool, own: str, tokens: int, mbs: int,
+                     seq_len: int) -> tuple:
+    """(component, scale, expert, moe stage, layer, recompute) of a kernel from what `_gpu_work` knows of it."""
+    comp = _component(cat, is_comm, p, op, "moe/experts" in p)
+    m = re.search(r"moe/(\w+)", p)
+    lm = _LAYER_RE.findall(p)
+    # a layer's forward range ("layer/<i>" in the kernel's own path) opened inside an autograd
+    # backward function: activation checkpointing running that layer's forward again
+    return (comp, _scale(comp, p, op, dims, tokens, mbs, seq_len), comp == "expert GEMMs",
+            f"moe/{m.group(1)}" if m else "", int(lm[-1]) if lm else -1, back and _LAYER_RE.search(own) is not None)
+
+
 def _gpu_work(g: pd.DataFrame, tree: pd.DataFrame, events: pd.DataFrame, fwd_paths: dict, tokens: int, mbs: int,
               seq_len: int) -> pd.DataFrame:
     g = g.sort_values(["launch_ts", "ts"], kind="stable")
@@ -282,20 +294,13 @@ def _gpu_work(g: pd.DataFrame, tree: pd.DataFrame, events: pd.DataFrame, fwd_pat
     stage = np.empty(n, dtype=object)
     layer = np.full(n, -1, dtype=np.int64)
     recompute = np.zeros(n, dtype=bool)
+    seen: dict[tuple, tuple] = {}  # a step's kernels share few (category, path, op, shapes) combinations
     for i in range(n):
-        p = path[i]
-        ep = "moe/experts" in p
-        comp[i] = _component(cat[i], bool(is_comm[i]), p, op[i], ep)
-        scale[i] = _scale(comp[i], p, op[i], dims[i], tokens, mbs, seq_len)
-        expert[i] = comp[i] == "expert GEMMs"
-        m = re.search(r"moe/(\w+)", p)
-        stage[i] = f"moe/{m.group(1)}" if m else ""
-        lm = _LAYER_RE.findall(p)
-        if lm:
-            layer[i] = int(lm[-1])
-        # a layer's forward range ("layer/<i>" in the kernel's own path) opened inside an autograd
-        # backward function: activation checkpointing running that layer's forward again
-        recompute[i] = bool(back[i]) and _LAYER_RE.search(own[i]) is not None
+        key = (cat[i], bool(is_comm[i]), path[i], op[i], dims[i], bool(back[i]), own[i])
+        got = seen.get(key)
+        if got is None:
+            got = seen[key] = _classify_kernel(*key, tokens, mbs, seq_len)
+        comp[i], scale[i], expert[i], stage[i], layer[i], recompute[i] = got
     work = pd.DataFrame({
         "launch": g["launch_ts"].to_numpy(np.int64), "start": g["ts"].to_numpy(np.int64),
         "dur": g["dur"].to_numpy(np.int64), "stream": g["stream"].to_numpy(np.int64),

@@ -237,30 +237,29 @@ def _launch_latency(launch, start, end, stream, linked, backlog) -> float:
 
 def _gap_overlap(kinds, idx, launch, sts, sen, gap, p: StepProfile) -> np.ndarray:
     """Per host item: how much of the host time before it was spent inside the expert stage's own CPU
-    ops (``StepProfile.expert_host``)."""
+    ops (``StepProfile.expert_host``): the length of [t - gap, t] inside their union, at most the gap,
+    for every item at once (t: the item's launch, or its sync's start)."""
     eh = p.expert_host
+    gap = np.asarray(gap, dtype=np.float64)
     out = np.zeros(len(gap))
-    if eh is None or not len(eh):
+    if eh is None or not len(eh) or not len(gap):
         return out
     us, ue = I.union(eh["ts"].to_numpy(np.int64) - p.start, eh["end"].to_numpy(np.int64) - p.start)
     cum = np.concatenate([[0], np.cumsum(ue - us)])
-
-    def covered(a: float, b: float) -> float:  # length of [a, b] inside the union
-        if b <= a:
-            return 0.0
-        i = np.searchsorted(ue, a, side="right")
-        j = np.searchsorted(us, b, side="left")
-        if j <= i:
-            return 0.0
-        tot = cum[j] - cum[i]
-        tot -= max(0, a - us[i])
-        tot -= max(0, ue[j - 1] - b)
-        return float(max(tot, 0))
-
-    for n, (kd, j) in enumerate(zip(kinds, idx)):
-        t = launch[j] if kd == 0 else sts[j]
-        out[n] = min(covered(t - gap[n], t), gap[n])
-    return out
+    kinds, idx = np.asarray(kinds), np.asarray(idx)
+    t = np.zeros(len(gap), dtype=np.int64)
+    m = kinds == 0
+    t[m] = np.asarray(launch, np.int64)[idx[m]]
+    t[~m] = np.asarray(sts, np.int64)[idx[~m]]
+    a = t - gap
+    i = np.searchsorted(ue, a, side="right")  # the union's segments that end after a ...
+    j = np.searchsorted(us, t, side="left")  # ... and start before t
+    ok = (t > a) & (j > i)
+    i, j = np.where(ok, i, 0), np.where(ok, j, 1)
+    tot = (cum[j] - cum[i]).astype(np.float64)
+    tot -= np.maximum(0, a - us[i])  # the first segment's part before a
+    tot -= np.maximum(0, ue[j - 1] - t)  # the last segment's part after t
+    return np.minimum(np.where(ok, np.maximum(tot, 0), 0.0), gap)
 
 
 @dataclass
