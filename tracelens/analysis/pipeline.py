@@ -234,7 +234,10 @@ def actions_from_trace(trace) -> pd.DataFrame:
     df = df.sort_values(["rank", "name", "start_ns"], kind="stable").reset_index(drop=True)
     # merge overlapping copies of the same range (one per GPU stream), then number the occurrences
     g = df.groupby(["rank", "name"], sort=False)
-    prev_end = g["end_ns"].transform(lambda e: e.cummax().shift(1)).fillna(-1).to_numpy()
+    prev_end = g["end_ns"].cummax().to_numpy()  # the latest end so far in the (rank, name) run; then shifted
+    prev_end = np.r_[-1, prev_end[:-1]]
+    r_, n_ = df["rank"].to_numpy(), df["name"].to_numpy()
+    prev_end[np.r_[True, (r_[1:] != r_[:-1]) | (n_[1:] != n_[:-1])]] = -1  # a run's first copy
     new = df["start_ns"].to_numpy() >= prev_end
     df["occ"] = pd.Series(new.astype(np.int64)).groupby([df["rank"], df["name"]]).cumsum().to_numpy() - 1
     df = df.groupby(["rank", "name", "occ"], as_index=False, sort=False).agg(
@@ -526,9 +529,13 @@ def check_actions(actions: pd.DataFrame, meta: PipelineMeta | None = None) -> li
 
 def step_windows(actions: pd.DataFrame) -> pd.DataFrame:
     """Per step: window_start_ns (first start over all ranks), window_end_ns (last end), window_ns."""
-    w = actions.groupby("step").agg(window_start_ns=("start_ns", "min"), window_end_ns=("end_ns", "max")).reset_index()
-    w["window_ns"] = w["window_end_ns"] - w["window_start_ns"]
-    return w
+    steps, at = np.unique(actions["step"].to_numpy(), return_inverse=True)
+    at = at.reshape(-1)
+    lo = np.full(len(steps), np.iinfo(np.int64).max, dtype=np.int64)
+    np.minimum.at(lo, at, actions["start_ns"].to_numpy(np.int64))
+    hi = np.full(len(steps), np.iinfo(np.int64).min, dtype=np.int64)
+    np.maximum.at(hi, at, actions["end_ns"].to_numpy(np.int64))
+    return pd.DataFrame({"step": steps, "window_start_ns": lo, "window_end_ns": hi, "window_ns": hi - lo})
 
 
 @dataclass
@@ -891,8 +898,11 @@ def _step_graph(a: pd.DataFrame) -> tuple[list[list[int]], list[list[int]]]:
     measured order. Data dependencies as in `critical_path`: F(s) after F(s-1); B(s) after B(s+1), or
     after its own F on the last stage; W(s) after B(s); ranks sharing a pp_rank are separate
     data-parallel pipelines, paired by rank order."""
-    ranks = a[["rank", "pp_rank"]].drop_duplicates("rank").sort_values("rank")
-    replica_of = dict(zip(ranks["rank"].tolist(), ranks.groupby("pp_rank").cumcount().tolist()))
+    ranks, first = np.unique(a["rank"].to_numpy(), return_index=True)  # each rank's pp_rank: its first row's
+    replica_of, seen = {}, {}
+    for r, pp in zip(ranks.tolist(), a["pp_rank"].to_numpy()[first].tolist()):  # in rank order per pp_rank
+        replica_of[r] = seen.get(pp, 0)
+        seen[pp] = replica_of[r] + 1
     rank, stage = a["rank"].tolist(), a["stage"].tolist()
     mb, kind = a["microbatch"].tolist(), a["kind"].astype(str).tolist()
     rep = [replica_of[r] for r in rank]
@@ -999,8 +1009,9 @@ class TraceActivity:
         for cls in ("comm_gpu", "gpu_other", "comm_host", "host_ops"):
             starts, ends = self.sets[rank][cls]
             i, j = np.searchsorted(ends, a, side="right"), np.searchsorted(starts, b, side="left")
-            cs, ce = I.clip(starts[i:j], ends[i:j], a, b)
-            cov_s, cov_e = I.union(np.r_[cov_s, cs], np.r_[cov_e, ce])
+            if j > i:  # (a class with nothing in [a, b) adds nothing: no union to redo)
+                cs, ce = I.clip(starts[i:j], ends[i:j], a, b)
+                cov_s, cov_e = I.union(np.concatenate((cov_s, cs)), np.concatenate((cov_e, ce)))
             now = int((cov_e - cov_s).sum())
             out[cls], done = now - done, now
         out["host_python"] = (b - a) - done
@@ -1100,6 +1111,19 @@ class BubbleAccount:
                 "warnings": list(self.warnings)}
 
 
+def _group_mean(values: np.ndarray, *keys: np.ndarray) -> np.ndarray:
+    """Each row's group mean of `values` (int64 ns) over the groups of `keys`, rounded half to even as
+    `Series.round` does, as int64 (what `groupby(keys).transform("mean").round()` gives)."""
+    codes = np.zeros(len(values), dtype=np.int64)
+    for k in keys:
+        _, inv = np.unique(k, return_inverse=True)
+        codes = codes * (int(inv.max()) + 1 if len(inv) else 1) + inv.reshape(-1)
+    _, g = np.unique(codes, return_inverse=True)
+    g = g.reshape(-1)
+    means = np.bincount(g, weights=values) / np.bincount(g)
+    return np.round(means[g]).astype(np.int64)
+
+
 def _split(total: int, weights: list[int]) -> list[int]:
     """`total` in integer parts proportional to `weights`; the last part takes the rounding."""
     w = sum(weights)
@@ -1147,16 +1171,17 @@ def bubble_account(actions: pd.DataFrame, meta: PipelineMeta | None = None, bala
         t0 = int(a["start_ns"].min())
         dur = (a["end_ns"] - a["start_ns"]).to_numpy(np.int64)
         kind = a["kind"].astype(str).to_numpy()
-        equal = pd.Series(dur).groupby(kind).transform("mean").round().to_numpy(np.int64)
-        per_stage = pd.Series(dur).groupby([kind, a["stage"].to_numpy()]).transform("mean").round().to_numpy(np.int64)
-        rank = a["rank"].to_numpy()
+        equal = _group_mean(dur, kind)  # (integer ns: the sums are exact, as pandas' groupby mean has them)
+        per_stage = _group_mean(dur, kind, a["stage"].to_numpy())
+        ranks, rank_i = np.unique(a["rank"].to_numpy(), return_inverse=True)
         sims, forced = {}, 0
         graph = _step_graph(a)
         for name, d in (("equal", equal), ("stage", per_stage), ("sim", dur)):
             s, e, f = simulate_step(a, d, t0, graph=graph)
             forced = max(forced, f)
             window = int(e.max() - t0)
-            sims[name] = (window, window - pd.Series(d).groupby(rank).sum())
+            busy = np.bincount(rank_i.reshape(-1), weights=d, minlength=len(ranks))
+            sims[name] = (window, {int(r): window - int(b) for r, b in zip(ranks.tolist(), busy.tolist())})
         if forced:
             warns.append(f"step {step}: {forced} action(s) start before the action they depend on ends "
                          "(skewed clocks?); the replay ignored those dependencies")

@@ -214,7 +214,8 @@ def step_profile(analysis, config: dict, rank: int, step: int | None = None) -> 
     tokens = tokens_per_microbatch(config)
     mbs, seq_len = int(config.get("micro_batch_size") or 1), int(config.get("seq_len") or 1)
     tree = analysis.tree
-    fwd_paths = _forward_paths(tree[tree["rank"] == rank], analysis.trace.events)
+    mine = (tree["rank"].to_numpy() == rank) & (tree["kind"].to_numpy() == KIND_OP)  # (4 columns, not the tree)
+    fwd_paths = _forward_paths(tree.loc[mine, ["kind", "name", "path", "rank"]], analysis.trace.events)
     g_all = analysis.gpu
     g_all = g_all[g_all["rank"] == rank] if len(g_all) else g_all
     g = g_all[g_all["step"] == step] if len(g_all) else g_all
@@ -358,18 +359,17 @@ def _cpu_work(tree: pd.DataFrame, events: pd.DataFrame, rank: int, start: int, e
 
 def _lead(tree: pd.DataFrame, rank: int, start: int, end: int) -> int:
     """ns from the step's start to the first host event inside it (the step's own range excluded)."""
-    t = tree[tree["rank"] == rank]
-    ts = t["ts"].to_numpy()
-    inside = (ts > start) & (ts < end) & ~t["is_step"].to_numpy(bool)
+    ts = tree["ts"].to_numpy()  # (masks over the tree's columns: no copy of the rank's rows)
+    inside = (tree["rank"].to_numpy() == rank) & (ts > start) & (ts < end) & ~tree["is_step"].to_numpy(bool)
     return int(ts[inside].min() - start) if inside.any() else 0
 
 
 def _expert_host(tree: pd.DataFrame, events: pd.DataFrame, rank: int, start: int, end: int,
                  fwd_paths: dict) -> pd.DataFrame:
     """Host intervals of the outermost CPU ops of the MoE expert stage within the step."""
-    t = tree[(tree["rank"] == rank) & (tree["kind"].to_numpy() == KIND_OP) & (tree["depth"].to_numpy() == 0)]
-    ts = t["ts"].to_numpy()
-    t = t[(ts >= start) & (ts < end)]
+    ts = tree["ts"].to_numpy()
+    t = tree.loc[(tree["rank"].to_numpy() == rank) & (tree["kind"].to_numpy() == KIND_OP)
+                 & (tree["depth"].to_numpy() == 0) & (ts >= start) & (ts < end), ["ts", "dur", "path"]]
     if t.empty:
         return pd.DataFrame({"ts": np.zeros(0, np.int64), "end": np.zeros(0, np.int64), "backward": np.zeros(0, bool)})
     path, back = _paths_of(tree, events, t.index.to_numpy(), fwd_paths, rank)
@@ -381,13 +381,12 @@ def _expert_host(tree: pd.DataFrame, events: pd.DataFrame, rank: int, start: int
 
 
 def _syncs(tree: pd.DataFrame, rank: int, start: int, end: int) -> pd.DataFrame:
-    t = tree[(tree["rank"] == rank) & (tree["kind"].to_numpy() == KIND_RUNTIME)]
-    if t.empty:
+    rt = (tree["rank"].to_numpy() == rank) & (tree["kind"].to_numpy() == KIND_RUNTIME)
+    if not rt.any():
         return pd.DataFrame({"ts": np.zeros(0, np.int64), "end": np.zeros(0, np.int64), "moe": np.zeros(0, bool),
                              "path": np.zeros(0, object)})
-    t = t[C.isin(t["name"], C.SYNC_RUNTIME)]
-    ts = t["ts"].to_numpy()
-    t = t[(ts >= start) & (ts < end)]
+    ts = tree["ts"].to_numpy()
+    t = tree.loc[rt & C.isin(tree["name"], C.SYNC_RUNTIME) & (ts >= start) & (ts < end), ["ts", "dur", "path"]]
     path = C.strings(t["path"]).astype(object)
     return pd.DataFrame({"ts": t["ts"].to_numpy(np.int64), "end": (t["ts"] + t["dur"]).to_numpy(np.int64),
                          "moe": np.array(["moe/" in p for p in path], dtype=bool), "path": path}

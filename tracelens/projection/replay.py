@@ -25,6 +25,8 @@ host had not launched the next unit yet, or something else), so the parts add up
 
 from __future__ import annotations
 
+from bisect import bisect_right
+
 from dataclasses import dataclass
 
 import numpy as np
@@ -92,19 +94,26 @@ def prepare(p: StepProfile) -> Program:
     new_run = np.ones(n, dtype=bool)
     new_run[1:] = ends_stream[1:] != ends_stream[:-1]
     before_run = (np.flatnonzero(new_run) - 1)[np.cumsum(new_run) - 1]
-    for k in order:
-        s = int(stream[k])
-        ready = max(launch[k] + latency, last_end.get(s, -1 << 62))
-        if start[k] > ready + _TOL_NS:
+    # the walk below is sequential: on Python ints and lists (numpy scalars cost ~5x more per operation);
+    # the same values, as every operation is exact on integers below 2**53 or done in float as before
+    l_launch, l_start, l_end, l_stream = launch.tolist(), start.tolist(), end.tolist(), stream.tolist()
+    l_ends, l_ends_stream, l_before, l_ends_idx = (ends_sorted.tolist(), ends_stream.tolist(), before_run.tolist(),
+                                                   ends_sorted_idx.tolist())
+    l_dep, l_wait = dep.tolist(), wait.tolist()
+    for k in order.tolist():
+        s = l_stream[k]
+        ready = max(l_launch[k] + latency, last_end.get(s, -1 << 62))
+        if l_start[k] > ready + _TOL_NS:
             # waited for something: the unit on another stream that ended last before it started
-            j = np.searchsorted(ends_sorted, start[k] + _TOL_NS, side="right") - 1
-            if j >= 0 and ends_stream[j] == s:
-                j = before_run[j]
-            if j >= 0 and ends_sorted[j] > ready:
-                dep[k] = ends_sorted_idx[j]
-                ready = max(ready, ends_sorted[j])
-            wait[k] = max(start[k] - ready, 0)
-        last_end[s] = max(last_end.get(s, 0), end[k])
+            j = bisect_right(l_ends, l_start[k] + _TOL_NS) - 1
+            if j >= 0 and l_ends_stream[j] == s:
+                j = l_before[j]
+            if j >= 0 and l_ends[j] > ready:
+                l_dep[k] = l_ends_idx[j]
+                ready = max(ready, l_ends[j])
+            l_wait[k] = max(l_start[k] - ready, 0)
+        last_end[s] = max(last_end.get(s, 0), l_end[k])
+    dep, wait = np.asarray(l_dep, dtype=np.int64), np.asarray(l_wait, dtype=np.float64)
     sy = p.syncs
     sts = sy["ts"].to_numpy(np.int64) - p.start
     sen = sy["end"].to_numpy(np.int64) - p.start
@@ -120,12 +129,13 @@ def prepare(p: StepProfile) -> Program:
     sync_ret = np.zeros(len(sy))
     sync_streams: list[tuple] = [()] * len(sy)
     last_end = dict(backlog)  # per stream: measured end of the last unit launched so far
-    for i, (kd, j) in enumerate(zip(kinds, idx)):
-        t = launch[j] if kd == 0 else sts[j]
+    l_launch, l_sts, l_stream, l_end = launch.tolist(), sts.tolist(), stream.tolist(), end.tolist()
+    for i, (kd, j) in enumerate(zip(kinds.tolist(), idx.tolist())):
+        t = l_launch[j] if kd == 0 else l_sts[j]
         gap[i] = max(t - release, 0)
         if kd == 0:
             release = max(release, t)
-            last_end[int(stream[j])] = max(last_end.get(int(stream[j]), 0), int(end[j]))
+            last_end[l_stream[j]] = max(last_end.get(l_stream[j], 0), l_end[j])
         else:
             # what the sync waited for: the streams whose launched work had ended when it returned (a
             # stream sync waits for one stream; a kernel still running on another stream, e.g. a
@@ -171,16 +181,18 @@ def _hidden_syncs(kinds, idx, gap, launch, end, stream, sts, sen, sync_min, sync
     drain = max(backlog.values(), default=0)
     release = 0
     found: list[tuple[int, float, float, float]] = []  # (item, host work before, wait start, return)
-    for i, (kd, j) in enumerate(zip(kinds, idx)):
-        t = launch[j] if kd == 0 else sts[j]
-        r0 = t - gap[i]
-        if kd == 0 and gap[i] >= _HIDDEN_MIN_WAIT_NS and drain - r0 >= _HIDDEN_MIN_WAIT_NS and 0 <= t - drain <= max(_HIDDEN_RET_NS, _HIDDEN_RET_SHARE * gap[i]):
-            found.append((i, min(typical, float(gap[i])), float(r0), float(t - drain)))
+    l_launch, l_sts, l_sen, l_end, l_gap = launch.tolist(), sts.tolist(), sen.tolist(), end.tolist(), gap.tolist()
+    for i, (kd, j) in enumerate(zip(kinds.tolist(), idx.tolist())):  # (Python scalars: see `prepare`)
+        t = l_launch[j] if kd == 0 else l_sts[j]
+        g = l_gap[i]
+        r0 = t - g
+        if kd == 0 and g >= _HIDDEN_MIN_WAIT_NS and drain - r0 >= _HIDDEN_MIN_WAIT_NS and 0 <= t - drain <= max(_HIDDEN_RET_NS, _HIDDEN_RET_SHARE * g):
+            found.append((i, min(typical, float(g)), float(r0), float(t - drain)))
         if kd == 0:
-            drain = max(drain, int(end[j]))
+            drain = max(drain, l_end[j])
             release = max(release, t)
         else:
-            release = max(release, sen[j])
+            release = max(release, l_sen[j])
     if not found:
         return kinds, idx, gap, sts, sen, sync_min, sync_ret, sync_streams
     n_sy = len(sync_min)
@@ -226,9 +238,11 @@ def _launch_latency(launch, start, end, stream, linked, backlog) -> float:
     n = len(start)
     prev_end = np.full(n, -(1 << 62), dtype=np.int64)
     last: dict[int, int] = dict(backlog)
-    for k in np.argsort(start, kind="stable"):
-        prev_end[k] = last.get(int(stream[k]), -(1 << 62))
-        last[int(stream[k])] = max(last.get(int(stream[k]), 0), int(end[k]))
+    l_stream, l_end, l_prev = stream.tolist(), end.tolist(), prev_end.tolist()
+    for k in np.argsort(start, kind="stable").tolist():
+        l_prev[k] = last.get(l_stream[k], -(1 << 62))
+        last[l_stream[k]] = max(last.get(l_stream[k], 0), l_end[k])
+    prev_end = np.asarray(l_prev, dtype=np.int64)
     idle = linked & (start > prev_end + _TOL_NS) & (lag >= 0)
     if idle.any():
         est = min(est, float(lag[idle].min()))
