@@ -250,3 +250,25 @@ def test_version_names_the_decoder_in_use():
 
     out = CliRunner().invoke(main, ["--version"]).output
     assert "trace decoder: compiled scanner" in out
+
+
+def test_timestamps_are_the_msgspec_paths_nanoseconds_at_every_magnitude():
+    # the scanner's integer fast paths (below 2**40 us, and 1-6 decimals in [2**40, 2**52) us, where
+    # epoch-based Kineto clocks are) against the msgspec path's formula on the double, incl. the
+    # rounding edges: a fraction that rounds up to the next whole microsecond, exact halves
+    rng = random.Random(20261125)
+    vals = []
+    for _ in range(20000):
+        e = rng.choice([30, 39, 40, 41, 42, 45, 48, 51, 52])
+        ip = rng.randrange(1 << e, min(1 << (e + 1), 9 * 10**15))
+        fd = rng.choice([1, 2, 3, 3, 4, 6, 7])
+        f = rng.choice([rng.randrange(10**fd), 10**fd - 1, 5 * 10 ** (fd - 1), 0])
+        vals.append(f"{ip}.{f:0{fd}d}")
+    vals += ["1099511627776.999", "4503599627370495.999999", "4503599627370496.5", "1099511627775.9995"]
+    doc = ('{"traceEvents":[' + ",".join('{"ph":"X","name":"a","pid":1,"tid":1,"ts":%s,"dur":1}' % v for v in vals)
+           + "]}").encode()
+    s = K.Scan(doc)
+    s.run(threads=1)
+    assert s.error is None
+    got = np.frombuffer(s.result["ts"], dtype=np.int64)
+    assert np.array_equal(got, K._ns([float(v) for v in vals]))

@@ -347,9 +347,10 @@ static int number_double(Parser *p, int64_t off, int64_t len, double *out) {
 
 /* Microseconds (a JSON number) -> integer nanoseconds, exactly as kineto._ns computes them from the
    double: whole = floor(us), ns = whole * 1000 + rint((us - whole) * 1000).
-   Fast path from the digits, for the numbers where that formula gives the decimal value exactly: an
-   integer below 2**53, or at most 3 decimals below 2**40 us (the double's error is then < 0.13 ns,
-   so rint lands on the exact value). Anything else goes through the double. */
+   Fast paths from the digits: where that formula gives the decimal value exactly (an integer below
+   2**53, or at most 3 decimals below 2**40 us: the double's error is then < 0.13 ns, so rint lands on
+   the exact value), and for 1-6 decimals in [2**40, 2**52) us, the formula itself in integers (below).
+   Anything else goes through the double. */
 static int number_ns(Parser *p, int64_t off, int64_t len, int64_t *out) {
     static const int64_t scale[4] = {1000, 100, 10, 1};
     const unsigned char *s = p->buf + off, *e = s + len;
@@ -365,7 +366,7 @@ static int number_ns(Parser *p, int64_t off, int64_t len, int64_t *out) {
     }
     if (s < e && *s == '.') {
         s++;
-        while (s < e && *s >= '0' && *s <= '9' && fd < 4) {
+        while (s < e && *s >= '0' && *s <= '9' && fd < 7) {
             frac = frac * 10 + (uint64_t)(*s++ - '0');
             fd++;
         }
@@ -373,6 +374,24 @@ static int number_ns(Parser *p, int64_t off, int64_t len, int64_t *out) {
     if (s == e && nd > 0 && fd <= 3 && (fd == 0 ? ip < (1ull << 53) : ip < (1ull << 40))) {
         int64_t v = (int64_t)ip * 1000 + (int64_t)frac * scale[fd];
         *out = neg ? -v : v;
+        return 0;
+    }
+    if (s == e && !neg && fd >= 1 && fd <= 6 && ip >= (1ull << 40) && ip < (1ull << 52)) {
+        /* Epoch-like timestamps (2**40 us is 12.7 days): the formula on the double, done exactly in
+           integers. The double is ip + m / 2**k (k = 52 - exponent of ip, 1..12), with m the fraction's
+           10**-fd units rounded half to even to multiples of 2**-k; (us - whole) * 1000 = m * 1000 / 2**k
+           is then exact, and rint rounds it half to even. */
+        static const uint64_t pow10[7] = {1, 10, 100, 1000, 10000, 100000, 1000000};
+        int k = 52 - (63 - __builtin_clzll(ip));
+        uint64_t P = pow10[fd], num = frac << k, m = num / P, r = num % P;
+        if (2 * r > P || (2 * r == P && (m & 1))) m++;
+        if (m == (1ull << k)) {
+            *out = (int64_t)(ip + 1) * 1000;
+            return 0;
+        }
+        uint64_t t = m * 1000, q = t >> k, r2 = t & ((1ull << k) - 1), half = 1ull << (k - 1);
+        if (r2 > half || (r2 == half && (q & 1))) q++;
+        *out = (int64_t)ip * 1000 + (int64_t)q;
         return 0;
     }
     double us;
@@ -627,7 +646,7 @@ static inline void int_put(void *col, int w, size_t i, int64_t v) {
    would choose it over the finished column. */
 static int widen(Parser *p, int a, size_t rows, int need) {
     int w = p->arg_w[a];
-    if (need <= w) return 0;
+    if (need <= w) return 0; /* (put_int checks first: this is the rare path) */
     void *q = realloc(p->arg[a], p->cap * (size_t)need);
     if (!q) FAIL(p, "out of memory", p->pos);
     for (size_t i = rows; i-- > 0;) int_put(q, need, i, int_at(q, w, i));
@@ -636,8 +655,9 @@ static int widen(Parser *p, int a, size_t rows, int need) {
     return 0;
 }
 
-static int put_int(Parser *p, int a, size_t r, int64_t v) {
-    if (widen(p, a, r, int_width(v)) < 0) return -1;
+static inline int put_int(Parser *p, int a, size_t r, int64_t v) {
+    int need = int_width(v);
+    if (need > p->arg_w[a] && widen(p, a, r, need) < 0) return -1;
     int_put(p->arg[a], p->arg_w[a], r, v);
     return 0;
 }

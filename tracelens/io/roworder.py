@@ -11,10 +11,13 @@ part in file order (a stable partition: ties the analyses break by file order br
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import numpy as np
 import pyarrow as pa
 
 from ..categories import call_tree_mask
+from .scanner import usable_cpus
 
 
 def _codes_and_values(col: pa.ChunkedArray) -> tuple[np.ndarray, list]:
@@ -45,6 +48,12 @@ def tree_rows_first(holder: list[pa.Table]) -> tuple[pa.Table, int]:
         return table, k
     order = pa.array(np.concatenate([np.flatnonzero(mask), np.flatnonzero(~mask)]))
     del mask
-    for i, name in enumerate(table.column_names):
-        table = table.set_column(i, name, table.column(i).take(order))
+    names = table.column_names
+    cols = [table.column(i) for i in range(len(names))]
+    # Arrow's take releases the GIL: a few columns at a time on the usable CPUs (a worker's result is set
+    # as soon as it comes, so a few columns' copies sit beside the table, not the table's)
+    with ThreadPoolExecutor(max_workers=max(1, min(usable_cpus(), 4)), thread_name_prefix="tracelens-take") as ex:
+        for i, col in enumerate(ex.map(lambda c: c.take(order), cols)):
+            cols[i] = None
+            table = table.set_column(i, names[i], col)
     return table, k
