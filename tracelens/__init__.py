@@ -53,8 +53,11 @@ def load(
 
     if pending is not None and pending.busy:
         # the load would only wait for the scan: import the analyses meanwhile (what nearly every load
-        # is followed by), so `analyze` does not pay for them after the scan
-        from . import analyzer  # noqa: F401
+        # is followed by), so `analyze` does not pay for them after the scan, and the ones `summary`
+        # imports on first use for as long as the scan still runs
+        from . import analyzer
+
+        analyzer.preload(lambda: pending.busy)
 
     return _load(paths, cache=cache, cache_dir=cache_dir, jobs=jobs, progress=progress, prefetch=pending)
 

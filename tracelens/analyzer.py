@@ -249,6 +249,22 @@ def _mark_startup_waits(stl: pd.DataFrame, waits: pd.DataFrame, warnings: list[s
     return stl
 
 
+# what `Analysis.summary` imports on first use (roofline, findings, health, decomposition, pipeline)
+_SUMMARY_MODULES = ("tracelens.analysis.pipeline", "tracelens.analysis.comm", "tracelens.analysis.health",
+                    "tracelens.analysis.roofline", "tracelens.analysis.findings", "tracelens.projection.decomposition")
+
+
+def preload(while_=lambda: True) -> None:
+    """Import the modules `summary` uses on first use, one at a time while `while_()` holds (`tracelens.load`
+    does this while the scan of a large file runs, so an analysis does not import them after it)."""
+    import importlib
+
+    for name in _SUMMARY_MODULES:
+        if not while_():
+            return
+        importlib.import_module(name)
+
+
 def _pipeline(trace: Trace, warnings: list[str]):
     """Pipeline schedule analysis when the run dir has pipeline/rank<N>.jsonl or the traces have pipeline
     ranges (tracelens.analysis.pipeline); a problem with that data becomes a warning, not a failure."""

@@ -424,11 +424,13 @@ def link_ranges(group, ts, end, kind, name, is_step):
         ext = extends[lvl]
         lv_path = p_path.copy()
         if ext.any():
-            keys = np.stack([p_path[ext], name[lvl][ext]], axis=1)
-            uniq, inv = np.unique(keys, axis=0, return_inverse=True)
+            pp_e, nm_e = p_path[ext].astype(np.int64), name[lvl][ext].astype(np.int64)
+            lo, width = int(nm_e.min()), int(nm_e.max() - nm_e.min()) + 1
+            # (parent path, name) as one key, in the same order as the rows: np.unique(axis=0) is ~20x slower
+            uniq, inv = np.unique(pp_e * width + (nm_e - lo), return_inverse=True)
             lv_path[ext] = n_paths + inv.reshape(-1)
-            path_parent.append(uniq[:, 0])
-            path_name.append(uniq[:, 1])
+            path_parent.append(uniq // width)
+            path_name.append(uniq % width + lo)
             n_paths += len(uniq)
         path[lvl] = lv_path
         prev_level = lvl
