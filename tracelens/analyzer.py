@@ -53,6 +53,7 @@ class Analysis:
     manifest: dict | None = field(default=None, repr=False)  # the run dir's manifest.json, when there is one
     _decomposition: Any = field(default=None, repr=False)  # DataFrame or the exception that stopped it
     _comm_instances: pd.DataFrame | None = field(default=None, repr=False)
+    _comm_kernels: pd.DataFrame | None = field(default=None, repr=False)  # analysis.comm.comm_kernels, once
 
     def roofline(self, ceilings: Any = None):
         """Roofline of every modeled op group (tracelens.analysis.roofline); computed once per ceilings."""

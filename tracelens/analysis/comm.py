@@ -196,7 +196,18 @@ def _int(v) -> int:
 def comm_kernels(analysis) -> pd.DataFrame:
     """Every communication kernel with what identifies its collective, from the kernel's args or, when the
     kernel lacks them, from the CPU events that launched it. Columns: row, rank, ts, end, dur, step,
-    collective, family, group, peers, pg_ranks, group_size, bytes, size_source, variable (per-rank sizes)."""
+    collective, family, group, peers, pg_ranks, group_size, bytes, size_source, variable (per-rank sizes).
+    Computed once per `Analysis` (kept in its `_comm_kernels`; callers read it, never change it)."""
+    cached = getattr(analysis, "_comm_kernels", None)
+    if cached is not None:
+        return cached
+    out = _comm_kernels(analysis)
+    if hasattr(analysis, "_comm_kernels"):
+        analysis._comm_kernels = out
+    return out
+
+
+def _comm_kernels(analysis) -> pd.DataFrame:
     g = analysis.gpu
     k = g[g["is_comm"].to_numpy()] if not g.empty else g
     cols = ["row", "rank", "ts", "end", "dur", "step", "collective", "family", "group", "peers", "pg_ranks",
