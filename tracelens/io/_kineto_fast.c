@@ -209,6 +209,7 @@ typedef struct {
     int cat_len[MAX_CATS], cat_group_of[MAX_CATS];
     /* rows of timed events */
     size_t rows, cap;
+    size_t filled; /* rows [0, filled) of every arg column hold "absent" (-1, NaN) or a value: see prefill */
     int32_t *ph, *cat, *name, *pid_s, *tid_s;
     int64_t *pid, *tid, *ts, *dur;
     void *arg[MAX_ARGS];
@@ -650,9 +651,28 @@ static int widen(Parser *p, int a, size_t rows, int need) {
     void *q = realloc(p->arg[a], p->cap * (size_t)need);
     if (!q) FAIL(p, "out of memory", p->pos);
     for (size_t i = rows; i-- > 0;) int_put(q, need, i, int_at(q, w, i));
+    if (p->filled > rows) memset((char *)q + rows * (size_t)need, 0xFF, (p->filled - rows) * (size_t)need); /* -1 */
     p->arg[a] = q;
     p->arg_w[a] = (uint8_t)need;
     return 0;
+}
+
+/* Most args are absent from most events: rather than writing -1 (or NaN) into every arg column for every
+   row, the next PREFILL rows of each (within the capacity) are set to absent ahead (-1 is all one bits at
+   any width), and an event writes only the args its category carries. Filling ahead in chunks keeps the
+   pages the capacity's doubling reserves untouched until rows reach them. */
+#define PREFILL 65536
+static void prefill(Parser *p) {
+    size_t lo = p->filled, hi = p->cap < lo + PREFILL ? p->cap : lo + PREFILL;
+    for (int a = 0; a < p->n_args; a++) {
+        if (p->kinds[a] == 'f') {
+            double *d = p->arg[a];
+            for (size_t i = lo; i < hi; i++) d[i] = NAN;
+        } else {
+            memset((char *)p->arg[a] + lo * p->arg_w[a], 0xFF, (hi - lo) * p->arg_w[a]);
+        }
+    }
+    p->filled = hi;
 }
 
 static inline int put_int(Parser *p, int a, size_t r, int64_t v) {
@@ -771,6 +791,7 @@ done:
     if (args_bad) FAIL(p, "args is not an object", start);
     if (p->rows == p->cap && grow_rows(p) < 0) return -1;
     size_t r = p->rows;
+    if (r >= p->filled) prefill(p);
     if (code_of(p, &p->d_ph, ph.off, ph.len, 0, &p->ph[r]) < 0) return -1;
     if (code_of(p, &p->d_cat, cat.off, cat.len, cat.escaped, &p->cat[r]) < 0) return -1;
     if (code_of(p, &p->d_name, name.off, name.len, name.escaped, &p->name[r]) < 0) return -1;
@@ -787,47 +808,48 @@ done:
 
     int group;
     if (cat_group(p, p->cat[r], &group) < 0) return -1;
-    uint64_t mask = group >= 0 ? p->group_mask[group] : 0;
-    for (int a = 0; a < p->n_args; a++) {
+    /* the args this category carries that the event has (the others are absent: prefilled) */
+    for (uint64_t mask = group >= 0 ? p->group_mask[group] : 0; mask; mask &= mask - 1) {
+        int a = __builtin_ctzll(mask);
         const Slot *s = &p->slot[a];
-        int set = ((mask >> a) & 1) && s->gen == p->gen && s->tag != T_ABSENT;
+        if (s->gen != p->gen || s->tag == T_ABSENT || s->tag == T_NULL) {
+            if (s->gen == p->gen && s->tag == T_NULL && p->kinds[a] == 'r') { /* raw keeps null's text */
+                int32_t c;
+                if (code_of(p, &p->d_arg[a], s->off, s->len, 0, &c) < 0 || put_int(p, a, r, c) < 0) return -1;
+            }
+            continue;
+        }
         switch (p->kinds[a]) {
-        case 'i': {
-            int64_t v = -1;
-            if (set && s->tag == T_INT) {
-                v = s->ival;
-            } else if (set && s->tag != T_NULL) { /* "0x0", 3.0, true: converted by the caller */
+        case 'i':
+            if (s->tag == T_INT) {
+                if (put_int(p, a, r, s->ival) < 0) return -1;
+            } else { /* "0x0", 3.0, true: converted by the caller (the row keeps -1 until then) */
                 if (i64_push2(&p->fixups, (int64_t)r, a) < 0 || i64_push2(&p->fixups, s->off, s->len) < 0)
                     FAIL(p, "out of memory", s->off);
             }
-            if (put_int(p, a, r, v) < 0) return -1;
             break;
-        }
-        case 'f': {
-            double v = NAN;
-            if (set && (s->tag == T_INT || s->tag == T_NUM)) {
-                if (number_double(p, s->off, s->len, &v) < 0) return -1;
-            } else if (set && s->tag != T_NULL) {
+        case 'f':
+            if (s->tag == T_INT || s->tag == T_NUM) {
+                if (number_double(p, s->off, s->len, &((double *)p->arg[a])[r]) < 0) return -1;
+            } else {
                 if (i64_push2(&p->fixups, (int64_t)r, a) < 0 || i64_push2(&p->fixups, s->off, s->len) < 0)
                     FAIL(p, "out of memory", s->off);
             }
-            ((double *)p->arg[a])[r] = v;
             break;
-        }
         case 's': {
-            int32_t c = -1;
-            if (set && s->tag == T_STR) {
+            int32_t c;
+            if (s->tag == T_STR) {
                 if (code_of(p, &p->d_arg[a], s->off + 1, s->len - 2, s->escaped ? F_ESCAPED : F_PLAIN, &c) < 0)
                     return -1;
-            } else if (set && s->tag != T_NULL) {
-                if (code_of(p, &p->d_arg[a], s->off, s->len, F_JSON, &c) < 0) return -1;
+            } else if (code_of(p, &p->d_arg[a], s->off, s->len, F_JSON, &c) < 0) {
+                return -1;
             }
             if (put_int(p, a, r, c) < 0) return -1; /* codes as narrow as the dictionary's size allows */
             break;
         }
         default: { /* raw: the value's JSON text as written */
-            int32_t c = -1;
-            if (set && code_of(p, &p->d_arg[a], s->off, s->len, 0, &c) < 0) return -1;
+            int32_t c;
+            if (code_of(p, &p->d_arg[a], s->off, s->len, 0, &c) < 0) return -1;
             if (put_int(p, a, r, c) < 0) return -1;
         }
         }
