@@ -225,13 +225,18 @@ def _mutations(data: bytes, rng: random.Random, n: int):
         yield bytes(b)
 
 
-def test_fuzzed_traces_give_the_same_outcome_through_both_paths(monkeypatch, tmp_path):
-    # a real trace, cut to a few hundred events so every mutation is parsed twice quickly
+def cut_real_trace(n_timed: int) -> bytes:
+    """A real trace (NCCL rank 1) cut to 40 untimed and `n_timed` timed events: small enough for fuzzing."""
     with gzip.open(NCCL_2RANK / "rank1.json.gz", "rb") as f:
         doc = json.loads(f.read())
     timed = [e for e in doc["traceEvents"] if e.get("ph") == "X"]
-    doc["traceEvents"] = [e for e in doc["traceEvents"] if e.get("ph") != "X"][:40] + timed[:120]
-    data = json.dumps(doc).encode()
+    doc["traceEvents"] = [e for e in doc["traceEvents"] if e.get("ph") != "X"][:40] + timed[:n_timed]
+    return json.dumps(doc).encode()
+
+
+def test_fuzzed_traces_give_the_same_outcome_through_both_paths(monkeypatch, tmp_path):
+    # a real trace, cut to a few hundred events so every mutation is parsed twice quickly
+    data = cut_real_trace(120)
     rng = random.Random(20261123)
     taken = 0
     n = int(os.environ.get("TRACELENS_FUZZ_N", "400"))  # more for a sanitizer run (docs/performance.md)

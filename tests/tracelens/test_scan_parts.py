@@ -7,7 +7,6 @@ msgspec path; the last tests also go all the way to the tables with the parts fo
 from __future__ import annotations
 
 import glob
-import gzip
 import json
 import mmap
 import random
@@ -18,7 +17,7 @@ from tracelens.io import kineto as K
 from tracelens.io import scanner
 
 from ..conftest import FIXTURES, NCCL_2RANK
-from .test_loader_compiled import _assert_same, _mutations, _pure
+from .test_loader_compiled import _assert_same, _mutations, _pure, cut_real_trace
 
 pytestmark = pytest.mark.skipif(scanner._kineto_fast is None, reason="compiled scanner not built (no C compiler)")
 
@@ -128,11 +127,7 @@ def test_an_error_in_any_part_is_the_one_a_single_thread_meets(where):
 
 
 def test_truncated_and_fuzzed_documents_give_the_same_outcome_in_parts():
-    with gzip.open(NCCL_2RANK / "rank1.json.gz", "rb") as f:
-        doc = json.loads(f.read())
-    timed = [e for e in doc["traceEvents"] if e.get("ph") == "X"]
-    doc["traceEvents"] = [e for e in doc["traceEvents"] if e.get("ph") != "X"][:40] + timed[:300]
-    data = json.dumps(doc).encode()
+    data = cut_real_trace(300)
     rng = random.Random(20261125)
     outcomes = set()
     for mutated in _mutations(data, rng, 150):
