@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from . import __version__
+from . import __version__, offload
 from .analysis import calltree, steps as steps_mod, summaries, timeline
 from .trace import Trace, give_back_memory
 
@@ -142,16 +142,41 @@ class Analysis:
 
     def summary(self) -> dict[str, Any]:
         """The documented machine interface (docs/summary-json.md)."""
+        task = None
+        if self._roofline is None and self._decomposition is None:
+            # independent of findings and health (which share the collective instances): on a second CPU
+            # they run beside them (tracelens.offload), with the values they would have here
+            task = offload.submit(_roofline_and_decomposition, self, events=len(self.trace.events))
+        core = summary_core(self.trace, self.window, self.timeline,
+                            self.timeline_all if self.timeline_all is not None else self.timeline,
+                            self.step_timeline, self.categories)
+        findings = self.findings()
+        health = _health_summary(self.health())
+        if task is not None:
+            roofline, decomposition = task.result()
+            if self._roofline is None:
+                self._roofline = roofline
+            if self._decomposition is None:
+                self._decomposition = decomposition
         return {
-            **summary_core(self.trace, self.window, self.timeline,
-                           self.timeline_all if self.timeline_all is not None else self.timeline,
-                           self.step_timeline, self.categories),
-            "findings": self.findings(),
+            **core,
+            "findings": findings,
             "roofline": self.roofline().summary() if self.has_gpu else None,
             "warnings": list(self.warnings),
-            "health": _health_summary(self.health()),
+            "health": health,
             "decomposition": _decomposition_summary(self),
         }
+
+
+def _roofline_and_decomposition(a: Analysis) -> tuple[Any, Any]:
+    """`summary`'s offloaded part: the roofline (None without GPU activity) and the decomposition (or the
+    exception that stopped it, kept as `Analysis.decomposition` keeps it)."""
+    roofline = a.roofline() if a.has_gpu else None
+    try:
+        decomposition = a.decomposition()
+    except Exception as e:  # noqa: BLE001 - what Analysis.decomposition raises again on each call
+        decomposition = e
+    return roofline, decomposition
 
 
 def summary_core(trace: Any, window: Any, timeline: pd.DataFrame, timeline_all: pd.DataFrame,
@@ -266,20 +291,19 @@ def preload(while_=lambda: True) -> None:
         importlib.import_module(name)
 
 
-def _pipeline(trace: Trace, warnings: list[str]):
+def _pipeline(trace: Trace) -> tuple[Any, list[str]]:
     """Pipeline schedule analysis when the run dir has pipeline/rank<N>.jsonl or the traces have pipeline
-    ranges (tracelens.analysis.pipeline); a problem with that data becomes a warning, not a failure."""
+    ranges (tracelens.analysis.pipeline), and the warnings it adds; a problem with that data becomes a
+    warning, not a failure. (Returns its warnings rather than appending them: it may run in an offloaded
+    child, tracelens.offload.)"""
     from .analysis.pipeline import pipeline_for_trace
     from .errors import TraceError
 
     try:
         res = pipeline_for_trace(trace)
     except TraceError as e:
-        warnings.append(f"pipeline section skipped: {e.one_line()}")
-        return None
-    if res is not None:
-        warnings.extend(f"pipeline: {w}" for w in res.warnings)
-    return res
+        return None, [f"pipeline section skipped: {e.one_line()}"]
+    return res, ([f"pipeline: {w}" for w in res.warnings] if res is not None else [])
 
 
 def analyze(trace: Trace, window: str = "steady") -> Analysis:
@@ -291,6 +315,8 @@ def analyze(trace: Trace, window: str = "steady") -> Analysis:
     if window not in (steps_mod.STEADY, steps_mod.ALL):
         raise ValueError(f"window must be 'steady' or 'all', got {window!r}")
     warnings = list(trace.warnings)
+    # the pipeline account needs only the trace: on a second CPU it runs beside the core tables below
+    pipeline_task = offload.submit(_pipeline, trace, events=len(trace.events))
     tree = calltree.build_tree(trace.events)
     give_back_memory()  # build_tree's temporaries (the largest of an analysis)
     steps = calltree.steps_table(tree)
@@ -337,16 +363,19 @@ def analyze(trace: Trace, window: str = "steady") -> Analysis:
                             f"{r.step}: its GPU figures include work of the step before")
     if not steps.empty and not stl.empty and (gpu["step"] < 0).mean() > 0.5:
         warnings.append("most GPU activity was launched outside the marked profiler steps")
-    a = Analysis(
-        trace=trace, tree=tree, gpu=gpu, steps=steps, timeline=tl, step_timeline=stl,
+    tables = dict(
         ops=summaries.ops_summary(tree, gw, busy_total, host_mask=host_mask),
         kernels=summaries.kernel_summary(gw, busy_total),
         categories=summaries.category_rollup(gw, busy_by_rank),
         top_ops=summaries.top_level_ops(tree, gw, host_mask=host_mask),
         breakdown=summaries.breakdown_tree(gw, tree, host_mask=host_mask),
         annotations=summaries.annotation_summary(tree, gw, host_mask=host_mask),
-        warnings=warnings,
-        pipeline=_pipeline(trace, warnings),
+    )
+    pipeline, pipeline_warnings = pipeline_task.result()
+    warnings.extend(pipeline_warnings)
+    a = Analysis(
+        trace=trace, tree=tree, gpu=gpu, steps=steps, timeline=tl, step_timeline=stl, **tables,
+        warnings=warnings, pipeline=pipeline,
         window=sw, timeline_all=tl_all, gpu_window=gw, host_window=host_mask, manifest=manifest,
     )
     give_back_memory()

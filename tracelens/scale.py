@@ -367,7 +367,8 @@ def finish(light: list[RankTables], windowed: dict[int, tuple], rt, sw, kern, in
 
         rt.pipeline_actions = _empty_actions()
     rt.rank_activity = {r.info.rank: r.activity for r in light if r.activity is not None}
-    pipe = _pipeline(rt, warnings)
+    pipe, pipe_warnings = _pipeline(rt)
+    warnings.extend(pipe_warnings)
     tl = cat([windowed[r.info.rank][0] for r in light], TIMELINE_COLUMNS)
     cats = cat([windowed[r.info.rank][1] for r in light], ["rank", "category", "count", "total_us", "pct_gpu_busy"])
     tla = cat([r.timeline_all for r in light], TIMELINE_COLUMNS)

@@ -1,0 +1,229 @@
+"""tracelens.offload: analysis parts in a forked child give the values the parent would compute, and every
+way the child can fail (raises, dies, hangs, returns what does not pickle) falls back to the parent."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+import warnings
+from pathlib import Path
+
+import pytest
+
+import tracelens
+from tracelens import offload
+
+FX = Path(__file__).resolve().parent.parent / "fixtures"
+linux = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="offload forks on Linux only")
+
+
+@pytest.fixture
+def forced(monkeypatch):
+    monkeypatch.setenv("TRACELENS_OFFLOAD", "1")
+
+
+def _square(x):
+    return x * x
+
+
+def _pid_and(x):
+    return os.getpid(), x
+
+
+def _boom(x):
+    raise ValueError(f"bad input {x}")
+
+
+def _dies_in_child():
+    if offload._in_child:
+        os._exit(3)  # as a crash would: no result written
+    return "parent"
+
+
+def _hangs_in_child():
+    if offload._in_child:
+        threading.Event().wait()  # blocked, using no CPU (as on a lock held at the fork)
+    return "parent"
+
+
+def _unpicklable():
+    return lambda: 7
+
+
+def _nested():
+    t = offload.submit(_pid_and, 1, events=10**9)
+    return t.forked, t.result()
+
+
+def _big(n):
+    return bytes(range(256)) * (n // 256)
+
+
+def _gone(pid: int) -> bool:
+    return not Path(f"/proc/{pid}").exists()
+
+
+# -- when it forks ---------------------------------------------------------------------------------------
+
+def test_plan_env_switches(monkeypatch):
+    monkeypatch.setenv("TRACELENS_OFFLOAD", "0")
+    assert offload.plan(10**9) == (False, "TRACELENS_OFFLOAD=0")
+    monkeypatch.setenv("TRACELENS_OFFLOAD", "1")
+    assert offload.plan(1)[0] is sys.platform.startswith("linux")
+
+
+@linux
+def test_plan_auto_needs_cpus_size_and_memory(monkeypatch):
+    monkeypatch.delenv("TRACELENS_OFFLOAD", raising=False)
+    import tracelens.io.scanner as sc
+
+    monkeypatch.setattr(sc, "usable_cpus", lambda: 2)
+    monkeypatch.setattr(offload, "_cpu_quota", lambda: None)
+    monkeypatch.setattr(offload, "_mem_available", lambda: 1 << 40)
+    assert offload.plan(offload.MIN_EVENTS) == (True, "idle CPU")
+    go, why = offload.plan(offload.MIN_EVENTS - 1)
+    assert not go and "below" in why
+    monkeypatch.setattr(sc, "usable_cpus", lambda: 1)
+    assert not offload.plan(10**9)[0]
+    monkeypatch.setattr(sc, "usable_cpus", lambda: 8)
+    monkeypatch.setattr(offload, "_cpu_quota", lambda: 1.0)  # a container granted one CPU of eight
+    assert not offload.plan(10**9)[0]
+    monkeypatch.setattr(offload, "_cpu_quota", lambda: 2.0)
+    monkeypatch.setattr(offload, "_mem_available", lambda: 1)
+    go, why = offload.plan(10**9)
+    assert not go and "memory" in why
+
+
+def test_no_fork_below_the_plan(monkeypatch):
+    monkeypatch.setenv("TRACELENS_OFFLOAD", "0")
+    t = offload.submit(_pid_and, 5, events=10**9)
+    assert not t.forked and t.result() == (os.getpid(), 5) and t.fallback is None
+
+
+# -- the child's result, and its failures ---------------------------------------------------------------
+
+@linux
+def test_child_computes_and_is_reaped(forced):
+    t = offload.submit(_pid_and, 5, events=1)
+    assert t.forked
+    child = t.pid
+    pid, x = t.result()
+    assert x == 5 and pid == child != os.getpid() and t.fallback is None
+    assert _gone(child)  # waited for: no zombie left behind
+    assert t.result() == (pid, 5)  # kept
+
+
+@linux
+def test_child_exception_raises_in_parent(forced):
+    t = offload.submit(_boom, 3, events=1)
+    with pytest.raises(ValueError, match="bad input 3"):
+        t.result()
+    assert t.fallback == "in the child it raised ValueError"
+
+
+@linux
+def test_child_that_dies_falls_back(forced):
+    t = offload.submit(_dies_in_child, events=1)
+    assert t.result() == "parent" and "no result" in t.fallback
+
+
+@linux
+def test_stuck_child_is_killed_and_parent_computes(forced, monkeypatch):
+    monkeypatch.setattr(offload, "STALL_S", 0.5)
+    t = offload.submit(_hangs_in_child, events=1)
+    child = t.pid
+    s = time.monotonic()
+    assert t.result() == "parent"
+    assert time.monotonic() - s < 10
+    assert "no CPU" in t.fallback and _gone(child)
+
+
+@linux
+def test_unpicklable_result_computed_in_parent(forced):
+    t = offload.submit(_unpicklable, events=1)
+    assert t.result()() == 7 and "does not pickle" in t.fallback
+
+
+@linux
+def test_result_larger_than_a_pipe_buffer(forced):
+    t = offload.submit(_big, 5 << 20, events=1)
+    assert t.result() == _big(5 << 20) and t.fallback is None
+
+
+@linux
+def test_no_fork_inside_a_child(forced):
+    t = offload.submit(_nested, events=1)
+    child = t.pid
+    forked_inside, (pid, x) = t.result()
+    assert t.fallback is None and forked_inside is False and x == 1
+    assert pid == child  # the nested part ran in the child itself, not in a grandchild
+
+
+@linux
+def test_dropped_task_reaps_its_child(forced):
+    t = offload.submit(_square, 4, events=1)
+    child = t.pid
+    del t
+    deadline = time.monotonic() + 10
+    while not _gone(child) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _gone(child)
+
+
+@linux
+def test_fork_with_threads_alive_warns_nothing(forced):
+    stop = threading.Event()
+    th = threading.Thread(target=stop.wait, daemon=True)
+    th.start()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert offload.submit(_square, 9, events=1).result() == 81
+    finally:
+        stop.set()
+        th.join()
+
+
+@linux
+def test_buffered_output_is_written_once(tmp_path):
+    script = ("import sys; from tracelens import offload\n"
+              "sys.stdout.write('before-fork ')\n"  # buffered (stdout is a pipe), not flushed
+              "print(offload.submit(abs, -2, events=1).result())\n")
+    p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60,
+                       env={**os.environ, "TRACELENS_OFFLOAD": "1"}, cwd=str(Path(__file__).resolve().parents[2]))
+    assert p.returncode == 0, p.stderr
+    assert p.stdout == "before-fork 2\n"
+
+
+# -- the analyses: the same summary and tables with and without the child ---------------------------------
+
+def _everything(path, monkeypatch, mode):
+    monkeypatch.setenv("TRACELENS_OFFLOAD", mode)
+    a = tracelens.analyze(tracelens.load(path, cache=False, progress=False))
+    s = a.summary()
+    tables = {k: v for k, v in a.tables().items()}
+    return a, json.dumps(s, sort_keys=True, default=str), tables
+
+
+@linux
+@pytest.mark.parametrize("path", [
+    FX / "h200_pp2_run" / "1f1b",  # a run dir with a pipeline account
+    FX / "h200_ep2_run" / "L0_loop",  # two ranks, NCCL
+    FX / "h200_moe_1gpu" / "moe1gpu_loop.json.gz",
+    FX / "cpu_tiny",  # no GPU: no roofline
+])
+def test_summary_and_tables_equal_with_the_child(path, monkeypatch):
+    if not path.exists():
+        pytest.skip(f"{path} missing")
+    a0, s0, t0 = _everything(path, monkeypatch, "0")
+    a1, s1, t1 = _everything(path, monkeypatch, "1")
+    assert s1 == s0
+    assert a1.warnings == a0.warnings
+    assert t1.keys() == t0.keys()
+    for k in t0:
+        assert t1[k].equals(t0[k]), k
+    assert (a1.pipeline is None) == (a0.pipeline is None)
