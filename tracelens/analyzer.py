@@ -316,7 +316,9 @@ def analyze(trace: Trace, window: str = "steady") -> Analysis:
         raise ValueError(f"window must be 'steady' or 'all', got {window!r}")
     warnings = list(trace.warnings)
     # the pipeline account needs only the trace: on a second CPU it runs beside the core tables below
-    pipeline_task = offload.submit(_pipeline, trace, events=len(trace.events))
+    from .analysis.pipeline import has_pipeline_data
+
+    pipeline_task = offload.submit(_pipeline, trace, events=len(trace.events), worth=has_pipeline_data(trace))
     tree = calltree.build_tree(trace.events)
     give_back_memory()  # build_tree's temporaries (the largest of an analysis)
     steps = calltree.steps_table(tree)

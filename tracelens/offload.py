@@ -14,8 +14,10 @@ crash, a child that stops making progress) makes `result()` compute `fn(*args)` 
 so errors surface as they would without the child, with their own traceback.
 
 When it forks (`plan`): Linux (fork is not safe on macOS and absent on Windows), at least 2 usable CPUs
-(affinity mask and cgroup quota), a trace large enough that the fork's ~6 ms pays off (MIN_EVENTS), and
-memory to spare for the child's own temporaries (MemAvailable at least the parent's resident size).
+(affinity mask and cgroup quota), a trace large enough that the fork's ~6 ms pays off (MIN_EVENTS), not
+an input of 1 GiB or more (`trace.lean_memory`: the bounded-memory case, where the child's temporaries and
+copy-on-write copies would raise the peak), and memory to spare for the child (MemAvailable at least
+the parent's resident size).
 TRACELENS_OFFLOAD=0 never forks, =1 forks whenever fork is possible (tests), unset decides as above.
 Nothing is forked from inside a child.
 """
@@ -85,6 +87,13 @@ def plan(events: int) -> tuple[bool, str]:
         return False, f"one usable CPU (affinity {cpus}, cgroup quota {quota})"
     if events < MIN_EVENTS:
         return False, f"{events:,} events: below {MIN_EVENTS:,}, forking costs more than it saves"
+    from .trace import lean_memory
+
+    if lean_memory():
+        # a child's temporaries and the copy-on-write copies of pages the parent rewrites meanwhile add to
+        # the run's memory (measured on the process tree's PSS: +12 % at 2 GB, +10 % at 8 GB, over the
+        # 4 GB bound there), and a large input is the bounded-memory case
+        return False, "a large input (1 GiB or more): memory before speed"
     avail = _mem_available()
     if avail is not None and avail < _rss():
         return False, "not enough available memory for a second process"
@@ -177,9 +186,10 @@ def _reap(pid: int | None, fd: int | None, kill: bool = False) -> None:
             pass
 
 
-def submit(fn: Callable[..., Any], *args: Any, events: int) -> Task:
-    """Start fn(*args) in a forked child when `plan(events)` says so; else a Task computed on `result()`."""
-    go, _why = plan(events)
+def submit(fn: Callable[..., Any], *args: Any, events: int, worth: bool = True) -> Task:
+    """Start fn(*args) in a forked child when `plan(events)` says so; else (or when the caller knows it is
+    not `worth` a process, e.g. a part with nothing to do on this trace) a Task computed on `result()`."""
+    go = worth and plan(events)[0]
     if not go:
         return Task(fn, args)
     r, w = os.pipe()

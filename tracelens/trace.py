@@ -281,6 +281,12 @@ _MMAP_THRESHOLD = 4 << 20  # arrays over 4 MiB: their own mappings (see fix_mmap
 _mmap_threshold_fixed = False
 
 
+def lean_memory() -> bool:
+    """Whether this process analyzes a large input (LEAN_MALLOC_BYTES or more: `fix_mmap_threshold` ran),
+    where memory comes before speed (tracelens.offload then keeps every analysis in this process)."""
+    return _mmap_threshold_fixed
+
+
 def fix_mmap_threshold() -> None:
     """Fix glibc's mmap threshold at 4 MiB for the rest of the process (Linux / glibc only; elsewhere
     nothing happens). glibc raises the threshold to the size of each large block freed (up to 32 MiB),

@@ -87,6 +87,12 @@ def test_plan_auto_needs_cpus_size_and_memory(monkeypatch):
     assert offload.plan(offload.MIN_EVENTS) == (True, "idle CPU")
     go, why = offload.plan(offload.MIN_EVENTS - 1)
     assert not go and "below" in why
+    import tracelens.trace as T
+
+    monkeypatch.setattr(T, "_mmap_threshold_fixed", True)  # a 1 GiB+ input was loaded: bounded memory first
+    go, why = offload.plan(10**9)
+    assert not go and "large input" in why
+    monkeypatch.setattr(T, "_mmap_threshold_fixed", False)
     monkeypatch.setattr(sc, "usable_cpus", lambda: 1)
     assert not offload.plan(10**9)[0]
     monkeypatch.setattr(sc, "usable_cpus", lambda: 8)
@@ -227,3 +233,20 @@ def test_summary_and_tables_equal_with_the_child(path, monkeypatch):
     for k in t0:
         assert t1[k].equals(t0[k]), k
     assert (a1.pipeline is None) == (a0.pipeline is None)
+
+
+def test_has_pipeline_data_decides_like_the_analysis(tmp_path):
+    """The cheap test `analyze` uses to decide whether the pipeline account is worth a child agrees with
+    the account itself: data found exactly when `pipeline_for_trace` returns one."""
+    from tracelens.analysis.pipeline import has_pipeline_data, pipeline_for_trace
+
+    import shutil
+
+    alone = tmp_path / "rank0.json.gz"  # outside its run dir: the ranges in the trace decide
+    shutil.copy(FX / "h200_pp2_run" / "1f1b" / "traces" / "rank0.json.gz", alone)
+    for path in [FX / "h200_pp2_run" / "1f1b", alone, FX / "h200_ep2_run" / "L0_loop", FX / "cpu_tiny",
+                 FX / "h200_moe_1gpu" / "moe1gpu_loop.json.gz"]:
+        if not path.exists():
+            continue
+        tr = tracelens.load(path, cache=False, progress=False)
+        assert has_pipeline_data(tr) == (pipeline_for_trace(tr) is not None), path

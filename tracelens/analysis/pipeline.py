@@ -1461,6 +1461,24 @@ def run_dir_of(trace) -> Path | None:
     return d if _jsonl_files(d) else None
 
 
+def has_pipeline_data(trace) -> bool:
+    """Whether `pipeline_for_trace` can find anything, decided cheaply: a run dir with pipeline jsonl,
+    gathered actions (`tracelens.scale`), or an event name of the ``pipeline/...`` ranges in the names'
+    dictionary (a non-categorical name column: True, undecided)."""
+    if getattr(trace, "pipeline_actions", None) is not None:
+        return True
+    run = run_dir_of(trace)
+    if run is not None and _jsonl_files(run):
+        return True
+    ev = getattr(trace, "events", None)
+    if ev is None or ev.empty:
+        return False
+    names = ev["name"]
+    if not isinstance(names.dtype, pd.CategoricalDtype):
+        return True
+    return any(RANGE_RE.match(c) for c in names.cat.categories.astype(str))
+
+
 def pipeline_for_trace(trace) -> PipelineAnalysis | None:
     """Pipeline analysis for the main report: from the run dir's jsonl if the trace sits in a run dir,
     else from the trace's ranges; None when there is no pipeline data."""
