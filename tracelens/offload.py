@@ -110,7 +110,8 @@ class Task:
         self.fallback: str | None = None  # why the parent computed it after all (None: the child's result)
         self._done = False
         self._value: Any = None
-        self._finalizer = weakref.finalize(self, _reap, pid, fd) if pid is not None else None
+        # a Task dropped uncollected (the parent's part raised, ^C): its result is not wanted, the child goes
+        self._finalizer = weakref.finalize(self, _reap, pid, fd, True) if pid is not None else None
 
     def result(self) -> Any:
         """The value of fn(*args): the child's, or computed here when there is none. Exceptions of fn raise."""
@@ -174,16 +175,14 @@ def _reap(pid: int | None, fd: int | None, kill: bool = False) -> None:
             os.close(fd)
         except OSError:
             pass
-    if pid is not None:
-        if kill:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except OSError:
-                pass
-        try:
-            os.waitpid(pid, 0)
-        except ChildProcessError:
-            pass
+    if pid is None:
+        return
+    try:
+        if kill and os.waitpid(pid, os.WNOHANG) == (0, 0):  # still running, and still ours (no pid reuse)
+            os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+    except (ChildProcessError, ProcessLookupError):  # reaped already (e.g. SIGCHLD ignored by the application)
+        pass
 
 
 def submit(fn: Callable[..., Any], *args: Any, events: int, worth: bool = True) -> Task:

@@ -180,6 +180,25 @@ def test_dropped_task_reaps_its_child(forced):
     assert _gone(child)
 
 
+def _sleeps_in_child():
+    if offload._in_child:
+        time.sleep(120)
+    return "parent"
+
+
+@linux
+def test_dropped_task_kills_a_running_child(forced):
+    """A Task dropped before its result is collected (the parent's own part raised, ^C): the child's work
+    is not wanted and the child goes at once, not when it would have finished."""
+    t = offload.submit(_sleeps_in_child, events=1)
+    child = t.pid
+    s = time.monotonic()
+    del t
+    while not _gone(child) and time.monotonic() - s < 10:
+        time.sleep(0.05)
+    assert _gone(child) and time.monotonic() - s < 10
+
+
 @linux
 def test_fork_with_threads_alive_warns_nothing(forced):
     stop = threading.Event()
