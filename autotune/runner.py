@@ -29,7 +29,6 @@ import ctypes
 import json
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -78,12 +77,14 @@ def _die_with_parent() -> None:  # runs in the child between fork and exec
 
 def run_trial(space: Space, knobs: dict, run_dir: str | Path, on_start: Callable[[int], None] | None = None,
               timeout_s: float | None = None) -> TrialResult:
-    """Run one trial into ``run_dir`` (cleared first) and return its result; never raises for a failed run.
-    ``on_start(pgid)`` is called once the process is started (the store records it)."""
+    """Run one trial into ``run_dir`` and return its result; never raises for a failed run. ``run_dir`` must
+    not exist or be empty: a trial never deletes anything (a sweep moves what a killed attempt left there
+    aside first, :func:`autotune.sweep.set_aside`). ``on_start(pgid)`` is called once the process is started
+    (the store records it)."""
     run_dir = Path(run_dir)
-    if run_dir.exists():
-        shutil.rmtree(run_dir)  # a trial a killed sweep left half-done
-    run_dir.mkdir(parents=True)
+    if run_dir.is_dir() and any(run_dir.iterdir()) or (run_dir.exists() and not run_dir.is_dir()):
+        raise FileExistsError(f"{run_dir}: a trial runs in a new or empty directory, and this one is not")
+    run_dir.mkdir(parents=True, exist_ok=True)
     cmd = trial_command(space, knobs, run_dir)
     timeout_s = timeout_s or space.timeout_s
     log = run_dir / "trial.log"
@@ -185,7 +186,8 @@ def kill_group(proc: subprocess.Popen) -> None:
 
 def reap_orphans(pgid: int, marker: str) -> list[int]:
     """Kill what is left of a killed sweep's trial: processes in group ``pgid`` whose command line
-    contains ``marker`` (the trial's run dir, so a recycled group id never hits a stranger). Linux only."""
+    has ``marker`` (the trial's run dir) as a whole argument, or a path under it, so a recycled group id or
+    another sweep's trial (a copy of this sweep elsewhere) never gets hit. Linux only."""
     killed = []
     proc = Path("/proc")
     if not proc.is_dir() or not pgid:
@@ -198,7 +200,8 @@ def reap_orphans(pgid: int, marker: str) -> list[int]:
             fields = stat[stat.rindex(")") + 2:].split()
             if int(fields[2]) != pgid:  # state, ppid, pgrp
                 continue
-            if marker not in (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace"):
+            argv = (d / "cmdline").read_bytes().decode(errors="replace").split("\0")
+            if not any(a == marker or a.startswith(marker + os.sep) or a.endswith("=" + marker) for a in argv):
                 continue
             os.kill(int(d.name), signal.SIGKILL)
             killed.append(int(d.name))

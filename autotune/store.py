@@ -5,9 +5,14 @@ transaction before its process starts (with the run dir and, once started, the p
 completed to ``ok`` / ``failed`` with its objective, metrics, findings, failure kind and reason, and
 the guided search's decision in another. SQLite (WAL journal, synchronous=FULL) makes each of these
 all-or-nothing on disk, so a sweep killed at any instant leaves finished trials complete and at most
-the trials it was running as ``running`` rows. On resume such a row is run again in place (same id,
-same run dir, cleared first): it never finished, so it is not a repeat. A finished key is never run
-twice: :meth:`Store.done` answers for it.
+the trials it was running as ``running`` rows. On resume such a row is run again (same id, same run dir;
+what the killed attempt left there is moved to ``interrupted/`` first, never deleted): it never finished,
+so it is not a repeat. A finished key is never run twice: :meth:`Store.done` answers for it.
+
+Trial dirs are stored by name, relative to the store (``trials/t003``), and rows give ``run_dir`` as that
+name under the store's own ``trials/``: a sweep directory that is copied or moved refers to its own trial
+dirs, never to the place it was made (a store written by an older version kept absolute paths; only their
+last part, the trial dir's name, is read).
 
 Tables are prefixed ``autotune_`` so that other tools (e.g. Optuna's RDB storage, which has its own
 ``trials`` table) can share the file.
@@ -25,6 +30,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import re
 import sqlite3
 import time
 from pathlib import Path
@@ -49,7 +55,7 @@ CREATE TABLE IF NOT EXISTS autotune_trials (
     motivation TEXT,         -- why the strategy chose this point (the finding, for guided)
     parent INTEGER,          -- the trial this one changed (guided)
     decision TEXT,           -- guided: start | kept | reverted | failed
-    run_dir TEXT NOT NULL,
+    run_dir TEXT NOT NULL,   -- trials/<name>, relative to the store's directory (older stores: absolute)
     pgid INTEGER,            -- process group of the running trial (to reap orphans after a kill)
     attempts INTEGER NOT NULL DEFAULT 1,
     started REAL,
@@ -58,6 +64,7 @@ CREATE TABLE IF NOT EXISTS autotune_trials (
 CREATE TABLE IF NOT EXISTS autotune_meta (k TEXT PRIMARY KEY, v TEXT NOT NULL);
 """
 STATUSES = ("ok", "failed")
+TRIAL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")  # a trial dir's name: no separator, never "." or ".."
 COLUMNS = ("id", "key", "knobs", "status", "failure", "reason", "objective", "metrics", "findings", "motivation",
            "parent", "decision", "run_dir", "pgid", "attempts", "started", "finished")
 
@@ -99,7 +106,8 @@ class Store:
     """The sweep's SQLite file. Every write is one transaction; one writer at a time (``lock``)."""
 
     def __init__(self, path: str | Path, lock: bool = True):
-        self.path = Path(path)
+        self.path = Path(path).absolute()
+        self.trials_dir = self.path.parent / "trials"  # every row's run dir is a child of this one
         self.lock_path = self.path.with_name(self.path.name + ".lock")
         self._lock_fd: int | None = None
         self.db: sqlite3.Connection | None = None
@@ -172,9 +180,13 @@ class Store:
 
     # ---------------------------------------------------------------- trials
     @_named
-    def start(self, key: str, knobs: dict, run_dir: str, motivation: str = "", parent: int | None = None) -> dict:
-        """Mark a trial running and return its row. A ``running`` row of the same key (a trial a killed
-        sweep never finished) is reused: same id and run dir, one more attempt. A finished key is an error."""
+    def start(self, key: str, knobs: dict, run_dir: str | Path, motivation: str = "", parent: int | None = None) -> dict:
+        """Mark a trial running and return its row. ``run_dir`` names the trial's dir in the store's ``trials/``
+        (its last part is taken: ``t003`` or ``.../trials/t003``). A ``running`` row of the same key (a trial a
+        killed sweep never finished) is reused: same id and run dir, one more attempt. A finished key is an error."""
+        name = Path(run_dir).name
+        if not TRIAL_NAME.fullmatch(name):
+            raise StoreError(f"{self.path}: {str(run_dir)[:80]!r} is not a trial dir name")
         with self._tx():
             row = self.db.execute("SELECT * FROM autotune_trials WHERE key = ?", (key,)).fetchone()
             if row is not None and row["status"] != "running":
@@ -187,7 +199,8 @@ class Store:
                 cur = self.db.execute(
                     "INSERT INTO autotune_trials (key, knobs, status, motivation, parent, run_dir, started) "
                     "VALUES (?, ?, 'running', ?, ?, ?, ?)",
-                    (key, json.dumps(knobs, sort_keys=True, default=str), motivation, parent, run_dir, time.time()))
+                    (key, json.dumps(knobs, sort_keys=True, default=str), motivation, parent, f"trials/{name}",
+                     time.time()))
                 tid = int(cur.lastrowid)
         return self.get(tid)
 
@@ -248,13 +261,17 @@ class Store:
         d["knobs"] = self._json(d["knobs"], what)
         d["metrics"] = self._json(d["metrics"], what) if d.get("metrics") else {}
         d["findings"] = self._json(d["findings"], what) if d.get("findings") else []
+        stored = d["run_dir"]
+        name = stored.replace("\\", "/").rsplit("/", 1)[-1] if isinstance(stored, str) else None
+        # the trial's dir under this store's trials/, wherever the store was made (copied or moved sweeps)
+        d["run_dir"] = str(self.trials_dir / name) if name and TRIAL_NAME.fullmatch(name) else stored
         num = lambda x: x is None or (isinstance(x, (int, float)) and not isinstance(x, bool))  # noqa: E731
         bad = next((c for c, ok in (
             ("key", isinstance(d["key"], str)), ("knobs", isinstance(d["knobs"], dict)),
             ("status", d["status"] in ("running",) + STATUSES), ("metrics", isinstance(d["metrics"], dict)),
             ("findings", isinstance(d["findings"], list) and all(isinstance(f, dict) for f in d["findings"])),
             ("objective", num(d["objective"]) and (d["status"] != "ok" or d["objective"] is not None)),
-            ("run_dir", isinstance(d["run_dir"], str) and d["run_dir"] != ""),
+            ("run_dir", isinstance(stored, str) and d["run_dir"] != stored),
             ("pgid", d["pgid"] is None or isinstance(d["pgid"], int)),
         ) if not ok), None)
         if bad is not None:
@@ -303,7 +320,7 @@ def open_sweep_store(out: str | Path) -> Store:
         except OSError as e:
             raise StoreError(f"{tdir}: cannot list the trial dirs ({e.strerror or e})") from None
         rows = store.trials()
-        known = {Path(t["run_dir"]).name for t in rows}  # by name: the sweep dir may have been moved
+        known = {Path(t["run_dir"]).name for t in rows}
         unknown = [d for d in dirs if d not in known]
         if unknown:
             names = ", ".join(unknown[:3]) + (f" and {len(unknown) - 3} more" if len(unknown) > 3 else "")

@@ -103,6 +103,10 @@ class Sweep:
                     gone = reap_orphans(t["pgid"], t["run_dir"])
                     if gone:
                         self.log(f"[autotune] killed {len(gone)} leftover process(es) of trial {t['id']}")
+            for t in self.store.trials(finished_only=True):
+                if not Path(t["run_dir"]).is_dir():
+                    self.log(f"[autotune] trial {t['id']}: its dir {t['run_dir']} is missing; its stored result is "
+                             "used, but its traces cannot be read again (what-if model, report links)")
         elif resume and not self.store.trials():
             self.log(f"[autotune] nothing to resume in {self.out}: starting a new sweep")
         self.store.set_meta("identity", _jsonable(space.identity()))
@@ -124,10 +128,15 @@ class Sweep:
         t = self.store.done(key)
         if t is None:
             prev = self.store.lookup(key)
-            run_dir = prev["run_dir"] if prev else str(self.out / "trials" / f"t{self.store.next_run_dir_index() + 1:03d}")
-            row = self.store.start(key, point, run_dir, motivation, parent["id"] if parent else None)
+            name = Path(prev["run_dir"]).name if prev else f"t{self.store.next_run_dir_index() + 1:03d}"
+            row = self.store.start(key, point, name, motivation, parent["id"] if parent else None)
+            run_dir = Path(row["run_dir"])  # always inside this sweep's own trials/ (the store resolves it)
+            if prev is not None:
+                moved = set_aside(run_dir, self.out / "interrupted", f"{name}-attempt{prev['attempts']}")
+                if moved is not None:
+                    self.log(f"[autotune] trial {row['id']}: what its killed attempt left is kept in {moved}")
             self.log(f"[autotune] trial {row['id']}: {_fmt(point)}  ({motivation})")
-            res = self.runner(self.space, point, Path(run_dir), lambda pgid: self.store.set_pgid(row["id"], pgid))
+            res = self.runner(self.space, point, run_dir, lambda pgid: self.store.set_pgid(row["id"], pgid))
             provisional = {**row, "status": res.status, "objective": res.objective, "metrics": res.metrics}
             decision = decide(provisional) if decide else None
             t = self.store.finish(row["id"], res.status, res.objective, res.metrics, res.findings,
@@ -231,6 +240,21 @@ class Sweep:
     def _new(self, m: Move) -> bool:
         k = key_of(m.point)
         return k not in self.visited and self.space.allowed(m.point)
+
+
+def set_aside(run_dir: Path, into: Path, name: str) -> Path | None:
+    """Move what a killed attempt left in ``run_dir`` (its log, partial traces) to ``into/name`` so the trial can
+    run again in an empty dir; nothing is deleted. None when there was nothing to keep. A name already taken
+    gets a numbered suffix."""
+    if not run_dir.exists() or (run_dir.is_dir() and not any(run_dir.iterdir())):
+        return None
+    into.mkdir(parents=True, exist_ok=True)
+    dest, n = into / name, 1
+    while dest.exists():
+        n += 1
+        dest = into / f"{name}.{n}"
+    run_dir.rename(dest)  # same file system: the sweep's own directory
+    return dest
 
 
 def _fmt(point: dict) -> str:

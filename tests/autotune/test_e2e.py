@@ -59,9 +59,13 @@ def _rows(db: Path, where: str = "1") -> list[dict]:
     con = sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=30)
     con.row_factory = sqlite3.Row
     try:
-        return [dict(r) for r in con.execute(f"SELECT * FROM autotune_trials WHERE {where} ORDER BY id")]
+        rows = [dict(r) for r in con.execute(f"SELECT * FROM autotune_trials WHERE {where} ORDER BY id")]
     finally:
         con.close()
+    for r in rows:  # the store names trial dirs relative to itself (trials/tNNN)
+        assert r["run_dir"].startswith("trials/t"), r["run_dir"]
+        r["run_dir"] = str(db.parent / r["run_dir"])
+    return rows
 
 
 def _alive(pid: int) -> bool:

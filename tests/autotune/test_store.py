@@ -29,7 +29,8 @@ def test_trial_lifecycle(tmp_path):
     assert s.running()[0]["pgid"] == 4242
     # a running row (the sweep was killed) is reused in place: same id and run dir, one more attempt
     again = s.start("k1", {"a": 1}, str(tmp_path / "other"), "baseline")
-    assert (again["id"], again["run_dir"], again["attempts"], again["pgid"]) == (row["id"], str(tmp_path / "t001"), 2, None)
+    assert (again["id"], again["run_dir"], again["attempts"], again["pgid"]) == (
+        row["id"], str(tmp_path / "trials" / "t001"), 2, None)
     done = s.finish(row["id"], "ok", 12.5, {"noise": 0.01}, [{"type": "host_sync"}], decision="start")
     assert (done["status"], done["objective"], done["metrics"], done["findings"], done["decision"]) == (
         "ok", 12.5, {"noise": 0.01}, [{"type": "host_sync"}], "start")
