@@ -176,7 +176,8 @@ def _run_name(trace) -> str:
         if os.path.basename(p) != "traces":
             return os.path.basename(paths[0])
     common = os.path.commonpath(paths) if len(paths) > 1 else os.path.dirname(paths[0])
-    if os.path.basename(common) == "traces" and os.path.exists(os.path.join(os.path.dirname(common), "manifest.json")):
+    run = getattr(trace, "run", None)
+    if os.path.basename(common) == "traces" and run is not None and run.root is not None:
         common = os.path.dirname(common)
     return os.path.basename(common) or "trace"
 

@@ -67,10 +67,9 @@ def best_config(best: dict | None) -> dict | None:
     """The best trial's full resolved trainer config, from its manifest (what the trainer really ran)."""
     if best is None or not best.get("run_dir"):
         return None
-    try:
-        return json.loads((Path(best["run_dir"]) / "manifest.json").read_text()).get("config")
-    except (OSError, ValueError):
-        return None
+    from tracelens.io.run import Run
+
+    return Run.open(best["run_dir"]).config
 
 
 def best_yaml(space, best: dict | None) -> str:
@@ -216,8 +215,7 @@ def write_diff(result, out: Path) -> tuple[str | None, str | None]:
     try:
         a = tracelens.analyze(tracelens.load(base["run_dir"], progress=False))
         b = tracelens.analyze(tracelens.load(best["run_dir"], progress=False))
-        m = lambda d: json.loads((Path(d) / "manifest.json").read_text())  # noqa: E731
-        r = diff(a, b, m(base["run_dir"]), m(best["run_dir"]), base_label=f"baseline (trial {base['id']})",
+        r = diff(a, b, a.trace.run.manifest, b.trace.run.manifest, base_label=f"baseline (trial {base['id']})",
                  new_label=f"best (trial {best['id']})")
         rdiff.write_all(r, out / "diff_best_vs_baseline")
     except TraceError as e:

@@ -54,7 +54,9 @@ def _open_report(path: Path) -> None:
 def _default_out(paths: tuple[str, ...]) -> Path:
     first = Path(paths[0])
     if first.is_dir():
-        return first if (first / "manifest.json").exists() else first / "tracelens"
+        from .io.run import MANIFEST
+
+        return first if (first / MANIFEST).exists() else first / "tracelens"
     name = first.name
     for suffix in (".json.gz", ".json"):
         if name.endswith(suffix):
@@ -215,16 +217,18 @@ def profile(config, nproc, out, overrides, open_browser, trainer_args):
 
 
 def _manifest(path: str) -> dict | None:
-    p = Path(path)
-    m = p / "manifest.json" if p.is_dir() else None
-    if m is None or not m.exists():
-        return None
-    import json
+    """The manifest of the run dir ``path`` (None for trace files and directories without one); one line
+    naming the file when it cannot be read or is not a JSON object."""
+    from .io.run import Run
 
-    try:
-        return json.loads(m.read_text())
-    except (OSError, ValueError) as e:
-        raise TraceError(m, f"unreadable manifest ({e})") from None
+    p = Path(path)
+    if not p.is_dir():
+        return None
+    run = Run.open(p)
+    if run.manifest is None and run.manifest_error is not None:
+        kind, msg = run.manifest_error
+        raise TraceError(run.manifest_path, f"unreadable manifest ({msg})" if kind else msg)
+    return run.manifest
 
 
 @main.command()

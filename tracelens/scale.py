@@ -34,7 +34,6 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
@@ -170,6 +169,7 @@ class _RanksTrace:
     ranks: list
     warnings: list[str]
     run_status: dict | None = None
+    run: Any = None  # tracelens.io.run.Run of the rank files
     rank_activity: dict | None = None
     pipeline_actions: pd.DataFrame | None = None
     events: pd.DataFrame = field(default_factory=pd.DataFrame)
@@ -232,15 +232,10 @@ class RanksAnalysis:
 
 
 def _wants_activity(files: list[str]) -> bool:
-    """True when the files sit in a run dir with pipeline/rank<N>.jsonl (pipeline.run_dir_of + jsonl)."""
-    from .analysis.pipeline import _jsonl_files
+    """True when the files belong to a run with pipeline/rank<N>.jsonl files."""
+    from .io.run import Run
 
-    parents = {Path(f).resolve().parent for f in files}
-    if len(parents) != 1:
-        return False
-    d = parents.pop()
-    run = d.parent if d.name == "traces" and (d.parent / "manifest.json").exists() else d
-    return bool(_jsonl_files(run))
+    return bool(Run.of_files(files).pipeline_files())
 
 
 def combine(light: list[RankTables], files: list[str], window: str = "steady"):
@@ -248,7 +243,7 @@ def combine(light: list[RankTables], files: list[str], window: str = "steady"):
     comm pieces, the rest `finish` needs)."""
     from .analysis import steps as steps_mod
     from .analysis.comm import match_instances
-    from .io.rundir import run_status
+    from .io.run import Run
     from .trace import _issues_table, check_ranks
 
     light = sorted(light, key=lambda r: r.index)
@@ -260,7 +255,8 @@ def combine(light: list[RankTables], files: list[str], window: str = "steady"):
     warnings += check_ranks([r.info for r in light])
     light = sorted(light, key=lambda r: r.info.rank)
     rt = _RanksTrace(ranks=[r.info for r in light], warnings=warnings, load_issues=_issues_table(issues))
-    rt.run_status = run_status(files)
+    rt.run = Run.of_files(files)
+    rt.run_status = rt.run.status()
     if rt.run_status and rt.run_status["warning"]:
         rt.warnings.insert(0, rt.run_status["warning"])
     # comm-kernel rows with the row labels of the all-ranks tables: the ranks' call-tree events in rank

@@ -28,7 +28,7 @@ from .io.files import TRACE_SUFFIXES, _is_trace_file, discover  # noqa: F401 - r
 from .io.kineto import ParsedTrace, parse_file, parse_flows, usable_cpus
 from .io.roworder import tree_rows_first
 from .io.narrow import narrow_args  # noqa: F401 - re-exported (the loader applies it per file and after the concat)
-from .io.rundir import run_status
+from .io.run import Run
 from .io.scanner import gunzip, read_raw
 from .io.schema import ARG_FIELDS
 
@@ -79,11 +79,16 @@ class Trace:
     # cache_entry, rank_name_mismatch), action (dropped, replaced, kept), events (how many), message.
     load_issues: pd.DataFrame = field(default_factory=lambda: _issues_table([]))
     # The run dir's state when the traces are RUN/traces/* beside RUN/manifest.json, else None:
-    # tracelens.io.rundir.run_status (status complete | running | failed | ..., complete True/False/None,
-    # reason, warning). An incomplete run also adds its warning to `warnings`.
+    # `Run.status()` (status complete | running | failed | ..., complete True/False/None, reason, warning).
+    # An incomplete run also adds its warning to `warnings`.
     run_status: dict | None = None
+    # The run the traces belong to (manifest, pipeline files), read once when the trace is made: analyses and
+    # projections read it from here and never open a run dir's files (tracelens.io.run)
+    run: Run | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
+        if self.run is None:
+            self.run = Run.of_files([r.path for r in self.ranks])
         if self.flows is None:
             del self.flows  # the next read of .flows goes to __getattr__, which loads them
 
@@ -270,7 +275,7 @@ def load(
     give_back_memory()
     if total_bytes >= LEAN_MALLOC_BYTES:  # for the analysis (the load's own peak is the scanner's columns)
         fix_mmap_threshold()
-    trace.run_status = run_status(files)
+    trace.run_status = trace.run.status()  # trace.run: read when the Trace was made (its ranks' files)
     if trace.run_status and trace.run_status["warning"]:
         trace.warnings.insert(0, trace.run_status["warning"])
     return trace

@@ -23,7 +23,6 @@ run's own spread). The only tolerance is the trace's timestamp resolution (1 µs
 
 from __future__ import annotations
 
-import json
 import re
 import statistics
 from pathlib import Path
@@ -62,33 +61,19 @@ _RECV_RE = re.compile(r"^nccl:recv\s+(\d+)\s*<-\s*(\d+)")
 _NOT_DONE = {"running", "incomplete", "failed", "killed", "crashed", "aborted", "interrupted", "started"}
 
 
-# ------------------------------------------------------------------------------------ run dir (I/O)
+# ------------------------------------------------------------------------------------ the run
 
 
 def run_context(trace) -> dict[str, Any]:
-    """Where the traces came from: {"run_dir", "manifest", "manifest_problem"}. A run dir is RUN when every
-    rank file sits in RUN/traces/; its manifest.json is read here (the only I/O of this module)."""
-    parents = {Path(r.path).resolve().parent for r in trace.ranks}
+    """Where the traces came from: {"run_dir", "manifest", "manifest_problem"}, from `Trace.run` (read when the
+    trace was loaded; this module opens no file). A run dir is RUN when every rank file sits in RUN/traces/."""
     out: dict[str, Any] = {"run_dir": None, "manifest": None, "manifest_problem": None}
-    if len(parents) != 1:
+    run = getattr(trace, "run", None)
+    if run is None or run.trace_dir is None or run.trace_dir.name != "traces":
         return out
-    d = parents.pop()
-    if d.name != "traces":
-        return out
-    out["run_dir"] = str(d.parent)
-    mf = d.parent / "manifest.json"
-    if not mf.exists():
-        out["manifest_problem"] = f"{mf}: no manifest.json beside traces/"
-        return out
-    try:
-        doc = json.loads(mf.read_text())
-    except (OSError, ValueError) as e:
-        out["manifest_problem"] = f"{mf}: unreadable ({type(e).__name__}: {e})"
-        return out
-    if not isinstance(doc, dict):
-        out["manifest_problem"] = f"{mf}: not a JSON object"
-        return out
-    out["manifest"] = doc
+    out["run_dir"] = str(run.root or run.trace_dir.parent)
+    out["manifest"] = run.manifest
+    out["manifest_problem"] = run.manifest_problem
     return out
 
 

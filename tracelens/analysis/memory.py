@@ -106,17 +106,18 @@ def load_model_config(src: str | os.PathLike, overrides: Iterable[str] = ()) -> 
     run dir. ``overrides`` are ``key=value`` strings. Bad input raises a one-line `TraceError`."""
     from trainer.config import ConfigError, load_config, parse_override  # noqa: PLC0415 (PyYAML only)
 
+    from ..io.run import MANIFEST, read_json_object
+
     p = Path(src)
     if p.is_dir():
-        if not (p / "manifest.json").exists():
+        if not (p / MANIFEST).exists():
             raise TraceError(p, "directory has no manifest.json (expected a run dir)")
-        p = p / "manifest.json"
+        p = p / MANIFEST
     try:
         if p.suffix == ".json":
-            try:
-                man = json.loads(p.read_text())
-            except (OSError, ValueError) as e:
-                raise TraceError(p, f"cannot read manifest: {e}") from None
+            man, err = read_json_object(p)
+            if err is not None and err[0]:
+                raise TraceError(p, f"cannot read manifest: {err[1]}")
             if not isinstance(man, dict) or not isinstance(man.get("config"), dict):
                 raise TraceError(p, "not a trainer manifest (no 'config' mapping)")
             ovr = dict(man["config"])

@@ -34,12 +34,10 @@ Definitions (docs/pipeline.md):
 
 from __future__ import annotations
 
-import gzip
 import json
 import math
 import os
 import re
-import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -50,6 +48,7 @@ import pandas as pd
 
 from .. import categories as C
 from ..errors import TraceError
+from ..io.run import Run
 from . import intervals as I
 from .bubble import bubble_ratio
 from .steps import run_manifest, steady_pipeline_step
@@ -57,7 +56,6 @@ from .steps import run_manifest, steady_pipeline_step
 KINDS = ("F", "B", "W")
 ACTION_COLUMNS = ("step", "rank", "pp_rank", "stage", "microbatch", "kind", "start_ns", "end_ns")
 RANGE_RE = re.compile(r"^pipeline/([FBW])/s(\d+)/mb(\d+)$")
-_JSONL_NAME = re.compile(r"^rank(\d+)\.jsonl(\.gz)?$")  # gzip for long runs
 # A stage is flagged when its time per microbatch is at least this many times the mean of all stages.
 IMBALANCE_THRESHOLD = 1.10
 # Module letters of Megatron-style layout strings ("Et|tt|tt|tL"): E embedding, t transformer layer,
@@ -89,20 +87,6 @@ def _finish(df: pd.DataFrame) -> pd.DataFrame:
     return df[list(ACTION_COLUMNS)].sort_values(["step", "rank", "start_ns", "end_ns"], kind="stable").reset_index(drop=True)
 
 
-def _jsonl_files(run_dir: Path) -> list[tuple[int, Path]]:
-    d = run_dir / "pipeline"
-    if not d.is_dir():
-        return []
-    out: dict[int, Path] = {}
-    for f in d.iterdir():
-        m = _JSONL_NAME.match(f.name)
-        if m and f.is_file():
-            r = int(m.group(1))
-            if r not in out or out[r].suffix == ".gz":  # both present: the plain file is the live one
-                out[r] = f
-    return sorted(out.items())
-
-
 class _ActionLine(msgspec.Struct):
     """One jsonl line as msgspec decodes it in bulk (types checked in C; the rest in `_check_line`)."""
 
@@ -119,27 +103,28 @@ class _ActionLine(msgspec.Struct):
 _LINES = msgspec.json.Decoder(list[_ActionLine])
 
 
-def read_pipeline_jsonl(run_dir: str | os.PathLike) -> pd.DataFrame | None:
-    """Actions from ``RUN/pipeline/rank<N>.jsonl`` (or ``.jsonl.gz``); None when the run dir has no such files.
+def read_pipeline_jsonl(run_dir) -> pd.DataFrame | None:
+    """Actions from ``RUN/pipeline/rank<N>.jsonl`` (or ``.jsonl.gz``); None when the run has no such files.
+
+    ``run_dir``: a `tracelens.io.run.Run` (what a loaded trace carries), or a run dir's path. The files are
+    read by the `Run`; this decodes them (`decode_pipeline_jsonl`).
+    """
+    run = run_dir if isinstance(run_dir, Run) else Run.open(run_dir)
+    if not run.pipeline_files():
+        return None
+    return decode_pipeline_jsonl(run.pipeline_data())
+
+
+def decode_pipeline_jsonl(files: list[tuple[int, Path, bytes]]) -> pd.DataFrame | None:
+    """Actions from the bytes of pipeline jsonl files, (rank in the file name, file, bytes) each.
 
     Each line is one JSON object with the contract's keys (step, rank, pp_rank, stage, microbatch, kind,
     start_ns, end_ns). A line that is not such an object raises `TraceError` naming the file and the
     line number; blank lines are skipped. A file is decoded in one pass; only when that finds a
-    problem is it read again line by line to name the first bad line.
+    problem is it read again line by line to name the first bad line. None when no file holds a line.
     """
-    files = _jsonl_files(Path(run_dir))
-    if not files:
-        return None
     frames = []
-    for file_rank, path in files:
-        try:
-            text = path.read_bytes()
-            if path.suffix == ".gz":
-                text = gzip.decompress(text)
-        except OSError as e:
-            raise TraceError(path, f"cannot read: {e.strerror or e}") from None
-        except (EOFError, gzip.BadGzipFile, zlib.error) as e:
-            raise TraceError(path, f"corrupt gzip ({e})") from None
+    for file_rank, path, text in files:
         lines = [ln for ln in text.splitlines() if ln.strip()]
         if not lines:
             continue
@@ -279,9 +264,12 @@ def _actions_and_trace(source, *, cache: bool = True):
     if not p.exists():
         raise TraceError(p, "no such file or directory")
     if p.is_dir():
-        df = read_pipeline_jsonl(p)
-        if df is not None:
-            return df, None
+        run = Run.open(p)
+        # only p's own pipeline/ (a run dir's traces/ given alone: its actions are rebuilt from the ranges)
+        if run.pipeline_dir is not None and run.pipeline_dir.parent == p:
+            df = read_pipeline_jsonl(run)
+            if df is not None:
+                return df, None
     from ..trace import discover, load
 
     try:
@@ -398,20 +386,20 @@ def _stage_to_pp_rank(actions: pd.DataFrame, n_stages: int) -> list[int]:
     return [int(owner.get(s, -1)) for s in range(n_stages)]
 
 
-def pipeline_meta(run_dir: str | os.PathLike | None, actions: pd.DataFrame) -> PipelineMeta:
+def pipeline_meta(run_dir, actions: pd.DataFrame) -> PipelineMeta:
     """The manifest's ``pipeline`` object (validated), else `infer_meta`; fields absent from the
-    manifest are inferred. Bad manifest values raise `TraceError` naming manifest.json and the key."""
+    manifest are inferred. ``run_dir``: a `tracelens.io.run.Run`, a run dir's path, or None. Bad manifest
+    values raise `TraceError` naming manifest.json and the key."""
     inferred = infer_meta(actions)
     if run_dir is None:
         return inferred
-    p = Path(run_dir)
-    mf = p / "manifest.json" if p.is_dir() else None
-    if mf is None or not mf.exists():
+    run = run_dir if isinstance(run_dir, Run) else Run.open(run_dir)
+    mf = run.manifest_path
+    if mf is None:
         return inferred
-    try:
-        doc = json.loads(mf.read_text())
-    except (OSError, ValueError) as e:
-        raise TraceError(mf, f"unreadable manifest ({e})") from None
+    if run.manifest is None and run.manifest_error and run.manifest_error[0]:
+        raise TraceError(mf, f"unreadable manifest ({run.manifest_error[1]})") from None
+    doc = run.manifest
     pipe = doc.get("pipeline") if isinstance(doc, dict) else None
     if pipe is None:
         return inferred
@@ -1420,12 +1408,8 @@ def load_pipeline(source, *, step: int | None = None, cache: bool = True, traces
     """
     actions, trace = _actions_and_trace(source, cache=cache)
     is_path = isinstance(source, (str, os.PathLike))
-    src = "jsonl" if is_path and Path(source).is_dir() and _jsonl_files(Path(source)) else "trace"
-    run = None
-    if is_path:  # the run dir, also when given its traces/ directory
-        run = Path(source)
-        if run.name == "traces" and (run.parent / "manifest.json").exists():
-            run = run.parent
+    src = "jsonl" if trace is None else "trace"  # None: the actions came from the run's jsonl files
+    run = Run.open(source) if is_path else getattr(source, "run", None)  # a run dir, also given as its traces/
     meta = pipeline_meta(run, actions)
     extra = []
     if trace is None and traces and is_path:
@@ -1450,25 +1434,14 @@ def load_pipeline(source, *, step: int | None = None, cache: bool = True, traces
     return res
 
 
-def run_dir_of(trace) -> Path | None:
-    """The run dir whose traces/ holds this trace's files (None if they are not in one)."""
-    parents = {Path(r.path).resolve().parent for r in trace.ranks}
-    if len(parents) != 1:
-        return None
-    d = parents.pop()
-    if d.name == "traces" and (d.parent / "manifest.json").exists():
-        return d.parent
-    return d if _jsonl_files(d) else None
-
-
 def has_pipeline_data(trace) -> bool:
     """Whether `pipeline_for_trace` can find anything, decided cheaply: a run dir with pipeline jsonl,
     gathered actions (`tracelens.scale`), or an event name of the ``pipeline/...`` ranges in the names'
     dictionary (a non-categorical name column: True, undecided)."""
     if getattr(trace, "pipeline_actions", None) is not None:
         return True
-    run = run_dir_of(trace)
-    if run is not None and _jsonl_files(run):
+    run = getattr(trace, "run", None)
+    if run is not None and run.pipeline_files():
         return True
     ev = getattr(trace, "events", None)
     if ev is None or ev.empty:
@@ -1482,7 +1455,7 @@ def has_pipeline_data(trace) -> bool:
 def pipeline_for_trace(trace) -> PipelineAnalysis | None:
     """Pipeline analysis for the main report: from the run dir's jsonl if the trace sits in a run dir,
     else from the trace's ranges; None when there is no pipeline data."""
-    run = run_dir_of(trace)
+    run = getattr(trace, "run", None)
     actions = read_pipeline_jsonl(run) if run is not None else None
     source = "jsonl"
     if actions is None:

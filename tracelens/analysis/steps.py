@@ -289,38 +289,11 @@ def _ranges(xs) -> str:
 
 
 def run_manifest(trace) -> dict | None:
-    """The run dir's manifest.json when every rank file sits in RUN/traces/ (else None). An unreadable
-    manifest is None too: the window then uses what the trace shows, and the health check names it."""
-    import json
-    from pathlib import Path
-
-    parents = {Path(r.path).resolve().parent for r in trace.ranks}
-    if len(parents) != 1:
-        return None
-    d = parents.pop()
-    mf = d.parent / "manifest.json"
-    if d.name != "traces" or not mf.is_file():
-        return None
-    try:
-        doc = json.loads(mf.read_text())
-    except (OSError, ValueError):
-        return None
-    return doc if isinstance(doc, dict) else None
-
-
-def read_manifest(run_dir) -> dict | None:
-    """RUN/manifest.json as a dict, None when absent or unreadable (callers that need it name the error)."""
-    import json
-    from pathlib import Path
-
-    if run_dir is None:
-        return None
-    mf = Path(run_dir) / "manifest.json"
-    try:
-        doc = json.loads(mf.read_text()) if mf.is_file() else None
-    except (OSError, ValueError):
-        return None
-    return doc if isinstance(doc, dict) else None
+    """The run's manifest (`Trace.run`, read when the trace was loaded) when every rank file sits in
+    RUN/traces/ (else None). An unreadable manifest is None too: the window then uses what the trace shows,
+    and the health check names it."""
+    run = getattr(trace, "run", None)
+    return run.manifest if run is not None else None
 
 
 def steady_pipeline_step(steps: list[int], manifest: dict | None) -> int:

@@ -13,16 +13,17 @@ from pathlib import Path
 from typing import Sequence
 
 from ..errors import TraceError
+from .run import MANIFEST
 
 TRACE_SUFFIXES = (".json", ".json.gz")
 
 
 def _is_trace_file(p: Path) -> bool:
-    return p.is_file() and p.name.endswith(TRACE_SUFFIXES) and p.name != "manifest.json"
+    return p.is_file() and p.name.endswith(TRACE_SUFFIXES) and p.name != MANIFEST
 
 
 def _named_like_trace(p: Path) -> bool:
-    return p.name.endswith(TRACE_SUFFIXES) and p.name != "manifest.json"
+    return p.name.endswith(TRACE_SUFFIXES) and p.name != MANIFEST
 
 
 def _not_a_file(p: Path) -> str | None:

@@ -36,15 +36,14 @@ A pure function of the analysis (and the manifest); it never reads raw events.
 
 from __future__ import annotations
 
-import json
 import math
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pandas as pd
 
+from ..io.run import Run
 from . import replay as R
 from .profile import COMPONENTS, IDLE_COMPONENTS, ProfileError, step_profile
 from .whatif import Model, WhatIfError
@@ -64,14 +63,10 @@ class DecompositionError(ValueError):
 
 def run_dir_of(analysis) -> Path | None:
     """The run dir whose ``traces/`` holds every rank file of the analysis (None for loose traces)."""
-    try:
-        parents = {Path(r.path).resolve().parent for r in analysis.trace.ranks}
-    except (AttributeError, OSError, TypeError):
+    run = getattr(getattr(analysis, "trace", None), "run", None)
+    if run is None or run.trace_dir is None or run.trace_dir.name != "traces":
         return None
-    if len(parents) != 1:
-        return None
-    d = parents.pop()
-    return d.parent if d.name == "traces" else None
+    return run.trace_dir.parent
 
 
 def _mean_step_s(manifest: dict | None) -> float | None:
@@ -116,20 +111,10 @@ def decomposition(analysis, manifest: dict | None = None, calibrate: bool = True
 
 # ------------------------------------------------------------------------------------------ the two bases
 def _calibrated(analysis, manifest: dict, mean_s: float) -> pd.DataFrame:
-    run = run_dir_of(analysis)
-    own = run is not None and (run / "manifest.json").is_file()
-    if own:
-        try:
-            same = json.loads((run / "manifest.json").read_text()) == manifest
-        except (OSError, ValueError):
-            same = False
-        own = same
-    if own:
-        model = Model.from_run(run, analysis=analysis)
-    else:  # a manifest given beside loose traces: the model reads it from a run dir of its own
-        with tempfile.TemporaryDirectory(prefix="tracelens-decomp-") as tmp:
-            Path(tmp, "manifest.json").write_text(json.dumps(manifest, default=str))
-            model = Model.from_run(tmp, analysis=analysis)
+    run = getattr(analysis.trace, "run", None) or Run()
+    if run.manifest != manifest:  # a manifest given beside loose traces (or another one): the model takes it as given
+        run = run.with_manifest(manifest)
+    model = Model.from_run(run, analysis=analysis)
     rows, ranks, bubble_notes = [], [], []
     for p, comps in zip(model.profiles, model.base_by_rank):
         ms = {c: 1e3 * float(comps.get(c, 0.0)) for c in COMPONENTS}

@@ -46,6 +46,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from ..io.run import MANIFEST
 from ..analysis import pipeline as P
 from ..analysis.steps import manifest_step_roles
 from ..errors import TraceError
@@ -296,13 +297,13 @@ def pipeline_base(run: str | Path, analysis: P.PipelineAnalysis | None = None, m
     f, b, w = col("F"), col("B"), col("W")
     if min(f) <= 0 or min(bi + wi for bi, wi in zip(b, w)) <= 0:
         raise PipelineWhatIfError(f"{run}: a stage has no forward or backward time in the steady steps {steps}")
-    pieces = _stage_pieces(meta, cfg, str(run / "manifest.json"))
+    pieces = _stage_pieces(meta, cfg, str(run / MANIFEST))
     weights = _piece_weights(cfg)
     piece_f, piece_bw = {}, {}
     for s, names in enumerate(pieces):
         unknown = [n for n in names if n not in weights]
         if unknown:
-            raise PipelineWhatIfError(f"{run / 'manifest.json'}: pipeline.stage_modules: unknown module {unknown[0]!r}")
+            raise PipelineWhatIfError(f"{run / MANIFEST}: pipeline.stage_modules: unknown module {unknown[0]!r}")
         ws = [weights[n] for n in names]
         tot = sum(ws)
         share = [x / tot for x in ws] if tot > 0 else [1.0 / len(names)] * len(names)
@@ -318,7 +319,7 @@ def pipeline_base(run: str | Path, analysis: P.PipelineAnalysis | None = None, m
     windows = (win["hi"] - win["lo"]).astype(float)
     timed = [s for s in steps if s < len(times) and isinstance(times[s], (int, float)) and times[s] > 0]
     if not timed:
-        raise PipelineWhatIfError(f"{run / 'manifest.json'}: no measured step time (metrics.step_times_s) for the "
+        raise PipelineWhatIfError(f"{run / MANIFEST}: no measured step time (metrics.step_times_s) for the "
                                   f"steady step(s) {steps}")
     step_ns = float(np.median([times[s] * 1e9 for s in timed]))
     rest = [times[s] * 1e9 - windows[s] for s in timed]

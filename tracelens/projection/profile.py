@@ -20,7 +20,6 @@ Built from analysis tables (``Analysis.gpu``, ``Analysis.tree``, ``Analysis.step
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,6 +30,7 @@ import pandas as pd
 
 from .. import categories as C
 from ..analysis.calltree import KIND_ANNOTATION, KIND_OP, KIND_RUNTIME
+from ..io.run import Run
 
 # Components of a step, in the order a report lists them: they add up to the step time. Device work
 # first (communication counts only where no computation overlaps it: exposed), then device idle time
@@ -393,18 +393,23 @@ def _syncs(tree: pd.DataFrame, rank: int, start: int, end: int) -> pd.DataFrame:
                         ).sort_values("ts").reset_index(drop=True)
 
 
-def read_manifest(run: str | Path) -> dict | None:
-    """The run dir's manifest.json (None when ``run`` is not a run dir or has none)."""
-    p = Path(run)
-    m = p / "manifest.json" if p.is_dir() else None
-    if m is None or not m.is_file():
+def read_manifest(run) -> dict | None:
+    """The run's trainer manifest (None when ``run`` is not a run dir or has none). ``run``: a
+    `tracelens.io.run.Run`, or a run dir's path. `ProfileError` (one line naming the file) when it cannot be
+    read or holds no trainer config."""
+    if not isinstance(run, Run):
+        if not Path(run).is_dir():
+            return None
+        run = Run.open(run)
+    m = run.manifest_path
+    if run.manifest is None and (m is None or not m.is_file()):
         return None
-    try:
-        doc = json.loads(m.read_text())
-    except (OSError, ValueError) as e:
-        raise ProfileError(f"{m}: unreadable manifest ({type(e).__name__}: {e})") from None
+    if run.manifest is None and run.manifest_error and run.manifest_error[0]:
+        kind, msg = run.manifest_error
+        raise ProfileError(f"{m}: unreadable manifest ({kind}: {msg})")
+    doc = run.manifest
     if not isinstance(doc, dict) or not isinstance(doc.get("config"), dict):
-        raise ProfileError(f"{m}: not a trainer manifest (no 'config' object)")
+        raise ProfileError(f"{m or 'the given manifest'}: not a trainer manifest (no 'config' object)")
     return doc
 
 

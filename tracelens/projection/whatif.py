@@ -57,6 +57,7 @@ from ..errors import TraceError
 from . import kerneltable as KT
 from . import pipeline_whatif as PW
 from . import replay as R
+from ..io.run import MANIFEST, Run
 from .profile import COMPONENTS, ProfileError, StepProfile, read_manifest, step_profile
 
 GIB = float(1 << 30)
@@ -168,10 +169,13 @@ class Model:
 
     # -------------------------------------------------------------- building
     @classmethod
-    def from_run(cls, run: str | Path, kernel_table: str | Path | None = None, capacity_gib: float | None = None,
+    def from_run(cls, run, kernel_table: str | Path | None = None, capacity_gib: float | None = None,
                  analysis=None) -> "Model":
-        run = Path(run)
-        man = read_manifest(run)
+        """The model of one profiled run. ``run``: a run dir's path, or a `tracelens.io.run.Run` (e.g. an
+        analysis's ``trace.run``, or one given another manifest with `Run.with_manifest`)."""
+        source = run if isinstance(run, Run) else None
+        run = Path(run) if source is None else (source.root or source.trace_dir or Path("."))
+        man = read_manifest(source if source is not None else run)
         if man is None:
             raise WhatIfError(f"{run}: not a run dir with a manifest.json (the what-if model needs the run's config "
                               "and measured step times)")
@@ -179,7 +183,7 @@ class Model:
         metrics = man.get("metrics") or {}
         mean = metrics.get("mean_step_time_s")
         if not isinstance(mean, (int, float)) or not math.isfinite(mean) or mean <= 0:
-            raise WhatIfError(f"{run / 'manifest.json'}: no measured mean_step_time_s to calibrate on")
+            raise WhatIfError(f"{run / MANIFEST}: no measured mean_step_time_s to calibrate on")
         if analysis is None:
             import tracelens
 
