@@ -2,6 +2,8 @@
 #   make demo   install into .venv, profile a small MoE run on CPU, analyze it and open the report
 #               (on a machine without a browser it prints the report's file:// address instead)
 #   make test   install into .venv (with test tools and Chromium) and run the whole test suite
+#   make lint   install into .venv and check the import layering of docs/architecture.md (import-linter
+#               contracts in pyproject.toml); .ci/run runs it before the tests
 #
 # torch is installed first, pinned to the CPU build, so pip never pulls a multi-GB CUDA build.
 
@@ -12,7 +14,7 @@ PIP    := $(PY) -m pip
 TORCH  ?= torch==2.13.0
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo demo-gpu-trace test install browser clean
+.PHONY: demo demo-gpu-trace test lint install browser clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -50,6 +52,11 @@ demo-gpu-trace: install
 
 test: install browser
 	$(PY) -m pytest -q
+
+# The layering contracts ([tool.importlinter] in pyproject.toml): which package may import which, no
+# import cycles. lint-imports puts the checkout first on sys.path, so it reads this tree's modules.
+lint: $(STAMP)
+	$(VENV)/bin/lint-imports --no-logo --no-cache
 
 clean:
 	rm -rf $(VENV) out runs/demo .pytest_cache

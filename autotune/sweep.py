@@ -29,6 +29,7 @@ from .policy import Move, explore_moves, propose
 from .runner import TrialResult, reap_orphans, run_trial
 from .space import Space, key_of
 from .store import StoreError, open_sweep_store
+from .tpe import missing as tpe_missing, run_tpe
 
 STRATEGIES = ("guided", "grid", "random", "tpe")
 
@@ -62,6 +63,8 @@ class Sweep:
                  log: Callable[[str], None] = print, runner: Runner | None = None):
         if strategy not in STRATEGIES:
             raise SweepError(f"unknown strategy {strategy!r} (one of {', '.join(STRATEGIES)})")
+        if strategy == "tpe" and (why := tpe_missing()):
+            raise SweepError(why)
         self.space, self.strategy, self.seed = space, strategy, seed
         self.out = Path(out).resolve()  # trials run in the repository root: their -o must be absolute
         self.log = log
@@ -177,8 +180,6 @@ class Sweep:
             random.Random(self.seed).shuffle(pts)
             stopped = self._run_list(pts, f"random point (seed {self.seed})")
         elif self.strategy == "tpe":
-            from .tpe import run_tpe
-
             stopped = run_tpe(self)
         else:
             stopped = self._guided()

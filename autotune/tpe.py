@@ -20,19 +20,19 @@ from .space import key_of
 MAX_STALE_ASKS = 200  # consecutive suggestions that were all visited or disallowed: the sampler is done
 
 
-def _optuna():
+def missing() -> str | None:
+    """Why the strategy cannot run here (one line), or None: the sweep checks this before it opens its store."""
     try:
-        import optuna
+        import optuna  # noqa: F401
     except ImportError:
-        from .sweep import SweepError
-
-        raise SweepError("strategy tpe needs Optuna, which is not installed: pip install 'tracelens[tune]' "
-                         "(or use --strategy guided, grid or random)") from None
-    return optuna
+        return ("strategy tpe needs Optuna, which is not installed: pip install 'tracelens[tune]' "
+                "(or use --strategy guided, grid or random)")
+    return None
 
 
 def run_tpe(sweep) -> str:
-    optuna = _optuna()
+    import optuna
+
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     space, store = sweep.space, sweep.store
     storage = optuna.storages.RDBStorage(f"sqlite:///{store.path.resolve()}",

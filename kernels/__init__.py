@@ -30,9 +30,8 @@ package was imported with ``TRITON_INTERPRET=1`` — and otherwise falls back to
 from __future__ import annotations
 
 from ._runtime import HAS_TRITON, INTERPRET, log, triton_ok
-from .backends import PASSES, available_backends, register_backend, select_backend, tune, tune_table
+from .backends import PASSES, available_backends, grouped_mm, register_backend, select_backend, tune, tune_table
 from .cross_entropy import linear_cross_entropy
-from .grouped_gemm import grouped_mm
 from .permutation import Permutation, permute, unpermute
 from .router import fused_router
 from .activation import swiglu

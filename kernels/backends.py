@@ -19,6 +19,10 @@ per pass, and writes the winners to a JSON cache keyed by (device name, dtype, s
 in ``$TRACELENS_CACHE_DIR/kernels/`` (default ``~/.cache/tracelens/kernels/``).
 :func:`select_backend` is what ``grouped_gemm_backend=auto`` uses: cached winner, else tune once.
 
+:func:`grouped_mm` (``kernels.grouped_mm``) is the op itself: an autograd function that runs each pass on
+its backend. The Triton kernels it dispatches to live in :mod:`kernels.grouped_gemm`, which imports
+nothing from here.
+
 May import: torch, triton, stdlib.
 """
 
@@ -36,7 +40,9 @@ from pathlib import Path
 
 import torch
 
+from . import grouped_gemm as g
 from ._runtime import m_bucket, median_ms, triton_ok
+from .reference import grouped_mm_ref
 
 log = logging.getLogger("kernels")
 
@@ -44,6 +50,7 @@ PASSES = ("fwd", "dx", "dw")
 CACHE_VERSION = 1
 
 __all__ = [
+    "grouped_mm", "GroupedMM",
     "PASSES", "BACKENDS", "Backend", "register_backend", "available_backends", "run_pass", "resolve_passes",
     "cache_dir", "cache_path", "cache_key", "load_cache", "clear_cache", "tune", "select_backend", "is_tuned",
     "tune_table",
@@ -124,8 +131,6 @@ def _torch_pass(pass_, a, b, offs):
 
 
 def _triton_pass(pass_, a, b, offs, out=None):
-    from . import grouped_gemm as g
-
     if pass_ == "fwd":
         return g.grouped_mm_triton(a, b, offs)
     if pass_ == "dx":
@@ -134,8 +139,6 @@ def _triton_pass(pass_, a, b, offs, out=None):
 
 
 def _triton_tma_pass(pass_, a, b, offs):
-    from . import grouped_gemm as g
-
     if pass_ == "fwd":
         return g.grouped_mm_tma(a, b, offs)
     if pass_ == "dx":
@@ -144,16 +147,12 @@ def _triton_tma_pass(pass_, a, b, offs):
 
 
 def _tma_available(t: torch.Tensor) -> bool:
-    from . import grouped_gemm as g
-
     if not (g.HAS_TMA and triton_ok(t)) or t.dtype not in (torch.bfloat16, torch.float16):
         return False
     return t.device.type != "cuda" or torch.cuda.get_device_capability(t.device) >= (9, 0)
 
 
 def _reference_pass(pass_, a, b, offs):
-    from .reference import grouped_mm_ref
-
     if pass_ == "fwd":
         return grouped_mm_ref(a, b, offs)
     if pass_ == "dx":
@@ -241,6 +240,48 @@ def resolve_passes(backend, x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor
     if backend not in BACKENDS:
         raise ValueError(f"unknown grouped-GEMM backend {backend!r}; registered: {sorted(BACKENDS)} or 'auto'")
     return (backend, backend, backend)
+
+
+# ----------------------------------------------------------------------------------------------- the op
+class GroupedMM(torch.autograd.Function):
+    """Autograd wrapper: forward, dX and dW each by a Triton kernel (or the chosen backend)."""
+
+    @staticmethod
+    def forward(ctx, x, w, offs, backends=None, host_offs=None):
+        fwd, dx, dw = resolve_passes(backends, x, w, offs)
+        ctx.save_for_backward(x, w, offs)
+        ctx.bk = (dx, dw)
+        ctx.host_offs = host_offs
+        return run_pass(fwd, "fwd", x, w, offs, host_offs)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, w, offs = ctx.saved_tensors
+        dx_b, dw_b = ctx.bk
+        dy = dy.contiguous()
+        dx = run_pass(dx_b, "dx", dy, w, offs, ctx.host_offs) if ctx.needs_input_grad[0] else None
+        dw = None
+        if ctx.needs_input_grad[1]:
+            if dw_b == "triton":  # write dW in w's own layout (e.g. a transposed nn.Linear weight)
+                dw = g.grouped_mm_dw_triton(x, dy, offs, out=torch.empty_like(w))
+            else:
+                dw = run_pass(dw_b, "dw", x, dy, offs, ctx.host_offs)
+        return dx, dw, None, None, None
+
+
+def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, backend=None, host_offs=None) -> torch.Tensor:
+    """Autograd-capable grouped GEMM (the kernels: :mod:`kernels.grouped_gemm`).
+
+    ``backend``: ``None`` / ``"triton"`` (Triton where it can run, else the reference), a registered
+    backend name (``"loop"``, ``"multistream"``, ``"torch"``), ``"auto"`` (tuned per pass, see
+    :func:`select_backend`), or a ``(fwd, dx, dw)`` tuple of names.  ``host_offs``: ``offs`` as
+    Python ints when the caller already has them on the host, so that the ``loop`` and
+    ``multistream`` passes need not read ``offs`` back (see :func:`run_pass`).
+    """
+    g.check_operands(x, w, offs)
+    if backend is None and not triton_ok(x):
+        return grouped_mm_ref(x, w, offs)
+    return GroupedMM.apply(x, w, offs, backend, None if host_offs is None else tuple(int(v) for v in host_offs))
 
 
 # ----------------------------------------------------------------------------------------------- cache

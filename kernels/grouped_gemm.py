@@ -27,11 +27,10 @@ import os
 
 import torch
 
-from ._runtime import HAS_TRITON, INTERPRET, m_bucket, next_pow2, triton_ok
-from .reference import grouped_mm_ref
+from ._runtime import HAS_TRITON, INTERPRET, m_bucket, next_pow2
 
 __all__ = ["grouped_mm_triton", "grouped_mm_dx_triton", "grouped_mm_dw_triton", "grouped_mm_tma", "grouped_mm_dx_tma",
-           "tma_ok", "GroupedMM", "grouped_mm"]
+           "tma_ok", "check_operands"]
 
 if HAS_TRITON:
     import triton
@@ -237,7 +236,8 @@ else:
 SWIZZLE = max(1, int(os.environ.get("TRACELENS_GMM_SWIZZLE", "8") or 8))
 
 
-def _check(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> None:
+def check_operands(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> None:
+    """Raise ValueError/TypeError (naming the shapes or dtypes) unless x [T,K], w [E,K,N], offs [E] fit."""
     if x.dim() != 2 or w.dim() != 3 or offs.dim() != 1:
         raise ValueError(f"grouped_mm: expected x [T,K], w [E,K,N], offs [E]; got {tuple(x.shape)}, "
                          f"{tuple(w.shape)}, {tuple(offs.shape)}")
@@ -337,7 +337,7 @@ def _gmm_rows_tma(x: torch.Tensor, w_kn: torch.Tensor, offs: torch.Tensor) -> to
 
 def grouped_mm_tma(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     """Forward with TMA tile loads where :func:`tma_ok`, else the block-pointer kernel."""
-    _check(x, w, offs)
+    check_operands(x, w, offs)
     return _gmm_rows_tma(x, w, offs) if tma_ok(x, w) else _gmm_rows(x, w, offs)
 
 
@@ -349,7 +349,7 @@ def grouped_mm_dx_tma(dy: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> 
 
 def grouped_mm_triton(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     """Forward: ``out[offs[i-1]:offs[i]] = x[...] @ w[i]``; rows past ``offs[-1]`` are zero."""
-    _check(x, w, offs)
+    check_operands(x, w, offs)
     return _gmm_rows(x, w, offs)
 
 
@@ -380,48 +380,3 @@ def grouped_mm_dw_triton(x: torch.Tensor, dy: torch.Tensor, offs: torch.Tensor,
         IEEE=x.dtype == torch.float32, UPCAST=INTERPRET, DW_KMAJOR=_kmajor(dw),
     )
     return dw
-
-
-class GroupedMM(torch.autograd.Function):
-    """Autograd wrapper: forward, dX and dW each by a Triton kernel (or the chosen backend)."""
-
-    @staticmethod
-    def forward(ctx, x, w, offs, backends=None, host_offs=None):
-        from . import backends as _b
-
-        fwd, dx, dw = _b.resolve_passes(backends, x, w, offs)
-        ctx.save_for_backward(x, w, offs)
-        ctx.bk = (dx, dw)
-        ctx.host_offs = host_offs
-        return _b.run_pass(fwd, "fwd", x, w, offs, host_offs)
-
-    @staticmethod
-    def backward(ctx, dy):
-        from . import backends as _b
-
-        x, w, offs = ctx.saved_tensors
-        dx_b, dw_b = ctx.bk
-        dy = dy.contiguous()
-        dx = _b.run_pass(dx_b, "dx", dy, w, offs, ctx.host_offs) if ctx.needs_input_grad[0] else None
-        dw = None
-        if ctx.needs_input_grad[1]:
-            if dw_b == "triton":  # write dW in w's own layout (e.g. a transposed nn.Linear weight)
-                dw = grouped_mm_dw_triton(x, dy, offs, out=torch.empty_like(w))
-            else:
-                dw = _b.run_pass(dw_b, "dw", x, dy, offs, ctx.host_offs)
-        return dx, dw, None, None, None
-
-
-def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, backend=None, host_offs=None) -> torch.Tensor:
-    """Autograd-capable grouped GEMM (see the module docstring).
-
-    ``backend``: ``None`` / ``"triton"`` (Triton where it can run, else the reference), a registered
-    backend name (``"loop"``, ``"multistream"``, ``"torch"``), ``"auto"`` (tuned per pass, see
-    :mod:`kernels.backends`), or a ``(fwd, dx, dw)`` tuple of names.  ``host_offs``: ``offs`` as
-    Python ints when the caller already has them on the host, so that the ``loop`` and
-    ``multistream`` passes need not read ``offs`` back (see :func:`kernels.backends.run_pass`).
-    """
-    _check(x, w, offs)
-    if backend is None and not triton_ok(x):
-        return grouped_mm_ref(x, w, offs)
-    return GroupedMM.apply(x, w, offs, backend, None if host_offs is None else tuple(int(v) for v in host_offs))

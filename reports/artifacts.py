@@ -24,7 +24,7 @@ import pandas as pd
 from tracelens.analyzer import Analysis
 from tracelens.errors import TraceError
 
-from .html import render, write_text_atomic  # noqa: F401 - write_text_atomic re-exported
+from .html import render
 
 
 def write_tables(analysis: Analysis, out: Path, formats: tuple[str, ...] = ("parquet", "csv")) -> list[Path]:

@@ -1,6 +1,6 @@
 """The step decomposition in HTML (tracelens.projection.decomposition): a stacked horizontal bar per rank
 and a small table, at the top of report.html; and the side-by-side decomposition of two configs (the
-sweep report's baseline vs best). Same conventions as reports/html.py: figure dicts for plotly whose
+sweep report's baseline vs best). Same conventions as the other pages (reports/common.py): figure dicts for plotly whose
 labels are HTML-escaped, tables through ``html_table``.
 """
 
@@ -10,7 +10,7 @@ from typing import Any
 
 import pandas as pd
 
-from .html import _plot_text, html_table
+from .common import html_table, plot_text
 
 # one colour per component: work in blues/greens/purples, communication red, idle in greys
 COLORS = {
@@ -50,12 +50,12 @@ def figure(df: pd.DataFrame) -> dict:
         if not (sub["ms"].fillna(0) > 0).any():
             continue
         custom = [[f"{100 * float(s):.1f}" if s == s else "–",
-                   _plot_text(scale_text(sw, ss, sb, comp))]
+                   plot_text(scale_text(sw, ss, sb, comp))]
                   for s, sw, ss, sb in zip(sub["share"], sub["scales_with"], sub["scale_share"], sub["scale_basis"])]
-        data.append({"type": "bar", "orientation": "h", "name": _plot_text(comp), "y": ylab,
+        data.append({"type": "bar", "orientation": "h", "name": plot_text(comp), "y": ylab,
                      "x": [round(float(v), 4) if v == v else 0.0 for v in sub["ms"]],
                      "marker": {"color": COLORS.get(comp, "#888")}, "customdata": custom,
-                     "hovertemplate": "%{y}: %{x:.3f} ms " + _plot_text(comp)
+                     "hovertemplate": "%{y}: %{x:.3f} ms " + plot_text(comp)
                      + " (%{customdata[0]} % of the step)<br>scales with %{customdata[1]}<extra></extra>"})
     layout = {"barmode": "stack", "height": 150 + 34 * len(ranks), "margin": {"l": 120, "r": 20, "t": 10, "b": 40},
               "xaxis": {"title": {"text": "ms per step"}}, "yaxis": {"autorange": "reversed", "automargin": True},
@@ -129,14 +129,14 @@ def compare_figure(sides: list[tuple[str, dict[str, float]]], unit: str = "ms pe
         color = "#9aa6b8" if label.startswith("baseline") else "#2e9d5b" if label.startswith("best") \
             else blues[(i - 1) % len(blues)]
         tot = sum(comp_ms.get(c, 0.0) for c in components_order())
-        data.append({"type": "bar", "orientation": "h", "name": _plot_text(f"{label} ({tot:,.1f} {unit.split()[0]})"),
+        data.append({"type": "bar", "orientation": "h", "name": plot_text(f"{label} ({tot:,.1f} {unit.split()[0]})"),
                      "legendgroup": str(i),
-                     "y": [_plot_text(c) for c in comps], "x": [round(float(comp_ms.get(c, 0.0)), 4) for c in comps],
+                     "y": [plot_text(c) for c in comps], "x": [round(float(comp_ms.get(c, 0.0)), 4) for c in comps],
                      "marker": {"color": color},
-                     "hovertemplate": _plot_text(label) + ": %{y} %{x:.3f} " + _plot_text(unit) + "<extra></extra>"})
+                     "hovertemplate": plot_text(label) + ": %{y} %{x:.3f} " + plot_text(unit) + "<extra></extra>"})
     layout = {"barmode": "group", "height": 160 + 22 * len(comps) * max(2, len(sides)),
               "margin": {"l": 150, "r": 20, "t": 10, "b": 40},
-              "xaxis": {"title": {"text": _plot_text(unit)}}, "yaxis": {"autorange": "reversed", "automargin": True},
+              "xaxis": {"title": {"text": plot_text(unit)}}, "yaxis": {"autorange": "reversed", "automargin": True},
               "legend": {"orientation": "h"}}
     return {"data": data, "layout": layout}
 

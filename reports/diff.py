@@ -12,7 +12,7 @@ import pandas as pd
 
 from tracelens.analysis.diff import DiffResult
 
-from .html import _env, _plot_text, html_table, plotly_js, safe_json, write_text_atomic
+from .common import html_table, plot_text, plotly_js, safe_json, template_env, write_text_atomic
 
 DIFF_SCHEMA = 1
 
@@ -185,7 +185,7 @@ def waterfall_figure(r: DiffResult) -> dict:
         steps.append(("overlap / other", rest, "relative"))
     steps.append(("new step", new, "total"))
     data = [{
-        "type": "waterfall", "orientation": "v", "x": [_plot_text(s[0]) for s in steps],
+        "type": "waterfall", "orientation": "v", "x": [plot_text(s[0]) for s in steps],
         "y": [round(float(s[1]), 6) for s in steps], "measure": [s[2] for s in steps],
         "increasing": {"marker": {"color": "#e4572e"}}, "decreasing": {"marker": {"color": "#29a37a"}},
         "totals": {"marker": {"color": "#3b7dd8"}}, "hovertemplate": "%{x}: %{y:.3f} ms<extra></extra>",
@@ -198,7 +198,7 @@ def bars_figure(r: DiffResult) -> dict:
     m = r.metrics[r.metrics["unit"] == "ms"]
     data = []
     for side, color in (("base", "#9aa6b8"), ("new", "#3b7dd8")):
-        data.append({"type": "bar", "name": _plot_text(getattr(r, f"{side}_label")), "x": [_plot_text(x) for x in m["metric"]],
+        data.append({"type": "bar", "name": plot_text(getattr(r, f"{side}_label")), "x": [plot_text(x) for x in m["metric"]],
                      "y": [None if math.isnan(v) else round(float(v), 6) for v in m[side]], "marker": {"color": color},
                      "hovertemplate": "%{x}: %{y:.3f} ms<extra></extra>"})
     return {"data": data, "layout": {"barmode": "group", "height": 420, "margin": {"l": 60, "r": 20, "t": 10, "b": 120},
@@ -234,7 +234,7 @@ def render_html(r: DiffResult, rules: list[dict] | None = None) -> str:
                                       ("base_per_step", "base / step", "num"), ("new_per_step", "new / step", "num"),
                                       ("delta", "Δ", "num")]),
     }
-    return _env().get_template("diff.html").render(
+    return template_env().get_template("diff.html").render(
         title=f"tracelens diff: {r.base_label} → {r.new_label}", info=r.info, warnings=r.warnings, rules=rules or [],
         plotly_js=plotly_js(), figures_json=safe_json(figures), tables=tables,
     )

@@ -8,111 +8,17 @@ few tags in text). A kernel named `</script><script>...` shows as text.
 
 from __future__ import annotations
 
-import html
-import json
-import math
 import os
-from functools import lru_cache
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 import pandas as pd
-from jinja2 import Environment, FileSystemLoader, select_autoescape
 
 from tracelens.analyzer import Analysis
 
-TEMPLATES = Path(__file__).parent / "templates"
-COLORS = {
-    "compute": "#3b7dd8", "exposed comm": "#e4572e", "memcpy": "#f3a712", "memset": "#a0a0a0", "idle": "#dfe3ea",
-    "GEMM": "#3b7dd8", "grouped GEMM": "#1b4f9c", "attention": "#8e5ad6", "elementwise": "#29a37a",
-    "reduction/norm": "#7fb800", "communication": "#e4572e", "memory": "#f3a712", "other": "#9aa6b8",
-}
-MAX_TABLE_ROWS = 200
-
-
-@lru_cache(maxsize=1)
-def plotly_js() -> str:
-    from plotly.offline import get_plotlyjs
-
-    return get_plotlyjs()
-
-
-def _env() -> Environment:
-    return Environment(loader=FileSystemLoader(str(TEMPLATES)), autoescape=select_autoescape(["html"]))
-
-
-def _plot_text(s: Any) -> str:
-    """A label for plotly: HTML-escaped (plotly renders entities, and would parse tags)."""
-    return html.escape(str(s), quote=False)
-
-
-def safe_json(obj: Any) -> str:
-    """JSON safe to embed in a <script> element: no '<', '>' or '&' appear literally."""
-    text = json.dumps(obj, separators=(",", ":"), default=_json_default, allow_nan=False)
-    return text.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
-
-
-def _json_default(o: Any) -> Any:
-    if hasattr(o, "item"):
-        return o.item()
-    if hasattr(o, "tolist"):
-        return o.tolist()
-    return str(o)
-
-
-def _clean(v: Any) -> Any:
-    if isinstance(v, float) and (math.isnan(v) or math.isinf(v)):
-        return None
-    return v
-
-
-def _fmt(v: Any, digits: int = 1) -> str:
-    if v is None or (isinstance(v, float) and math.isnan(v)):
-        return "–"
-    if isinstance(v, float):
-        return f"{v:,.{digits}f}"
-    if isinstance(v, int):
-        return f"{v:,}"
-    return str(v)
-
-
-def html_table(df: pd.DataFrame, columns: Iterable[tuple[str, str, str]], max_rows: int = MAX_TABLE_ROWS) -> str:
-    """A sortable table. columns: (dataframe column, header, kind) with kind 'num', 'pct', 'name', 'text',
-    or 'kernel' (a kernel name: demangled and shortened for the cell, the full name in its title).
-    'name' and 'kernel' cells stay on one line (cut with an ellipsis); hovering shows the whole name."""
-    from tracelens.names import display_many
-
-    columns = list(columns)
-    env = _env()
-    head = df.head(max_rows)
-    shown = {col: display_many(["" if v is None else str(v) for v in head[col]])
-             for col, _, kind in columns if kind == "kernel" and col in head}
-    rows = []
-    for i, rec in enumerate(head.to_dict("records")):
-        cells = []
-        for col, _, kind in columns:
-            v = rec.get(col)
-            if hasattr(v, "item"):
-                v = v.item()
-            if kind in ("num", "pct"):
-                digits = 1 if kind == "pct" else (3 if isinstance(v, float) and abs(v) < 10 else 1)
-                cells.append(("num", _fmt(v, digits), "" if v is None else str(_clean(v) if _clean(v) is not None else ""), None))
-            elif kind == "kernel" and col in shown and v is not None:
-                text, full = shown[col][i]
-                cells.append(("name", text, full if text != full else None, full))
-            else:
-                text = "" if v is None or (isinstance(v, float) and math.isnan(v)) else str(v)
-                cells.append((kind, text, None, text if kind == "name" and text else None))
-        rows.append(cells)
-    tmpl = env.from_string(
-        '<table class="data"><thead><tr>{% for c in cols %}<th data-type="{{ "num" if c[2] in ("num","pct") else "text" }}">{{ c[1] }}</th>{% endfor %}</tr></thead>'
-        "<tbody>{% for r in rows %}<tr>{% for kind, text, v, title in r %}"
-        '<td class="{{ kind }}"{% if v is not none %} data-v="{{ v }}"{% endif %}{% if title %} title="{{ title }}"{% endif %}>{{ text }}</td>'
-        "{% endfor %}</tr>{% endfor %}</tbody></table>"
-        "{% if more %}<p class=\"note\">Showing {{ shown }} of {{ total }} rows; all rows are in the CSV/Parquet tables.</p>{% endif %}"
-    )
-    return tmpl.render(cols=columns, rows=rows, more=len(df) > max_rows, shown=min(len(df), max_rows), total=len(df))
-
+from .common import COLORS, html_table, plot_text, plotly_js, safe_json, template_env, version, write_text_atomic
+from .decomposition import section_context as decomposition_context
+from .pipeline import section_context as pipeline_context
 
 # ----------------------------------------------------------------------------------- figures
 
@@ -140,9 +46,9 @@ def category_figure(cats: pd.DataFrame) -> dict:
     data = []
     for cat in cats["category"].unique():
         sub = cats[cats["category"] == cat]
-        data.append({"type": "bar", "orientation": "h", "name": _plot_text(cat), "y": [f"rank {r}" for r in sub["rank"]],
+        data.append({"type": "bar", "orientation": "h", "name": plot_text(cat), "y": [f"rank {r}" for r in sub["rank"]],
                      "x": [round(float(v) / 1000.0, 4) for v in sub["total_us"]], "marker": {"color": COLORS.get(cat, "#888")},
-                     "hovertemplate": "%{y}: %{x:.3f} ms " + _plot_text(cat) + "<extra></extra>"})
+                     "hovertemplate": "%{y}: %{x:.3f} ms " + plot_text(cat) + "<extra></extra>"})
     n = cats["rank"].nunique()
     layout = {"barmode": "stack", "height": 120 + 34 * n, "margin": {"l": 70, "r": 20, "t": 10, "b": 40},
               "xaxis": {"title": {"text": "ms (sum of durations)"}}, "yaxis": {"autorange": "reversed"},
@@ -155,9 +61,9 @@ def breakdown_figure(bd: pd.DataFrame) -> dict:
 
     names = display_many([str(lbl) for lbl in bd["label"]])  # kernel names demangled + shortened; hover: full
     data = [{
-        "type": "sunburst", "ids": [_plot_text(i) for i in bd["id"]], "parents": [_plot_text(p) for p in bd["parent"]],
-        "labels": [_plot_text(short) for short, _ in names], "values": [round(float(v), 3) for v in bd["value"]],
-        "customdata": [_plot_text(full if len(full) <= 240 else full[:240] + "…") for _, full in names],
+        "type": "sunburst", "ids": [plot_text(i) for i in bd["id"]], "parents": [plot_text(p) for p in bd["parent"]],
+        "labels": [plot_text(short) for short, _ in names], "values": [round(float(v), 3) for v in bd["value"]],
+        "customdata": [plot_text(full if len(full) <= 240 else full[:240] + "…") for _, full in names],
         "branchvalues": "total", "maxdepth": 4, "insidetextorientation": "radial",
         "hovertemplate": "%{customdata}<br>%{value:,.1f} us (%{percentRoot:.1%} of all)<extra></extra>",
     }]
@@ -212,18 +118,14 @@ def render(analysis: Analysis, title: str | None = None) -> str:
     if not a.breakdown.empty:
         figures["plot-breakdown"] = breakdown_figure(a.breakdown)
     extra = _deep_sections(a)
-    from .decomposition import section_context as decomposition_context  # never raises: a failure is one line
-
-    decomp = decomposition_context(a)
+    decomp = decomposition_context(a)  # never raises: a failure is one line
     if decomp.get("decomp_figure"):
         figures["plot-decomposition"] = decomp["decomp_figure"]
     if extra.get("roofline_figure"):
         figures["plot-roofline"] = extra.pop("roofline_figure")
     pipeline = None
     if getattr(a, "pipeline", None) is not None:  # run dir with pipeline data: reports/pipeline.py
-        from .pipeline import section_context
-
-        pipeline = section_context(a.pipeline)
+        pipeline = pipeline_context(a.pipeline)
         figures.update(pipeline.pop("figures"))
     ops_cols = [("op", "op", "name"), ("input_dims", "input dims", "name"), ("count", "count", "num"),
                 ("gpu_total_us", "GPU µs", "num"), ("gpu_mean_us", "GPU mean µs", "num"),
@@ -243,12 +145,12 @@ def render(analysis: Analysis, title: str | None = None) -> str:
     if not has_gpu:
         top_cols = [c for c in top_cols if c[0] not in ("gpu_total_us", "kernels")]
         ann_cols = [c for c in ann_cols if c[0] not in ("gpu_total_us", "kernels")]
-    return _env().get_template("report.html").render(
+    return template_env().get_template("report.html").render(
         **extra,
         **{k: v for k, v in decomp.items() if k != "decomp_figure"},
         title=title,
         subtitle=f"{len(trace.ranks)} rank(s) · {', '.join(devices) or 'no GPU'}",
-        version=_version(),
+        version=version(),
         plotly_js=plotly_js(),
         warnings=a.warnings,
         health=_health_context(a),
@@ -356,23 +258,6 @@ def _host_sections(a: Analysis) -> dict:
             ("rank", "rank", "num"), ("op", "op", "name"), ("calls_per_step", "calls / step", "num"),
             ("self_us_per_step", "self µs / step", "num"), ("share_pct", "% of step", "pct")]) if not top.empty else "",
     }
-
-
-def _version() -> str:
-    from tracelens import __version__
-
-    return __version__
-
-
-def write_text_atomic(path: str | os.PathLike, text: str) -> Path:
-    """Write ``text`` to ``path`` (parents created) through a temporary file and a rename, so a reader
-    (a browser, CI picking up an artifact, a resumed sweep) never sees a half-written file."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
-    return path
 
 
 def write_report(analysis: Analysis, path: str | os.PathLike, title: str | None = None) -> Path:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Sequence
 
-from .html import _env, _plot_text, html_table, plotly_js, safe_json, write_text_atomic
+from .common import html_table, plot_text, plotly_js, safe_json, template_env, write_text_atomic
 
 GIB = 1 << 30
 # the parts of a configuration label such as "pp4 vpp2 tp1 cp1 ep8 dp2 mbs1 rc=none 1f1b L3" (Layout.label)
@@ -28,16 +28,16 @@ GROUP_COLORS = {"parameters": "#3b7dd8", "gradients": "#7fb800", "optimizer": "#
 def memory_figure(projections: Sequence, device_bytes: float | None = None, measured_bytes: float | None = None) -> dict:
     """Stacked bars (GiB): x = configuration, one trace per component counted in the peak, coloured by group;
     a dashed line at the device memory and a marker at the measured peak when given."""
-    labels = [_plot_text(p.layout.label()) for p in projections]
+    labels = [plot_text(p.layout.label()) for p in projections]
     comps: dict[str, tuple[str, list[float]]] = {}
     for i, p in enumerate(projections):
         for r in p.table[p.table["in_peak"]].itertuples(index=False):
             group, vals = comps.setdefault(r.component, (r.group, [0.0] * len(projections)))
             vals[i] += r.bytes / GIB
     order = {g: k for k, g in enumerate(GROUP_COLORS)}
-    data = [{"type": "bar", "name": _plot_text(name), "x": labels, "y": [round(v, 4) for v in vals],
+    data = [{"type": "bar", "name": plot_text(name), "x": labels, "y": [round(v, 4) for v in vals],
              "marker": {"color": GROUP_COLORS.get(group, "#9aa6b8"), "line": {"width": 0.5, "color": "#ffffff"}},
-             "legendgroup": group, "hovertemplate": "%{x}<br>" + _plot_text(name) + ": %{y:.3f} GiB<extra></extra>"}
+             "legendgroup": group, "hovertemplate": "%{x}<br>" + plot_text(name) + ": %{y:.3f} GiB<extra></extra>"}
             for name, (group, vals) in sorted(comps.items(), key=lambda kv: (order.get(kv[1][0], 99), kv[0]))]
     shapes = []
     if device_bytes:
@@ -70,7 +70,7 @@ def render(projections: Sequence, title: str = "tracelens memory", device_bytes:
     figures = {"plot-memory": memory_figure(projections, device_bytes, measured_bytes)}
     from tracelens.analysis.memory import MOMENTS
 
-    return _env().get_template("memory.html").render(
+    return template_env().get_template("memory.html").render(
         moments=[(k, v) for k, v in MOMENTS.items()], layout_legend=LAYOUT_LEGEND,
         title=title, warnings=[], plotly_js=plotly_js(), figures_json=safe_json(figures), configs=configs,
         n=len(configs), device_gib=device_bytes / GIB if device_bytes else None,

@@ -4,7 +4,7 @@
     >>> from reports.pipeline import write_ppvis
     >>> write_ppvis(load_pipeline("runs/pp4"), "runs/pp4/ppvis.html")
 
-Figures are plain plotly dicts embedded as JSON by `reports.html.safe_json`; every label that comes from
+Figures are plain plotly dicts embedded as JSON by `reports.common.safe_json`; every label that comes from
 the data is HTML-escaped for plotly. Three figures:
     lanes     one row per rank, one bar per action (colour = F/B/W, text = microbatch), idle gaps as
               hatched grey "bubble" bars, for one step (the last analyzed one, or --step)
@@ -23,6 +23,8 @@ from pathlib import Path
 from typing import Any
 
 from tracelens.analysis.pipeline import ACCOUNT_LABELS, ACCOUNT_PARTS, PipelineAnalysis, _ranges, fmt_ns
+
+from .common import html_table, plotly_js, safe_json, template_env, version, write_text_atomic
 
 KIND_COLORS = {"F": "#3b7dd8", "B": "#e4572e", "W": "#8e5ad6", "bubble": "#c9ced8"}
 ACCOUNT_COLORS = {"theory": "#9aa6b8", "imbalance": "#e8a33d", "comm": "#3b7dd8", "host": "#c0392b", "other": "#4a5263"}
@@ -131,8 +133,6 @@ def account_figure(res: PipelineAnalysis) -> dict:
 
 def account_context(res: PipelineAnalysis) -> dict[str, Any] | None:
     """Table, advice and note of the account section (None without an account)."""
-    from .html import html_table
-
     acc = res.account
     if acc is None:
         return None
@@ -195,8 +195,6 @@ def _pct(v: Any) -> float:
 
 def section_context(res: PipelineAnalysis, id_prefix: str = "plot-pp") -> dict[str, Any]:
     """Template variables of the pipeline section (`_pipeline.html`) and its figures by element id."""
-    from .html import html_table
-
     m = res.meta
     pr = res.per_rank.sort_values("rank")
     per_step_ms = {c: pr[f"{c}_ns"] / pr["steps"] / 1e6 for c in ("window", "busy", "idle", "lead", "inner", "tail")}
@@ -248,18 +246,14 @@ def section_context(res: PipelineAnalysis, id_prefix: str = "plot-pp") -> dict[s
 
 def render_ppvis(res: PipelineAnalysis, title: str | None = None) -> str:
     """The standalone pipeline report (plotly.js inlined; works offline)."""
-    from .html import _env, _version, plotly_js, safe_json
-
     ctx = section_context(res)
     figures = ctx.pop("figures")
     m = res.meta
-    return _env().get_template("ppvis.html").render(
+    return template_env().get_template("ppvis.html").render(
         title=title or "tracelens ppvis", subtitle=f"pipeline {m.schedule}, pp {m.pp}, vpp {m.vpp}, "
-                                                   f"{m.microbatches} microbatches · tracelens {_version()}",
+                                                   f"{m.microbatches} microbatches · tracelens {version()}",
         plotly_js=plotly_js(), warnings=ctx["warnings"], pipeline=ctx, figures_json=safe_json(figures))
 
 
 def write_ppvis(res: PipelineAnalysis, path: str | os.PathLike, title: str | None = None) -> Path:
-    from .html import write_text_atomic
-
     return write_text_atomic(path, render_ppvis(res, title))

@@ -4,7 +4,7 @@
     >>> from reports import roofline as RR
     >>> r = R.roofline_result(analysis)
     >>> fig = RR.roofline_figure(r.table, r.ceilings)          # {"data": [...], "layout": {...}}
-    >>> html_table(r.table, RR.roofline_table_columns())       # reports.html.html_table
+    >>> html_table(r.table, RR.roofline_table_columns())       # reports.common.html_table
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ _ROOF_COLORS = ("#444444", "#b22222", "#2f4f4f", "#8b008b")
 
 
 def roofline_table_columns() -> list[tuple[str, str, str]]:
-    """(column, header, kind) for `reports.html.html_table`; kinds 'num', 'pct', 'name', 'text'."""
+    """(column, header, kind) for `reports.common.html_table`; kinds 'num', 'pct', 'name', 'text'."""
     return [
         ("op", "op", "name"), ("input_dims", "input dims", "name"), ("dtype", "dtype", "text"),
         ("kind", "kind", "text"), ("count", "count", "num"), ("gpu_us", "GPU µs", "num"),

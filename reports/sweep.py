@@ -18,7 +18,7 @@ from typing import Any
 
 import pandas as pd
 
-from .html import _env, _plot_text, html_table, plotly_js, safe_json, write_text_atomic
+from .common import html_table, plot_text, plotly_js, safe_json, template_env, write_text_atomic
 
 OK, FAILED, KEPT = "#3b7dd8", "#c0392b", "#2e9d5b"
 
@@ -104,12 +104,12 @@ def _figures(df: pd.DataFrame, path: list[dict], space) -> dict:
                   "error_y": {"type": "data", "array": [round(2 * e, 6) for e in se], "visible": any(se),
                               "color": "#1d2430", "thickness": 1.2, "width": 5},
                   "customdata": [f"±{p:.2f}%" if p == p and p is not None else "unknown" for p in df["se_pct"]],
-                  "text": [_plot_text(k if s == "ok" else f"{k}<br>{r}") for k, s, r in zip(df["knobs"], df["status"], df["reason"])],
+                  "text": [plot_text(k if s == "ok" else f"{k}<br>{r}") for k, s, r in zip(df["knobs"], df["status"], df["reason"])],
                   "textposition": "none",
                   "hovertemplate": "trial %{x}: %{y:.4g} (standard error %{customdata})<br>%{text}<extra></extra>"}],
         "layout": {"height": 340, "margin": {"l": 70, "r": 20, "t": 10, "b": 40},
                    "xaxis": {"title": {"text": "trial"}, "type": "category"},
-                   "yaxis": {"title": {"text": _plot_text(obj)}}}}
+                   "yaxis": {"title": {"text": plot_text(obj)}}}}
     if path:
         xs = list(range(1, len(path) + 1))
         best_so_far, cur = [], None
@@ -122,13 +122,13 @@ def _figures(df: pd.DataFrame, path: list[dict], space) -> dict:
             "data": [{"type": "scatter", "mode": "markers", "name": "trial", "x": xs,
                       "y": [p["objective"] if p["objective"] is not None else 0.0 for p in path],
                       "marker": {"size": 11, "color": [color.get(p["decision"] or "", OK) for p in path]},
-                      "text": [_plot_text(f"#{p['trial']} {p['decision'] or ''}: {p['motivation']}") for p in path],
+                      "text": [plot_text(f"#{p['trial']} {p['decision'] or ''}: {p['motivation']}") for p in path],
                       "hovertemplate": "%{text}<br>%{y:.4g}<extra></extra>"},
                      {"type": "scatter", "mode": "lines", "name": "best so far", "x": xs, "y": best_so_far,
                       "line": {"shape": "hv", "color": KEPT}}],
             "layout": {"height": 320, "margin": {"l": 70, "r": 20, "t": 10, "b": 40},
                        "xaxis": {"title": {"text": "step of the search"}, "dtick": 1},
-                       "yaxis": {"title": {"text": _plot_text(obj)}}, "legend": {"orientation": "h"}}}
+                       "yaxis": {"title": {"text": plot_text(obj)}}, "legend": {"orientation": "h"}}}
     ok = df[df["status"] == "ok"]
     effects = []
     knobs = [k for k in space.knobs if len(ok) and f"knob.{k}" in ok]
@@ -142,21 +142,21 @@ def _figures(df: pd.DataFrame, path: list[dict], space) -> dict:
         order = [str(v) if not isinstance(v, (list, dict)) else json.dumps(v) for v in space.knobs[k]]
         g = g.reindex([o for o in order if o in g.index])
         ax = "" if i == 0 else str(i + 1)
-        effects.append({"type": "bar", "name": _plot_text(k), "x": [_plot_text(v) for v in g.index],
+        effects.append({"type": "bar", "name": plot_text(k), "x": [plot_text(v) for v in g.index],
                         "xaxis": f"x{ax}", "yaxis": "y",
                         "y": [float(v) for v in g["mean"]],
                         "error_y": {"type": "data", "symmetric": False,
                                     "array": [float(v) for v in g["max"] - g["mean"]],
                                     "arrayminus": [float(v) for v in g["mean"] - g["min"]]},
                         "customdata": [int(c) for c in g["count"]],
-                        "hovertemplate": _plot_text(k) + "=%{x}: mean %{y:.4g} over %{customdata} trial(s)<extra></extra>"})
+                        "hovertemplate": plot_text(k) + "=%{x}: mean %{y:.4g} over %{customdata} trial(s)<extra></extra>"})
         x0 = i * (width + gap)
         axes[f"xaxis{ax}"] = {"domain": [round(x0, 4), round(min(1.0, x0 + width), 4)], "type": "category",
-                              "title": {"text": _plot_text(k), "font": {"size": 12}}, "automargin": True,
+                              "title": {"text": plot_text(k), "font": {"size": 12}}, "automargin": True,
                               "anchor": "y"}
     figs["plot-knobs"] = {"data": effects, "layout": {
         "height": 360, "margin": {"l": 70, "r": 20, "t": 10, "b": 60}, "showlegend": False, "bargap": 0.35,
-        "yaxis": {"title": {"text": f"mean {_plot_text(obj)} (whiskers: min-max)"}}, **axes}}
+        "yaxis": {"title": {"text": f"mean {plot_text(obj)} (whiskers: min-max)"}}, **axes}}
     return figs
 
 
@@ -189,7 +189,7 @@ def render(result, space, diff_link: str | None = None, diff_error: str | None =
 
     model = model_context(result, space)
     figures = {**_figures(df, result.path, space), **model.pop("figures")}
-    return _env().get_template("sweep.html").render(
+    return template_env().get_template("sweep.html").render(
         title=f"tracelens autotune: {space.config} ({result.strategy})", warnings=[], plotly_js=plotly_js(),
         figures_json=safe_json(figures), tables=tables, model=model, best=best, top=getattr(result, "top", None), baseline=base,
         speedup=speedup, objective=obj, stopped=result.stopped, strategy=result.strategy,

@@ -24,7 +24,7 @@ from typing import Any
 import pandas as pd
 
 from .decomposition import compare_figure, components_order
-from .html import _plot_text, html_table
+from .common import html_table, plot_text
 
 MAX_SIDES = 6  # baseline + up to 5 kept trials (the best always among them)
 
@@ -107,8 +107,8 @@ def predicted_figure(ran: pd.DataFrame, objective: str) -> dict | None:
             continue
         sub = ok[m]
         idx = [i for i, flag in enumerate(m) if flag]
-        custom = [[_plot_text(k), f"{u:.0f}" if u == u and u is not None else "–",
-                   f"{e:+.1f} %" if e == e and e is not None else "–", _plot_text(d or "–")]
+        custom = [[plot_text(k), f"{u:.0f}" if u == u and u is not None else "–",
+                   f"{e:+.1f} %" if e == e and e is not None else "–", plot_text(d or "–")]
                   for k, u, e, d in zip(sub["knobs"], sub["uncertainty_pct"], sub["error_pct"], sub["decision"])]
         data.append({
             "type": "scatter", "mode": "markers+text", "name": f"{name} trial", "x": [xs[i] for i in idx],
@@ -119,8 +119,8 @@ def predicted_figure(ran: pd.DataFrame, objective: str) -> dict | None:
             "hovertemplate": "trial %{text} (%{customdata[3]}): %{customdata[0]}<br>predicted %{x:.4g} ± "
                              "%{customdata[1]} %<br>measured %{y:.4g} (error %{customdata[2]})<extra></extra>"})
     layout = {"height": 420, "margin": {"l": 80, "r": 20, "t": 10, "b": 50}, "showlegend": True,
-              "xaxis": {"title": {"text": f"predicted {_plot_text(objective)} (error bars: ±1σ)"}, "range": [lo, hi]},
-              "yaxis": {"title": {"text": f"measured {_plot_text(objective)}"}, "range": [lo, hi]},
+              "xaxis": {"title": {"text": f"predicted {plot_text(objective)} (error bars: ±1σ)"}, "range": [lo, hi]},
+              "yaxis": {"title": {"text": f"measured {plot_text(objective)}"}, "range": [lo, hi]},
               "legend": {"orientation": "h"}}
     return {"data": data, "layout": layout}
 

@@ -323,7 +323,7 @@ def test_measured_ceilings_change_percentages(grouped):
 
 def test_report_figure_is_plain_json(grouped):
     from reports import roofline as RR
-    from reports.html import html_table, safe_json
+    from reports.common import html_table, safe_json
 
     r = R.roofline_result(grouped)
     fig = RR.roofline_figure(r.table, r.ceilings)

@@ -34,7 +34,7 @@ from torch import nn
 
 from trainer.model.experts import _note, expert_swiglu, kernels_can_run, record_use
 from trainer.model.layers import SwiGLU
-from trainer.parallel.ep import all_to_all, exchange_counts, scale_grad
+from trainer.model.ep import all_to_all, exchange_counts, scale_grad
 from trainer.syncs import moe_stage
 
 

@@ -1,4 +1,4 @@
-"""Expert-parallel collectives: autograd-aware ``all_to_all_single`` with (un)even splits."""
+"""Expert-parallel collectives of the MoE layer: autograd-aware ``all_to_all_single`` with (un)even splits."""
 
 from __future__ import annotations
 

@@ -1,0 +1,133 @@
+"""What every report page shares: the Jinja2 environment of reports/templates, plotly.js to inline, the
+escaping of trace-derived text for plotly labels and for JSON inside a <script>, sortable HTML tables,
+number formatting, the atomic file write, and the version stamp.
+
+The pages (`reports.html`, `reports.pipeline`, `reports.decomposition`, `reports.diff`, `reports.memory`,
+`reports.sweep`, `reports.sweep_model`) import these from here and never from each other's page
+modules, except to embed a section (report.html embeds the decomposition and pipeline sections; the
+sweep report the sweep-model one). This module imports no other module of `reports`.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import math
+import os
+from functools import lru_cache
+from pathlib import Path
+from typing import Any, Iterable
+
+import pandas as pd
+from jinja2 import Environment, FileSystemLoader, select_autoescape
+
+TEMPLATES = Path(__file__).parent / "templates"
+COLORS = {
+    "compute": "#3b7dd8", "exposed comm": "#e4572e", "memcpy": "#f3a712", "memset": "#a0a0a0", "idle": "#dfe3ea",
+    "GEMM": "#3b7dd8", "grouped GEMM": "#1b4f9c", "attention": "#8e5ad6", "elementwise": "#29a37a",
+    "reduction/norm": "#7fb800", "communication": "#e4572e", "memory": "#f3a712", "other": "#9aa6b8",
+}
+MAX_TABLE_ROWS = 200
+
+
+@lru_cache(maxsize=1)
+def plotly_js() -> str:
+    from plotly.offline import get_plotlyjs
+
+    return get_plotlyjs()
+
+
+def template_env() -> Environment:
+    """Jinja2 over reports/templates with autoescaping for .html templates."""
+    return Environment(loader=FileSystemLoader(str(TEMPLATES)), autoescape=select_autoescape(["html"]))
+
+
+def plot_text(s: Any) -> str:
+    """A label for plotly: HTML-escaped (plotly renders entities, and would parse tags)."""
+    return html.escape(str(s), quote=False)
+
+
+def safe_json(obj: Any) -> str:
+    """JSON safe to embed in a <script> element: no '<', '>' or '&' appear literally."""
+    text = json.dumps(obj, separators=(",", ":"), default=_json_default, allow_nan=False)
+    return text.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
+
+
+def _json_default(o: Any) -> Any:
+    if hasattr(o, "item"):
+        return o.item()
+    if hasattr(o, "tolist"):
+        return o.tolist()
+    return str(o)
+
+
+def _clean(v: Any) -> Any:
+    if isinstance(v, float) and (math.isnan(v) or math.isinf(v)):
+        return None
+    return v
+
+
+def _fmt(v: Any, digits: int = 1) -> str:
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return "–"
+    if isinstance(v, float):
+        return f"{v:,.{digits}f}"
+    if isinstance(v, int):
+        return f"{v:,}"
+    return str(v)
+
+
+def html_table(df: pd.DataFrame, columns: Iterable[tuple[str, str, str]], max_rows: int = MAX_TABLE_ROWS) -> str:
+    """A sortable table. columns: (dataframe column, header, kind) with kind 'num', 'pct', 'name', 'text',
+    or 'kernel' (a kernel name: demangled and shortened for the cell, the full name in its title).
+    'name' and 'kernel' cells stay on one line (cut with an ellipsis); hovering shows the whole name."""
+    from tracelens.names import display_many
+
+    columns = list(columns)
+    env = template_env()
+    head = df.head(max_rows)
+    shown = {col: display_many(["" if v is None else str(v) for v in head[col]])
+             for col, _, kind in columns if kind == "kernel" and col in head}
+    rows = []
+    for i, rec in enumerate(head.to_dict("records")):
+        cells = []
+        for col, _, kind in columns:
+            v = rec.get(col)
+            if hasattr(v, "item"):
+                v = v.item()
+            if kind in ("num", "pct"):
+                digits = 1 if kind == "pct" else (3 if isinstance(v, float) and abs(v) < 10 else 1)
+                cells.append(("num", _fmt(v, digits), "" if v is None else str(_clean(v) if _clean(v) is not None else ""), None))
+            elif kind == "kernel" and col in shown and v is not None:
+                text, full = shown[col][i]
+                cells.append(("name", text, full if text != full else None, full))
+            else:
+                text = "" if v is None or (isinstance(v, float) and math.isnan(v)) else str(v)
+                cells.append((kind, text, None, text if kind == "name" and text else None))
+        rows.append(cells)
+    tmpl = env.from_string(
+        '<table class="data"><thead><tr>{% for c in cols %}<th data-type="{{ "num" if c[2] in ("num","pct") else "text" }}">{{ c[1] }}</th>{% endfor %}</tr></thead>'
+        "<tbody>{% for r in rows %}<tr>{% for kind, text, v, title in r %}"
+        '<td class="{{ kind }}"{% if v is not none %} data-v="{{ v }}"{% endif %}{% if title %} title="{{ title }}"{% endif %}>{{ text }}</td>'
+        "{% endfor %}</tr>{% endfor %}</tbody></table>"
+        "{% if more %}<p class=\"note\">Showing {{ shown }} of {{ total }} rows; all rows are in the CSV/Parquet tables.</p>{% endif %}"
+    )
+    return tmpl.render(cols=columns, rows=rows, more=len(df) > max_rows, shown=min(len(df), max_rows), total=len(df))
+
+
+def version() -> str:
+    """tracelens's version, stamped on every page."""
+    from tracelens import __version__
+
+    return __version__
+
+
+def write_text_atomic(path: str | os.PathLike, text: str) -> Path:
+    """Write ``text`` to ``path`` (parents created) through a temporary file and a rename, so a reader
+    (a browser, CI picking up an artifact, a resumed sweep) never sees a half-written file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
+    return path
