@@ -21,6 +21,9 @@ import tracelens
 from tracelens.projection import profile as P
 from tracelens.projection import replay as R
 from tracelens.projection import whatif as W
+from tracelens.projection.mechanisms import shapes as MS
+from tracelens.projection.mechanisms import step_timing as MT
+from tracelens.projection.mechanisms import swiglu as MW
 
 REPO = Path(__file__).resolve().parents[2]
 FIX = REPO / "tests" / "fixtures"
@@ -252,7 +255,7 @@ def test_per_expert_gemm_shape_misses_follow_the_token_count():
     plan = R.Plan.of(prog)
     before = sum(plan.gap)
     modeled: list = []
-    W.Model._shape_misses(plan, p, 4096, 8192, modeled, [])
+    MS.shape_misses(plan, p, 4096, 8192, modeled, [])
     p1 = 0.5 ** 0.5
     expect = 40 * (p1 - 0.5) * (300_000 - 40_000)
     assert abs((sum(plan.gap) - before) - expect) <= 0.02 * expect
@@ -316,7 +319,7 @@ def test_events_timing_lets_the_host_queue_the_next_steps(dur):
     synced = plan.replay(1.0).step_ns
     assert synced == pytest.approx(sync[1] + tail, abs=2_000)  # the measured step, replayed
     modeled: list = []
-    W.Model._step_timing(plan, p, "sync", "events", modeled, [])
+    MT.step_timing(plan, p, "sync", "events", modeled, [])
     assert plan.kind.count(1) == 0 and "sync after the step dropped (1" in modeled[0]
     res = plan.replay_chain(1.0, 4, ret)
     host = launch + 10_000 + tail  # the host's own time a step: up to the (dropped) sync's start, and the tail
@@ -328,7 +331,7 @@ def test_events_timing_lets_the_host_queue_the_next_steps(dur):
     assert sum(res.components.values()) == pytest.approx(res.step_ns, rel=1e-9)
     assert all(v >= -1e-6 for v in res.components.values())
     # and back: events -> sync adds the sync after the last launch, on a drained device
-    W.Model._step_timing(plan, p, "events", "sync", [], [])
+    MT.step_timing(plan, p, "events", "sync", [], [])
     assert plan.replay(1.0).step_ns == pytest.approx(synced, abs=2_000)
 
 
@@ -344,7 +347,7 @@ def test_events_timing_on_a_real_run_never_slows_a_step_and_cpu_is_unchanged():
     cpu.device = "cpu"
     plan = R.Plan.of(R.prepare(cpu))
     modeled: list = []
-    W.Model._step_timing(plan, cpu, "sync", "events", modeled, [])
+    MT.step_timing(plan, cpu, "sync", "events", modeled, [])
     assert "no change on a CPU" in modeled[0] and plan.kind == R.Plan.of(R.prepare(cpu)).kind
 
 
@@ -403,7 +406,7 @@ def test_expert_swiglu_mechanism_against_the_raw_trace():
 
     d0 = device_ns(plan)
     modeled: list = []
-    W.Model._swiglu(plan, p, "torch", "triton", modeled, [])
+    MW.swiglu(plan, p, "torch", "triton", modeled, [])
     assert device_ns(plan) - d0 == pytest.approx(after - before, abs=3_000)  # ns; µs rounding of the raw JSON
     assert f"{before / 1e6:.2f} -> {after / 1e6:.2f} ms" in modeled[0]
     pred = m.predict({"expert_swiglu": "triton"})
@@ -416,7 +419,7 @@ def test_expert_swiglu_mechanism_against_the_raw_trace():
     fused.work["layer"] = 1
     plan = R.Plan.of(R.prepare(fused), profiler_lead=False)
     notes: list = []
-    W.Model._swiglu(plan, fused, "triton", "torch", [], notes)
+    MW.swiglu(plan, fused, "triton", "torch", [], notes)
     assert plan.dur[0] == pytest.approx(30_000 * 5 / 3) and plan.dur[1] == pytest.approx(50_000 * 13 / 5)
     assert any("extra launches" in n for n in notes)
     # a CPU trace: no model, nothing changes
@@ -424,5 +427,5 @@ def test_expert_swiglu_mechanism_against_the_raw_trace():
     cpu.device = "cpu"
     plan = R.Plan.of(R.prepare(cpu))
     modeled = []
-    W.Model._swiglu(plan, cpu, "torch", "triton", modeled, [])
+    MW.swiglu(plan, cpu, "torch", "triton", modeled, [])
     assert "no model on a CPU trace" in modeled[0] and list(plan.dur) == [20_000]

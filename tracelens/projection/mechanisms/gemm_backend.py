@@ -1,0 +1,217 @@
+"""``grouped_gemm_backend``: the routed experts' GEMMs (and the rows they see at sync-free levels 2-3).
+
+Expert GEMM time per MoE layer and pass is the measured time times the ratio of the kernel table's
+timings (``kerneltable.py``: tuner rows or cache) of the new backend at the new rows to the old backend
+at the old rows; a per-expert backend (loop, multistream) launches one GEMM per local expert, a grouped
+one (torch, triton) one per pass: launches and their host time are removed or added, and the per-expert
+copies and elementwise kernels merge into one each. Without a table the per-expert kernels are merged
+(their work adds, one fixed part is paid) and the prediction says so. The per-expert backends at levels
+2-3 run the masked reference (every expert over all rows); at EP > 1 and level 3 the expert GEMMs see
+the whole worst-case buffer.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+
+from .base import Change, Mechanism, register, unit_positions
+
+PER_EXPERT = ("loop", "multistream")
+GROUPED = ("torch", "triton", "auto")
+
+
+def _masked(cfg: dict) -> bool:
+    return cfg["grouped_gemm_backend"] in PER_EXPERT and int(cfg["sync_free_level"]) >= 2
+
+
+def _padded(cfg: dict) -> bool:
+    return int(cfg.get("ep") or 1) > 1 and int(cfg["sync_free_level"]) >= 3
+
+
+@register
+class GemmBackend(Mechanism):
+    name = "gemm_backend"
+    keys = ("grouped_gemm_backend",)
+    sigma = {"table": 0.10, "merge": 0.30}
+    order = 40.0
+    summary = ("expert GEMMs x the kernel table's new/old ratio (or the per-expert kernels merged without one); "
+               "launches and the expert stage's host time follow the launch structure")
+
+    def applies(self, change: Change) -> bool:
+        old, new = change.old, change.new
+        return (old["grouped_gemm_backend"] != new["grouped_gemm_backend"]
+                or (change.model.table is not None and change.s_tok != 1.0)
+                or _masked(old) != _masked(new) or _padded(old) != _padded(new))
+
+    def edit(self, plan, p, change: Change) -> float:
+        model, old, new = change.model, change.old, change.new
+        modeled, notes = change.modeled, change.notes
+        b0, b1 = old["grouped_gemm_backend"], new["grouped_gemm_backend"]
+        t0, t1 = change.t0, change.t1
+        masked0, masked1 = _masked(old), _masked(new)
+        w = p.work
+        ex = np.flatnonzero(w["expert"].to_numpy())
+        if not len(ex):
+            notes.append("no expert GEMM kernels in the profiled step: the backend change is not modeled")
+            return 0.0
+        k = int(old["top_k"])
+        ep = int(old.get("ep") or 1)
+        e_local = int(old["n_routed_experts"]) // ep
+        # rows the expert GEMMs see (trainer/gemm_shapes.py): at EP > 1 and level 3 the whole worst-case
+        # buffer, ep * tokens * min(top_k, local experts)
+        rows0 = t0 * (ep * min(k, e_local) if ep > 1 and int(old["sync_free_level"]) >= 3 else k)
+        rows1 = t1 * (ep * min(k, e_local) if ep > 1 and int(new["sync_free_level"]) >= 3 else k)
+        d, ff = int(old["d_model"]), int(old["moe_d_ff"])
+        layer = w["layer"].to_numpy()
+        back = w["backward"].to_numpy()
+        base_ns = float(w["dur"].to_numpy()[ex].sum())
+        passes = {False: (("fwd", rows0, d, 2 * ff), ("fwd", rows0, ff, d)),
+                  True: (("dx", rows0, d, 2 * ff), ("dw", rows0, d, 2 * ff), ("dx", rows0, ff, d), ("dw", rows0, ff, d))}
+        table = model.table
+
+        def table_ms(backend: str, rows: int, bw: bool) -> float | None:
+            if table is None:
+                return None
+            tot = 0.0
+            for pass_, _r, K, N in passes[bw]:
+                ms = table.ms(pass_, rows, K, N, e_local, "loop" if backend == "multistream" else
+                              ("torch" if backend == "auto" else backend))
+                if ms is None:
+                    return None
+                tot += ms
+            return tot
+
+        pos = unit_positions(plan)
+        source = "table" if table is not None else "merge"
+        pending: list[tuple] = []  # (item position, units, ns each, stream, host gap each) to insert
+        inserted: list[int] = []
+        drop: set[int] = set()
+        groups: dict[tuple, list[int]] = {}
+        for j in ex:
+            groups.setdefault((int(layer[j]), bool(back[j])), []).append(int(j))
+        host_gap = float(np.median([plan.gap[pos[j]] for j in ex if j in pos])) if pos else 0.0
+        used_table = False
+        merged_ns = 0.0
+        for (ly, bw), js in groups.items():
+            meas = float(sum(w["dur"].iloc[j] for j in js))
+            m_old = table_ms(b0, rows0, bw)
+            m_new = table_ms(b1, rows1, bw)
+            if m_old and m_new:
+                used_table = True
+                new_total = meas * m_new / m_old
+            else:
+                # no table: per-expert -> grouped merges the work and pays one fixed part per pass
+                dj = np.array([plan.dur[j] for j in js])  # already token-scaled
+                f = float(dj.min())
+                n_pass = len(passes[bw])
+                if (b0 in PER_EXPERT) and (b1 not in PER_EXPERT):
+                    new_total = float((dj - f).sum()) + f * n_pass
+                elif (b0 not in PER_EXPERT) and (b1 in PER_EXPERT):
+                    new_total = float(dj.sum()) + f * n_pass * (e_local - 1)
+                else:
+                    new_total = float(dj.sum())
+                if masked1 and not masked0:
+                    new_total *= e_local
+                elif masked0 and not masked1:
+                    new_total /= e_local
+            n_new = (e_local if b1 in PER_EXPERT else 1) * len(passes[bw])
+            if (b0 in PER_EXPERT) == (b1 in PER_EXPERT) and len(js) >= 1 and not (masked0 or masked1):
+                # same launch structure: rescale in place
+                cur = sum(plan.dur[j] for j in js) or 1.0
+                for j in js:
+                    plan.dur[j] = plan.dur[j] * new_total / cur
+                continue
+            # different launch structure: the group's launches are replaced
+            if b0 in PER_EXPERT and b1 not in PER_EXPERT:
+                merged_ns += merge_per_expert(plan, w, pos, ly, bw, e_local, drop)
+            first = min(pos[j] for j in js if j in pos)
+            stream = plan.stream[js[0]]
+            for j in js:
+                if j in pos:
+                    drop.add(pos[j])
+            # new units go where the first of the group was launched
+            pending.append((first, n_new, new_total / n_new, stream, host_gap))
+        pool = 0.0
+        n_old = n_kept = 0
+        if pending:
+            # the expert stage's host time (its own CPU ops: one set per expert for a per-expert backend, a
+            # few per pass for a grouped one) scales with the number of units the stage launches
+            pool = float(sum(plan.gap_x))
+            for i in range(len(plan.gap)):
+                plan.gap[i] -= plan.gap_x[i]
+                plan.gap_x[i] = 0.0
+            stg = w["moe_stage"].to_numpy()
+            in_stage = {int(j) for j in np.flatnonzero(stg == "moe/experts")}
+            n_old = sum(1 for kd, j in zip(plan.kind, plan.ref) if kd == 0 and j in in_stage)
+            n_kept = sum(1 for i, (kd, j) in enumerate(zip(plan.kind, plan.ref))
+                         if kd == 0 and j in in_stage and i not in drop)
+        if drop or pending:
+            pend = sorted(pending, reverse=True)
+            keep_pos = [i for i in range(len(plan.kind)) if i not in drop]
+            remap = {old_i: new_i for new_i, old_i in enumerate(keep_pos)}
+            plan.drop_items(drop)
+            for first, n_new, each, stream, gap in pend:
+                at = remap.get(first)
+                if at is None:
+                    at = next((remap[i] for i in range(first, first + 10**6) if i in remap), len(plan.kind))
+                for _ in range(n_new):
+                    inserted.append(plan.add_unit(each, stream, "expert GEMMs", 0.0, at))
+        if inserted and n_old:
+            n_after = n_kept + len(inserted)
+            share = pool * n_after / n_old / len(inserted)
+            pos_new = unit_positions(plan)
+            for j in inserted:
+                plan.gap[pos_new[j]] += share
+                plan.gap_x[pos_new[j]] += share
+            merged_host = pool - share * len(inserted)
+        else:
+            merged_host = 0.0
+        new_ns = float(sum(plan.dur[j] for kd, j in zip(plan.kind, plan.ref) if kd == 0 and plan.comp[j] == "expert GEMMs"))
+        what = "kernel-table ratio" if used_table else "merged per-expert work (no kernel table)"
+        modeled.append(f"grouped_gemm_backend {b0} -> {b1}" + (" (masked reference)" if masked1 else "")
+                       + f": expert GEMMs {base_ns / 1e6:.2f} -> {new_ns / 1e6:.2f} ms by {what}"
+                       + ("; launches per pass 1 per expert" if b1 in PER_EXPERT else "; one launch per pass")
+                       + (f"; the per-expert copies/elementwise kernels merged ({merged_ns / 1e6:.2f} ms less)"
+                          if merged_ns else "")
+                       + (f"; the expert stage's host time x{(n_kept + len(inserted)) / n_old:.2f} with its launches "
+                          f"({merged_host / 1e6:+.2f} ms less, profiled)" if inserted and n_old and pool else ""))
+        if b0 not in PER_EXPERT and b1 in PER_EXPERT:
+            notes.append(f"{b1}: the per-expert backend's extra copies and elementwise kernels (besides its GEMMs) are "
+                         "not in this grouped run's trace: predicted time is a lower bound")
+        if not used_table and b0 != b1:
+            notes.append("no kernel table for the backend change: run `tracelens kernels tune --config ... --json T.json` "
+                         "on the GPU and pass --kernel-table T.json for a measured ratio")
+            source = "merge"
+        # the GEMM change, the merged kernels and the expert stage's host time moved: each modeled
+        changed = abs(new_ns - base_ns) + merged_ns + abs(merged_host)
+        return (self.sigma[source] * changed / max(float(p.step_ns), 1.0)) ** 2
+
+
+def merge_per_expert(plan, w: pd.DataFrame, pos: dict, ly: int, bw: bool, e_local: int, drop: set) -> float:
+    """A per-expert backend repeats some copies and elementwise kernels once per local expert (splits,
+    concatenation, per-expert gradient buffers). A grouped backend runs each once over all rows: the
+    kernels of one name repeated in this MoE layer's expert stage merge into one, whose time keeps the
+    summed work above the fastest instance (work on rows adds up, the fixed part is paid once). Returns
+    the ns removed."""
+    stage = w["moe_stage"].to_numpy()
+    sel = np.flatnonzero((stage == "moe/experts") & ~w["expert"].to_numpy() & (w["layer"].to_numpy() == ly)
+                         & (w["backward"].to_numpy() == bw))
+    if not len(sel):
+        return 0.0
+    names = w["name"].to_numpy()[sel]
+    removed = 0.0
+    need = max(2, e_local // 4)
+    for nm in set(names):
+        js = [int(j) for j in sel[names == nm] if int(j) in pos]
+        if len(js) < need:
+            continue
+        d = np.array([plan.dur[j] for j in js])
+        f = float(d.min())
+        keep = js[0]
+        new = f + float((d - f).sum())
+        removed += float(d.sum()) - new
+        plan.dur[keep] = new
+        for j in js[1:]:
+            drop.add(pos[j])
+    return removed

@@ -1,0 +1,77 @@
+"""``sync_free_level``: the MoE layer's blocking syncs (docs/trainer.md, 'Sync-free levels').
+
+Going down in syncs, the MoE syncs of the profiled step are dropped (all of them when the new level has
+none, else the permutation's), the host work after each kept; going up, one blocking sync per MoE layer
+forward is added at its permutation, costing the step's median sync return. (The per-expert backends
+at levels 2-3 run the masked reference: the backend mechanism models that.)
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .base import Change, Mechanism, register
+
+
+def moe_syncs(cfg: dict, level: int, backend: str) -> int:
+    """Blocking syncs per MoE layer forward (docs/trainer.md, 'Sync-free levels')."""
+    ep = int(cfg.get("ep") or 1)
+    if level >= 2:
+        return 0
+    if level == 1:
+        return 1
+    return 2 if ep > 1 else 1
+
+
+def _n(cfg: dict) -> int:
+    return moe_syncs(cfg, int(cfg["sync_free_level"]), cfg["grouped_gemm_backend"])
+
+
+@register
+class SyncFree(Mechanism):
+    name = "sync_free"
+    keys = ("sync_free_level",)
+    sigma = {"syncs": 0.30}
+    order = 50.0
+    summary = "the MoE layer's blocking syncs per the sync-free level removed (their waits go) or added"
+
+    def applies(self, change: Change) -> bool:
+        return _n(change.new) != _n(change.old)
+
+    def edit(self, plan, p, change: Change) -> float:
+        n0, n1 = _n(change.old), _n(change.new)
+        sy = p.syncs
+        moe = sy["moe"].to_numpy() if len(sy) else np.zeros(0, bool)
+        if n1 < n0:
+            # drop MoE syncs: all of them when the new level has none, else the first (permute) ones
+            moe_pos = [i for i, (kd, j) in enumerate(zip(plan.kind, plan.ref)) if kd == 1 and j < len(moe) and moe[j]]
+            if n1 == 0:
+                drop = set(moe_pos)
+            else:
+                paths = sy["path"].to_numpy()
+                drop = {i for i in moe_pos if "moe/permute" in str(paths[plan.ref[i]])}
+            for i in drop:  # the host work after a dropped sync stays; the wait goes
+                if i + 1 < len(plan.gap):
+                    plan.gap[i + 1] += plan.gap[i]
+            plan.drop_items(drop)
+            change.modeled.append(f"sync_free_level: {len(drop)} blocking MoE sync(s) per step removed")
+        else:
+            # add syncs: one per MoE layer forward (and per recomputed forward) at its permutation
+            w = p.work
+            stage = w["moe_stage"].to_numpy()
+            back = w["backward"].to_numpy()
+            layer = w["layer"].to_numpy()
+            want = n1 - n0
+            firsts: dict[int, int] = {}
+            for i, (kd, j) in enumerate(zip(plan.kind, plan.ref)):
+                if kd == 0 and j < len(w) and not back[j] and stage[j] in ("moe/permute", "moe/router", "moe/experts"):
+                    firsts.setdefault(int(layer[j]), i)
+            cost = float(np.median(plan.sync_ret)) if plan.sync_ret else 20_000.0
+            added = 0
+            for at in sorted(firsts.values(), reverse=True):
+                for _ in range(want):
+                    plan.add_sync(at, cost)
+                    added += 1
+            change.modeled.append(f"sync_free_level: {added} blocking MoE sync(s) per step added (at each MoE layer's "
+                                  "permutation)")
+        return self.sigma["syncs"] ** 2 * 0.01
