@@ -129,3 +129,32 @@ def test_the_run_dir_is_opened_in_one_module():
     hits = [h for pkg in ("tracelens", "reports") for f in sorted((REPO / pkg).rglob("*.py")) if f != owner
             for h in _opens_run_files(f)]
     assert hits == []
+
+
+def _copy_pp_run(tmp_path) -> Path:
+    run = tmp_path / "run"
+    shutil.copytree(_pp2_run(), run)
+    return run
+
+
+def test_an_empty_pipeline_file_is_said_not_dropped(tmp_path):
+    run = _copy_pp_run(tmp_path)
+    files = sorted((run / "pipeline").iterdir())
+    victim = files[-1]
+    victim.write_bytes(b"" if victim.suffix != ".gz" else gzip.compress(b""))
+    res = P.load_pipeline(run, cache=False, traces=False)
+    assert any(w.startswith(f"{victim}: empty: rank ") for w in res.warnings), res.warnings
+
+
+def test_a_sentinel_end_time_names_the_record(tmp_path):
+    run = _copy_pp_run(tmp_path)
+    f = sorted((run / "pipeline").iterdir())[0]
+    data = gzip.decompress(f.read_bytes()) if f.suffix == ".gz" else f.read_bytes()
+    lines = data.splitlines()
+    rec = json.loads(lines[1])
+    rec["end_ns"] = 2**63 - 1
+    lines[1] = json.dumps(rec).encode()
+    new = b"\n".join(lines) + b"\n"
+    f.write_bytes(gzip.compress(new) if f.suffix == ".gz" else new)
+    with pytest.raises(TraceError, match=r":2: 'end_ns' 9223372036854775807 is not a time"):
+        P.read_pipeline_jsonl(run)

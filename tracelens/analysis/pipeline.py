@@ -54,6 +54,7 @@ from .bubble import bubble_ratio
 from .steps import run_manifest, steady_pipeline_step
 
 KINDS = ("F", "B", "W")
+MAX_TIME_NS = 1 << 62  # 2116 in epoch ns: a start or end at or past it is not a time (2**63-1 is a sentinel)
 ACTION_COLUMNS = ("step", "rank", "pp_rank", "stage", "microbatch", "kind", "start_ns", "end_ns")
 RANGE_RE = re.compile(r"^pipeline/([FBW])/s(\d+)/mb(\d+)$")
 # A stage is flagged when its time per microbatch is at least this many times the mean of all stages.
@@ -123,10 +124,12 @@ def decode_pipeline_jsonl(files: list[tuple[int, Path, bytes]]) -> pd.DataFrame 
     line number; blank lines are skipped. A file is decoded in one pass; only when that finds a
     problem is it read again line by line to name the first bad line. None when no file holds a line.
     """
-    frames = []
+    frames, empty = [], []
     for file_rank, path, text in files:
         lines = [ln for ln in text.splitlines() if ln.strip()]
         if not lines:
+            empty.append(f"{path}: empty: rank {file_rank}'s pipeline actions are missing (its bubbles and the "
+                         "stages it holds are not in the account)")
             continue
         try:
             recs = _LINES.decode(b"[" + b",".join(lines) + b"]")
@@ -144,13 +147,15 @@ def decode_pipeline_jsonl(files: list[tuple[int, Path, bytes]]) -> pd.DataFrame 
         frames.append(pd.DataFrame(cols))
     if not frames:
         return None
-    return _finish(pd.concat(frames, ignore_index=True))
+    out = _finish(pd.concat(frames, ignore_index=True))
+    out.attrs["warnings"] = empty
+    return out
 
 
 def _columns_ok(arr: dict[str, np.ndarray], file_rank: int) -> bool:
     ok = all(arr[c].dtype.kind == "i" and (arr[c] >= 0).all() for c in ACTION_COLUMNS if c != "kind")
     return bool(ok and np.isin(arr["kind"], KINDS).all() and (arr["end_ns"] >= arr["start_ns"]).all()
-                and (arr["rank"] == file_rank).all())
+                and (arr["end_ns"] < MAX_TIME_NS).all() and (arr["rank"] == file_rank).all())
 
 
 def _check_line(line: bytes, where: str, file_rank: int) -> None:
@@ -174,6 +179,8 @@ def _check_line(line: bytes, where: str, file_rank: int) -> None:
             raise TraceError(where, f"{c!r} must be an integer, got {v!r}")
         if v < 0:
             raise TraceError(where, f"{c!r} must be >= 0, got {v}")
+        if c in ("start_ns", "end_ns") and v >= MAX_TIME_NS:
+            raise TraceError(where, f"{c!r} {v} is not a time (at or past 2**62 ns, the year 2116)")
     if rec["end_ns"] < rec["start_ns"]:
         raise TraceError(where, f"'end_ns' {rec['end_ns']} is before 'start_ns' {rec['start_ns']}")
     if rec["rank"] != file_rank:
@@ -1380,7 +1387,7 @@ def analyze_pipeline(actions: pd.DataFrame, meta: PipelineMeta | None = None, *,
     if actions.empty:
         raise TraceError(None, "empty window: no pipeline actions")
     meta = meta or infer_meta(actions)
-    warns = check_actions(actions, meta)
+    warns = list(actions.attrs.get("warnings", [])) + check_actions(actions, meta)
     sel, steps, skipped = select_steps(actions, step)
     per_step = bubbles(sel)
     if per_step.empty or int(per_step["window_ns"].sum()) <= 0:
