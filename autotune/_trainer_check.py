@@ -1,4 +1,5 @@
-"""Ask the trainer's own config loader about a search space (run as a subprocess).
+"""Ask the trainer's config loader (``moespec.config``, the one the trainer runs on) about a search space,
+in a subprocess.
 
 ``python -m autotune._trainer_check`` reads one JSON object on stdin::
 
@@ -12,8 +13,7 @@ and writes one JSON object on stdout::
 ``base`` is what constraints may refer to (e.g. ``n_layers``); ``bad`` lists each knob value that the
 trainer rejects combined with the baseline of the other knobs and with every other combination of
 their values too (so a value valid only next to another knob's value, e.g. pipeline_schedule=zbv with
-vpp=2, is not bad; at most MAX_COMBOS combinations are tried per value). autotune may use the trainer
-only as a subprocess (docs/architecture.md), so this runs in its own interpreter; it needs no torch.
+vpp=2, is not bad; at most MAX_COMBOS combinations are tried per value). It needs no torch.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ MAX_COMBOS = 512
 
 
 def check(req: dict) -> dict:
-    from trainer.config import DEFAULTS, ConfigError, load_config
+    from moespec.config import DEFAULTS, ConfigError, load_config
 
     out: dict = {"base": None, "keys": sorted(DEFAULTS), "error": None, "error_key": None, "bad": []}
     fixed, baseline = req.get("fixed") or {}, req.get("baseline") or {}

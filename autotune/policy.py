@@ -39,13 +39,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from moespec.backends import PER_EXPERT_BACKENDS  # one GEMM launch per local expert
+
 SPREAD_LIMIT = 0.10
 GEMMS_PER_CALL = 4.0  # a per-expert loop issues >= one GEMM per local expert; a grouped GEMM 2-3
 NEAR_OOM = 0.90
 HEADROOM = 0.50
 BUBBLE_SLACK = (1.10, 0.02)  # measured > theory * 1.10 + 0.02
 IMBALANCE = 1.10
-PER_EXPERT_BACKENDS = ("loop", "multistream")  # one GEMM launch per local expert
 
 
 @dataclass(frozen=True)

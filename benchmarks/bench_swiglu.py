@@ -259,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.cpu and not torch.cuda.is_available():
         print("bench_swiglu: no CUDA device visible; run with --cpu to test the script", file=sys.stderr)
         return 1
-    from trainer.config import ConfigError, load_config
+    from moespec.config import ConfigError, load_config
 
     base = CPU_BASE if args.cpu else GPU_BASE
     try:

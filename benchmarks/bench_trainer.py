@@ -6,7 +6,7 @@
 
 Each combination is a separate ``python -m trainer.launch`` run (fresh process: clean peak-memory
 statistics, no allocator state carried over) writing its own run dir; the table reads their
-manifests: tokens/s/GPU, MFU (against the device's bf16 peak, trainer/flops.py), mean step time
+manifests: tokens/s/GPU, MFU (against the device's bf16 peak, moespec/devices.py), mean step time
 and peak memory (max over ranks). A failed combination (e.g. out of memory) shows its exit code.
 
 Needs CUDA; on a machine without it the script says so and exits 1.

@@ -20,7 +20,7 @@ Each row is one ``python -m trainer.launch`` run (a fresh process) of ``--steps`
 steps 0-2 and the profiled step 8 with the export step 9 untimed, so 7 timed steps) writing its own
 run dir with one profiled step, so ``tracelens diff ROW_BEFORE ROW`` names what each knob changed
 (``--diff`` runs those diffs after the table). The table reads the manifests: tokens/s/GPU, MFU (the
-trainer's: model FLOPs per token x tokens/s against the device's bf16 dense peak, trainer/flops.py),
+trainer's: model FLOPs per token x tokens/s against the device's bf16 dense peak, moespec/devices.py),
 mean step time, peak memory, and each row's loss against the eager baseline's (``judge_loss``).
 
 ``--check-loss``: the same rows (but the micro-batch one, which changes the batches) at 50 steps,
@@ -87,7 +87,7 @@ CONTROL = ("control: lr x1.25", 1.25)
 def _base_lr(base: dict) -> float:
     if str(REPO) not in sys.path:  # run as a script: sys.path[0] is benchmarks/
         sys.path.insert(0, str(REPO))
-    from trainer.config import load_config
+    from moespec.config import load_config
 
     return float(load_config(base["config"], {**base["set"], "device": "cpu"})["lr"])
 

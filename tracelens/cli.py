@@ -16,6 +16,8 @@ from pathlib import Path
 
 import click
 
+from moespec.schedules import MODELED as _MODELED_SCHEDULES
+
 from . import __version__
 from .errors import TraceError
 from .io.kineto import decoder
@@ -664,7 +666,7 @@ def roofline(paths, ceilings, json_out, top, no_cache):
 @click.option("--seq", type=int, default=None, help="Sequence length (default: seq_len).")
 @click.option("--ga", "microbatches", type=int, default=None, help="Microbatches per step (default 1, or 4*pp with pp > 1).")
 @click.option("--global-batch", type=int, default=None, help="Global batch in sequences (GA = global / (mbs*dp)); needed by --sweep.")
-@click.option("--schedule", type=click.Choice(["1f1b", "gpipe", "vpp", "zb1p", "zbv"]), default=None)
+@click.option("--schedule", type=click.Choice(list(_MODELED_SCHEDULES)), default=None)
 @click.option("--recompute", default=None, help="none, full, or comma-separated layer ids (default: recompute_layer_ids).")
 @click.option("--sync-free-level", type=int, default=None)
 @click.option("--loss-fusion/--no-loss-fusion", default=None)
@@ -879,8 +881,8 @@ def kernels_tune(shapes, config, overrides, dtype, passes, backend_names, warmup
     except ValueError as e:
         _fail(f"kernels tune: {e}")
     if config:
-        from trainer.config import ConfigError, load_config
-        from trainer.gemm_shapes import expert_gemm_dtype, expert_gemm_shapes
+        from moespec.config import ConfigError, load_config
+        from moespec.gemm_shapes import expert_gemm_dtype, expert_gemm_shapes
 
         try:
             cfg = load_config(config, list(overrides))

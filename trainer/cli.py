@@ -15,7 +15,7 @@ import sys
 import traceback
 from pathlib import Path
 
-from trainer.config import CLI_FLAG_KEYS, ConfigError, load_config, parse_override
+from moespec.config import CLI_FLAG_KEYS, ConfigError, load_config, parse_override
 
 
 def build_parser(prog: str = "python -m trainer") -> argparse.ArgumentParser:

@@ -27,7 +27,7 @@ import shutil
 
 import torch
 
-from trainer.config import ConfigError
+from moespec.config import ConfigError
 
 log = logging.getLogger("trainer")
 

@@ -55,7 +55,7 @@ class MemmapData:
     """Random windows of seq_len+1 tokens from a flat token file (e.g. a GPT-2-tokenised .bin)."""
 
     def __init__(self, cfg: dict, rank: int):
-        from trainer.config import ConfigError
+        from moespec.config import ConfigError
 
         try:
             self.tokens = np.memmap(cfg["data_path"], dtype=np.dtype(cfg["data_dtype"]), mode="r")
@@ -72,7 +72,7 @@ class MemmapData:
         starts = [np.random.default_rng([self.seed, step, row]).integers(0, hi) for row in self.rows]
         toks = np.stack([np.asarray(self.tokens[s:s + self.S + 1], dtype=np.int64) for s in starts])
         if toks.max() >= self.V:
-            from trainer.config import ConfigError
+            from moespec.config import ConfigError
 
             raise ConfigError("vocab_size", f"token id {int(toks.max())} in {self.tokens.filename} >= vocab_size")
         x = torch.from_numpy(toks)

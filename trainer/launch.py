@@ -22,7 +22,7 @@ import sys
 import threading
 from pathlib import Path
 
-from trainer.config import ConfigError
+from moespec.config import ConfigError
 
 ERROR_PREFIX = "[trainer] error: "  # same as trainer.cli.ERROR_PREFIX (not imported: keep this module light)
 # torch.distributed.elastic's log lines: "W1124 12:46:24.860000 15655 .../torch/distributed/.../api.py:1028] ..."
@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
 
     targs = build_parser("python -m trainer.launch").parse_args(rest)
     try:
-        from trainer.config import resolve_world
+        from moespec.config import resolve_world
 
         resolve_world(config_from_args(targs), args.nproc)
     except ConfigError as err:

@@ -14,11 +14,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from moespec.config import ConfigError
+from moespec.devices import peak_bf16_flops
+from moespec.params import count_params, model_flops_per_token
 from trainer import runtime
 from trainer.compiling import compile_dense, compile_stats
-from trainer.config import ConfigError
 from trainer.data import make_data
-from trainer.flops import count_params, model_flops_per_token, peak_bf16_flops
 from trainer.model import Transformer
 from trainer.model import experts
 from trainer.parallel import Dist, init_distributed, sync_expert_grads, wrap_data_parallel

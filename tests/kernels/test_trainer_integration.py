@@ -16,7 +16,7 @@ import torch
 
 import kernels
 from kernels import backends as B
-from trainer.config import load_config
+from moespec.config import load_config
 from trainer.model import Transformer, experts
 from trainer.model.moe import MoE
 from trainer.syncs import HostSyncCounter
@@ -297,7 +297,7 @@ def test_expert_swiglu_moe_layer_gradients_match_eager():
 def test_expert_swiglu_triton_is_refused_where_triton_cannot_run(tmp_path, monkeypatch):
     """Without Triton on the run's device (a CPU without the interpreter) the run stops before it starts,
     with one line naming the key, and writes no run dir."""
-    from trainer.config import ConfigError
+    from moespec.config import ConfigError
     from trainer.train import train
 
     monkeypatch.setattr(experts, "kernels_can_run", lambda t: False)

@@ -6,8 +6,8 @@ import json
 import pytest
 from click.testing import CliRunner
 
-from trainer.config import DEFAULTS, load_config
-from trainer.flops import count_params
+from moespec.config import DEFAULTS, load_config
+from moespec.params import count_params
 from tracelens.analysis import memory as M
 from tracelens.cli import main
 from tracelens.errors import TraceError
@@ -323,6 +323,8 @@ def test_ep2_peak_is_the_optimizer_step_at_every_level():
 def test_schedule_order_matches_recorded_pipeline(name):
     import gzip
 
+    from moespec.schedules import action_order
+
     man, mc, lay = _run(name)
     for rank in range(2):
         with gzip.open(FIX / name / "pipeline" / f"rank{rank}.jsonl.gz", "rt") as f:
@@ -330,7 +332,7 @@ def test_schedule_order_matches_recorded_pipeline(name):
         last = max(r["step"] for r in rows)
         got = [(r["kind"], r["stage"], r["microbatch"])
                for r in sorted((r for r in rows if r["step"] == last), key=lambda r: r["start_ns"])]
-        assert got == M.schedule_order(lay.schedule, lay.pp, lay.vpp, lay.microbatches, rank)
+        assert got == action_order(lay.schedule, lay.pp, lay.vpp, lay.microbatches, rank)
 
 
 def test_pipeline_rank_components_by_hand():

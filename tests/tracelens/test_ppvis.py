@@ -147,8 +147,11 @@ def test_parse_layout():
     assert P.parse_layout("Et|(tt|)*2tL") == [["embedding", "layer"], ["layer", "layer"], ["layer", "layer"],
                                                ["layer", "loss"]]
     assert P.parse_layout("Et*3|t*2L") == [["embedding", "layer", "layer", "layer"], ["layer", "layer", "loss"]]
-    with pytest.raises(TraceError, match="unexpected 'x'"):
+    assert P.parse_layout("E, t*2 | tL") == [["embedding", "layer", "layer"], ["layer", "loss"]]  # the trainer's grammar
+    with pytest.raises(TraceError, match="invalid character 'x'"):
         P.parse_layout("Et|x")
+    with pytest.raises(TraceError, match="stage 1 is empty"):
+        P.parse_layout("Et||tL")
 
 
 # ------------------------------------------------------------------------------------ trace ranges

@@ -15,7 +15,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from trainer.config import GROUPED_GEMM_BACKENDS, load_config
+from moespec.backends import GROUPED_GEMM_BACKENDS
+from moespec.config import load_config
 from trainer.model.moe import MoE
 from trainer.parallel import init_distributed
 from trainer.syncs import HostSyncCounter

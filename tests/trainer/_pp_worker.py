@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from trainer.config import load_config
+from moespec.config import load_config
 from trainer.train import train
 
 SMALL = {"n_layers": 4, "first_k_dense": 1, "steps": 3, "log_every": 0, "profile_step_end": 0,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from trainer.config import GROUPED_GEMM_BACKENDS
+from moespec.backends import GROUPED_GEMM_BACKENDS
 from trainer.model.experts import counts_to_offs, expert_swiglu, gmm_masked_reference, grouped_gemm
 
 COUNTS = [5, 0, 9, 1, 0, 13, 4, 0]  # includes empty experts

@@ -31,7 +31,7 @@ def test_loss_diff_is_the_largest_relative_step_difference():
 
 
 def test_knob_rows_are_cumulative_and_trainer_keys():
-    from trainer.config import load_config
+    from moespec.config import load_config
 
     b = _bench()
     assert [n for n, _ in b.KNOBS] == ["baseline", "+ optimizer", "+ step_timing", "+ compile", "+ triton_kernels",

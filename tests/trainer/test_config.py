@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from trainer.config import CONFIG_DIR, DEFAULTS, ConfigError, load_config, resolve_world
+from moespec.config import CONFIG_DIR, DEFAULTS, ConfigError, load_config, resolve_world
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -87,7 +87,7 @@ def test_launcher_checks_world_size_before_spawning():
 
 
 def test_launch_module_imports_without_torch():
-    code = ("import sys; sys.modules['torch'] = None; import trainer.launch, trainer.config; "
+    code = ("import sys; sys.modules['torch'] = None; import trainer.launch, moespec.config; "
             "print(trainer.launch.build_command(4, ['--config', 'tiny'])[1:5])")
     r = _run("-c", code)
     assert r.returncode == 0, r.stderr

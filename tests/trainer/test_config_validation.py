@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from trainer.config import ConfigError, load_config
-from trainer.pipeline_layout import MAX_UNROLLED, LayoutError, auto_layout, parse_layout, split_layout
+from moespec.config import ConfigError, load_config
+from moespec.layout import MAX_UNROLLED, LayoutError, auto_layout, parse_layout, split_layout
 
 REPO = Path(__file__).resolve().parents[2]
 PP2 = ["--set", "pp=2", "--set", "n_layers=4", "--set", "microbatches=2"]

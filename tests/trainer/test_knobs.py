@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from trainer.config import ConfigError, load_config
+from moespec.config import ConfigError, load_config
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -49,7 +49,7 @@ def test_knob_values_and_yaml_on_off():
     assert {k: load_config("tiny")[k] for k in ("step_timing", "compile", "cuda_graphs")} == \
         {"step_timing": "sync", "compile": "none", "cuda_graphs": "off"}
     # YAML 1.1 reads a bare on/off as a boolean: --set cuda_graphs=off is the word "off"
-    from trainer.config import parse_override
+    from moespec.config import parse_override
 
     assert load_config("tiny", dict([parse_override("cuda_graphs=off")]))["cuda_graphs"] == "off"
     cfg = load_config("tiny", {"step_timing": "events", "compile": "dense", "device": "auto", "sync_free_level": 3,

@@ -9,9 +9,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from trainer.config import load_config
+from moespec.config import load_config
+from moespec.params import count_params, model_flops_per_token
 from trainer.data import MemmapData, SyntheticData
-from trainer.flops import count_params, model_flops_per_token
 from trainer.model.moe import MoE, expert_counts, load_balance_loss, permutation, route
 from trainer.model.transformer import cross_entropy
 

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from trainer.config import ConfigError, load_config
-from trainer.pipeline_layout import (LayoutError, auto_layout, layer_costs, parse_layout, split_layout,
+from moespec.config import ConfigError, load_config
+from moespec.layout import (LayoutError, auto_layout, layer_costs, parse_layout, split_layout,
                                      uniform_layout)
 
 REPO = Path(__file__).resolve().parents[2]
@@ -161,7 +161,7 @@ def test_pipeline_config_accepts_good_layouts():
 
 
 def test_world_size_includes_pp():
-    from trainer.config import resolve_world
+    from moespec.config import resolve_world
 
     cfg = load_config("tiny", {"pp": 2, "n_layers": 4, "microbatches": 4})
     assert resolve_world(cfg, 4) == (2, 1)

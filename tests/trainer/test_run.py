@@ -35,7 +35,7 @@ def test_single_process_run_writes_run_dir(tmp_path):
     assert m["metrics"]["timed_steps"] == [1, 5]
     assert m["metrics"]["peak_memory_kind"] == "process_max_rss"
     # the manifest's resolved config round-trips through the strict loader
-    from trainer.config import load_config
+    from moespec.config import load_config
 
     assert load_config(None, m["config"]) == m["config"]
     json.dumps(m)

@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from trainer.config import GROUPED_GEMM_BACKENDS, load_config
+from moespec.backends import GROUPED_GEMM_BACKENDS
+from moespec.config import load_config
 from trainer.model import Transformer
 from trainer.syncs import HostSyncCounter, moe_stage
 

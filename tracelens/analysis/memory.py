@@ -8,8 +8,9 @@
     >>> p.peak_bytes, p.stage, p.phase                    # projected peak, on which stage, in which phase
     >>> M.sweep(cfg.config, world=768, device_bytes=80 * 2**30, global_batch=...)   # layouts that fit
 
-Everything here is arithmetic on the trainer's flat config keys (``trainer/config.py``); nothing imports
-torch. Every formula, with its assumptions, is in docs/memory.md; the short version:
+Everything here is arithmetic on the trainer's flat config keys (``moespec/config.py``, with the parameter
+counts of ``moespec/params.py`` and the schedules' action orders of ``moespec/schedules.py``); nothing
+imports torch. Every formula, with its assumptions, is in docs/memory.md; the short version:
 
 * **Model state** follows what the trainer allocates. FSDP2 (``dp_mode=fsdp``, ZeRO-3): sharded fp32
   parameters (the fp32 master weights under bf16 mixed precision), fp32 gradients, AdamW ``exp_avg`` and
@@ -24,7 +25,7 @@ torch. Every formula, with its assumptions, is in docs/memory.md; the short vers
   and Adam states sharded, gradients sharded from level 2.
 * **Activations** are the tensors autograd saves in the trainer's modules (layers.py, moe.py), per layer
   and microbatch, times the microbatches each virtual stage of the pipeline rank holds: simulated from the
-  torch schedule's action order (`schedule_order`, `backward_moments`) for 1f1b/gpipe/vpp, analytic
+  torch schedule's action order (`moespec.schedules.action_order`, `backward_moments`) for 1f1b/gpipe/vpp, analytic
   (`in_flight`) otherwise. The stage layout is the run's own (a manifest's ``stage_layers`` and
   ``stage_to_rank``) or an even split. Tensor/sequence parallelism (with
   sequence parallelism) and context parallelism divide every per-token activation by ``tp*cp``.
@@ -55,22 +56,15 @@ from typing import Any, Callable, Iterable
 
 import pandas as pd
 
+from moespec import devices as _devices
+from moespec import schedules as _schedules
+from moespec.params import attention_params, layer_params, total_params  # noqa: F401 (this module's API too)
+
 from ..errors import TraceError
 from . import bubble as _bubble
 
 GIB = 1 << 30
 SCHEMA_VERSION = 1
-
-# Memory capacity per device (bytes): the datasheet's HBM size. torch reports a little less (ECC, the CUDA
-# context); `headroom` in `fits` covers that and the allocator's fragmentation.
-DEVICE_MEMORY: dict[str, int] = {
-    "H100": 80 * 10**9, "H100 SXM": 80 * 10**9, "H100 PCIe": 80 * 10**9, "H100 NVL": 94 * 10**9,
-    "H200": 141 * 10**9, "H200 SXM": 141 * 10**9, "H200 NVL": 141 * 10**9,
-    "B200": 180 * 10**9, "A100": 80 * 10**9, "A100 80GB": 80 * 10**9, "A100 40GB": 40 * 10**9,
-    "MI250X": 64 * 10**9, "MI300X": 192 * 10**9, "MI325X": 256 * 10**9, "MI355X": 288 * 10**9,
-}
-
-SCHEDULES = ("1f1b", "gpipe", "vpp", "zb1p", "zbv")
 COMPONENT_GROUPS = ("parameters", "gradients", "optimizer", "activations", "working", "transient")
 
 
@@ -79,7 +73,7 @@ COMPONENT_GROUPS = ("parameters", "gradients", "optimizer", "activations", "work
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """A trainer config (flat keys, validated by ``trainer.config``) and where it came from."""
+    """A trainer config (flat keys, validated by ``moespec.config``) and where it came from."""
 
     config: dict
     source: str
@@ -104,7 +98,7 @@ class ModelConfig:
 def load_model_config(src: str | os.PathLike, overrides: Iterable[str] = ()) -> ModelConfig:
     """Read a trainer config: a YAML file, a config name under trainer/configs, a run's manifest.json or a
     run dir. ``overrides`` are ``key=value`` strings. Bad input raises a one-line `TraceError`."""
-    from trainer.config import ConfigError, load_config, parse_override  # noqa: PLC0415 (PyYAML only)
+    from moespec.config import ConfigError, load_config, parse_override  # noqa: PLC0415 (PyYAML on first use)
 
     from ..io.run import MANIFEST, read_json_object
 
@@ -305,8 +299,8 @@ def check_layout(cfg: dict, lay: Layout, source: str | None = None) -> None:
         raise _bad("pp", f"pp*vpp = {lay.pp * lay.vpp} exceeds n_layers={cfg['n_layers']}", source)
     if lay.vpp > 1 and lay.schedule not in ("vpp",):
         raise _bad("vpp", f"vpp={lay.vpp} needs schedule vpp (interleaved 1F1B), got {lay.schedule}", source)
-    if lay.schedule not in SCHEDULES:
-        raise _bad("schedule", f"unknown schedule {lay.schedule!r} (one of {', '.join(SCHEDULES)})", source)
+    if lay.schedule not in _schedules.MODELED:
+        raise _bad("schedule", f"unknown schedule {lay.schedule!r} (one of {', '.join(_schedules.MODELED)})", source)
     if not 0 <= lay.sync_free_level <= 3:
         raise _bad("sync_free_level", f"must be 0..3, got {lay.sync_free_level}", source)
     if lay.zero not in (0, 1, 2, 3):
@@ -333,35 +327,6 @@ def check_layout(cfg: dict, lay: Layout, source: str | None = None) -> None:
 
 
 # ------------------------------------------------------------------------------ parameter counts
-
-
-def attention_params(c: dict) -> int:
-    """Matmul weights of one attention block (as trainer/model/layers.py builds it)."""
-    d, H = c["d_model"], c["n_heads"]
-    if c["attn_type"] == "mla":
-        qd = c["qk_nope_head_dim"] + c["qk_rope_head_dim"]
-        qr = c["q_lora_rank"]
-        q = d * qr + qr * H * qd if qr else d * H * qd
-        kv_a = d * (c["kv_lora_rank"] + c["qk_rope_head_dim"])
-        kv_b = c["kv_lora_rank"] * H * (c["qk_nope_head_dim"] + c["v_head_dim"])
-        return q + kv_a + kv_b + H * c["v_head_dim"] * d
-    hd = c["head_dim"] or d // H
-    kv = c["n_kv_heads"] or H
-    return d * H * hd + 2 * d * kv * hd + H * hd * d  # wq, wk, wv, wo
-
-
-def layer_params(c: dict, layer: int) -> dict[str, int]:
-    """Parameters of one decoder layer by part: attention (+ its norms), dense FFN or MoE parts."""
-    d = c["d_model"]
-    norms = 2 * d + (c["kv_lora_rank"] + (c["q_lora_rank"] or 0) if c["attn_type"] == "mla" else 0)
-    out = {"attention": attention_params(c), "norms": norms, "dense_ffn": 0, "router": 0, "shared": 0, "experts": 0}
-    if layer < c["first_k_dense"]:
-        out["dense_ffn"] = 3 * d * c["d_ff"]
-    else:
-        out["router"] = d * c["n_routed_experts"]
-        out["shared"] = 3 * d * c["moe_d_ff"] * c["n_shared_experts"]
-        out["experts"] = c["n_routed_experts"] * 3 * d * c["moe_d_ff"]
-    return out
 
 
 def stage_layers(n_layers: int, pp: int, vpp: int = 1) -> list[list[int]]:
@@ -393,14 +358,12 @@ def virtual_stages(c: dict, lay: Layout) -> list[list[int]]:
 
 
 def placement(lay: Layout) -> list[int]:
-    """Pipeline rank of every virtual stage: the layout's ``stage_to_rank``, else ``s % pp`` (the
-    trainer's loop placement), or V-shaped for zbv (stage s and 2pp-1-s on rank s)."""
+    """Pipeline rank of every virtual stage: the layout's ``stage_to_rank``, else the schedule's placement
+    (`moespec.schedules`): ``s % pp`` (the trainer's loop placement), or V-shaped for zbv (stage s and
+    2pp-1-s on rank s)."""
     if lay.stage_to_rank is not None:
         return list(lay.stage_to_rank)
-    n = lay.pp * lay.vpp
-    if lay.schedule == "zbv":
-        return [s if s < lay.pp else 2 * lay.pp - 1 - s for s in range(n)]
-    return [s % lay.pp for s in range(n)]
+    return _schedules.stage_to_rank(lay.pp * lay.vpp, lay.pp, _schedules.placement_of(lay.schedule))
 
 
 def rank_stages(lay: Layout, rank: int) -> list[int]:
@@ -434,14 +397,6 @@ def stage_params(c: dict, lay: Layout, stage: int) -> dict[str, int]:
         if c["tie_embeddings"] and lay.pp > 1:
             dense += V * d  # the last stage keeps its own copy of the tied embedding (Megatron does)
     return {"dense": dense, "experts": experts}
-
-
-def total_params(c: dict) -> int:
-    """All parameters of the model (each counted once), from `layer_params`; equals
-    ``trainer.flops.count_params(c)["total"]`` (tested)."""
-    V, d = c["vocab_size"], c["d_model"]
-    body = sum(sum(layer_params(c, i).values()) for i in range(c["n_layers"]))
-    return body + V * d * (1 if c["tie_embeddings"] else 2) + d
 
 
 def _per_gpu_params(c: dict, lay: Layout, stage: int) -> tuple[float, float, int]:
@@ -559,63 +514,8 @@ def in_flight(lay: Layout, stage: int) -> float:
     return float(min(p, m))  # zbv
 
 
-SIMULATED_SCHEDULES = ("1f1b", "gpipe", "vpp")
-
-
-def schedule_order(schedule: str, pp: int, vpp: int, m: int, rank: int) -> list[tuple[str, int, int]]:
-    """The order in which pipeline rank ``rank`` runs its actions in one step, as ``(kind, virtual stage,
-    microbatch)`` with kind ``F`` or ``B``, following the rules of ``torch.distributed.pipelining``'s
-    schedules that the trainer uses (virtual stage ``s`` on rank ``s % pp``):
-
-    * ``gpipe``: all forwards, then all backwards.
-    * ``1f1b`` (Schedule1F1B): ``min(m, pp - rank)`` warm-up forwards, then one backward and one forward
-      in turn, then the remaining backwards.
-    * ``vpp`` (ScheduleInterleaved1F1B): microbatches go in rounds of ``r = m // max(1, m // pp)``;
-      warm-up ``min((vpp-1) r + 2 (pp-1-rank), m vpp)`` forwards; then forward/backward pairs; then the
-      remaining backwards. Forward op ``i`` runs local stage ``(i // r) % vpp``, backward op ``i`` local
-      stage ``vpp - 1 - ((i - warmup) // r) % vpp``; each stage takes its microbatches in order.
-
-    Checked against the action order the trainer recorded in pipeline/rank<N>.jsonl (tests).
-    """
-    if schedule == "gpipe":
-        return [("F", rank, i) for i in range(m)] + [("B", rank, i) for i in range(m)]
-    if schedule == "1f1b":
-        warm = min(m, pp - rank)
-        out = [("F", rank, i) for i in range(warm)]
-        f = warm
-        for b in range(m):
-            out.append(("B", rank, b))
-            if f < m:
-                out.append(("F", rank, f))
-                f += 1
-        return out
-    if schedule != "vpp":
-        raise ValueError(f"no action order for schedule {schedule!r}")
-    per_round = m // max(1, m // pp)
-    total = m * vpp
-    warm = min((vpp - 1) * per_round + 2 * (pp - 1 - rank), total)
-    fwd_next: dict[int, int] = {}
-    bwd_next: dict[int, int] = {}
-    out = []
-
-    def fwd(op):
-        st = ((op // per_round) % vpp) * pp + rank
-        fwd_next[st] = fwd_next.get(st, 0) + 1
-        out.append(("F", st, fwd_next[st] - 1))
-
-    def bwd(op):
-        st = (vpp - 1 - ((op - warm) // per_round) % vpp) * pp + rank
-        bwd_next[st] = bwd_next.get(st, 0) + 1
-        out.append(("B", st, bwd_next[st] - 1))
-
-    for op in range(warm):
-        fwd(op)
-    for op in range(warm, total):
-        fwd(op)
-        bwd(op)
-    for op in range(total, total + warm):
-        bwd(op)
-    return out
+# the schedules whose action order (no split backward: F and B only) the activations are simulated on
+SIMULATED_SCHEDULES = tuple(n for n in _schedules.MODELED if not _schedules.SCHEDULES[n].split_backward)
 
 
 def backward_moments(lay: Layout, rank: int) -> list[tuple[int, dict[int, float]]]:
@@ -623,7 +523,8 @@ def backward_moments(lay: Layout, rank: int) -> list[tuple[int, dict[int, float]
     stage: microbatches whose activations are alive})`` (the one running its backward included).
 
     Without a pipeline: one moment, one microbatch (gradient accumulation runs microbatches one after
-    another). Schedules simulated by `schedule_order` (1f1b, gpipe, vpp, with the trainer's loop placement)
+    another). Schedules simulated by `moespec.schedules.action_order` (1f1b, gpipe, vpp, with the trainer's
+    loop placement)
     give the exact mix of stages; the others (zb1p, zbv) get `in_flight`'s count on each local stage.
     """
     vs = rank_stages(lay, rank)
@@ -635,7 +536,7 @@ def backward_moments(lay: Layout, rank: int) -> list[tuple[int, dict[int, float]
         return [(v, {u: n for u in vs}) for v in vs]
     alive: dict[int, set] = {v: set() for v in vs}
     out = []
-    for kind, st, mb in schedule_order(lay.schedule, lay.pp, lay.vpp, lay.microbatches, rank):
+    for kind, st, mb in _schedules.action_order(lay.schedule, lay.pp, lay.vpp, lay.microbatches, rank):
         if kind == "F":
             alive[st].add(mb)
         else:
@@ -1166,13 +1067,12 @@ def parse_bytes(text: str | int | float) -> int:
 
 
 def device_memory(name: str) -> int:
-    """HBM bytes of a device by name (H100, H200, B200, A100, MI300X...)."""
-    key = name.strip()
-    for k in sorted(DEVICE_MEMORY, key=len, reverse=True):
-        if k.lower() == key.lower() or k.lower() in key.lower():
-            return DEVICE_MEMORY[k]
-    raise TraceError(None, f"memory: unknown device {name!r} (known: {', '.join(sorted(DEVICE_MEMORY))}); "
-                     "give --device-memory instead")
+    """Memory bytes of a device by name (H100, H200, B200, A100, MI300X...; `moespec.devices.device_memory`)."""
+    nbytes = _devices.device_memory(name)
+    if nbytes is None:
+        raise TraceError(None, f"memory: unknown device {name!r} (known: {', '.join(_devices.memory_names())}); "
+                         "give --device-memory instead")
+    return nbytes
 
 
 def _divisors(n: int) -> list[int]:

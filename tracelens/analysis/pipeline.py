@@ -46,6 +46,9 @@ import msgspec
 import numpy as np
 import pandas as pd
 
+from moespec.layout import LayoutError, split_layout
+from moespec.schedules import TORCH_CLASS_THEORY
+
 from .. import categories as C
 from ..errors import TraceError
 from ..io.run import Run
@@ -59,15 +62,9 @@ ACTION_COLUMNS = ("step", "rank", "pp_rank", "stage", "microbatch", "kind", "sta
 RANGE_RE = re.compile(r"^pipeline/([FBW])/s(\d+)/mb(\d+)$")
 # A stage is flagged when its time per microbatch is at least this many times the mean of all stages.
 IMBALANCE_THRESHOLD = 1.10
-# Module letters of Megatron-style layout strings ("Et|tt|tt|tL"): E embedding, t transformer layer,
-# m MTP layer, L loss/output head.
+# The module kind of each piece of the layout grammar (`moespec.layout.PIECES`, Megatron's "Et|tt|tt|tL"):
+# E embedding, t transformer layer, m MTP layer, L loss/output head.
 _LAYOUT_MODULES = {"E": "embedding", "t": "layer", "m": "mtp", "L": "loss"}
-# torch.distributed.pipelining class names -> the preset names `bubble_ratio` knows.
-_TORCH_SCHEDULES = {
-    "schedulegpipe": "gpipe", "schedule1f1b": "1f1b", "scheduleinterleaved1f1b": "vpp",
-    "scheduleloopedbfs": "vpp", "scheduleinterleavedzerobubble": "zb1p", "schedulezbvzerobubble": "zbv",
-    "scheduledualpipev": "zbv",
-}
 
 
 # ------------------------------------------------------------------------------------ loading
@@ -319,32 +316,20 @@ class PipelineMeta:
 
 
 def parse_layout(layout: str) -> list[list[str]]:
-    """Modules per stage from a Megatron-style layout string.
+    """Modules per stage from a Megatron-style layout string, by the trainer's grammar
+    (`moespec.layout.split_layout`; spaces ignored), checking only the grammar and that no stage is empty.
 
     ``"Et|tt|tt|tL"`` -> [["embedding", "layer"], ["layer", "layer"], ...]. Supports repetition of a
     letter (``t*3``) or a group (``(tt|)*2``); letters E embedding, t layer, m MTP layer, L loss.
     """
-    src = layout.replace(" ", "")
-    expanded = _expand_layout(src, layout)
-    stages = expanded.split("|")
-    out = []
+    try:
+        stages = split_layout(layout.replace(" ", "") if isinstance(layout, str) else layout)
+    except LayoutError as e:
+        raise TraceError(None, f"layout {layout!r}: {e}") from None
     for i, s in enumerate(stages):
         if not s:
             raise TraceError(None, f"layout {layout!r}: stage {i} is empty")
-        out.append([_LAYOUT_MODULES[ch] for ch in s])
-    return out
-
-
-def _expand_layout(s: str, original: str) -> str:
-    pat = re.compile(r"\(([^()]*)\)\*(\d+)|([EtmL])\*(\d+)")
-    prev = None
-    while prev != s:
-        prev = s
-        s = pat.sub(lambda m: (m.group(1) * int(m.group(2))) if m.group(1) is not None else m.group(3) * int(m.group(4)), s)
-    bad = sorted(set(s) - set(_LAYOUT_MODULES) - {"|"})
-    if bad:
-        raise TraceError(None, f"layout {original!r}: unexpected {''.join(bad)!r} (letters E, t, m, L, '|', '(..)*N')")
-    return s
+    return [[_LAYOUT_MODULES[ch] for ch in s] for s in stages]
 
 
 def _int_field(pipe: dict, key: str, where: Path) -> int:
@@ -358,7 +343,7 @@ def _schedule_name(schedule: str, torch_schedule: str) -> str:
     s = (schedule or "").strip().lower()
     if s:
         return s
-    return _TORCH_SCHEDULES.get((torch_schedule or "").strip().lower(), "")
+    return TORCH_CLASS_THEORY.get((torch_schedule or "").strip().lower(), "")
 
 
 def infer_meta(actions: pd.DataFrame) -> PipelineMeta:

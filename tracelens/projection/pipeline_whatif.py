@@ -14,19 +14,18 @@ The mechanism (docs/whatif.md, "Pipeline knobs"), over the run's pipeline action
    runs, and more steps average out the micro-batch spread).
 2. **Piece costs.** Per stage and kind (F, B, W) the mean action time over those steps, split over the
    stage's pieces (``embedding``, ``layer<i>``, ``loss`` from the manifest's ``stage_modules``) in
-   proportion to the FLOP model of each piece (`trainer.pipeline_layout.layer_costs`: the embedding is
+   proportion to the FLOP model of each piece (`moespec.layout.layer_costs`: the embedding is
    free, the loss is the LM head). A split backward (B + W, zero-bubble schedules) is kept as the full
    backward B + W per piece.
-3. **New stages.** The new config's layout (`trainer.pipeline_layout.resolve_layout`: the same rules the
+3. **New stages.** The new config's layout (`moespec.layout.resolve_layout`: the same rules the
    trainer applies, ``auto``/``uniform``/a string, with the new pp x vpp) groups the pieces into stages;
    a stage's F and full backward are the sums of its pieces'. A schedule that splits the backward
    (``zb1p``, ``zbv``) gets B = beta x full and W = the rest, beta the measured B share of the run's
    non-first stages when the run split its backward, else the FLOP model's input-gradient share; the
    first stage has no input gradient (B = 0: torch computes that stage's whole backward in W, as the
    H200 zb1p run records).
-4. **Schedule.** Each pipeline rank's action order is the torch schedule's (`action_order`: 1f1b, gpipe,
-   interleaved 1F1B as in `tracelens.analysis.memory.schedule_order`; ZB-H1 and ZB-V as
-   ``torch.distributed.pipelining`` builds them), replayed with
+4. **Schedule.** Each pipeline rank's action order is the torch schedule's (`moespec.schedules.action_order`:
+   1f1b, gpipe, interleaved 1F1B, ZB-H1 and ZB-V as ``torch.distributed.pipelining`` builds them), replayed with
    `tracelens.analysis.pipeline.simulate_step` (data dependencies F(s) <- F(s-1), B(s) <- B(s+1),
    W(s) <- B(s)) and one overhead per hand-off between ranks, calibrated so that the run's own schedule
    replays to its measured median window: it carries the p2p transfer, the host's launch after a
@@ -46,14 +45,16 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from moespec import schedules as S
+from moespec.layout import LayoutError, layer_costs, resolve_layout
+from moespec.params import attention_dims, attention_params, moe_active_params
+
 from ..io.run import MANIFEST
 from ..analysis import pipeline as P
 from ..analysis.steps import manifest_step_roles
 from ..errors import TraceError
 
 PIPELINE_KEYS = ("pipeline_schedule", "vpp", "pipeline_layout", "pipeline_layer_costs")
-SPLIT_SCHEDULES = ("zb1p", "zbv")
-ORDERED_SCHEDULES = ("1f1b", "gpipe", "vpp", "zb1p", "zbv")
 
 
 class PipelineWhatIfError(ValueError):
@@ -63,108 +64,19 @@ class PipelineWhatIfError(ValueError):
 # ------------------------------------------------------------------------------------ action orders
 def action_order(schedule: str, pp: int, vpp: int, m: int, rank: int) -> list[tuple[str, int, int]]:
     """The order in which pipeline rank ``rank`` runs its actions in one step, as ``(kind, stage,
-    microbatch)`` with kind F, B (backward, or backward for inputs) or W (backward for weights).
-
-    ``1f1b``, ``gpipe``, ``vpp``: `tracelens.analysis.memory.schedule_order`. ``zb1p``
-    (ScheduleInterleavedZeroBubble) and ``zbv`` (ScheduleZBVZeroBubble) follow the rank operations
-    torch.distributed.pipelining computes (``_get_1f1b_rank_ops`` with zero bubble, and the ZB-V
-    warm-up / stable / cool-down phases), idle slots dropped.
-    """
-    from ..analysis import memory as M
-
-    if schedule in ("1f1b", "gpipe", "vpp"):
-        return M.schedule_order(schedule, pp, vpp, m, rank)
-    if schedule == "zb1p":
-        return _zb1p_order(pp, vpp, m, rank)
-    if schedule == "zbv":
-        return _zbv_order(pp, m, rank)
-    raise PipelineWhatIfError(f"pipeline_schedule {schedule!r}: no action order modeled (the what-if models "
-                              f"{', '.join(ORDERED_SCHEDULES)})")
-
-
-def _zb1p_order(pp: int, v: int, m: int, rank: int) -> list[tuple[str, int, int]]:
-    rounds = max(1, m // pp)
-    per_round = m // rounds
-    warm = min((v - 1) * per_round + (pp - 1 - rank), m * v)
-    total_mb = v * m
-    fwd_bwd = total_mb - warm
-    cool = total_mb - fwd_bwd
-
-    def f_stage(op: int) -> int:
-        return ((op // per_round) % v) * pp + rank
-
-    def b_stage(op: int) -> int:
-        return (v - 1 - ((op - warm) // per_round) % v) * pp + rank
-
-    nxt: dict[tuple[str, int], int] = {}
-    out: list[tuple[str, int, int]] = []
-    b_ops: list[int] = []
-    w_count = 0
-
-    def emit(kind: str, st: int) -> None:
-        i = nxt.get((kind, st), 0)
-        nxt[(kind, st)] = i + 1
-        out.append((kind, st, i))
-
-    for op in range(warm + fwd_bwd + cool):
-        if op < warm:
-            emit("F", f_stage(op))
-            continue
-        if op < warm + fwd_bwd:
-            emit("F", f_stage(op))
-        emit("B", b_stage(op))
-        b_ops.append(op)
-        if op - warm >= rank:  # num_1f1b_microbatches = rank
-            emit("W", b_stage(b_ops[w_count]))
-            w_count += 1
-    while w_count < len(b_ops):
-        emit("W", b_stage(b_ops[w_count]))
-        w_count += 1
-    return out
-
-
-def _zbv_order(pp: int, m: int, rank: int) -> list[tuple[str, int, int]]:
-    n_micro = max(2 * pp - 1, m)
-    c0, c1 = rank, 2 * pp - 1 - rank
-    out: list[tuple[str, int, int]] = []
-    f0 = f1 = b0 = b1 = 0
-    for _ in range(2 * (pp - rank) - 1):
-        out.append(("F", c0, f0)); f0 += 1  # noqa: E702
-    for _ in range(rank):
-        out.append(("F", c1, f1)); f1 += 1  # noqa: E702
-        out.append(("F", c0, f0)); f0 += 1  # noqa: E702
-    for _ in range(pp - rank):
-        out.append(("F", c1, f1)); f1 += 1  # noqa: E702
-        out += [("B", c1, b1), ("W", c1, b1)]
-        b1 += 1
-    while f1 < f0 or f0 < n_micro:
-        if f0 < n_micro:
-            out.append(("F", c0, f0)); f0 += 1  # noqa: E702
-        out += [("B", c0, b0), ("W", c0, b0)]
-        b0 += 1
-        out.append(("F", c1, f1)); f1 += 1  # noqa: E702
-        out += [("B", c1, b1), ("W", c1, b1)]
-        b1 += 1
-    w0, w1 = b0, b1
-    for _ in range(rank):
-        out.append(("B", c0, b0)); b0 += 1  # noqa: E702
-        out.append(("B", c1, b1)); b1 += 1  # noqa: E702
-    for _ in range(pp - rank):
-        out.append(("B", c0, b0)); b0 += 1  # noqa: E702
-        out.append(("W", c0, w0)); w0 += 1  # noqa: E702
-    while w1 < b1:
-        out.append(("W", c1, w1)); w1 += 1  # noqa: E702
-    while w0 < b0:
-        out.append(("W", c0, w0)); w0 += 1  # noqa: E702
-    return [a for a in out if a[2] < m]
+    microbatch)`` with kind F, B (backward, or backward for inputs) or W (backward for weights):
+    `moespec.schedules.action_order` (1f1b, gpipe, interleaved 1F1B, ZB-H1 and ZB-V as
+    ``torch.distributed.pipelining`` builds them)."""
+    try:
+        return S.action_order(schedule, pp, vpp, m, rank)
+    except S.ScheduleError:
+        raise PipelineWhatIfError(f"pipeline_schedule {schedule!r}: no action order modeled (the what-if models "
+                                  f"{', '.join(S.MODELED)})") from None
 
 
 def placement(schedule: str, pp: int, vpp: int) -> list[int]:
     """Pipeline rank of every stage: V-shaped for zbv (stage s and 2pp-1-s on rank s), else s % pp."""
-    n = pp * vpp
-    if schedule == "zbv":
-        return [s if s < pp else 2 * pp - 1 - s for s in range(n)]
-    return [s % pp for s in range(n)]
+    return S.stage_to_rank(pp * vpp, pp, S.placement_of(schedule))
 
 
 def schedule_actions(schedule: str, pp: int, vpp: int, m: int) -> pd.DataFrame:
@@ -229,8 +141,6 @@ def _step_times(manifest: dict | None) -> list[float]:
 
 def _piece_weights(cfg: dict) -> dict[str, float]:
     """FLOP model per piece name (embedding, layer<i>, loss)."""
-    from trainer.pipeline_layout import layer_costs  # noqa: PLC0415 (no torch)
-
     e, layers, loss = layer_costs(cfg)
     out = {"embedding": float(e), "loss": float(loss)}
     out.update({f"layer{i}": float(c) for i, c in enumerate(layers)})
@@ -240,13 +150,8 @@ def _piece_weights(cfg: dict) -> dict[str, float]:
 def _input_grad_share(cfg: dict) -> float:
     """FLOP model's share of a layer's backward that is the input gradient: matmuls split evenly between
     dX and dW, the attention scores' backward is all dX."""
-    from trainer.flops import _attn_dims, _attn_params  # noqa: PLC0415 (no torch)
-
-    d = cfg["d_model"]
-    expert = 3 * d * cfg["moe_d_ff"]
-    moe_active = cfg["top_k"] * expert + cfg["n_shared_experts"] * expert + d * cfg["n_routed_experts"]
-    params = _attn_params(cfg) + moe_active
-    dqk, dv = _attn_dims(cfg)
+    params = attention_params(cfg) + moe_active_params(cfg)
+    dqk, dv = attention_dims(cfg)
     scores = cfg["seq_len"] * cfg["n_heads"] * (dqk + dv)
     return (2.0 * params + 2.0 * scores) / (4.0 * params + 2.0 * scores)
 
@@ -255,8 +160,6 @@ def _stage_pieces(meta: P.PipelineMeta, cfg: dict, where: str) -> list[list[str]
     mods = meta.stage_modules
     if mods is None or len(mods) != meta.n_stages:
         try:
-            from trainer.pipeline_layout import resolve_layout  # noqa: PLC0415
-
             mods = resolve_layout({**cfg, "pp": meta.pp, "vpp": meta.vpp}).stage_modules
         except Exception as e:  # noqa: BLE001 - one line below
             raise PipelineWhatIfError(f"{where}: the run's stage layout is unknown (no pipeline.stage_modules in the "
@@ -414,8 +317,6 @@ class PipelinePrediction:
 
 def new_layout(cfg: dict) -> list[list[str]]:
     """Module names per stage (``embedding``, ``layer<i>``, ``loss``) of a config, by the trainer's rules."""
-    from trainer.pipeline_layout import LayoutError, resolve_layout  # noqa: PLC0415
-
     try:
         return resolve_layout(cfg).stage_modules
     except LayoutError as e:
@@ -435,9 +336,9 @@ def predict_pipeline(base: PipelineBase, new_cfg: dict, scale: float = 1.0) -> P
     if pp != old.pp:
         raise PipelineWhatIfError(f"pp {old.pp} -> {pp}: changing the number of pipeline ranks changes the world size "
                                   "and the data parallelism; not modeled")
-    if sched not in ORDERED_SCHEDULES:
+    if sched not in S.MODELED:
         raise PipelineWhatIfError(f"pipeline_schedule {sched!r}: no action order modeled (the what-if models "
-                                  f"{', '.join(ORDERED_SCHEDULES)})")
+                                  f"{', '.join(S.MODELED)})")
     modeled, notes = [], []
     # stages of the new config from the run's pieces
     same_layout = vpp == old.vpp and cfg.get("pipeline_layout") == base.config.get("pipeline_layout") and (
@@ -450,7 +351,7 @@ def predict_pipeline(base: PipelineBase, new_cfg: dict, scale: float = 1.0) -> P
     if missing:
         raise PipelineWhatIfError(f"pipeline_layout: module {missing[0]!r} is not in the run's stages "
                                   f"({', '.join(base.piece_f)})")
-    split_new = sched in SPLIT_SCHEDULES
+    split_new = S.SCHEDULES[sched].split_backward
     if same_layout:
         f = list(base.stage_f)
         full = [bb + ww for bb, ww in zip(base.stage_b, base.stage_w)]

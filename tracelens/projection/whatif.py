@@ -33,6 +33,8 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from moespec.config import DEFAULTS, ConfigError, load_config
+
 from ..errors import TraceError
 from . import kerneltable as KT
 from . import mechanisms as MECH
@@ -234,8 +236,6 @@ class Model:
     # -------------------------------------------------------------- predicting
     def predict(self, changes: dict) -> Prediction:
         new = self._validate(changes)
-        from trainer.config import DEFAULTS  # noqa: PLC0415
-
         diff = {k: v for k, v in new.items() if k in changes and self.config.get(k, DEFAULTS.get(k)) != v}
         ch = Change(self, self.config, new, new, diff)
         # keys a mechanism predicts after the replay (the pipeline's) stay at the run's values in the replay
@@ -310,10 +310,6 @@ class Model:
         return float(base) * scale
 
     def _validate(self, changes: dict) -> dict:
-        from trainer.config import ConfigError, load_config  # noqa: PLC0415 (standard library + PyYAML)
-
-        from trainer.config import DEFAULTS  # noqa: PLC0415
-
         bad = [k for k in changes if k not in DEFAULTS]
         if bad:
             raise WhatIfError(f"unknown trainer key {bad[0]!r} (see docs/trainer.md for the keys)")

@@ -34,6 +34,8 @@ import logging
 import torch
 import torch.nn.functional as F
 
+from moespec.backends import PER_EXPERT_BACKENDS
+
 log = logging.getLogger("trainer.experts")
 _logged: set = set()
 _streams: dict = {}
@@ -251,11 +253,11 @@ def auto_is_sync_free(cfg: dict) -> bool:
 
 
 def pretune_config(cfg: dict, device) -> list[dict]:
-    """``grouped_gemm_backend=auto``: tune the config's expert GEMM shapes (trainer/gemm_shapes.py) that
+    """``grouped_gemm_backend=auto``: tune the config's expert GEMM shapes (moespec/gemm_shapes.py) that
     the cache lacks, before the first step. Under EP at levels 0-2 the received rows vary, so on a GPU
     the buckets of 0.75x and 1.25x the average are tuned too (not on the CPU interpreter, where
     tuning only exercises the mechanism). Returns the choice records."""
-    from trainer.gemm_shapes import expert_gemm_dtype, expert_gemm_shapes  # noqa: PLC0415
+    from moespec.gemm_shapes import expert_gemm_dtype, expert_gemm_shapes  # noqa: PLC0415
 
     if cfg["grouped_gemm_backend"] != "auto" or _kernels() is None:
         return []
@@ -324,7 +326,7 @@ def grouped_gemm(x: torch.Tensor, w_nk: torch.Tensor, *, backend: str, counts: l
     """
     if counts is None and offs is None:
         raise ValueError("grouped_gemm needs counts or offs")
-    if backend in ("loop", "multistream"):
+    if backend in PER_EXPERT_BACKENDS:
         if counts is None:
             _note((backend, "device-offs"), f"grouped_gemm_backend={backend} with device-side counts "
                   "(sync_free_level>=2): running the masked per-expert reference (E x FLOPs, no host sync)")

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from trainer.flops import count_params, model_flops_per_token  # noqa: F401  (re-exported)
+from moespec.params import count_params, model_flops_per_token  # noqa: F401  (re-exported)
 from trainer.model.experts import kernels_can_run, record_use
 from trainer.model.layers import Attention, MLAttention, RMSNorm, SwiGLU, rope_cache
 from trainer.model.moe import MoE

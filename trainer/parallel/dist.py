@@ -69,7 +69,7 @@ def pick_device(cfg: dict, local_rank: int) -> torch.device:
     want = cfg["device"]
     if want == "cuda" or (want == "auto" and torch.cuda.is_available()):
         if not torch.cuda.is_available():
-            from trainer.config import ConfigError
+            from moespec.config import ConfigError
 
             raise ConfigError("device", "device=cuda but CUDA is not available")
         torch.cuda.set_device(local_rank)
@@ -80,7 +80,7 @@ def pick_device(cfg: dict, local_rank: int) -> torch.device:
 def init_distributed(cfg: dict) -> Dist:
     from torch.distributed.device_mesh import init_device_mesh
 
-    from trainer.config import resolve_world
+    from moespec.config import resolve_world
 
     launched = "WORLD_SIZE" in os.environ and "RANK" in os.environ
     rank = int(os.environ.get("RANK", 0))

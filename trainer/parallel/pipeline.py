@@ -3,13 +3,14 @@
 How a pipelined run is put together (``build_pipeline``):
 
 1. The full model is built and initialised exactly as without PP (same seed -> same weights for every
-   layer whichever stage owns it); the layout (``trainer.pipeline_layout``) says which pieces each
+   layer whichever stage owns it); the layout (``moespec.layout``) says which pieces each
    global stage keeps; this rank keeps the stages its pipeline rank owns and drops the rest.
 2. Each kept stage becomes a :class:`StageModule` (embedding / layers / norm + head + loss), wrapped by
    FSDP2 or DDP over the ranks that hold the same stage (``dp x ep`` of that pipeline rank), and a
    :class:`TimedStage` (a ``PipelineStage`` whose forward / backward / backward-for-weights chunk
    methods are timed and wrapped in ``record_function("pipeline/{F|B|W}/s{stage}/mb{mb}")``).
-3. The schedule preset picks the ``torch.distributed.pipelining`` class (:data:`PRESETS`).
+3. The schedule preset picks the ``torch.distributed.pipelining`` class and the stage placement
+   (``moespec.schedules.SCHEDULES``).
 
 Shapes are given to the stages up front (static metadata: no inference pass). The last stage's
 module returns the micro-batch loss (it gets the targets as a keyword argument), so the schedule's
@@ -40,49 +41,30 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from trainer.config import ConfigError
-from trainer.pipeline_layout import PipelineLayout, resolve_layout
+from moespec.config import ConfigError
+from moespec.layout import PipelineLayout, resolve_layout
+from moespec.schedules import SCHEDULES, stage_to_rank
 
-# preset -> (torch.distributed.pipelining class, stage placement: see stage_to_rank)
-PRESETS: dict[str, tuple[str, str]] = {
-    "gpipe": ("ScheduleGPipe", "loop"),
-    "1f1b": ("Schedule1F1B", "loop"),
-    "vpp": ("ScheduleInterleaved1F1B", "loop"),
-    "looped_bfs": ("ScheduleLoopedBFS", "loop"),
-    "zb1p": ("ScheduleInterleavedZeroBubble", "loop"),
-    "zbv": ("ScheduleZBVZeroBubble", "v"),
-    "dualpipev": ("ScheduleDualPipeV", "v"),
-}
-SINGLE_STAGE = ("gpipe", "1f1b")  # PipelineScheduleSingle: one stage object per rank
-# Schedules that split the backward into B (inputs) and W (weights). torch computes W with
-# autograd.backward on intermediate graph nodes, which bypasses what DDP's reducer and FSDP2's
-# unsharded parameters rely on (measured: wrong gradients with either wrapper once dp*ep > 1, and
+# Schedules that split the backward into B (inputs) and W (weights) (``Schedule.split_backward``). torch
+# computes W with autograd.backward on intermediate graph nodes, which bypasses what DDP's reducer and
+# FSDP2's unsharded parameters rely on (measured: wrong gradients with either wrapper once dp*ep > 1, and
 # with FSDP2 even alone). So their stage modules are not wrapped: the dense gradients are averaged
 # over the replica group by one all-reduce after the step (no overlap with compute), the expert
 # gradients by ``sync_expert_grads`` as under DDP. The config requires dp_mode=ddp for them.
-SPLIT_BACKWARD = ("zb1p", "zbv", "dualpipev")
 
 
 def schedule_class(preset: str):
     """The torch schedule class of a preset; a one-line ConfigError when this torch lacks it."""
     import torch.distributed.pipelining as pipelining
 
-    if preset not in PRESETS:
-        raise ConfigError("pipeline_schedule", f"unknown preset {preset!r} (one of {', '.join(PRESETS)})")
-    name = PRESETS[preset][0]
+    if preset not in SCHEDULES:
+        raise ConfigError("pipeline_schedule", f"unknown preset {preset!r} (one of {', '.join(SCHEDULES)})")
+    name = SCHEDULES[preset].torch_class
     cls = getattr(pipelining, name, None)
     if cls is None:
         raise ConfigError("pipeline_schedule", f"preset {preset!r} needs torch.distributed.pipelining.{name}, "
                                                f"which torch {torch.__version__} does not have")
     return cls
-
-
-def stage_to_rank(n_stages: int, pp: int, placement: str) -> list[int]:
-    """Pipeline rank of every global stage: ``loop`` = ``s % pp`` (interleaved), ``v`` = down the ranks
-    and back up (stage s and 2pp-1-s on rank s, for V-shaped schedules)."""
-    if placement == "loop":
-        return [s % pp for s in range(n_stages)]
-    return [s if s < pp else 2 * pp - 1 - s for s in range(n_stages)]
 
 
 class AttachAuxLoss(torch.autograd.Function):
@@ -266,15 +248,16 @@ class Pipeline:
 
         self.cfg, self.d = cfg, d
         pp, vpp, preset = cfg["pp"], cfg["vpp"], cfg["pipeline_schedule"]
+        spec = SCHEDULES[preset]
         cls = schedule_class(preset)
         self.torch_schedule = cls.__name__
         self.layout: PipelineLayout = resolve_layout(cfg)
         n_stages = self.layout.n_stages
-        self.stage_to_rank = stage_to_rank(n_stages, pp, PRESETS[preset][1])
+        self.stage_to_rank = stage_to_rank(n_stages, pp, spec.placement)
         self.my_stages = [s for s in range(n_stages) if self.stage_to_rank[s] == d.pp_rank]
         layers = self.layout.stage_layers
         self.microbatches = cfg["microbatches"]
-        self.manual_dp = preset in SPLIT_BACKWARD
+        self.manual_dp = spec.split_backward
         self.recorder = ActionRecorder(Path(out_dir) / "pipeline" / f"rank{d.rank}.jsonl", d.rank, d.pp_rank,
                                        d.device)
         act_dtype = torch.bfloat16 if (cfg["dtype"] == "bf16" and cfg["dp_mode"] == "fsdp") else torch.float32
@@ -285,7 +268,7 @@ class Pipeline:
         for s in self.my_stages:
             mod = StageModule(model, self.layout.stages[s], layers[s], cfg).to(d.device)
             self.core.append(mod)
-            wrapped = mod if preset in SPLIT_BACKWARD else wrap_data_parallel(mod, cfg, d)
+            wrapped = mod if spec.split_backward else wrap_data_parallel(mod, cfg, d)
             self.modules.append(wrapped)
             first, last = s == 0, s == n_stages - 1
             x_in = (torch.empty(mb, S, dtype=torch.long, device=d.device) if first else
@@ -302,7 +285,7 @@ class Pipeline:
         self.log_rank = self.stage_to_rank[-1] * (d.world_size // pp)
         kw = dict(n_microbatches=self.microbatches, loss_fn=_identity_loss)
         try:
-            self.schedule = cls(self.stages[0], **kw) if preset in SINGLE_STAGE else cls(self.stages, **kw)
+            self.schedule = cls(self.stages[0], **kw) if spec.single_stage else cls(self.stages, **kw)
         except ValueError as err:  # torch's own checks (e.g. microbatches vs rounds)
             raise ConfigError("pipeline_schedule", f"{preset} ({self.torch_schedule}): {err}") from None
 

@@ -15,10 +15,9 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from .base import Change, Mechanism, register, unit_positions
+from moespec.backends import PER_EXPERT_BACKENDS as PER_EXPERT
 
-PER_EXPERT = ("loop", "multistream")
-GROUPED = ("torch", "triton", "auto")
+from .base import Change, Mechanism, register, unit_positions
 
 
 def _masked(cfg: dict) -> bool:

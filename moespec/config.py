@@ -1,8 +1,11 @@
-"""Strict configuration: defaults, YAML loading, ``key=value`` overrides and fail-fast validation.
+"""The trainer's configuration: defaults, YAML loading, ``key=value`` overrides and fail-fast validation.
 
 Every knob is a flat key (so ``--set key=value`` can reach all of them). Unknown keys and inconsistent
-values raise :class:`ConfigError`, whose message is one line naming the offending key. This module
-imports only the standard library and PyYAML, so the launcher can validate without torch.
+values raise :class:`ConfigError`, whose message is one line naming the offending key. The trainer runs
+on what :func:`load_config` returns, and the analyzer (memory projection, what-if, ``kernels tune
+--config``) reads configs with the same function, so both agree on every default and rule. This module
+imports only the standard library and PyYAML (on first use), so the launcher and the analyzer validate
+without torch.
 """
 
 from __future__ import annotations
@@ -12,11 +15,14 @@ import math
 from pathlib import Path
 from typing import Any
 
-CONFIG_DIR = Path(__file__).parent / "configs"
+from .backends import GROUPED_GEMM_BACKENDS
+from .layout import LayoutError, resolve_layout
+from .schedules import PIPELINE_SCHEDULES, SCHEDULES, SINGLE_STAGE
 
-# Pipeline schedule presets -> torch.distributed.pipelining classes: trainer/parallel/pipeline.py.
-PIPELINE_SCHEDULES = ("gpipe", "1f1b", "vpp", "looped_bfs", "zb1p", "zbv", "dualpipev")
-GROUPED_GEMM_BACKENDS = ("loop", "multistream", "torch", "triton", "auto")  # auto: tuned per pass (kernels)
+# The named configs (``tiny``, ``gpu_proxy``, ...) are the trainer's, shipped in its package data
+# (trainer/configs/*.yaml, installed with this package by the same distribution); read as files here,
+# never imported.
+CONFIG_DIR = Path(__file__).parent.parent / "trainer" / "configs"
 
 
 class ConfigError(ValueError):
@@ -432,29 +438,28 @@ def _validate_pipeline(cfg: dict) -> None:
             if cfg[key] != default:
                 raise ConfigError(key, f"needs pipeline parallelism (pp > 1), got pp=1 and {key}={_short(cfg[key])}")
         return
-    single = ("gpipe", "1f1b")
-    if sched in single and vpp != 1:
+    spec = SCHEDULES[sched]
+    if spec.single_stage and vpp != 1:
+        multi = [s for s in PIPELINE_SCHEDULES if s not in SINGLE_STAGE]
         raise ConfigError("pipeline_schedule", f"{sched!r} runs one stage per rank, so vpp must be 1 (got vpp={vpp}); "
-                          "use vpp, looped_bfs, zb1p, zbv or dualpipev for virtual stages")
-    if sched in ("zbv", "dualpipev") and vpp != 2:
+                          f"use {', '.join(multi[:-1])} or {multi[-1]} for virtual stages")
+    if spec.placement == "v" and vpp != 2:
         raise ConfigError("vpp", f"pipeline_schedule={sched!r} is V-shaped: exactly 2 stages per rank, so vpp must be 2 "
                                  f"(got {vpp})")
     if cfg["tie_embeddings"]:
         raise ConfigError("tie_embeddings", "not supported with pp > 1 (embedding and LM head live on different stages)")
-    if sched in ("zb1p", "zbv", "dualpipev") and cfg["dp_mode"] != "ddp":
+    if spec.split_backward and cfg["dp_mode"] != "ddp":
         raise ConfigError("dp_mode", f"pipeline_schedule={sched!r} splits the backward (B/W), which FSDP2 does not "
                                      "support here: use dp_mode=ddp (gradients are then all-reduced after the step)")
     need = 2 * pp if sched == "dualpipev" else pp
     if m < need:
         raise ConfigError("microbatches", f"microbatches={m} is fewer than the {need} pipeline stages the "
                                           f"{sched!r} schedule fills (pp={pp}{', x2 for dualpipev' if need > pp else ''})")
-    if sched in ("vpp", "zb1p"):
+    if spec.rounds:
         rounds = max(1, m // pp)
         if m % rounds:
             raise ConfigError("microbatches", f"{sched!r} needs microbatches to be a multiple of "
                                               f"max(1, microbatches // pp) = {rounds}, got {m}")
-    from trainer.pipeline_layout import LayoutError, resolve_layout
-
     try:
         resolve_layout(cfg)
     except LayoutError as err:

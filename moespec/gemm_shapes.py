@@ -1,4 +1,4 @@
-"""The routed-expert grouped-GEMM shapes a trainer config runs, per rank (no torch import).
+"""The routed-expert grouped-GEMM shapes a trainer config runs, per rank (standard library only).
 
 The expert MLP of every MoE layer runs two grouped GEMMs over the rows a rank's experts receive:
 
@@ -25,6 +25,8 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+from .backends import GROUPED_BACKENDS
+
 
 class ExpertGemm(NamedTuple):
     """One grouped GEMM ``[T, K] x [E, K, N]``; ``name`` is ``up`` or ``down``."""
@@ -46,7 +48,7 @@ def expert_rows(cfg: dict) -> int:
     else:
         rows = tokens * k
     align = cfg.get("grouped_gemm_align", 0) or 0
-    if align > 1 and cfg["grouped_gemm_backend"] in ("torch", "triton", "auto"):
+    if align > 1 and cfg["grouped_gemm_backend"] in GROUPED_BACKENDS:
         rows += e_local * (align - 1)
     return rows
 

@@ -19,18 +19,24 @@ every ``(...)*n`` group is unrolled, then every ``x*n``; the result is split at 
 a group must be followed by ``*n`` and groups cannot nest. With ``pp`` ranks and ``vpp`` virtual
 stages per rank the layout must have ``pp * vpp`` stages; under the usual (looped) placement stage
 ``s`` lives on pipeline rank ``s % pp`` (V-shaped schedules place it differently, see
-``trainer.parallel.pipeline``). Unlike Megatron, a stage may not be empty (a PyTorch pipeline stage
+``moespec.schedules``). Unlike Megatron, a stage may not be empty (a PyTorch pipeline stage
 needs a module to run).
 
 :func:`auto_layout` builds a layout when none is given: contiguous stages whose costs are as equal as
 possible (the largest stage cost is minimal), from the per-layer cost model of :func:`layer_costs`
 (active matmul parameters plus attention-score FLOPs per token, i.e. training FLOPs) or from measured
 per-layer times. ``"uniform"`` is Megatron's default split: ``n_layers / (pp * vpp)`` layers per stage.
+
+The trainer builds its stages from :func:`resolve_layout`; the analyzer reads layout strings from run
+manifests with :func:`split_layout` and re-splits a run's pieces with :func:`resolve_layout` in the
+what-if. Standard library only.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from .params import attention_params, attention_score_flops, moe_active_params
 
 PIECES = {"E": "embedding", "t": "transformer layer", "L": "loss (norm + LM head)", "m": "MTP layer"}
 GRAMMAR_HINT = "pieces E t L (m), '|' between stages, (...)*n and x*n repeat, ',' ignored"
@@ -214,16 +220,12 @@ def layer_costs(cfg: dict) -> tuple[float, list[float], float]:
     A layer costs 6 x its active matmul parameters (attention projections, the dense FFN or the MoE
     gate + top-k routed + shared experts) plus causal attention scores ``3 * S * H * (d_qk + d_v)``; the
     loss costs ``6 * d * V`` (LM head); the embedding lookup is taken as free. Same model as
-    ``trainer.flops.model_flops_per_token``, split per piece.
+    ``moespec.params.model_flops_per_token``, split per piece.
     """
-    from trainer.flops import _attn_dims, _attn_params
-
-    d, V, S, H = cfg["d_model"], cfg["vocab_size"], cfg["seq_len"], cfg["n_heads"]
-    expert = 3 * d * cfg["moe_d_ff"]
+    d, V = cfg["d_model"], cfg["vocab_size"]
     dense_ffn = 3 * d * cfg["d_ff"]
-    moe_active = cfg["top_k"] * expert + cfg["n_shared_experts"] * expert + d * cfg["n_routed_experts"]
-    dqk, dv = _attn_dims(cfg)
-    attn = 6.0 * _attn_params(cfg) + 3.0 * S * H * (dqk + dv)
+    moe_active = moe_active_params(cfg)
+    attn = 6.0 * attention_params(cfg) + attention_score_flops(cfg)
     layers = [attn + 6.0 * (dense_ffn if i < cfg["first_k_dense"] else moe_active) for i in range(cfg["n_layers"])]
     return 0.0, layers, 6.0 * d * V
 
