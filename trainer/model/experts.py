@@ -34,7 +34,7 @@ import logging
 import torch
 import torch.nn.functional as F
 
-from moespec.backends import PER_EXPERT_BACKENDS
+from moespec.backends import GROUPED_BACKENDS, PER_EXPERT_BACKENDS
 
 log = logging.getLogger("trainer.experts")
 _logged: set = set()
@@ -381,7 +381,7 @@ def expert_swiglu(x, w13, w2, *, backend: str, counts=None, offs=None, n_streams
                   swiglu: str = "torch"):
     """SwiGLU expert MLP on a buffer grouped by expert; ``swiglu``: the activation's implementation
     (:func:`swiglu_activation`)."""
-    if align > 1 and backend in ("torch", "triton", "auto"):  # pad once for both GEMMs
+    if align > 1 and backend in GROUPED_BACKENDS:  # pad once for both GEMMs
         if offs is None:
             offs = counts_to_offs(counts, x.device)
         xp, offs_p, dest = align_groups(x, offs, align)
