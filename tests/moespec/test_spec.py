@@ -118,3 +118,10 @@ def test_device_memory_unknown():
     (None, None)])
 def test_mfu_peak(name, peak):
     assert devices.peak_bf16_flops(name) == peak
+
+
+def test_analyzer_names_every_piece_of_the_grammar():
+    from moespec.layout import PIECES
+    from tracelens.analysis import pipeline as P
+
+    assert set(P._LAYOUT_MODULES) == set(PIECES)
