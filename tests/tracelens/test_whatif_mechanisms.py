@@ -11,7 +11,7 @@ import pytest
 from tracelens.projection import mechanisms as MECH
 from tracelens.projection import whatif as W
 from tracelens.projection.mechanisms import base
-from trainer.config import DEFAULTS
+from moespec.config import DEFAULTS
 
 
 def test_every_module_registers_a_mechanism_and_the_lists_are_derived():
