@@ -145,7 +145,7 @@ def device_key(name: str, props: Mapping[str, Any] | None = None) -> str | None:
     sms = props.get("numSms") or 0
     if "h200" in s:
         return "H200 NVL" if "nvl" in s else "H200 SXM"
-    if "h100" in s:
+    if "h100" in s or "h800" in s:  # H800: an H100 with its NVLink capped (and FP64 cut); the same bf16/HBM roofs
         if "nvl" in s:
             return "H100 NVL"
         if "pcie" in s or sms == 114:

@@ -125,3 +125,13 @@ def test_analyzer_names_every_piece_of_the_grammar():
     from tracelens.analysis import pipeline as P
 
     assert set(P._LAYOUT_MODULES) == set(PIECES)
+
+
+def test_h800_reads_as_the_h100_of_its_form():
+    """The H800 is an H100 with its NVLink capped: the same bf16 peak (the trainer's MFU denominator before
+    the table moved here was 989.4 TFLOP/s for it) and HBM ceilings."""
+    from moespec.devices import device_key, peak_bf16_flops
+
+    assert device_key("NVIDIA H800") == "H100 SXM"
+    assert device_key("NVIDIA H800 PCIe") == "H100 PCIe"
+    assert peak_bf16_flops("NVIDIA H800") == 989.4e12
