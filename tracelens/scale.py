@@ -194,6 +194,11 @@ class RanksAnalysis:
     engine: str  # "in-process", "dask LocalCluster (N workers)", "dask scheduler ADDR"
     timings: dict = field(default_factory=dict)  # wall seconds: reduce (per-rank tasks), combine (driver), window, finish
 
+    def comm_instances(self) -> pd.DataFrame:
+        """The `comm_instances` entry of the run (as `Analysis.comm_instances()`), matched across ranks
+        from each rank's `comm_kernels` entry."""
+        return self.instances
+
     def tables(self) -> dict[str, pd.DataFrame]:
         out = {"timeline": self.timeline, "timeline_all": self.timeline_all, "step_timeline": self.step_timeline,
                "categories": self.categories, "comm_instances": self.instances, "comm_summary": self.comm_summary,
