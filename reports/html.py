@@ -195,7 +195,7 @@ def _deep_sections(a: Analysis) -> dict:
                                 + " ".join(r.warnings))
     if not r.unmodeled.empty:
         out["roofline_unmodeled"] = html_table(r.unmodeled, RR.unmodeled_table_columns())
-    inst = CM.collective_instances(a)
+    inst = a.comm_instances()
     if not inst.empty:
         summ = CM.comm_summary(inst)
         out["comm_table"] = html_table(summ, [("rank", "rank", "num"), ("collective", "collective", "text"),
@@ -210,21 +210,21 @@ def _deep_sections(a: Analysis) -> dict:
             ("max_skew_us", "max skew µs", "num"), ("straggler_rank", "last rank", "num"), ("straggler_share", "share", "num")]) \
             if not strag.empty else ""
         n = int(inst.drop_duplicates(["group", "peers", "seq"])["startup"].sum())
-        partial = CM.partial_note(a, inst)  # a group with ranks not loaded: per-rank figures only, '–' elsewhere
+        partial = CM.partial_note(a, inst, a.comm_kernels())  # a group with ranks not loaded: per-rank figures only, '–' elsewhere
         out["comm_note"] = " ".join(x for x in (
             partial, f"{n} instance(s) began before every rank was profiling (start-up wait) and are left out." if n else "") if x)
-    syncs = H.host_syncs(a)
+    syncs = a.host_syncs()
     if not syncs.empty:
         out["host_table"] = html_table(H.sync_summary(syncs), [
             ("op", "op", "name"), ("via", "via", "name"), ("call", "sync call", "text"), ("count", "count", "num"),
             ("host_blocked_us", "host blocked µs", "num"), ("gpu_idle_caused_us", "GPU idle caused µs", "num"),
             ("path", "path", "name")])
-    gaps = H.idle_gaps(a, syncs)
+    gaps = a.idle_gaps()
     if not gaps.empty:
         out["idle_table"] = html_table(H.idle_summary(gaps, a.timeline), [
             ("rank", "rank", "num"), ("cause", "idle cause", "text"), ("gaps", "gaps", "num"), ("idle_us", "idle µs", "num"),
             ("pct_of_span", "% of span", "pct")])
-    out["launch_table"] = html_table(H.launch_stats(a), [
+    out["launch_table"] = html_table(a.launch_stats(), [
         ("rank", "rank", "num"), ("kernels", "kernels", "num"), ("launch_p50_us", "launch latency p50 µs", "num"),
         ("launch_p90_us", "p90 µs", "num"), ("small_kernels", "small kernels", "num"), ("small_share", "small share", "num"),
         ("small_time_share", "small time share", "num")])

@@ -284,11 +284,11 @@ def comm(paths, json_out, no_cache):
     import json
 
     from . import analyze as run_analysis, load
-    from .analysis.comm import collective_instances, comm_summary, exposed_comm, group_coverage, partial_note, stragglers
+    from .analysis.comm import comm_summary, exposed_comm, group_coverage, partial_note, stragglers
 
     a = run_analysis(load(list(paths), cache=not no_cache))
-    inst = collective_instances(a)
-    partial = partial_note(a, inst) if not inst.empty else ""
+    inst, kern = a.comm_instances(), a.comm_kernels()
+    partial = partial_note(a, inst, kern) if not inst.empty else ""
     if inst.empty:
         _echo("no communication kernels (NCCL/RCCL) in these traces")
     else:
@@ -321,7 +321,7 @@ def comm(paths, json_out, no_cache):
                "summary": recs(comm_summary(inst)) if not inst.empty else [],
                "stragglers": recs(stragglers(inst)) if not inst.empty else [],
                "exposed_comm": recs(exposed_comm(a, inst)),
-               "groups": recs(group_coverage(a, inst)) if not inst.empty else []}
+               "groups": recs(group_coverage(a, inst, kern)) if not inst.empty else []}
         Path(json_out).write_text(json.dumps(doc, indent=1))
         _echo(f"wrote {json_out}")
 
@@ -374,10 +374,9 @@ def host(paths, json_out, small_us, no_cache):
 
     from . import analyze as run_analysis, load
     from .analysis import host as H
-    from .analysis.findings import findings
 
     a = run_analysis(load(list(paths), cache=not no_cache))
-    syncs = H.host_syncs(a)
+    syncs = a.host_syncs()
     ss = H.sync_summary(syncs)
     if ss.empty:
         _echo("host syncs: none issued by the workload")
@@ -386,19 +385,19 @@ def host(paths, json_out, small_us, no_cache):
         for r in ss.itertuples(index=False):
             _echo(f"  {r.count:>4} x {r.op} (via {r.via}, {r.call}): host blocked {r.host_blocked_us / 1e3:.3f} ms, "
                        f"GPU idle caused {r.gpu_idle_caused_us / 1e3:.3f} ms")
-    gaps = H.idle_gaps(a, syncs)
+    gaps = a.idle_gaps()
     isum = H.idle_summary(gaps, a.timeline)
     for r in isum.itertuples(index=False):
         _echo(f"rank {r.rank}: GPU idle {r.cause:<12} {r.gaps:>6} gaps {r.idle_us / 1e3:>9.3f} ms ({r.pct_of_span:.1f}% of span)")
-    ls = H.launch_stats(a, small_us)
+    ls = a.launch_stats(small_us)
     for r in ls.itertuples(index=False):
         _echo(f"rank {r.rank}: {r.kernels} kernels, launch latency p50 {r.launch_p50_us:.1f} us p90 {r.launch_p90_us:.1f} us, "
                    f"{100 * r.small_share:.0f}% under {small_us:g} us ({100 * r.small_time_share:.0f}% of kernel time)")
-    kpo = H.kernels_per_op(a, small_us).head(5)
+    kpo = a.kernels_per_op(small_us).head(5)
     if len(kpo):
         _echo("ops launching the most kernels: " + "; ".join(f"{r.top_op} {r.kernels} ({r.small_kernels} small)"
                                                                for r in kpo.itertuples(index=False)))
-    items = findings(a, small_us)
+    items = a.findings(small_us)
     if items:
         _echo("findings:")
         for f in items:
@@ -406,7 +405,7 @@ def host(paths, json_out, small_us, no_cache):
     if json_out:
         recs = lambda df: json.loads(df.to_json(orient="records"))  # noqa: E731
         doc = {"schema_version": 1, "syncs": recs(syncs.drop(columns=["stack"])), "sync_summary": recs(ss),
-               "idle": recs(isum), "launch": recs(ls), "kernels_per_op": recs(H.kernels_per_op(a, small_us)),
+               "idle": recs(isum), "launch": recs(ls), "kernels_per_op": recs(a.kernels_per_op(small_us)),
                "findings": items}
         Path(json_out).write_text(json.dumps(doc, indent=1, default=str))
         _echo(f"wrote {json_out}")

@@ -37,7 +37,12 @@ def _severity(share: float) -> str:
     return "high" if share >= 0.10 else ("medium" if share >= 0.03 else "low")
 
 
-def findings(analysis, small_us: float = H.SMALL_KERNEL_US) -> list[dict[str, Any]]:
+def findings(analysis, small_us: float = H.SMALL_KERNEL_US, *, host_syncs: pd.DataFrame | None = None,
+             idle_gaps: pd.DataFrame | None = None, launch_stats: pd.DataFrame | None = None,
+             kernels_per_op: pd.DataFrame | None = None, comm_instances: pd.DataFrame | None = None) -> list[dict[str, Any]]:
+    """The findings of an analysis (see the module docstring). The keyword arguments are its inputs when
+    already computed (the analysis's entries: `idle_gaps` classified against every host sync, with object
+    text columns; `launch_stats` / `kernels_per_op` at this `small_us`); each one not given is computed."""
     a = analysis
     extra = _overhead_finding(getattr(a, "manifest", None))
     if a.timeline.empty:
@@ -48,7 +53,8 @@ def findings(analysis, small_us: float = H.SMALL_KERNEL_US) -> list[dict[str, An
 
     sw = getattr(a, "window", None)
     restricts = sw is not None and sw.restricts
-    syncs = H.host_syncs(a)
+    all_syncs = H.host_syncs(a) if host_syncs is None else host_syncs
+    syncs = all_syncs
     if restricts and not syncs.empty:
         syncs = syncs[syncs["step"].isin(sw.used)]
     for _, s in H.sync_summary(syncs).iterrows():
@@ -62,7 +68,11 @@ def findings(analysis, small_us: float = H.SMALL_KERNEL_US) -> list[dict[str, An
             "recoverable_us": rec, "ranks": sorted(set(syncs.loc[syncs["op"] == s["op"], "rank"].astype(int))),
         })
 
-    gaps = H.idle_gaps(a, syncs, text_columns=False)  # filtered and grouped only: no per-gap string columns
+    # gaps classified against the window's syncs: those against every sync when the window drops none
+    if idle_gaps is not None and len(syncs) == len(all_syncs):
+        gaps = idle_gaps
+    else:
+        gaps = H.idle_gaps(a, syncs, text_columns=False)  # filtered and grouped only: no per-gap string columns
     if restricts and not gaps.empty:  # idle inside the window's GPU extent of each rank
         ext = a.timeline.set_index("rank")
         lo, hi = gaps["rank"].map(ext["start_ns"]), gaps["rank"].map(ext["end_ns"])
@@ -80,8 +90,8 @@ def findings(analysis, small_us: float = H.SMALL_KERNEL_US) -> list[dict[str, An
             "recoverable_us": total, "ranks": sorted(lb["rank"].astype(int).unique().tolist()),
         })
 
-    ls = H.launch_stats(a, small_us)
-    kpo = H.kernels_per_op(a, small_us)
+    ls = H.launch_stats(a, small_us) if launch_stats is None else launch_stats
+    kpo = H.kernels_per_op(a, small_us) if kernels_per_op is None else kernels_per_op
     if len(ls) and ls["small_share"].mean() >= 0.5 and ls["kernels"].sum() >= 50:
         small_ops = kpo.sort_values("small_kernels", ascending=False).head(8)
         # what fusing them could win: the launch-bound idle time in front of these ops' kernels
@@ -96,7 +106,7 @@ def findings(analysis, small_us: float = H.SMALL_KERNEL_US) -> list[dict[str, An
             "recoverable_us": rec, "ranks": ls["rank"].astype(int).tolist(),
         })
 
-    inst_all = a.comm_instances() if hasattr(a, "comm_instances") else CM.collective_instances(a)
+    inst_all = CM.collective_instances(a) if comm_instances is None else comm_instances
     inst = inst_all[inst_all["step"].isin(sw.used)] if restricts and not inst_all.empty else inst_all
     bubble = _pipeline_bubble(a)
     p2p_wait: dict[int, float] = {}  # per rank, µs: waits in point-to-point kernels of a pipeline (its bubble)
