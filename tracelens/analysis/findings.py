@@ -32,6 +32,7 @@ from . import comm as CM
 from . import host as H
 from . import steps as S
 from .moe import padding_finding
+from .straggler import straggler_finding
 
 
 def _severity(share: float) -> str:
@@ -124,6 +125,16 @@ def findings(analysis, small_us: float = H.SMALL_KERNEL_US, *, host_syncs: pd.Da
             pw = ok[ok["family"] == "p2p"].groupby("rank")["sync_us"].sum()
             p2p_wait = {int(r): float(v) for r, v in pw.items()}
             bubble["evidence"]["p2p_wait_us_per_rank"] = {r: round(v, 3) for r, v in p2p_wait.items()}
+        late = straggler_finding(a, n_ranks, inst=inst_all[inst_all["family"] != "p2p"] if bubble is not None
+                                 else inst_all, gaps=idle_gaps)
+        if late is not None:
+            out.append(late)
+            lb = next((f for f in out if f["type"] == "launch_bound"), None)
+            if lb is not None and late["evidence"]["cause"] == "idle: launch-bound":
+                # the same mechanism seen from the other ranks: say it where the launch-bound idle is named
+                lb["title"] += (f"; on rank {late['evidence']['late_rank']} it makes the other ranks wait "
+                                f"{late['recoverable_us'] / 1e3:.3f} ms per rank in collectives")
+                lb["evidence"]["late_rank"] = late["evidence"]["late_rank"]
         for fam, g in ok.groupby("family"):
             wait = float(g["sync_us"].sum()) / n_ranks
             if wait <= 0 or (fam == "p2p" and bubble is not None):
@@ -142,13 +153,17 @@ def findings(analysis, small_us: float = H.SMALL_KERNEL_US, *, host_syncs: pd.Da
         # whole window's with start-up instances left out
         ex = (a.timeline[["rank", "comm_us", "exposed_comm_us"]] if restricts else CM.exposed_comm(a, inst_all))
         ex = ex[ex["comm_us"] > 0]
-        if p2p_wait:  # the pipeline's waits in its receives are its bubble (above), not exposed communication
-            ex = ex.assign(exposed_comm_us=[max(float(e) - p2p_wait.get(int(r), 0.0), 0.0)
+        # a rank spinning in a collective until its last peer arrives is waiting, not communicating: those waits
+        # are the findings above (sync_wait, late_rank; on a pipeline its receives' waits are the bubble)
+        waits = {int(r): float(v) for r, v in ok.groupby("rank")["sync_us"].sum().items()}
+        if any(v > 0 for v in waits.values()):
+            ex = ex.assign(exposed_comm_us=[max(float(e) - waits.get(int(r), 0.0), 0.0)
                                             for r, e in zip(ex["rank"], ex["exposed_comm_us"])])
         exposed = float(ex["exposed_comm_us"].mean()) if len(ex) else 0.0
         if exposed > 0:
             out.append({
-                "type": "exposed_comm", "title": f"{exposed / 1e3:.3f} ms per rank of communication not hidden by compute",
+                "type": "exposed_comm", "title": f"{exposed / 1e3:.3f} ms per rank of communication not hidden by compute"
+                         + (" (waits for the last rank left out)" if any(v > 0 for v in waits.values()) else ""),
                 "evidence": {"per_rank": {int(r.rank): round(float(r.exposed_comm_us), 3) for r in ex.itertuples()}},
                 "recoverable_us": exposed, "ranks": ex["rank"].astype(int).tolist(),
             })
