@@ -8,7 +8,6 @@ the rest of the toolkit imports (`prefetch.py`). Turning a finished scan into ta
 
 from __future__ import annotations
 
-import gzip
 import mmap
 import os
 import re
@@ -16,6 +15,7 @@ import threading
 import zlib
 
 from ..errors import TraceError
+from .limits import gunzip_bounded, max_trace_bytes
 from .schema import _GROUPS, ARG_FIELDS, CAT_GROUP
 
 LAYOUT = 3  # the layout of `Parser.result()` this module reads (LAYOUT in _kineto_fast.c)
@@ -47,11 +47,14 @@ def read_raw(path: str) -> bytes:
         raise TraceError(path, f"cannot read: {e.strerror or e}") from None
 
 
-def gunzip(path: str, data: bytes) -> bytes:
-    """`data` decompressed when it is gzip (by magic, not by name), else `data` itself."""
+def gunzip(path: str, data: bytes) -> bytes | bytearray:
+    """`data` decompressed when it is gzip (by magic, not by name), else `data` itself. The output is
+    bounded (`limits.gunzip_bounded`: TRACELENS_MAX_TRACE_BYTES, and the memory available): a file that
+    expands past it is refused naming the file, before it takes the machine."""
     if data[:2] == b"\x1f\x8b":
         try:
-            data = gzip.decompress(data)
+            data = gunzip_bounded(path, data, max_trace_bytes(), "not a trace this loader takes "
+                                  "(TRACELENS_MAX_TRACE_BYTES=N raises the bound)", memory=True)
         except (OSError, EOFError, zlib.error) as e:
             raise TraceError(path, f"corrupt or truncated gzip ({e})") from None
     return data

@@ -1,0 +1,92 @@
+"""Bounds on what one input file may cost, and files that change while they are read (issue 31).
+
+Each bound is stated in docs/robustness.md with what a user sees past it; every case here ends in one
+line naming the file (a `TraceError`) or in a load that says what it changed (a load issue / warning).
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+
+import pytest
+
+import tracelens
+from tracelens.errors import TraceError
+from tracelens.io import limits, scanner
+from tracelens.io.kineto import parse_file
+from tracelens.io.run import read_pipeline_bytes
+
+
+def _trace(events: list[dict]) -> dict:
+    return {"traceEvents": events}
+
+
+def _kernel(i: int, ts: float, dur: float = 1.0, name: str | None = None) -> dict:
+    return {"ph": "X", "cat": "kernel", "name": name or f"k{i}", "pid": 0, "tid": 7, "ts": ts, "dur": dur,
+            "args": {"stream": 7, "correlation": i}}
+
+
+def _bomb(path, n_bytes: int) -> None:
+    """A valid gzip whose JSON expands to about n_bytes (a long run of spaces compresses ~1000:1)."""
+    with gzip.open(path, "wb", compresslevel=9) as f:
+        f.write(b'{"traceEvents": [')
+        f.write(json.dumps(_kernel(0, 1.0)).encode())
+        chunk = b" " * (1 << 20)
+        for _ in range(n_bytes >> 20):
+            f.write(chunk)
+        f.write(b"]}")
+
+
+# ------------------------------------------------------------------ #4 bounded decompression
+
+def test_gzip_trace_expanding_past_the_bound_is_refused_naming_the_file(tmp_path, monkeypatch):
+    bomb = tmp_path / "bomb.json.gz"
+    _bomb(bomb, 8 << 20)
+    assert bomb.stat().st_size < 64 << 10
+    monkeypatch.setenv("TRACELENS_MAX_TRACE_BYTES", str(4 << 20))
+    for pure in ("", "1"):
+        monkeypatch.setenv("TRACELENS_PURE_PYTHON", pure)
+        with pytest.raises(TraceError) as e:
+            tracelens.load(bomb, cache=False)
+        assert e.value.path == str(bomb)
+        assert "expands to more than 4 MiB when decompressed" in e.value.problem
+        assert "TRACELENS_MAX_TRACE_BYTES" in e.value.problem
+
+
+def test_gzip_trace_expanding_past_available_memory_is_refused(tmp_path, monkeypatch):
+    bomb = tmp_path / "bomb.json.gz"
+    _bomb(bomb, 8 << 20)
+    monkeypatch.setattr(limits, "available_memory", lambda: 3 << 20)
+    with pytest.raises(TraceError) as e:
+        scanner.read_bytes(str(bomb))
+    assert e.value.path == str(bomb) and "of memory available" in e.value.problem
+
+
+def test_gzip_trace_within_the_bound_loads(tmp_path, monkeypatch):
+    p = tmp_path / "ok.json.gz"
+    doc = _trace([_kernel(i, 10.0 + 2 * i) for i in range(5)])
+    # two gzip members, as `cat a.gz b.gz` makes: both are read
+    raw = json.dumps(doc).encode()
+    p.write_bytes(gzip.compress(raw[:40]) + gzip.compress(raw[40:]))
+    monkeypatch.setenv("TRACELENS_MAX_TRACE_BYTES", str(len(raw)))
+    assert bytes(scanner.read_bytes(str(p))) == raw
+    assert parse_file(str(p)).events.num_rows == 5
+    monkeypatch.setenv("TRACELENS_MAX_TRACE_BYTES", str(len(raw) - 1))
+    with pytest.raises(TraceError, match="expands to more than"):
+        scanner.read_bytes(str(p))
+
+
+def test_truncated_gzip_is_one_line(tmp_path):
+    p = tmp_path / "cut.json.gz"
+    p.write_bytes(gzip.compress(json.dumps(_trace([_kernel(0, 1.0)])).encode())[:-12])
+    with pytest.raises(TraceError, match="corrupt or truncated gzip"):
+        scanner.read_bytes(str(p))
+
+
+def test_pipeline_gzip_shares_the_bounded_gunzip(tmp_path):
+    p = tmp_path / "rank0.jsonl.gz"
+    p.write_bytes(gzip.compress(b"x" * 5000))
+    with pytest.raises(TraceError, match="expands to more than .* not a pipeline file"):
+        read_pipeline_bytes(p, limit=4000)
+    assert read_pipeline_bytes(p, limit=5000) == b"x" * 5000
