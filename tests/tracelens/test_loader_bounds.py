@@ -90,3 +90,26 @@ def test_pipeline_gzip_shares_the_bounded_gunzip(tmp_path):
     with pytest.raises(TraceError, match="expands to more than .* not a pipeline file"):
         read_pipeline_bytes(p, limit=4000)
     assert read_pipeline_bytes(p, limit=5000) == b"x" * 5000
+
+
+# ------------------------------------------------------------------ #11 name lengths
+
+@pytest.mark.parametrize("pure", ["", "1"])
+def test_long_names_are_cut_and_reported(tmp_path, monkeypatch, pure):
+    monkeypatch.setenv("TRACELENS_PURE_PYTHON", pure)
+    huge = "aten::" + "x" * (1 << 20)
+    other = "aten::" + "x" * ((1 << 20) - 1) + "y"  # same first 4 KiB: must stay a different name
+    evs = [_kernel(i, 10.0 + 3 * i, name=huge if i % 3 == 0 else other if i % 3 == 1 else "gemm") for i in range(9)]
+    evs.append({"ph": "M", "name": "thread_name", "pid": 0, "tid": 7, "args": {"name": "t" * 10000}})
+    p = tmp_path / "long.json"
+    p.write_text(json.dumps(_trace(evs)))
+    t = tracelens.load(p, cache=False)
+    names = set(t.events["name"].astype(str))
+    assert "gemm" in names and len(names) == 3
+    assert max(len(n.encode()) for n in names) < limits.MAX_NAME_BYTES + 80
+    cut = [n for n in names if n != "gemm"]
+    assert all(n.startswith("aten::xxx") and f"[cut: {(1 << 20) + 6:,} bytes" in n for n in cut)
+    row = t.load_issues[t.load_issues["check"] == "long_name"]
+    assert row["events"].tolist() == [6] and row["action"].tolist() == ["truncated"]
+    assert any(w.startswith(f"{p}: cut the name of 6 events to 4096 bytes") for w in t.warnings)
+    assert max(len(str(v)) for v in t.threads["value"].dropna()) < limits.MAX_NAME_BYTES + 80

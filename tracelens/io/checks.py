@@ -27,8 +27,13 @@ Rules (no threshold is fitted to one input; see docs/robustness.md):
 
 from __future__ import annotations
 
+import hashlib
+
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
+
+from .limits import MAX_NAME_BYTES
 
 UNREPRESENTABLE = np.iinfo(np.int64).min  # ts/dur that no int64 ns can hold (written by the decoders)
 MAX_ABS_US = float(2**53)  # |ts|, |dur| in us from here on are not exact int64 ns (the compiled scanner's limit too)
@@ -191,4 +196,50 @@ def check_events(path: str, events: pa.Table) -> tuple[pa.Table, list[dict]]:
                        "message": f"{path}: dropped {n} exact duplicate event{'s' if n > 1 else ''} (the same event "
                                   f"recorded more than once; {_example(report_events, dup, lambda i: f'at ts {_fmt_ts(int(d_ts[i]))}')})"})
         events = events.filter(pa.array(~dup))
+    return events, issues
+
+
+def cut_name(s: str) -> str:
+    """``s`` when it fits MAX_NAME_BYTES of UTF-8, else its first MAX_NAME_BYTES (whole characters) and a
+    marker with the full length and a digest of the whole name (names that differ stay different)."""
+    b = s.encode("utf-8", "surrogatepass")
+    if len(b) <= MAX_NAME_BYTES:
+        return s
+    digest = hashlib.blake2b(b, digest_size=6).hexdigest()
+    return b[:MAX_NAME_BYTES].decode("utf-8", "ignore") + f"...[cut: {len(b):,} bytes, blake2b {digest}]"
+
+
+def cut_long_names(path: str, events: pa.Table, columns: tuple[str, ...] = ("name", "cat")
+                   ) -> tuple[pa.Table, list[dict]]:
+    """Event names (and categories) longer than MAX_NAME_BYTES cut to it (`cut_name`), one issue record
+    per column with any cut: a 100 MB op name would otherwise be copied into every table and report."""
+    issues: list[dict] = []
+    for c in columns:
+        if c not in events.column_names:
+            continue
+        col = events[c]
+        if not pa.types.is_dictionary(col.type):
+            continue
+        chunks, n_cut, longest, example = [], 0, 0, None
+        for ch in col.chunks:
+            d = ch.dictionary
+            lengths = pc.binary_length(d).to_numpy(zero_copy_only=False)
+            long_ = np.flatnonzero(lengths > MAX_NAME_BYTES) if len(lengths) else np.empty(0, dtype=np.int64)
+            if not len(long_):
+                chunks.append(ch)
+                continue
+            values = d.to_pylist()
+            for k in long_.tolist():
+                if example is None:
+                    example = values[k][:60]
+                longest = max(longest, int(lengths[k]))
+                values[k] = cut_name(values[k])
+            n_cut += int(np.isin(ch.indices.fill_null(-1).to_numpy(), long_).sum())
+            chunks.append(pa.DictionaryArray.from_arrays(ch.indices, pa.array(values, type=d.type)))
+        if example is None:
+            continue
+        events = events.set_column(events.column_names.index(c), c, pa.chunked_array(chunks, type=col.type))
+        issues.append({"check": "long_name", "action": "truncated", "events": n_cut,
+                       "message": f"{path}: cut the {c} of {n_cut} event{'s' if n_cut > 1 else ''} to "
+                                  f"{MAX_NAME_BYTES} bytes (the longest was {longest:,} bytes, e.g. {example!r}...)"})
     return events, issues

@@ -45,7 +45,7 @@ import pyarrow as pa
 
 from ..errors import TraceError
 
-from .checks import MAX_ABS_US, UNREPRESENTABLE, check_events
+from .checks import MAX_ABS_US, UNREPRESENTABLE, check_events, cut_long_names, cut_name
 from .narrow import narrow_args
 from .roworder import tree_rows_first
 from .scanner import FAST_FEED, Scan, _kineto_fast, decoder, fast_enabled, map_file, read_bytes, usable_cpus  # noqa: F401 - re-exported
@@ -903,10 +903,12 @@ def _parsed(path: str, doc: _Doc, holder: list[pa.Table], flows_t: pa.Table | No
     here, so that the table's columns can be freed as they are replaced)."""
     events = narrow_args(holder.pop())  # both decoders' tables alike: the compiled one's int args come narrow already
     events, issues = check_events(path, events)  # impossible values dropped, each drop reported
+    events, cut = cut_long_names(path, events)  # names past limits.MAX_NAME_BYTES cut, each cut reported
     holder.append(events)
     del events
     events, _ = tree_rows_first(holder)  # the call tree's events first (roworder.py)
     dropped = "; ".join(i["message"][len(path) + 2:] for i in issues)
+    issues += cut
     if not events.num_rows:
         raise TraceError(path, "no valid timed events: " + dropped)
     if not _has_activity(events):
@@ -917,8 +919,8 @@ def _parsed(path: str, doc: _Doc, holder: list[pa.Table], flows_t: pa.Table | No
             "kind": pa.array([r[0] for r in rows], type=pa.string()),
             "pid": pa.array([r[1] for r in rows], type=pa.int64()),
             "tid": pa.array([r[2] for r in rows], type=pa.int64()),
-            "value": pa.array([None if r[3] is None else str(r[3]) for r in rows], type=pa.string()),
-            "labels": pa.array([None if r[4] is None else str(r[4]) for r in rows], type=pa.string()),
+            "value": pa.array([None if r[3] is None else cut_name(str(r[3])) for r in rows], type=pa.string()),
+            "labels": pa.array([None if r[4] is None else cut_name(str(r[4])) for r in rows], type=pa.string()),
             "sort_index": pa.array([_int_or(r[5], 0) for r in rows], type=pa.int64()),
         }
     ).group_by(["kind", "pid", "tid", "value", "labels", "sort_index"]).aggregate([])  # one row per fact
