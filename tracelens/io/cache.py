@@ -20,6 +20,9 @@ being loaded before serving it, so an entry whose content disagrees with its key
 rank, tables of another trace, a hand-edited meta.json) is rejected, and the loader re-parses the
 file and replaces the entry (with a one-line warning).
 
+What a store killed half-way leaves (a staging directory, a remembered key's temporary file) is swept by
+the next store (`sweep_stale`): at once when its owner on this host is dead, after an hour otherwise.
+
 Location: $TRACELENS_CACHE_DIR, else $XDG_CACHE_HOME/tracelens, else ~/.cache/tracelens.
 """
 
@@ -28,7 +31,10 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
+import socket
 import tempfile
+import time
 from pathlib import Path
 
 from typing import TYPE_CHECKING
@@ -141,7 +147,7 @@ def key_of(path: str, root: Path | None = None, raw: bytes | None = None, ident:
     if identity(path) == ident:  # unchanged while it was read: safe to remember
         try:
             memo.parent.mkdir(parents=True, exist_ok=True)
-            tmp = memo.with_name(f".{memo.name}.{os.getpid()}")
+            tmp = memo.with_name(f".{memo.name}.{_owner()}")
             tmp.write_text(f"{ident}\n{key}\n")
             os.replace(tmp, memo)
         except OSError:
@@ -231,13 +237,15 @@ def store(parsed: ParsedTrace, key: str, root: Path | None = None, source: dict 
 
     import pyarrow.parquet as pq
 
-    final = _entry(root or cache_dir(), key)
+    root = root or cache_dir()
+    final = _entry(root, key)
     if final.exists() and not replace:
         return
+    sweep_stale(root)
     tmp = None
     try:
         final.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=".tmp-"))
+        tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".tmp-{_owner()}-"))
         for name in ("events", "flows", "threads"):
             if getattr(parsed, name) is not None:
                 pq.write_table(getattr(parsed, name), tmp / f"{name}.parquet", compression="zstd")
@@ -246,7 +254,7 @@ def store(parsed: ParsedTrace, key: str, root: Path | None = None, source: dict 
         meta["cache"] = {"key": key, "source": source, "seal": _seal(key, meta, fp)}
         (tmp / "meta.json").write_text(json.dumps(meta, default=str))
         if final.exists():  # replacing a rejected entry: move it aside, then rename the new one in
-            old = final.with_name(f".old-{final.name}-{os.getpid()}")
+            old = final.with_name(f".old-{_owner()}-{final.name}")
             os.rename(final, old)
             shutil.rmtree(old, ignore_errors=True)  # readers that mapped its files keep them until unmapped
         os.rename(tmp, final)
@@ -259,3 +267,80 @@ def store(parsed: ParsedTrace, key: str, root: Path | None = None, source: dict 
 
 
 _TRANSIENT = frozenset({"from_cache", "cache_warning"})  # per-load facts, never stored in an entry
+
+
+# ------------------------------------------------------------------ leftovers of killed stores
+# A store stages an entry in `traces/xx/.tmp-<owner>-<random>/` and renames it into place; a replaced entry is
+# moved to `.old-<owner>-<key>` and removed; a remembered key is written to `keys/.<name>.<owner>` and renamed.
+# A process killed (kill -9, OOM) between the two steps leaves these behind. <owner> is "<pid>@<host>".
+STALE_AFTER_S = 3600.0  # a leftover whose owner cannot be checked (another host, an older name) is removed after this
+_SWEPT: set[str] = set()  # roots swept by this process (once is enough: leftovers come from dead processes)
+_OWNER_IN_NAME = re.compile(r"(?:^\.tmp-|^\.old-|^\.[0-9a-f]{32}\.)(\d+)@([A-Za-z0-9_]+)")
+
+
+def _host() -> str:
+    return re.sub(r"[^A-Za-z0-9_]", "_", socket.gethostname())[:64] or "host"
+
+
+def _owner() -> str:
+    return f"{os.getpid()}@{_host()}"
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OSError):
+        return True  # exists (another user's), or cannot tell: keep
+    return True
+
+
+def _stale(entry: os.DirEntry, now: float) -> bool:
+    """Whether a staging leftover is safe to remove: its owner on this host is dead, or it is older than
+    STALE_AFTER_S (an owner on another host, a pid reused since, or a name of an older tracelens)."""
+    m = _OWNER_IN_NAME.match(entry.name)
+    if m and m.group(2) == _host() and int(m.group(1)) != os.getpid() and not _pid_alive(int(m.group(1))):
+        return True
+    try:
+        return now - entry.stat(follow_symlinks=False).st_mtime > STALE_AFTER_S
+    except OSError:
+        return False
+
+
+def sweep_stale(root: Path) -> int:
+    """Remove what killed stores left in the cache at ``root`` (see above); once per process and root,
+    best effort. Returns how many leftovers were removed."""
+    import shutil
+
+    if str(root) in _SWEPT:
+        return 0
+    _SWEPT.add(str(root))
+    now, removed = time.time(), 0
+    dirs = []
+    try:
+        with os.scandir(root / "traces") as it:
+            dirs = [e.path for e in it if e.is_dir(follow_symlinks=False) and len(e.name) == 2]
+    except OSError:
+        pass
+    for d in dirs:
+        try:
+            with os.scandir(d) as it:
+                for e in it:
+                    if e.name.startswith((".tmp-", ".old-")) and e.is_dir(follow_symlinks=False) and _stale(e, now):
+                        shutil.rmtree(e.path, ignore_errors=True)
+                        removed += 1
+        except OSError:
+            continue
+    try:
+        with os.scandir(root / "keys") as it:
+            for e in it:
+                if e.name.startswith(".") and e.is_file(follow_symlinks=False) and _stale(e, now):
+                    try:
+                        os.unlink(e.path)
+                        removed += 1
+                    except OSError:
+                        pass
+    except OSError:
+        pass
+    return removed
