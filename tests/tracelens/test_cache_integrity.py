@@ -241,3 +241,58 @@ def test_sweep_keeps_what_a_live_store_may_still_use(tmp_path):
     assert C.sweep_stale(root) == 2
     assert _leftovers(root) == sorted([mine.name, foreign_new.name, f".{'0' * 32}.{os.getpid()}"])
     assert C.sweep_stale(root) == 0  # once per process and root
+
+
+# ------------------------------------------------------------------ coarse time stamps (issue 31 #5)
+
+def _whole_seconds(real):
+    """os.stat as a file system with 1-second time stamps reports it."""
+    import types
+
+    def stat(path):
+        st = real(path)
+        return types.SimpleNamespace(st_dev=st.st_dev, st_ino=st.st_ino, st_size=st.st_size,
+                                     st_mtime_ns=st.st_mtime_ns // 10**9 * 10**9,
+                                     st_ctime_ns=st.st_ctime_ns // 10**9 * 10**9)
+    return stat
+
+
+def _rewrite_middle_same_size(path, when: int) -> None:
+    """Double every kernel's dur in place (same size: the digits are swapped, not added), head and tail
+    untouched, and the stamps put back to the same whole second."""
+    import gzip as _gz
+    import os
+
+    raw = _gz.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
+    assert len(raw) > 4 * C._EDGE
+    lo, hi = C._EDGE, len(raw) - C._EDGE
+    mid = raw[lo:hi].replace(b'"dur": 1,', b'"dur": 9,')
+    assert mid != raw[lo:hi] and len(mid) == hi - lo
+    with open(path, "r+b") as f:
+        f.seek(lo)
+        f.write(mid)
+    os.utime(path, ns=(when, when))
+
+
+def test_same_size_rewrite_within_one_second_on_coarse_stamps_is_not_served_stale(tmp_path, monkeypatch):
+    import os
+
+    monkeypatch.setenv("TRACELENS_NO_PREFETCH", "1")
+    monkeypatch.setattr(C, "_stat", _whole_seconds(os.stat))
+    events = [{"ph": "X", "cat": "kernel", "name": f"k{i}", "pid": 0, "tid": 7, "ts": 10 * i, "dur": 1,
+               "args": {"stream": 7, "correlation": i}} for i in range(6000)]
+    p = tmp_path / "t.json"
+    p.write_text(json.dumps({"traceEvents": events}))
+    when = (os.stat(p).st_mtime_ns // 10**9 - 5) * 10**9
+    os.utime(p, ns=(when, when))
+    root = tmp_path / "cache"
+    first = tracelens.load(p, cache=True, cache_dir=root)
+    assert int(first.events["dur"].sum()) == 6000 * 1000
+    assert C.coarse_stamps(C.identity(str(p)))
+    _rewrite_middle_same_size(p, when)
+    assert C.identity(str(p)) == C.identity(str(p))  # the identity cannot tell the versions apart
+    again = tracelens.load(p, cache=True, cache_dir=root)
+    n_changed = json.loads(p.read_text())["traceEvents"]
+    expected = sum(e["dur"] for e in n_changed) * 1000
+    assert int(again.events["dur"].sum()) == expected != 6000 * 1000
+

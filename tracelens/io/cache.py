@@ -9,7 +9,8 @@ SHA-256 because CPUs have instructions for it (SHA-NI, x86 since ~2017): 0.11 s 
 BLAKE2b takes 0.24 s. Hashing is still a third of a warm load, so the key of a file is remembered
 under its identity (`key_of`: device, inode, size, mtime and ctime in ns, a digest of its first and
 last 64 KiB, the schema version). Writing to the file or replacing it changes its ctime (and inode), so
-a remembered key is reused only for the same bytes.
+a remembered key is reused only for the same bytes; where the time stamps cannot show a rewrite (a file
+system with whole-second stamps) nothing is remembered and the bytes are hashed on every load (`_trusted`).
 
 The key is always the hash of the very bytes that are parsed: a load reads the file once, hashes that
 buffer and parses it (`key_of(..., raw=...)`), so a file replaced between hashing and parsing cannot
@@ -79,10 +80,37 @@ def _edge_digest(head: bytes, tail: bytes) -> str:
     return h.hexdigest()
 
 
+# A remembered key stands for a file version only where a rewrite is bound to change the identity. Not on a file
+# system with whole-second time stamps (FAT, some network and FUSE file systems, HFS+): a same-size rewrite of
+# the middle within the same second keeps size, mtime, ctime and the head/tail digest, and would be served
+# the old tables. There (mtime and ctime both whole seconds) the bytes are hashed on every load. (On ext4, xfs,
+# btrfs, tmpfs the stamps have ns digits and move on every write by at least the kernel's clock tick, <= 10 ms:
+# only a writer that rewrites the same bytes' size twice within one tick, around the load's read, goes unseen.)
+
+
+def _stat(path: str) -> os.stat_result:
+    return os.stat(path)
+
+
+def _stamps(ident: str) -> tuple[int, int]:
+    parts = ident.split(":")
+    return int(parts[4]), int(parts[5])
+
+
+def coarse_stamps(ident: str) -> bool:
+    """Whether the identity's mtime and ctime are both whole seconds (a file system with 1-second stamps)."""
+    return all(t % 1_000_000_000 == 0 for t in _stamps(ident))
+
+
+def _trusted(ident: str) -> bool:
+    """Whether a key may be remembered for (and reused under) this identity (see RACY_S)."""
+    return not coarse_stamps(ident)
+
+
 def identity(path: str) -> str:
     """Who the file is and which version of it: stat fields plus a digest of its first and last 64 KiB
-    (which catches a rewrite on a file system with coarse timestamps) and the loader schema."""
-    st = os.stat(path)
+    and the loader schema (a remembered key is reused under it only where that is safe: `_trusted`)."""
+    st = _stat(path)
     with open(path, "rb") as f:
         head = f.read(_EDGE)
         tail = b""
@@ -118,6 +146,8 @@ def remembered(path: str, root: Path | None = None) -> tuple[str | None, str]:
     """(the key remembered for the file's current identity or None, that identity); OSError when the
     file cannot be read."""
     ident = identity(path)
+    if not _trusted(ident):
+        return None, ident
     try:
         known, key = _memo(path, root).read_text().split("\n")[:2]
         if known == ident and len(key) == 32:
@@ -135,6 +165,8 @@ def key_of(path: str, root: Path | None = None, raw: bytes | None = None, ident:
         raise ValueError("key_of: raw bytes need the identity taken before they were read")
     ident = ident or identity(path)
     memo = _memo(path, root)
+    if not _trusted(ident):
+        return content_key(path, raw)  # hashed on every load (coarse time stamps)
     try:
         known, key = memo.read_text().split("\n")[:2]
         # with raw bytes, the remembered key stands for them only if the file did not change while
