@@ -113,3 +113,85 @@ def test_long_names_are_cut_and_reported(tmp_path, monkeypatch, pure):
     assert row["events"].tolist() == [6] and row["action"].tolist() == ["truncated"]
     assert any(w.startswith(f"{p}: cut the name of 6 events to 4096 bytes") for w in t.warnings)
     assert max(len(str(v)) for v in t.threads["value"].dropna()) < limits.MAX_NAME_BYTES + 80
+
+
+# ------------------------------------------------------------------ #13 a mapped file truncated during the scan
+
+_TRUNCATE_DURING_SCAN = r"""
+import os, sys, threading, time
+from tracelens.errors import TraceError
+from tracelens.io import scanner
+from tracelens.io.kineto import parse_file
+path, how = sys.argv[1], sys.argv[2]
+ev = '{"ph": "X", "cat": "kernel", "name": "gemm_%d", "pid": 0, "tid": 7, "ts": %d.5, "dur": 2, "args": {"stream": 7}}'
+with open(path, "w") as f:
+    f.write('{"traceEvents": [')
+    f.write(",\n".join(ev % (i % 97, 10 * i) for i in range(scanner.MAP_MIN // 80)))
+    f.write("]}")
+assert os.path.getsize(path) >= scanner.MAP_MIN
+cut = threading.Event()
+def truncate():
+    os.truncate(path, 1 << 20)
+    cut.set()
+def progress(fraction):
+    if how == "inline" and not cut.is_set():
+        truncate()  # between two feeds: the next one touches pages past the new end
+    elif how == "thread" and not cut.is_set():
+        threading.Thread(target=truncate).start()
+        cut.wait()
+try:
+    parse_file(path, progress=progress, threads=1)
+except TraceError as e:
+    print("ERROR", e)
+else:
+    print("LOADED")
+"""
+
+
+@pytest.mark.skipif(scanner._kineto_fast is None, reason="the memory map is read by the compiled scanner")
+@pytest.mark.parametrize("how", ["inline", "thread"])
+def test_mapped_trace_truncated_during_the_scan_is_one_line_not_sigbus(tmp_path, how):
+    import os
+    import subprocess
+    import sys
+
+    p = tmp_path / "big.json"
+    env = {k: v for k, v in os.environ.items() if k not in ("TRACELENS_NO_MMAP", "TRACELENS_PURE_PYTHON")}
+    r = subprocess.run([sys.executable, "-X", "faulthandler", "-c", _TRUNCATE_DURING_SCAN, str(p), how],
+                       capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, (r.returncode, r.stderr[-2000:])  # was -7 (SIGBUS), exit 135 from a shell
+    assert r.stdout.strip() == f"ERROR {p}: {scanner.CHANGED_WHILE_READ}", r.stdout
+
+
+def test_file_rewritten_while_it_is_read_is_one_line(tmp_path, monkeypatch):
+    import os
+
+    p = tmp_path / "t.json"
+    p.write_text(json.dumps(_trace([_kernel(i, 10.0 + 2 * i) for i in range(50)])))
+    real_open = open
+
+    class Rewritten:
+        def __init__(self, f):
+            self.f = f
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *a):
+            self.f.close()
+
+        def fileno(self):
+            return self.f.fileno()
+
+        def read(self, *a):
+            data = self.f.read(*a)
+            with real_open(p, "r+b") as w:  # another process rewrites the middle in place meanwhile
+                w.seek(len(data) // 2)
+                w.write(b"9")
+            return data
+
+    monkeypatch.setattr("builtins.open", lambda path, mode="r", *a, **k: Rewritten(real_open(path, mode, *a, **k))
+                        if os.fspath(path) == str(p) and mode == "rb" else real_open(path, mode, *a, **k))
+    with pytest.raises(TraceError) as e:
+        scanner.read_raw(str(p))
+    assert e.value.path == str(p) and e.value.problem == scanner.CHANGED_WHILE_READ

@@ -48,7 +48,7 @@ from ..errors import TraceError
 from .checks import MAX_ABS_US, UNREPRESENTABLE, check_events, cut_long_names, cut_name
 from .narrow import narrow_args
 from .roworder import tree_rows_first
-from .scanner import FAST_FEED, Scan, _kineto_fast, decoder, fast_enabled, map_file, read_bytes, usable_cpus  # noqa: F401 - re-exported
+from .scanner import FAST_FEED, Mapped, Scan, _kineto_fast, decoder, fast_enabled, map_file, read_bytes, usable_cpus  # noqa: F401 - re-exported
 
 BATCH = 32768  # events per decode: smaller batches lower the peak memory, larger ones gain nothing measurable
 
@@ -869,11 +869,15 @@ def _parse_file(path: str | os.PathLike, data: bytes | list | None = None, paral
             if scan is None:
                 scan = Scan(data)
                 scan.run(progress, threads)
+            if isinstance(data, Mapped):  # truncated or rewritten during the scan: one line, before more reads
+                data.check()
             return _parse_fast(path, scan, flows)
         except _NotFast:
             pass  # the msgspec path is the reference: it parses what the scanner does not take, or names the problem
         finally:
             scan = None
+    if isinstance(data, Mapped):
+        data.check()
     if isinstance(data, mmap.mmap):  # the msgspec path keeps slices of the bytes: read them into memory
         data = data[:]
     doc, raws = _doc_and_raws(path, data)
