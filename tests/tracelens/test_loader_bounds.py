@@ -195,3 +195,72 @@ def test_file_rewritten_while_it_is_read_is_one_line(tmp_path, monkeypatch):
     with pytest.raises(TraceError) as e:
         scanner.read_raw(str(p))
     assert e.value.path == str(p) and e.value.problem == scanner.CHANGED_WHILE_READ
+
+
+# ------------------------------------------------------------------ #7 time outliers: a clock's jump, weighed by work
+
+def _events(ts_ns, dur_ns, names):
+    import numpy as np
+    import pyarrow as pa
+
+    return pa.table({"ts": pa.array(np.asarray(ts_ns, dtype=np.int64)), "dur": pa.array(np.asarray(dur_ns, dtype=np.int64)),
+                     "cat": pa.array(["kernel"] * len(names)).dictionary_encode(),
+                     "name": pa.array(names).dictionary_encode(),
+                     "tid": pa.array(np.arange(len(names), dtype=np.int64))})
+
+
+def _real_work(n=1211, t0=10**12):
+    """n back-to-back kernels over ~50 ms (monotonic-clock ns)."""
+    step = 50_000_000 // n
+    return [t0 + i * step for i in range(n)], [step - 1000] * n, [f"real{i % 7}" for i in range(n)]
+
+
+def test_many_zero_duration_events_do_not_outvote_real_work():
+    from tracelens.io.checks import check_events
+
+    ts, dur, names = _real_work()
+    zero = 200_000  # zero-duration kernels inside 20 us at the start (the issue's 10**6, scaled down)
+    ts = [ts[0] + (i % 20_000) for i in range(zero)] + ts
+    dur = [0] * zero + dur
+    names = ["empty"] * zero + names
+    kept, issues = check_events("t.json", _events(ts, dur, names))
+    assert not [i for i in issues if i["check"] == "time_outlier"]  # was: 1,211 real events dropped
+    assert kept.num_rows == len(ts) - sum(i["events"] for i in issues)  # (duplicates of the zero ones, if any)
+
+
+def test_far_zero_duration_cluster_is_the_outlier_not_the_work():
+    from tracelens.io.checks import check_events
+
+    ts, dur, names = _real_work()
+    day = 86_400 * 10**9
+    zero = 5000
+    ts += [ts[0] + day + i for i in range(zero)]
+    dur += [0] * zero
+    names += ["late"] * zero
+    kept, issues = check_events("t.json", _events(ts, dur, names))
+    (out,) = [i for i in issues if i["check"] == "time_outlier"]
+    assert out["events"] == zero and "'late'" in out["message"]
+    assert set(kept["name"].to_pylist()) == {f"real{i}" for i in range(7)}
+
+
+def test_clock_jumps_are_still_outliers():
+    from tracelens.io.checks import check_events
+
+    ts, dur, names = _real_work()
+    ts += [0, ts[5]]  # a ts of 0 among monotonic-clock stamps; a memcpy whose dur is 11.6 days
+    dur += [1000, 10**18]
+    names += ["zero_ts", "huge_dur"]
+    kept, issues = check_events("t.json", _events(ts, dur, names))
+    (out,) = [i for i in issues if i["check"] == "time_outlier"]
+    assert out["events"] == 2 and kept.num_rows == 1211
+
+
+def test_idle_gaps_between_real_steps_are_kept():
+    from tracelens.io.checks import check_events
+
+    ts, dur, names = [], [], []
+    for step in range(4):  # 4 steps of 50 ms separated by 20 s idle (400x the work of a step, 0.1x the total)
+        a, b, c = _real_work(300, t0=10**12 + step * 20 * 10**9)
+        ts, dur, names = ts + a, dur + b, names + c
+    kept, issues = check_events("t.json", _events(ts, dur, names))
+    assert issues == [] and kept.num_rows == 1200
