@@ -264,3 +264,22 @@ def test_idle_gaps_between_real_steps_are_kept():
         ts, dur, names = ts + a, dur + b, names + c
     kept, issues = check_events("t.json", _events(ts, dur, names))
     assert issues == [] and kept.num_rows == 1200
+
+
+# ------------------------------------------------------------------ Chrome B/E events are said to be dropped
+
+@pytest.mark.parametrize("pure", ["", "1"])
+def test_unread_phases_are_reported(tmp_path, monkeypatch, pure):
+    monkeypatch.setenv("TRACELENS_PURE_PYTHON", pure)
+    evs = [_kernel(i, 10.0 + 2 * i) for i in range(5)]
+    evs += [{"ph": "B", "name": "step", "pid": 0, "tid": 1, "ts": 9.0}, {"ph": "E", "pid": 0, "tid": 1, "ts": 30.0},
+            {"ph": "C", "name": "mem", "pid": 0, "ts": 12.0, "args": {"v": 1}},
+            {"ph": "M", "name": "thread_name", "pid": 0, "tid": 7, "args": {"name": "stream 7"}},
+            {"ph": "s", "id": 1, "pid": 0, "tid": 7, "ts": 10.0, "cat": "ac2g"}]
+    p = tmp_path / "be.json"
+    p.write_text(json.dumps(_trace(evs)))
+    t = tracelens.load(p, cache=False)
+    row = t.load_issues[t.load_issues["check"] == "unread_phase"]
+    assert row["events"].tolist() == [3] and row["action"].tolist() == ["dropped"]
+    assert any(w.startswith(f"{p}: dropped 3 events of a phase this loader does not read") for w in t.warnings)
+    assert len(t.events) == 5
