@@ -94,11 +94,19 @@ def test_pipeline_gzip_shares_the_bounded_gunzip(tmp_path):
 
 # ------------------------------------------------------------------ #11 name lengths
 
+def test_real_templated_kernel_names_fit_the_name_bound():
+    from ..conftest import HTA
+
+    raw = gzip.decompress((HTA / "benchmark_result_2869224_1695835535_trace.json.gz").read_bytes())
+    longest = max(len(e.get("name", "").encode()) for e in json.loads(raw)["traceEvents"])
+    assert 5000 < longest < limits.MAX_NAME_BYTES // 8
+
+
 @pytest.mark.parametrize("pure", ["", "1"])
 def test_long_names_are_cut_and_reported(tmp_path, monkeypatch, pure):
     monkeypatch.setenv("TRACELENS_PURE_PYTHON", pure)
     huge = "aten::" + "x" * (1 << 20)
-    other = "aten::" + "x" * ((1 << 20) - 1) + "y"  # same first 4 KiB: must stay a different name
+    other = "aten::" + "x" * ((1 << 20) - 1) + "y"  # same first 64 KiB: must stay a different name
     evs = [_kernel(i, 10.0 + 3 * i, name=huge if i % 3 == 0 else other if i % 3 == 1 else "gemm") for i in range(9)]
     evs.append({"ph": "M", "name": "thread_name", "pid": 0, "tid": 7, "args": {"name": "t" * 10000}})
     p = tmp_path / "long.json"
@@ -111,7 +119,7 @@ def test_long_names_are_cut_and_reported(tmp_path, monkeypatch, pure):
     assert all(n.startswith("aten::xxx") and f"[cut: {(1 << 20) + 6:,} bytes" in n for n in cut)
     row = t.load_issues[t.load_issues["check"] == "long_name"]
     assert row["events"].tolist() == [6] and row["action"].tolist() == ["truncated"]
-    assert any(w.startswith(f"{p}: cut the name of 6 events to 4096 bytes") for w in t.warnings)
+    assert any(w.startswith(f"{p}: cut the name of 6 events to {limits.MAX_NAME_BYTES} bytes") for w in t.warnings)
     assert max(len(str(v)) for v in t.threads["value"].dropna()) < limits.MAX_NAME_BYTES + 80
 
 

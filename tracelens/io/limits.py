@@ -17,8 +17,9 @@ from ..errors import TraceError
 # room while still refusing a "zip bomb". TRACELENS_MAX_TRACE_BYTES=N (bytes) raises or lowers it.
 MAX_TRACE_BYTES_DEFAULT = 32 << 30
 # Bytes of one op/kernel name (or category) kept by the loader; a longer one is cut to this and the cut is
-# recorded as a load issue. Real names, C++ templated kernels included, stay below ~2 KiB.
-MAX_NAME_BYTES = 4096
+# recorded as a load issue. Real names reach ~5 KiB (C++ templated CUDA kernels: 5,123 bytes in an HTA
+# fixture); 64 KiB is 12x that, while a 100 MB name no longer becomes a 1 GB report.
+MAX_NAME_BYTES = 64 << 10
 
 _CHUNK = 64 << 20  # bytes decompressed per step
 
