@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from ..errors import TraceError
+from .limits import gunzip_bounded
 
 MANIFEST = "manifest.json"
 INCOMPLETE = ("running", "failed")
@@ -99,32 +100,12 @@ def read_pipeline_bytes(path: Path, limit: int = MAX_PIPELINE_BYTES) -> bytes:
             raise TraceError(path, f"larger than {limit >> 20} MiB: not a pipeline file this reader takes")
         data = path.read_bytes()
         if path.suffix == ".gz":
-            data = _gunzip_bounded(path, data, limit)
+            data = bytes(gunzip_bounded(path, data, limit, "not a pipeline file this reader takes"))
     except OSError as e:
         raise TraceError(path, f"cannot read: {e.strerror or e}") from None
     except (EOFError, gzip.BadGzipFile, zlib.error) as e:
         raise TraceError(path, f"corrupt gzip ({e})") from None
     return data
-
-
-def _gunzip_bounded(path: Path, data: bytes, limit: int) -> bytes:
-    """gunzip ``data`` (every member), refusing once the output passes ``limit`` bytes."""
-    out, n = [], 0
-    while data:
-        d = zlib.decompressobj(16 + zlib.MAX_WBITS)
-        while True:
-            chunk = d.decompress(data, max(1, min(limit + 1 - n, 64 << 20)))
-            n += len(chunk)
-            if n > limit:
-                raise TraceError(path, f"expands to more than {limit >> 20} MiB: not a pipeline file this reader takes")
-            out.append(chunk)
-            data = d.unconsumed_tail
-            if d.eof or not data:
-                break
-        if not d.eof:
-            raise EOFError("compressed file ended before the end-of-stream marker was reached")
-        data = d.unused_data
-    return b"".join(out)
 
 
 @dataclass(frozen=True)
