@@ -95,11 +95,15 @@ class Analysis:
             give_back_memory()
         return self._health
 
-    def findings(self) -> list[dict[str, Any]]:
-        """Ranked, structured findings (tracelens.analysis.findings); computed once."""
-        if self._findings is None:
-            from .analysis.findings import findings
+    def findings(self, small_us: float | None = None) -> list[dict[str, Any]]:
+        """Ranked, structured findings (tracelens.analysis.findings); computed once for the default
+        small-kernel threshold, each time for another `small_us`."""
+        from .analysis.findings import findings
+        from .analysis.host import SMALL_KERNEL_US
 
+        if small_us is not None and small_us != SMALL_KERNEL_US:
+            return findings(self, small_us)
+        if self._findings is None:
             self._findings = findings(self)
             give_back_memory()
         return self._findings

@@ -36,6 +36,14 @@ def _echo(text: str = "", err: bool = False) -> None:
     click.echo(for_terminal(text, keep_newlines=True), err=err)
 
 
+def _write_json(path: str, doc: dict, echo=_echo, **dumps) -> None:
+    """Write a verb's ``--json`` document (indent 1, as every verb writes it) and say so."""
+    import json
+
+    Path(path).write_text(json.dumps(doc, indent=1, **dumps))
+    echo(f"wrote {path}")
+
+
 def _open_report(path: Path) -> None:
     """``--open``: open the page in a browser, or say where it is when no browser can open here
     (headless machine, no DISPLAY, or no browser registered)."""
@@ -281,49 +289,13 @@ def comm(paths, json_out, no_cache):
 
     On a partial rank set (a process group with ranks not loaded) it says so and shows per-rank figures
     only (count, kernel time, bytes); cross-rank columns are '–'."""
-    import json
-
     from . import analyze as run_analysis, load
-    from .analysis.comm import collective_instances, comm_summary, exposed_comm, group_coverage, partial_note, stragglers
+    from .analysis.comm import comm_report
 
-    a = run_analysis(load(list(paths), cache=not no_cache))
-    inst = collective_instances(a)
-    partial = partial_note(a, inst) if not inst.empty else ""
-    if inst.empty:
-        _echo("no communication kernels (NCCL/RCCL) in these traces")
-    else:
-        summ, strag = comm_summary(inst), stragglers(inst)
-        if partial:
-            _echo(f"note: {partial}")
-        n_start = int(inst.drop_duplicates(["group", "peers", "seq"])["startup"].sum())
-        if n_start:
-            _echo(f"note: {n_start} collective instance(s) began before every rank was profiling "
-                       "(start-up wait); excluded from the totals below")
-
-        def f(v, fmt):
-            return "–" if v != v else format(v, fmt)  # NaN: no cross-rank figure
-        _echo(f"{'rank':>4} {'collective':<16} {'count':>5} {'kernel ms':>9} {'comm ms':>9} {'sync ms':>9} {'sync %':>7} "
-                   f"{'busbw GB/s':>10} {'last':>5}")
-        for r in summ.itertuples(index=False):
-            _echo(f"{r.rank:>4} {r.collective[:16]:<16} {r.count:>5} {r.kernel_us / 1e3:>9.3f} {f(r.comm_us / 1e3, '.3f'):>9} "
-                       f"{f(r.sync_us / 1e3, '.3f'):>9} {f(r.sync_pct, '.1f'):>7} {f(r.mean_busbw_gbps, '.1f'):>10} "
-                       f"{f(float(r.times_last), '.0f'):>5}")
-        for r in strag.itertuples(index=False):
-            _echo(f"{r.family}: skew mean {r.mean_skew_us / 1e3:.3f} ms, max {r.max_skew_us / 1e3:.3f} ms; "
-                       f"rank {r.straggler_rank} arrives last in {100 * r.straggler_share:.0f}% of {r.instances}")
-        exposed = exposed_comm(a, inst)
-        _echo("exposed communication (not overlapped by compute, start-up excluded): " + ", ".join(
-            f"rank {int(x.rank)} {x.exposed_comm_us / 1e3:.3f} of {x.comm_us / 1e3:.3f} ms" for x in exposed.itertuples()))
+    rep = comm_report(run_analysis(load(list(paths), cache=not no_cache)))
+    _echo(rep.to_text())
     if json_out:
-        def recs(df):
-            return json.loads(df.to_json(orient="records"))
-        doc = {"schema_version": 2, "partial": partial or None, "records": recs(inst),
-               "summary": recs(comm_summary(inst)) if not inst.empty else [],
-               "stragglers": recs(stragglers(inst)) if not inst.empty else [],
-               "exposed_comm": recs(exposed_comm(a, inst)),
-               "groups": recs(group_coverage(a, inst)) if not inst.empty else []}
-        Path(json_out).write_text(json.dumps(doc, indent=1))
-        _echo(f"wrote {json_out}")
+        _write_json(json_out, rep.to_dict())
 
 
 @main.command()
@@ -370,46 +342,13 @@ def check(paths, json_out, fail_on, no_cache):
 def host(paths, json_out, small_us, no_cache):
     """Host side: device-to-host syncs and the GPU idle they cause, launch latency, idle gaps by cause,
     small kernels, and ranked findings. See docs/host.md."""
-    import json
-
     from . import analyze as run_analysis, load
-    from .analysis import host as H
-    from .analysis.findings import findings
+    from .analysis.host import host_report
 
-    a = run_analysis(load(list(paths), cache=not no_cache))
-    syncs = H.host_syncs(a)
-    ss = H.sync_summary(syncs)
-    if ss.empty:
-        _echo("host syncs: none issued by the workload")
-    else:
-        _echo("host syncs (blocking device-to-host), by the op that issued them:")
-        for r in ss.itertuples(index=False):
-            _echo(f"  {r.count:>4} x {r.op} (via {r.via}, {r.call}): host blocked {r.host_blocked_us / 1e3:.3f} ms, "
-                       f"GPU idle caused {r.gpu_idle_caused_us / 1e3:.3f} ms")
-    gaps = H.idle_gaps(a, syncs)
-    isum = H.idle_summary(gaps, a.timeline)
-    for r in isum.itertuples(index=False):
-        _echo(f"rank {r.rank}: GPU idle {r.cause:<12} {r.gaps:>6} gaps {r.idle_us / 1e3:>9.3f} ms ({r.pct_of_span:.1f}% of span)")
-    ls = H.launch_stats(a, small_us)
-    for r in ls.itertuples(index=False):
-        _echo(f"rank {r.rank}: {r.kernels} kernels, launch latency p50 {r.launch_p50_us:.1f} us p90 {r.launch_p90_us:.1f} us, "
-                   f"{100 * r.small_share:.0f}% under {small_us:g} us ({100 * r.small_time_share:.0f}% of kernel time)")
-    kpo = H.kernels_per_op(a, small_us).head(5)
-    if len(kpo):
-        _echo("ops launching the most kernels: " + "; ".join(f"{r.top_op} {r.kernels} ({r.small_kernels} small)"
-                                                               for r in kpo.itertuples(index=False)))
-    items = findings(a, small_us)
-    if items:
-        _echo("findings:")
-        for f in items:
-            _echo(f"  [{f['severity']}] {f['title']} (recoverable ~{f['recoverable_us'] / 1e3:.3f} ms/rank)")
+    rep = host_report(run_analysis(load(list(paths), cache=not no_cache)), small_us)
+    _echo(rep.to_text())
     if json_out:
-        recs = lambda df: json.loads(df.to_json(orient="records"))  # noqa: E731
-        doc = {"schema_version": 1, "syncs": recs(syncs.drop(columns=["stack"])), "sync_summary": recs(ss),
-               "idle": recs(isum), "launch": recs(ls), "kernels_per_op": recs(H.kernels_per_op(a, small_us)),
-               "findings": items}
-        Path(json_out).write_text(json.dumps(doc, indent=1, default=str))
-        _echo(f"wrote {json_out}")
+        _write_json(json_out, rep.to_dict(), default=str)
 
 
 @main.command()
@@ -622,14 +561,12 @@ def whatif(run, sets, kernel_table, memory_gib, json_out):
 def roofline(paths, ceilings, json_out, top, no_cache):
     """Roofline: FLOPs and bytes of each op from its recorded shapes, achieved TFLOP/s and TB/s, % of the
     device's ceilings, compute- vs memory-bound. See docs/roofline.md."""
-    import json
-
     from . import analyze as run_analysis, load
+    from .analysis.roofline import NO_GPU_TEXT
 
     a = run_analysis(load(list(paths), cache=not no_cache))
     if not a.has_gpu:
-        click.echo("no GPU kernels in these traces (CPU-only profile): a roofline needs GPU kernel times; nothing to plot "
-                   "(`tracelens analyze` shows host time per step and op)")
+        click.echo(NO_GPU_TEXT)
         return
     try:
         r = a.roofline(ceilings=ceilings) if ceilings else a.roofline()
@@ -637,19 +574,9 @@ def roofline(paths, ceilings, json_out, top, no_cache):
         _fail(f"{ceilings}: {e}")
     for w in r.warnings:
         _echo(f"tracelens: warning: {w}", err=True)
-    t = r.table.sort_values("gpu_us", ascending=False).head(top)
-    _echo(f"{'op':<36} {'GPU ms':>8} {'TFLOP/s':>8} {'TB/s':>6} {'AI':>7} {'% roof':>7} bound")
-    for x in t.itertuples(index=False):
-        _echo(f"{x.op[:36]:<36} {x.gpu_us / 1e3:>8.3f} {x.tflops:>8.1f} {x.tbps:>6.2f} {x.intensity:>7.1f} "
-                   f"{x.pct_roof:>7.1f} {x.bound}")
-    s = r.summary()
-    share = "n/a" if s.get("modeled_share") is None else f"{100 * s['modeled_share']:.0f}%"
-    _echo(f"modeled: {share} of non-communication GPU time; {len(r.unmodeled)} op group(s) unmodeled")
+    _echo(r.to_text(top=top))
     if json_out:
-        recs = lambda df: json.loads(df.to_json(orient="records"))  # noqa: E731
-        Path(json_out).write_text(json.dumps({"schema_version": 1, "summary": s, "roofline": recs(r.table),
-                                              "unmodeled": recs(r.unmodeled), "families": recs(r.families)}, indent=1, default=str))
-        _echo(f"wrote {json_out}")
+        _write_json(json_out, r.to_dict(), default=str)
 
 
 @main.command()
