@@ -612,36 +612,14 @@ def memory(config, overrides, world, pp, vpp, ep, tp, cp, dp, mbs, seq, microbat
            json_out, out):
     """Projected per-GPU memory by component for CONFIG (a trainer YAML, a config name, a run's
     manifest.json or run dir) under a parallel layout; --sweep lists the layouts that fit. See docs/memory.md."""
-    import json
-
     from .analysis import memory as M
 
     mc = M.load_model_config(config, overrides)
-    cfg = mc.config
-    if dp_mode is not None:
-        cfg = {**cfg, "dp_mode": dp_mode}
-    world = world or (mc.world if dp is None else None)
-    run_layout = mc.layout_kwargs() if pp is None else {}  # a pipelined run's own stages, placement, schedule
-    if run_layout:
-        vpp = vpp if vpp is not None else run_layout["vpp"]
-        schedule = schedule or run_layout["schedule"]
-        microbatches = microbatches if microbatches is not None else run_layout["microbatches"]
-        pp = run_layout["pp"]
-        run_layout = {k: run_layout[k] for k in ("stage_layers", "stage_to_rank")} if vpp == run_layout["vpp"] else {}
-    if global_batch is not None and microbatches is None and not do_sweep:
-        lay0 = M.resolve_layout(cfg, world=world, source=config, pp=pp, tp=tp, cp=cp, dp=dp, ep=ep, mbs=mbs, vpp=vpp)
-        if global_batch % (lay0.mbs * lay0.dp):
-            _fail(f"memory: global batch {global_batch} is not a multiple of mbs*dp = {lay0.mbs}*{lay0.dp}")
-        microbatches = global_batch // (lay0.mbs * lay0.dp)
-    lay = M.resolve_layout(cfg, world=world, source=config, pp=pp, vpp=vpp, ep=ep, tp=tp, cp=cp, dp=dp, mbs=mbs,
-                           seq=seq, microbatches=microbatches, schedule=schedule, recompute=recompute,
-                           sync_free_level=sync_free_level, loss_fusion=loss_fusion, dtype=dtype, zero=zero,
-                           **run_layout)
-    dev_bytes = None
-    if device_memory:
-        dev_bytes = M.parse_bytes(device_memory)
-    elif device_name:
-        dev_bytes = M.device_memory(device_name)
+    cfg, lay = M.layout_for(mc, source=config, dp_mode=dp_mode, world=world, pp=pp, vpp=vpp, ep=ep, tp=tp, cp=cp,
+                            dp=dp, mbs=mbs, seq=seq, microbatches=microbatches, global_batch=global_batch,
+                            schedule=schedule, recompute=recompute, sync_free_level=sync_free_level,
+                            loss_fusion=loss_fusion, dtype=dtype, zero=zero, sweep=do_sweep)
+    dev_bytes = M.capacity(device_memory, device_name)
     if do_sweep:
         if dev_bytes is None or global_batch is None:
             _fail("memory: --sweep needs --device-memory (or --device) and --global-batch")
@@ -653,74 +631,18 @@ def memory(config, overrides, world, pp, vpp, ep, tp, cp, dp, mbs, seq, microbat
                 b.n = done
                 b.refresh()
 
-            df = M.sweep(cfg, lay.world, dev_bytes, global_batch, base=lay, headroom=headroom, progress=tick)
-        click.echo(f"{len(df)} layout(s) of {lay.world} GPUs fit {dev_bytes / M.GIB:.1f} GiB "
-                   f"(headroom {100 * headroom:.0f}%), ranked by bubble then communication per step:")
-        click.echo(f"{'layout':<58} {'peak GiB':>8} {'bubble':>7} {'comm GiB':>9}")
-        for r in df.head(top).itertuples(index=False):
-            click.echo(f"{r.label:<58} {r.peak_gib:>8.2f} {100 * r.bubble:>6.1f}% {r.comm_gib:>9.2f}")
-        if len(df):
-            click.echo(_LAYOUT_LEGEND + "; bubble: theoretical pipeline bubble of the schedule "
-                       "(tracelens bubble); comm GiB: communication volume per GPU per step")
-        best = [M.project(cfg, M.resolve_layout(cfg, world=lay.world, pp=r.pp, vpp=r.vpp, ep=r.ep, tp=r.tp, cp=r.cp,
-                                                 mbs=r.mbs, seq=lay.seq, microbatches=r.microbatches, schedule=r.schedule,
-                                                 recompute=r.recompute, sync_free_level=lay.sync_free_level,
-                                                 loss_fusion=lay.loss_fusion, dtype=lay.dtype, zero=lay.zero))
-                for r in df.head(min(top, 8)).itertuples(index=False)]
-        if json_out:
-            Path(json_out).write_text(json.dumps({"schema_version": M.SCHEMA_VERSION, "config": mc.source,
-                                                  "world": lay.world, "device_bytes": dev_bytes, "headroom": headroom,
-                                                  "global_batch": global_batch,
-                                                  "fits": json.loads(df.head(top).to_json(orient="records")),
-                                                  "projections": [p.summary() for p in best]}, indent=1))
-            click.echo(f"wrote {json_out}")
-        projections = best
+            rep = M.sweep_report(mc, cfg, lay, dev_bytes, global_batch, headroom=headroom, top=top, progress=tick)
     else:
-        p = M.project(cfg, lay)
-        projections = [p]
-        click.echo(f"{mc.source}: {lay.label()}, world {lay.world}; stage {p.stage} of {lay.pp} "
-                   f"({p.info['in_flight']:g} microbatch(es) in flight)")
-        click.echo(f"{'component':<52} {'phase':<7} {'GiB':>9}  in peak")
-        for r in p.table.itertuples(index=False):
-            click.echo(f"{r.component:<52} {r.phase:<7} {r.bytes / M.GIB:>9.3f}  {'*' if r.in_peak else ''}")
-        click.echo("phase: the moments of a step a component is alive at ("
-                   + ", ".join(f"{k} {v}" for k, v in M.MOMENTS.items())
-                   + "; FBES = the whole step); * = alive at the projected peak")
-        click.echo(_LAYOUT_LEGEND)
-        click.echo(f"projected peak: {p.peak_bytes / M.GIB:.2f} GiB ({p.phase} phase)")
-        summary = {"schema_version": M.SCHEMA_VERSION, "config": mc.source, **p.summary()}
-        gpu_measured = str(mc.measured_kind or "").startswith("cuda")
-        if mc.measured_peak_bytes and not gpu_measured:  # e.g. a CPU run's process RSS: not comparable
-            summary.update(measured_peak_bytes=mc.measured_peak_bytes, measured_kind=mc.measured_kind)
-            click.echo(f"measured peak ({mc.measured_kind}): {mc.measured_peak_bytes / M.GIB:.2f} GiB, a host "
-                       "process's memory (interpreter and libraries included), not a GPU's allocations: "
-                       "not compared with the projection")
-        elif mc.measured_peak_bytes:
-            ratio = p.peak_bytes / mc.measured_peak_bytes
-            summary.update(measured_peak_bytes=mc.measured_peak_bytes, measured_kind=mc.measured_kind,
-                           projected_over_measured=round(ratio, 4))
-            click.echo(f"measured peak ({mc.measured_kind}): {mc.measured_peak_bytes / M.GIB:.2f} GiB; "
-                       f"projected / measured = {ratio:.3f}")
-            if lay.pp > 1 and mc.measured_peaks:  # pipeline ranks hold different stages: compare each
-                per_rank = M.compare_ranks(cfg, lay, mc.measured_peaks)
-                summary["ranks"] = json.loads(per_rank.to_json(orient="records"))
-                for r in per_rank.itertuples(index=False):
-                    click.echo(f"  rank {r.rank} (pipeline rank {r.pp_rank}): projected {r.projected_gib:.2f} GiB "
-                               f"({r.moment}), measured {r.measured_gib:.2f} GiB, ratio {r.ratio:.3f}")
-        if dev_bytes is not None:
-            fits = p.peak_bytes <= dev_bytes * (1 - headroom)
-            summary.update(device_bytes=dev_bytes, fits=fits)
-            click.echo(f"{'fits' if fits else 'does NOT fit'} {dev_bytes / M.GIB:.1f} GiB (headroom {100 * headroom:.0f}%)")
-        if json_out:
-            Path(json_out).write_text(json.dumps(summary, indent=1))
-            click.echo(f"wrote {json_out}")
+        rep = M.memory_report(mc, cfg, lay, dev_bytes, headroom=headroom)
+    click.echo(rep.to_text())
+    if json_out:
+        _write_json(json_out, rep.to_dict(), echo=click.echo)
     if out:
         from reports.memory import write_memory_report
 
         path = Path(out) if out.endswith(".html") else Path(out) / "memory.html"
-        gpu_measured = str(mc.measured_kind or "").startswith("cuda")
-        write_memory_report(projections, path, title=f"tracelens memory: {Path(mc.source).name}",
-                            device_bytes=dev_bytes, measured_bytes=mc.measured_peak_bytes if gpu_measured else None)
+        write_memory_report(rep.projections, path, title=f"tracelens memory: {Path(mc.source).name}",
+                            device_bytes=dev_bytes, measured_bytes=mc.measured_peak_bytes if mc.measured_on_gpu else None)
         click.echo(f"wrote {path}")
 
 
@@ -889,11 +811,6 @@ def calibrate(out, cpu, size, mem_mib, dtypes, reps):
     if cpu:
         click.echo("note: CPU figures (host memory as hbm_tbps); they do not describe a GPU")
     click.echo(f"wrote {out}  (use: tracelens roofline --ceilings {out} RUN)")
-
-
-_LAYOUT_LEGEND = ("layout: pp pipeline stages, vpp virtual stages per rank, tp tensor, cp context, ep expert, "
-                  "dp data parallel; mbs micro-batch size; rc recompute; then the pipeline schedule; "
-                  "L<n> the trainer's sync-free level")
 
 
 def _print_summary(result) -> None:
