@@ -36,12 +36,15 @@ def _echo(text: str = "", err: bool = False) -> None:
     click.echo(for_terminal(text, keep_newlines=True), err=err)
 
 
-def _write_json(path: str, doc: dict, echo=_echo, **dumps) -> None:
-    """Write a verb's ``--json`` document (indent 1, as every verb writes it) and say so."""
+def _write_json(path: str, doc: dict, echo=_echo, **dumps) -> Path:
+    """Write a verb's ``--json`` document (indent 1, as every verb writes it) and say so (``echo=None``:
+    silently)."""
     import json
 
     Path(path).write_text(json.dumps(doc, indent=1, **dumps))
-    echo(f"wrote {path}")
+    if echo is not None:
+        echo(f"wrote {path}")
+    return Path(path)
 
 
 def _open_report(path: Path) -> None:
@@ -310,28 +313,14 @@ def check(paths, json_out, fail_on, no_cache):
     severity and the figures it invalidates (docs/summary-json.md, `health`).
 
     Exit status: 0 nothing at or above --fail-on (default: no error); 1 a check at or above it; 2 bad input."""
-    import json
-
     from . import analyze as run_analysis, load
-    from .analysis.health import exit_status, health_summary
+    from .analysis.health import health_report
 
-    a = run_analysis(load(list(paths), cache=not no_cache))
-    df = a.health()
-    for r in df.itertuples(index=False):
-        shown = ", ".join(map(str, r.ranks[:16])) + (f", … ({len(r.ranks)} in all)" if len(r.ranks) > 16 else "")
-        who = f" (rank{'s' if len(r.ranks) > 1 else ''} {shown})" if r.ranks else ""
-        click.echo(f"{r.severity:<7} {r.check}{who}: {r.found}")
-        if r.invalidates:
-            click.echo(f"        do not trust: {r.invalidates}")
-    s = health_summary(df)
-    code = exit_status(df, fail_on)
-    c = s["counts"]
-    click.echo(f"{len(a.trace.ranks)} rank(s): {c['error']} error(s), {c['warning']} warning(s), {c['info']} note(s)"
-               + ("" if len(df) else " - clean") + f"; exit {code} (--fail-on {fail_on})")
+    rep = health_report(run_analysis(load(list(paths), cache=not no_cache)), fail_on)
+    click.echo(rep.to_text())
     if json_out:
-        Path(json_out).write_text(json.dumps({"schema_version": 1, **s, "fail_on": fail_on, "exit_status": code}, indent=1))
-        click.echo(f"wrote {json_out}")
-    sys.exit(code)
+        _write_json(json_out, rep.to_dict(), echo=click.echo)
+    sys.exit(rep.exit_status)
 
 
 @main.command()
@@ -382,15 +371,13 @@ def export(paths, perfetto_out, no_cache):
 def ppvis(run, out, open_browser, perfetto_out, json_out, step, no_cache, no_traces):
     """Pipeline schedule of RUN (a run dir, or traces with pipeline/{F|B|W}/s<stage>/mb<n> ranges): per-rank
     lanes, bubble ratio per rank vs theory, stage imbalance and the stage to fix. See docs/pipeline.md."""
-    import json
-
-    from .analysis.pipeline import fmt_ns, load_pipeline
+    from .analysis.pipeline import load_pipeline
     from reports.pipeline import write_ppvis
 
     res = load_pipeline(run, step=step, cache=not no_cache, traces=not no_traces)
     for w in res.warnings:
         _echo(f"tracelens: warning: {w}", err=True)
-    _print_pipeline(res, fmt_ns)
+    _echo(res.to_text())
     if out and not out.endswith(".html"):
         html_path = Path(out) / "ppvis.html"
     elif out:
@@ -405,38 +392,10 @@ def ppvis(run, out, open_browser, perfetto_out, json_out, step, no_cache, no_tra
 
         written.append(Path(export_pipeline_perfetto(res, perfetto_out)["path"]))
     if json_out:
-        Path(json_out).write_text(json.dumps(res.to_dict(), indent=1, default=str))
-        written.append(Path(json_out))
+        written.append(_write_json(json_out, res.to_dict(), echo=None, default=str))
     _echo(f"wrote {', '.join(str(p) for p in written)}")
     if open_browser:
         _open_report(written[0])
-
-
-def _print_pipeline(res, fmt_ns) -> None:
-    import math
-
-    m = res.meta
-    skipped = f"; step {', '.join(map(str, res.skipped_steps))} skipped as warm-up" if res.skipped_steps else ""
-    _echo(f"pipeline: {m.schedule}{f' ({m.torch_schedule})' if m.torch_schedule else ''}, pp {m.pp}, vpp {m.vpp}, "
-               f"{m.microbatches} microbatches; {len(res.steps)} step(s) analyzed{skipped}"
-               + (f" [inferred: {', '.join(m.inferred)}]" if m.inferred else ""))
-    pct = lambda v: "n/a" if v is None or math.isnan(v) else f"{100 * v:.1f}%"  # noqa: E731
-    _echo(f"{'rank':>4} {'pp':>3} {'window':>12} {'busy':>12} {'idle':>12} {'bubble':>7} {'theory':>7}")
-    for r in res.per_rank.sort_values("rank").itertuples(index=False):
-        _echo(f"{r.rank:>4} {r.pp_rank:>3} {fmt_ns(r.window_ns / r.steps):>12} {fmt_ns(r.busy_ns / r.steps):>12} "
-                   f"{fmt_ns(r.idle_ns / r.steps):>12} {pct(r.bubble_ratio):>7} {pct(r.theory_ratio):>7}")
-    _echo(f"overall bubble {pct(res.overall_ratio)} (theory {pct(res.theory_ratio)}"
-               + (f": {res.theory_note}" if res.theory_note else "") + "); times are per step")
-    _echo(f"{'stage':>5} {'pp':>3} {'layers':>6} {'F/mb':>11} {'B/mb':>11} {'W/mb':>11} {'total/mb':>11} {'x mean':>6} {'crit %':>6}")
-    for s in res.balance.table.itertuples(index=False):
-        layers = "–" if s.layers is None or (isinstance(s.layers, float) and math.isnan(s.layers)) else str(int(s.layers))
-        _echo(f"{s.stage:>5} {s.pp_rank:>3} {layers:>6} {fmt_ns(s.f_ns):>11} {fmt_ns(s.b_ns):>11} {fmt_ns(s.w_ns):>11} "
-                   f"{fmt_ns(s.total_ns):>11} {s.ratio_to_mean:>6.2f} {100 * s.critical_share:>6.1f}")
-    _echo(res.balance.statement)
-    from .analysis.pipeline import account_lines
-
-    for line in account_lines(res):
-        _echo(line)
 
 
 @main.command()
@@ -451,24 +410,12 @@ def _print_pipeline(res, fmt_ns) -> None:
 @click.option("--cp", type=click.IntRange(1), default=1, show_default=True)
 def bubble(pp, vpp, ga, global_tokens, seq, mbs, world, tp, cp):
     """Theoretical pipeline bubble ratio per schedule (GPipe, 1F1B, interleaved, ZB-H1, ZBV)."""
-    from .analysis.bubble import bubble_table, fmt_pct, gradient_accumulation
+    from .analysis.bubble import bubble_report
 
-    if ga is None:
-        if not (global_tokens and seq and world):
-            _fail("bubble: give --ga, or --global-tokens with --seq and --world (and --mbs, --tp, --cp)")
-        ga, dp = gradient_accumulation(global_tokens, seq, mbs, world, pp, tp, cp)
-        click.echo(f"DP = {world} / (pp {pp} x tp {tp} x cp {cp}) = {dp}; GA = {global_tokens} / ({seq} x {mbs} x {dp}) = {ga}")
-    import math
-
-    na = []
-    for r in bubble_table(pp, ga, vpp).itertuples(index=False):
-        extra = f", vpp {r.vpp}" if r.vpp > 1 else ""
-        click.echo(f"{r.schedule:<6} pp {r.pp}, {r.microbatches} microbatches{extra}: bubble {fmt_pct(r.bubble_ratio)}")
-        if math.isnan(r.bubble_ratio):
-            na.append(r.schedule)
-    if "zbv" in na:
-        click.echo(f"n/a: zbv (zero-bubble V schedule) reaches no bubble only with at least 2 x pp = {2 * pp} "
-                   f"microbatches; with {ga} its bubble is not modelled here")
+    if ga is None and not (global_tokens and seq and world):
+        _fail("bubble: give --ga, or --global-tokens with --seq and --world (and --mbs, --tp, --cp)")
+    click.echo(bubble_report(pp, vpp, ga, global_tokens=global_tokens, seq=seq, mbs=mbs, world=world, tp=tp,
+                             cp=cp).to_text())
 
 
 @main.command()
@@ -519,8 +466,6 @@ def whatif(run, sets, kernel_table, memory_gib, json_out):
     """Predict step time, tokens/s/GPU and peak memory of RUN with changed trainer keys, component by
     component, from RUN's profiled step (the host/device replay, calibrated to its measured step time).
     See docs/whatif.md."""
-    import json
-
     from .projection.whatif import Model, WhatIfError, parse_sets
 
     try:
@@ -529,27 +474,9 @@ def whatif(run, sets, kernel_table, memory_gib, json_out):
         p = m.predict(changes)
     except WhatIfError as e:
         _fail(str(e))
-    ch = ", ".join(f"{k}={v}" for k, v in p.changes.items()) or "(no change)"
-    _echo(f"what-if {ch} on {run}")
-    unc = f"+/- {100 * p.uncertainty:.0f}%"
-    _echo(f"  step time      {1e3 * p.base_step_s:9.1f} ms -> {1e3 * p.step_s:9.1f} ms")
-    _echo(f"  tokens/s/GPU   {p.base_tokens_per_s_per_gpu:9,.0f}    -> {p.tokens_per_s_per_gpu:9,.0f}    "
-          f"({100 * p.gain:+.1f}%, {unc}, 1 sigma)")
-    if p.peak_gib is not None:
-        cap = f" of {p.capacity_bytes / 2**30:.1f} GiB" if p.capacity_bytes else ""
-        verdict = "fits" if p.fits else "OUT OF MEMORY: would not run"
-        _echo(f"  peak memory    {p.peak_gib:9.2f} GiB{cap}: {verdict}")
-    _echo(f"  {'component':<22} {'base ms':>9} {'predicted':>10} {'change':>9}")
-    for r in p.table().itertuples(index=False):
-        _echo(f"  {r.component:<22} {r.base_ms:>9.2f} {r.predicted_ms:>10.2f} {r.delta_ms:>+9.2f}")
-    _echo("  measured: " + "; ".join(p.measured))
-    for line in p.modeled:
-        _echo(f"  modeled: {line}")
-    for line in p.notes:
-        _echo(f"  note: {line}")
+    _echo(p.to_text(run))
     if json_out:
-        Path(json_out).write_text(json.dumps(p.as_dict(), indent=1, default=str))
-        _echo(f"wrote {json_out}")
+        _write_json(json_out, p.to_dict(), default=str)
 
 
 @main.command()
