@@ -741,42 +741,9 @@ def calibrate(out, cpu, size, mem_mib, dtypes, reps):
 
 
 def _print_summary(result) -> None:
-    if result.window is not None:
-        _echo(f"window: {result.window.describe()}")
-    tl = result.timeline
-    if tl.empty:
-        _print_cpu_summary(result)
-        return
-    _echo(f"{'rank':>4} {'span ms':>10} {'busy %':>7} {'compute ms':>11} {'comm ms':>9} {'exposed ms':>11} {'kernels':>8}")
-    for r in tl.itertuples(index=False):
-        busy = 100.0 * r.gpu_busy_us / r.span_us if r.span_us else 0.0
-        _echo(f"{r.rank:>4} {r.span_us / 1e3:>10.3f} {busy:>7.1f} {r.compute_us / 1e3:>11.3f} "
-                   f"{r.comm_us / 1e3:>9.3f} {r.exposed_comm_us / 1e3:>11.3f} {r.kernel_count:>8}")
+    from .analyzer import summary_text
 
-
-def _print_cpu_summary(result) -> None:
-    """CPU-only traces (the trainer on a CPU): per rank, host time per profiler step, the MoE stages and the
-    ops with the most self time per step (never summed over ranks), then the findings."""
-    from .analysis import steps as S
-
-    click.echo("no GPU activity in these traces (CPU-only): GPU timeline unavailable; host time per rank instead")
-    hs = S.host_step_table(result)
-    ms = S.moe_stage_table(result)
-    top = S.host_top_ops(result, top=5)
-    for rank, g in hs.groupby("rank"):
-        per = ", ".join(f"step {int(r.step)} {r.step_time_us / 1e3:.1f} ms{'' if r.steady else ' (excluded)'}"
-                        for r in g.itertuples(index=False))
-        click.echo(f"rank {rank}: {per}")
-        m = ms[ms["rank"] == rank]
-        if len(m):
-            click.echo("  MoE stages per step: " + ", ".join(
-                f"{r.stage} {r.host_us_per_step / 1e3:.3f} ms ({100 * r.share_of_step:.0f}%)" for r in m.itertuples(index=False)))
-        t = top[top["rank"] == rank]
-        if len(t):
-            click.echo("  top ops by self time per step: " + ", ".join(
-                f"{r.op} {r.self_us_per_step / 1e3:.3f} ms" for r in t.itertuples(index=False)))
-    for f in result.findings()[:5]:
-        click.echo(f"finding ({f['severity']}): {f['title']}")
+    _echo(summary_text(result))
 
 
 if __name__ == "__main__":  # pragma: no cover
