@@ -198,17 +198,7 @@ def comm_kernels(analysis) -> pd.DataFrame:
     """Every communication kernel with what identifies its collective, from the kernel's args or, when the
     kernel lacks them, from the CPU events that launched it. Columns: row, rank, ts, end, dur, step,
     collective, family, group, peers, pg_ranks, group_size, bytes, size_source, variable (per-rank sizes).
-    Computed once per `Analysis` (kept in its `_comm_kernels`; callers read it, never change it)."""
-    cached = getattr(analysis, "_comm_kernels", None)
-    if cached is not None:
-        return cached
-    out = _comm_kernels(analysis)
-    if hasattr(analysis, "_comm_kernels"):
-        analysis._comm_kernels = out
-    return out
-
-
-def _comm_kernels(analysis) -> pd.DataFrame:
+    Reads `analysis.gpu`, `.tree` and `.trace` (an Analysis keeps it as its `comm_kernels` entry)."""
     g = analysis.gpu
     k = g[g["is_comm"].to_numpy()] if not g.empty else g
     cols = ["row", "rank", "ts", "end", "dur", "step", "collective", "family", "group", "peers", "pg_ranks",
@@ -435,9 +425,10 @@ def expected_ranks(kern: pd.DataFrame, trace) -> dict[tuple[str, str], tuple[tup
     return out
 
 
-def collective_instances(analysis) -> pd.DataFrame:
-    """One row per (collective instance, rank) with its sync wait and pure communication time."""
-    kern = comm_kernels(analysis)
+def collective_instances(analysis, kern: pd.DataFrame | None = None) -> pd.DataFrame:
+    """One row per (collective instance, rank) with its sync wait and pure communication time. kern: the
+    `comm_kernels` rows when already computed (the analysis's entry)."""
+    kern = comm_kernels(analysis) if kern is None else kern
     if kern.empty:
         return pd.DataFrame(columns=INSTANCE_COLUMNS)
     events = analysis.trace.events
@@ -529,16 +520,22 @@ def match_instances(kern: pd.DataFrame, window_start: pd.Series, trace) -> pd.Da
 def group_coverage(analysis, inst: pd.DataFrame | None = None, kern: pd.DataFrame | None = None) -> pd.DataFrame:
     """Per process group (and peer pair): the ranks it spans, those loaded, those missing, and how many of
     its instances have cross-rank figures. `complete` is False when a rank of the group was not loaded.
-    `analysis` needs only `.trace.ranks` when `inst` and `kern` (the comm-kernel rows) are given."""
+    inst / kern: the collective instances and comm-kernel rows when already computed."""
+    kern = comm_kernels(analysis) if kern is None else kern
+    inst = collective_instances(analysis, kern) if inst is None else inst
+    return coverage(analysis.trace, kern, inst)
+
+
+def coverage(trace, kern: pd.DataFrame, inst: pd.DataFrame) -> pd.DataFrame:
+    """`group_coverage` from the comm-kernel rows, the instances and the ranks loaded (`trace.ranks`): the
+    many-rank path (tracelens.scale) calls it on its reductions."""
     cols = ["group", "peers", "group_size", "ranks_expected", "ranks_loaded", "ranks_missing", "instances",
             "cross_rank_instances", "complete"]
-    kern = comm_kernels(analysis) if kern is None else kern
     if kern.empty:
         return pd.DataFrame(columns=cols)
-    inst = collective_instances(analysis) if inst is None else inst
-    loaded = {int(r.rank) for r in analysis.trace.ranks}
+    loaded = {int(r.rank) for r in trace.ranks}
     rows = []
-    for (group, peers), (ranks, size) in expected_ranks(kern, analysis.trace).items():
+    for (group, peers), (ranks, size) in expected_ranks(kern, trace).items():
         have = sorted({int(r) for r in kern.loc[(kern["group"] == group) & (kern["peers"] == peers), "rank"]})
         if ranks:
             missing = sorted(set(ranks) - loaded)
@@ -553,9 +550,10 @@ def group_coverage(analysis, inst: pd.DataFrame | None = None, kern: pd.DataFram
     return pd.DataFrame(rows, columns=cols)
 
 
-def partial_note(analysis, inst: pd.DataFrame | None = None) -> str:
-    """One sentence naming the process groups with ranks that are not in the loaded traces, or ''."""
-    cov = group_coverage(analysis, inst)
+def partial_note(analysis, inst: pd.DataFrame | None = None, kern: pd.DataFrame | None = None) -> str:
+    """One sentence naming the process groups with ranks that are not in the loaded traces, or ''.
+    inst / kern: the collective instances and comm-kernel rows when already computed."""
+    cov = group_coverage(analysis, inst, kern)
     world = _world_size(analysis.trace)
     loaded = sorted(analysis.trace.rank_ids)
     parts = []
@@ -747,13 +745,13 @@ class CommReport:
 
 
 def comm_report(analysis) -> CommReport:
-    """The communication view of an Analysis (its collective instances, computed once there)."""
+    """The communication view of an Analysis (its `comm_kernels` and `comm_instances` entries)."""
     inst = analysis.comm_instances()
     if inst.empty:
-        none = comm_summary(inst)
-        return CommReport(instances=inst, summary=none, stragglers=stragglers(inst), exposed=exposed_comm(analysis, inst),
-                          groups=pd.DataFrame(), partial="", startup_instances=0)
+        return CommReport(instances=inst, summary=comm_summary(inst), stragglers=stragglers(inst),
+                          exposed=exposed_comm(analysis, inst), groups=pd.DataFrame(), partial="", startup_instances=0)
+    kern = analysis.comm_kernels()
     return CommReport(instances=inst, summary=comm_summary(inst), stragglers=stragglers(inst),
-                      exposed=exposed_comm(analysis, inst), groups=group_coverage(analysis, inst),
-                      partial=partial_note(analysis, inst),
+                      exposed=exposed_comm(analysis, inst), groups=group_coverage(analysis, inst, kern),
+                      partial=partial_note(analysis, inst, kern),
                       startup_instances=int(inst.drop_duplicates(["group", "peers", "seq"])["startup"].sum()))

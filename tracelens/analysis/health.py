@@ -81,9 +81,11 @@ def run_context(trace) -> dict[str, Any]:
 # ------------------------------------------------------------------------------------ checks
 
 
-def health_checks(analysis, run: dict | None = None, inst: pd.DataFrame | None = None) -> pd.DataFrame:
+def health_checks(analysis, run: dict | None = None, inst: pd.DataFrame | None = None,
+                  kern: pd.DataFrame | None = None) -> pd.DataFrame:
     """Every check over an `Analysis` (see the module docstring); `run` is `run_context(trace)` (None: no
-    run dir); `inst` the comm instances when already computed. Rows sorted by severity."""
+    run dir); `inst` / `kern` the comm instances and comm-kernel rows when already computed (the analysis's
+    entries). Rows sorted by severity."""
     from . import comm as CM
 
     run = run or {}
@@ -94,10 +96,12 @@ def health_checks(analysis, run: dict | None = None, inst: pd.DataFrame | None =
                      "invalidates": invalidates, "numbers": _plain(numbers)})
 
     trace = analysis.trace
+    if kern is None:
+        kern = CM.comm_kernels(analysis)
     if inst is None:
-        inst = CM.collective_instances(analysis)
+        inst = CM.collective_instances(analysis, kern)
     _incomplete_run(run, add)
-    _missing_ranks(analysis, inst, run, add)
+    _missing_ranks(analysis, inst, kern, run, add)
     _rank_identity(trace, analysis, add)
     _load_issues(trace, add)
     _linking(analysis, add)
@@ -179,7 +183,7 @@ def _incomplete_run(run: dict, add) -> None:
             run_dir=run.get("run_dir"), status=status)
 
 
-def _missing_ranks(analysis, inst, run, add) -> None:
+def _missing_ranks(analysis, inst, kern, run, add) -> None:
     from . import comm as CM
 
     trace = analysis.trace
@@ -209,7 +213,7 @@ def _missing_ranks(analysis, inst, run, add) -> None:
                 f"{len(absent)} not loaded: {_list(absent, 6)}", cross, listed=listed, not_loaded=absent)
     if inst.empty:
         return
-    cov = CM.group_coverage(analysis, inst)
+    cov = CM.group_coverage(analysis, inst, kern)
     world_missing = set(range(world)) - set(loaded) if world else set()
     for r in cov[~cov["complete"]].itertuples(index=False):
         miss = r.ranks_missing

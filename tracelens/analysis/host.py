@@ -254,10 +254,10 @@ class HostReport:
 
 
 def host_report(analysis, small_us: float = SMALL_KERNEL_US) -> HostReport:
-    """The host view of an Analysis; its findings are `analysis.findings(small_us)` (computed once there for
-    the default threshold)."""
-    syncs = host_syncs(analysis)
+    """The host view of an Analysis, from its entries (`host_syncs`, `idle_gaps`, `launch_stats`,
+    `kernels_per_op`, `findings`: computed once there for the default threshold)."""
+    syncs = analysis.host_syncs()
     return HostReport(syncs=syncs, sync_summary=sync_summary(syncs),
-                      idle=idle_summary(idle_gaps(analysis, syncs), analysis.timeline),
-                      launch=launch_stats(analysis, small_us), kernels_per_op=kernels_per_op(analysis, small_us),
+                      idle=idle_summary(analysis.idle_gaps(), analysis.timeline),
+                      launch=analysis.launch_stats(small_us), kernels_per_op=analysis.kernels_per_op(small_us),
                       findings=analysis.findings(small_us), small_us=small_us)
