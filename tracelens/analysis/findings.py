@@ -31,6 +31,7 @@ from .. import categories as C
 from . import comm as CM
 from . import host as H
 from . import steps as S
+from .moe import padding_finding
 
 
 def _severity(share: float) -> str:
@@ -108,6 +109,9 @@ def findings(analysis, small_us: float = H.SMALL_KERNEL_US, *, host_syncs: pd.Da
 
     inst_all = CM.collective_instances(a) if comm_instances is None else comm_instances
     inst = inst_all[inst_all["step"].isin(sw.used)] if restricts and not inst_all.empty else inst_all
+    pad = padding_finding(a)
+    if pad is not None:
+        out.append(pad)
     bubble = _pipeline_bubble(a)
     p2p_wait: dict[int, float] = {}  # per rank, µs: waits in point-to-point kernels of a pipeline (its bubble)
     if bubble is not None:
