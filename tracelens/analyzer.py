@@ -259,7 +259,7 @@ class Analysis:
                             self.timeline_all if self.timeline_all is not None else self.timeline,
                             self.step_timeline, self.categories)
         findings = self.findings()
-        health = _health_summary(self.health())
+        health = _health_summary(self)
         if task is not None:
             for name, value in task.result().items():
                 if name not in self.derived:
@@ -272,6 +272,42 @@ class Analysis:
             "health": health,
             "decomposition": _decomposition_summary(self),
         }
+
+
+def summary_text(result: Any) -> str:
+    """What `tracelens analyze` prints: the window, then per rank the GPU figures; for CPU-only traces
+    (the trainer on a CPU) per rank the host time per profiler step, the MoE stages and the ops with the
+    most self time per step (never summed over ranks), then the first findings. ``result``: an
+    `Analysis`, or the many-rank path's result (`tracelens.scale`) when it has GPU activity."""
+    lines = [f"window: {result.window.describe()}"] if result.window is not None else []
+    tl = result.timeline
+    if not tl.empty:
+        lines.append(f"{'rank':>4} {'span ms':>10} {'busy %':>7} {'compute ms':>11} {'comm ms':>9} {'exposed ms':>11} "
+                     f"{'kernels':>8}")
+        for r in tl.itertuples(index=False):
+            busy = 100.0 * r.gpu_busy_us / r.span_us if r.span_us else 0.0
+            lines.append(f"{r.rank:>4} {r.span_us / 1e3:>10.3f} {busy:>7.1f} {r.compute_us / 1e3:>11.3f} "
+                         f"{r.comm_us / 1e3:>9.3f} {r.exposed_comm_us / 1e3:>11.3f} {r.kernel_count:>8}")
+        return "\n".join(lines)
+    lines.append("no GPU activity in these traces (CPU-only): GPU timeline unavailable; host time per rank instead")
+    hs = steps_mod.host_step_table(result)
+    ms = steps_mod.moe_stage_table(result)
+    top = steps_mod.host_top_ops(result, top=5)
+    for rank, g in hs.groupby("rank"):
+        per = ", ".join(f"step {int(r.step)} {r.step_time_us / 1e3:.1f} ms{'' if r.steady else ' (excluded)'}"
+                        for r in g.itertuples(index=False))
+        lines.append(f"rank {rank}: {per}")
+        m = ms[ms["rank"] == rank]
+        if len(m):
+            lines.append("  MoE stages per step: " + ", ".join(
+                f"{r.stage} {r.host_us_per_step / 1e3:.3f} ms ({100 * r.share_of_step:.0f}%)" for r in m.itertuples(index=False)))
+        t = top[top["rank"] == rank]
+        if len(t):
+            lines.append("  top ops by self time per step: " + ", ".join(
+                f"{r.op} {r.self_us_per_step / 1e3:.3f} ms" for r in t.itertuples(index=False)))
+    for f in result.findings()[:5]:
+        lines.append(f"finding ({f['severity']}): {f['title']}")
+    return "\n".join(lines)
 
 
 @dataclass
@@ -336,10 +372,11 @@ def _decomposition_summary(a: Analysis) -> dict[str, Any]:
         return unavailable(reason(e))
 
 
-def _health_summary(df: pd.DataFrame) -> dict[str, Any]:
-    from .analysis.health import health_summary
+def _health_summary(a: Analysis) -> dict[str, Any]:
+    """summary.json's ``health``: what `tracelens check` reports (tracelens.analysis.health.HealthReport)."""
+    from .analysis.health import health_report
 
-    return health_summary(df)
+    return health_report(a).summary()
 
 
 def _num(v: Any) -> float | None:

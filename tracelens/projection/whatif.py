@@ -95,6 +95,31 @@ class Prediction:
                 rows.append({"component": c, "base_ms": 1e3 * b, "predicted_ms": 1e3 * p, "delta_ms": 1e3 * (p - b)})
         return pd.DataFrame(rows)
 
+    def to_dict(self) -> dict:
+        """The `tracelens whatif --json` document (docs/whatif.md)."""
+        return self.as_dict()
+
+    def to_text(self, source: str) -> str:
+        """The `tracelens whatif` text for a prediction on the run ``source``: step time, tokens/s/GPU and
+        peak memory before and after, the components, and what was measured or modeled."""
+        ch = ", ".join(f"{k}={v}" for k, v in self.changes.items()) or "(no change)"
+        unc = f"+/- {100 * self.uncertainty:.0f}%"
+        lines = [f"what-if {ch} on {source}",
+                 f"  step time      {1e3 * self.base_step_s:9.1f} ms -> {1e3 * self.step_s:9.1f} ms",
+                 f"  tokens/s/GPU   {self.base_tokens_per_s_per_gpu:9,.0f}    -> {self.tokens_per_s_per_gpu:9,.0f}    "
+                 f"({100 * self.gain:+.1f}%, {unc}, 1 sigma)"]
+        if self.peak_gib is not None:
+            cap = f" of {self.capacity_bytes / 2**30:.1f} GiB" if self.capacity_bytes else ""
+            verdict = "fits" if self.fits else "OUT OF MEMORY: would not run"
+            lines.append(f"  peak memory    {self.peak_gib:9.2f} GiB{cap}: {verdict}")
+        lines.append(f"  {'component':<22} {'base ms':>9} {'predicted':>10} {'change':>9}")
+        for r in self.table().itertuples(index=False):
+            lines.append(f"  {r.component:<22} {r.base_ms:>9.2f} {r.predicted_ms:>10.2f} {r.delta_ms:>+9.2f}")
+        lines.append("  measured: " + "; ".join(self.measured))
+        lines.extend(f"  modeled: {line}" for line in self.modeled)
+        lines.extend(f"  note: {line}" for line in self.notes)
+        return "\n".join(lines)
+
     def as_dict(self) -> dict:
         return {
             "changes": self.changes, "step_s": self.step_s, "tokens_per_s_per_gpu": self.tokens_per_s_per_gpu,
