@@ -8,8 +8,8 @@
       manual_gc: [0, 5]
     baseline: {sync_free_level: 0, grouped_gemm_backend: loop, manual_gc: 0}   # default: first values
     fixed: {steps: 6}            # overrides applied to every trial
-    constraints:                 # Python expressions over the knobs, `fixed` and the resolved trainer
-      - "not (grouped_gemm_backend == 'loop' and sync_free_level >= 2)"    # config; all must hold
+    constraints:                 # expressions over the knobs, `fixed` and the resolved trainer config
+      - "not (grouped_gemm_backend == 'loop' and sync_free_level >= 2)"    # (autotune/constraints.py)
     objective: tokens_per_s_per_gpu   # or tokens_per_s, mfu (maximized), step_time (minimized)
     budget: {trials: 8, wall_s: 900}
     trial: {timeout_s: 300, stall_s: 120, env: {OMP_NUM_THREADS: "4"}}   # stall_s (optional): no new
@@ -21,6 +21,8 @@
     command: null                # argv prefix replacing `python -m trainer.launch` (wrappers, tests)
 
 Every problem is a :class:`SpaceError` whose message is one line naming the file and the key.
+Constraints are a small expression language (``autotune/constraints.py``), never ``eval``-ed; ``command``
+runs any argv by design: a space file is trusted like code its user wrote (docs/robustness.md).
 Knob names and values are checked against the trainer's own config loader (run as a subprocess, see
 ``autotune/_trainer_check.py``), so a key the trainer does not have yet (e.g. pipeline keys) is
 reported as such, and becomes valid the day the trainer learns it.
@@ -28,7 +30,6 @@ reported as such, and becomes valid the day the trainer learns it.
 
 from __future__ import annotations
 
-import ast
 import itertools
 import json
 import math
@@ -37,6 +38,8 @@ import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+
+from .constraints import ConstraintError, compile_constraint
 
 OBJECTIVES = {  # name -> (manifest metric, maximize?)
     "tokens_per_s_per_gpu": ("tokens_per_s_per_gpu", True),
@@ -48,9 +51,6 @@ _KEYS = {"config", "nproc", "knobs", "baseline", "fixed", "constraints", "object
          "limits", "guided", "command"}
 _SUBKEYS = {"budget": {"trials", "wall_s"}, "trial": {"timeout_s", "stall_s", "env"}, "limits": {"memory_gib"},
             "guided": {"explore", "min_gain", "noise_z", "gemm_roof_pct", "model", "kernel_table"}}
-# names a constraint may call besides the config keys
-_SAFE_BUILTINS = {"min": min, "max": max, "abs": abs, "len": len, "sum": sum, "all": all, "any": any,
-                  "sorted": sorted, "int": int, "float": float, "bool": bool, "set": set, "range": range}
 MAX_GRID = 200_000
 
 
@@ -95,10 +95,10 @@ class Space:
         env = {**self.base_config, **self.fixed, **point}
         for i, c in enumerate(self.constraints):
             try:
-                ok = eval(compile(c, "<constraint>", "eval"), {"__builtins__": _SAFE_BUILTINS}, env)
-            except Exception as e:  # noqa: BLE001 - any failure of a user expression is reported the same way
-                raise SpaceError(f"constraints[{i}]: {c!r} cannot be evaluated for {key_of(point)} "
-                                 f"({type(e).__name__}: {e})") from None
+                ok = compile_constraint(c).evaluate(env)
+            except (ConstraintError, SyntaxError) as e:
+                raise SpaceError(f"constraints[{i}]: {_cut(c)!r} cannot be evaluated for {key_of(point)} "
+                                 f"({' '.join(str(e).split())})") from None
             if not ok:
                 return False
         return True
@@ -119,6 +119,10 @@ class Space:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def _cut(text: str, n: int = 120) -> str:
+    return text if len(text) <= n else text[:n] + "..."
 
 
 def key_of(point: dict[str, Any]) -> str:
@@ -200,9 +204,11 @@ def parse_space(doc: Any, where: str = "space", check_trainer: bool = True, base
         raise SpaceError(f"{where}: constraints: must be a list of expressions (strings)")
     for i, c in enumerate(constraints):
         try:
-            ast.parse(c, mode="eval")
+            compile_constraint(c)
         except SyntaxError:
-            raise SpaceError(f"{where}: constraints[{i}]: {c!r} is not a Python expression") from None
+            raise SpaceError(f"{where}: constraints[{i}]: {_cut(c)!r} is not a Python expression") from None
+        except ConstraintError as e:
+            raise SpaceError(f"{where}: constraints[{i}]: {_cut(c)!r}: {e}") from None
     objective = doc.get("objective", "tokens_per_s_per_gpu")
     if objective not in OBJECTIVES:
         raise SpaceError(f"{where}: objective: {objective!r} is not one of {', '.join(OBJECTIVES)}")
