@@ -219,3 +219,28 @@ def test_example_spaces_use_only_the_language():
     assert len(exprs) >= 10
     for c in exprs:
         compile_constraint(c)
+
+
+def test_space_file_is_bounded_yaml(tmp_path):
+    """The space file goes through the project's bounded YAML loader (moespec.yaml_bounded): aliases
+    that would expand it without end, a huge or non-text file, a FIFO are one line naming the file."""
+    import os
+
+    laughs = tmp_path / "laughs.yaml"
+    laughs.write_text("config: tiny\nknobs:\n  manual_gc: [0, 1]\n  recompute_layer_ids: [[], &a [1, 1, 1, 1, 1, 1, 1, 1]"
+                      + "".join(f", &{n} [" + ", ".join([f"*{p}"] * 8) + "]" for p, n in zip("abcdefgh", "bcdefghi")) + "]\n")
+    with pytest.raises(SpaceError) as e:
+        load_space(laughs, check_trainer=False)
+    assert str(e.value).startswith(f"{laughs}: not valid YAML (aliases (*name) expand this value to ")
+    big = tmp_path / "big.yaml"
+    big.write_text("config: tiny\n" + "#" * (1 << 20))
+    with pytest.raises(SpaceError, match=r"big.yaml: 1048589 bytes is too large for a space file \(at most 1048576\)"):
+        load_space(big, check_trainer=False)
+    binary = tmp_path / "bin.yaml"
+    binary.write_bytes(b"config: \xff\xfe\n")
+    with pytest.raises(SpaceError, match=r"bin.yaml: not a UTF-8 text file \(byte 8\)"):
+        load_space(binary, check_trainer=False)
+    fifo = tmp_path / "fifo.yaml"
+    os.mkfifo(fifo)
+    with pytest.raises(SpaceError, match=r"fifo.yaml: cannot read: not a regular file"):
+        load_space(fifo, check_trainer=False)

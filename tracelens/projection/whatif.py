@@ -1169,18 +1169,25 @@ def predict(run: str | Path, changes: dict, kernel_table: str | Path | None = No
 
 
 def parse_sets(items: list[str]) -> dict:
-    """``KEY=VALUE`` strings (values parsed as YAML, like the trainer's --set) -> dict."""
+    """``KEY=VALUE`` strings (values parsed as YAML, like the trainer's --set, by the same bounded
+    loader: moespec.yaml_bounded) -> dict."""
     import yaml
+
+    from moespec.yaml_bounded import safe_load
 
     out = {}
     for it in items:
+        shown = it if len(it) <= 80 else it[:80] + "..."
         if "=" not in it:
-            raise WhatIfError(f"--set {it!r}: expected KEY=VALUE")
+            raise WhatIfError(f"--set {shown!r}: expected KEY=VALUE")
         k, v = it.split("=", 1)
         try:
-            out[k.strip()] = yaml.safe_load(v)
-        except yaml.YAMLError:
-            raise WhatIfError(f"--set {it!r}: value is not valid YAML") from None
+            out[k.strip()] = safe_load(v)
+        except yaml.YAMLError as e:
+            why = " ".join(str(getattr(e, "problem", None) or e).split())[:200]
+            raise WhatIfError(f"--set {shown!r}: value is not valid YAML ({why})") from None
+        except RecursionError:
+            raise WhatIfError(f"--set {shown!r}: value is not valid YAML (nested too deeply)") from None
     return out
 
 
