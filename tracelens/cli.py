@@ -396,7 +396,11 @@ def host(paths, json_out, small_us, no_cache):
     if items:
         _echo("findings:")
         for f in items:
-            _echo(f"  [{f['severity']}] {f['title']} (recoverable ~{f['recoverable_us'] / 1e3:.3f} ms/rank)")
+            if f["recoverable_us"] is None:  # an "info" finding: where time goes, no estimate of a fix's gain
+                _echo(f"  [{f['severity']}] {f['title']} ({100 * f['share_of_span']:.1f}% of the step; "
+                      "no recovery estimate)")
+            else:
+                _echo(f"  [{f['severity']}] {f['title']} (recoverable ~{f['recoverable_us'] / 1e3:.3f} ms/rank)")
     if json_out:
         recs = lambda df: json.loads(df.to_json(orient="records"))  # noqa: E731
         doc = {"schema_version": 1, "syncs": recs(syncs.drop(columns=["stack"])), "sync_summary": recs(ss),

@@ -113,3 +113,21 @@ def test_cpu_only_summary_names_host_time_per_step_and_range(tmp_path):
     assert "(32%)" in line  # 1600 us of 5000 us of steps
     assert "top ops by self time per step: aten::mm 0.400 ms" in r.stdout  # (300 + 500) / 2 us
     assert any(x.startswith("finding (info):") for x in r.stdout.splitlines())
+
+
+def test_host_prints_info_findings_without_a_recovery_estimate(tmp_path):
+    """A trace without GPU activity (the trainer on a CPU; HTA's MTIA test trace, whose device is not a
+    GPU to the loader) has only "info" findings, whose recoverable_us is null: `host` prints their
+    share of the step instead of dividing None (it exited 3)."""
+    from ..conftest import FIXTURES
+
+    out = tmp_path / "host.json"
+    r = run("host", str(FIXTURES / "cpu_tiny" / "rank0.json.gz"), "--no-cache", "--json", str(out))
+    assert r.returncode == 0 and "Traceback" not in r.stderr and "internal error" not in r.stderr, r.stderr
+    items = json.loads(out.read_text())["findings"]
+    info = [f for f in items if f["recoverable_us"] is None]
+    assert info and all(f["severity"] == "info" for f in info)
+    lines = [x for x in r.stdout.splitlines() if x.startswith("  [info] ")]
+    assert [x.rsplit(" (", 1)[0] for x in lines] == [f"  [info] {f['title']}" for f in info]
+    for x, f in zip(lines, info):
+        assert x.endswith(f"({100 * f['share_of_span']:.1f}% of the step; no recovery estimate)")
