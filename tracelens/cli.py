@@ -215,16 +215,11 @@ def profile(config, nproc, out, overrides, open_browser, trainer_args):
 
 
 def _manifest(path: str) -> dict | None:
-    p = Path(path)
-    m = p / "manifest.json" if p.is_dir() else None
-    if m is None or not m.exists():
-        return None
-    import json
+    """The run dir's manifest.json, checked (tracelens.io.manifest); None for a trace or trace directory."""
+    from .io.manifest import read_manifest, run_manifest_path
 
-    try:
-        return json.loads(m.read_text())
-    except (OSError, ValueError) as e:
-        raise TraceError(m, f"unreadable manifest ({e})") from None
+    m = run_manifest_path(path)
+    return None if m is None else read_manifest(m)
 
 
 @main.command()
@@ -247,10 +242,11 @@ def diff(base, new, out, rules, no_cache, top, quiet):
     from .analysis.diff import check_rules, diff as run_diff, parse_rule
     from reports import diff as render
 
-    parsed_rules = [parse_rule(r) for r in rules]  # bad rules fail before any loading
+    parsed_rules = [parse_rule(r) for r in rules]  # bad rules and manifests fail before any loading
+    base_manifest, new_manifest = _manifest(base), _manifest(new)
     a = run_analysis(load(base, cache=not no_cache))
     b = run_analysis(load(new, cache=not no_cache))
-    result = run_diff(a, b, _manifest(base), _manifest(new), base_label=str(base), new_label=str(new))
+    result = run_diff(a, b, base_manifest, new_manifest, base_label=str(base), new_label=str(new))
     verdicts = check_rules(result, parsed_rules)
     if out:
         render.write_all(result, out, verdicts)
@@ -580,14 +576,14 @@ def whatif(run, sets, kernel_table, memory_gib, json_out):
     See docs/whatif.md."""
     import json
 
-    from .projection.whatif import Model, WhatIfError, parse_sets
+    from .projection.whatif import Model, ProfileError, WhatIfError, parse_sets
 
     try:
         changes = parse_sets(list(sets))
         m = Model.from_run(run, kernel_table=kernel_table, capacity_gib=memory_gib)
         p = m.predict(changes)
-    except WhatIfError as e:
-        _fail(str(e))
+    except (WhatIfError, ProfileError) as e:
+        _fail(" ".join(str(e).split()))
     ch = ", ".join(f"{k}={v}" for k, v in p.changes.items()) or "(no change)"
     _echo(f"what-if {ch} on {run}")
     unc = f"+/- {100 * p.uncertainty:.0f}%"

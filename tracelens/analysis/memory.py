@@ -113,12 +113,9 @@ def load_model_config(src: str | os.PathLike, overrides: Iterable[str] = ()) -> 
         p = p / "manifest.json"
     try:
         if p.suffix == ".json":
-            try:
-                man = json.loads(p.read_text())
-            except (OSError, ValueError) as e:
-                raise TraceError(p, f"cannot read manifest: {e}") from None
-            if not isinstance(man, dict) or not isinstance(man.get("config"), dict):
-                raise TraceError(p, "not a trainer manifest (no 'config' mapping)")
+            from ..io.manifest import read_manifest  # noqa: PLC0415
+
+            man = read_manifest(p, need_config=True)  # fields of the trainer's types, else one line
             ovr = dict(man["config"])
             for o in overrides:
                 k, v = parse_override(o)

@@ -20,7 +20,6 @@ Built from analysis tables (``Analysis.gpu``, ``Analysis.tree``, ``Analysis.step
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,6 +30,7 @@ import pandas as pd
 
 from .. import categories as C
 from ..analysis.calltree import KIND_ANNOTATION, KIND_OP, KIND_RUNTIME
+from ..errors import TraceError
 
 # Components of a step, in the order a report lists them: they add up to the step time. Device work
 # first (communication counts only where no computation overlaps it: exposed), then device idle time
@@ -394,18 +394,17 @@ def _syncs(tree: pd.DataFrame, rank: int, start: int, end: int) -> pd.DataFrame:
 
 
 def read_manifest(run: str | Path) -> dict | None:
-    """The run dir's manifest.json (None when ``run`` is not a run dir or has none)."""
-    p = Path(run)
-    m = p / "manifest.json" if p.is_dir() else None
-    if m is None or not m.is_file():
+    """The run dir's manifest.json (None when ``run`` is not a run dir or has none), checked: its fields
+    have the trainer's types and it has a config (tracelens.io.manifest); else a one-line ProfileError."""
+    from ..io.manifest import read_manifest as read_checked, run_manifest_path
+
+    m = run_manifest_path(run)
+    if m is None:
         return None
     try:
-        doc = json.loads(m.read_text())
-    except (OSError, ValueError) as e:
-        raise ProfileError(f"{m}: unreadable manifest ({type(e).__name__}: {e})") from None
-    if not isinstance(doc, dict) or not isinstance(doc.get("config"), dict):
-        raise ProfileError(f"{m}: not a trainer manifest (no 'config' object)")
-    return doc
+        return read_checked(m, need_config=True)
+    except TraceError as e:
+        raise ProfileError(e.one_line()) from None
 
 
 __all__ = ["COMPONENTS", "WORK_COMPONENTS", "IDLE_COMPONENTS", "SCALES", "StepProfile", "ProfileError",

@@ -175,7 +175,7 @@ class Model:
         if man is None:
             raise WhatIfError(f"{run}: not a run dir with a manifest.json (the what-if model needs the run's config "
                               "and measured step times)")
-        cfg = dict(man["config"])
+        cfg = cls._run_config(man["config"], run / "manifest.json")
         metrics = man.get("metrics") or {}
         mean = metrics.get("mean_step_time_s")
         if not isinstance(mean, (int, float)) or not math.isfinite(mean) or mean <= 0:
@@ -344,6 +344,17 @@ class Model:
         scale = (int(cfg["micro_batch_size"]) * int(cfg.get("microbatches") or 1) * int(cfg["seq_len"])) / (
             int(self.config["micro_batch_size"]) * int(self.config.get("microbatches") or 1) * int(self.config["seq_len"]))
         return float(base) * scale
+
+    @staticmethod
+    def _run_config(raw: dict, manifest: Path) -> dict:
+        """The run's config, checked by the trainer's own loader (the model computes with its values):
+        a manifest whose config the trainer would refuse is one line naming the manifest."""
+        from trainer.config import ConfigError, load_config  # noqa: PLC0415 (standard library + PyYAML)
+
+        try:
+            return load_config(None, dict(raw))
+        except ConfigError as e:
+            raise WhatIfError(f"{manifest}: the run's config is not valid ({e})") from None
 
     def _validate(self, changes: dict) -> dict:
         from trainer.config import ConfigError, load_config  # noqa: PLC0415 (standard library + PyYAML)
