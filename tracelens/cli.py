@@ -684,6 +684,8 @@ def memory(config, overrides, world, pp, vpp, ep, tp, cp, dp, mbs, seq, microbat
     from .analysis import memory as M
 
     mc = M.load_model_config(config, overrides)
+    for w in mc.warnings:
+        _echo(f"tracelens: warning: {w}", err=True)
     cfg = mc.config
     if dp_mode is not None:
         cfg = {**cfg, "dp_mode": dp_mode}

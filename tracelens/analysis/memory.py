@@ -88,6 +88,7 @@ class ModelConfig:
     measured_kind: str | None = None
     measured_peaks: tuple[int, ...] | None = None  # from a manifest: per global rank
     pipeline: dict | None = None        # from a manifest: its "pipeline" record (stage_layers, stage_to_rank, ...)
+    warnings: tuple[str, ...] = ()      # e.g. a bare name that is both a config and a local path
 
     def layout_kwargs(self) -> dict:
         """Layout keys that a pipelined run's manifest fixes: the trainer's own stage layout and placement
@@ -103,10 +104,14 @@ class ModelConfig:
 
 def load_model_config(src: str | os.PathLike, overrides: Iterable[str] = ()) -> ModelConfig:
     """Read a trainer config: a YAML file, a config name under trainer/configs, a run's manifest.json or a
-    run dir. ``overrides`` are ``key=value`` strings. Bad input raises a one-line `TraceError`."""
-    from trainer.config import ConfigError, load_config, parse_override  # noqa: PLC0415 (PyYAML only)
+    run dir. ``overrides`` are ``key=value`` strings. Bad input raises a one-line `TraceError`.
+    Which one ``src`` means: see :func:`resolve_source`."""
+    from trainer.config import CONFIG_DIR, ConfigError, load_config, parse_override  # noqa: PLC0415 (PyYAML only)
 
-    p = Path(src)
+    p, note = resolve_source(src, CONFIG_DIR)
+    if note is not None:
+        mc = load_model_config(p, overrides)
+        return replace(mc, source=str(src), warnings=(note,) + mc.warnings)
     if p.is_dir():
         if not (p / "manifest.json").exists():
             raise TraceError(p, "directory has no manifest.json (expected a run dir)")
@@ -141,6 +146,25 @@ def load_model_config(src: str | os.PathLike, overrides: Iterable[str] = ()) -> 
             raise TraceError(src, f"invalid YAML: {' '.join(str(e).split())}") from None
         raise
     return ModelConfig(cfg, str(src))
+
+
+def resolve_source(src: str | os.PathLike, config_dir: Path) -> tuple[Path, str | None]:
+    """What CONFIG names, and the line to warn with when that was a choice. A path is a path when it
+    says so: it has a directory part (``./tiny``, ``runs/tiny``, an absolute path) or nothing else
+    matches. A bare name (``tiny``, ``tiny.yaml``) is a config under ``config_dir`` when one has that name,
+    even if a file or directory of that name exists here too; then the warning says which was taken and
+    how to ask for the other (``./tiny``)."""
+    text = os.fspath(src)
+    p = Path(text)
+    bare = text not in ("", ".", "..") and os.sep not in text and "/" not in text
+    named = next((c for c in (config_dir / text, config_dir / f"{text}.yaml") if c.is_file()), None) if bare else None
+    if named is None:
+        return p, None
+    if not (p.exists() or p.is_symlink()):
+        return named, None
+    kind = "directory" if p.is_dir() else "file"
+    return named, (f"{text!r} is both a trainer config ({named.name} under trainer/configs) and a {kind} here; "
+                   f"using the config (write ./{text} for the {kind})")
 
 
 @dataclass(frozen=True)
