@@ -230,18 +230,11 @@ def profile(config, nproc, out, overrides, open_browser, trainer_args):
 
 
 def _manifest(path: str) -> dict | None:
-    """The manifest of the run dir ``path`` (None for trace files and directories without one); one line
-    naming the file when it cannot be read or is not a JSON object."""
-    from .io.run import Run
+    """The run dir's manifest.json, checked (tracelens.io.manifest); None for a trace or trace directory."""
+    from .io.manifest import read_manifest, run_manifest_path
 
-    p = Path(path)
-    if not p.is_dir():
-        return None
-    run = Run.open(p)
-    if run.manifest is None and run.manifest_error is not None:
-        kind, msg = run.manifest_error
-        raise TraceError(run.manifest_path, f"unreadable manifest ({msg})" if kind else msg)
-    return run.manifest
+    m = run_manifest_path(path)
+    return None if m is None else read_manifest(m)
 
 
 @main.command()
@@ -264,10 +257,11 @@ def diff(base, new, out, rules, no_cache, top, quiet):
     from .analysis.diff import check_rules, diff as run_diff, parse_rule
     from reports import diff as render
 
-    parsed_rules = [parse_rule(r) for r in rules]  # bad rules fail before any loading
+    parsed_rules = [parse_rule(r) for r in rules]  # bad rules and manifests fail before any loading
+    base_manifest, new_manifest = _manifest(base), _manifest(new)
     a = run_analysis(load(base, cache=not no_cache))
     b = run_analysis(load(new, cache=not no_cache))
-    result = run_diff(a, b, _manifest(base), _manifest(new), base_label=str(base), new_label=str(new))
+    result = run_diff(a, b, base_manifest, new_manifest, base_label=str(base), new_label=str(new))
     verdicts = check_rules(result, parsed_rules)
     if out:
         render.write_all(result, out, verdicts)
@@ -466,14 +460,14 @@ def whatif(run, sets, kernel_table, memory_gib, json_out):
     """Predict step time, tokens/s/GPU and peak memory of RUN with changed trainer keys, component by
     component, from RUN's profiled step (the host/device replay, calibrated to its measured step time).
     See docs/whatif.md."""
-    from .projection.whatif import Model, WhatIfError, parse_sets
+    from .projection.whatif import Model, ProfileError, WhatIfError, parse_sets
 
     try:
         changes = parse_sets(list(sets))
         m = Model.from_run(run, kernel_table=kernel_table, capacity_gib=memory_gib)
         p = m.predict(changes)
-    except WhatIfError as e:
-        _fail(str(e))
+    except (WhatIfError, ProfileError) as e:
+        _fail(" ".join(str(e).split()))
     _echo(p.to_text(run))
     if json_out:
         _write_json(json_out, p.to_dict(), default=str)
@@ -542,6 +536,8 @@ def memory(config, overrides, world, pp, vpp, ep, tp, cp, dp, mbs, seq, microbat
     from .analysis import memory as M
 
     mc = M.load_model_config(config, overrides)
+    for w in mc.warnings:
+        _echo(f"tracelens: warning: {w}", err=True)
     cfg, lay = M.layout_for(mc, source=config, dp_mode=dp_mode, world=world, pp=pp, vpp=vpp, ep=ep, tp=tp, cp=cp,
                             dp=dp, mbs=mbs, seq=seq, microbatches=microbatches, global_batch=global_batch,
                             schedule=schedule, recompute=recompute, sync_free_level=sync_free_level,

@@ -82,6 +82,7 @@ class ModelConfig:
     measured_kind: str | None = None
     measured_peaks: tuple[int, ...] | None = None  # from a manifest: per global rank
     pipeline: dict | None = None        # from a manifest: its "pipeline" record (stage_layers, stage_to_rank, ...)
+    warnings: tuple[str, ...] = ()      # e.g. a bare name that is both a config and a local path
 
     @property
     def measured_on_gpu(self) -> bool:
@@ -102,23 +103,25 @@ class ModelConfig:
 
 def load_model_config(src: str | os.PathLike, overrides: Iterable[str] = ()) -> ModelConfig:
     """Read a trainer config: a YAML file, a config name under trainer/configs, a run's manifest.json or a
-    run dir. ``overrides`` are ``key=value`` strings. Bad input raises a one-line `TraceError`."""
-    from moespec.config import ConfigError, load_config, parse_override  # noqa: PLC0415 (PyYAML on first use)
+    run dir. ``overrides`` are ``key=value`` strings. Bad input raises a one-line `TraceError`.
+    Which one ``src`` means: see :func:`resolve_source`."""
+    from moespec.config import CONFIG_DIR, ConfigError, load_config, parse_override  # noqa: PLC0415 (PyYAML on first use)
 
-    from ..io.run import MANIFEST, read_json_object
+    from ..io.run import MANIFEST
 
-    p = Path(src)
+    p, note = resolve_source(src, CONFIG_DIR)
+    if note is not None:
+        mc = load_model_config(p, overrides)
+        return replace(mc, source=str(src), warnings=(note,) + mc.warnings)
     if p.is_dir():
         if not (p / MANIFEST).exists():
             raise TraceError(p, "directory has no manifest.json (expected a run dir)")
         p = p / MANIFEST
     try:
         if p.suffix == ".json":
-            man, err = read_json_object(p)
-            if err is not None and err[0]:
-                raise TraceError(p, f"cannot read manifest: {err[1]}")
-            if not isinstance(man, dict) or not isinstance(man.get("config"), dict):
-                raise TraceError(p, "not a trainer manifest (no 'config' mapping)")
+            from ..io.manifest import read_manifest  # noqa: PLC0415
+
+            man = read_manifest(p, need_config=True)  # fields of the trainer's types, else one line
             ovr = dict(man["config"])
             for o in overrides:
                 k, v = parse_override(o)
@@ -144,6 +147,25 @@ def load_model_config(src: str | os.PathLike, overrides: Iterable[str] = ()) -> 
             raise TraceError(src, f"invalid YAML: {' '.join(str(e).split())}") from None
         raise
     return ModelConfig(cfg, str(src))
+
+
+def resolve_source(src: str | os.PathLike, config_dir: Path) -> tuple[Path, str | None]:
+    """What CONFIG names, and the line to warn with when that was a choice. A path is a path when it
+    says so: it has a directory part (``./tiny``, ``runs/tiny``, an absolute path) or nothing else
+    matches. A bare name (``tiny``, ``tiny.yaml``) is a config under ``config_dir`` when one has that name,
+    even if a file or directory of that name exists here too; then the warning says which was taken and
+    how to ask for the other (``./tiny``)."""
+    text = os.fspath(src)
+    p = Path(text)
+    bare = text not in ("", ".", "..") and os.sep not in text and "/" not in text
+    named = next((c for c in (config_dir / text, config_dir / f"{text}.yaml") if c.is_file()), None) if bare else None
+    if named is None:
+        return p, None
+    if not (p.exists() or p.is_symlink()):
+        return named, None
+    kind = "directory" if p.is_dir() else "file"
+    return named, (f"{text!r} is both a trainer config ({named.name} under trainer/configs) and a {kind} here; "
+                   f"using the config (write ./{text} for the {kind})")
 
 
 @dataclass(frozen=True)

@@ -49,19 +49,25 @@ def _one_line(e: BaseException) -> str:
     return " ".join(str(e).split())[:200] or type(e).__name__
 
 
-def read_json_object(path: Path) -> tuple[dict | None, tuple[str, str] | None]:
-    """(the JSON object in ``path``, None) or (None, (exception type name or "", the problem)). Never raises."""
+def read_json_value(path: Path) -> tuple[Any, tuple[str, str] | None]:
+    """(the JSON document in ``path``, None) or (None, (exception type name or "", the problem)). Never raises.
+    Only a regular file of at most MAX_MANIFEST_BYTES is read (a FIFO would block, a device never end)."""
     try:
-        if not path.is_file():  # a FIFO would block the read, a device never end it
+        if not path.is_file():
             return None, ("", "not a regular file")
         if path.stat().st_size > MAX_MANIFEST_BYTES:
             return None, ("", f"larger than {MAX_MANIFEST_BYTES >> 20} MiB: not a manifest")
-        doc = json.loads(path.read_bytes())
+        return json.loads(path.read_bytes()), None
     except (OSError, ValueError, RecursionError) as e:
         return None, (type(e).__name__, str(e))
-    if not isinstance(doc, dict):
+
+
+def read_json_object(path: Path) -> tuple[dict | None, tuple[str, str] | None]:
+    """(the JSON object in ``path``, None) or (None, (exception type name or "", the problem)). Never raises."""
+    doc, err = read_json_value(path)
+    if err is None and not isinstance(doc, dict):
         return None, ("", "not a JSON object")
-    return doc, None
+    return doc, err
 
 
 def _problem(mf: Path, err: tuple[str, str] | None) -> str | None:
@@ -262,4 +268,4 @@ class Run:
                 "trace_files": list(self.trace_files)}
 
 
-__all__ = ["Run", "MANIFEST", "INCOMPLETE", "pipeline_files", "read_json_object", "read_pipeline_bytes"]
+__all__ = ["Run", "MANIFEST", "INCOMPLETE", "pipeline_files", "read_json_object", "read_json_value", "read_pipeline_bytes"]

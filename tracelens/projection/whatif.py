@@ -173,7 +173,7 @@ class Model:
         if man is None:
             raise WhatIfError(f"{run}: not a run dir with a manifest.json (the what-if model needs the run's config "
                               "and measured step times)")
-        cfg = dict(man["config"])
+        cfg = cls._run_config(man["config"], run / "manifest.json")
         metrics = man.get("metrics") or {}
         mean = metrics.get("mean_step_time_s")
         if not isinstance(mean, (int, float)) or not math.isfinite(mean) or mean <= 0:
@@ -334,6 +334,17 @@ class Model:
             int(self.config["micro_batch_size"]) * int(self.config.get("microbatches") or 1) * int(self.config["seq_len"]))
         return float(base) * scale
 
+    @staticmethod
+    def _run_config(raw: dict, manifest: Path) -> dict:
+        """The run's config, checked by the trainer's own loader (the model computes with its values):
+        a manifest whose config the trainer would refuse is one line naming the manifest."""
+        from moespec.config import ConfigError, load_config  # noqa: PLC0415 (standard library + PyYAML)
+
+        try:
+            return load_config(None, dict(raw))
+        except ConfigError as e:
+            raise WhatIfError(f"{manifest}: the run's config is not valid ({e})") from None
+
     def _validate(self, changes: dict) -> dict:
         bad = [k for k in changes if k not in DEFAULTS]
         if bad:
@@ -454,18 +465,25 @@ def predict(run: str | Path, changes: dict, kernel_table: str | Path | None = No
 
 
 def parse_sets(items: list[str]) -> dict:
-    """``KEY=VALUE`` strings (values parsed as YAML, like the trainer's --set) -> dict."""
+    """``KEY=VALUE`` strings (values parsed as YAML, like the trainer's --set, by the same bounded
+    loader: moespec.yaml_bounded) -> dict."""
     import yaml
+
+    from moespec.yaml_bounded import safe_load
 
     out = {}
     for it in items:
+        shown = it if len(it) <= 80 else it[:80] + "..."
         if "=" not in it:
-            raise WhatIfError(f"--set {it!r}: expected KEY=VALUE")
+            raise WhatIfError(f"--set {shown!r}: expected KEY=VALUE")
         k, v = it.split("=", 1)
         try:
-            out[k.strip()] = yaml.safe_load(v)
-        except yaml.YAMLError:
-            raise WhatIfError(f"--set {it!r}: value is not valid YAML") from None
+            out[k.strip()] = safe_load(v)
+        except yaml.YAMLError as e:
+            why = " ".join(str(getattr(e, "problem", None) or e).split())[:200]
+            raise WhatIfError(f"--set {shown!r}: value is not valid YAML ({why})") from None
+        except RecursionError:
+            raise WhatIfError(f"--set {shown!r}: value is not valid YAML (nested too deeply)") from None
     return out
 
 
