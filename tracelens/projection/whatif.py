@@ -173,7 +173,7 @@ class Model:
         if man is None:
             raise WhatIfError(f"{run}: not a run dir with a manifest.json (the what-if model needs the run's config "
                               "and measured step times)")
-        cfg = cls._run_config(man["config"], run / "manifest.json")
+        cfg = cls._run_config(man["config"], run / MANIFEST)
         metrics = man.get("metrics") or {}
         mean = metrics.get("mean_step_time_s")
         if not isinstance(mean, (int, float)) or not math.isfinite(mean) or mean <= 0:
