@@ -156,43 +156,36 @@ def test_cli_prints_the_components_and_writes_json(tmp_path):
     assert sum(doc["components_ms"].values()) == pytest.approx(1e3 * doc["step_s"], rel=1e-9)
 
 
-# ----------------------------------------------------------------------------- CPU accuracy on real runs
-CPU_GRID = [
-    {"micro_batch_size": 2},
-    {"micro_batch_size": 8},
-    {"grouped_gemm_backend": "torch"},
-    {"grouped_gemm_backend": "torch", "micro_batch_size": 8, "sync_free_level": 3},
-    {"recompute_layer_ids": [1, 2]},
-]
-CPU_FIXED = {"steps": 10, "profile_step_start": 5, "profile_step_end": 6, "timing_warmup_steps": 2, "log_every": 100}
+# ----------------------------------------------------------------------------- CPU accuracy on recorded runs
+GRID = FIX / "cpu_whatif_grid"  # benchmarks/record_cpu_whatif_grid.py, 4 repetitions on the device machine's CPU
 
 
-def _train(out: Path, changes: dict) -> dict:
-    cmd = [sys.executable, "-m", "trainer.launch", "--config", "tiny", "--nproc", "1", "-o", str(out)]
-    for k, v in {**CPU_FIXED, **changes}.items():
-        cmd += ["--set", f"{k}={json.dumps(v)}"]
-    r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600,
-                       env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
-    return json.loads((out / "manifest.json").read_text())
+def _tokens(d: Path) -> float:
+    return float(json.loads((d / "manifest.json").read_text())["metrics"]["tokens_per_s_per_gpu"])
 
 
-@pytest.mark.slow
-def test_cpu_prediction_accuracy_on_a_grid_of_real_runs(tmp_path):
-    """One profiled baseline (tiny config, level 0, loop backend, micro-batch 4) predicts five other real
-    runs; the median absolute error of tokens/s/GPU must be at most 20 %. (Two runs of the same config
-    differ by up to ~13 % on a loaded 2-core machine: the bound holds the model's error and that noise.)"""
-    _train(tmp_path / "base", {})
-    m = W.Model.from_run(tmp_path / "base")
-    errs, lines = [], []
-    for i, ch in enumerate(CPU_GRID):
-        man = _train(tmp_path / f"p{i}", ch)
-        pred = m.predict(ch).tokens_per_s_per_gpu
-        meas = man["metrics"]["tokens_per_s_per_gpu"]
-        errs.append(abs(pred - meas) / meas)
-        lines.append(f"{ch}: predicted {pred:.0f} measured {meas:.0f} error {100 * errs[-1]:.1f}%")
-    print("\n".join(lines))
-    assert statistics.median(errs) <= 0.20, "\n".join(lines)
+def test_cpu_prediction_accuracy_on_recorded_runs():
+    """Accuracy on recorded runs, never timed inside the suite. The tiny config's baseline (level 0, loop backend,
+    micro-batch 4) and five other configs were each run 4 times on 2 pinned cores of a shared machine, where one
+    config's tokens/s varies up to 1.9x from run to run. Truth for each config is the median of its 4 runs, and
+    what a profiled run lets the model predict is the ratio to itself: each of the 4 baselines predicts the 5
+    ratios, and the median error must be at most 10 % for every baseline (measured 4-6 %; worst single point
+    23 %, recompute)."""
+    grid = json.loads((GRID / "grid.json").read_text())["grid"]
+    reps = sorted(GRID.glob("rep*"))
+    assert len(reps) == 4
+    truth = {n: statistics.median(_tokens(r / n) for r in reps) for n in ["base"] + [f"p{i}" for i in range(len(grid))]}
+    worst, lines = 0.0, []
+    for r in reps:
+        m = W.Model.from_run(r / "base")
+        errs = []
+        for i, ch in enumerate(grid):
+            p = m.predict(ch)
+            want = truth[f"p{i}"] / truth["base"]
+            errs.append(abs(p.tokens_per_s_per_gpu / p.base_tokens_per_s_per_gpu - want) / want)
+        lines.append(f"{r.name}: " + ", ".join(f"{100 * e:.1f}%" for e in errs))
+        worst = max(worst, statistics.median(errs))
+    assert worst <= 0.10, "\n".join(lines)
 
 
 def _synthetic_profile(units: list[tuple[int, int, int]]) -> P.StepProfile:
