@@ -582,13 +582,13 @@ def whatif(run, sets, kernel_table, memory_gib, json_out):
     See docs/whatif.md."""
     import json
 
-    from .projection.whatif import Model, WhatIfError, parse_sets
+    from .projection.whatif import Model, ProfileError, WhatIfError, parse_sets
 
     try:
         changes = parse_sets(list(sets))
         m = Model.from_run(run, kernel_table=kernel_table, capacity_gib=memory_gib)
         p = m.predict(changes)
-    except WhatIfError as e:
+    except (WhatIfError, ProfileError) as e:  # one line naming the run's file (manifest, traces) or the key
         _fail(str(e))
     ch = ", ".join(f"{k}={v}" for k, v in p.changes.items()) or "(no change)"
     _echo(f"what-if {ch} on {run}")
