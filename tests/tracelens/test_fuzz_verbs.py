@@ -173,8 +173,9 @@ def _log(record: dict) -> None:
             f.write(json.dumps(record, default=str) + "\n")
 
 
-def _run(prop: str, body) -> None:
-    """Run one case of property ``prop``: ``body(case)`` returns the outcome ('ok' / 'error')."""
+def _run(prop: str, body, inputs: dict) -> None:
+    """Run one case of property ``prop`` drawn from ``inputs``: ``body(case)`` returns the outcome ('ok' /
+    'error')."""
     t0 = _STARTED.setdefault(prop, time.monotonic())
     if time.monotonic() - t0 > BUDGET_S:
         _log({"prop": prop, "outcome": "skipped"})
@@ -195,7 +196,7 @@ def _run(prop: str, body) -> None:
     finally:
         case.close()
     _log({"prop": prop, "outcome": outcome, "s": round(time.monotonic() - start, 2), "calls": case.calls,
-          "message": message[:4000]})
+          "message": message[:4000], **({} if outcome in ("ok", "error") else {"inputs": repr(inputs)[:20_000]})})
     if outcome in ("ok", "error"):
         return
     if LOG:  # the long run counts every failure; the property fails at its end (_finish)
@@ -290,11 +291,17 @@ def _check_host(doc) -> None:
 
 
 def _check_comm(doc) -> None:
+    for r in doc["records"]:  # per instance and rank: the kernel is the wait for the last rank + the transfer
+        if r.get("comm_us") is not None and r.get("sync_us") is not None:
+            assert r["comm_us"] >= -EPS and r["sync_us"] >= -EPS, r
+            _close(r["comm_us"] + r["sync_us"], r["kernel_us"], "comm + sync = kernel time", rel=1e-4, abs_=0.01)
     for r in doc["summary"]:
         _frac(r["sync_pct"], "summary.sync_pct", 100)
-        assert r["count"] >= 0 and r["kernel_us"] >= 0, r
-        if r["comm_us"] is not None and r["sync_us"] is not None:
-            _close(r["comm_us"] + r["sync_us"], r["kernel_us"], "comm + sync = kernel time", rel=1e-4, abs_=0.01)
+        assert r["count"] >= 0 and r["kernel_us"] >= 0 and 0 <= r["cross_rank"] <= r["count"], r
+        if r["comm_us"] is not None and r["sync_us"] is not None:  # over the cross-rank instances only
+            assert r["comm_us"] + r["sync_us"] <= r["kernel_us"] * (1 + 1e-4) + 0.01, r
+            if r["cross_rank"] == r["count"]:
+                _close(r["comm_us"] + r["sync_us"], r["kernel_us"], "comm + sync = kernel time", rel=1e-4, abs_=0.01)
     for r in doc["exposed_comm"]:
         assert 0 <= r["exposed_comm_us"] <= r["comm_us"] + 0.01, r
         _frac(r.get("exposed_pct"), "exposed_pct", 100)
@@ -605,7 +612,7 @@ def _verb(case: Case, verb: str, run: Path, other: Path | None = None, extra: tu
     """Run ``verb`` on ``run`` and check its answer; returns 'ok' or 'error'. An error must name a file of
     the case, or (for ``--set`` values) one of ``keys``."""
     out = case.dir / "out"
-    names = [str(case.dir), *(f"{k}:" for k in keys), *(f"{k}=" for k in keys)]
+    names = [str(case.dir), *(f"{k}:" for k in keys), *(f"{k}=" for k in keys), *(f"'{k}'" for k in keys)]
     j = out.with_suffix(".json")
     if verb in ("host", "comm", "check", "roofline"):
         res = case.invoke([verb, run, "--json", j, *extra])
@@ -658,7 +665,7 @@ def _prop_manifest(verb, pp, edits):
         other = _run_dir(case, EP2_OTHER, "other") if verb == "diff" else None
         return _verb(case, verb, run, other, ("--no-traces",) if verb == "ppvis" and not pp else ())
 
-    _run("manifest", body)
+    _run("manifest", body, dict(verb=verb, pp=pp, edits=edits))
 
 
 def test_mutated_manifests_error_in_one_line_or_satisfy_the_invariants():
@@ -675,7 +682,7 @@ def _prop_pipeline(verb, traces, rank0, rank1):
         _mutate_pipeline(run, [rank0, rank1])
         return _verb(case, verb, run, extra=("--no-traces",) if verb == "ppvis" and not traces else ())
 
-    _run("pipeline", body)
+    _run("pipeline", body, dict(verb=verb, traces=traces, rank0=rank0, rank1=rank1))
 
 
 def test_mutated_pipeline_files_error_in_one_line_or_satisfy_the_invariants():
@@ -707,7 +714,7 @@ def _prop_traces(verb, pair, muts, gz):
             return _verb(case, "diff", target, MOE_GROUPED if not pair else NCCL_2RANK)
         return _verb(case, verb, target)
 
-    _run("traces", body)
+    _run("traces", body, dict(verb=verb, pair=pair, muts=muts, gz=gz))
 
 
 def test_mutated_traces_through_every_trace_verb():
@@ -756,7 +763,7 @@ def _prop_config(verb, edits, sets, extends):
         run = _run_dir(case, EP2_RUN)  # what-if reads the run's manifest; the changes are --set values
         return _verb(case, "whatif", run, extra=tuple(set_args), keys=keys)
 
-    _run("config", body)
+    _run("config", body, dict(verb=verb, edits=edits, sets=sets, extends=extends))
 
 
 def test_mutated_trainer_configs_and_set_values_error_in_one_line_or_satisfy_the_invariants():
@@ -914,7 +921,7 @@ def _prop_autotune(edits, damage, row, strategy):
         assert sentinel.read_text() == "keep", "a resumed sweep touched a file outside its directory"
         return first
 
-    _run("autotune", body)
+    _run("autotune", body, dict(edits=edits, damage=damage, row=row, strategy=strategy))
 
 
 def test_mutated_spaces_and_stores_error_in_one_line_or_resume():
@@ -940,3 +947,17 @@ def test_whatif_on_an_unreadable_manifest_is_one_line_error(tmp_path, manifest):
     (run / "manifest.json").write_bytes(manifest)
     res = CliRunner().invoke(main, ["whatif", str(run)], env={"TRACELENS_CACHE_DIR": str(tmp_path / "cache")})
     _one_line_exit_2(res, str(run / "manifest.json"))
+
+
+@pytest.mark.parametrize("line", [b"[" * 100_000, b'{"step":' * 100_000], ids=["list", "object"])
+def test_ppvis_on_a_deeply_nested_pipeline_line_is_one_line_error(tmp_path, line):
+    """A pipeline jsonl line nested beyond the decoder's recursion limit was a RecursionError (exit 3)."""
+    run = tmp_path / "run"
+    shutil.copytree(PP2_RUN, run)
+    f = run / "pipeline" / "rank1.jsonl.gz"
+    lines = gzip.decompress(f.read_bytes()).splitlines()
+    f.write_bytes(gzip.compress(b"\n".join(lines[:3] + [line] + lines[3:]) + b"\n"))
+    res = CliRunner().invoke(main, ["ppvis", str(run), "--no-traces", "-o", str(tmp_path / "p.html")],
+                             env={"TRACELENS_CACHE_DIR": str(tmp_path / "cache")})
+    _one_line_exit_2(res, f"{f}:4")
+    assert "nested too deeply" in res.stderr
