@@ -961,3 +961,17 @@ def test_ppvis_on_a_deeply_nested_pipeline_line_is_one_line_error(tmp_path, line
                              env={"TRACELENS_CACHE_DIR": str(tmp_path / "cache")})
     _one_line_exit_2(res, f"{f}:4")
     assert "nested too deeply" in res.stderr
+
+
+@pytest.mark.parametrize("key,value", [("vpp", -3), ("microbatches", 1)])
+def test_whatif_on_a_manifest_whose_config_does_not_validate_names_the_manifest(tmp_path, key, value):
+    """A manifest whose own config the trainer's rules reject was reported as 'config error: vpp: ...',
+    naming no file (the user changed nothing)."""
+    run = tmp_path / "run"
+    shutil.copytree(PP2_RUN, run)
+    doc = json.loads((run / "manifest.json").read_text())
+    doc["config"][key] = value
+    (run / "manifest.json").write_text(json.dumps(doc))
+    res = CliRunner().invoke(main, ["whatif", str(run)], env={"TRACELENS_CACHE_DIR": str(tmp_path / "cache")})
+    _one_line_exit_2(res, str(run / "manifest.json"))
+    assert key in res.stderr
