@@ -8,8 +8,8 @@
       manual_gc: [0, 5]
     baseline: {sync_free_level: 0, grouped_gemm_backend: loop, manual_gc: 0}   # default: first values
     fixed: {steps: 6}            # overrides applied to every trial
-    constraints:                 # Python expressions over the knobs, `fixed` and the resolved trainer
-      - "not (grouped_gemm_backend == 'loop' and sync_free_level >= 2)"    # config; all must hold
+    constraints:                 # expressions over the knobs, `fixed` and the resolved trainer config
+      - "not (grouped_gemm_backend == 'loop' and sync_free_level >= 2)"    # (autotune/constraints.py)
     objective: tokens_per_s_per_gpu   # or tokens_per_s, mfu (maximized), step_time (minimized)
     budget: {trials: 8, wall_s: 900}
     trial: {timeout_s: 300, stall_s: 120, env: {OMP_NUM_THREADS: "4"}}   # stall_s (optional): no new
@@ -21,6 +21,8 @@
     command: null                # argv prefix replacing `python -m trainer.launch` (wrappers, tests)
 
 Every problem is a :class:`SpaceError` whose message is one line naming the file and the key.
+Constraints are a small expression language (``autotune/constraints.py``), never ``eval``-ed; ``command``
+runs any argv by design: a space file is trusted like code its user wrote (docs/robustness.md).
 Knob names and values are checked against the trainer's own config loader (run as a subprocess, see
 ``autotune/_trainer_check.py``), so a key the trainer does not have yet (e.g. pipeline keys) is
 reported as such, and becomes valid the day the trainer learns it.
@@ -28,7 +30,6 @@ reported as such, and becomes valid the day the trainer learns it.
 
 from __future__ import annotations
 
-import ast
 import itertools
 import json
 import math
@@ -37,6 +38,10 @@ import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+
+from moespec.yaml_bounded import short_repr
+
+from .constraints import ConstraintError, compile_constraint
 
 OBJECTIVES = {  # name -> (manifest metric, maximize?)
     "tokens_per_s_per_gpu": ("tokens_per_s_per_gpu", True),
@@ -48,10 +53,8 @@ _KEYS = {"config", "nproc", "knobs", "baseline", "fixed", "constraints", "object
          "limits", "guided", "command"}
 _SUBKEYS = {"budget": {"trials", "wall_s"}, "trial": {"timeout_s", "stall_s", "env"}, "limits": {"memory_gib"},
             "guided": {"explore", "min_gain", "noise_z", "gemm_roof_pct", "model", "kernel_table"}}
-# names a constraint may call besides the config keys
-_SAFE_BUILTINS = {"min": min, "max": max, "abs": abs, "len": len, "sum": sum, "all": all, "any": any,
-                  "sorted": sorted, "int": int, "float": float, "bool": bool, "set": set, "range": range}
 MAX_GRID = 200_000
+MAX_SPACE_BYTES = 1 << 20  # a space file is a page of YAML; more is a mistake (or an attack)
 
 
 class SpaceError(ValueError):
@@ -95,10 +98,10 @@ class Space:
         env = {**self.base_config, **self.fixed, **point}
         for i, c in enumerate(self.constraints):
             try:
-                ok = eval(compile(c, "<constraint>", "eval"), {"__builtins__": _SAFE_BUILTINS}, env)
-            except Exception as e:  # noqa: BLE001 - any failure of a user expression is reported the same way
-                raise SpaceError(f"constraints[{i}]: {c!r} cannot be evaluated for {key_of(point)} "
-                                 f"({type(e).__name__}: {e})") from None
+                ok = compile_constraint(c).evaluate(env)
+            except (ConstraintError, SyntaxError) as e:
+                raise SpaceError(f"constraints[{i}]: {_cut(c)!r} cannot be evaluated for {_cut(key_of(point))} "
+                                 f"({' '.join(str(e).split())})") from None
             if not ok:
                 return False
         return True
@@ -121,20 +124,36 @@ class Space:
         return asdict(self)
 
 
+def _cut(text: str, n: int = 120) -> str:
+    return text if len(text) <= n else text[:n] + "..."
+
+
 def key_of(point: dict[str, Any]) -> str:
     """Canonical identity of a trial: the same knobs always give the same key."""
     return json.dumps(point, sort_keys=True, separators=(",", ":"), default=str)
 
 
 def load_space(path: str | Path, check_trainer: bool = True) -> Space:
-    """Read and validate a space file; every error is one line naming the file."""
+    """Read and validate a space file; every error is one line naming the file. The YAML is read by
+    the project's bounded loader (moespec.yaml_bounded: aliases cannot expand it without limit)."""
     import yaml
+
+    from moespec.yaml_bounded import safe_load
 
     p = Path(path)
     try:
-        doc = yaml.safe_load(p.read_text())
+        if p.exists() and not p.is_file():
+            raise SpaceError(f"{p}: cannot read: not a regular file")
+        size = p.stat().st_size
+        if size > MAX_SPACE_BYTES:
+            raise SpaceError(f"{p}: {size} bytes is too large for a space file (at most {MAX_SPACE_BYTES})")
+        doc = safe_load(p.read_bytes()[:MAX_SPACE_BYTES + 1].decode("utf-8"))
     except OSError as e:
         raise SpaceError(f"{p}: cannot read: {e.strerror or e}") from None
+    except UnicodeDecodeError as e:
+        raise SpaceError(f"{p}: not a UTF-8 text file (byte {e.start}): a YAML space file was expected") from None
+    except RecursionError:
+        raise SpaceError(f"{p}: not valid YAML (nested too deeply)") from None
     except yaml.YAMLError as e:
         raise SpaceError(f"{p}: not valid YAML ({' '.join(str(e).split())[:200]})") from None
     return parse_space(doc, str(p), check_trainer=check_trainer, base_dir=p.resolve().parent)
@@ -142,9 +161,9 @@ def load_space(path: str | Path, check_trainer: bool = True) -> Space:
 
 def _num(where: str, key: str, v: Any, kind: type, lo: float) -> Any:
     if isinstance(v, bool) or not isinstance(v, (int, float)) or (kind is int and not float(v).is_integer()):
-        raise SpaceError(f"{where}: {key}: expected {'an integer' if kind is int else 'a number'}, got {v!r}")
+        raise SpaceError(f"{where}: {key}: expected {'an integer' if kind is int else 'a number'}, got {short_repr(v)}")
     if v < lo:
-        raise SpaceError(f"{where}: {key}: must be >= {lo:g}, got {v!r}")
+        raise SpaceError(f"{where}: {key}: must be >= {lo:g}, got {short_repr(v)}")
     return kind(v)
 
 
@@ -158,7 +177,7 @@ def _mapping(where: str, doc: dict, key: str) -> dict:
     if allowed is not None:
         bad = sorted(set(v) - allowed)
         if bad:
-            raise SpaceError(f"{where}: {key}.{bad[0]}: unknown key (known: {', '.join(sorted(allowed))})")
+            raise SpaceError(f"{where}: {key}.{_cut(str(bad[0]), 80)}: unknown key (known: {', '.join(sorted(allowed))})")
     return v
 
 
@@ -171,7 +190,7 @@ def parse_space(doc: Any, where: str = "space", check_trainer: bool = True, base
         raise SpaceError(f"{where}: the search space must be a mapping")
     unknown = sorted(set(doc) - _KEYS)
     if unknown:
-        raise SpaceError(f"{where}: {unknown[0]}: unknown key (known: {', '.join(sorted(_KEYS))})")
+        raise SpaceError(f"{where}: {_cut(str(unknown[0]), 80)}: unknown key (known: {', '.join(sorted(_KEYS))})")
     if not isinstance(doc.get("config"), str) or not doc["config"]:
         raise SpaceError(f"{where}: config: missing (a trainer config name or YAML path)")
     knobs = doc.get("knobs")
@@ -183,7 +202,7 @@ def parse_space(doc: Any, where: str = "space", check_trainer: bool = True, base
         keys = [key_of({"v": x}) for x in v]
         if len(set(keys)) != len(keys):
             dup = next(x for i, x in enumerate(v) if keys.index(keys[i]) != i)
-            raise SpaceError(f"{where}: knobs.{k}: value {dup!r} is listed twice")
+            raise SpaceError(f"{where}: knobs.{k}: value {short_repr(dup)} is listed twice")
     fixed = _mapping(where, doc, "fixed")
     both = sorted(set(fixed) & set(knobs))
     if both:
@@ -193,19 +212,21 @@ def parse_space(doc: Any, where: str = "space", check_trainer: bool = True, base
         if k not in knobs:
             raise SpaceError(f"{where}: baseline.{k}: not a knob")
         if v not in knobs[k]:
-            raise SpaceError(f"{where}: baseline.{k}: {v!r} is not one of {knobs[k]}")
+            raise SpaceError(f"{where}: baseline.{k}: {short_repr(v)} is not one of {short_repr(knobs[k])}")
         baseline[k] = v
     constraints = doc.get("constraints") or []
     if not isinstance(constraints, list) or not all(isinstance(c, str) for c in constraints):
         raise SpaceError(f"{where}: constraints: must be a list of expressions (strings)")
     for i, c in enumerate(constraints):
         try:
-            ast.parse(c, mode="eval")
+            compile_constraint(c)
         except SyntaxError:
-            raise SpaceError(f"{where}: constraints[{i}]: {c!r} is not a Python expression") from None
+            raise SpaceError(f"{where}: constraints[{i}]: {_cut(c)!r} is not a Python expression") from None
+        except ConstraintError as e:
+            raise SpaceError(f"{where}: constraints[{i}]: {_cut(c)!r}: {e}") from None
     objective = doc.get("objective", "tokens_per_s_per_gpu")
     if objective not in OBJECTIVES:
-        raise SpaceError(f"{where}: objective: {objective!r} is not one of {', '.join(OBJECTIVES)}")
+        raise SpaceError(f"{where}: objective: {short_repr(objective)} is not one of {', '.join(OBJECTIVES)}")
     budget, trial = _mapping(where, doc, "budget"), _mapping(where, doc, "trial")
     limits, guided = _mapping(where, doc, "limits"), _mapping(where, doc, "guided")
     cmd = doc.get("command")
@@ -245,13 +266,13 @@ def parse_space(doc: Any, where: str = "space", check_trainer: bool = True, base
     if not points:
         raise SpaceError(f"{where}: constraints: no combination of the knobs satisfies them")
     if not space.allowed(space.baseline):
-        raise SpaceError(f"{where}: baseline: {key_of(space.baseline)} violates the constraints")
+        raise SpaceError(f"{where}: baseline: {_cut(key_of(space.baseline))} violates the constraints")
     return space
 
 
 def _flag(where: str, key: str, v) -> bool:
     if not isinstance(v, bool):
-        raise SpaceError(f"{where}: {key}: must be true or false, got {v!r}")
+        raise SpaceError(f"{where}: {key}: must be true or false, got {short_repr(v)}")
     return v
 
 
@@ -295,5 +316,5 @@ def _check_with_trainer(space: Space, where: str) -> None:
             raise SpaceError(f"{where}: knobs.{k}: not a trainer config key")
     if res["bad"]:
         name, i, msg = res["bad"][0]
-        raise SpaceError(f"{where}: knobs.{name}[{i}]: {space.knobs[name][i]!r} rejected by the trainer ({msg})")
+        raise SpaceError(f"{where}: knobs.{name}[{i}]: {short_repr(space.knobs[name][i])} rejected by the trainer ({msg})")
     space.base_config = res["base"]

@@ -270,7 +270,8 @@ class Store:
             ("key", isinstance(d["key"], str)), ("knobs", isinstance(d["knobs"], dict)),
             ("status", d["status"] in ("running",) + STATUSES), ("metrics", isinstance(d["metrics"], dict)),
             ("findings", isinstance(d["findings"], list) and all(isinstance(f, dict) for f in d["findings"])),
-            ("objective", num(d["objective"]) and (d["status"] != "ok" or d["objective"] is not None)),
+            ("objective", num(d["objective"]) and (d["status"] != "ok" or d["objective"] is not None)
+             and (d["objective"] is None or abs(d["objective"]) < float("inf"))),  # inf and nan never measured
             ("run_dir", isinstance(stored, str) and d["run_dir"] != stored),
             ("pgid", d["pgid"] is None or isinstance(d["pgid"], int)),
         ) if not ok), None)

@@ -174,11 +174,14 @@ CLI_FLAG_KEYS = ("sync_free_level", "grouped_gemm_backend", "recompute_layer_ids
 
 
 def _parse_value(text: str, key: str = "config", where: str = "") -> Any:
-    """``yaml.safe_load`` (plain YAML: no ``!!python`` tags), every failure a one-line ConfigError."""
+    """Plain YAML (no ``!!python`` tags) with aliases' expansion bounded (moespec.yaml_bounded), every
+    failure a one-line ConfigError."""
     import yaml
 
+    from moespec.yaml_bounded import safe_load
+
     try:
-        return yaml.safe_load(text)
+        return safe_load(text)
     except yaml.YAMLError as err:
         raise ConfigError(key, f"{where}{_yaml_problem(err)}") from None
     except RecursionError:
@@ -332,8 +335,9 @@ def _finite(x: int | float) -> bool:
 
 
 def _short(v: Any) -> str:
-    text = repr(v)
-    return text if len(text) <= 80 else text[:80] + "..."
+    from moespec.yaml_bounded import short_repr  # cut while built: never the repr of a whole huge value
+
+    return short_repr(v, 80)
 
 
 def validate(cfg: dict) -> None:

@@ -195,36 +195,33 @@ def _deep_sections(a: Analysis) -> dict:
                                 + " ".join(r.warnings))
     if not r.unmodeled.empty:
         out["roofline_unmodeled"] = html_table(r.unmodeled, RR.unmodeled_table_columns())
-    inst = CM.collective_instances(a)
-    if not inst.empty:
-        summ = CM.comm_summary(inst)
-        out["comm_table"] = html_table(summ, [("rank", "rank", "num"), ("collective", "collective", "text"),
+    comm = CM.comm_report(a)  # what `tracelens comm` shows
+    if not comm.empty:
+        out["comm_table"] = html_table(comm.summary, [("rank", "rank", "num"), ("collective", "collective", "text"),
                                               ("count", "count", "num"), ("kernel_us", "kernel µs", "num"),
                                               ("comm_us", "comm µs", "num"),
                                               ("sync_us", "sync wait µs", "num"), ("sync_pct", "sync %", "pct"),
                                               ("mean_busbw_gbps", "busbw GB/s", "num"), ("times_last", "times last", "num"),
                                               ("startup_excluded", "start-up excluded", "num")])
-        strag = CM.stragglers(inst)
+        strag = comm.stragglers
         out["straggler_table"] = html_table(strag, [
             ("family", "collective", "text"), ("instances", "instances", "num"), ("mean_skew_us", "mean skew µs", "num"),
             ("max_skew_us", "max skew µs", "num"), ("straggler_rank", "last rank", "num"), ("straggler_share", "share", "num")]) \
             if not strag.empty else ""
-        n = int(inst.drop_duplicates(["group", "peers", "seq"])["startup"].sum())
-        partial = CM.partial_note(a, inst)  # a group with ranks not loaded: per-rank figures only, '–' elsewhere
+        n = comm.startup_instances  # and comm.partial: a group with ranks not loaded: per-rank figures only
         out["comm_note"] = " ".join(x for x in (
-            partial, f"{n} instance(s) began before every rank was profiling (start-up wait) and are left out." if n else "") if x)
-    syncs = H.host_syncs(a)
-    if not syncs.empty:
-        out["host_table"] = html_table(H.sync_summary(syncs), [
+            comm.partial, f"{n} instance(s) began before every rank was profiling (start-up wait) and are left out." if n else "") if x)
+    host = H.host_report(a)  # what `tracelens host` shows
+    if not host.syncs.empty:
+        out["host_table"] = html_table(host.sync_summary, [
             ("op", "op", "name"), ("via", "via", "name"), ("call", "sync call", "text"), ("count", "count", "num"),
             ("host_blocked_us", "host blocked µs", "num"), ("gpu_idle_caused_us", "GPU idle caused µs", "num"),
             ("path", "path", "name")])
-    gaps = H.idle_gaps(a, syncs)
-    if not gaps.empty:
-        out["idle_table"] = html_table(H.idle_summary(gaps, a.timeline), [
+    if not host.idle.empty:
+        out["idle_table"] = html_table(host.idle, [
             ("rank", "rank", "num"), ("cause", "idle cause", "text"), ("gaps", "gaps", "num"), ("idle_us", "idle µs", "num"),
             ("pct_of_span", "% of span", "pct")])
-    out["launch_table"] = html_table(H.launch_stats(a), [
+    out["launch_table"] = html_table(host.launch, [
         ("rank", "rank", "num"), ("kernels", "kernels", "num"), ("launch_p50_us", "launch latency p50 µs", "num"),
         ("launch_p90_us", "p90 µs", "num"), ("small_kernels", "small kernels", "num"), ("small_share", "small share", "num"),
         ("small_time_share", "small time share", "num")])

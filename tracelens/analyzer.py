@@ -14,21 +14,124 @@ window="all")` gives the whole profiled window, and `a.timeline_all` always hold
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import InitVar, dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pandas as pd
 
 from . import __version__, offload
 from .analysis import calltree, steps as steps_mod, summaries, timeline
+from .derived import Derived, Registry
 from .trace import Trace, give_back_memory
+
+if TYPE_CHECKING:
+    from .analysis.pipeline import PipelineAnalysis
+    from .analysis.roofline import RooflineResult
+    from .analysis.steps import StepWindow
 
 SUMMARY_SCHEMA = 2
 
 
+_BASE = ("trace", "tree", "gpu", "steps", "timeline", "step_timeline", "ops", "kernels", "categories", "top_ops",
+         "breakdown", "annotations", "warnings", "pipeline", "window", "timeline_all", "gpu_window", "host_window",
+         "manifest")
+
+# The derived entries of an analysis (tracelens.derived): each declared with the base tables and entries it
+# reads, computed once on first read and shared by the summary, the report, the CLI and the export.
+DERIVED = Registry(base=_BASE)
+
+
+@DERIVED.entry("comm_kernels", inputs=("gpu", "tree", "trace"), module="tracelens.analysis.comm")
+def _comm_kernels(a: Any) -> pd.DataFrame:
+    """Every communication kernel with its collective, group and size (tracelens.analysis.comm.comm_kernels)."""
+    from .analysis.comm import comm_kernels
+
+    return comm_kernels(a)
+
+
+@DERIVED.entry("comm_instances", inputs=("comm_kernels", "trace"), module="tracelens.analysis.comm")
+def _comm_instances(a: Any, comm_kernels: pd.DataFrame) -> pd.DataFrame:
+    """One row per (collective instance, rank) (tracelens.analysis.comm.collective_instances)."""
+    from .analysis.comm import collective_instances
+
+    return collective_instances(a, kern=comm_kernels)
+
+
+@DERIVED.entry("host_syncs", inputs=("tree", "gpu", "steps", "trace"), module="tracelens.analysis.host")
+def _host_syncs(a: Any) -> pd.DataFrame:
+    """One row per blocking device-to-host sync (tracelens.analysis.host.host_syncs)."""
+    from .analysis.host import host_syncs
+
+    return host_syncs(a)
+
+
+@DERIVED.entry("idle_gaps", inputs=("gpu", "host_syncs"), module="tracelens.analysis.host")
+def _idle_gaps(a: Any, host_syncs: pd.DataFrame) -> pd.DataFrame:
+    """Every GPU idle gap with its cause (tracelens.analysis.host.idle_gaps; text columns as object columns
+    over the few distinct strings, which every reader filters, groups or writes)."""
+    from .analysis.host import idle_gaps
+
+    return idle_gaps(a, host_syncs, text_columns=False)
+
+
+@DERIVED.entry("launch_stats", inputs=("gpu",), module="tracelens.analysis.host")
+def _launch_stats(a: Any) -> pd.DataFrame:
+    """Per rank: launch latency and small kernels at the default threshold (tracelens.analysis.host)."""
+    from .analysis.host import launch_stats
+
+    return launch_stats(a)
+
+
+@DERIVED.entry("kernels_per_op", inputs=("gpu",), module="tracelens.analysis.host")
+def _kernels_per_op(a: Any) -> pd.DataFrame:
+    """Ops by the kernels they launch, at the default small-kernel threshold (tracelens.analysis.host)."""
+    from .analysis.host import kernels_per_op
+
+    return kernels_per_op(a)
+
+
+@DERIVED.entry("findings", inputs=("timeline", "window", "manifest", "gpu", "tree", "steps", "trace", "host_syncs",
+                                   "idle_gaps", "launch_stats", "kernels_per_op", "comm_instances"), module="tracelens.analysis.findings")
+def _findings(a: Any, host_syncs: pd.DataFrame, idle_gaps: pd.DataFrame, launch_stats: pd.DataFrame,
+              kernels_per_op: pd.DataFrame, comm_instances: pd.DataFrame) -> list[dict[str, Any]]:
+    """Ranked, structured findings (tracelens.analysis.findings)."""
+    from .analysis.findings import findings
+
+    return findings(a, host_syncs=host_syncs, idle_gaps=idle_gaps, launch_stats=launch_stats,
+                    kernels_per_op=kernels_per_op, comm_instances=comm_instances)
+
+
+@DERIVED.entry("health", inputs=("trace", "tree", "gpu", "steps", "window", "comm_kernels", "comm_instances"), module="tracelens.analysis.health")
+def _health(a: Any, comm_kernels: pd.DataFrame, comm_instances: pd.DataFrame) -> pd.DataFrame:
+    """Trace health checks, one row per finding (tracelens.analysis.health)."""
+    from .analysis.health import health_checks, run_context
+
+    return health_checks(a, run_context(a.trace), inst=comm_instances, kern=comm_kernels)
+
+
+@DERIVED.entry("roofline", inputs=("gpu", "tree", "trace"), offload=True, module="tracelens.analysis.roofline")
+def _roofline(a: Any) -> RooflineResult:
+    """Roofline of every modeled op group at the default ceilings (tracelens.analysis.roofline)."""
+    from .analysis.roofline import roofline_result
+
+    return roofline_result(a)
+
+
+@DERIVED.entry("decomposition", inputs=("trace", "steps", "gpu", "window", "pipeline", "manifest"), offload=True,
+               keep_errors=True, module="tracelens.projection.decomposition")
+def _decomposition(a: Any) -> pd.DataFrame:
+    """The step decomposition (tracelens.projection.decomposition), or the error that stopped it."""
+    from .projection.decomposition import decomposition
+
+    return decomposition(a)
+
+
 @dataclass
 class Analysis:
+    """The base tables `analyze` builds, and the derived entries (`DERIVED`) computed from them on first
+    read: `a.derived[name]`, or the typed accessors below."""
+
     trace: Trace
     tree: pd.DataFrame  # host events with parent/op/path links
     gpu: pd.DataFrame  # GPU events with launch, op, path, category, step
@@ -42,30 +145,28 @@ class Analysis:
     breakdown: pd.DataFrame
     annotations: pd.DataFrame  # record_function ranges / nn.Module scopes with host and GPU time
     warnings: list[str] = field(default_factory=list)
-    _findings: list | None = field(default=None, repr=False)
-    _roofline: Any = field(default=None, repr=False)
-    pipeline: Any = field(default=None, repr=False)  # PipelineAnalysis when the run has pipeline data
-    _health: Any = field(default=None, repr=False)
-    window: Any = None  # steps.StepWindow: the steps the views read and those left out, with reasons
+    pipeline: PipelineAnalysis | None = field(default=None, repr=False)  # when the run has pipeline data
+    window: StepWindow | None = None  # the steps the views read and those left out, with reasons
     timeline_all: pd.DataFrame | None = None  # per rank over the whole profiled window (every event)
     gpu_window: pd.DataFrame | None = None  # the GPU events the views read (durations with cuts removed)
-    host_window: Any = None  # boolean mask over `tree` rows: host events inside the window's steps (None: all)
+    host_window: np.ndarray | None = None  # boolean mask over `tree` rows: host events inside the window's steps (None: all)
     manifest: dict | None = field(default=None, repr=False)  # the run dir's manifest.json, when there is one
-    _decomposition: Any = field(default=None, repr=False)  # DataFrame or the exception that stopped it
-    _comm_instances: pd.DataFrame | None = field(default=None, repr=False)
-    _comm_kernels: pd.DataFrame | None = field(default=None, repr=False)  # analysis.comm.comm_kernels, once
+    computed: InitVar[dict[str, Any] | None] = None  # entries computed while the tables were built (analyze)
+    derived: Derived = field(init=False, repr=False, compare=False)
 
-    def roofline(self, ceilings: Any = None):
-        """Roofline of every modeled op group (tracelens.analysis.roofline); computed once per ceilings."""
-        if self._roofline is None or ceilings is not None:
+    def __post_init__(self, computed: dict[str, Any] | None) -> None:
+        self.derived = Derived(DERIVED, self, computed, after=give_back_memory)
+
+    def roofline(self, ceilings: Any = None) -> RooflineResult:
+        """Roofline of every modeled op group (tracelens.analysis.roofline): the `roofline` entry, or with
+        `ceilings` (a dict or JSON path) a result for those, not kept."""
+        if ceilings is not None:
             from .analysis.roofline import roofline_result
 
             r = roofline_result(self, ceilings=ceilings)
             give_back_memory()
-            if ceilings is not None:
-                return r
-            self._roofline = r
-        return self._roofline
+            return r
+        return self.derived["roofline"]
 
     def use_ceilings(self, ceilings: Any) -> None:
         """Make measured ceilings (a dict or JSON path, e.g. from `tracelens calibrate`; see
@@ -73,53 +174,59 @@ class Analysis:
         Raises OSError/ValueError for an unreadable or invalid file."""
         from .analysis.roofline import roofline_result
 
-        self._roofline = roofline_result(self, ceilings=ceilings)
+        self.derived.put("roofline", roofline_result(self, ceilings=ceilings))
+
+    def comm_kernels(self) -> pd.DataFrame:
+        """The `comm_kernels` entry (read-only: callers filter it, never change it)."""
+        return self.derived["comm_kernels"]
 
     def comm_instances(self) -> pd.DataFrame:
-        """One row per (collective instance, rank) (tracelens.analysis.comm.collective_instances); computed
-        once and shared by `health` and `findings` (read-only: callers filter it, never change it)."""
-        if self._comm_instances is None:
-            from .analysis.comm import collective_instances
+        """The `comm_instances` entry: one row per (collective instance, rank) (read-only)."""
+        return self.derived["comm_instances"]
 
-            self._comm_instances = collective_instances(self)
-            give_back_memory()
-        return self._comm_instances
+    def host_syncs(self) -> pd.DataFrame:
+        """The `host_syncs` entry: every blocking device-to-host sync (read-only)."""
+        return self.derived["host_syncs"]
+
+    def idle_gaps(self) -> pd.DataFrame:
+        """The `idle_gaps` entry: every GPU idle gap with its cause (read-only)."""
+        return self.derived["idle_gaps"]
+
+    def launch_stats(self, small_us: float | None = None) -> pd.DataFrame:
+        """Per rank launch latency and small kernels: the entry at the default threshold, else computed."""
+        from .analysis.host import SMALL_KERNEL_US, launch_stats
+
+        return self.derived["launch_stats"] if small_us in (None, SMALL_KERNEL_US) else launch_stats(self, small_us)
+
+    def kernels_per_op(self, small_us: float | None = None) -> pd.DataFrame:
+        """Ops by the kernels they launch: the entry at the default threshold, else computed."""
+        from .analysis.host import SMALL_KERNEL_US, kernels_per_op
+
+        return self.derived["kernels_per_op"] if small_us in (None, SMALL_KERNEL_US) else kernels_per_op(self, small_us)
 
     def health(self) -> pd.DataFrame:
         """Trace health checks (tracelens.analysis.health): one row per finding with its severity, the ranks,
-        what was found and which figures it invalidates; computed once."""
-        if self._health is None:
-            from .analysis.health import health_checks, run_context
+        what was found and which figures it invalidates."""
+        return self.derived["health"]
 
-            self._health = health_checks(self, run_context(self.trace), inst=self.comm_instances())
-            give_back_memory()
-        return self._health
+    def findings(self, small_us: float | None = None) -> list[dict[str, Any]]:
+        """Ranked, structured findings (tracelens.analysis.findings): the entry at the default small-kernel
+        threshold; another threshold computes them again from the same syncs, gaps and instances."""
+        from .analysis.host import SMALL_KERNEL_US
 
-    def findings(self) -> list[dict[str, Any]]:
-        """Ranked, structured findings (tracelens.analysis.findings); computed once."""
-        if self._findings is None:
-            from .analysis.findings import findings
+        if small_us in (None, SMALL_KERNEL_US):
+            return self.derived["findings"]
+        from .analysis.findings import findings
 
-            self._findings = findings(self)
-            give_back_memory()
-        return self._findings
+        return findings(self, small_us, host_syncs=self.host_syncs(), idle_gaps=self.idle_gaps(),
+                        comm_instances=self.comm_instances())
 
     def decomposition(self) -> pd.DataFrame:
         """The step decomposition (tracelens.projection.decomposition): per rank, the components that add
         up to the step time, how each scales, calibrated to the manifest's measured mean step time when
-        the traces sit in a run dir (``attrs["basis"]``, ``attrs["note"]``); computed once. Raises
-        DecompositionError (one line) when there is no profiled step to decompose."""
-        if self._decomposition is None:
-            from .projection.decomposition import decomposition
-
-            try:
-                self._decomposition = decomposition(self)
-            except Exception as e:  # noqa: BLE001 - kept, so a second call raises the same without recomputing
-                self._decomposition = e
-            give_back_memory()
-        if isinstance(self._decomposition, Exception):
-            raise self._decomposition
-        return self._decomposition
+        the traces sit in a run dir (``attrs["basis"]``, ``attrs["note"]``). Raises DecompositionError
+        (one line) when there is no profiled step to decompose, again on each call without recomputing."""
+        return self.derived["decomposition"]
 
     @property
     def trace_rank_count(self) -> int:
@@ -142,22 +249,21 @@ class Analysis:
 
     def summary(self) -> dict[str, Any]:
         """The documented machine interface (docs/summary-json.md)."""
-        task = None
-        if self._roofline is None and self._decomposition is None:
-            # independent of findings and health (which share the collective instances): on a second CPU
-            # they run beside them (tracelens.offload), with the values they would have here
-            task = offload.submit(_roofline_and_decomposition, self, events=len(self.trace.events))
+        # the entries declared `offload` (independent of findings and health, which share the collective
+        # instances): on a second CPU they run beside them (tracelens.offload), with the values they
+        # would have here
+        wanted = ["roofline", "decomposition"] if self.has_gpu else ["decomposition"]
+        away = [n for n in wanted if DERIVED[n].offload and n not in self.derived]
+        task = offload.submit(self.derived.compute, away, events=len(self.trace.events)) if away else None
         core = summary_core(self.trace, self.window, self.timeline,
                             self.timeline_all if self.timeline_all is not None else self.timeline,
                             self.step_timeline, self.categories)
         findings = self.findings()
-        health = _health_summary(self.health())
+        health = _health_summary(self)
         if task is not None:
-            roofline, decomposition = task.result()
-            if self._roofline is None:
-                self._roofline = roofline
-            if self._decomposition is None:
-                self._decomposition = decomposition
+            for name, value in task.result().items():
+                if name not in self.derived:
+                    self.derived.put(name, value)
         return {
             **core,
             "findings": findings,
@@ -168,15 +274,51 @@ class Analysis:
         }
 
 
-def _roofline_and_decomposition(a: Analysis) -> tuple[Any, Any]:
-    """`summary`'s offloaded part: the roofline (None without GPU activity) and the decomposition (or the
-    exception that stopped it, kept as `Analysis.decomposition` keeps it)."""
-    roofline = a.roofline() if a.has_gpu else None
-    try:
-        decomposition = a.decomposition()
-    except Exception as e:  # noqa: BLE001 - what Analysis.decomposition raises again on each call
-        decomposition = e
-    return roofline, decomposition
+def summary_text(result: Any) -> str:
+    """What `tracelens analyze` prints: the window, then per rank the GPU figures; for CPU-only traces
+    (the trainer on a CPU) per rank the host time per profiler step, the MoE stages and the ops with the
+    most self time per step (never summed over ranks), then the first findings. ``result``: an
+    `Analysis`, or the many-rank path's result (`tracelens.scale`) when it has GPU activity."""
+    lines = [f"window: {result.window.describe()}"] if result.window is not None else []
+    tl = result.timeline
+    if not tl.empty:
+        lines.append(f"{'rank':>4} {'span ms':>10} {'busy %':>7} {'compute ms':>11} {'comm ms':>9} {'exposed ms':>11} "
+                     f"{'kernels':>8}")
+        for r in tl.itertuples(index=False):
+            busy = 100.0 * r.gpu_busy_us / r.span_us if r.span_us else 0.0
+            lines.append(f"{r.rank:>4} {r.span_us / 1e3:>10.3f} {busy:>7.1f} {r.compute_us / 1e3:>11.3f} "
+                         f"{r.comm_us / 1e3:>9.3f} {r.exposed_comm_us / 1e3:>11.3f} {r.kernel_count:>8}")
+        return "\n".join(lines)
+    lines.append("no GPU activity in these traces (CPU-only): GPU timeline unavailable; host time per rank instead")
+    hs = steps_mod.host_step_table(result)
+    ms = steps_mod.moe_stage_table(result)
+    top = steps_mod.host_top_ops(result, top=5)
+    for rank, g in hs.groupby("rank"):
+        per = ", ".join(f"step {int(r.step)} {r.step_time_us / 1e3:.1f} ms{'' if r.steady else ' (excluded)'}"
+                        for r in g.itertuples(index=False))
+        lines.append(f"rank {rank}: {per}")
+        m = ms[ms["rank"] == rank]
+        if len(m):
+            lines.append("  MoE stages per step: " + ", ".join(
+                f"{r.stage} {r.host_us_per_step / 1e3:.3f} ms ({100 * r.share_of_step:.0f}%)" for r in m.itertuples(index=False)))
+        t = top[top["rank"] == rank]
+        if len(t):
+            lines.append("  top ops by self time per step: " + ", ".join(
+                f"{r.op} {r.self_us_per_step / 1e3:.3f} ms" for r in t.itertuples(index=False)))
+    for f in result.findings()[:5]:
+        lines.append(f"finding ({f['severity']}): {f['title']}")
+    return "\n".join(lines)
+
+
+@dataclass
+class CoreTables:
+    """The base tables the first entries read (`comm_kernels`, `comm_instances`): what `analyze` has built
+    when the start-up waits need the collective instances, before the Analysis exists, and what the
+    many-rank path (tracelens.scale) has of one rank."""
+
+    trace: Trace
+    tree: pd.DataFrame
+    gpu: pd.DataFrame
 
 
 def summary_core(trace: Any, window: Any, timeline: pd.DataFrame, timeline_all: pd.DataFrame,
@@ -230,10 +372,11 @@ def _decomposition_summary(a: Analysis) -> dict[str, Any]:
         return unavailable(reason(e))
 
 
-def _health_summary(df: pd.DataFrame) -> dict[str, Any]:
-    from .analysis.health import health_summary
+def _health_summary(a: Analysis) -> dict[str, Any]:
+    """summary.json's ``health``: what `tracelens check` reports (tracelens.analysis.health.HealthReport)."""
+    from .analysis.health import health_report
 
-    return health_summary(df)
+    return health_report(a).summary()
 
 
 def _num(v: Any) -> float | None:
@@ -275,9 +418,9 @@ def _mark_startup_waits(stl: pd.DataFrame, waits: pd.DataFrame, warnings: list[s
     return stl
 
 
-# what `Analysis.summary` imports on first use (roofline, findings, health, decomposition, pipeline)
-_SUMMARY_MODULES = ("tracelens.analysis.pipeline", "tracelens.analysis.comm", "tracelens.analysis.health",
-                    "tracelens.analysis.roofline", "tracelens.analysis.findings", "tracelens.projection.decomposition")
+# what `Analysis.summary` imports on first use: the pipeline account (`analyze`), then the modules the
+# derived entries compute in
+_SUMMARY_MODULES = ("tracelens.analysis.pipeline", *dict.fromkeys(e.module for e in DERIVED if e.module))
 
 
 def preload(while_=lambda: True) -> None:
@@ -325,7 +468,10 @@ def analyze(trace: Trace, window: str = "steady") -> Analysis:
     gpu = calltree.attribute_gpu(calltree.gpu_events(trace.events), tree, steps)
     give_back_memory()
     manifest = steps_mod.run_manifest(trace)
-    waits = steps_mod.startup_waits(trace, gpu)
+    # entries of the tables built so far (the collective instances the start-up waits read), kept for the
+    # Analysis: findings, health and the report read the same ones
+    early = DERIVED.bind(CoreTables(trace=trace, tree=tree, gpu=gpu))
+    waits = steps_mod.startup_waits(trace, gpu, instances=lambda: early["comm_instances"])
     tree_step = steps_mod.host_steps(tree, steps)
     sw = steps_mod.step_window(trace, tree, gpu, steps, mode=window, waits=waits, manifest=manifest, tree_step=tree_step)
     tl_all = timeline.gpu_timeline(gpu)
@@ -379,6 +525,7 @@ def analyze(trace: Trace, window: str = "steady") -> Analysis:
         trace=trace, tree=tree, gpu=gpu, steps=steps, timeline=tl, step_timeline=stl, **tables,
         warnings=warnings, pipeline=pipeline,
         window=sw, timeline_all=tl_all, gpu_window=gw, host_window=host_mask, manifest=manifest,
+        computed=early.values,
     )
     give_back_memory()
     return a

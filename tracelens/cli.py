@@ -36,6 +36,17 @@ def _echo(text: str = "", err: bool = False) -> None:
     click.echo(for_terminal(text, keep_newlines=True), err=err)
 
 
+def _write_json(path: str, doc: dict, echo=_echo, **dumps) -> Path:
+    """Write a verb's ``--json`` document (indent 1, as every verb writes it) and say so (``echo=None``:
+    silently)."""
+    import json
+
+    Path(path).write_text(json.dumps(doc, indent=1, **dumps))
+    if echo is not None:
+        echo(f"wrote {path}")
+    return Path(path)
+
+
 def _open_report(path: Path) -> None:
     """``--open``: open the page in a browser, or say where it is when no browser can open here
     (headless machine, no DISPLAY, or no browser registered)."""
@@ -219,18 +230,11 @@ def profile(config, nproc, out, overrides, open_browser, trainer_args):
 
 
 def _manifest(path: str) -> dict | None:
-    """The manifest of the run dir ``path`` (None for trace files and directories without one); one line
-    naming the file when it cannot be read or is not a JSON object."""
-    from .io.run import Run
+    """The run dir's manifest.json, checked (tracelens.io.manifest); None for a trace or trace directory."""
+    from .io.manifest import read_manifest, run_manifest_path
 
-    p = Path(path)
-    if not p.is_dir():
-        return None
-    run = Run.open(p)
-    if run.manifest is None and run.manifest_error is not None:
-        kind, msg = run.manifest_error
-        raise TraceError(run.manifest_path, f"unreadable manifest ({msg})" if kind else msg)
-    return run.manifest
+    m = run_manifest_path(path)
+    return None if m is None else read_manifest(m)
 
 
 @main.command()
@@ -253,10 +257,11 @@ def diff(base, new, out, rules, no_cache, top, quiet):
     from .analysis.diff import check_rules, diff as run_diff, parse_rule
     from reports import diff as render
 
-    parsed_rules = [parse_rule(r) for r in rules]  # bad rules fail before any loading
+    parsed_rules = [parse_rule(r) for r in rules]  # bad rules and manifests fail before any loading
+    base_manifest, new_manifest = _manifest(base), _manifest(new)
     a = run_analysis(load(base, cache=not no_cache))
     b = run_analysis(load(new, cache=not no_cache))
-    result = run_diff(a, b, _manifest(base), _manifest(new), base_label=str(base), new_label=str(new))
+    result = run_diff(a, b, base_manifest, new_manifest, base_label=str(base), new_label=str(new))
     verdicts = check_rules(result, parsed_rules)
     if out:
         render.write_all(result, out, verdicts)
@@ -281,49 +286,13 @@ def comm(paths, json_out, no_cache):
 
     On a partial rank set (a process group with ranks not loaded) it says so and shows per-rank figures
     only (count, kernel time, bytes); cross-rank columns are '–'."""
-    import json
-
     from . import analyze as run_analysis, load
-    from .analysis.comm import collective_instances, comm_summary, exposed_comm, group_coverage, partial_note, stragglers
+    from .analysis.comm import comm_report
 
-    a = run_analysis(load(list(paths), cache=not no_cache))
-    inst = collective_instances(a)
-    partial = partial_note(a, inst) if not inst.empty else ""
-    if inst.empty:
-        _echo("no communication kernels (NCCL/RCCL) in these traces")
-    else:
-        summ, strag = comm_summary(inst), stragglers(inst)
-        if partial:
-            _echo(f"note: {partial}")
-        n_start = int(inst.drop_duplicates(["group", "peers", "seq"])["startup"].sum())
-        if n_start:
-            _echo(f"note: {n_start} collective instance(s) began before every rank was profiling "
-                       "(start-up wait); excluded from the totals below")
-
-        def f(v, fmt):
-            return "–" if v != v else format(v, fmt)  # NaN: no cross-rank figure
-        _echo(f"{'rank':>4} {'collective':<16} {'count':>5} {'kernel ms':>9} {'comm ms':>9} {'sync ms':>9} {'sync %':>7} "
-                   f"{'busbw GB/s':>10} {'last':>5}")
-        for r in summ.itertuples(index=False):
-            _echo(f"{r.rank:>4} {r.collective[:16]:<16} {r.count:>5} {r.kernel_us / 1e3:>9.3f} {f(r.comm_us / 1e3, '.3f'):>9} "
-                       f"{f(r.sync_us / 1e3, '.3f'):>9} {f(r.sync_pct, '.1f'):>7} {f(r.mean_busbw_gbps, '.1f'):>10} "
-                       f"{f(float(r.times_last), '.0f'):>5}")
-        for r in strag.itertuples(index=False):
-            _echo(f"{r.family}: skew mean {r.mean_skew_us / 1e3:.3f} ms, max {r.max_skew_us / 1e3:.3f} ms; "
-                       f"rank {r.straggler_rank} arrives last in {100 * r.straggler_share:.0f}% of {r.instances}")
-        exposed = exposed_comm(a, inst)
-        _echo("exposed communication (not overlapped by compute, start-up excluded): " + ", ".join(
-            f"rank {int(x.rank)} {x.exposed_comm_us / 1e3:.3f} of {x.comm_us / 1e3:.3f} ms" for x in exposed.itertuples()))
+    rep = comm_report(run_analysis(load(list(paths), cache=not no_cache)))
+    _echo(rep.to_text())
     if json_out:
-        def recs(df):
-            return json.loads(df.to_json(orient="records"))
-        doc = {"schema_version": 2, "partial": partial or None, "records": recs(inst),
-               "summary": recs(comm_summary(inst)) if not inst.empty else [],
-               "stragglers": recs(stragglers(inst)) if not inst.empty else [],
-               "exposed_comm": recs(exposed_comm(a, inst)),
-               "groups": recs(group_coverage(a, inst)) if not inst.empty else []}
-        Path(json_out).write_text(json.dumps(doc, indent=1))
-        _echo(f"wrote {json_out}")
+        _write_json(json_out, rep.to_dict())
 
 
 @main.command()
@@ -338,28 +307,14 @@ def check(paths, json_out, fail_on, no_cache):
     severity and the figures it invalidates (docs/summary-json.md, `health`).
 
     Exit status: 0 nothing at or above --fail-on (default: no error); 1 a check at or above it; 2 bad input."""
-    import json
-
     from . import analyze as run_analysis, load
-    from .analysis.health import exit_status, health_summary
+    from .analysis.health import health_report
 
-    a = run_analysis(load(list(paths), cache=not no_cache))
-    df = a.health()
-    for r in df.itertuples(index=False):
-        shown = ", ".join(map(str, r.ranks[:16])) + (f", … ({len(r.ranks)} in all)" if len(r.ranks) > 16 else "")
-        who = f" (rank{'s' if len(r.ranks) > 1 else ''} {shown})" if r.ranks else ""
-        click.echo(f"{r.severity:<7} {r.check}{who}: {r.found}")
-        if r.invalidates:
-            click.echo(f"        do not trust: {r.invalidates}")
-    s = health_summary(df)
-    code = exit_status(df, fail_on)
-    c = s["counts"]
-    click.echo(f"{len(a.trace.ranks)} rank(s): {c['error']} error(s), {c['warning']} warning(s), {c['info']} note(s)"
-               + ("" if len(df) else " - clean") + f"; exit {code} (--fail-on {fail_on})")
+    rep = health_report(run_analysis(load(list(paths), cache=not no_cache)), fail_on)
+    click.echo(rep.to_text())
     if json_out:
-        Path(json_out).write_text(json.dumps({"schema_version": 1, **s, "fail_on": fail_on, "exit_status": code}, indent=1))
-        click.echo(f"wrote {json_out}")
-    sys.exit(code)
+        _write_json(json_out, rep.to_dict(), echo=click.echo)
+    sys.exit(rep.exit_status)
 
 
 @main.command()
@@ -370,46 +325,13 @@ def check(paths, json_out, fail_on, no_cache):
 def host(paths, json_out, small_us, no_cache):
     """Host side: device-to-host syncs and the GPU idle they cause, launch latency, idle gaps by cause,
     small kernels, and ranked findings. See docs/host.md."""
-    import json
-
     from . import analyze as run_analysis, load
-    from .analysis import host as H
-    from .analysis.findings import findings
+    from .analysis.host import host_report
 
-    a = run_analysis(load(list(paths), cache=not no_cache))
-    syncs = H.host_syncs(a)
-    ss = H.sync_summary(syncs)
-    if ss.empty:
-        _echo("host syncs: none issued by the workload")
-    else:
-        _echo("host syncs (blocking device-to-host), by the op that issued them:")
-        for r in ss.itertuples(index=False):
-            _echo(f"  {r.count:>4} x {r.op} (via {r.via}, {r.call}): host blocked {r.host_blocked_us / 1e3:.3f} ms, "
-                       f"GPU idle caused {r.gpu_idle_caused_us / 1e3:.3f} ms")
-    gaps = H.idle_gaps(a, syncs)
-    isum = H.idle_summary(gaps, a.timeline)
-    for r in isum.itertuples(index=False):
-        _echo(f"rank {r.rank}: GPU idle {r.cause:<12} {r.gaps:>6} gaps {r.idle_us / 1e3:>9.3f} ms ({r.pct_of_span:.1f}% of span)")
-    ls = H.launch_stats(a, small_us)
-    for r in ls.itertuples(index=False):
-        _echo(f"rank {r.rank}: {r.kernels} kernels, launch latency p50 {r.launch_p50_us:.1f} us p90 {r.launch_p90_us:.1f} us, "
-                   f"{100 * r.small_share:.0f}% under {small_us:g} us ({100 * r.small_time_share:.0f}% of kernel time)")
-    kpo = H.kernels_per_op(a, small_us).head(5)
-    if len(kpo):
-        _echo("ops launching the most kernels: " + "; ".join(f"{r.top_op} {r.kernels} ({r.small_kernels} small)"
-                                                               for r in kpo.itertuples(index=False)))
-    items = findings(a, small_us)
-    if items:
-        _echo("findings:")
-        for f in items:
-            _echo(f"  [{f['severity']}] {f['title']} (recoverable ~{f['recoverable_us'] / 1e3:.3f} ms/rank)")
+    rep = host_report(run_analysis(load(list(paths), cache=not no_cache)), small_us)
+    _echo(rep.to_text())
     if json_out:
-        recs = lambda df: json.loads(df.to_json(orient="records"))  # noqa: E731
-        doc = {"schema_version": 1, "syncs": recs(syncs.drop(columns=["stack"])), "sync_summary": recs(ss),
-               "idle": recs(isum), "launch": recs(ls), "kernels_per_op": recs(H.kernels_per_op(a, small_us)),
-               "findings": items}
-        Path(json_out).write_text(json.dumps(doc, indent=1, default=str))
-        _echo(f"wrote {json_out}")
+        _write_json(json_out, rep.to_dict(), default=str)
 
 
 @main.command()
@@ -443,15 +365,13 @@ def export(paths, perfetto_out, no_cache):
 def ppvis(run, out, open_browser, perfetto_out, json_out, step, no_cache, no_traces):
     """Pipeline schedule of RUN (a run dir, or traces with pipeline/{F|B|W}/s<stage>/mb<n> ranges): per-rank
     lanes, bubble ratio per rank vs theory, stage imbalance and the stage to fix. See docs/pipeline.md."""
-    import json
-
-    from .analysis.pipeline import fmt_ns, load_pipeline
+    from .analysis.pipeline import load_pipeline
     from reports.pipeline import write_ppvis
 
     res = load_pipeline(run, step=step, cache=not no_cache, traces=not no_traces)
     for w in res.warnings:
         _echo(f"tracelens: warning: {w}", err=True)
-    _print_pipeline(res, fmt_ns)
+    _echo(res.to_text())
     if out and not out.endswith(".html"):
         html_path = Path(out) / "ppvis.html"
     elif out:
@@ -466,38 +386,10 @@ def ppvis(run, out, open_browser, perfetto_out, json_out, step, no_cache, no_tra
 
         written.append(Path(export_pipeline_perfetto(res, perfetto_out)["path"]))
     if json_out:
-        Path(json_out).write_text(json.dumps(res.to_dict(), indent=1, default=str))
-        written.append(Path(json_out))
+        written.append(_write_json(json_out, res.to_dict(), echo=None, default=str))
     _echo(f"wrote {', '.join(str(p) for p in written)}")
     if open_browser:
         _open_report(written[0])
-
-
-def _print_pipeline(res, fmt_ns) -> None:
-    import math
-
-    m = res.meta
-    skipped = f"; step {', '.join(map(str, res.skipped_steps))} skipped as warm-up" if res.skipped_steps else ""
-    _echo(f"pipeline: {m.schedule}{f' ({m.torch_schedule})' if m.torch_schedule else ''}, pp {m.pp}, vpp {m.vpp}, "
-               f"{m.microbatches} microbatches; {len(res.steps)} step(s) analyzed{skipped}"
-               + (f" [inferred: {', '.join(m.inferred)}]" if m.inferred else ""))
-    pct = lambda v: "n/a" if v is None or math.isnan(v) else f"{100 * v:.1f}%"  # noqa: E731
-    _echo(f"{'rank':>4} {'pp':>3} {'window':>12} {'busy':>12} {'idle':>12} {'bubble':>7} {'theory':>7}")
-    for r in res.per_rank.sort_values("rank").itertuples(index=False):
-        _echo(f"{r.rank:>4} {r.pp_rank:>3} {fmt_ns(r.window_ns / r.steps):>12} {fmt_ns(r.busy_ns / r.steps):>12} "
-                   f"{fmt_ns(r.idle_ns / r.steps):>12} {pct(r.bubble_ratio):>7} {pct(r.theory_ratio):>7}")
-    _echo(f"overall bubble {pct(res.overall_ratio)} (theory {pct(res.theory_ratio)}"
-               + (f": {res.theory_note}" if res.theory_note else "") + "); times are per step")
-    _echo(f"{'stage':>5} {'pp':>3} {'layers':>6} {'F/mb':>11} {'B/mb':>11} {'W/mb':>11} {'total/mb':>11} {'x mean':>6} {'crit %':>6}")
-    for s in res.balance.table.itertuples(index=False):
-        layers = "–" if s.layers is None or (isinstance(s.layers, float) and math.isnan(s.layers)) else str(int(s.layers))
-        _echo(f"{s.stage:>5} {s.pp_rank:>3} {layers:>6} {fmt_ns(s.f_ns):>11} {fmt_ns(s.b_ns):>11} {fmt_ns(s.w_ns):>11} "
-                   f"{fmt_ns(s.total_ns):>11} {s.ratio_to_mean:>6.2f} {100 * s.critical_share:>6.1f}")
-    _echo(res.balance.statement)
-    from .analysis.pipeline import account_lines
-
-    for line in account_lines(res):
-        _echo(line)
 
 
 @main.command()
@@ -512,24 +404,12 @@ def _print_pipeline(res, fmt_ns) -> None:
 @click.option("--cp", type=click.IntRange(1), default=1, show_default=True)
 def bubble(pp, vpp, ga, global_tokens, seq, mbs, world, tp, cp):
     """Theoretical pipeline bubble ratio per schedule (GPipe, 1F1B, interleaved, ZB-H1, ZBV)."""
-    from .analysis.bubble import bubble_table, fmt_pct, gradient_accumulation
+    from .analysis.bubble import bubble_report
 
-    if ga is None:
-        if not (global_tokens and seq and world):
-            _fail("bubble: give --ga, or --global-tokens with --seq and --world (and --mbs, --tp, --cp)")
-        ga, dp = gradient_accumulation(global_tokens, seq, mbs, world, pp, tp, cp)
-        click.echo(f"DP = {world} / (pp {pp} x tp {tp} x cp {cp}) = {dp}; GA = {global_tokens} / ({seq} x {mbs} x {dp}) = {ga}")
-    import math
-
-    na = []
-    for r in bubble_table(pp, ga, vpp).itertuples(index=False):
-        extra = f", vpp {r.vpp}" if r.vpp > 1 else ""
-        click.echo(f"{r.schedule:<6} pp {r.pp}, {r.microbatches} microbatches{extra}: bubble {fmt_pct(r.bubble_ratio)}")
-        if math.isnan(r.bubble_ratio):
-            na.append(r.schedule)
-    if "zbv" in na:
-        click.echo(f"n/a: zbv (zero-bubble V schedule) reaches no bubble only with at least 2 x pp = {2 * pp} "
-                   f"microbatches; with {ga} its bubble is not modelled here")
+    if ga is None and not (global_tokens and seq and world):
+        _fail("bubble: give --ga, or --global-tokens with --seq and --world (and --mbs, --tp, --cp)")
+    click.echo(bubble_report(pp, vpp, ga, global_tokens=global_tokens, seq=seq, mbs=mbs, world=world, tp=tp,
+                             cp=cp).to_text())
 
 
 @main.command()
@@ -580,37 +460,17 @@ def whatif(run, sets, kernel_table, memory_gib, json_out):
     """Predict step time, tokens/s/GPU and peak memory of RUN with changed trainer keys, component by
     component, from RUN's profiled step (the host/device replay, calibrated to its measured step time).
     See docs/whatif.md."""
-    import json
-
     from .projection.whatif import Model, ProfileError, WhatIfError, parse_sets
 
     try:
         changes = parse_sets(list(sets))
         m = Model.from_run(run, kernel_table=kernel_table, capacity_gib=memory_gib)
         p = m.predict(changes)
-    except (WhatIfError, ProfileError) as e:  # one line naming the run's file (manifest, traces) or the key
-        _fail(str(e))
-    ch = ", ".join(f"{k}={v}" for k, v in p.changes.items()) or "(no change)"
-    _echo(f"what-if {ch} on {run}")
-    unc = f"+/- {100 * p.uncertainty:.0f}%"
-    _echo(f"  step time      {1e3 * p.base_step_s:9.1f} ms -> {1e3 * p.step_s:9.1f} ms")
-    _echo(f"  tokens/s/GPU   {p.base_tokens_per_s_per_gpu:9,.0f}    -> {p.tokens_per_s_per_gpu:9,.0f}    "
-          f"({100 * p.gain:+.1f}%, {unc}, 1 sigma)")
-    if p.peak_gib is not None:
-        cap = f" of {p.capacity_bytes / 2**30:.1f} GiB" if p.capacity_bytes else ""
-        verdict = "fits" if p.fits else "OUT OF MEMORY: would not run"
-        _echo(f"  peak memory    {p.peak_gib:9.2f} GiB{cap}: {verdict}")
-    _echo(f"  {'component':<22} {'base ms':>9} {'predicted':>10} {'change':>9}")
-    for r in p.table().itertuples(index=False):
-        _echo(f"  {r.component:<22} {r.base_ms:>9.2f} {r.predicted_ms:>10.2f} {r.delta_ms:>+9.2f}")
-    _echo("  measured: " + "; ".join(p.measured))
-    for line in p.modeled:
-        _echo(f"  modeled: {line}")
-    for line in p.notes:
-        _echo(f"  note: {line}")
+    except (WhatIfError, ProfileError) as e:
+        _fail(" ".join(str(e).split()))
+    _echo(p.to_text(run))
     if json_out:
-        Path(json_out).write_text(json.dumps(p.as_dict(), indent=1, default=str))
-        _echo(f"wrote {json_out}")
+        _write_json(json_out, p.to_dict(), default=str)
 
 
 @main.command()
@@ -622,14 +482,12 @@ def whatif(run, sets, kernel_table, memory_gib, json_out):
 def roofline(paths, ceilings, json_out, top, no_cache):
     """Roofline: FLOPs and bytes of each op from its recorded shapes, achieved TFLOP/s and TB/s, % of the
     device's ceilings, compute- vs memory-bound. See docs/roofline.md."""
-    import json
-
     from . import analyze as run_analysis, load
+    from .analysis.roofline import NO_GPU_TEXT
 
     a = run_analysis(load(list(paths), cache=not no_cache))
     if not a.has_gpu:
-        click.echo("no GPU kernels in these traces (CPU-only profile): a roofline needs GPU kernel times; nothing to plot "
-                   "(`tracelens analyze` shows host time per step and op)")
+        click.echo(NO_GPU_TEXT)
         return
     try:
         r = a.roofline(ceilings=ceilings) if ceilings else a.roofline()
@@ -637,19 +495,9 @@ def roofline(paths, ceilings, json_out, top, no_cache):
         _fail(f"{ceilings}: {e}")
     for w in r.warnings:
         _echo(f"tracelens: warning: {w}", err=True)
-    t = r.table.sort_values("gpu_us", ascending=False).head(top)
-    _echo(f"{'op':<36} {'GPU ms':>8} {'TFLOP/s':>8} {'TB/s':>6} {'AI':>7} {'% roof':>7} bound")
-    for x in t.itertuples(index=False):
-        _echo(f"{x.op[:36]:<36} {x.gpu_us / 1e3:>8.3f} {x.tflops:>8.1f} {x.tbps:>6.2f} {x.intensity:>7.1f} "
-                   f"{x.pct_roof:>7.1f} {x.bound}")
-    s = r.summary()
-    share = "n/a" if s.get("modeled_share") is None else f"{100 * s['modeled_share']:.0f}%"
-    _echo(f"modeled: {share} of non-communication GPU time; {len(r.unmodeled)} op group(s) unmodeled")
+    _echo(r.to_text(top=top))
     if json_out:
-        recs = lambda df: json.loads(df.to_json(orient="records"))  # noqa: E731
-        Path(json_out).write_text(json.dumps({"schema_version": 1, "summary": s, "roofline": recs(r.table),
-                                              "unmodeled": recs(r.unmodeled), "families": recs(r.families)}, indent=1, default=str))
-        _echo(f"wrote {json_out}")
+        _write_json(json_out, r.to_dict(), default=str)
 
 
 @main.command()
@@ -685,36 +533,16 @@ def memory(config, overrides, world, pp, vpp, ep, tp, cp, dp, mbs, seq, microbat
            json_out, out):
     """Projected per-GPU memory by component for CONFIG (a trainer YAML, a config name, a run's
     manifest.json or run dir) under a parallel layout; --sweep lists the layouts that fit. See docs/memory.md."""
-    import json
-
     from .analysis import memory as M
 
     mc = M.load_model_config(config, overrides)
-    cfg = mc.config
-    if dp_mode is not None:
-        cfg = {**cfg, "dp_mode": dp_mode}
-    world = world or (mc.world if dp is None else None)
-    run_layout = mc.layout_kwargs() if pp is None else {}  # a pipelined run's own stages, placement, schedule
-    if run_layout:
-        vpp = vpp if vpp is not None else run_layout["vpp"]
-        schedule = schedule or run_layout["schedule"]
-        microbatches = microbatches if microbatches is not None else run_layout["microbatches"]
-        pp = run_layout["pp"]
-        run_layout = {k: run_layout[k] for k in ("stage_layers", "stage_to_rank")} if vpp == run_layout["vpp"] else {}
-    if global_batch is not None and microbatches is None and not do_sweep:
-        lay0 = M.resolve_layout(cfg, world=world, source=config, pp=pp, tp=tp, cp=cp, dp=dp, ep=ep, mbs=mbs, vpp=vpp)
-        if global_batch % (lay0.mbs * lay0.dp):
-            _fail(f"memory: global batch {global_batch} is not a multiple of mbs*dp = {lay0.mbs}*{lay0.dp}")
-        microbatches = global_batch // (lay0.mbs * lay0.dp)
-    lay = M.resolve_layout(cfg, world=world, source=config, pp=pp, vpp=vpp, ep=ep, tp=tp, cp=cp, dp=dp, mbs=mbs,
-                           seq=seq, microbatches=microbatches, schedule=schedule, recompute=recompute,
-                           sync_free_level=sync_free_level, loss_fusion=loss_fusion, dtype=dtype, zero=zero,
-                           **run_layout)
-    dev_bytes = None
-    if device_memory:
-        dev_bytes = M.parse_bytes(device_memory)
-    elif device_name:
-        dev_bytes = M.device_memory(device_name)
+    for w in mc.warnings:
+        _echo(f"tracelens: warning: {w}", err=True)
+    cfg, lay = M.layout_for(mc, source=config, dp_mode=dp_mode, world=world, pp=pp, vpp=vpp, ep=ep, tp=tp, cp=cp,
+                            dp=dp, mbs=mbs, seq=seq, microbatches=microbatches, global_batch=global_batch,
+                            schedule=schedule, recompute=recompute, sync_free_level=sync_free_level,
+                            loss_fusion=loss_fusion, dtype=dtype, zero=zero, sweep=do_sweep)
+    dev_bytes = M.capacity(device_memory, device_name)
     if do_sweep:
         if dev_bytes is None or global_batch is None:
             _fail("memory: --sweep needs --device-memory (or --device) and --global-batch")
@@ -726,74 +554,18 @@ def memory(config, overrides, world, pp, vpp, ep, tp, cp, dp, mbs, seq, microbat
                 b.n = done
                 b.refresh()
 
-            df = M.sweep(cfg, lay.world, dev_bytes, global_batch, base=lay, headroom=headroom, progress=tick)
-        click.echo(f"{len(df)} layout(s) of {lay.world} GPUs fit {dev_bytes / M.GIB:.1f} GiB "
-                   f"(headroom {100 * headroom:.0f}%), ranked by bubble then communication per step:")
-        click.echo(f"{'layout':<58} {'peak GiB':>8} {'bubble':>7} {'comm GiB':>9}")
-        for r in df.head(top).itertuples(index=False):
-            click.echo(f"{r.label:<58} {r.peak_gib:>8.2f} {100 * r.bubble:>6.1f}% {r.comm_gib:>9.2f}")
-        if len(df):
-            click.echo(_LAYOUT_LEGEND + "; bubble: theoretical pipeline bubble of the schedule "
-                       "(tracelens bubble); comm GiB: communication volume per GPU per step")
-        best = [M.project(cfg, M.resolve_layout(cfg, world=lay.world, pp=r.pp, vpp=r.vpp, ep=r.ep, tp=r.tp, cp=r.cp,
-                                                 mbs=r.mbs, seq=lay.seq, microbatches=r.microbatches, schedule=r.schedule,
-                                                 recompute=r.recompute, sync_free_level=lay.sync_free_level,
-                                                 loss_fusion=lay.loss_fusion, dtype=lay.dtype, zero=lay.zero))
-                for r in df.head(min(top, 8)).itertuples(index=False)]
-        if json_out:
-            Path(json_out).write_text(json.dumps({"schema_version": M.SCHEMA_VERSION, "config": mc.source,
-                                                  "world": lay.world, "device_bytes": dev_bytes, "headroom": headroom,
-                                                  "global_batch": global_batch,
-                                                  "fits": json.loads(df.head(top).to_json(orient="records")),
-                                                  "projections": [p.summary() for p in best]}, indent=1))
-            click.echo(f"wrote {json_out}")
-        projections = best
+            rep = M.sweep_report(mc, cfg, lay, dev_bytes, global_batch, headroom=headroom, top=top, progress=tick)
     else:
-        p = M.project(cfg, lay)
-        projections = [p]
-        click.echo(f"{mc.source}: {lay.label()}, world {lay.world}; stage {p.stage} of {lay.pp} "
-                   f"({p.info['in_flight']:g} microbatch(es) in flight)")
-        click.echo(f"{'component':<52} {'phase':<7} {'GiB':>9}  in peak")
-        for r in p.table.itertuples(index=False):
-            click.echo(f"{r.component:<52} {r.phase:<7} {r.bytes / M.GIB:>9.3f}  {'*' if r.in_peak else ''}")
-        click.echo("phase: the moments of a step a component is alive at ("
-                   + ", ".join(f"{k} {v}" for k, v in M.MOMENTS.items())
-                   + "; FBES = the whole step); * = alive at the projected peak")
-        click.echo(_LAYOUT_LEGEND)
-        click.echo(f"projected peak: {p.peak_bytes / M.GIB:.2f} GiB ({p.phase} phase)")
-        summary = {"schema_version": M.SCHEMA_VERSION, "config": mc.source, **p.summary()}
-        gpu_measured = str(mc.measured_kind or "").startswith("cuda")
-        if mc.measured_peak_bytes and not gpu_measured:  # e.g. a CPU run's process RSS: not comparable
-            summary.update(measured_peak_bytes=mc.measured_peak_bytes, measured_kind=mc.measured_kind)
-            click.echo(f"measured peak ({mc.measured_kind}): {mc.measured_peak_bytes / M.GIB:.2f} GiB, a host "
-                       "process's memory (interpreter and libraries included), not a GPU's allocations: "
-                       "not compared with the projection")
-        elif mc.measured_peak_bytes:
-            ratio = p.peak_bytes / mc.measured_peak_bytes
-            summary.update(measured_peak_bytes=mc.measured_peak_bytes, measured_kind=mc.measured_kind,
-                           projected_over_measured=round(ratio, 4))
-            click.echo(f"measured peak ({mc.measured_kind}): {mc.measured_peak_bytes / M.GIB:.2f} GiB; "
-                       f"projected / measured = {ratio:.3f}")
-            if lay.pp > 1 and mc.measured_peaks:  # pipeline ranks hold different stages: compare each
-                per_rank = M.compare_ranks(cfg, lay, mc.measured_peaks)
-                summary["ranks"] = json.loads(per_rank.to_json(orient="records"))
-                for r in per_rank.itertuples(index=False):
-                    click.echo(f"  rank {r.rank} (pipeline rank {r.pp_rank}): projected {r.projected_gib:.2f} GiB "
-                               f"({r.moment}), measured {r.measured_gib:.2f} GiB, ratio {r.ratio:.3f}")
-        if dev_bytes is not None:
-            fits = p.peak_bytes <= dev_bytes * (1 - headroom)
-            summary.update(device_bytes=dev_bytes, fits=fits)
-            click.echo(f"{'fits' if fits else 'does NOT fit'} {dev_bytes / M.GIB:.1f} GiB (headroom {100 * headroom:.0f}%)")
-        if json_out:
-            Path(json_out).write_text(json.dumps(summary, indent=1))
-            click.echo(f"wrote {json_out}")
+        rep = M.memory_report(mc, cfg, lay, dev_bytes, headroom=headroom)
+    click.echo(rep.to_text())
+    if json_out:
+        _write_json(json_out, rep.to_dict(), echo=click.echo)
     if out:
         from reports.memory import write_memory_report
 
         path = Path(out) if out.endswith(".html") else Path(out) / "memory.html"
-        gpu_measured = str(mc.measured_kind or "").startswith("cuda")
-        write_memory_report(projections, path, title=f"tracelens memory: {Path(mc.source).name}",
-                            device_bytes=dev_bytes, measured_bytes=mc.measured_peak_bytes if gpu_measured else None)
+        write_memory_report(rep.projections, path, title=f"tracelens memory: {Path(mc.source).name}",
+                            device_bytes=dev_bytes, measured_bytes=mc.measured_peak_bytes if mc.measured_on_gpu else None)
         click.echo(f"wrote {path}")
 
 
@@ -964,48 +736,10 @@ def calibrate(out, cpu, size, mem_mib, dtypes, reps):
     click.echo(f"wrote {out}  (use: tracelens roofline --ceilings {out} RUN)")
 
 
-_LAYOUT_LEGEND = ("layout: pp pipeline stages, vpp virtual stages per rank, tp tensor, cp context, ep expert, "
-                  "dp data parallel; mbs micro-batch size; rc recompute; then the pipeline schedule; "
-                  "L<n> the trainer's sync-free level")
-
-
 def _print_summary(result) -> None:
-    if result.window is not None:
-        _echo(f"window: {result.window.describe()}")
-    tl = result.timeline
-    if tl.empty:
-        _print_cpu_summary(result)
-        return
-    _echo(f"{'rank':>4} {'span ms':>10} {'busy %':>7} {'compute ms':>11} {'comm ms':>9} {'exposed ms':>11} {'kernels':>8}")
-    for r in tl.itertuples(index=False):
-        busy = 100.0 * r.gpu_busy_us / r.span_us if r.span_us else 0.0
-        _echo(f"{r.rank:>4} {r.span_us / 1e3:>10.3f} {busy:>7.1f} {r.compute_us / 1e3:>11.3f} "
-                   f"{r.comm_us / 1e3:>9.3f} {r.exposed_comm_us / 1e3:>11.3f} {r.kernel_count:>8}")
+    from .analyzer import summary_text
 
-
-def _print_cpu_summary(result) -> None:
-    """CPU-only traces (the trainer on a CPU): per rank, host time per profiler step, the MoE stages and the
-    ops with the most self time per step (never summed over ranks), then the findings."""
-    from .analysis import steps as S
-
-    click.echo("no GPU activity in these traces (CPU-only): GPU timeline unavailable; host time per rank instead")
-    hs = S.host_step_table(result)
-    ms = S.moe_stage_table(result)
-    top = S.host_top_ops(result, top=5)
-    for rank, g in hs.groupby("rank"):
-        per = ", ".join(f"step {int(r.step)} {r.step_time_us / 1e3:.1f} ms{'' if r.steady else ' (excluded)'}"
-                        for r in g.itertuples(index=False))
-        click.echo(f"rank {rank}: {per}")
-        m = ms[ms["rank"] == rank]
-        if len(m):
-            click.echo("  MoE stages per step: " + ", ".join(
-                f"{r.stage} {r.host_us_per_step / 1e3:.3f} ms ({100 * r.share_of_step:.0f}%)" for r in m.itertuples(index=False)))
-        t = top[top["rank"] == rank]
-        if len(t):
-            click.echo("  top ops by self time per step: " + ", ".join(
-                f"{r.op} {r.self_us_per_step / 1e3:.3f} ms" for r in t.itertuples(index=False)))
-    for f in result.findings()[:5]:
-        click.echo(f"finding ({f['severity']}): {f['title']}")
+    _echo(summary_text(result))
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -19,7 +19,7 @@ import numpy as np
 import pandas as pd
 
 from . import categories as C
-from .analysis import comm as CM, host as H, intervals as I
+from .analysis import intervals as I
 from .analysis.calltree import KIND_RUNTIME
 from .errors import TraceError
 
@@ -130,9 +130,9 @@ def export_perfetto(analysis, out: str | os.PathLike) -> dict:
     t0 = int(ev["ts"].min())
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    inst = CM.collective_instances(a) if a.has_gpu else pd.DataFrame()
-    syncs = H.host_syncs(a) if a.has_gpu else pd.DataFrame()
-    gaps = H.idle_gaps(a, syncs) if a.has_gpu else pd.DataFrame()
+    inst = a.comm_instances() if a.has_gpu else pd.DataFrame()
+    syncs = a.host_syncs() if a.has_gpu else pd.DataFrame()
+    gaps = a.idle_gaps() if a.has_gpu else pd.DataFrame()
     threads = a.trace.threads
     tracks = 0
     tmp = out.with_suffix(out.suffix + ".tmp")

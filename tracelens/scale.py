@@ -93,11 +93,6 @@ class WindowPlan:
 _GPU_COLS = ["rank", "step", "ts", "end", "dur", "kind", "is_comm", "category"]
 
 
-class _One:  # the fields comm.comm_kernels reads of an Analysis
-    def __init__(self, gpu, tree, trace):
-        self.gpu, self.tree, self.trace = gpu, tree, trace
-
-
 def reduce_rank(path: str, index: int = 0, n_files: int = 1, *, cache: bool = True,
                 cache_dir: str | None = None, want_activity: bool = False, threads: int | None = None) -> RankTables:
     """Load one rank file and reduce it to `RankTables` (see the module docstring). `index` / `n_files`:
@@ -105,8 +100,8 @@ def reduce_rank(path: str, index: int = 0, n_files: int = 1, *, cache: bool = Tr
     name is its position, as `tracelens.load` assigns it). threads: the compiled scanner's threads (1 on a
     Dask worker, which shares the machine with the others). Raises TraceError naming the file."""
     from .analysis import calltree, timeline
-    from .analysis.comm import comm_kernels
     from .analysis.pipeline import actions_from_trace, rank_activity
+    from .analyzer import DERIVED, CoreTables
     from .analysis.steps import host_steps
     from .trace import Trace, _concat_ranks, _parse_one, rank_of
 
@@ -126,7 +121,7 @@ def reduce_rank(path: str, index: int = 0, n_files: int = 1, *, cache: bool = Tr
     ops_per = ops_per[ops_per["step"] >= 0].groupby(["rank", "step"]).size()
     step_col = gpu["step"].to_numpy()
     outside = step_col < 0
-    comm = comm_kernels(_One(gpu, tree, trace))
+    comm = DERIVED.bind(CoreTables(trace=trace, tree=tree, gpu=gpu))["comm_kernels"]  # the rank's entry
     actions = actions_from_trace(trace)
     activity = None
     if want_activity or not actions.empty:
@@ -198,6 +193,11 @@ class RanksAnalysis:
     warnings: list[str]
     engine: str  # "in-process", "dask LocalCluster (N workers)", "dask scheduler ADDR"
     timings: dict = field(default_factory=dict)  # wall seconds: reduce (per-rank tasks), combine (driver), window, finish
+
+    def comm_instances(self) -> pd.DataFrame:
+        """The `comm_instances` entry of the run (as `Analysis.comm_instances()`), matched across ranks
+        from each rank's `comm_kernels` entry."""
+        return self.instances
 
     def tables(self) -> dict[str, pd.DataFrame]:
         out = {"timeline": self.timeline, "timeline_all": self.timeline_all, "step_timeline": self.step_timeline,
@@ -322,7 +322,7 @@ def plan_window(light: list[RankTables], sw) -> WindowPlan:
 def finish(light: list[RankTables], windowed: dict[int, tuple], rt, sw, kern, inst, waits, engine: str) -> RanksAnalysis:
     """Assemble the result from the light reductions, the windowed figures (rank -> (timeline, categories))
     and the cross-rank pieces of `combine`; the warnings in `analyze`'s order."""
-    from .analysis.comm import comm_summary, group_coverage, stragglers
+    from .analysis.comm import comm_summary, coverage, stragglers
     from .analysis.timeline import TIMELINE_COLUMNS
     from .analyzer import _mark_startup_waits, _pipeline
 
@@ -369,13 +369,10 @@ def finish(light: list[RankTables], windowed: dict[int, tuple], rt, sw, kern, in
     cats = cat([windowed[r.info.rank][1] for r in light], ["rank", "category", "count", "total_us", "pct_gpu_busy"])
     tla = cat([r.timeline_all for r in light], TIMELINE_COLUMNS)
 
-    class _Cov:
-        trace = rt
-
     return RanksAnalysis(
         trace=rt, window=sw, timeline=tl, timeline_all=tla, step_timeline=stl, categories=cats, instances=inst,
         comm_summary=comm_summary(inst), stragglers=stragglers(inst),
-        coverage=group_coverage(_Cov(), inst, kern=kern), pipeline=pipe, warnings=warnings, engine=engine,
+        coverage=coverage(rt, kern, inst), pipeline=pipe, warnings=warnings, engine=engine,
     )
 
 

@@ -387,11 +387,40 @@ def rank_of(p: ParsedTrace, i: int, n_files: int) -> tuple[RankInfo, list[str], 
         issues.append({"rank": int(rank), "file": p.path, "check": "cache_entry", "action": "replaced",
                        "events": 0, "message": p.meta["cache_warning"]})
     info = RankInfo(
-        rank=int(rank), path=p.path, device_properties=p.meta.get("device_properties") or [],
+        rank=int(rank), path=p.path, device_properties=_device_properties(p.path, p.meta.get("device_properties")),
         distributed_info=dist, base_time_ns=p.meta.get("base_time_ns"),
         n_raw_events=int(p.meta.get("n_raw_events") or 0), from_cache=bool(p.meta.get("from_cache")),
     )
     return info, warnings, issues
+
+
+# deviceProperties fields the analyses read, and the JSON types the profiler writes them as
+_DEVICE_FIELDS = {"name": (str,), "totalGlobalMem": (int, float), "numSms": (int, float), "computeMajor": (int,),
+                  "computeMinor": (int,)}
+
+
+def _device_properties(path: str, props: Any) -> list[dict[str, Any]]:
+    """A file's ``deviceProperties``: a list of objects whose fields the analyses read (device name,
+    memory, SM count, compute capability) have the profiler's types, null counting as absent. Anything
+    else is a `TraceError` naming the file and the field (a list as a name was "unhashable", exit 3)."""
+    if props is None:
+        return []
+    if not isinstance(props, list):
+        raise TraceError(path, f"deviceProperties is {_json_type(props)} (expected a list of objects)")
+    for i, d in enumerate(props):
+        if not isinstance(d, dict):
+            raise TraceError(path, f"deviceProperties[{i}] is {_json_type(d)} (expected an object)")
+        for key, types in _DEVICE_FIELDS.items():
+            v = d.get(key)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, types)):
+                want = "a string" if types == (str,) else "an integer" if types == (int,) else "a number"
+                raise TraceError(path, f"deviceProperties[{i}].{key} is {_json_type(v)} (expected {want})")
+    return props
+
+
+def _json_type(v: Any) -> str:
+    return {dict: "an object", list: "a list", str: "a string", bool: "a boolean"}.get(
+        type(v), "a number" if isinstance(v, (int, float)) else type(v).__name__)
 
 
 def check_ranks(infos: list[RankInfo]) -> list[str]:

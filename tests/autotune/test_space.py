@@ -146,3 +146,101 @@ def test_cli_bad_space_is_one_line_exit_2(tmp_path):
     assert r.stderr == (f"tracelens: error: {bad}: knobs.sync_free_level[1]: 5 rejected by the trainer "
                         "(config error: sync_free_level: must be 0, 1, 2 or 3, got 5)\n")
     assert not (tmp_path / "o").exists()  # nothing started
+
+
+@pytest.mark.parametrize("expr, construct", [
+    ("().__class__.__base__.__subclasses__()", "attribute access (`.`): not allowed"),
+    ("sum(range(10**12)) > 0", "calling 'range': not allowed"),
+    ("__import__('os').system('touch pwned') == 0", "attribute access (`.`): not allowed"),
+    ("__import__('os') is None", "calling '__import__': not allowed"),
+    ("[x for x in [1, 2]] == []", "comprehensions: not allowed"),
+    ("grouped_gemm_backend[0] == 'l'", "subscripts (`[...]`): not allowed"),
+    ("(lambda: 1)() == 1", "lambda: not allowed"),
+    ("f'{sync_free_level}' == '1'", "f-strings: not allowed"),
+    ("sync_free_level | 1", "bit operations: not allowed"),
+    ("max(sync_free_level, key=abs) > 0", "the keyword argument 'key' of max: not allowed"),
+    ("sync_free_level is 1", "`is` / `is not` other than against None: not allowed"),
+    ("{1: 2} != {}", "dict displays (`{...}`): not allowed"),
+])
+def test_constraints_outside_the_language_are_rejected_at_load(expr, construct):
+    """Constraints are not Python: a tree walker over a whitelist. Anything else fails when the file
+    is read, in one line naming the file, the constraint and the construct."""
+    assert _err({**BASE, "constraints": [expr]}) == f"s.yaml: constraints[0]: {expr!r}: {construct}" + (
+        " (callable: min max abs len sum any all int float bool)" if construct.startswith("calling") else
+        " (only min and max take default=)" if "keyword" in construct else
+        " (use == / !=)" if construct.startswith("`is`") else "")
+
+
+def test_constraints_cannot_blow_up_work_or_memory():
+    """No loops and bounded numbers: what hung or filled memory under eval ends at load, at once."""
+    import time
+
+    t0 = time.monotonic()
+    for expr, why in [("10 ** 10 ** 10 > 0", "an exponent of 10000000000 (at most 64 in magnitude)"),
+                      ("sync_free_level + 2 ** 64 * 2 ** 64 * 2 ** 64 > 0", "an integer beyond +-2**128"),
+                      ("'x' * 10 ** 9 == ''", "* needs numbers, got str 'x'")]:
+        assert _err({**BASE, "constraints": [expr]}).startswith(f"s.yaml: constraints[0]: {expr!r} cannot be evaluated")
+        assert why in _err({**BASE, "constraints": [expr]})
+    assert "nested too deeply" in _err({**BASE, "constraints": ["not " * 100 + "sync_free_level"]})
+    assert "characters (at most 2000)" in _err({**BASE, "constraints": ["sync_free_level + " * 200 + "1 > 0"]})
+    assert time.monotonic() - t0 < 5
+
+
+def test_constraint_language_covers_what_spaces_write():
+    """The language keeps what space files use: chained comparisons, in / not in, min/max with
+    default=, lists as values, conditional expressions, arithmetic with Python's semantics."""
+    knobs = {"pp": [1, 2, 4], "vpp": [1, 2], "recompute_layer_ids": [[], [1], [0, 3]],
+             "grouped_gemm_backend": ["loop", "torch"]}
+    doc = {"config": "tiny", "knobs": knobs, "fixed": {"n_layers": 4, "data_path": None},
+           "constraints": ["1 <= pp * vpp <= 4", "grouped_gemm_backend in ('loop', 'torch')",
+                           "grouped_gemm_backend not in ['triton']", "max(recompute_layer_ids, default=0) < n_layers",
+                           "len(recompute_layer_ids) <= pp if data_path is None else False",
+                           "n_layers % (pp * vpp) == 0 and -pp < abs(-vpp) ** 2 + n_layers // 3 - 7 / 2 + 1",
+                           "sum(recompute_layer_ids) >= 0 or any([pp == 4, vpp == 2]) or not all([])"]}
+    s = parse_space(doc, check_trainer=False)
+    expect = [p for p in (dict(zip(knobs, v)) for v in itertools.product(*knobs.values()))
+              if 1 <= p["pp"] * p["vpp"] <= 4 and max(p["recompute_layer_ids"], default=0) < 4
+              and len(p["recompute_layer_ids"]) <= p["pp"] and 4 % (p["pp"] * p["vpp"]) == 0
+              and -p["pp"] < abs(-p["vpp"]) ** 2 + 4 // 3 - 7 / 2 + 1]
+    # by hand: (pp, vpp) in (1,1) (1,2) (2,1) (2,2) (4,1); recompute lists <= pp long: 2+2+3+3+3 = 13; x 2 backends
+    assert s.grid() == expect and len(expect) == 26
+
+
+def test_example_spaces_use_only_the_language():
+    """Every shipped space file's constraints compile (the trainer-free part of test_example_spaces_load)."""
+    from pathlib import Path
+
+    import yaml
+
+    from autotune.constraints import compile_constraint
+
+    spaces = sorted((Path(__file__).resolve().parents[2] / "autotune" / "spaces").glob("*.yaml"))
+    exprs = [c for p in spaces for c in (yaml.safe_load(p.read_text()).get("constraints") or [])]
+    assert len(exprs) >= 10
+    for c in exprs:
+        compile_constraint(c)
+
+
+def test_space_file_is_bounded_yaml(tmp_path):
+    """The space file goes through the project's bounded YAML loader (moespec.yaml_bounded): aliases
+    that would expand it without end, a huge or non-text file, a FIFO are one line naming the file."""
+    import os
+
+    laughs = tmp_path / "laughs.yaml"
+    laughs.write_text("config: tiny\nknobs:\n  manual_gc: [0, 1]\n  recompute_layer_ids: [[], &a [1, 1, 1, 1, 1, 1, 1, 1]"
+                      + "".join(f", &{n} [" + ", ".join([f"*{p}"] * 8) + "]" for p, n in zip("abcdefgh", "bcdefghi")) + "]\n")
+    with pytest.raises(SpaceError) as e:
+        load_space(laughs, check_trainer=False)
+    assert str(e.value).startswith(f"{laughs}: not valid YAML (aliases (*name) expand this value to ")
+    big = tmp_path / "big.yaml"
+    big.write_text("config: tiny\n" + "#" * (1 << 20))
+    with pytest.raises(SpaceError, match=r"big.yaml: 1048589 bytes is too large for a space file \(at most 1048576\)"):
+        load_space(big, check_trainer=False)
+    binary = tmp_path / "bin.yaml"
+    binary.write_bytes(b"config: \xff\xfe\n")
+    with pytest.raises(SpaceError, match=r"bin.yaml: not a UTF-8 text file \(byte 8\)"):
+        load_space(binary, check_trainer=False)
+    fifo = tmp_path / "fifo.yaml"
+    os.mkfifo(fifo)
+    with pytest.raises(SpaceError, match=r"fifo.yaml: cannot read: not a regular file"):
+        load_space(fifo, check_trainer=False)

@@ -214,6 +214,8 @@ def test_a_missing_store_without_trial_dirs_starts_a_new_sweep(tmp_path):
     "UPDATE autotune_trials SET knobs = 'not json' WHERE id = 2",
     "UPDATE autotune_trials SET metrics = '[1, 2]' WHERE id = 1",
     "UPDATE autotune_trials SET objective = NULL WHERE id = 3",
+    "UPDATE autotune_trials SET objective = 9e999 WHERE id = 3",  # SQLite stores inf (a NaN becomes NULL)
+    "UPDATE autotune_trials SET objective = -9e999 WHERE id = 1",
     "UPDATE autotune_meta SET v = '[]' WHERE k = 'identity'",
     "UPDATE autotune_meta SET v = '\"x\"' WHERE k = 'elapsed_s'",
     "DROP TABLE autotune_trials",

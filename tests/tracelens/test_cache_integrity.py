@@ -172,3 +172,127 @@ def test_load_issues_survive_the_cache(tmp_path, monkeypatch):
         assert list(t.load_issues["check"]) == ["negative_dur"] and list(t.load_issues["events"]) == [1]
         assert _loaded_kernels(t) == N_LOOP - 1
         assert any("negative dur" in w and str(src) in w for w in t.warnings)
+
+
+# ------------------------------------------------------------------ leftovers of killed stores (issue 31 #12)
+
+_KILLED_STORE = r"""
+import os, signal, sys
+import tracelens
+from tracelens.io import cache as C
+real = os.rename
+def rename(a, b):  # killed between staging the entry and renaming it into place
+    os.kill(os.getpid(), signal.SIGKILL)
+os.rename = rename
+real_replace = os.replace
+def replace(a, b):  # killed between writing a remembered key and renaming it into place
+    os.kill(os.getpid(), signal.SIGKILL)
+os.replace = replace if sys.argv[2] == "key" else real_replace
+tracelens.load(sys.argv[1], cache=True, cache_dir=sys.argv[3])
+"""
+
+
+def _leftovers(root):
+    return sorted(p.name for p in root.rglob(".*"))
+
+
+def test_kill_9_during_a_store_leaves_nothing_a_rerun_keeps(tmp_path):
+    import subprocess
+    import sys
+
+    root = tmp_path / "cache"
+    trace = tmp_path / "t.json.gz"
+    shutil.copy(MOE_LOOP, trace)
+    seen = []
+    for where in ("key", "entry"):
+        r = subprocess.run([sys.executable, "-c", _KILLED_STORE, str(trace), where, str(root)],
+                           env={**__import__("os").environ, "TRACELENS_NO_PREFETCH": "1"}, capture_output=True)
+        assert r.returncode == -9, r.stderr.decode()[-2000:]
+        seen.append(_leftovers(root))
+    # the first left a remembered key's temporary file; the second's store swept it and left its staging dir
+    assert len(seen[0]) == 1 and not seen[0][0].startswith(".tmp-") and seen[0][0].endswith(f"@{C._host()}")
+    assert len(seen[1]) == 1 and seen[1][0].startswith(f".tmp-") and "@" in seen[1][0], seen
+    C._SWEPT.discard(str(root))
+    t = tracelens.load(trace, cache=True, cache_dir=root)  # the rerun's store sweeps the dead processes' leftovers
+    assert _loaded_kernels(t) == N_LOOP
+    assert _leftovers(root) == []
+
+
+def test_sweep_keeps_what_a_live_store_may_still_use(tmp_path):
+    import os
+    import time
+
+    root = tmp_path / "cache"
+    d = root / "traces" / "ab"
+    keys = root / "keys"
+    d.mkdir(parents=True)
+    keys.mkdir()
+    mine = d / f".tmp-{C._owner()}-x1"  # this (live) process's staging dir
+    foreign_new = d / ".tmp-4242@otherhost-x2"  # another host's: its owner cannot be checked, it is recent
+    legacy_old = d / ".tmp-abcd1234"  # an older tracelens's name, two hours old
+    for p in (mine, foreign_new, legacy_old):
+        p.mkdir()
+    (keys / f".{'0' * 32}.{os.getpid()}").write_text("x")  # recent, older name: kept
+    old_key = keys / f".{'1' * 32}.123"
+    old_key.write_text("x")
+    past = time.time() - 2 * C.STALE_AFTER_S
+    os.utime(legacy_old, (past, past))
+    os.utime(old_key, (past, past))
+    assert C.sweep_stale(root) == 2
+    assert _leftovers(root) == sorted([mine.name, foreign_new.name, f".{'0' * 32}.{os.getpid()}"])
+    assert C.sweep_stale(root) == 0  # once per process and root
+
+
+# ------------------------------------------------------------------ coarse time stamps (issue 31 #5)
+
+def _whole_seconds(real):
+    """os.stat as a file system with 1-second time stamps reports it."""
+    import types
+
+    def stat(path):
+        st = real(path)
+        return types.SimpleNamespace(st_dev=st.st_dev, st_ino=st.st_ino, st_size=st.st_size,
+                                     st_mtime_ns=st.st_mtime_ns // 10**9 * 10**9,
+                                     st_ctime_ns=st.st_ctime_ns // 10**9 * 10**9)
+    return stat
+
+
+def _rewrite_middle_same_size(path, when: int) -> None:
+    """Double every kernel's dur in place (same size: the digits are swapped, not added), head and tail
+    untouched, and the stamps put back to the same whole second."""
+    import gzip as _gz
+    import os
+
+    raw = _gz.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
+    assert len(raw) > 4 * C._EDGE
+    lo, hi = C._EDGE, len(raw) - C._EDGE
+    mid = raw[lo:hi].replace(b'"dur": 1,', b'"dur": 9,')
+    assert mid != raw[lo:hi] and len(mid) == hi - lo
+    with open(path, "r+b") as f:
+        f.seek(lo)
+        f.write(mid)
+    os.utime(path, ns=(when, when))
+
+
+def test_same_size_rewrite_within_one_second_on_coarse_stamps_is_not_served_stale(tmp_path, monkeypatch):
+    import os
+
+    monkeypatch.setenv("TRACELENS_NO_PREFETCH", "1")
+    monkeypatch.setattr(C, "_stat", _whole_seconds(os.stat))
+    events = [{"ph": "X", "cat": "kernel", "name": f"k{i}", "pid": 0, "tid": 7, "ts": 10 * i, "dur": 1,
+               "args": {"stream": 7, "correlation": i}} for i in range(6000)]
+    p = tmp_path / "t.json"
+    p.write_text(json.dumps({"traceEvents": events}))
+    when = (os.stat(p).st_mtime_ns // 10**9 - 5) * 10**9
+    os.utime(p, ns=(when, when))
+    root = tmp_path / "cache"
+    first = tracelens.load(p, cache=True, cache_dir=root)
+    assert int(first.events["dur"].sum()) == 6000 * 1000
+    assert C.coarse_stamps(C.identity(str(p)))
+    _rewrite_middle_same_size(p, when)
+    assert C.identity(str(p)) == C.identity(str(p))  # the identity cannot tell the versions apart
+    again = tracelens.load(p, cache=True, cache_dir=root)
+    n_changed = json.loads(p.read_text())["traceEvents"]
+    expected = sum(e["dur"] for e in n_changed) * 1000
+    assert int(again.events["dur"].sum()) == expected != 6000 * 1000
+

@@ -113,3 +113,69 @@ def test_cpu_only_summary_names_host_time_per_step_and_range(tmp_path):
     assert "(32%)" in line  # 1600 us of 5000 us of steps
     assert "top ops by self time per step: aten::mm 0.400 ms" in r.stdout  # (300 + 500) / 2 us
     assert any(x.startswith("finding (info):") for x in r.stdout.splitlines())
+
+
+def test_host_prints_info_findings_without_a_recovery_estimate(tmp_path):
+    """A trace without GPU activity (the trainer on a CPU; HTA's MTIA test trace, whose device is not a
+    GPU to the loader) has only "info" findings, whose recoverable_us is null: `host` prints their
+    share of the step instead of dividing None (it exited 3)."""
+    from ..conftest import FIXTURES
+
+    out = tmp_path / "host.json"
+    r = run("host", str(FIXTURES / "cpu_tiny" / "rank0.json.gz"), "--no-cache", "--json", str(out))
+    assert r.returncode == 0 and "Traceback" not in r.stderr and "internal error" not in r.stderr, r.stderr
+    items = json.loads(out.read_text())["findings"]
+    info = [f for f in items if f["recoverable_us"] is None]
+    assert info and all(f["severity"] == "info" for f in info)
+    lines = [x for x in r.stdout.splitlines() if x.startswith("  [info] ")]
+    assert [x.rsplit(" (", 1)[0] for x in lines] == [f"  [info] {f['title']}" for f in info]
+    for x, f in zip(lines, info):
+        assert x.endswith(f"({100 * f['share_of_span']:.1f}% of the step; no recovery estimate)")
+
+
+# (verb, manifest change, the problem named after "RUN/manifest.json: ")
+_BAD_MANIFESTS = [
+    ("whatif", "[]", "not a trainer manifest: a list, not a JSON object"),
+    ("whatif", "{not json", "unreadable manifest (Expecting property name enclosed in double quotes"),
+    ("whatif", {"config": None}, "not a trainer manifest: no 'config' (expected an object: the run's trainer config)"),
+    ("whatif", {"metrics": "fast"}, "manifest field 'metrics' is a string ('fast') (expected an object)"),
+    ("whatif", {"metrics.step_times_s": 7}, "manifest field 'metrics.step_times_s' is a number (7) (expected a list of numbers)"),
+    ("whatif", {"config.micro_batch_size": "x"},
+     "the run's config is not valid (config error: micro_batch_size: expected an integer, got 'x')"),
+    ("memory", {"metrics": "fast"}, "manifest field 'metrics' is a string ('fast') (expected an object)"),
+    ("memory", {"metrics.peak_memory_bytes": [1, "x"]}, "manifest field 'metrics.peak_memory_bytes[1]' is a string ('x') (expected a number)"),
+    ("memory", {"world_size": 0}, "manifest field 'world_size' is a number (0) (expected an integer >= 1)"),
+    ("diff", "[1, 2]", "not a trainer manifest: a list, not a JSON object"),
+    ("diff", {"metrics": [1]}, "manifest field 'metrics' is a list (expected an object)"),
+    ("diff", {"metrics.peak_memory_bytes": [1, "x"]}, "manifest field 'metrics.peak_memory_bytes[1]' is a string ('x') (expected a number)"),
+]
+
+
+@pytest.mark.parametrize("verb, change, problem", _BAD_MANIFESTS, ids=[f"{v}-{str(c)[:30]}" for v, c, _ in _BAD_MANIFESTS])
+def test_malformed_manifests_are_one_line_naming_the_file(tmp_path, verb, change, problem):
+    """whatif (a ProfileError escaped), memory ("metrics": "fast") and diff (a list manifest) exited 3;
+    each now checks the manifest's fields (tracelens.io.manifest) before any work: one line, exit 2."""
+    import shutil
+
+    from ..conftest import FIXTURES
+
+    src = FIXTURES / "h100_proxy_loop_mbs8"
+    run_dir = tmp_path / "run"
+    shutil.copytree(src, run_dir)
+    mf = run_dir / "manifest.json"
+    if isinstance(change, str):
+        mf.write_text(change)
+    else:
+        doc = json.loads(mf.read_text())
+        for key, value in change.items():
+            *parents, leaf = key.split(".")
+            d = doc
+            for k in parents:
+                d = d[k]
+            d[leaf] = value
+        mf.write_text(json.dumps(doc))
+    args = {"whatif": ["whatif", run_dir, "--set", "micro_batch_size=2"], "memory": ["memory", run_dir],
+            "diff": ["diff", src, run_dir, "--no-cache"]}[verb]
+    r = run(*args, timeout=300)
+    assert r.returncode == 2 and r.stdout == "", (r.returncode, r.stdout[-500:], r.stderr[-2000:])
+    assert r.stderr.startswith(f"tracelens: error: {mf}: {problem}") and r.stderr.count("\n") == 1, r.stderr

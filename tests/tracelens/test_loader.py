@@ -185,3 +185,50 @@ def test_run_dir_layout(tmp_path):
     t = tracelens.load(run, cache=False)
     assert t.rank_ids == [0, 1]
     assert all(os.path.dirname(r.path).endswith("traces") for r in t.ranks)
+
+
+@pytest.mark.parametrize("field, value, problem", [
+    ("name", ["H100", "x"], "deviceProperties[1].name is a list (expected a string)"),
+    ("name", {"a": 1}, "deviceProperties[1].name is an object (expected a string)"),
+    ("name", 7, "deviceProperties[1].name is a number (expected a string)"),
+    ("totalGlobalMem", "80GB", "deviceProperties[1].totalGlobalMem is a string (expected a number)"),
+    ("numSms", [132], "deviceProperties[1].numSms is a list (expected a number)"),
+    ("computeMajor", True, "deviceProperties[1].computeMajor is a boolean (expected an integer)"),
+])
+@pytest.mark.parametrize("cache", [False, True])
+def test_device_properties_of_the_wrong_type_are_one_line_naming_the_file(tmp_path, monkeypatch, field, value,
+                                                                          problem, cache):
+    """A deviceProperties field the analyses read, of a type no profiler writes: one line naming the file
+    and the field, exit 2 (a list as a name was "unhashable list", exit 3). Null is absent, as before."""
+    import subprocess
+    import sys
+
+    from ..conftest import TRITON
+
+    monkeypatch.setenv("TRACELENS_CACHE_DIR", str(tmp_path / "cache"))
+    doc = json.loads(gzip.open(TRITON).read())
+    doc["deviceProperties"][1][field] = None
+    p = tmp_path / "trace.json"
+    p.write_text(json.dumps(doc))
+    assert tracelens.load(p, cache=cache).ranks[0].device_properties[1][field] is None  # null: absent
+    doc["deviceProperties"][1][field] = value
+    p.write_text(json.dumps(doc))
+    with pytest.raises(TraceError) as e:
+        tracelens.load(p, cache=cache)
+    assert e.value.one_line() == f"{p}: {problem}"
+    args = [sys.executable, "-m", "tracelens", "roofline", str(p)] + ([] if cache else ["--no-cache"])
+    r = subprocess.run(args, capture_output=True, text=True, timeout=120, env={**os.environ})
+    assert r.returncode == 2 and r.stderr == f"tracelens: error: {p}: {problem}\n", r.stderr
+
+
+def test_device_properties_not_a_list_of_objects(tmp_path):
+    from ..conftest import TRITON
+
+    doc = json.loads(gzip.open(TRITON).read())
+    for props in ([1, 2], "H100", {"name": "H100"}):
+        doc["deviceProperties"] = props
+        p = tmp_path / "trace.json"
+        p.write_text(json.dumps(doc))
+        with pytest.raises(TraceError) as e:
+            tracelens.load(p, cache=False)
+        assert e.value.one_line().startswith(f"{p}: ") and "\n" not in e.value.one_line()

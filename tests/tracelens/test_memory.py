@@ -372,3 +372,35 @@ def test_cli_pipeline_run_per_rank(tmp_path):
     js = json.loads((tmp_path / "m.json").read_text())
     assert js["layout"]["stage_layers"] == [[0], [1], [2], [3]] and js["layout"]["stage_to_rank"] == [0, 1, 0, 1]
     assert [r["measured_bytes"] for r in js["ranks"]] == [21203748352, 31515833344]
+
+
+def test_a_bare_name_that_is_both_a_config_and_a_local_path(tmp_path, monkeypatch):
+    """`memory tiny` in a directory holding `tiny/` (or `tiny.yaml`) used to read the local path (and
+    fail: no manifest.json). A bare name means the trainer config when one has that name, and says in
+    one warning line that a local path of the same name was passed over; `./tiny` is the path."""
+    import json
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "tiny").mkdir()
+    r = CliRunner()
+    res = r.invoke(main, ["memory", "tiny", "--json", "m.json"])
+    assert res.exit_code == 0, res.output
+    assert res.stderr.splitlines() == ["tracelens: warning: 'tiny' is both a trainer config (tiny.yaml under "
+                                       "trainer/configs) and a directory here; using the config (write ./tiny "
+                                       "for the directory)"]
+    assert json.loads((tmp_path / "m.json").read_text())["config"] == "tiny"
+    res = r.invoke(main, ["memory", "./tiny"])
+    assert res.exit_code == 2 and res.stderr.strip() == "tracelens: error: tiny: directory has no manifest.json (expected a run dir)"
+    # a local YAML of the config's file name: the bare name is still the config; ./tiny.yaml the file
+    (tmp_path / "tiny.yaml").write_text("extends: gpu_proxy\nn_layers: 3\n")
+    res = r.invoke(main, ["memory", "tiny.yaml", "--json", "m.json"])
+    assert res.exit_code == 0 and "a file here; using the config (write ./tiny.yaml for the file)" in res.stderr
+    res = r.invoke(main, ["memory", "./tiny.yaml", "--json", "m2.json"])
+    assert res.exit_code == 0 and res.stderr == "", res.output
+    assert json.loads((tmp_path / "m.json").read_text())["layout"]["seq"] == 64  # tiny's seq_len
+    assert json.loads((tmp_path / "m2.json").read_text())["layout"]["seq"] == load_config("gpu_proxy")["seq_len"] != 64
+    # a bare name no config has: the local path, no warning
+    (tmp_path / "mine.yaml").write_text("extends: tiny\nseq_len: 32\n")
+    res = r.invoke(main, ["memory", "mine.yaml", "--json", "m3.json"])
+    assert res.exit_code == 0 and res.stderr == "", res.output
+    assert json.loads((tmp_path / "m3.json").read_text())["layout"]["seq"] == 32

@@ -27,6 +27,7 @@ def _files(d: Path) -> dict[str, Path]:
         "tabs.yaml": "lr:\t1\n\t- x\n",
         "list.yaml": "- lr\n- 3\n",
         "deep.yaml": "lr: " + "[" * 5000 + "]" * 5000 + "\n",
+        "laughs.yaml": f"env: {{A: {LAUGHS}}}\n",
     }
     out = {}
     for name, text in files.items():
@@ -35,6 +36,11 @@ def _files(d: Path) -> dict[str, Path]:
     out["random.yaml"] = d / "random.yaml"
     out["random.yaml"].write_bytes(bytes([0x86, 0xFF, 0x00, 0x13]) * 64)
     return out
+
+
+# a "billion laughs" value: 9 levels of 9 aliases of the level below, 387,420,489 leaves in ~400 bytes
+LAUGHS = "[&a [" + ",".join(["lol"] * 9) + "], " + ", ".join(
+    f"&{n} [" + ",".join([f"*{p}"] * 9) + "]" for p, n in zip("abcdefgh", "bcdefghi")) + "]"
 
 
 # (arguments after --config, key named in the error)
@@ -75,6 +81,9 @@ CASES = [
     (["@random.yaml"], "config"),
     (["/dev/zero"], "config"),
     (["@"], "config"),  # a directory
+    (["tiny", "--set", "seed=" + "9" * 5000], "seed"),  # an integer PyYAML cannot convert (a bare ValueError)
+    (["tiny", "--set", "recompute_layer_ids=" + LAUGHS], "recompute_layer_ids"),  # billion laughs: 9**9 leaves
+    (["@laughs.yaml"], "config"),
 ]
 
 

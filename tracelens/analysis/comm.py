@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import dataclass
 
 import numpy as np
 import pandas as pd
@@ -197,17 +198,7 @@ def comm_kernels(analysis) -> pd.DataFrame:
     """Every communication kernel with what identifies its collective, from the kernel's args or, when the
     kernel lacks them, from the CPU events that launched it. Columns: row, rank, ts, end, dur, step,
     collective, family, group, peers, pg_ranks, group_size, bytes, size_source, variable (per-rank sizes).
-    Computed once per `Analysis` (kept in its `_comm_kernels`; callers read it, never change it)."""
-    cached = getattr(analysis, "_comm_kernels", None)
-    if cached is not None:
-        return cached
-    out = _comm_kernels(analysis)
-    if hasattr(analysis, "_comm_kernels"):
-        analysis._comm_kernels = out
-    return out
-
-
-def _comm_kernels(analysis) -> pd.DataFrame:
+    Reads `analysis.gpu`, `.tree` and `.trace` (an Analysis keeps it as its `comm_kernels` entry)."""
     g = analysis.gpu
     k = g[g["is_comm"].to_numpy()] if not g.empty else g
     cols = ["row", "rank", "ts", "end", "dur", "step", "collective", "family", "group", "peers", "pg_ranks",
@@ -434,9 +425,10 @@ def expected_ranks(kern: pd.DataFrame, trace) -> dict[tuple[str, str], tuple[tup
     return out
 
 
-def collective_instances(analysis) -> pd.DataFrame:
-    """One row per (collective instance, rank) with its sync wait and pure communication time."""
-    kern = comm_kernels(analysis)
+def collective_instances(analysis, kern: pd.DataFrame | None = None) -> pd.DataFrame:
+    """One row per (collective instance, rank) with its sync wait and pure communication time. kern: the
+    `comm_kernels` rows when already computed (the analysis's entry)."""
+    kern = comm_kernels(analysis) if kern is None else kern
     if kern.empty:
         return pd.DataFrame(columns=INSTANCE_COLUMNS)
     events = analysis.trace.events
@@ -528,16 +520,22 @@ def match_instances(kern: pd.DataFrame, window_start: pd.Series, trace) -> pd.Da
 def group_coverage(analysis, inst: pd.DataFrame | None = None, kern: pd.DataFrame | None = None) -> pd.DataFrame:
     """Per process group (and peer pair): the ranks it spans, those loaded, those missing, and how many of
     its instances have cross-rank figures. `complete` is False when a rank of the group was not loaded.
-    `analysis` needs only `.trace.ranks` when `inst` and `kern` (the comm-kernel rows) are given."""
+    inst / kern: the collective instances and comm-kernel rows when already computed."""
+    kern = comm_kernels(analysis) if kern is None else kern
+    inst = collective_instances(analysis, kern) if inst is None else inst
+    return coverage(analysis.trace, kern, inst)
+
+
+def coverage(trace, kern: pd.DataFrame, inst: pd.DataFrame) -> pd.DataFrame:
+    """`group_coverage` from the comm-kernel rows, the instances and the ranks loaded (`trace.ranks`): the
+    many-rank path (tracelens.scale) calls it on its reductions."""
     cols = ["group", "peers", "group_size", "ranks_expected", "ranks_loaded", "ranks_missing", "instances",
             "cross_rank_instances", "complete"]
-    kern = comm_kernels(analysis) if kern is None else kern
     if kern.empty:
         return pd.DataFrame(columns=cols)
-    inst = collective_instances(analysis) if inst is None else inst
-    loaded = {int(r.rank) for r in analysis.trace.ranks}
+    loaded = {int(r.rank) for r in trace.ranks}
     rows = []
-    for (group, peers), (ranks, size) in expected_ranks(kern, analysis.trace).items():
+    for (group, peers), (ranks, size) in expected_ranks(kern, trace).items():
         have = sorted({int(r) for r in kern.loc[(kern["group"] == group) & (kern["peers"] == peers), "rank"]})
         if ranks:
             missing = sorted(set(ranks) - loaded)
@@ -552,9 +550,10 @@ def group_coverage(analysis, inst: pd.DataFrame | None = None, kern: pd.DataFram
     return pd.DataFrame(rows, columns=cols)
 
 
-def partial_note(analysis, inst: pd.DataFrame | None = None) -> str:
-    """One sentence naming the process groups with ranks that are not in the loaded traces, or ''."""
-    cov = group_coverage(analysis, inst)
+def partial_note(analysis, inst: pd.DataFrame | None = None, kern: pd.DataFrame | None = None) -> str:
+    """One sentence naming the process groups with ranks that are not in the loaded traces, or ''.
+    inst / kern: the collective instances and comm-kernel rows when already computed."""
+    cov = group_coverage(analysis, inst, kern)
     world = _world_size(analysis.trace)
     loaded = sorted(analysis.trace.rank_ids)
     parts = []
@@ -682,3 +681,77 @@ def exposed_comm(analysis, inst: pd.DataFrame) -> pd.DataFrame:
         rows.append({"rank": int(r), "comm_us": c / US, "exposed_comm_us": exposed / US,
                      "exposed_pct": 100.0 * exposed / c if c else 0.0})
     return pd.DataFrame(rows, columns=cols)
+
+
+# ------------------------------------------------------------------------------ the `tracelens comm` view
+
+
+def _records(df: pd.DataFrame) -> list[dict]:
+    return json.loads(df.to_json(orient="records"))
+
+
+@dataclass
+class CommReport:
+    """Communication vs synchronization of a set of ranks: what `tracelens comm` prints and writes with
+    --json, and what the report's communication section shows. Built by :func:`comm_report`."""
+
+    instances: pd.DataFrame  # collective_instances: one row per (instance, rank)
+    summary: pd.DataFrame  # comm_summary: per rank and collective
+    stragglers: pd.DataFrame  # per collective family
+    exposed: pd.DataFrame  # exposed_comm: per rank
+    groups: pd.DataFrame  # group_coverage: per process group
+    partial: str  # partial_note: '' when every group's ranks are loaded
+    startup_instances: int  # instances that began before every rank was profiling (left out of the totals)
+
+    @property
+    def empty(self) -> bool:
+        """No communication kernel in the traces."""
+        return self.instances.empty
+
+    def to_dict(self) -> dict:
+        """The `tracelens comm --json` document (docs/comm.md)."""
+        return {"schema_version": 2, "partial": self.partial or None, "records": _records(self.instances),
+                "summary": _records(self.summary), "stragglers": _records(self.stragglers),
+                "exposed_comm": _records(self.exposed), "groups": _records(self.groups)}
+
+    def to_text(self) -> str:
+        """The `tracelens comm` table: per rank and collective, then stragglers and exposed communication.
+        Cross-rank figures that a partial rank set leaves out are shown as '–'."""
+        if self.empty:
+            return "no communication kernels (NCCL/RCCL) in these traces"
+        lines = []
+        if self.partial:
+            lines.append(f"note: {self.partial}")
+        if self.startup_instances:
+            lines.append(f"note: {self.startup_instances} collective instance(s) began before every rank was profiling "
+                         "(start-up wait); excluded from the totals below")
+
+        def f(v, fmt):
+            return "–" if v != v else format(v, fmt)  # NaN: no cross-rank figure
+
+        lines.append(f"{'rank':>4} {'collective':<16} {'count':>5} {'kernel ms':>9} {'comm ms':>9} {'sync ms':>9} "
+                     f"{'sync %':>7} {'busbw GB/s':>10} {'last':>5}")
+        for r in self.summary.itertuples(index=False):
+            lines.append(f"{r.rank:>4} {r.collective[:16]:<16} {r.count:>5} {r.kernel_us / 1e3:>9.3f} "
+                         f"{f(r.comm_us / 1e3, '.3f'):>9} {f(r.sync_us / 1e3, '.3f'):>9} {f(r.sync_pct, '.1f'):>7} "
+                         f"{f(r.mean_busbw_gbps, '.1f'):>10} {f(float(r.times_last), '.0f'):>5}")
+        for r in self.stragglers.itertuples(index=False):
+            lines.append(f"{r.family}: skew mean {r.mean_skew_us / 1e3:.3f} ms, max {r.max_skew_us / 1e3:.3f} ms; "
+                         f"rank {r.straggler_rank} arrives last in {100 * r.straggler_share:.0f}% of {r.instances}")
+        lines.append("exposed communication (not overlapped by compute, start-up excluded): " + ", ".join(
+            f"rank {int(x.rank)} {x.exposed_comm_us / 1e3:.3f} of {x.comm_us / 1e3:.3f} ms"
+            for x in self.exposed.itertuples()))
+        return "\n".join(lines)
+
+
+def comm_report(analysis) -> CommReport:
+    """The communication view of an Analysis (its `comm_kernels` and `comm_instances` entries)."""
+    inst = analysis.comm_instances()
+    if inst.empty:
+        return CommReport(instances=inst, summary=comm_summary(inst), stragglers=stragglers(inst),
+                          exposed=exposed_comm(analysis, inst), groups=pd.DataFrame(), partial="", startup_instances=0)
+    kern = analysis.comm_kernels()
+    return CommReport(instances=inst, summary=comm_summary(inst), stragglers=stragglers(inst),
+                      exposed=exposed_comm(analysis, inst), groups=group_coverage(analysis, inst, kern),
+                      partial=partial_note(analysis, inst, kern),
+                      startup_instances=int(inst.drop_duplicates(["group", "peers", "seq"])["startup"].sum()))

@@ -31,13 +31,20 @@ from .. import categories as C
 from . import comm as CM
 from . import host as H
 from . import steps as S
+from .moe import padding_finding
+from .straggler import straggler_finding
 
 
 def _severity(share: float) -> str:
     return "high" if share >= 0.10 else ("medium" if share >= 0.03 else "low")
 
 
-def findings(analysis, small_us: float = H.SMALL_KERNEL_US) -> list[dict[str, Any]]:
+def findings(analysis, small_us: float = H.SMALL_KERNEL_US, *, host_syncs: pd.DataFrame | None = None,
+             idle_gaps: pd.DataFrame | None = None, launch_stats: pd.DataFrame | None = None,
+             kernels_per_op: pd.DataFrame | None = None, comm_instances: pd.DataFrame | None = None) -> list[dict[str, Any]]:
+    """The findings of an analysis (see the module docstring). The keyword arguments are its inputs when
+    already computed (the analysis's entries: `idle_gaps` classified against every host sync, with object
+    text columns; `launch_stats` / `kernels_per_op` at this `small_us`); each one not given is computed."""
     a = analysis
     extra = _overhead_finding(getattr(a, "manifest", None))
     if a.timeline.empty:
@@ -48,7 +55,8 @@ def findings(analysis, small_us: float = H.SMALL_KERNEL_US) -> list[dict[str, An
 
     sw = getattr(a, "window", None)
     restricts = sw is not None and sw.restricts
-    syncs = H.host_syncs(a)
+    all_syncs = H.host_syncs(a) if host_syncs is None else host_syncs
+    syncs = all_syncs
     if restricts and not syncs.empty:
         syncs = syncs[syncs["step"].isin(sw.used)]
     for _, s in H.sync_summary(syncs).iterrows():
@@ -62,7 +70,11 @@ def findings(analysis, small_us: float = H.SMALL_KERNEL_US) -> list[dict[str, An
             "recoverable_us": rec, "ranks": sorted(set(syncs.loc[syncs["op"] == s["op"], "rank"].astype(int))),
         })
 
-    gaps = H.idle_gaps(a, syncs, text_columns=False)  # filtered and grouped only: no per-gap string columns
+    # gaps classified against the window's syncs: those against every sync when the window drops none
+    if idle_gaps is not None and len(syncs) == len(all_syncs):
+        gaps = idle_gaps
+    else:
+        gaps = H.idle_gaps(a, syncs, text_columns=False)  # filtered and grouped only: no per-gap string columns
     if restricts and not gaps.empty:  # idle inside the window's GPU extent of each rank
         ext = a.timeline.set_index("rank")
         lo, hi = gaps["rank"].map(ext["start_ns"]), gaps["rank"].map(ext["end_ns"])
@@ -80,8 +92,8 @@ def findings(analysis, small_us: float = H.SMALL_KERNEL_US) -> list[dict[str, An
             "recoverable_us": total, "ranks": sorted(lb["rank"].astype(int).unique().tolist()),
         })
 
-    ls = H.launch_stats(a, small_us)
-    kpo = H.kernels_per_op(a, small_us)
+    ls = H.launch_stats(a, small_us) if launch_stats is None else launch_stats
+    kpo = H.kernels_per_op(a, small_us) if kernels_per_op is None else kernels_per_op
     if len(ls) and ls["small_share"].mean() >= 0.5 and ls["kernels"].sum() >= 50:
         small_ops = kpo.sort_values("small_kernels", ascending=False).head(8)
         # what fusing them could win: the launch-bound idle time in front of these ops' kernels
@@ -96,13 +108,36 @@ def findings(analysis, small_us: float = H.SMALL_KERNEL_US) -> list[dict[str, An
             "recoverable_us": rec, "ranks": ls["rank"].astype(int).tolist(),
         })
 
-    inst_all = a.comm_instances() if hasattr(a, "comm_instances") else CM.collective_instances(a)
+    inst_all = CM.collective_instances(a) if comm_instances is None else comm_instances
     inst = inst_all[inst_all["step"].isin(sw.used)] if restricts and not inst_all.empty else inst_all
+    pad = padding_finding(a)
+    if pad is not None:
+        out.append(pad)
+    bubble = _pipeline_bubble(a)
+    p2p_wait: dict[int, float] = {}  # per rank, µs: waits in point-to-point kernels of a pipeline (its bubble)
+    if bubble is not None:
+        out.append(bubble)
     if not inst.empty:
         ok = inst[~inst["startup"] & inst["cross_rank"]]  # sync wait needs every rank of the group
+        if bubble is not None and (ok["family"] == "p2p").any():
+            # a pipeline stage waiting for its neighbour spins in its receive (NCCL): that wait is the bubble
+            # the pipeline finding accounts for (schedule + imbalance), not communication
+            pw = ok[ok["family"] == "p2p"].groupby("rank")["sync_us"].sum()
+            p2p_wait = {int(r): float(v) for r, v in pw.items()}
+            bubble["evidence"]["p2p_wait_us_per_rank"] = {r: round(v, 3) for r, v in p2p_wait.items()}
+        late = straggler_finding(a, n_ranks, inst=inst_all[inst_all["family"] != "p2p"] if bubble is not None
+                                 else inst_all, gaps=idle_gaps)
+        if late is not None:
+            out.append(late)
+            lb = next((f for f in out if f["type"] == "launch_bound"), None)
+            if lb is not None and late["evidence"]["cause"] == "idle: launch-bound":
+                # the same mechanism seen from the other ranks: say it where the launch-bound idle is named
+                lb["title"] += (f"; on rank {late['evidence']['late_rank']} it makes the other ranks wait "
+                                f"{late['recoverable_us'] / 1e3:.3f} ms per rank in collectives")
+                lb["evidence"]["late_rank"] = late["evidence"]["late_rank"]
         for fam, g in ok.groupby("family"):
             wait = float(g["sync_us"].sum()) / n_ranks
-            if wait <= 0:
+            if wait <= 0 or (fam == "p2p" and bubble is not None):
                 continue
             strag = g.drop_duplicates(["group", "peers", "seq"])["last_rank"].value_counts()
             out.append({
@@ -118,10 +153,17 @@ def findings(analysis, small_us: float = H.SMALL_KERNEL_US) -> list[dict[str, An
         # whole window's with start-up instances left out
         ex = (a.timeline[["rank", "comm_us", "exposed_comm_us"]] if restricts else CM.exposed_comm(a, inst_all))
         ex = ex[ex["comm_us"] > 0]
+        # a rank spinning in a collective until its last peer arrives is waiting, not communicating: those waits
+        # are the findings above (sync_wait, late_rank; on a pipeline its receives' waits are the bubble)
+        waits = {int(r): float(v) for r, v in ok.groupby("rank")["sync_us"].sum().items()}
+        if any(v > 0 for v in waits.values()):
+            ex = ex.assign(exposed_comm_us=[max(float(e) - waits.get(int(r), 0.0), 0.0)
+                                            for r, e in zip(ex["rank"], ex["exposed_comm_us"])])
         exposed = float(ex["exposed_comm_us"].mean()) if len(ex) else 0.0
         if exposed > 0:
             out.append({
-                "type": "exposed_comm", "title": f"{exposed / 1e3:.3f} ms per rank of communication not hidden by compute",
+                "type": "exposed_comm", "title": f"{exposed / 1e3:.3f} ms per rank of communication not hidden by compute"
+                         + (" (waits for the last rank left out)" if any(v > 0 for v in waits.values()) else ""),
                 "evidence": {"per_rank": {int(r.rank): round(float(r.exposed_comm_us), 3) for r in ex.itertuples()}},
                 "recoverable_us": exposed, "ranks": ex["rank"].astype(int).tolist(),
             })
@@ -132,6 +174,37 @@ def findings(analysis, small_us: float = H.SMALL_KERNEL_US) -> list[dict[str, An
         f["recoverable_us"] = round(float(f["recoverable_us"]), 3)
         f["share_of_span"] = round(float(share), 4)
     return _rank(out + extra)
+
+
+def _pipeline_bubble(a) -> dict[str, Any] | None:
+    """The pipeline's bubble as a finding (None without a pipeline account): per rank and step, the schedule's
+    fill and drain (theory) plus the waits on slower stages (stage imbalance), from the bubble account of
+    `tracelens.analysis.pipeline` (what ppvis shows), over the account's steps (the traced ones when any)."""
+    acc = getattr(getattr(getattr(a, "pipeline", None), "account", None), "per_rank", None)
+    account = getattr(getattr(a, "pipeline", None), "account", None)
+    if acc is None or acc.empty or not {"rank", "theory_ns", "imbalance_ns"} <= set(acc.columns):
+        return None
+    n_steps = max(len(account.steps), 1)
+    theory = acc.set_index("rank")["theory_ns"].astype(float) / 1e3 / n_steps
+    imb = acc.set_index("rank")["imbalance_ns"].astype(float) / 1e3 / n_steps
+    total = theory + imb
+    if not (total > 0).any():
+        return None
+    bal = getattr(a.pipeline, "balance", None)
+    slow = getattr(bal, "slowest_stage", None)
+    ratio = getattr(bal, "slowest_ratio", None)
+    imb_txt = f"stage imbalance {imb.mean() / 1e3:.3f} ms"
+    if slow is not None and ratio is not None and ratio == ratio:
+        imb_txt += f" (stage {int(slow)} is {float(ratio):.2f}x the mean)"
+    return {
+        "type": "pipeline_bubble",
+        "title": f"pipeline bubble {total.mean() / 1e3:.3f} ms per rank per step: schedule {theory.mean() / 1e3:.3f} ms "
+                 f"+ {imb_txt}",
+        "evidence": {"theory_us_per_rank": {int(r): round(float(v), 3) for r, v in theory.items()},
+                     "imbalance_us_per_rank": {int(r): round(float(v), 3) for r, v in imb.items()},
+                     "steps": [int(x) for x in account.steps], "schedule": getattr(a.pipeline.meta, "schedule", None)},
+        "recoverable_us": float(total.mean()), "ranks": [int(r) for r in total.index],
+    }
 
 
 _ORDER = {"high": 0, "medium": 1, "low": 2, "info": 3}

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import re
 import statistics
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -80,9 +81,11 @@ def run_context(trace) -> dict[str, Any]:
 # ------------------------------------------------------------------------------------ checks
 
 
-def health_checks(analysis, run: dict | None = None, inst: pd.DataFrame | None = None) -> pd.DataFrame:
+def health_checks(analysis, run: dict | None = None, inst: pd.DataFrame | None = None,
+                  kern: pd.DataFrame | None = None) -> pd.DataFrame:
     """Every check over an `Analysis` (see the module docstring); `run` is `run_context(trace)` (None: no
-    run dir); `inst` the comm instances when already computed. Rows sorted by severity."""
+    run dir); `inst` / `kern` the comm instances and comm-kernel rows when already computed (the analysis's
+    entries). Rows sorted by severity."""
     from . import comm as CM
 
     run = run or {}
@@ -93,10 +96,12 @@ def health_checks(analysis, run: dict | None = None, inst: pd.DataFrame | None =
                      "invalidates": invalidates, "numbers": _plain(numbers)})
 
     trace = analysis.trace
+    if kern is None:
+        kern = CM.comm_kernels(analysis)
     if inst is None:
-        inst = CM.collective_instances(analysis)
+        inst = CM.collective_instances(analysis, kern)
     _incomplete_run(run, add)
-    _missing_ranks(analysis, inst, run, add)
+    _missing_ranks(analysis, inst, kern, run, add)
     _rank_identity(trace, analysis, add)
     _load_issues(trace, add)
     _linking(analysis, add)
@@ -178,7 +183,7 @@ def _incomplete_run(run: dict, add) -> None:
             run_dir=run.get("run_dir"), status=status)
 
 
-def _missing_ranks(analysis, inst, run, add) -> None:
+def _missing_ranks(analysis, inst, kern, run, add) -> None:
     from . import comm as CM
 
     trace = analysis.trace
@@ -208,7 +213,7 @@ def _missing_ranks(analysis, inst, run, add) -> None:
                 f"{len(absent)} not loaded: {_list(absent, 6)}", cross, listed=listed, not_loaded=absent)
     if inst.empty:
         return
-    cov = CM.group_coverage(analysis, inst)
+    cov = CM.group_coverage(analysis, inst, kern)
     world_missing = set(range(world)) - set(loaded) if world else set()
     for r in cov[~cov["complete"]].itertuples(index=False):
         miss = r.ranks_missing
@@ -473,3 +478,47 @@ def _profiler_overhead(manifest: dict | None, add) -> None:
         "absolute step times and host/launch shares read from the trace (the profiler's own cost is in them)"
         if beyond else "", profiled_steps=profiled, unprofiled_steps=unprof, profiled_median_s=mp,
         unprofiled_median_s=mu, overhead_pct=100 * over)
+
+
+# ------------------------------------------------------------------------------ the `tracelens check` view
+
+
+@dataclass
+class HealthReport:
+    """The health checks of a set of ranks judged against a CI threshold: what `tracelens check` prints and
+    writes with --json; summary.json's ``health`` is its :meth:`summary`. Built by :func:`health_report`."""
+
+    checks: pd.DataFrame  # health_checks: one row per finding
+    ranks: int  # ranks loaded
+    fail_on: str = "error"  # the least severe level that fails the check ("never": none)
+
+    @property
+    def exit_status(self) -> int:
+        return exit_status(self.checks, self.fail_on)
+
+    def summary(self) -> dict[str, Any]:
+        """summary.json's ``health``."""
+        return health_summary(self.checks)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The `tracelens check --json` document: the summary, the threshold and the exit status."""
+        return {"schema_version": 1, **self.summary(), "fail_on": self.fail_on, "exit_status": self.exit_status}
+
+    def to_text(self) -> str:
+        """The `tracelens check` text: one line per check (and what not to trust), then the verdict."""
+        lines = []
+        for r in self.checks.itertuples(index=False):
+            shown = ", ".join(map(str, r.ranks[:16])) + (f", … ({len(r.ranks)} in all)" if len(r.ranks) > 16 else "")
+            who = f" (rank{'s' if len(r.ranks) > 1 else ''} {shown})" if r.ranks else ""
+            lines.append(f"{r.severity:<7} {r.check}{who}: {r.found}")
+            if r.invalidates:
+                lines.append(f"        do not trust: {r.invalidates}")
+        c = self.summary()["counts"]
+        lines.append(f"{self.ranks} rank(s): {c['error']} error(s), {c['warning']} warning(s), {c['info']} note(s)"
+                     + ("" if len(self.checks) else " - clean") + f"; exit {self.exit_status} (--fail-on {self.fail_on})")
+        return "\n".join(lines)
+
+
+def health_report(analysis, fail_on: str = "error") -> HealthReport:
+    """The health view of an Analysis (its checks, computed once there)."""
+    return HealthReport(analysis.health(), len(analysis.trace.ranks), fail_on)

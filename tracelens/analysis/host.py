@@ -16,6 +16,10 @@
 
 from __future__ import annotations
 
+import json
+from dataclasses import dataclass
+from typing import Any
+
 import numpy as np
 import pandas as pd
 
@@ -187,3 +191,73 @@ def kernels_per_op(analysis, small_us: float = SMALL_KERNEL_US) -> pd.DataFrame:
     out["gpu_us"] = out.pop("gpu") / US
     out["mean_kernel_us"] = out["gpu_us"] / out["kernels"]
     return out.sort_values("kernels", ascending=False, ignore_index=True)[cols]
+
+
+# ------------------------------------------------------------------------------ the `tracelens host` view
+
+
+def _records(df: pd.DataFrame) -> list[dict]:
+    return json.loads(df.to_json(orient="records"))
+
+
+@dataclass
+class HostReport:
+    """The host side of a set of ranks: what `tracelens host` prints and writes with --json, and what the
+    report's host sections show. Built by :func:`host_report`."""
+
+    syncs: pd.DataFrame  # host_syncs: one row per blocking sync
+    sync_summary: pd.DataFrame  # by the op that issued them
+    idle: pd.DataFrame  # idle_summary: GPU idle per rank and cause
+    launch: pd.DataFrame  # launch_stats: per rank
+    kernels_per_op: pd.DataFrame  # ops by kernels launched
+    findings: list[dict[str, Any]]  # ranked findings (tracelens.analysis.findings)
+    small_us: float = SMALL_KERNEL_US  # kernels shorter than this count as small
+
+    def to_dict(self) -> dict:
+        """The `tracelens host --json` document (docs/host.md); the syncs without their Python stacks."""
+        return {"schema_version": 1, "syncs": _records(self.syncs.drop(columns=["stack"])),
+                "sync_summary": _records(self.sync_summary), "idle": _records(self.idle),
+                "launch": _records(self.launch), "kernels_per_op": _records(self.kernels_per_op),
+                "findings": self.findings}
+
+    def to_text(self) -> str:
+        """The `tracelens host` text: syncs by op, idle by cause, launch statistics, the ops launching the
+        most kernels, then the findings."""
+        lines = []
+        if self.sync_summary.empty:
+            lines.append("host syncs: none issued by the workload")
+        else:
+            lines.append("host syncs (blocking device-to-host), by the op that issued them:")
+            for r in self.sync_summary.itertuples(index=False):
+                lines.append(f"  {r.count:>4} x {r.op} (via {r.via}, {r.call}): host blocked {r.host_blocked_us / 1e3:.3f} ms, "
+                             f"GPU idle caused {r.gpu_idle_caused_us / 1e3:.3f} ms")
+        for r in self.idle.itertuples(index=False):
+            lines.append(f"rank {r.rank}: GPU idle {r.cause:<12} {r.gaps:>6} gaps {r.idle_us / 1e3:>9.3f} ms "
+                         f"({r.pct_of_span:.1f}% of span)")
+        for r in self.launch.itertuples(index=False):
+            lines.append(f"rank {r.rank}: {r.kernels} kernels, launch latency p50 {r.launch_p50_us:.1f} us "
+                         f"p90 {r.launch_p90_us:.1f} us, {100 * r.small_share:.0f}% under {self.small_us:g} us "
+                         f"({100 * r.small_time_share:.0f}% of kernel time)")
+        kpo = self.kernels_per_op.head(5)
+        if len(kpo):
+            lines.append("ops launching the most kernels: " + "; ".join(
+                f"{r.top_op} {r.kernels} ({r.small_kernels} small)" for r in kpo.itertuples(index=False)))
+        if self.findings:
+            lines.append("findings:")
+            for f in self.findings:
+                if f["recoverable_us"] is None:  # an "info" finding: where time goes, no estimate of a fix's gain
+                    lines.append(f"  [{f['severity']}] {f['title']} ({100 * f['share_of_span']:.1f}% of the step; "
+                                 "no recovery estimate)")
+                else:
+                    lines.append(f"  [{f['severity']}] {f['title']} (recoverable ~{f['recoverable_us'] / 1e3:.3f} ms/rank)")
+        return "\n".join(lines)
+
+
+def host_report(analysis, small_us: float = SMALL_KERNEL_US) -> HostReport:
+    """The host view of an Analysis, from its entries (`host_syncs`, `idle_gaps`, `launch_stats`,
+    `kernels_per_op`, `findings`: computed once there for the default threshold)."""
+    syncs = analysis.host_syncs()
+    return HostReport(syncs=syncs, sync_summary=sync_summary(syncs),
+                      idle=idle_summary(analysis.idle_gaps(), analysis.timeline),
+                      launch=analysis.launch_stats(small_us), kernels_per_op=analysis.kernels_per_op(small_us),
+                      findings=analysis.findings(small_us), small_us=small_us)

@@ -82,6 +82,12 @@ class ModelConfig:
     measured_kind: str | None = None
     measured_peaks: tuple[int, ...] | None = None  # from a manifest: per global rank
     pipeline: dict | None = None        # from a manifest: its "pipeline" record (stage_layers, stage_to_rank, ...)
+    warnings: tuple[str, ...] = ()      # e.g. a bare name that is both a config and a local path
+
+    @property
+    def measured_on_gpu(self) -> bool:
+        """The measured peak is a GPU's allocations (torch.cuda), not a host process's memory."""
+        return str(self.measured_kind or "").startswith("cuda")
 
     def layout_kwargs(self) -> dict:
         """Layout keys that a pipelined run's manifest fixes: the trainer's own stage layout and placement
@@ -97,23 +103,25 @@ class ModelConfig:
 
 def load_model_config(src: str | os.PathLike, overrides: Iterable[str] = ()) -> ModelConfig:
     """Read a trainer config: a YAML file, a config name under trainer/configs, a run's manifest.json or a
-    run dir. ``overrides`` are ``key=value`` strings. Bad input raises a one-line `TraceError`."""
-    from moespec.config import ConfigError, load_config, parse_override  # noqa: PLC0415 (PyYAML on first use)
+    run dir. ``overrides`` are ``key=value`` strings. Bad input raises a one-line `TraceError`.
+    Which one ``src`` means: see :func:`resolve_source`."""
+    from moespec.config import CONFIG_DIR, ConfigError, load_config, parse_override  # noqa: PLC0415 (PyYAML on first use)
 
-    from ..io.run import MANIFEST, read_json_object
+    from ..io.run import MANIFEST
 
-    p = Path(src)
+    p, note = resolve_source(src, CONFIG_DIR)
+    if note is not None:
+        mc = load_model_config(p, overrides)
+        return replace(mc, source=str(src), warnings=(note,) + mc.warnings)
     if p.is_dir():
         if not (p / MANIFEST).exists():
             raise TraceError(p, "directory has no manifest.json (expected a run dir)")
         p = p / MANIFEST
     try:
         if p.suffix == ".json":
-            man, err = read_json_object(p)
-            if err is not None and err[0]:
-                raise TraceError(p, f"cannot read manifest: {err[1]}")
-            if not isinstance(man, dict) or not isinstance(man.get("config"), dict):
-                raise TraceError(p, "not a trainer manifest (no 'config' mapping)")
+            from ..io.manifest import read_manifest  # noqa: PLC0415
+
+            man = read_manifest(p, need_config=True)  # fields of the trainer's types, else one line
             ovr = dict(man["config"])
             for o in overrides:
                 k, v = parse_override(o)
@@ -139,6 +147,25 @@ def load_model_config(src: str | os.PathLike, overrides: Iterable[str] = ()) -> 
             raise TraceError(src, f"invalid YAML: {' '.join(str(e).split())}") from None
         raise
     return ModelConfig(cfg, str(src))
+
+
+def resolve_source(src: str | os.PathLike, config_dir: Path) -> tuple[Path, str | None]:
+    """What CONFIG names, and the line to warn with when that was a choice. A path is a path when it
+    says so: it has a directory part (``./tiny``, ``runs/tiny``, an absolute path) or nothing else
+    matches. A bare name (``tiny``, ``tiny.yaml``) is a config under ``config_dir`` when one has that name,
+    even if a file or directory of that name exists here too; then the warning says which was taken and
+    how to ask for the other (``./tiny``)."""
+    text = os.fspath(src)
+    p = Path(text)
+    bare = text not in ("", ".", "..") and os.sep not in text and "/" not in text
+    named = next((c for c in (config_dir / text, config_dir / f"{text}.yaml") if c.is_file()), None) if bare else None
+    if named is None:
+        return p, None
+    if not (p.exists() or p.is_symlink()):
+        return named, None
+    kind = "directory" if p.is_dir() else "file"
+    return named, (f"{text!r} is both a trainer config ({named.name} under trainer/configs) and a {kind} here; "
+                   f"using the config (write ./{text} for the {kind})")
 
 
 @dataclass(frozen=True)
@@ -1159,3 +1186,184 @@ SWEEP_COLUMNS = ("label", "pp", "vpp", "tp", "cp", "ep", "dp", "mbs", "microbatc
 def _peak_only(c: dict, lay: Layout) -> float:
     """The projected peak without building tables (the sweep evaluates thousands of layouts)."""
     return max(max(_phase_totals(_rows_for_stage(c, lay, s)).values()) for s in range(lay.pp))
+
+
+# ------------------------------------------------------------------------------ the `tracelens memory` view
+
+
+LAYOUT_LEGEND = ("layout: pp pipeline stages, vpp virtual stages per rank, tp tensor, cp context, ep expert, "
+                 "dp data parallel; mbs micro-batch size; rc recompute; then the pipeline schedule; "
+                 "L<n> the trainer's sync-free level")
+
+
+def layout_for(mc: ModelConfig, *, dp_mode: str | None = None, world: int | None = None, pp: int | None = None,
+               vpp: int | None = None, microbatches: int | None = None, schedule: str | None = None,
+               global_batch: int | None = None, sweep: bool = False, source: str | None = None,
+               **kw: Any) -> tuple[dict, Layout]:
+    """The config (with ``dp_mode`` applied) and the layout that `tracelens memory`'s options name.
+
+    A run's manifest fixes its world size (unless ``dp`` is given) and, unless ``pp`` is given, its own
+    pipeline: stages, placement, schedule, vpp and microbatches (its stage layout only while vpp is the
+    run's). ``global_batch`` (sequences) gives the microbatches as global / (mbs*dp) when they are not
+    given (the sweep derives them per layout instead). ``kw``: the other `resolve_layout` keys (ep, tp,
+    cp, dp, mbs, seq, recompute, sync_free_level, loss_fusion, dtype, zero). Bad values raise a one-line
+    `TraceError` naming ``source`` (default: the config's)."""
+    source = mc.source if source is None else source
+    cfg = mc.config if dp_mode is None else {**mc.config, "dp_mode": dp_mode}
+    world = world or (mc.world if kw.get("dp") is None else None)
+    run_layout = mc.layout_kwargs() if pp is None else {}
+    if run_layout:
+        vpp = vpp if vpp is not None else run_layout["vpp"]
+        schedule = schedule or run_layout["schedule"]
+        microbatches = microbatches if microbatches is not None else run_layout["microbatches"]
+        pp = run_layout["pp"]
+        run_layout = {k: run_layout[k] for k in ("stage_layers", "stage_to_rank")} if vpp == run_layout["vpp"] else {}
+    if global_batch is not None and microbatches is None and not sweep:
+        shape = {k: kw.get(k) for k in ("tp", "cp", "dp", "ep", "mbs")}
+        lay0 = resolve_layout(cfg, world=world, source=source, pp=pp, vpp=vpp, **shape)
+        if global_batch % (lay0.mbs * lay0.dp):
+            raise TraceError(None, f"memory: global batch {global_batch} is not a multiple of mbs*dp = "
+                             f"{lay0.mbs}*{lay0.dp}")
+        microbatches = global_batch // (lay0.mbs * lay0.dp)
+    lay = resolve_layout(cfg, world=world, source=source, pp=pp, vpp=vpp, microbatches=microbatches,
+                         schedule=schedule, **kw, **run_layout)
+    return cfg, lay
+
+
+def capacity(device_memory_text: str | None = None, device: str | None = None) -> int | None:
+    """Device memory in bytes from a size (``80GiB``) or else a device name; None when neither is given."""
+    if device_memory_text:
+        return parse_bytes(device_memory_text)
+    return device_memory(device) if device else None
+
+
+@dataclass
+class MemoryReport:
+    """The projection of one layout against the run's measured peak and the device: what `tracelens
+    memory` prints and writes with --json. Built by :func:`memory_report`."""
+
+    config: ModelConfig
+    projection: MemoryProjection
+    device_bytes: int | None = None
+    headroom: float = 0.05  # share of device memory kept free when deciding what fits
+    per_rank: pd.DataFrame | None = None  # compare_ranks: a pipelined run's measured peak per rank
+
+    @property
+    def fits(self) -> bool | None:
+        """The projected peak fits the device with the headroom kept free (None: no device given)."""
+        if self.device_bytes is None:
+            return None
+        return self.projection.peak_bytes <= self.device_bytes * (1 - self.headroom)
+
+    @property
+    def projections(self) -> list[MemoryProjection]:
+        return [self.projection]
+
+    def _ratio(self) -> float | None:
+        mc = self.config
+        return self.projection.peak_bytes / mc.measured_peak_bytes if mc.measured_peak_bytes and mc.measured_on_gpu else None
+
+    def to_dict(self) -> dict:
+        """The `tracelens memory --json` document (docs/memory.md)."""
+        mc = self.config
+        out = {"schema_version": SCHEMA_VERSION, "config": mc.source, **self.projection.summary()}
+        if mc.measured_peak_bytes:
+            out.update(measured_peak_bytes=mc.measured_peak_bytes, measured_kind=mc.measured_kind)
+            if mc.measured_on_gpu:
+                out["projected_over_measured"] = round(self._ratio(), 4)
+                if self.per_rank is not None:
+                    out["ranks"] = json.loads(self.per_rank.to_json(orient="records"))
+        if self.device_bytes is not None:
+            out.update(device_bytes=self.device_bytes, fits=self.fits)
+        return out
+
+    def to_text(self) -> str:
+        """The `tracelens memory` text: the components, the peak, the measured peak and the fit verdict."""
+        mc, p = self.config, self.projection
+        lay = p.layout
+        lines = [f"{mc.source}: {lay.label()}, world {lay.world}; stage {p.stage} of {lay.pp} "
+                 f"({p.info['in_flight']:g} microbatch(es) in flight)",
+                 f"{'component':<52} {'phase':<7} {'GiB':>9}  in peak"]
+        for r in p.table.itertuples(index=False):
+            lines.append(f"{r.component:<52} {r.phase:<7} {r.bytes / GIB:>9.3f}  {'*' if r.in_peak else ''}")
+        lines.append("phase: the moments of a step a component is alive at ("
+                     + ", ".join(f"{k} {v}" for k, v in MOMENTS.items())
+                     + "; FBES = the whole step); * = alive at the projected peak")
+        lines.append(LAYOUT_LEGEND)
+        lines.append(f"projected peak: {p.peak_bytes / GIB:.2f} GiB ({p.phase} phase)")
+        if mc.measured_peak_bytes and not mc.measured_on_gpu:  # e.g. a CPU run's process RSS: not comparable
+            lines.append(f"measured peak ({mc.measured_kind}): {mc.measured_peak_bytes / GIB:.2f} GiB, a host "
+                         "process's memory (interpreter and libraries included), not a GPU's allocations: "
+                         "not compared with the projection")
+        elif mc.measured_peak_bytes:
+            lines.append(f"measured peak ({mc.measured_kind}): {mc.measured_peak_bytes / GIB:.2f} GiB; "
+                         f"projected / measured = {self._ratio():.3f}")
+            for r in (self.per_rank.itertuples(index=False) if self.per_rank is not None else ()):
+                lines.append(f"  rank {r.rank} (pipeline rank {r.pp_rank}): projected {r.projected_gib:.2f} GiB "
+                             f"({r.moment}), measured {r.measured_gib:.2f} GiB, ratio {r.ratio:.3f}")
+        if self.device_bytes is not None:
+            lines.append(f"{'fits' if self.fits else 'does NOT fit'} {self.device_bytes / GIB:.1f} GiB "
+                         f"(headroom {100 * self.headroom:.0f}%)")
+        return "\n".join(lines)
+
+
+def memory_report(mc: ModelConfig, cfg: dict, lay: Layout, device_bytes: int | None = None,
+                  headroom: float = 0.05) -> MemoryReport:
+    """Project ``lay`` (from :func:`layout_for`); a pipelined run measured on GPUs is compared rank by rank
+    (pipeline ranks hold different stages)."""
+    per_rank = None
+    if mc.measured_peak_bytes and mc.measured_on_gpu and lay.pp > 1 and mc.measured_peaks:
+        per_rank = compare_ranks(cfg, lay, mc.measured_peaks)
+    return MemoryReport(config=mc, projection=project(cfg, lay), device_bytes=device_bytes, headroom=headroom,
+                        per_rank=per_rank)
+
+
+@dataclass
+class SweepReport:
+    """The layouts of ``world`` GPUs that fit the device, best first, and the projections of the best few:
+    what `tracelens memory --sweep` prints and writes with --json. Built by :func:`sweep_report`."""
+
+    config: ModelConfig
+    world: int
+    device_bytes: int
+    headroom: float
+    global_batch: int
+    fitting: pd.DataFrame  # sweep(): every fitting layout, best first
+    top: int  # layouts shown and written
+    projections: list[MemoryProjection]  # of the best min(top, 8)
+
+    def to_dict(self) -> dict:
+        """The `tracelens memory --sweep --json` document (docs/memory.md)."""
+        return {"schema_version": SCHEMA_VERSION, "config": self.config.source, "world": self.world,
+                "device_bytes": self.device_bytes, "headroom": self.headroom, "global_batch": self.global_batch,
+                "fits": json.loads(self.fitting.head(self.top).to_json(orient="records")),
+                "projections": [p.summary() for p in self.projections]}
+
+    def to_text(self) -> str:
+        lines = [f"{len(self.fitting)} layout(s) of {self.world} GPUs fit {self.device_bytes / GIB:.1f} GiB "
+                 f"(headroom {100 * self.headroom:.0f}%), ranked by bubble then communication per step:",
+                 f"{'layout':<58} {'peak GiB':>8} {'bubble':>7} {'comm GiB':>9}"]
+        for r in self.fitting.head(self.top).itertuples(index=False):
+            lines.append(f"{r.label:<58} {r.peak_gib:>8.2f} {100 * r.bubble:>6.1f}% {r.comm_gib:>9.2f}")
+        if len(self.fitting):
+            lines.append(LAYOUT_LEGEND + "; bubble: theoretical pipeline bubble of the schedule "
+                         "(tracelens bubble); comm GiB: communication volume per GPU per step")
+        return "\n".join(lines)
+
+
+SWEEP_PROJECTED = 8  # the best layouts of a sweep whose full projection is kept (the report shows them)
+
+
+def sweep_report(mc: ModelConfig, cfg: dict, lay: Layout, device_bytes: int, global_batch: int,
+                 headroom: float = 0.05, top: int = 15,
+                 progress: Callable[[int, int], None] | None = None) -> SweepReport:
+    """Sweep the layouts of ``lay.world`` GPUs around ``lay`` (its sequence length, sync-free level, loss
+    fusion, dtype and ZeRO level stay) and project the best min(top, 8)."""
+    df = sweep(cfg, lay.world, device_bytes, global_batch, base=lay, headroom=headroom, progress=progress)
+    best = [project(cfg, resolve_layout(cfg, world=lay.world, pp=r.pp, vpp=r.vpp, ep=r.ep, tp=r.tp, cp=r.cp,
+                                        mbs=r.mbs, seq=lay.seq, microbatches=r.microbatches, schedule=r.schedule,
+                                        recompute=r.recompute, sync_free_level=lay.sync_free_level,
+                                        loss_fusion=lay.loss_fusion, dtype=lay.dtype, zero=lay.zero))
+            for r in df.head(min(top, SWEEP_PROJECTED)).itertuples(index=False)]
+    return SweepReport(config=mc, world=lay.world, device_bytes=device_bytes, headroom=headroom,
+                       global_batch=global_batch, fitting=df, top=top, projections=best)

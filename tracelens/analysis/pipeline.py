@@ -1363,6 +1363,33 @@ class PipelineAnalysis:
         }
 
 
+    def to_text(self) -> str:
+        """The `tracelens ppvis` text: bubbles per rank against theory, the stage balance and the fix, and
+        the bubble account; times per step."""
+        m = self.meta
+        skipped = f"; step {', '.join(map(str, self.skipped_steps))} skipped as warm-up" if self.skipped_steps else ""
+        pct = lambda v: "n/a" if v is None or math.isnan(v) else f"{100 * v:.1f}%"  # noqa: E731
+        lines = [f"pipeline: {m.schedule}{f' ({m.torch_schedule})' if m.torch_schedule else ''}, pp {m.pp}, vpp {m.vpp}, "
+                 f"{m.microbatches} microbatches; {len(self.steps)} step(s) analyzed{skipped}"
+                 + (f" [inferred: {', '.join(m.inferred)}]" if m.inferred else ""),
+                 f"{'rank':>4} {'pp':>3} {'window':>12} {'busy':>12} {'idle':>12} {'bubble':>7} {'theory':>7}"]
+        for r in self.per_rank.sort_values("rank").itertuples(index=False):
+            lines.append(f"{r.rank:>4} {r.pp_rank:>3} {fmt_ns(r.window_ns / r.steps):>12} {fmt_ns(r.busy_ns / r.steps):>12} "
+                         f"{fmt_ns(r.idle_ns / r.steps):>12} {pct(r.bubble_ratio):>7} {pct(r.theory_ratio):>7}")
+        lines.append(f"overall bubble {pct(self.overall_ratio)} (theory {pct(self.theory_ratio)}"
+                     + (f": {self.theory_note}" if self.theory_note else "") + "); times are per step")
+        lines.append(f"{'stage':>5} {'pp':>3} {'layers':>6} {'F/mb':>11} {'B/mb':>11} {'W/mb':>11} {'total/mb':>11} "
+                     f"{'x mean':>6} {'crit %':>6}")
+        for st in self.balance.table.itertuples(index=False):
+            layers = "–" if st.layers is None or (isinstance(st.layers, float) and math.isnan(st.layers)) else str(int(st.layers))
+            lines.append(f"{st.stage:>5} {st.pp_rank:>3} {layers:>6} {fmt_ns(st.f_ns):>11} {fmt_ns(st.b_ns):>11} "
+                         f"{fmt_ns(st.w_ns):>11} {fmt_ns(st.total_ns):>11} {st.ratio_to_mean:>6.2f} "
+                         f"{100 * st.critical_share:>6.1f}")
+        lines.append(self.balance.statement)
+        lines.extend(account_lines(self))
+        return "\n".join(lines)
+
+
 def _num(v: float) -> float | None:
     return None if v is None or (isinstance(v, float) and math.isnan(v)) else float(v)
 

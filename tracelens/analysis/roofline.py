@@ -19,6 +19,7 @@ engine calls (e.g. `aten::mm` inside `MmBackward0`), with the shapes of that cal
 
 from __future__ import annotations
 
+import json
 import os
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -42,6 +43,9 @@ UNMODELED_COLUMNS = ("device", "op", "input_dims", "input_types", "concrete_inpu
 FAMILY_COLUMNS = ("device", "family", "op", "dtype", "shapes", "count", "gpu_us", "total_flops", "total_bytes",
                   "tflops", "tbps", "intensity", "pct_peak_compute", "pct_roof", "bound")
 
+
+NO_GPU_TEXT = ("no GPU kernels in these traces (CPU-only profile): a roofline needs GPU kernel times; nothing to plot "
+               "(`tracelens analyze` shows host time per step and op)")
 
 NESTED_REASON = ("encloses other modeled ops with their own GPU work: its FLOPs cannot be split between them "
                  "(the sub-ops are in the roofline table)")
@@ -73,6 +77,24 @@ class RooflineResult:
             "devices": {k: (v.to_dict() if v else None) for k, v in self.ceilings.items()},
             "warnings": list(self.warnings),
         }
+
+    def to_dict(self) -> dict[str, Any]:
+        """What `tracelens roofline --json` writes: the summary and every table as records."""
+        recs = lambda df: json.loads(df.to_json(orient="records"))  # noqa: E731
+        return {"schema_version": 1, "summary": self.summary(), "roofline": recs(self.table),
+                "unmodeled": recs(self.unmodeled), "families": recs(self.families)}
+
+    def to_text(self, top: int = 15) -> str:
+        """What `tracelens roofline` prints: the `top` op groups by GPU time and the modeled share (the
+        warnings are the caller's to show, on stderr)."""
+        lines = [f"{'op':<36} {'GPU ms':>8} {'TFLOP/s':>8} {'TB/s':>6} {'AI':>7} {'% roof':>7} bound"]
+        for x in self.table.sort_values("gpu_us", ascending=False).head(top).itertuples(index=False):
+            lines.append(f"{x.op[:36]:<36} {x.gpu_us / 1e3:>8.3f} {x.tflops:>8.1f} {x.tbps:>6.2f} {x.intensity:>7.1f} "
+                         f"{x.pct_roof:>7.1f} {x.bound}")
+        share = self.summary().get("modeled_share")
+        share = "n/a" if share is None else f"{100 * share:.0f}%"
+        lines.append(f"modeled: {share} of non-communication GPU time; {len(self.unmodeled)} op group(s) unmodeled")
+        return "\n".join(lines)
 
 
 def _rank_ceilings(analysis, ceilings) -> tuple[dict[int, str], dict[str, devices.Ceilings | None], list[str]]:

@@ -13,6 +13,7 @@ faster even when the saving is idle time (host syncs, launch overhead) rather th
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 import pandas as pd
@@ -327,20 +328,15 @@ def manifest_step_roles(manifest: dict | None, include_profiled: bool = False) -
     return out
 
 
-def startup_waits(trace, gpu: pd.DataFrame) -> pd.DataFrame:
+def startup_waits(trace, gpu: pd.DataFrame, instances: Callable[[], pd.DataFrame]) -> pd.DataFrame:
     """Collective kernels that waited for a peer rank that had not started profiling yet: rank, step,
-    collective, instance, sync_us and the waited interval [wait_start_ns, wait_end_ns) on that rank."""
+    collective, instance, sync_us and the waited interval [wait_start_ns, wait_end_ns) on that rank.
+    instances: returns the collective instances (the analysis's `comm_instances` entry); called only
+    when there can be a start-up wait (two ranks or more, communication kernels)."""
     cols = ["rank", "step", "collective", "instance", "sync_us", "wait_start_ns", "wait_end_ns"]
     if len(trace.ranks) < 2 or gpu.empty or not gpu["is_comm"].any():
         return pd.DataFrame(columns=cols)
-    from .comm import collective_instances
-
-    class _A:  # the few fields collective_instances reads
-        pass
-
-    a = _A()
-    a.gpu, a.trace = gpu, trace
-    inst = collective_instances(a)
+    inst = instances()
     su = inst[inst["startup"] & (inst["sync_us"] > 0)]
     if su.empty:
         return pd.DataFrame(columns=cols)

@@ -39,6 +39,8 @@
 #include <Python.h>
 
 #include <math.h>
+#include <setjmp.h>
+#include <signal.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -1050,6 +1052,52 @@ out:
     return rc;
 }
 
+/* A memory-mapped file truncated by another process while it is scanned: touching a page past its new end
+   raises SIGBUS, which would kill the process. `feed` runs under a guard: a SIGBUS whose address lies in the
+   buffer being scanned, in the thread that scans it, jumps back out of the scan (the parser is then marked
+   failed and never read again); any other SIGBUS goes to the handler that was installed before (Python's
+   faulthandler, or the default: the process dies, as it would have). */
+static __thread sigjmp_buf *guard_jmp;
+static __thread const unsigned char *guard_lo, *guard_hi;
+static struct sigaction prev_bus;
+
+static void on_sigbus(int sig, siginfo_t *si, void *ctx) {
+    const unsigned char *a = (const unsigned char *)si->si_addr;
+    if (guard_jmp != NULL && a >= guard_lo && a < guard_hi) siglongjmp(*guard_jmp, 1);
+    sigaction(SIGBUS, &prev_bus, NULL); /* not a scan's fault: returning re-runs the access under the old handler */
+    (void)sig;
+    (void)ctx;
+}
+
+static void ensure_bus_handler(void) {
+    struct sigaction cur;
+    if (sigaction(SIGBUS, NULL, &cur) != 0) return;
+    if ((cur.sa_flags & SA_SIGINFO) && cur.sa_sigaction == on_sigbus) return;
+    struct sigaction sa;
+    memset(&sa, 0, sizeof sa);
+    sa.sa_sigaction = on_sigbus;
+    sa.sa_flags = SA_SIGINFO | SA_NODEFER;
+    sigemptyset(&sa.sa_mask);
+    if (sigaction(SIGBUS, &sa, &prev_bus) != 0) return;
+}
+
+static int guarded_feed(Parser *p, int64_t max_events) {
+    sigjmp_buf jb;
+    volatile int r = -1;
+    if (sigsetjmp(jb, 1) == 0) {
+        guard_lo = p->buf;
+        guard_hi = p->buf + p->n;
+        guard_jmp = &jb;
+        r = feed(p, max_events);
+    } else {
+        p->err = "the file shrank while it was read (truncated or rewritten by another process)";
+        p->err_pos = p->pos;
+        r = -1;
+    }
+    guard_jmp = NULL;
+    return r;
+}
+
 static PyObject *Parser_feed(Parser *p, PyObject *arg) {
     long long max_events = PyLong_AsLongLong(arg);
     if (max_events == -1 && PyErr_Occurred()) return NULL;
@@ -1067,8 +1115,9 @@ static PyObject *Parser_feed(Parser *p, PyObject *arg) {
     }
     int r;
     p->busy = 1;
+    ensure_bus_handler();
     Py_BEGIN_ALLOW_THREADS
-    r = feed(p, max_events);
+    r = guarded_feed(p, max_events);
     Py_END_ALLOW_THREADS
     p->busy = 0;
     if (r < 0) {

@@ -9,7 +9,8 @@ SHA-256 because CPUs have instructions for it (SHA-NI, x86 since ~2017): 0.11 s 
 BLAKE2b takes 0.24 s. Hashing is still a third of a warm load, so the key of a file is remembered
 under its identity (`key_of`: device, inode, size, mtime and ctime in ns, a digest of its first and
 last 64 KiB, the schema version). Writing to the file or replacing it changes its ctime (and inode), so
-a remembered key is reused only for the same bytes.
+a remembered key is reused only for the same bytes; where the time stamps cannot show a rewrite (a file
+system with whole-second stamps) nothing is remembered and the bytes are hashed on every load (`_trusted`).
 
 The key is always the hash of the very bytes that are parsed: a load reads the file once, hashes that
 buffer and parses it (`key_of(..., raw=...)`), so a file replaced between hashing and parsing cannot
@@ -20,6 +21,9 @@ being loaded before serving it, so an entry whose content disagrees with its key
 rank, tables of another trace, a hand-edited meta.json) is rejected, and the loader re-parses the
 file and replaces the entry (with a one-line warning).
 
+What a store killed half-way leaves (a staging directory, a remembered key's temporary file) is swept by
+the next store (`sweep_stale`): at once when its owner on this host is dead, after an hour otherwise.
+
 Location: $TRACELENS_CACHE_DIR, else $XDG_CACHE_HOME/tracelens, else ~/.cache/tracelens.
 """
 
@@ -28,7 +32,10 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
+import socket
 import tempfile
+import time
 from pathlib import Path
 
 from typing import TYPE_CHECKING
@@ -73,10 +80,37 @@ def _edge_digest(head: bytes, tail: bytes) -> str:
     return h.hexdigest()
 
 
+# A remembered key stands for a file version only where a rewrite is bound to change the identity. Not on a file
+# system with whole-second time stamps (FAT, some network and FUSE file systems, HFS+): a same-size rewrite of
+# the middle within the same second keeps size, mtime, ctime and the head/tail digest, and would be served
+# the old tables. There (mtime and ctime both whole seconds) the bytes are hashed on every load. (On ext4, xfs,
+# btrfs, tmpfs the stamps have ns digits and move on every write by at least the kernel's clock tick, <= 10 ms:
+# only a writer that rewrites the same bytes' size twice within one tick, around the load's read, goes unseen.)
+
+
+def _stat(path: str) -> os.stat_result:
+    return os.stat(path)
+
+
+def _stamps(ident: str) -> tuple[int, int]:
+    parts = ident.split(":")
+    return int(parts[4]), int(parts[5])
+
+
+def coarse_stamps(ident: str) -> bool:
+    """Whether the identity's mtime and ctime are both whole seconds (a file system with 1-second stamps)."""
+    return all(t % 1_000_000_000 == 0 for t in _stamps(ident))
+
+
+def _trusted(ident: str) -> bool:
+    """Whether a key may be remembered for (and reused under) this identity (see RACY_S)."""
+    return not coarse_stamps(ident)
+
+
 def identity(path: str) -> str:
     """Who the file is and which version of it: stat fields plus a digest of its first and last 64 KiB
-    (which catches a rewrite on a file system with coarse timestamps) and the loader schema."""
-    st = os.stat(path)
+    and the loader schema (a remembered key is reused under it only where that is safe: `_trusted`)."""
+    st = _stat(path)
     with open(path, "rb") as f:
         head = f.read(_EDGE)
         tail = b""
@@ -112,6 +146,8 @@ def remembered(path: str, root: Path | None = None) -> tuple[str | None, str]:
     """(the key remembered for the file's current identity or None, that identity); OSError when the
     file cannot be read."""
     ident = identity(path)
+    if not _trusted(ident):
+        return None, ident
     try:
         known, key = _memo(path, root).read_text().split("\n")[:2]
         if known == ident and len(key) == 32:
@@ -129,6 +165,8 @@ def key_of(path: str, root: Path | None = None, raw: bytes | None = None, ident:
         raise ValueError("key_of: raw bytes need the identity taken before they were read")
     ident = ident or identity(path)
     memo = _memo(path, root)
+    if not _trusted(ident):
+        return content_key(path, raw)  # hashed on every load (coarse time stamps)
     try:
         known, key = memo.read_text().split("\n")[:2]
         # with raw bytes, the remembered key stands for them only if the file did not change while
@@ -141,7 +179,7 @@ def key_of(path: str, root: Path | None = None, raw: bytes | None = None, ident:
     if identity(path) == ident:  # unchanged while it was read: safe to remember
         try:
             memo.parent.mkdir(parents=True, exist_ok=True)
-            tmp = memo.with_name(f".{memo.name}.{os.getpid()}")
+            tmp = memo.with_name(f".{memo.name}.{_owner()}")
             tmp.write_text(f"{ident}\n{key}\n")
             os.replace(tmp, memo)
         except OSError:
@@ -231,13 +269,15 @@ def store(parsed: ParsedTrace, key: str, root: Path | None = None, source: dict 
 
     import pyarrow.parquet as pq
 
-    final = _entry(root or cache_dir(), key)
+    root = root or cache_dir()
+    final = _entry(root, key)
     if final.exists() and not replace:
         return
+    sweep_stale(root)
     tmp = None
     try:
         final.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=".tmp-"))
+        tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".tmp-{_owner()}-"))
         for name in ("events", "flows", "threads"):
             if getattr(parsed, name) is not None:
                 pq.write_table(getattr(parsed, name), tmp / f"{name}.parquet", compression="zstd")
@@ -246,7 +286,7 @@ def store(parsed: ParsedTrace, key: str, root: Path | None = None, source: dict 
         meta["cache"] = {"key": key, "source": source, "seal": _seal(key, meta, fp)}
         (tmp / "meta.json").write_text(json.dumps(meta, default=str))
         if final.exists():  # replacing a rejected entry: move it aside, then rename the new one in
-            old = final.with_name(f".old-{final.name}-{os.getpid()}")
+            old = final.with_name(f".old-{_owner()}-{final.name}")
             os.rename(final, old)
             shutil.rmtree(old, ignore_errors=True)  # readers that mapped its files keep them until unmapped
         os.rename(tmp, final)
@@ -259,3 +299,80 @@ def store(parsed: ParsedTrace, key: str, root: Path | None = None, source: dict 
 
 
 _TRANSIENT = frozenset({"from_cache", "cache_warning"})  # per-load facts, never stored in an entry
+
+
+# ------------------------------------------------------------------ leftovers of killed stores
+# A store stages an entry in `traces/xx/.tmp-<owner>-<random>/` and renames it into place; a replaced entry is
+# moved to `.old-<owner>-<key>` and removed; a remembered key is written to `keys/.<name>.<owner>` and renamed.
+# A process killed (kill -9, OOM) between the two steps leaves these behind. <owner> is "<pid>@<host>".
+STALE_AFTER_S = 3600.0  # a leftover whose owner cannot be checked (another host, an older name) is removed after this
+_SWEPT: set[str] = set()  # roots swept by this process (once is enough: leftovers come from dead processes)
+_OWNER_IN_NAME = re.compile(r"(?:^\.tmp-|^\.old-|^\.[0-9a-f]{32}\.)(\d+)@([A-Za-z0-9_]+)")
+
+
+def _host() -> str:
+    return re.sub(r"[^A-Za-z0-9_]", "_", socket.gethostname())[:64] or "host"
+
+
+def _owner() -> str:
+    return f"{os.getpid()}@{_host()}"
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OSError):
+        return True  # exists (another user's), or cannot tell: keep
+    return True
+
+
+def _stale(entry: os.DirEntry, now: float) -> bool:
+    """Whether a staging leftover is safe to remove: its owner on this host is dead, or it is older than
+    STALE_AFTER_S (an owner on another host, a pid reused since, or a name of an older tracelens)."""
+    m = _OWNER_IN_NAME.match(entry.name)
+    if m and m.group(2) == _host() and int(m.group(1)) != os.getpid() and not _pid_alive(int(m.group(1))):
+        return True
+    try:
+        return now - entry.stat(follow_symlinks=False).st_mtime > STALE_AFTER_S
+    except OSError:
+        return False
+
+
+def sweep_stale(root: Path) -> int:
+    """Remove what killed stores left in the cache at ``root`` (see above); once per process and root,
+    best effort. Returns how many leftovers were removed."""
+    import shutil
+
+    if str(root) in _SWEPT:
+        return 0
+    _SWEPT.add(str(root))
+    now, removed = time.time(), 0
+    dirs = []
+    try:
+        with os.scandir(root / "traces") as it:
+            dirs = [e.path for e in it if e.is_dir(follow_symlinks=False) and len(e.name) == 2]
+    except OSError:
+        pass
+    for d in dirs:
+        try:
+            with os.scandir(d) as it:
+                for e in it:
+                    if e.name.startswith((".tmp-", ".old-")) and e.is_dir(follow_symlinks=False) and _stale(e, now):
+                        shutil.rmtree(e.path, ignore_errors=True)
+                        removed += 1
+        except OSError:
+            continue
+    try:
+        with os.scandir(root / "keys") as it:
+            for e in it:
+                if e.name.startswith(".") and e.is_file(follow_symlinks=False) and _stale(e, now):
+                    try:
+                        os.unlink(e.path)
+                        removed += 1
+                    except OSError:
+                        pass
+    except OSError:
+        pass
+    return removed

@@ -18,21 +18,29 @@ Rules (no threshold is fitted to one input; see docs/robustness.md):
 - `ts` or `dur` of 2**53 us (285 years) or more, or not finite (int64 nanoseconds overflow at 9.2e15
   us): the decoders write `UNREPRESENTABLE` and the event is dropped.
 - exact duplicates (every column equal, the same event recorded twice): later copies dropped.
-- time outliers: an event that starts before, or ends after, the body of the trace by more than
-  `OUTLIER_FACTOR` times the body's length, where the body runs from the 1st percentile of start
-  times to the 99th percentile of end times. Real traces stay within 17x (a prefill/decode trace
-  with long idle gaps; most are below 0.5x); a `ts` of 0 among monotonic-clock timestamps is ~1e8x.
-  Traces of fewer than `OUTLIER_MIN_EVENTS` events are not judged (their percentiles are their ends).
+- time outliers: an event with a start or end outside the body of the trace (`_body`): a clock's jump
+  shows as a gap in time that nothing covers, more than `OUTLIER_FACTOR` times the span of the work on
+  its other side and more than `OUTLIER_MIN_GAP_NS`; the side with less work (time covered, not event
+  count: 10**6 zero-duration kernels in 20 us do not outweigh 50 ms of real work) is cut off. Real
+  traces have no such gap (a prefill/decode trace's idle gaps are < 17x its work's span); a `ts` of 0
+  among monotonic-clock timestamps is ~1e8x. Traces of fewer than `OUTLIER_MIN_EVENTS` events are not
+  judged (with few events which side is the real work is a guess).
 """
 
 from __future__ import annotations
 
+import hashlib
+
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
+
+from .limits import MAX_NAME_BYTES
 
 UNREPRESENTABLE = np.iinfo(np.int64).min  # ts/dur that no int64 ns can hold (written by the decoders)
 MAX_ABS_US = float(2**53)  # |ts|, |dur| in us from here on are not exact int64 ns (the compiled scanner's limit too)
 OUTLIER_FACTOR = 1000.0
+OUTLIER_MIN_GAP_NS = 1e9  # and more than a second: a gap shorter than this is never a clock's jump
 OUTLIER_MIN_EVENTS = 200
 
 
@@ -117,6 +125,59 @@ def _duplicates(events: pa.Table) -> np.ndarray:
     return dup
 
 
+def _covered(s: np.ndarray, e: np.ndarray, lo: float, hi: float) -> float:
+    """Time the intervals [s, e] cover inside [lo, hi], summed (overlaps counted twice: a weight, not busy)."""
+    return float(np.clip(np.minimum(e, hi) - np.maximum(s, lo), 0.0, None).sum())
+
+
+_GAP_BINS_MAX = 1 << 24  # bins of the quick test below (2 MB of flags); a wider extent is sorted
+
+
+def _may_have_gap(s: np.ndarray, e: np.ndarray, first: float, last: float) -> bool:
+    """False when no two consecutive start/end points are more than OUTLIER_MIN_GAP_NS apart (then there is
+    no outlier and no sort is needed): every bin of half that width holds a point. O(n), no sort."""
+    if last - first <= OUTLIER_MIN_GAP_NS:
+        return False
+    width = OUTLIER_MIN_GAP_NS / 2
+    n_bins = int((last - first) // width) + 1
+    if n_bins > _GAP_BINS_MAX:
+        return True
+    seen = np.zeros(n_bins, dtype=bool)
+    seen[((s - first) // width).astype(np.int64)] = True
+    seen[((e - first) // width).astype(np.int64)] = True
+    return not seen.all()
+
+
+def _body(s: np.ndarray, e: np.ndarray) -> tuple[float, float]:
+    """The time window [lo, hi] that the events' work lies in (see the module docstring): their start and end
+    points, split at the widest gap where that gap is more than OUTLIER_FACTOR times the span of the heavier
+    side and more than OUTLIER_MIN_GAP_NS; the lighter side is cut off and the heavier one split again.
+    Weight is the time the events cover inside a side's span, so a million zero-duration events cannot
+    outweigh real work (a lone far point, such as the end of a memcpy with an absurd dur, weighs nothing);
+    when both sides weigh nothing, the side with more points is the heavier."""
+    first, last = float(min(s.min(), e.min())), float(max(s.max(), e.max()))
+    if not _may_have_gap(s, e, first, last):
+        return first, last
+    pts = np.sort(np.concatenate([s, e]))
+    a, b = 0, len(pts) - 1  # the body is pts[a..b]
+    while b > a:
+        gaps = np.diff(pts[a : b + 1])
+        k = int(np.argmax(gaps))
+        g = float(gaps[k])
+        left, right = (float(pts[a]), float(pts[a + k])), (float(pts[a + k + 1]), float(pts[b]))
+        w_l, w_r = _covered(s, e, *left), _covered(s, e, *right)
+        n_l, n_r = k + 1, b - a - k
+        heavy_right = (w_r, n_r) > (w_l, n_l)
+        span = right[1] - right[0] if heavy_right else left[1] - left[0]
+        if g <= OUTLIER_FACTOR * span or g <= OUTLIER_MIN_GAP_NS:
+            break
+        if heavy_right:
+            a = a + k + 1
+        else:
+            b = a + k
+    return float(pts[a]), float(pts[b])
+
+
 def check_events(path: str, events: pa.Table) -> tuple[pa.Table, list[dict]]:
     """The events with impossible ones dropped, and one issue record per kind of drop."""
     issues: list[dict] = []
@@ -142,43 +203,29 @@ def check_events(path: str, events: pa.Table) -> tuple[pa.Table, list[dict]]:
         drop |= neg
 
     ok = ~drop
-    any_drop = bool(drop.any())
     if int(ok.sum()) >= OUTLIER_MIN_EVENTS:
-        # float: the bounds below may lie beyond int64. (Memory: one float array of the events' size at a
-        # time, partitioned in place; at 8 GB each such array is 170 MB and this runs at the load's peak.)
-        def starts() -> np.ndarray:
-            return ts.astype(np.float64)
+        idx = np.flatnonzero(ok)
+        s_ = ts[idx].astype(np.float64)  # float: sums of durations may pass int64
+        e_ = s_ + dur[idx]
+        lo, hi = _body(s_, e_)
+        del s_, e_
+        out = np.zeros(events.num_rows, dtype=bool)
+        t_all = ts.astype(np.float64)
+        out[idx] = t_all[idx] < lo
+        t_all += dur
+        out[idx] |= t_all[idx] > hi
+        del t_all
+        if out.any():
+            width = hi - lo
 
-        def ends() -> np.ndarray:
-            a = ts.astype(np.float64)
-            a += dur
-            return a
-
-        a = starts()[ok] if any_drop else starts()
-        k_lo = int(0.01 * (len(a) - 1))
-        a.partition(k_lo)
-        lo = float(a[k_lo])
-        del a
-        a = ends()[ok] if any_drop else ends()
-        k_hi = int(np.ceil(0.99 * (len(a) - 1)))
-        a.partition(k_hi)
-        hi = float(a[k_hi])
-        del a
-        width = hi - lo
-        if width > 0:
-            out = starts() < lo - OUTLIER_FACTOR * width
-            out |= ends() > hi + OUTLIER_FACTOR * width
-            if any_drop:
-                out &= ok
-            if out.any():
-                def where(i: int) -> str:
-                    t, e = float(ts[i]), float(ts[i]) + float(dur[i])
-                    away = lo - t if t < lo else e - hi
-                    side = "before" if t < lo else "after"
-                    return (f"ts {_fmt_ts(int(ts[i]))}, dur {_fmt_us(int(dur[i]))}: {_fmt_us(int(away))} {side} "
-                            f"the other events, which span {_fmt_us(int(width))}")
-                report("time_outlier", out, "far outside the time window of the trace", where)
-                drop |= out
+            def where(i: int) -> str:
+                t, e = float(ts[i]), float(ts[i]) + float(dur[i])
+                away = lo - t if t < lo else e - hi
+                side = "before" if t < lo else "after"
+                return (f"ts {_fmt_ts(int(ts[i]))}, dur {_fmt_us(int(dur[i]))}: {_fmt_us(int(away))} {side} "
+                        f"the body of the trace, which spans {_fmt_us(int(width))}")
+            report("time_outlier", out, "far outside the time window of the trace", where)
+            drop |= out
 
     if drop.any():
         events = events.filter(pa.array(~drop))
@@ -191,4 +238,50 @@ def check_events(path: str, events: pa.Table) -> tuple[pa.Table, list[dict]]:
                        "message": f"{path}: dropped {n} exact duplicate event{'s' if n > 1 else ''} (the same event "
                                   f"recorded more than once; {_example(report_events, dup, lambda i: f'at ts {_fmt_ts(int(d_ts[i]))}')})"})
         events = events.filter(pa.array(~dup))
+    return events, issues
+
+
+def cut_name(s: str) -> str:
+    """``s`` when it fits MAX_NAME_BYTES of UTF-8, else its first MAX_NAME_BYTES (whole characters) and a
+    marker with the full length and a digest of the whole name (names that differ stay different)."""
+    b = s.encode("utf-8", "surrogatepass")
+    if len(b) <= MAX_NAME_BYTES:
+        return s
+    digest = hashlib.blake2b(b, digest_size=6).hexdigest()
+    return b[:MAX_NAME_BYTES].decode("utf-8", "ignore") + f"...[cut: {len(b):,} bytes, blake2b {digest}]"
+
+
+def cut_long_names(path: str, events: pa.Table, columns: tuple[str, ...] = ("name", "cat")
+                   ) -> tuple[pa.Table, list[dict]]:
+    """Event names (and categories) longer than MAX_NAME_BYTES cut to it (`cut_name`), one issue record
+    per column with any cut: a 100 MB op name would otherwise be copied into every table and report."""
+    issues: list[dict] = []
+    for c in columns:
+        if c not in events.column_names:
+            continue
+        col = events[c]
+        if not pa.types.is_dictionary(col.type):
+            continue
+        chunks, n_cut, longest, example = [], 0, 0, None
+        for ch in col.chunks:
+            d = ch.dictionary
+            lengths = pc.binary_length(d).to_numpy(zero_copy_only=False)
+            long_ = np.flatnonzero(lengths > MAX_NAME_BYTES) if len(lengths) else np.empty(0, dtype=np.int64)
+            if not len(long_):
+                chunks.append(ch)
+                continue
+            values = d.to_pylist()
+            for k in long_.tolist():
+                if example is None:
+                    example = values[k][:60]
+                longest = max(longest, int(lengths[k]))
+                values[k] = cut_name(values[k])
+            n_cut += int(np.isin(ch.indices.fill_null(-1).to_numpy(), long_).sum())
+            chunks.append(pa.DictionaryArray.from_arrays(ch.indices, pa.array(values, type=d.type)))
+        if example is None:
+            continue
+        events = events.set_column(events.column_names.index(c), c, pa.chunked_array(chunks, type=col.type))
+        issues.append({"check": "long_name", "action": "truncated", "events": n_cut,
+                       "message": f"{path}: cut the {c} of {n_cut} event{'s' if n_cut > 1 else ''} to "
+                                  f"{MAX_NAME_BYTES} bytes (the longest was {longest:,} bytes, e.g. {example!r}...)"})
     return events, issues

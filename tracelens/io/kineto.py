@@ -45,10 +45,10 @@ import pyarrow as pa
 
 from ..errors import TraceError
 
-from .checks import MAX_ABS_US, UNREPRESENTABLE, check_events
+from .checks import MAX_ABS_US, UNREPRESENTABLE, check_events, cut_long_names, cut_name
 from .narrow import narrow_args
 from .roworder import tree_rows_first
-from .scanner import FAST_FEED, Scan, _kineto_fast, decoder, fast_enabled, map_file, read_bytes, usable_cpus  # noqa: F401 - re-exported
+from .scanner import FAST_FEED, Mapped, Scan, _kineto_fast, decoder, fast_enabled, map_file, read_bytes, usable_cpus  # noqa: F401 - re-exported
 
 BATCH = 32768  # events per decode: smaller batches lower the peak memory, larger ones gain nothing measurable
 
@@ -383,6 +383,7 @@ class _RangeParser:
         self.flow_dicts = {c: _Dict() for c in ("ph", "cat")}
         self.fl: dict[str, list] = {c: [] for c in ("ph", "cat", "id", "pid", "tid", "ts", "bp")}
         self.meta_events: list = []
+        self.n_other = 0  # events of a phase that is not read (Chrome B/E pairs, counters, async, ...)
 
     def add(self, evs: list, args_mode: str = "raw") -> None:
         """One decoded batch (`_decode_batch`): events and how their args were decoded."""
@@ -390,6 +391,7 @@ class _RangeParser:
         if len(self.ph_kind) < len(self.ph_all.values):
             self.ph_kind = np.array([_ph_kind(p) for p in self.ph_all.values], dtype=np.int8)
         kind = self.ph_kind[ph_codes]
+        self.n_other += int((kind == _PH_OTHER).sum())
         if self.want_events and (kind == _PH_TIMED).all():
             self._add_timed(evs, args_mode)
             return
@@ -581,8 +583,8 @@ def _decode_batch(path: str, buf: bytes) -> tuple[list, str]:
         raise TraceError(path, f"malformed event ({e})") from None
 
 
-def _tables(rp: _RangeParser) -> tuple[pa.Table | None, pa.Table | None, list[tuple]]:
-    return rp.events_table(), rp.flows_table(), rp.thread_rows()
+def _tables(rp: _RangeParser) -> tuple[pa.Table | None, pa.Table | None, list[tuple], int]:
+    return rp.events_table(), rp.flows_table(), rp.thread_rows(), rp.n_other
 
 
 # Parallel parsing of one large file: the parent forks workers that share the decoded buffer
@@ -656,10 +658,10 @@ def _parse_parallel(path: str, holder: list, workers: int, progress=None, flows:
     fls = [p[1] for p in parts if p[1] is not None]
     flows_t = pa.concat_tables(fls, promote_options="permissive").unify_dictionaries() if fls else None
     rows = [r for p in parts for r in p[2]]
-    return events, flows_t, rows
+    return events, flows_t, rows, sum(p[3] for p in parts)
 
 
-def _write_part(out: str, events: pa.Table | None, flows: pa.Table | None, rows: list[tuple]) -> None:
+def _write_part(out: str, events: pa.Table | None, flows: pa.Table | None, rows: list[tuple], n_other: int) -> None:
     for name, table in (("events", events), ("flows", flows)):
         if table is None:
             continue
@@ -667,10 +669,10 @@ def _write_part(out: str, events: pa.Table | None, flows: pa.Table | None, rows:
             w.write_table(table)
         os.rename(f"{out}.{name}.tmp", f"{out}.{name}")
     with open(out + ".rows", "w") as f:
-        json.dump(rows, f, default=str)
+        json.dump({"rows": rows, "n_other": n_other}, f, default=str)
 
 
-def _read_part(out: str) -> tuple[pa.Table | None, pa.Table | None, list[tuple]]:
+def _read_part(out: str) -> tuple[pa.Table | None, pa.Table | None, list[tuple], int]:
     def read(name: str) -> pa.Table | None:
         p = f"{out}.{name}"
         if not os.path.exists(p):
@@ -678,8 +680,8 @@ def _read_part(out: str) -> tuple[pa.Table | None, pa.Table | None, list[tuple]]
         return pa.ipc.open_file(pa.memory_map(p)).read_all()
 
     with open(out + ".rows") as f:
-        rows = [tuple(r) for r in json.load(f)]
-    return read("events"), read("flows"), rows
+        part = json.load(f)
+    return read("events"), read("flows"), [tuple(r) for r in part["rows"]], int(part["n_other"])
 
 
 def _doc_and_raws(path: str, data: bytes | None) -> tuple[_Doc, list]:
@@ -787,6 +789,7 @@ def _parse_fast(path: str, scan: Scan, flows: bool = True) -> ParsedTrace:
 
     # metadata events (ph M), and flow events when asked for, through the msgspec path's own code
     rp = _RangeParser(path, events=True, flows=flows)
+    n_spans = sum(memoryview(r[k]).nbytes // 16 for k in ("meta_spans", "flow_spans"))  # (start, end) int64 pairs
     for key in ("meta_spans", "flow_spans") if flows else ("meta_spans",):
         spans = np.frombuffer(r.pop(key), dtype=np.int64).reshape(-1, 2).tolist()
         view = memoryview(data)
@@ -794,6 +797,7 @@ def _parse_fast(path: str, scan: Scan, flows: bool = True) -> ParsedTrace:
             rp.add(*_decode_batch(path, _json_array([view[s:e] for s, e in spans[b_lo : b_lo + BATCH]])))
     if not r["rows"]:
         raise TraceError(path, "no timed events (ph 'X') in 'traceEvents'")
+    n_other = r["n_events"] - r["rows"] - n_spans  # events of a phase that is not read
 
     cols: dict[str, pa.Array] = {c: _fast_dict_column(r.pop(c)) for c in ("ph", "cat", "name")}
     str_ids, _ = _fast_strings(*r["pid_tid_str"][1:])
@@ -829,7 +833,7 @@ def _parse_fast(path: str, scan: Scan, flows: bool = True) -> ParsedTrace:
     n_events = r["n_events"]
     holder = [pa.table(cols)]
     del cols, numeric, r, a  # (the table holds the only references: `_parsed` can free the columns it replaces)
-    return _parsed(path, doc, holder, rp.flows_table(), rp.thread_rows(), n_events, "compiled")
+    return _parsed(path, doc, holder, rp.flows_table(), rp.thread_rows(), n_events, "compiled", n_other)
 
 
 def parse_file(path: str | os.PathLike, data: bytes | list | None = None, parallel: int | None = None,
@@ -869,11 +873,15 @@ def _parse_file(path: str | os.PathLike, data: bytes | list | None = None, paral
             if scan is None:
                 scan = Scan(data)
                 scan.run(progress, threads)
+            if isinstance(data, Mapped):  # truncated or rewritten during the scan: one line, before more reads
+                data.check()
             return _parse_fast(path, scan, flows)
         except _NotFast:
             pass  # the msgspec path is the reference: it parses what the scanner does not take, or names the problem
         finally:
             scan = None
+    if isinstance(data, Mapped):
+        data.check()
     if isinstance(data, mmap.mmap):  # the msgspec path keeps slices of the bytes: read them into memory
         data = data[:]
     doc, raws = _doc_and_raws(path, data)
@@ -884,29 +892,36 @@ def _parse_file(path: str | os.PathLike, data: bytes | list | None = None, paral
     if workers > 1:
         holder = [raws]
         del raws
-        events, flows_t, rows = _parse_parallel(path, holder, workers, progress, flows=flows)
+        events, flows_t, rows, n_other = _parse_parallel(path, holder, workers, progress, flows=flows)
     else:
         rp = _parse_range(path, raws, 0, n_total, progress, flows=flows)
         del raws  # the last reference to the file's bytes (and data, if the caller passed it, is theirs)
-        events, flows_t, rows = _tables(rp)
+        events, flows_t, rows, n_other = _tables(rp)
         del rp
     if events is None:
         raise TraceError(path, "no timed events (ph 'X') in 'traceEvents'")
     holder = [events]
     del events
-    return _parsed(path, doc, holder, flows_t, rows, n_total, "msgspec")
+    return _parsed(path, doc, holder, flows_t, rows, n_total, "msgspec", n_other)
 
 
 def _parsed(path: str, doc: _Doc, holder: list[pa.Table], flows_t: pa.Table | None, rows: list[tuple], n_total: int,
-            decoder: str) -> ParsedTrace:
+            decoder: str, n_other: int = 0) -> ParsedTrace:
     """The ParsedTrace of a decoded file; holder: a one-element list holding its events table (emptied
     here, so that the table's columns can be freed as they are replaced)."""
     events = narrow_args(holder.pop())  # both decoders' tables alike: the compiled one's int args come narrow already
     events, issues = check_events(path, events)  # impossible values dropped, each drop reported
+    events, cut = cut_long_names(path, events)  # names past limits.MAX_NAME_BYTES cut, each cut reported
     holder.append(events)
     del events
     events, _ = tree_rows_first(holder)  # the call tree's events first (roworder.py)
     dropped = "; ".join(i["message"][len(path) + 2:] for i in issues)
+    issues += cut
+    if n_other:
+        issues.append({"check": "unread_phase", "action": "dropped", "events": n_other,
+                       "message": f"{path}: dropped {n_other} event{'s' if n_other > 1 else ''} of a phase this loader does "
+                                  f"not read (only complete 'X' events and 'i'/'I' instants are timed; Chrome 'B'/'E' "
+                                  f"begin/end pairs, 'C' counters and async 'b'/'e' events are not)"})
     if not events.num_rows:
         raise TraceError(path, "no valid timed events: " + dropped)
     if not _has_activity(events):
@@ -917,8 +932,8 @@ def _parsed(path: str, doc: _Doc, holder: list[pa.Table], flows_t: pa.Table | No
             "kind": pa.array([r[0] for r in rows], type=pa.string()),
             "pid": pa.array([r[1] for r in rows], type=pa.int64()),
             "tid": pa.array([r[2] for r in rows], type=pa.int64()),
-            "value": pa.array([None if r[3] is None else str(r[3]) for r in rows], type=pa.string()),
-            "labels": pa.array([None if r[4] is None else str(r[4]) for r in rows], type=pa.string()),
+            "value": pa.array([None if r[3] is None else cut_name(str(r[3])) for r in rows], type=pa.string()),
+            "labels": pa.array([None if r[4] is None else cut_name(str(r[4])) for r in rows], type=pa.string()),
             "sort_index": pa.array([_int_or(r[5], 0) for r in rows], type=pa.int64()),
         }
     ).group_by(["kind", "pid", "tid", "value", "labels", "sort_index"]).aggregate([])  # one row per fact

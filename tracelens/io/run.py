@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from ..errors import TraceError
+from .limits import gunzip_bounded
 
 MANIFEST = "manifest.json"
 INCOMPLETE = ("running", "failed")
@@ -48,19 +49,25 @@ def _one_line(e: BaseException) -> str:
     return " ".join(str(e).split())[:200] or type(e).__name__
 
 
-def read_json_object(path: Path) -> tuple[dict | None, tuple[str, str] | None]:
-    """(the JSON object in ``path``, None) or (None, (exception type name or "", the problem)). Never raises."""
+def read_json_value(path: Path) -> tuple[Any, tuple[str, str] | None]:
+    """(the JSON document in ``path``, None) or (None, (exception type name or "", the problem)). Never raises.
+    Only a regular file of at most MAX_MANIFEST_BYTES is read (a FIFO would block, a device never end)."""
     try:
-        if not path.is_file():  # a FIFO would block the read, a device never end it
+        if not path.is_file():
             return None, ("", "not a regular file")
         if path.stat().st_size > MAX_MANIFEST_BYTES:
             return None, ("", f"larger than {MAX_MANIFEST_BYTES >> 20} MiB: not a manifest")
-        doc = json.loads(path.read_bytes())
+        return json.loads(path.read_bytes()), None
     except (OSError, ValueError, RecursionError) as e:
         return None, (type(e).__name__, str(e))
-    if not isinstance(doc, dict):
+
+
+def read_json_object(path: Path) -> tuple[dict | None, tuple[str, str] | None]:
+    """(the JSON object in ``path``, None) or (None, (exception type name or "", the problem)). Never raises."""
+    doc, err = read_json_value(path)
+    if err is None and not isinstance(doc, dict):
         return None, ("", "not a JSON object")
-    return doc, None
+    return doc, err
 
 
 def _problem(mf: Path, err: tuple[str, str] | None) -> str | None:
@@ -99,32 +106,12 @@ def read_pipeline_bytes(path: Path, limit: int = MAX_PIPELINE_BYTES) -> bytes:
             raise TraceError(path, f"larger than {limit >> 20} MiB: not a pipeline file this reader takes")
         data = path.read_bytes()
         if path.suffix == ".gz":
-            data = _gunzip_bounded(path, data, limit)
+            data = bytes(gunzip_bounded(path, data, limit, "not a pipeline file this reader takes"))
     except OSError as e:
         raise TraceError(path, f"cannot read: {e.strerror or e}") from None
     except (EOFError, gzip.BadGzipFile, zlib.error) as e:
         raise TraceError(path, f"corrupt gzip ({e})") from None
     return data
-
-
-def _gunzip_bounded(path: Path, data: bytes, limit: int) -> bytes:
-    """gunzip ``data`` (every member), refusing once the output passes ``limit`` bytes."""
-    out, n = [], 0
-    while data:
-        d = zlib.decompressobj(16 + zlib.MAX_WBITS)
-        while True:
-            chunk = d.decompress(data, max(1, min(limit + 1 - n, 64 << 20)))
-            n += len(chunk)
-            if n > limit:
-                raise TraceError(path, f"expands to more than {limit >> 20} MiB: not a pipeline file this reader takes")
-            out.append(chunk)
-            data = d.unconsumed_tail
-            if d.eof or not data:
-                break
-        if not d.eof:
-            raise EOFError("compressed file ended before the end-of-stream marker was reached")
-        data = d.unused_data
-    return b"".join(out)
 
 
 @dataclass(frozen=True)
@@ -281,4 +268,4 @@ class Run:
                 "trace_files": list(self.trace_files)}
 
 
-__all__ = ["Run", "MANIFEST", "INCOMPLETE", "pipeline_files", "read_json_object", "read_pipeline_bytes"]
+__all__ = ["Run", "MANIFEST", "INCOMPLETE", "pipeline_files", "read_json_object", "read_json_value", "read_pipeline_bytes"]

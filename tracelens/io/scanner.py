@@ -8,7 +8,6 @@ the rest of the toolkit imports (`prefetch.py`). Turning a finished scan into ta
 
 from __future__ import annotations
 
-import gzip
 import mmap
 import os
 import re
@@ -16,6 +15,7 @@ import threading
 import zlib
 
 from ..errors import TraceError
+from .limits import gunzip_bounded, max_trace_bytes
 from .schema import _GROUPS, ARG_FIELDS, CAT_GROUP
 
 LAYOUT = 3  # the layout of `Parser.result()` this module reads (LAYOUT in _kineto_fast.c)
@@ -38,20 +38,37 @@ def read_bytes(path: str) -> bytes:
     return gunzip(path, read_raw(path))
 
 
+CHANGED_WHILE_READ = ("changed while it was read (another process is writing or truncating it); "
+                      "load it again once it is complete")
+
+
+def _stamp(st: os.stat_result) -> tuple[int, int, int, int]:
+    return st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
+
+
 def read_raw(path: str) -> bytes:
-    """The file's bytes as stored."""
+    """The file's bytes as stored; a `TraceError` naming it when it changed while it was read (its size,
+    mtime or ctime moved: an in-place rewrite would otherwise give a mix of both versions)."""
     try:
         with open(path, "rb") as f:
-            return f.read()
+            before = _stamp(os.fstat(f.fileno()))
+            data = f.read()
+            after = _stamp(os.fstat(f.fileno()))
     except OSError as e:
         raise TraceError(path, f"cannot read: {e.strerror or e}") from None
+    if after != before or len(data) != before[1]:
+        raise TraceError(path, CHANGED_WHILE_READ)
+    return data
 
 
-def gunzip(path: str, data: bytes) -> bytes:
-    """`data` decompressed when it is gzip (by magic, not by name), else `data` itself."""
+def gunzip(path: str, data: bytes) -> bytes | bytearray:
+    """`data` decompressed when it is gzip (by magic, not by name), else `data` itself. The output is
+    bounded (`limits.gunzip_bounded`: TRACELENS_MAX_TRACE_BYTES, and the memory available): a file that
+    expands past it is refused naming the file, before it takes the machine."""
     if data[:2] == b"\x1f\x8b":
         try:
-            data = gzip.decompress(data)
+            data = gunzip_bounded(path, data, max_trace_bytes(), "not a trace this loader takes "
+                                  "(TRACELENS_MAX_TRACE_BYTES=N raises the bound)", memory=True)
         except (OSError, EOFError, zlib.error) as e:
             raise TraceError(path, f"corrupt or truncated gzip ({e})") from None
     return data
@@ -60,23 +77,44 @@ def gunzip(path: str, data: bytes) -> bytes:
 MAP_MIN = 64 << 20  # an uncompressed file this large is scanned from a memory map (see `map_file`)
 
 
-def map_file(path: str) -> mmap.mmap | None:
+class Mapped(mmap.mmap):
+    """A memory-mapped trace file and what it was when mapped (`stamp`), to tell whether it changed since."""
+
+    path: str = ""
+    stamp: tuple = ()
+
+    def check(self) -> None:
+        """`TraceError` (changed while it was read) when the file is no longer what was mapped."""
+        try:
+            now = _stamp(os.stat(self.path))
+        except OSError:
+            now = ()
+        if now != self.stamp or self.size() < len(self):
+            raise TraceError(self.path, CHANGED_WHILE_READ)
+
+
+def map_file(path: str) -> Mapped | None:
     """The file memory-mapped read-only when it is large (>= MAP_MIN) and not gzip, else None.
 
     `Scan.run` gives the pages it has scanned back behind itself (MADV_DONTNEED: a file-backed page
     that is read again is read from the page cache), so the file's bytes never sit in the process
-    whole: a 2 GB trace costs the columns, not 2 GB + the columns. The price of any memory map: a
-    file truncated by another process during the scan kills the process (SIGBUS), as it would with
-    numpy.memmap or pyarrow.memory_map. TRACELENS_NO_MMAP=1 reads the file into memory instead."""
+    whole: a 2 GB trace costs the columns, not 2 GB + the columns. A file truncated by another process
+    while it is mapped would kill the process (SIGBUS) when a page past its new end is touched: the
+    compiled scanner's pass (nearly all the time the map is read) runs under a SIGBUS guard that turns
+    that into an error, and the file is checked (`Mapped.check`: size, mtime, ctime) after the pass,
+    before the few reads of it from Python, so the load ends in one line naming the file ("changed while
+    it was read"). TRACELENS_NO_MMAP=1 reads the file into memory instead."""
     if os.environ.get("TRACELENS_NO_MMAP"):
         return None
     try:
         with open(path, "rb") as f:
-            if os.fstat(f.fileno()).st_size < MAP_MIN or f.read(2) == b"\x1f\x8b":
+            st = os.fstat(f.fileno())
+            if st.st_size < MAP_MIN or f.read(2) == b"\x1f\x8b":
                 return None
-            mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            mm = Mapped(f.fileno(), 0, access=mmap.ACCESS_READ)
     except (OSError, ValueError):
         return None  # the ordinary read names the problem
+    mm.path, mm.stamp = path, _stamp(st)
     mm.madvise(mmap.MADV_SEQUENTIAL)
     return mm
 

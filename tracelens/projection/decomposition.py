@@ -37,6 +37,7 @@ A pure function of the analysis (and the manifest); it never reads raw events.
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 from typing import Any
 
@@ -192,13 +193,20 @@ def _steady_step(analysis, rank: int) -> int | None:
     return have[len(have) // 2]
 
 
+P2P_KERNEL = re.compile(r"SendRecv|(?<![A-Za-z])(?:Send|Recv)(?![A-Za-z])|_send_|_recv_", re.I)
+
+
 def _move_bubble(analysis, p, ms: dict, step_ms: float, other_idle: float, notes: list) -> float:
-    """A pipeline run: the replay sees a rank waiting for another stage as idle (of no known cause, or
-    the host launching late, or blocked in a sync); the pipeline analysis's bubble account
-    (``analysis.pipeline.account``, docs/pipeline.md) says how much of the rank's idle in the step is the
-    schedule's bubble (``theory_ns + imbalance_ns``). That much (scaled like the rest of the step, at
-    most the idle the replay has) moves to ``pipeline bubble``: from ``other``'s idle part first, then
-    launch-bound idle, then sync waits. Edits ``ms`` in place; returns ``other``'s new idle fraction."""
+    """A pipeline run: the pipeline analysis's bubble account (``analysis.pipeline.account``, docs/pipeline.md)
+    says how much of a rank's waiting in the step is the schedule's bubble (``theory_ns + imbalance_ns``:
+    waiting for other stages, not moving data). Where the replay put that time depends on the backend: on
+    NCCL a rank waiting for its upstream stage spins in a point-to-point kernel (``SendRecv``), so the wait
+    sits in ``exposed communication``; on gloo, and where the host launched the receive late, it is idle
+    (``other``'s idle part, launch-bound idle, sync waits). That much (scaled like the rest of the step)
+    moves to ``pipeline bubble``: first from the rank's point-to-point kernel time beyond what the account
+    calls hand-off communication (``comm_ns``: the transfer and its waits on the critical path), then from
+    ``other``'s idle part, launch-bound idle, sync waits. Edits ``ms`` in place; returns ``other``'s new
+    idle fraction."""
     pa = getattr(analysis, "pipeline", None)
     acc = getattr(getattr(pa, "account", None), "per_step", None)
     if acc is None or not len(acc) or not {"step", "rank", "theory_ns", "imbalance_ns"} <= set(acc.columns):
@@ -211,10 +219,16 @@ def _move_bubble(analysis, p, ms: dict, step_ms: float, other_idle: float, notes
     bubble_ns = float(row["theory_ns"].iloc[0]) + float(row["imbalance_ns"].iloc[0])
     if not (bubble_ns > 0) or p.step_ns <= 0:
         return other_idle
-    want = bubble_ns / 1e6 * step_ms / (p.step_ns / 1e6)  # scaled like the step (calibration)
+    scale = step_ms / (p.step_ns / 1e6)  # the calibration: the traced step's ms -> the decomposed step's
+    want = bubble_ns / 1e6 * scale
+    w = p.work
+    p2p = w["is_comm"].to_numpy(dtype=bool) & w["name"].astype(str).str.contains(P2P_KERNEL).to_numpy()
+    handoff_ms = float(row["comm_ns"].iloc[0]) / 1e6 if "comm_ns" in row.columns else 0.0
+    p2p_wait_ms = max(float(w["dur"].to_numpy(dtype=np.float64)[p2p].sum()) / 1e6 - handoff_ms, 0.0) * scale
     other_idle_ms = other_idle * ms["other"]
     moved = 0.0
-    for comp, avail in (("other", other_idle_ms), ("launch-bound idle", ms["launch-bound idle"]),
+    for comp, avail in (("exposed communication", min(p2p_wait_ms, ms["exposed communication"])),
+                        ("other", other_idle_ms), ("launch-bound idle", ms["launch-bound idle"]),
                         ("sync waits", ms["sync waits"])):
         take = min(max(avail, 0.0), want - moved)
         if take <= 0:
@@ -225,8 +239,9 @@ def _move_bubble(analysis, p, ms: dict, step_ms: float, other_idle: float, notes
             other_idle_ms -= take
     ms["pipeline bubble"] += moved
     if not notes:
-        notes.append("; pipeline bubble: the schedule's share of each rank's idle (theory + stage imbalance, "
-                     "from the pipeline bubble account) moved out of the replay's idle parts")
+        notes.append("; pipeline bubble: the schedule's share of each rank's waiting (theory + stage imbalance, "
+                     "from the pipeline bubble account) moved out of the point-to-point kernels it spins in "
+                     "(NCCL) and the replay's idle parts")
     return other_idle_ms / ms["other"] if ms["other"] > 0 else 0.0
 
 

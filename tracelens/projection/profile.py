@@ -30,6 +30,7 @@ import pandas as pd
 
 from .. import categories as C
 from ..analysis.calltree import KIND_ANNOTATION, KIND_OP, KIND_RUNTIME
+from ..errors import TraceError
 from ..io.run import Run
 
 # Components of a step, in the order a report lists them: they add up to the step time. Device work
@@ -394,23 +395,27 @@ def _syncs(tree: pd.DataFrame, rank: int, start: int, end: int) -> pd.DataFrame:
 
 
 def read_manifest(run) -> dict | None:
-    """The run's trainer manifest (None when ``run`` is not a run dir or has none). ``run``: a
-    `tracelens.io.run.Run`, or a run dir's path. `ProfileError` (one line naming the file) when it cannot be
-    read or holds no trainer config."""
-    if not isinstance(run, Run):
-        if not Path(run).is_dir():
-            return None
-        run = Run.open(run)
-    m = run.manifest_path
-    if run.manifest is None and (m is None or not m.is_file()):
+    """The run's trainer manifest (None when ``run`` is not a run dir or has none), checked: its fields have the
+    trainer's types and it has a config (`tracelens.io.manifest`); else a one-line `ProfileError` naming the file.
+    ``run``: a `tracelens.io.run.Run` (its manifest as read, or as given with `Run.with_manifest`), or a run
+    dir's path."""
+    from ..io.manifest import check_manifest, read_manifest as read_checked, run_manifest_path
+
+    if isinstance(run, Run):
+        if run.manifest is not None:
+            try:
+                return check_manifest(run.manifest, run.manifest_path or "the given manifest", need_config=True)
+            except TraceError as e:
+                raise ProfileError(e.one_line()) from None
+        m = run.manifest_path
+    else:
+        m = run_manifest_path(run)
+    if m is None:
         return None
-    if run.manifest is None and run.manifest_error and run.manifest_error[0]:
-        kind, msg = run.manifest_error
-        raise ProfileError(f"{m}: unreadable manifest ({kind}: {msg})")
-    doc = run.manifest
-    if not isinstance(doc, dict) or not isinstance(doc.get("config"), dict):
-        raise ProfileError(f"{m or 'the given manifest'}: not a trainer manifest (no 'config' object)")
-    return doc
+    try:
+        return read_checked(m, need_config=True)
+    except TraceError as e:
+        raise ProfileError(e.one_line()) from None
 
 
 __all__ = ["COMPONENTS", "WORK_COMPONENTS", "IDLE_COMPONENTS", "SCALES", "StepProfile", "ProfileError",

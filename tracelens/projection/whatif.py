@@ -95,6 +95,31 @@ class Prediction:
                 rows.append({"component": c, "base_ms": 1e3 * b, "predicted_ms": 1e3 * p, "delta_ms": 1e3 * (p - b)})
         return pd.DataFrame(rows)
 
+    def to_dict(self) -> dict:
+        """The `tracelens whatif --json` document (docs/whatif.md)."""
+        return self.as_dict()
+
+    def to_text(self, source: str) -> str:
+        """The `tracelens whatif` text for a prediction on the run ``source``: step time, tokens/s/GPU and
+        peak memory before and after, the components, and what was measured or modeled."""
+        ch = ", ".join(f"{k}={v}" for k, v in self.changes.items()) or "(no change)"
+        unc = f"+/- {100 * self.uncertainty:.0f}%"
+        lines = [f"what-if {ch} on {source}",
+                 f"  step time      {1e3 * self.base_step_s:9.1f} ms -> {1e3 * self.step_s:9.1f} ms",
+                 f"  tokens/s/GPU   {self.base_tokens_per_s_per_gpu:9,.0f}    -> {self.tokens_per_s_per_gpu:9,.0f}    "
+                 f"({100 * self.gain:+.1f}%, {unc}, 1 sigma)"]
+        if self.peak_gib is not None:
+            cap = f" of {self.capacity_bytes / 2**30:.1f} GiB" if self.capacity_bytes else ""
+            verdict = "fits" if self.fits else "OUT OF MEMORY: would not run"
+            lines.append(f"  peak memory    {self.peak_gib:9.2f} GiB{cap}: {verdict}")
+        lines.append(f"  {'component':<22} {'base ms':>9} {'predicted':>10} {'change':>9}")
+        for r in self.table().itertuples(index=False):
+            lines.append(f"  {r.component:<22} {r.base_ms:>9.2f} {r.predicted_ms:>10.2f} {r.delta_ms:>+9.2f}")
+        lines.append("  measured: " + "; ".join(self.measured))
+        lines.extend(f"  modeled: {line}" for line in self.modeled)
+        lines.extend(f"  note: {line}" for line in self.notes)
+        return "\n".join(lines)
+
     def as_dict(self) -> dict:
         return {
             "changes": self.changes, "step_s": self.step_s, "tokens_per_s_per_gpu": self.tokens_per_s_per_gpu,
@@ -148,7 +173,7 @@ class Model:
         if man is None:
             raise WhatIfError(f"{run}: not a run dir with a manifest.json (the what-if model needs the run's config "
                               "and measured step times)")
-        cfg = dict(man["config"])
+        cfg = cls._run_config(man["config"], run / MANIFEST)
         metrics = man.get("metrics") or {}
         mean = metrics.get("mean_step_time_s")
         if not isinstance(mean, (int, float)) or not math.isfinite(mean) or mean <= 0:
@@ -309,6 +334,17 @@ class Model:
             int(self.config["micro_batch_size"]) * int(self.config.get("microbatches") or 1) * int(self.config["seq_len"]))
         return float(base) * scale
 
+    @staticmethod
+    def _run_config(raw: dict, manifest: Path) -> dict:
+        """The run's config, checked by the trainer's own loader (the model computes with its values):
+        a manifest whose config the trainer would refuse is one line naming the manifest."""
+        from moespec.config import ConfigError, load_config  # noqa: PLC0415 (standard library + PyYAML)
+
+        try:
+            return load_config(None, dict(raw))
+        except ConfigError as e:
+            raise WhatIfError(f"{manifest}: the run's config is not valid ({e})") from None
+
     def _validate(self, changes: dict) -> dict:
         bad = [k for k in changes if k not in DEFAULTS]
         if bad:
@@ -433,18 +469,25 @@ def predict(run: str | Path, changes: dict, kernel_table: str | Path | None = No
 
 
 def parse_sets(items: list[str]) -> dict:
-    """``KEY=VALUE`` strings (values parsed as YAML, like the trainer's --set) -> dict."""
+    """``KEY=VALUE`` strings (values parsed as YAML, like the trainer's --set, by the same bounded
+    loader: moespec.yaml_bounded) -> dict."""
     import yaml
+
+    from moespec.yaml_bounded import safe_load
 
     out = {}
     for it in items:
+        shown = it if len(it) <= 80 else it[:80] + "..."
         if "=" not in it:
-            raise WhatIfError(f"--set {it!r}: expected KEY=VALUE")
+            raise WhatIfError(f"--set {shown!r}: expected KEY=VALUE")
         k, v = it.split("=", 1)
         try:
-            out[k.strip()] = yaml.safe_load(v)
-        except yaml.YAMLError:
-            raise WhatIfError(f"--set {it!r}: value is not valid YAML") from None
+            out[k.strip()] = safe_load(v)
+        except yaml.YAMLError as e:
+            why = " ".join(str(getattr(e, "problem", None) or e).split())[:200]
+            raise WhatIfError(f"--set {shown!r}: value is not valid YAML ({why})") from None
+        except RecursionError:
+            raise WhatIfError(f"--set {shown!r}: value is not valid YAML (nested too deeply)") from None
     return out
 
 
