@@ -130,7 +130,7 @@ def decode_pipeline_jsonl(files: list[tuple[int, Path, bytes]]) -> pd.DataFrame 
             continue
         try:
             recs = _LINES.decode(b"[" + b",".join(lines) + b"]")
-        except msgspec.DecodeError:
+        except (msgspec.DecodeError, RecursionError):  # the line-by-line pass below names the line
             recs = None
         cols = None
         if recs is not None:  # struct fields are in ACTION_COLUMNS order
@@ -161,6 +161,8 @@ def _check_line(line: bytes, where: str, file_rank: int) -> None:
         rec = msgspec.json.decode(line)
     except msgspec.DecodeError as e:
         raise TraceError(where, f"not valid JSON ({e})") from None
+    except RecursionError:
+        raise TraceError(where, "nested too deeply: not a pipeline action record") from None
     if not isinstance(rec, dict):
         raise TraceError(where, f"expected a JSON object, got {type(rec).__name__}")
     missing = [c for c in ACTION_COLUMNS if c not in rec]

@@ -357,6 +357,10 @@ class Model:
         try:
             new = load_config(None, {**self.config, **changes})
         except ConfigError as e:
+            try:
+                load_config(None, self.config)
+            except ConfigError as own:  # the run's own config is at fault, not the change: name its manifest
+                raise WhatIfError(f"{Path(self.run) / MANIFEST}: the run's config does not validate ({own})") from None
             raise WhatIfError(str(e)) from None
         return new
 
