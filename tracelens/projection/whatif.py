@@ -336,14 +336,15 @@ class Model:
 
     @staticmethod
     def _run_config(raw: dict, manifest: Path) -> dict:
-        """The run's config, checked by the trainer's own loader (the model computes with its values):
-        a manifest whose config the trainer would refuse is one line naming the manifest."""
-        from moespec.config import ConfigError, load_config  # noqa: PLC0415 (standard library + PyYAML)
-
+        """The run's config with every key the trainer knows checked by the trainer's own loader (the
+        model computes with these values) and the trainer's defaults for keys the manifest lacks; keys the
+        trainer does not know (an older or newer trainer's) are kept as they are. A value the trainer
+        would refuse is one line naming the manifest."""
         try:
-            return load_config(None, dict(raw))
+            known = load_config(None, {k: v for k, v in raw.items() if k in DEFAULTS})
         except ConfigError as e:
             raise WhatIfError(f"{manifest}: the run's config is not valid ({e})") from None
+        return {**raw, **known}
 
     def _validate(self, changes: dict) -> dict:
         bad = [k for k in changes if k not in DEFAULTS]
