@@ -158,3 +158,27 @@ def test_a_sentinel_end_time_names_the_record(tmp_path):
     f.write_bytes(gzip.compress(new) if f.suffix == ".gz" else new)
     with pytest.raises(TraceError, match=r":2: 'end_ns' 9223372036854775807 is not a time"):
         P.read_pipeline_jsonl(run)
+
+
+@pytest.mark.parametrize("how", ["start_zero", "end_late"])
+def test_an_action_with_a_broken_time_is_left_out_and_said(tmp_path, how):
+    """Issue 31 #6: one action with start_ns 0 (a 56-year window, 75 % bubble) or ending 1,000 s late (74.8 %)
+    changed the bubble with no warning. A rank runs one action at a time (no recorded run has two of a rank's
+    actions overlapping), so the broken action is the one overlapping the others: left out, and said."""
+    run = _copy_pp_run(tmp_path)
+    ref = P.load_pipeline(_pp2_run(), cache=False, traces=False)
+    f = sorted((run / "pipeline").iterdir())[0]
+    data = gzip.decompress(f.read_bytes()) if f.suffix == ".gz" else f.read_bytes()
+    lines = data.splitlines()
+    k = len(lines) // 2
+    rec = json.loads(lines[k])
+    if how == "start_zero":
+        rec["start_ns"] = 0
+    else:
+        rec["end_ns"] = rec["end_ns"] + 1000 * 10**9
+    lines[k] = json.dumps(rec).encode()
+    new = b"\n".join(lines) + b"\n"
+    f.write_bytes(gzip.compress(new) if f.suffix == ".gz" else new)
+    res = P.load_pipeline(run, cache=False, traces=False)
+    assert any(w.startswith(f"{f}: 1 pipeline action(s) left out") for w in res.warnings), res.warnings
+    assert abs(res.overall_ratio - ref.overall_ratio) < 0.05, (res.overall_ratio, ref.overall_ratio)

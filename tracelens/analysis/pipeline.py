@@ -141,12 +141,60 @@ def decode_pipeline_jsonl(files: list[tuple[int, Path, bytes]]) -> pd.DataFrame 
                 if line.strip():
                     _check_line(line, f"{path}:{lineno}", file_rank)
             raise TraceError(path, "pipeline records out of range (an integer beyond 64 bits?)")
-        frames.append(pd.DataFrame(cols))
+        df = pd.DataFrame(cols)
+        keep, why = _one_at_a_time(df)
+        if why:
+            empty.append(f"{path}: {why}")
+            df = df[keep]
+        frames.append(df)
     if not frames:
         return None
     out = _finish(pd.concat(frames, ignore_index=True))
     out.attrs["warnings"] = empty
     return out
+
+
+OVERLAP_TOLERANCE_NS = 1_000  # timestamps of consecutive actions may touch; 1 us more is an overlap
+MAX_OVERLAP_DROPS = 100
+
+
+def _overlaps(s: np.ndarray, e: np.ndarray) -> np.ndarray:
+    """For each interval, how many others it overlaps by more than OVERLAP_TOLERANCE_NS (O(n log n))."""
+    e_t = e - OVERLAP_TOLERANCE_NS
+    ss, es = np.sort(s), np.sort(e)
+    # j overlaps i when s_j < e_i - tol and e_j > s_i + tol
+    n = np.searchsorted(ss, e_t, side="left") - np.searchsorted(es, s + OVERLAP_TOLERANCE_NS, side="right")
+    self_ = (e_t > s) & (e > s + OVERLAP_TOLERANCE_NS)
+    return np.maximum(n - self_.astype(np.int64), 0)
+
+
+def _one_at_a_time(df: pd.DataFrame) -> tuple[np.ndarray, str | None]:
+    """A rank runs one pipeline action at a time (every recorded run: no two of a rank's actions overlap), so an
+    action overlapping others has a broken time (a start of 0: a 56-year action; an end 1,000 s late): the action
+    overlapping the most others is left out, again until none overlap. (keep mask, the warning or None); more
+    than MAX_OVERLAP_DROPS such actions is not one rank's record: `TraceError`."""
+    s = df["start_ns"].to_numpy(np.int64)
+    e = df["end_ns"].to_numpy(np.int64)
+    keep = np.ones(len(df), dtype=bool)
+    dropped = []
+    while True:
+        idx = np.flatnonzero(keep)
+        ov = _overlaps(s[idx], e[idx])
+        if not len(ov) or ov.max() == 0:
+            break
+        worst = idx[int(np.argmax(ov))]
+        keep[worst] = False
+        dropped.append(worst)
+        if len(dropped) > MAX_OVERLAP_DROPS:
+            raise TraceError(None, f"more than {MAX_OVERLAP_DROPS} pipeline actions of one rank overlap others: "
+                                   "not the record of one rank running one action at a time")
+    if not dropped:
+        return keep, None
+    r = df.iloc[dropped[0]]
+    first = (f"step {int(r['step'])} stage {int(r['stage'])} microbatch {int(r['microbatch'])} {r['kind']}: "
+             f"start_ns {int(r['start_ns'])}, end_ns {int(r['end_ns'])}")
+    return keep, (f"{len(dropped)} pipeline action(s) left out: each overlaps other actions of rank "
+                  f"{int(r['rank'])}, which runs one at a time (a broken time; first: {first})")
 
 
 def _columns_ok(arr: dict[str, np.ndarray], file_rank: int) -> bool:
