@@ -9,7 +9,7 @@ CPU:
 
 Writes OUT/base/ (a complete run dir: manifest and traces, what the model is built from), OUT/p<i>/manifest.json
 for each grid point (the measured metrics the predictions are checked against; their traces are not kept) and
-OUT/grid.json (the changes of each point, the fixed keys and the machine).
+OUT/grid.yaml (JSON, which is YAML too; the corpus-wide trace tests take every *.json: the changes of each point, the fixed keys and the machine).
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ def main() -> int:
             shutil.rmtree(d / sub, ignore_errors=True)
         print(f"p{i} {ch}: {man['metrics']['tokens_per_s_per_gpu']:.0f} tokens/s/GPU", flush=True)
     cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
-    (out / "grid.json").write_text(json.dumps({"grid": GRID, "fixed": FIXED, "machine": platform.processor()
+    (out / "grid.yaml").write_text(json.dumps({"grid": GRID, "fixed": FIXED, "machine": platform.processor()
                                                or platform.machine(), "cpus": cpus}, indent=1))
     return 0
 

@@ -6,6 +6,8 @@ synthetic steps whose answer is known by hand."""
 
 from __future__ import annotations
 
+import bisect
+import functools
 import gzip
 import json
 from pathlib import Path
@@ -29,6 +31,7 @@ def model():
     return W.Model.from_run(RUN)
 
 
+@functools.lru_cache(maxsize=None)
 def _raw_kernels(step: int) -> list[dict]:
     """Rank 0's kernels launched inside ProfilerStep#<step>, in launch order, each with the CPU op that
     launched it (name and Input Dims): from the raw JSON by correlation id and time containment."""
@@ -39,10 +42,15 @@ def _raw_kernels(step: int) -> list[dict]:
     kern = {e["args"]["correlation"]: e for e in ev if e.get("cat") == "kernel" and "correlation" in e.get("args", {})}
     calls = sorted((e for e in ev if e.get("cat") in ("cuda_runtime", "cuda_driver") and lo <= e["ts"] < hi
                     and e.get("args", {}).get("correlation") in kern), key=lambda e: e["ts"])
-    ops = sorted((e for e in ev if e.get("cat") == "cpu_op" and lo <= e["ts"] < hi), key=lambda e: e["ts"])
+    by_tid: dict = {}
+    for e in sorted((e for e in ev if e.get("cat") == "cpu_op" and lo <= e["ts"] < hi), key=lambda e: e["ts"]):
+        by_tid.setdefault(e["tid"], []).append(e)
+    starts = {t: [o["ts"] for o in v] for t, v in by_tid.items()}
     out = []
     for c in calls:
-        inner = [o for o in ops if o["tid"] == c["tid"] and o["ts"] <= c["ts"] < o["ts"] + o["dur"]]
+        ops = by_tid.get(c["tid"], [])
+        # an op enclosing the call started at or before it: only those, scanned back from the call's time
+        inner = [o for o in ops[:bisect.bisect_right(starts.get(c["tid"], []), c["ts"])] if c["ts"] < o["ts"] + o["dur"]]
         op = min(inner, key=lambda o: o["dur"]) if inner else {"name": "", "args": {}}
         k = kern[c["args"]["correlation"]]
         out.append({"kernel": k["name"], "ns": k["dur"] * 1000, "op": op["name"],
