@@ -379,7 +379,9 @@ def _finish(cfg, d: Dist, out: Path, model, losses, auxes, gnorms, step_times, t
     wall = timer.wall_s if timer is not None and timer.wall_s is not None else sum(step_times)
     times = torch.tensor([*step_times, wall], dtype=torch.float64, device=dev)
     peak, peak_kind = runtime.peak_memory_bytes(dev)
+    drops = ep_drop_totals(model, dev)  # [dropped, routed] rows of this rank's MoE layers (device, no sync yet)
     if d.world_size > 1:
+        dist.all_reduce(drops)
         dist.all_reduce(stats)
         # per data-parallel replica: under PP only the last stage has the loss and each stage a part of aux
         stats /= d.world_size // d.pp
@@ -423,7 +425,8 @@ def _finish(cfg, d: Dist, out: Path, model, losses, auxes, gnorms, step_times, t
         "device": {"type": dev.type, "name": dev_name, "count": d.world_size, "peak_bf16_flops": peak_flops},
         "toggles": {k: cfg[k] for k in ("sync_free_level", "grouped_gemm_backend", "recompute_layer_ids", "optimizer",
                                         "loss_fusion", "manual_gc", "numa_bind", "dtype", "step_timing", "compile",
-                                        "cuda_graphs")},
+                                        "cuda_graphs", "ep_dispatch", "ep_capacity_factor", "ep_overlap",
+                                        "ep_overlap_chunks")},
         "numa": numa,
         "env": {"knobs": env_knobs, "recorded": runtime.recorded_env()},
         "params": {**count_params(cfg), "local_routed_experts": cfg["n_routed_experts"] // d.ep},
@@ -451,6 +454,7 @@ def _finish(cfg, d: Dist, out: Path, model, losses, auxes, gnorms, step_times, t
         "notes": notes,
         "pipeline": pipe.manifest() if pipe is not None else None,  # docs/pipeline.md
         "kernels": experts.kernels_record(cfg),  # what ran each MoE op; auto's backend per pass
+        "ep_dispatch": ep_dispatch_record(cfg, d, drops.tolist()),  # docs/trainer.md "Expert parallelism"
         "compile": compile_stats(cfg),  # compile=dense: graphs, graph breaks, CUDA-graph skips (trainer/compiling.py)
     }
     runtime.write_json_atomic(out / "manifest.json", manifest)
@@ -463,6 +467,31 @@ def _finish(cfg, d: Dist, out: Path, model, losses, auxes, gnorms, step_times, t
     if d.world_size > 1:
         dist.barrier()
     return manifest
+
+
+def ep_drop_totals(model, device) -> torch.Tensor:
+    """[dropped, routed] rows over this rank's MoE layers and all steps (capacity dispatch drops; float64 so
+    the all-reduce sums exactly). Read once, at the end of the run: no sync inside a step."""
+    dropped, routed = torch.zeros((), dtype=torch.float64, device=device), 0
+    for m in model.modules():
+        disp = getattr(m, "dispatcher", None)
+        if disp is not None:
+            routed += disp.routed_rows
+            if disp.dropped is not None:
+                dropped = dropped + disp.dropped.to(device=device, dtype=torch.float64)
+    return torch.stack([dropped, torch.tensor(float(routed), dtype=torch.float64, device=device)])
+
+
+def ep_dispatch_record(cfg: dict, d: Dist, drops: list[float]) -> dict | None:
+    """The manifest's ``ep_dispatch``: the path, its knobs and, over every rank and step, the routed rows and
+    the rows the capacity dropped (None without expert parallelism)."""
+    if d.ep == 1:
+        return None
+    dropped, routed = int(drops[0]), int(drops[1])
+    return {"path": cfg["ep_dispatch"], "capacity_factor": cfg["ep_capacity_factor"] if cfg["ep_dispatch"] == "capacity"
+            else None, "overlap": cfg["ep_overlap"], "overlap_chunks": cfg["ep_overlap_chunks"] if cfg["ep_overlap"]
+            else 1, "routed_rows": routed, "dropped_rows": dropped,
+            "dropped_share": dropped / routed if routed else 0.0}
 
 
 def platform_cpu_name() -> str:
