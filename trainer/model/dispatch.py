@@ -93,6 +93,36 @@ class _A2AWait(torch.autograd.Function):
         return grad, None, None, None, None
 
 
+# ------------------------------------------------------------------------------ row movement
+class _MoveRows(torch.autograd.Function):
+    """``out = x[idx]`` whose backward is a gather or a plain scatter, never ``index_add``.
+
+    ``x.index_select(0, idx)``'s backward is ``index_add_`` (atomic adds, one per element: on a padded EP
+    buffer of 1e5-1e6 rows x hidden size, a large cost in every backward). Here ``idx`` is known to be
+    injective, so the backward is ``grad[inv]`` when ``inv`` (the inverse permutation) is given, else a
+    scatter of ``grad`` into zeros at ``bwd_idx`` (``idx`` by default; a row ``rows`` past the end, cut off,
+    takes the rows whose forward index was only a placeholder)."""
+
+    @staticmethod
+    def forward(ctx, x, idx, inv, bwd_idx):
+        ctx.rows, ctx.inv, ctx.extra = x.shape[0], inv, int(bwd_idx is not None)
+        ctx.bwd_idx = idx if bwd_idx is None else bwd_idx
+        return x.index_select(0, idx)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if ctx.inv is not None:
+            return grad.index_select(0, ctx.inv), None, None, None
+        out = grad.new_zeros((ctx.rows + ctx.extra,) + tuple(grad.shape[1:])).index_copy_(0, ctx.bwd_idx, grad)
+        return out[:ctx.rows], None, None, None
+
+
+def move_rows(x: torch.Tensor, idx: torch.Tensor, inv: torch.Tensor | None = None,
+              bwd_idx: torch.Tensor | None = None) -> torch.Tensor:
+    """``x[idx]`` for an injective ``idx`` (a permutation when ``inv`` is given), without atomics backward."""
+    return _MoveRows.apply(x, idx, inv, bwd_idx)
+
+
 @dataclass
 class Transfer:
     """An all-to-all started by :func:`a2a_start`; :func:`a2a_wait` gives its output."""
@@ -274,8 +304,9 @@ class Dispatcher:
             R = sum(t.recv_splits)
             seg = torch.repeat_interleave(torch.arange(P * El, device=x_recv.device) % El, rc, output_size=R)
             order2 = torch.argsort(seg, stable=True)
-            t.src = order2
-            return x_recv.index_select(0, order2), None, t.local_host
+            inv2 = torch.empty_like(order2).scatter_(0, order2, torch.arange(R, device=order2.device))
+            t.src, t.dest = order2, inv2
+            return move_rows(x_recv, order2, inv2), None, t.local_host
         if "level2" in t.extra and t.recv_total is None:
             out, trips = t.extra["level2"]
             totals = out.sum(dim=(0, 2)).tolist()  # the one sync of level 2: every chunk's received rows
@@ -283,21 +314,22 @@ class Dispatcher:
                 u.recv_total = int(totals[c])
         dest, offs = regroup_padded(t.recv_counts, t.cap)
         src = torch.empty_like(dest).scatter_(0, dest, torch.arange(dest.numel(), device=dest.device))
-        if t.recv_total is not None:  # level 2: trimmed to the routed rows (read on the host in plan())
-            src = src[:t.recv_total]
-        t.src, t.dest, t.offs = src, dest, offs
-        return x_recv.index_select(0, src), offs, None
+        t.dest, t.offs = dest, offs
+        if t.recv_total is not None:  # level 2: trimmed to the routed rows (read on the host above)
+            t.src = src[:t.recv_total]
+            return move_rows(x_recv, t.src), offs, None
+        t.src = src
+        return move_rows(x_recv, src, dest), offs, None
 
     def combine_send(self, t: Trip, y2: torch.Tensor) -> None:
         """Start the expert outputs back to the ranks their rows came from."""
         if self.exact:
-            y_recv = y2.new_empty(y2.shape).index_copy(0, t.src, y2)
-            t.back = a2a_start(y_recv, t.send_splits, t.recv_splits, self.group)
+            t.back = a2a_start(move_rows(y2, t.dest, t.src), t.send_splits, t.recv_splits, self.group)
             return
         if t.recv_total is not None:
             y_recv = y2.new_zeros(self.P * t.cap, y2.shape[1]).index_copy(0, t.src, y2)
         else:
-            y_recv = y2.index_select(0, t.dest)
+            y_recv = move_rows(y2, t.dest, t.src)
         t.back = a2a_start(y_recv, None, None, self.group)
 
     def combine_receive(self, t: Trip) -> torch.Tensor:
@@ -306,8 +338,9 @@ class Dispatcher:
         if self.exact:
             return y_back
         if t.keep is None:
-            return y_back.index_select(0, t.slot)
-        y = y_back.index_select(0, t.slot.clamp(max=y_back.shape[0] - 1))
+            return move_rows(y_back, t.slot)
+        # dropped rows read a placeholder row forward (zeroed by the where) and scatter to a cut-off row backward
+        y = move_rows(y_back, t.slot.clamp(max=y_back.shape[0] - 1), bwd_idx=t.slot)
         return torch.where(t.keep.unsqueeze(1), y, y.new_zeros(()))
 
 
