@@ -35,6 +35,10 @@ declare -A RUNS=(
   [ep4_cap]="4 --set ep=4 $CAP $PROF"
   [ep4_cap_ovl]="4 --set ep=4 $CAP --set ep_overlap=true $PROF"
   [ep4_cap_ovl4]="4 --set ep=4 $CAP --set ep_overlap=true --set ep_overlap_chunks=4 $STEPS"
+  [ep4_cap110]="4 --set ep=4 --set ep_dispatch=capacity --set ep_capacity_factor=1.1 $STEPS"
+  [ep4_cap110_ovl4]="4 --set ep=4 --set ep_dispatch=capacity --set ep_capacity_factor=1.1 --set ep_overlap=true --set ep_overlap_chunks=4 $STEPS"
+  # the committed fixture (tests/fixtures/h100_4gpu/ep4_cap_ovl): two profiled steps
+  [ep4_cap_ovl_fixture]="4 --set ep=4 $CAP --set ep_overlap=true --set steps=10 --set timing_warmup_steps=3 --set log_every=5 --set profile_step_start=7 --set profile_step_end=9"
 )
 for name in ${ROWS:-check dp4 ep4_nccl ep4_cap ep4_cap_ovl ep4_nccl_L1_ovl}; do
   t0=$(date +%s)
