@@ -22,7 +22,8 @@ time, until the step's first GPU event on any rank:
   dependency, an event wait), the same rules as `tracelens.analysis.host.idle_gaps`.
 
 The segments of a step are contiguous and their durations add up to the step's span: first GPU event start to last
-GPU event end over all ranks (the tests assert it on every fixture). A hop that would come back to a (rank, time)
+GPU event end over all ranks (the tests assert it on every fixture). A trace with no profiler step marked is one
+step, numbered -1: the profiled window. A hop that would come back to a (rank, time)
 already visited (clocks or an unusual overlap of streams) is not followed; the wait stays on the path as a
 ``wait`` segment with its duration. Pure function of the analysis' tables; `CriticalPath` carries the text, the
 JSON (`tracelens critpath`), summary.json's ``critical_path`` and the report section.
@@ -167,7 +168,7 @@ class CriticalPath:
             return f"no critical path: {self.problem or 'no GPU activity in the analyzed steps'}"
         lines = []
         for s in self.steps.itertuples(index=False):
-            lines.append(f"step {s.step}: critical path {s.span_ns / 1e6:.3f} ms, ends on rank {s.end_rank}, runs through "
+            lines.append(f"{'the profiled window (no step marked)' if s.step < 0 else f'step {s.step}'}: critical path {s.span_ns / 1e6:.3f} ms, ends on rank {s.end_rank}, runs through "
                          f"rank(s) {', '.join(map(str, s.ranks))} with {s.hops} hand-off(s)")
         lines.append(f"{'cause':<40} {'ms':>10} {'% path':>7} {'segments':>8}")
         for c in self.by_cause().head(top).itertuples(index=False):
@@ -490,6 +491,13 @@ def critical_path_of(analysis, step: int | None = None, *, instances: pd.DataFra
     if gpu.empty:
         return unavailable("no GPU activity in these traces (CPU-only): no GPU critical path")
     known = sorted(int(s) for s in gpu["step"].unique() if s >= 0)
+    if not known:  # no profiler step marked: the whole profiled window is the one "step" (-1)
+        if step is not None:
+            raise TraceError(None, f"step {step} is not in the traces: they mark no profiler step (the whole window "
+                             "is analyzed without --step)")
+        return critical_path(gpu, a.comm_instances() if instances is None else instances,
+                             a.host_syncs() if syncs is None else syncs, [-1], trace=a.trace,
+                             pipeline=getattr(a, "pipeline", None), events=a.trace.events)
     if step is not None:
         if step not in known:
             raise TraceError(None, f"step {step} is not in the traces' GPU work (steps: {', '.join(map(str, known)) or 'none'})")
