@@ -177,8 +177,12 @@ class CriticalPath:
             f"rank {r.rank} {r.ns / 1e6:.3f} ms ({100 * r.share:.0f}%), mostly {r.cause}" for r in self.by_rank().itertuples(index=False)))
         h = self.hops()
         if len(h):
-            lines.append("hand-offs (a rank waits for the last one in): " + ", ".join(
-                f"{int(x.from_rank)} -> {int(x.to_rank)} x{int(x['count'])}" for _, x in h.iterrows()))
+            lines.append("hand-offs: " + ", ".join(
+                f"rank {int(x.from_rank)} waits for rank {int(x.to_rank)} x{int(x['count'])}" for _, x in h.iterrows()))
+        c = self.segments[(self.segments["kind"] == "compute") & (self.segments["stage"] != "")]
+        if len(c):
+            st = c.groupby("stage")["dur_ns"].sum().sort_values(ascending=False, kind="stable").head(5)
+            lines.append("compute on the path, by stage: " + ", ".join(f"{k} {v / 1e6:.3f} ms" for k, v in st.items()))
         t = self.top_ops(5)
         if len(t):
             lines.append("compute on the path, by op: " + ", ".join(
