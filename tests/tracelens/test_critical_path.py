@@ -138,9 +138,12 @@ def test_ep4_level0_path_runs_through_rank0_launch_bound():
     # the late_rank finding cites it
     late = next(f for f in a.findings() if f["type"] == "late_rank")
     assert late["evidence"]["late_rank"] == 0
-    assert late["evidence"]["critical_path"] == {"on_path": True, "share": pytest.approx(br.at[0, "share"], abs=1e-4),
-                                                 "cause": "launch-bound",
-                                                 "cause_share": pytest.approx(br.at[0, "cause_ns"] / br.at[0, "ns"], abs=1e-4)}
+    ev = late["evidence"]["critical_path"]
+    assert ev["on_path"] and ev["cause"] == "launch-bound" and ev["share"] == pytest.approx(br.at[0, "share"], abs=1e-4)
+    assert ev["cause_share"] == pytest.approx(br.at[0, "cause_ns"] / br.at[0, "ns"], abs=1e-4)
+    # before its late arrivals rank 0 itself waited for rank 1 (the forward's all-to-alls), and its compute there is
+    # named by op and stage
+    assert ev["waited_for"] == {1: 2} and len(ev["top_compute"]) == 3 and all(c["op"] for c in ev["top_compute"])
     assert "critical path is on rank 0" in late["title"] and "kernel launches" in late["title"]
     s = a.summary()["critical_path"]
     assert s["available"] and s["by_rank"][0]["rank"] == 0 and s["by_cause"][0]["cause"] == "launch-bound"

@@ -117,14 +117,22 @@ class CriticalPath:
 
     def rank_cause(self, rank: int) -> dict[str, Any] | None:
         """What dominates `rank`'s segments on the path: {share (of the path on that rank), cause, cause_share (of
-        that rank's time on the path)}, or None when the path does not run through it."""
+        that rank's time on the path), ns, top_compute (its three ops with the most compute on the path, with their
+        stage), waited_for (rank -> hand-offs: the path left it for a rank it was itself waiting for)}, or None when
+        the path does not run through it."""
         br = self.by_rank()
         row = br[br["rank"] == rank]
         if row.empty:
             return None
         r = row.iloc[0]
+        seg = self.segments[self.segments["rank"] == rank]
+        comp = seg[(seg["kind"] == "compute") & (seg["dur_ns"] > 0)]
+        top = comp.groupby(["op", "stage"], sort=False)["dur_ns"].sum().sort_values(ascending=False, kind="stable").head(3)
+        waited = seg[(seg["kind"] == "wait") & (seg["dur_ns"] == 0)]["to_rank"].value_counts()
         return {"share": round(float(r["share"]), 4), "cause": str(r["cause"]),
-                "cause_share": round(float(r["cause_ns"]) / max(float(r["ns"]), 1.0), 4), "ns": int(r["ns"])}
+                "cause_share": round(float(r["cause_ns"]) / max(float(r["ns"]), 1.0), 4), "ns": int(r["ns"]),
+                "top_compute": [{"op": op, "stage": st, "us": round(v / 1e3, 3)} for (op, st), v in top.items()],
+                "waited_for": {int(k): int(v) for k, v in waited.items()}}
 
     def summary(self) -> dict[str, Any]:
         """summary.json's ``critical_path`` (docs/summary-json.md)."""
@@ -220,10 +228,8 @@ def _stage_label(path: str, top_op: str) -> str:
 class _Rank:
     """One rank's GPU events with a positive duration, sorted by (end, start)."""
 
-    ts: np.ndarray
     end: np.ndarray
-    row: np.ndarray  # GPU-table row labels
-    launch: np.ndarray  # runtime launch start (ns), -1 when not linked
+    at: np.ndarray  # positions in the GPU table
     sync_end: np.ndarray  # sorted ends of the rank's blocking host syncs
 
 
@@ -307,9 +313,10 @@ def p2p_links(events: pd.DataFrame, gpu: pd.DataFrame) -> dict[int, list[int]]:
         o = o.sort_values("ts")
         at = np.searchsorted(kr["launch_ts"].to_numpy(np.int64), o["ts"].to_numpy(np.int64), side="left")
         rr = rpc[rpc["rank"] == r]
-        r_ts, r_ranks = rr["ts"].to_numpy(np.int64), rr["pg_ranks"].astype(str).to_numpy() if len(rr) else np.array([])
-        for name, ts, dur, conc, i in zip(o["name"].astype(str), o["ts"].to_numpy(np.int64),
-                                          o["dur"].fillna(0).to_numpy(np.int64), o["concrete_inputs"], at):
+        r_ts, r_ranks = rr["ts"].to_numpy(np.int64), C.strings(rr["pg_ranks"]) if len(rr) else np.array([])
+        k_rows, k_step = kr.index.to_numpy(), kr["step"].to_numpy()
+        for name, ts, dur, conc, i in zip(C.strings(o["name"]), o["ts"].to_numpy(np.int64),
+                                          o["dur"].fillna(0).to_numpy(np.int64), C.strings(o["concrete_inputs"]), at):
             peer = _peer(conc)
             if peer is None or i >= len(kr):
                 continue
@@ -320,9 +327,9 @@ def p2p_links(events: pd.DataFrame, gpu: pd.DataFrame) -> dict[int, list[int]]:
                     peer = int(ranks[peer]) if isinstance(ranks, list) and 0 <= peer < len(ranks) else peer
                 except (ValueError, TypeError):
                     pass
-            row = int(kr.index[i])
+            row, step = int(k_rows[i]), int(k_step[i])
             kind = P2P_OPS[name]
-            key = (int(r), peer, kind, int(kr["step"].iloc[i])) if kind == "send" else (peer, int(r), kind, int(kr["step"].iloc[i]))
+            key = (int(r), peer, kind, step) if kind == "send" else (peer, int(r), kind, step)
             queues.setdefault(key, []).append(row)
     links: dict[int, list[int]] = {}
     for (src, dst, kind, step), rows in queues.items():
@@ -376,10 +383,14 @@ def critical_path(gpu: pd.DataFrame, instances: pd.DataFrame, syncs: pd.DataFram
             a, last, last_row = int(g.at[i, "k_ts"]), int(g.at[i, "rank"]), int(g.at[i, "gpu_row"])
             for row, fam in zip(g["gpu_row"].tolist(), g["family"].tolist()):
                 arrival[int(row)] = (a, last, str(fam), last_row)
-    for row, peers in links.items():  # a p2p kernel ends after every peer kernel it pairs with has begun
-        cand = [row, *peers]
-        j = max(cand, key=lambda x: (int(gpu.at[x, "ts"]), x == row))
-        arrival[row] = (int(gpu.at[j, "ts"]), int(gpu.at[j, "rank"]), "p2p", j)
+    if links:  # a p2p kernel ends after every peer kernel it pairs with has begun
+        lab = np.fromiter({x for row, peers in links.items() for x in (row, *peers)}, dtype=np.int64)
+        where = gpu.index.get_indexer(lab)
+        k_ts = dict(zip(lab.tolist(), gpu["ts"].to_numpy(np.int64)[where].tolist()))
+        k_rank = dict(zip(lab.tolist(), gpu["rank"].to_numpy()[where].tolist()))
+        for row, peers in links.items():
+            j = max((row, *peers), key=lambda x, row=row: (k_ts[x], x == row))
+            arrival[row] = (k_ts[j], int(k_rank[j]), "p2p", j)
     per: dict[int, _Rank] = {}
     pos = gpu.index
     ts_all, end_all = gpu["ts"].to_numpy(np.int64), gpu["end"].to_numpy(np.int64)
@@ -391,26 +402,26 @@ def critical_path(gpu: pd.DataFrame, instances: pd.DataFrame, syncs: pd.DataFram
     for r in ranks:
         at = np.flatnonzero((rank_all == r) & (end_all > ts_all))
         at = at[np.lexsort((ts_all[at], end_all[at]))]
-        per[r] = _Rank(ts_all[at], end_all[at], pos.to_numpy()[at], launch_all[at], np.sort(s_end[s_rank == r]))
-    gi = {lbl: i for i, lbl in enumerate(pos.tolist())}
+        per[r] = _Rank(end_all[at], at, np.sort(s_end[s_rank == r]))
     is_comm = gpu["is_comm"].to_numpy()
-    category = gpu["category"].astype(str).to_numpy()
-    top_op = gpu["top_op"].astype(str).to_numpy() if "top_op" in gpu else np.full(len(gpu), "", dtype=object)
-    paths = gpu["path"].astype(str).to_numpy() if "path" in gpu else np.full(len(gpu), "", dtype=object)
+    labels = pos.to_numpy()
+    category = C.strings(gpu["category"])
+    top_op = C.strings(gpu["top_op"]) if "top_op" in gpu else np.full(len(gpu), "", dtype=object)
+    paths = C.strings(gpu["path"]) if "path" in gpu else np.full(len(gpu), "", dtype=object)
     stages = _pipeline_stages(pipeline, gpu, trace) if pipeline is not None else {}
 
     def stage_of(r: int, i: int, lo: int, hi: int) -> str:
         if r in stages:
             s, e, lab = stages[r]
             mid = (lo + hi) // 2
-            k = int(np.searchsorted(s, mid, side="right")) - 1
+            k = int(s.searchsorted(mid, "right")) - 1
             if k >= 0 and e[k] > mid:
                 return lab[k]
-        return _stage_label(paths[i] if paths[i] != "nan" else "", top_op[i])
+        return _stage_label(paths[i], top_op[i])
 
     def idle_kind(rk: _Rank, gs: int, ge: int, launch: int) -> str:
         if len(rk.sync_end):
-            k = int(np.searchsorted(rk.sync_end, ge, side="left")) - 1
+            k = int(rk.sync_end.searchsorted(ge, "left")) - 1
             if k >= 0 and rk.sync_end[k] >= gs - SYNC_TOLERANCE_NS:
                 return "host sync"
         return "launch-bound" if launch >= 0 and launch > gs else "idle"
@@ -434,7 +445,7 @@ def critical_path(gpu: pd.DataFrame, instances: pd.DataFrame, syncs: pd.DataFram
         unfollowed = 0
         while True:
             lo_e, hi_e = int(ts_all[cur]), int(end_all[cur])
-            lbl = int(pos[cur])
+            lbl = int(labels[cur])
             t = lo_e  # where the walk goes on from, on rank r
             succ_launch = int(launch_all[cur])
             if lbl in arrival:
@@ -449,7 +460,7 @@ def critical_path(gpu: pd.DataFrame, instances: pd.DataFrame, syncs: pd.DataFram
                         visited.update({(r, a), (last, a)})
                         emit(r, a, a, "wait", fam, top_op[cur], to_rank=last, row=lbl)
                         r, t = last, a
-                        succ_launch = int(launch_all[gi[last_row]])
+                        succ_launch = int(launch_all[pos.get_loc(last_row)])
                     else:
                         unfollowed += 1
                         emit(r, max(lo_e, t0), a, "wait", fam, top_op[cur], to_rank=last, row=lbl)
@@ -463,7 +474,7 @@ def critical_path(gpu: pd.DataFrame, instances: pd.DataFrame, syncs: pd.DataFram
             if t <= t0:
                 break
             rk = per[r]
-            k = int(np.searchsorted(rk.end, t, side="right")) - 1  # the event that ended last at or before t
+            k = int(rk.end.searchsorted(t, "right")) - 1  # the event that ended last at or before t
             if k < 0 or rk.end[k] <= t0:
                 if k < 0:
                     emit(r, t0, t, "idle", "before its first traced GPU work (the rank began the step late)")
@@ -472,7 +483,7 @@ def critical_path(gpu: pd.DataFrame, instances: pd.DataFrame, syncs: pd.DataFram
                 break
             if rk.end[k] < t:
                 emit(r, int(rk.end[k]), t, idle_kind(rk, int(rk.end[k]), t, succ_launch))
-            cur = gi[int(rk.row[k])]
+            cur = int(rk.at[k])
         out.reverse()
         seg_rows += out
         hops = sum(1 for s in out if s[5] == "wait" and s[4] == 0)

@@ -148,8 +148,9 @@ def _path_text(cause: str) -> str:
 
 def cite_path(finding: dict[str, Any], path) -> None:
     """Add to a ``late_rank`` finding what the step's critical path (tracelens.analysis.critical_path) says of its
-    rank: the share of the path on it and the cause holding most of its segments there (`evidence.critical_path`,
-    and a clause of the title); that the path does not run through it when so."""
+    rank: the share of the path on it, the cause holding most of its segments there, its ops with the most compute
+    on the path (with their stage) and the ranks it was itself waiting for (`evidence.critical_path`, and a clause
+    of the title); that the path does not run through it when so."""
     if path is None or not getattr(path, "available", False):
         return
     late = finding["evidence"]["late_rank"]
@@ -158,9 +159,12 @@ def cite_path(finding: dict[str, Any], path) -> None:
         finding["evidence"]["critical_path"] = {"on_path": False, "share": 0.0}
         finding["title"] += "; the step's critical path does not run through it"
         return
-    finding["evidence"]["critical_path"] = {"on_path": True, **{k: rc[k] for k in ("share", "cause", "cause_share")}}
+    finding["evidence"]["critical_path"] = {"on_path": True, **{k: rc[k] for k in ("share", "cause", "cause_share",
+                                                                                  "top_compute", "waited_for")}}
     finding["title"] += (f"; {100 * rc['share']:.0f}% of the step's critical path is on rank {late}, "
                          f"{100 * rc['cause_share']:.0f}% of that {_path_text(rc['cause'])}")
+    if rc["waited_for"]:  # its own earlier waits: the path goes on from the ranks it waited for
+        finding["title"] += " (itself waiting for rank " + ", ".join(map(str, rc["waited_for"])) + " before)"
 
 
 def straggler_finding(analysis, n_ranks: int, inst: pd.DataFrame | None = None,
