@@ -62,7 +62,8 @@ def section_context(a) -> dict[str, Any] | None:
     top = br.iloc[0]
     statement = (f"{'The profiled window' if step < 0 else f'Step {step}'}: the critical path runs {s.span_ns / 1e6:.3f} ms "
                  f"through rank(s) {', '.join(map(str, s.ranks))} with {int(s.hops)} hand-off(s); "
-                 f"{100 * top['share']:.0f}% of it on rank {int(top['rank'])}, mostly {top['cause']}.")
+                 f"{100 * top['share']:.0f}% of it on rank {int(top['rank'])}, whose largest part is {top['cause']} "
+                 f"({100 * top['cause_ns'] / top['ns']:.0f}% of its time there).")
     hops = cp.hops()
     return {
         "statement": statement,
@@ -73,7 +74,7 @@ def section_context(a) -> dict[str, Any] | None:
         "rank_table": html_table(br.assign(ms=br["ns"] / 1e6, pct=100 * br["share"],
                                            cause_pct=100 * br["cause_ns"] / br["ns"]), [
             ("rank", "rank", "num"), ("ms", "ms on the path", "num"), ("pct", "% of the path", "pct"),
-            ("cause", "mostly", "text"), ("cause_pct", "% of its time", "pct")]),
+            ("cause", "largest part", "text"), ("cause_pct", "% of its time", "pct")]),
         "hops": ", ".join(f"rank {int(h.from_rank)} waits for rank {int(h.to_rank)} ×{int(h['count'])}"
                           for _, h in hops.iterrows()),
         "notes": list(cp.notes) + ([f"{len(cp.steps)} steps analyzed; the figure shows step {step}, the tables all of them."]

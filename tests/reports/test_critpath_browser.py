@@ -32,7 +32,7 @@ def test_critpath_section_renders(browser, tmp_path):  # noqa: F811 - the fixtur
     drawn = page.evaluate("document.getElementById('plot-critpath').data.flatMap(t => t.x).reduce((s, v) => s + v, 0)")
     assert drawn == pytest.approx(cp.span_ns / 1e6, rel=1e-3)
     text = page.inner_text("#critpath-statement")
-    assert "rank 0" in text and "mostly launch-bound" in text
+    assert "rank 0" in text and "largest part is launch-bound (78% of its time there)" in text
     assert "launch-bound" in page.inner_text("#critpath-causes") and "waits for rank" in page.inner_text("#critpath-hops")
     page.locator("#critpath").screenshot(path=str(tmp_path / "critpath.png"))
     if os.environ.get("TRACELENS_SCREENSHOTS"):

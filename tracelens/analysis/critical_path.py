@@ -182,7 +182,8 @@ class CriticalPath:
         for c in self.by_cause().head(top).itertuples(index=False):
             lines.append(f"{c.cause[:40]:<40} {c.ns / 1e6:>10.3f} {100 * c.share:>7.1f} {c.segments:>8}")
         lines.append("per rank: " + "; ".join(
-            f"rank {r.rank} {r.ns / 1e6:.3f} ms ({100 * r.share:.0f}%), mostly {r.cause}" for r in self.by_rank().itertuples(index=False)))
+            f"rank {r.rank} {r.ns / 1e6:.3f} ms ({100 * r.share:.0f}%; {100 * r.cause_ns / max(r.ns, 1):.0f}% {r.cause})"
+            for r in self.by_rank().itertuples(index=False)))
         h = self.hops()
         if len(h):
             lines.append("hand-offs: " + ", ".join(
