@@ -17,6 +17,7 @@ import pandas as pd
 from tracelens.analyzer import Analysis
 
 from .common import COLORS, html_table, plot_text, plotly_js, safe_json, template_env, version, write_text_atomic
+from .critpath import section_context as critpath_context
 from .decomposition import section_context as decomposition_context
 from .pipeline import section_context as pipeline_context
 
@@ -127,6 +128,9 @@ def render(analysis: Analysis, title: str | None = None) -> str:
     if getattr(a, "pipeline", None) is not None:  # run dir with pipeline data: reports/pipeline.py
         pipeline = pipeline_context(a.pipeline)
         figures.update(pipeline.pop("figures"))
+    critpath = critpath_context(a)  # never raises: bad input is its one-line problem
+    if critpath and critpath.get("figure"):
+        figures["plot-critpath"] = critpath.pop("figure")
     ops_cols = [("op", "op", "name"), ("input_dims", "input dims", "name"), ("count", "count", "num"),
                 ("gpu_total_us", "GPU µs", "num"), ("gpu_mean_us", "GPU mean µs", "num"),
                 ("pct_gpu_busy", "% GPU busy", "pct"), ("kernels", "kernels", "num"),
@@ -168,6 +172,7 @@ def render(analysis: Analysis, title: str | None = None) -> str:
         kernels_table=html_table(a.kernels, kern_cols) if has_gpu else "",
         top_ops_table=html_table(a.top_ops, top_cols),
         pipeline=pipeline,
+        critpath=critpath,
         figures_json=safe_json(figures),
     )
 

@@ -91,15 +91,26 @@ def _kernels_per_op(a: Any) -> pd.DataFrame:
     return kernels_per_op(a)
 
 
+@DERIVED.entry("critical_path", inputs=("gpu", "steps", "window", "pipeline", "trace", "comm_instances", "host_syncs"),
+               module="tracelens.analysis.critical_path")
+def _critical_path(a: Any, comm_instances: pd.DataFrame, host_syncs: pd.DataFrame) -> Any:
+    """The critical path of the window's steps across ranks (tracelens.analysis.critical_path); bad input is its
+    one-line `problem`, never an exception (findings and summary.json read it)."""
+    from .analysis.critical_path import path_entry
+
+    return path_entry(a, comm_instances, host_syncs)
+
+
 @DERIVED.entry("findings", inputs=("timeline", "window", "manifest", "gpu", "tree", "steps", "trace", "host_syncs",
-                                   "idle_gaps", "launch_stats", "kernels_per_op", "comm_instances"), module="tracelens.analysis.findings")
+                                   "idle_gaps", "launch_stats", "kernels_per_op", "comm_instances", "critical_path"),
+               module="tracelens.analysis.findings")
 def _findings(a: Any, host_syncs: pd.DataFrame, idle_gaps: pd.DataFrame, launch_stats: pd.DataFrame,
-              kernels_per_op: pd.DataFrame, comm_instances: pd.DataFrame) -> list[dict[str, Any]]:
+              kernels_per_op: pd.DataFrame, comm_instances: pd.DataFrame, critical_path: Any) -> list[dict[str, Any]]:
     """Ranked, structured findings (tracelens.analysis.findings)."""
     from .analysis.findings import findings
 
     return findings(a, host_syncs=host_syncs, idle_gaps=idle_gaps, launch_stats=launch_stats,
-                    kernels_per_op=kernels_per_op, comm_instances=comm_instances)
+                    kernels_per_op=kernels_per_op, comm_instances=comm_instances, critical_path=critical_path)
 
 
 @DERIVED.entry("health", inputs=("trace", "tree", "gpu", "steps", "window", "comm_kernels", "comm_instances"), module="tracelens.analysis.health")
@@ -204,6 +215,15 @@ class Analysis:
 
         return self.derived["kernels_per_op"] if small_us in (None, SMALL_KERNEL_US) else kernels_per_op(self, small_us)
 
+    def critical_path(self, step: int | None = None) -> Any:
+        """The critical path across ranks (tracelens.analysis.critical_path.CriticalPath): the entry (the window's
+        steps; `problem` says why there is none), or of one `step`, computed (raises TraceError for bad input)."""
+        if step is None:
+            return self.derived["critical_path"]
+        from .analysis.critical_path import critical_path_of
+
+        return critical_path_of(self, step, instances=self.comm_instances(), syncs=self.host_syncs())
+
     def health(self) -> pd.DataFrame:
         """Trace health checks (tracelens.analysis.health): one row per finding with its severity, the ranks,
         what was found and which figures it invalidates."""
@@ -219,7 +239,7 @@ class Analysis:
         from .analysis.findings import findings
 
         return findings(self, small_us, host_syncs=self.host_syncs(), idle_gaps=self.idle_gaps(),
-                        comm_instances=self.comm_instances())
+                        comm_instances=self.comm_instances(), critical_path=self.critical_path())
 
     def decomposition(self) -> pd.DataFrame:
         """The step decomposition (tracelens.projection.decomposition): per rank, the components that add
@@ -271,6 +291,7 @@ class Analysis:
             "warnings": list(self.warnings),
             "health": health,
             "decomposition": _decomposition_summary(self),
+            "critical_path": self.critical_path().summary(),
         }
 
 
