@@ -48,6 +48,7 @@ def _grouped_rows(dims: Any) -> int | None:
 
 
 GROUPED_GEMM_OPS = ("aten::_grouped_mm", "aten::_scaled_grouped_mm")
+grouped_rows = _grouped_rows  # public: the grouped (token) rows of one call's input dims (the what-if reads them)
 
 
 def _gemm_part(analysis) -> tuple[dict[str, Any], pd.DataFrame, dict] | None:
@@ -164,4 +165,5 @@ def padding_finding(analysis) -> dict[str, Any] | None:
     }
 
 
-__all__ = ["GROUPED_GEMM_OPS", "MIN_SHARE", "expert_padding", "gemm_padding", "padding_finding", "useful_share"]
+__all__ = ["GROUPED_GEMM_OPS", "MIN_SHARE", "expert_padding", "gemm_padding", "grouped_rows", "padding_finding",
+           "useful_share"]

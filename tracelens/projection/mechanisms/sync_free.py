@@ -2,8 +2,10 @@
 
 Going down in syncs, the MoE syncs of the profiled step are dropped (all of them when the new level has
 none, else the permutation's), the host work after each kept; going up, one blocking sync per MoE layer
-forward is added at its permutation, costing the step's median sync return. (The per-expert backends
-at levels 2-3 run the masked reference: the backend mechanism models that.)
+forward is added, costing the step's median sync return: at the layer's permutation, or for level 2 at EP > 1
+(the `.item()` that trims the padded receive buffer) just before the receive-side regroup's gather of the rows
+the experts take. (The per-expert backends at levels 2-3 run the masked reference, and levels 2 and 3 differ in
+the rows the experts compute at EP > 1: the backend mechanism models both.)
 """
 
 from __future__ import annotations
@@ -16,8 +18,10 @@ from .base import Change, Mechanism, register
 def moe_syncs(cfg: dict, level: int, backend: str) -> int:
     """Blocking syncs per MoE layer forward (docs/trainer.md, 'Sync-free levels')."""
     ep = int(cfg.get("ep") or 1)
-    if level >= 2:
+    if level >= 3:
         return 0
+    if level == 2:
+        return 1 if ep > 1 else 0  # EP: the receive-side permutation's `.item()` trims the padded buffer
     if level == 1:
         return 1
     return 2 if ep > 1 else 1
@@ -25,6 +29,26 @@ def moe_syncs(cfg: dict, level: int, backend: str) -> int:
 
 def _n(cfg: dict) -> int:
     return moe_syncs(cfg, int(cfg["sync_free_level"]), cfg["grouped_gemm_backend"])
+
+
+def _trim_points(w, plan) -> dict[int, int]:
+    """Per MoE layer, the item position of level 2's trim under EP: the last forward unit of the permutation stage
+    launched before the layer's first forward expert-stage unit (the gather of the rows the experts take), else
+    that expert-stage unit."""
+    stage = w["moe_stage"].to_numpy()
+    back = w["backward"].to_numpy()
+    layer = w["layer"].to_numpy()
+    last_perm: dict[int, int] = {}
+    out: dict[int, int] = {}
+    for i, (kd, j) in enumerate(zip(plan.kind, plan.ref)):
+        if kd != 0 or j >= len(w) or back[j]:
+            continue
+        ly = int(layer[j])
+        if stage[j] == "moe/permute":
+            last_perm[ly] = i
+        elif stage[j] == "moe/experts" and ly not in out:
+            out[ly] = last_perm.get(ly, i)
+    return out
 
 
 @register
@@ -56,13 +80,15 @@ class SyncFree(Mechanism):
             plan.drop_items(drop)
             change.modeled.append(f"sync_free_level: {len(drop)} blocking MoE sync(s) per step removed")
         else:
-            # add syncs: one per MoE layer forward (and per recomputed forward) at its permutation
+            # add syncs: one per MoE layer forward (and per recomputed forward) at its permutation; level 2 under
+            # EP: before the receive-side gather (the trim of the padded buffer)
             w = p.work
             stage = w["moe_stage"].to_numpy()
             back = w["backward"].to_numpy()
             layer = w["layer"].to_numpy()
             want = n1 - n0
-            firsts: dict[int, int] = {}
+            trim = int(change.new["sync_free_level"]) == 2 and int(change.new.get("ep") or 1) > 1
+            firsts: dict[int, int] = _trim_points(w, plan) if trim else {}
             for i, (kd, j) in enumerate(zip(plan.kind, plan.ref)):
                 if kd == 0 and j < len(w) and not back[j] and stage[j] in ("moe/permute", "moe/router", "moe/experts"):
                     firsts.setdefault(int(layer[j]), i)
@@ -72,6 +98,7 @@ class SyncFree(Mechanism):
                 for _ in range(want):
                     plan.add_sync(at, cost)
                     added += 1
-            change.modeled.append(f"sync_free_level: {added} blocking MoE sync(s) per step added (at each MoE layer's "
-                                  "permutation)")
+            where = ("before each MoE layer's receive-side gather: the trim of the padded buffer" if trim
+                     else "at each MoE layer's permutation")
+            change.modeled.append(f"sync_free_level: {added} blocking MoE sync(s) per step added ({where})")
         return self.sigma["syncs"] ** 2 * 0.01
