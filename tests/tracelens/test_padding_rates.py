@@ -101,6 +101,11 @@ def test_roofline_rates_the_routed_rows_beside_the_computed_ones(l3):
     assert "GPU time summed over 4 ranks" in text
     assert "useful" in text.lower() and "75% of expert-GEMM rows are padding" in text
     assert f"{routed:,} routed of {4 * routed:,} computed rows per call" in text
+    sec = sum(c["us"] for c in calls) / 1e6  # every grouped GEMM of every rank, time-weighted
+    computed = sum(2.0 * c["m"] * c["k"] * c["n"] for c in calls) / sec / 1e12
+    useful = sum(2.0 * routed * c["k"] * c["n"] for c in calls) / sec / 1e12
+    assert f"run {computed:.1f} TFLOP/s" in text and f", {useful:.1f} (" in text
+    assert r.to_text(top=3).count("Useful: 75%") == 1  # said even when no grouped GEMM is among the rows shown
 
 
 def test_roofline_without_padding_reports_no_useful_rate():

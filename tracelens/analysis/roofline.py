@@ -104,11 +104,16 @@ class RooflineResult:
         out = []
         if self.ranks > 1:
             out.append(f"GPU time summed over {self.ranks} ranks; TFLOP/s, TB/s and % roof per GPU.")
-        if self.padding is not None and self.table["useful_tflops"].notna().any():
+        u = self.table[self.table["useful_tflops"].notna()]
+        if self.padding is not None and len(u):
             p = self.padding
+            sec = float(u["gpu_us"].sum()) / 1e6
+            roof = float((u["roof_tflops"] * u["gpu_us"]).sum() / u["gpu_us"].sum())
+            comp, use = float(u["total_flops"].sum()) / sec / 1e12, float(u["useful_total_flops"].sum()) / sec / 1e12
             out.append(f"Useful: {100 * p['padding_share_rows']:.0f}% of expert-GEMM rows are padding (worst-case "
                        f"buffers, finding moe_padding): {p['routed_rows_per_call']:,} routed of {p['rows_per_call']:,} "
-                       "computed rows per call; the useful columns rate the routed rows' FLOPs.")
+                       f"computed rows per call; the grouped GEMMs run {comp:.1f} TFLOP/s ({100 * comp / roof:.1f}% of "
+                       f"roof) on computed rows, {use:.1f} ({100 * use / roof:.1f}%) on routed rows (the useful columns).")
         return out
 
     def to_text(self, top: int = 15) -> str:
