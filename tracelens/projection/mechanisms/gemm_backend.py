@@ -27,7 +27,7 @@ import pandas as pd
 
 from moespec.backends import PER_EXPERT_BACKENDS as PER_EXPERT
 
-from ...analysis.moe import grouped_rows
+from ...analysis.moe import GROUPED_GEMM_OPS, grouped_rows
 from .base import Change, Mechanism, register, unit_positions
 
 
@@ -98,8 +98,10 @@ class GemmBackend(Mechanism):
         pad = 1.0  # the buffer's change beyond the tokens' (which the tokens mechanism scales)
         seen: set[int] = set()
         if _padded(old) != _padded(new):
-            # the rows this rank's expert GEMMs computed (at level 2 the received rows: they vary by rank)
-            got = [r for r in (grouped_rows(d) for d in w["dims"].to_numpy()[ex]) if r] if "dims" in w else []
+            # the rows this rank's grouped expert GEMMs computed (at level 2 the received rows: they vary by rank); a
+            # per-expert backend's GEMMs are one expert's rows each: the config's rows then
+            grouped = ex[w["op"].astype(str).isin(GROUPED_GEMM_OPS).to_numpy()[ex]] if "dims" in w else ex[:0]
+            got = [r for r in (grouped_rows(d) for d in w["dims"].to_numpy()[grouped]) if r]
             seen = set(got)
             rows0 = round(float(np.mean(got))) if got else rows0
             pad = (rows1 / t1) / (rows0 / t0)
@@ -227,7 +229,7 @@ class GemmBackend(Mechanism):
                     f"micro-batch instead of {rows0:,} ("
                     + ("the worst-case buffer trimmed to the routed rows" if pad < 1 else "the whole worst-case buffer")
                     + f"); the row-shaped kernels they feed {ds * rows_ns[0] / 1e6:.2f} -> {ds * rows_ns[1] / 1e6:.2f} ms"
-                    + " (the token all-to-alls keep their worst-case buffer at levels 2-3)")
+                    + (" (the token all-to-alls keep their worst-case buffer at levels 2-3)" if min(lv0, lv1) >= 2 else ""))
         # in the prediction's calibrated time (x the device factor), the unit its component table shows
         modeled.append(head + (" (masked reference)" if masked1 else "")
                        + f": expert GEMMs {ds * base_ns / 1e6:.2f} -> {ds * new_ns / 1e6:.2f} ms by {what}"
