@@ -192,12 +192,12 @@ def _deep_sections(a: Analysis) -> dict:
     r = a.roofline()
     if not r.table.empty:
         out["roofline_figure"] = RR.roofline_figure(r.table, r.ceilings)
-        out["roofline_table"] = html_table(r.table, RR.roofline_table_columns())
+        out["roofline_table"] = html_table(r.table, RR.roofline_table_columns(r.table))
         s = r.summary()
         share = s.get("modeled_share")  # None when there is no non-communication GPU time (all durations 0)
         out["roofline_note"] = ((f"{100 * share:.0f}% of non-communication GPU time is in modeled ops. "
                                  if share is not None else "No non-communication GPU time to model. ")
-                                + " ".join(r.warnings))
+                                + " ".join(r.notes() + r.warnings))
     if not r.unmodeled.empty:
         out["roofline_unmodeled"] = html_table(r.unmodeled, RR.unmodeled_table_columns())
     comm = CM.comm_report(a)  # what `tracelens comm` shows
@@ -206,7 +206,9 @@ def _deep_sections(a: Analysis) -> dict:
                                               ("count", "count", "num"), ("kernel_us", "kernel µs", "num"),
                                               ("comm_us", "comm µs", "num"),
                                               ("sync_us", "sync wait µs", "num"), ("sync_pct", "sync %", "pct"),
-                                              ("mean_busbw_gbps", "busbw GB/s", "num"), ("times_last", "times last", "num"),
+                                              ("mean_busbw_gbps", "busbw GB/s", "num"),
+                                              *([("useful_busbw_gbps", "useful GB/s", "num")] if comm.padding_note() else []),
+                                              ("times_last", "times last", "num"),
                                               ("startup_excluded", "start-up excluded", "num")])
         strag = comm.stragglers
         out["straggler_table"] = html_table(strag, [
@@ -215,7 +217,8 @@ def _deep_sections(a: Analysis) -> dict:
             if not strag.empty else ""
         n = comm.startup_instances  # and comm.partial: a group with ranks not loaded: per-rank figures only
         out["comm_note"] = " ".join(x for x in (
-            comm.partial, f"{n} instance(s) began before every rank was profiling (start-up wait) and are left out." if n else "") if x)
+            comm.partial, f"{n} instance(s) began before every rank was profiling (start-up wait) and are left out." if n else "",
+            comm.padding_note()) if x)
     host = H.host_report(a)  # what `tracelens host` shows
     if not host.syncs.empty:
         out["host_table"] = html_table(host.sync_summary, [

@@ -47,22 +47,26 @@ def _grouped_rows(dims: Any) -> int | None:
     return None
 
 
-def expert_padding(analysis) -> dict[str, Any] | None:
-    """Padded rows and bytes of a run's expert GEMMs and token all-to-alls (module docstring); None when the run
-    has no grouped GEMMs, no manifest config with the MoE shape, or no padding above `MIN_SHARE`."""
+GROUPED_GEMM_OPS = ("aten::_grouped_mm", "aten::_scaled_grouped_mm")
+grouped_rows = _grouped_rows  # public: the grouped (token) rows of one call's input dims (the what-if reads them)
+
+
+def _gemm_part(analysis) -> tuple[dict[str, Any], pd.DataFrame, dict] | None:
+    """The expert-GEMM half of `expert_padding`: (its fields, the grouped-GEMM op groups with their rows, the
+    run's config), or None."""
     run = getattr(analysis.trace, "run", None)
     cfg = run.config if run is not None else None
     if not cfg:
         return None
     try:
         tokens = int(cfg["micro_batch_size"]) * int(cfg["seq_len"])
-        top_k, d_model = int(cfg["top_k"]), int(cfg["d_model"])
+        top_k = int(cfg["top_k"])
     except (KeyError, TypeError, ValueError):
         return None
     ops = analysis.ops
     if ops is None or ops.empty:
         return None
-    g = ops[ops["op"].astype(str).isin(("aten::_grouped_mm", "aten::_scaled_grouped_mm"))]
+    g = ops[ops["op"].astype(str).isin(GROUPED_GEMM_OPS)]
     if g.empty:
         return None
     rows = g["input_dims"].map(_grouped_rows)
@@ -84,9 +88,44 @@ def expert_padding(analysis) -> dict[str, Any] | None:
         "rows_per_call": int(round(rows_mean)), "routed_rows_per_call": routed, "tokens_per_microbatch": tokens,
         "top_k": top_k, "padding_share_rows": round(share, 4), "grouped_gemm_us_per_rank": round(gemm_us, 3),
         "padded_gemm_us_per_rank": round(padded_gemm_us, 3), "grouped_gemm_calls": int(calls.sum()),
-        "a2a_padding_share_bytes": None, "a2a_bytes_per_call": None, "a2a_routed_bytes_per_call": None,
-        "padded_a2a_us_per_rank": 0.0,
     }
+    return out, g, cfg
+
+
+def gemm_padding(analysis) -> dict[str, Any] | None:
+    """The expert-GEMM fields of `expert_padding` alone (rows computed and routed per call, padded share and
+    time): what needs no communication table (the roofline reads it). None when `expert_padding` has none."""
+    part = _gemm_part(analysis)
+    return None if part is None else part[0]
+
+
+def useful_share(padding: dict[str, Any], input_dims: Any) -> float | None:
+    """Routed / computed rows of one grouped-GEMM call with these input dims, given `gemm_padding`'s or
+    `expert_padding`'s result: the share of its FLOPs that is useful work (a GEMM's FLOPs are linear in its
+    grouped dimension). None when the dims do not give the grouped dimension."""
+    rows = _grouped_rows(input_dims)
+    if not rows:
+        return None
+    return min(float(padding["routed_rows_per_call"]) / rows, 1.0)
+
+
+def expert_padding(analysis) -> dict[str, Any] | None:
+    """Padded rows and bytes of a run's expert GEMMs and token all-to-alls (module docstring); None when the run
+    has no grouped GEMMs, no manifest config with the MoE shape, or no padding above `MIN_SHARE`.
+    ``a2a_buffer_bytes``: the sizes of the all-to-all instances counted as token buffers (`tracelens
+    .analysis.comm` rates their routed bytes with it)."""
+    part = _gemm_part(analysis)
+    if part is None:
+        return None
+    out, g, cfg = part
+    out.update(a2a_padding_share_bytes=None, a2a_bytes_per_call=None, a2a_routed_bytes_per_call=None,
+               padded_a2a_us_per_rank=0.0, a2a_buffer_bytes=[])
+    try:
+        d_model = int(cfg["d_model"])
+    except (KeyError, TypeError, ValueError):
+        return out
+    n_ranks = max(int(analysis.timeline["rank"].nunique()), 1) if not analysis.timeline.empty else 1
+    routed = out["routed_rows_per_call"]
     elem = _ELEM_BYTES.get(str(cfg.get("dtype", "bf16")).lower())
     inst = analysis.comm_instances() if hasattr(analysis, "comm_instances") else None
     if elem and inst is not None and not inst.empty:
@@ -101,7 +140,8 @@ def expert_padding(analysis) -> dict[str, Any] | None:
             s_b = max(1.0 - routed_b / sent, 0.0)
             out.update(a2a_padding_share_bytes=round(s_b, 4), a2a_bytes_per_call=int(sent),
                        a2a_routed_bytes_per_call=int(routed_b),
-                       padded_a2a_us_per_rank=round(float(a2a["comm_us"].sum()) * s_b / n_ranks, 3))
+                       padded_a2a_us_per_rank=round(float(a2a["comm_us"].sum()) * s_b / n_ranks, 3),
+                       a2a_buffer_bytes=sorted(int(b) for b in a2a["bytes"].unique()))
     return out
 
 
@@ -125,4 +165,5 @@ def padding_finding(analysis) -> dict[str, Any] | None:
     }
 
 
-__all__ = ["MIN_SHARE", "expert_padding", "padding_finding"]
+__all__ = ["GROUPED_GEMM_OPS", "MIN_SHARE", "expert_padding", "gemm_padding", "grouped_rows", "padding_finding",
+           "useful_share"]
