@@ -76,6 +76,21 @@ def _step_count(a, gpu: pd.DataFrame) -> int:
     return max(int(steps.nunique()), 1)
 
 
+def _per_value(values: np.ndarray, fn, dtype=bool) -> np.ndarray:
+    """``fn`` once per distinct string of an object array, broadcast to its rows (as `categories.map_strings`)."""
+    if not len(values):
+        return np.zeros(0, dtype=dtype)
+    return C.map_strings(pd.Series(pd.Categorical(values.astype(str))), fn, dtype=dtype)
+
+
+def _layer_of(path: str, foreign: bool) -> int:
+    m = _LAYER_RE.findall(path)
+    if m:
+        return int(m[-1])
+    f = _FOREIGN_INDEX_RE.findall(path) if foreign else None
+    return int(f[-1]) if f else NO_LAYER
+
+
 def _backward_forward_paths(a, op_rows: np.ndarray, ranks: np.ndarray) -> np.ndarray:
     """For each (innermost) op row of a kernel: the record_function path of the forward op whose autograd node
     the op runs in (its nearest ancestor that is a backward node with a sequence number), '' when none."""
@@ -105,20 +120,17 @@ def _backward_forward_paths(a, op_rows: np.ndarray, ranks: np.ndarray) -> np.nda
     # the forward op of each (rank, seq): an op with that number, not a backward node, on the forward thread
     ops = tree[tree["kind"].to_numpy() == KIND_OP]
     oseq = seq_np[C.positions(ev.index, ops.index.to_numpy())]
-    wanted = set(zip(ranks[need].astype(int).tolist(), found[need].tolist()))
-    seqs = {s for _, s in wanted}
-    cand = np.isin(oseq, list(seqs)) & ~C.map_strings(ops["name"], lambda n: n.startswith("autograd::")
+    cand = np.isin(oseq, np.unique(found[need])) & ~C.map_strings(ops["name"], lambda n: n.startswith("autograd::")
                                                          or n.endswith(("Backward0", "Backward1")))
     if "fwd_tid" in ev:
         cand &= ev["fwd_tid"].to_numpy()[C.positions(ev.index, ops.index.to_numpy())] <= 0
-    sub = ops[cand]
-    paths = C.strings(sub["path"])
-    fwd: dict[tuple[int, int], str] = {}
-    for r, s, p in zip(sub["rank"].to_numpy().astype(int).tolist(), oseq[cand].astype(int).tolist(), paths):
-        if (r, s) in wanted and (not fwd.get((r, s)) and p):
-            fwd[(r, s)] = str(p)
-    for i in np.flatnonzero(need):
-        out[i] = fwd.get((int(ranks[i]), int(found[i])), "")
+    sub = pd.DataFrame({"rank": ops["rank"].to_numpy()[cand].astype(np.int64), "seq": oseq[cand].astype(np.int64),
+                        "path": C.strings(ops["path"])[cand].astype(object)})
+    # the first op of each number with a path (the op that made the node; its children carry the same number)
+    sub = sub[sub["path"] != ""].drop_duplicates(["rank", "seq"], keep="first")
+    want = pd.DataFrame({"rank": ranks[need].astype(np.int64), "seq": found[need]})
+    got = want.merge(sub, on=["rank", "seq"], how="left")["path"].fillna("").to_numpy(dtype=object)
+    out[np.flatnonzero(need)] = got
     return out
 
 
@@ -144,7 +156,7 @@ def expert_gemm_kernels(a) -> pd.DataFrame:
     if g.empty:
         return pd.DataFrame(columns=cols)
     own = C.strings(g["path"]).astype(object)
-    in_experts = np.array(["moe/experts" in p for p in own], dtype=bool) if len(own) else np.zeros(0, bool)
+    in_experts = C.map_strings(g["path"], lambda p: "moe/experts" in p)
     back = np.zeros(len(g), dtype=bool)
     path = own.copy()
     rest = np.flatnonzero(~in_experts)
@@ -155,23 +167,17 @@ def expert_gemm_kernels(a) -> pd.DataFrame:
         back[rest[hit]] = True
     grouped = C.map_strings(g["op"], lambda o: o in _GROUPED_OPS)
     if any_moe:
-        expert = np.array(["moe/experts" in p for p in path], dtype=bool)
+        expert = _per_value(path, lambda p: "moe/experts" in p)
     else:
-        named = C.map_strings(g["op"], lambda o: bool(_FOREIGN_MOE_RE.search(o))) | np.array(
-            [bool(_FOREIGN_MOE_RE.search(p)) for p in path], dtype=bool)
+        named = C.map_strings(g["op"], lambda o: bool(_FOREIGN_MOE_RE.search(o))) | _per_value(
+            path, lambda p: bool(_FOREIGN_MOE_RE.search(p)))
         expert = grouped | named
     g = g[expert]
     if g.empty:
         return pd.DataFrame(columns=cols)
     path, back, grouped = path[expert], back[expert], grouped[expert]
-    layer = np.array([int(m[-1]) if (m := _LAYER_RE.findall(p)) else
-                      (int(f[-1]) if (f := _FOREIGN_INDEX_RE.findall(p)) and not any_moe else NO_LAYER)
-                      for p in path], dtype=np.int64)
-    rows = np.full(len(g), -1, dtype=np.int64)
-    dims = C.strings(g["op_input_dims"])
-    for i in np.flatnonzero(grouped):
-        r = _grouped_rows(dims[i])
-        rows[i] = r if r is not None else -1
+    layer = _per_value(path, lambda p: _layer_of(p, not any_moe), dtype=np.int64)
+    rows = np.where(grouped, C.map_strings(g["op_input_dims"], lambda d: _grouped_rows(d) or -1, dtype=np.int64), -1)
     return pd.DataFrame({"rank": g["rank"].to_numpy().astype(int), "step": g["step"].to_numpy(), "layer": layer,
                          "backward": back, "op_row": g["op_row"].to_numpy().astype(np.int64), "grouped": grouped,
                          "rows": rows, "dur_us": g["dur"].to_numpy() / 1e3})
