@@ -499,19 +499,20 @@ def moe_report(analysis, late_rank: int | None = None) -> MoEReport:
         # rows routed s -> d per step, over the layers and their forwards (micro-batches)
         r_sd = experts.groupby(["rank", "owner"])["tokens"].sum()
         f_rank = fwd.groupby("rank")["forwards"].sum()  # MoE forwards per step, over the rank's layers
-        if pairs.empty:  # no all-to-all in the trace: the pairs the routing implies (dispatch + combine, fwd + bwd)
+        ep_groups = any(len(rc.ep_group) > 1 for rc in counts.ranks.values())
+        if pairs.empty and ep_groups:  # no all-to-all in the trace: the pairs the routing implies (4 calls per forward)
             idx = sorted(set(r_sd.index) | {(d, s) for s, d in r_sd.index})
             pairs = pd.DataFrame({"src": [s for s, _ in idx], "dst": [d for _, d in idx], "sent_bytes": np.nan,
                                   "calls": [4.0 * float(f_rank.get(s, 0.0)) for s, _ in idx], "routed_bytes": np.nan,
                                   "padding_share": np.nan, "split_source": "routing counts (no all-to-all in the trace)"})
         routed = []
-        for s, d, c in zip(pairs["src"], pairs["dst"], pairs["calls"]):
+        for s, d, c in zip(pairs["src"], pairs["dst"], pairs["calls"]) if not pairs.empty else ():
             f = float(f_rank.get(s, 0.0))
             both = float(r_sd.get((s, d), 0.0)) + float(r_sd.get((d, s), 0.0))
             # per MoE forward four token all-to-alls (dispatch and combine, forward and backward) carry the rows
             # routed s -> d twice and d -> s twice: each call, on average, half of both (c calls per step)
             routed.append(c / f * (both / 2.0) * row_bytes if f > 0 else np.nan)
-        pairs["routed_bytes"] = routed
+        pairs["routed_bytes"] = routed if routed else np.nan
         ok = pairs["sent_bytes"] > 0
         pairs.loc[ok, "padding_share"] = (1.0 - pairs.loc[ok, "routed_bytes"] / pairs.loc[ok, "sent_bytes"]).clip(lower=0.0)
 
