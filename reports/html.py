@@ -124,6 +124,9 @@ def render(analysis: Analysis, title: str | None = None) -> str:
         figures["plot-decomposition"] = decomp["decomp_figure"]
     if extra.get("roofline_figure"):
         figures["plot-roofline"] = extra.pop("roofline_figure")
+    moe = _moe_section(a)
+    if moe is not None:
+        figures.update(moe.pop("figures"))
     pipeline = None
     if getattr(a, "pipeline", None) is not None:  # run dir with pipeline data: reports/pipeline.py
         pipeline = pipeline_context(a.pipeline)
@@ -173,6 +176,7 @@ def render(analysis: Analysis, title: str | None = None) -> str:
         top_ops_table=html_table(a.top_ops, top_cols),
         pipeline=pipeline,
         critpath=critpath,
+        moe=moe,
         figures_json=safe_json(figures),
     )
 
@@ -234,6 +238,18 @@ def _deep_sections(a: Analysis) -> dict:
         ("launch_p90_us", "p90 µs", "num"), ("small_kernels", "small kernels", "num"), ("small_share", "small share", "num"),
         ("small_time_share", "small time share", "num")])
     return out
+
+
+def _moe_section(a: Analysis) -> dict | None:
+    """The MoE section's context (reports/moe.py); a bad routing file is its one line, not a failed page."""
+    from tracelens.errors import TraceError
+
+    from .moe import moe_context
+
+    try:
+        return moe_context(a.moe())
+    except TraceError as e:
+        return moe_context(None, e.one_line())
 
 
 def _health_context(a: Analysis) -> list[dict]:

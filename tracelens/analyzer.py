@@ -138,6 +138,15 @@ def _decomposition(a: Any) -> pd.DataFrame:
     return decomposition(a)
 
 
+@DERIVED.entry("moe", inputs=("trace", "gpu", "tree", "steps", "timeline", "window", "comm_kernels", "comm_instances",
+                              "findings"), keep_errors=True, module="tracelens.analysis.moe_view")
+def _moe(a: Any, comm_kernels: pd.DataFrame, comm_instances: pd.DataFrame, findings: list) -> Any:
+    """The MoE view (tracelens.analysis.moe_view), or the error of a bad routing file (one line, kept)."""
+    from .analysis.moe_view import moe_report
+
+    return moe_report(a)
+
+
 @dataclass
 class Analysis:
     """The base tables `analyze` builds, and the derived entries (`DERIVED`) computed from them on first
@@ -248,6 +257,12 @@ class Analysis:
         (one line) when there is no profiled step to decompose, again on each call without recomputing."""
         return self.derived["decomposition"]
 
+    def moe(self):
+        """The MoE view (tracelens.analysis.moe_view.MoEReport): routing tied to expert-GEMM time and all-to-all
+        bytes per rank pair. Raises TraceError (one line naming the file) for a truncated routing file or one
+        from another run, again on each call without recomputing."""
+        return self.derived["moe"]
+
     @property
     def trace_rank_count(self) -> int:
         return len(self.trace.ranks)
@@ -292,6 +307,7 @@ class Analysis:
             "health": health,
             "decomposition": _decomposition_summary(self),
             "critical_path": self.critical_path().summary(),
+            "moe": self.moe().summary(),
         }
 
 

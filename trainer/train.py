@@ -8,6 +8,7 @@ import logging
 import math
 import os
 import sys
+import uuid
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
@@ -23,6 +24,7 @@ from trainer.data import make_data
 from trainer.model import Transformer
 from trainer.model import experts
 from trainer.parallel import Dist, init_distributed, sync_expert_grads, wrap_data_parallel
+from trainer.routing_log import RoutingLog, rank_record, write_routing
 from trainer.timing import StepTimer
 
 SCHEMA_VERSION = 1
@@ -210,7 +212,9 @@ def train(cfg: dict, out_dir: str | Path) -> dict | None:
         removed = runtime.clear_previous_run(out, keep=("logs",))
         if removed:
             print(f"[trainer] {out}: replaced the previous run ({', '.join(removed)})", flush=True)
-        runtime.write_json_atomic(out / "manifest.json", {**_manifest_head(cfg, d, out), "status": "running"})
+        # run_id: what ties the run's other files (routing.json) to this manifest
+        runtime.write_json_atomic(out / "manifest.json", {**_manifest_head(cfg, d, out), "run_id": uuid.uuid4().hex,
+                                                          "status": "running"})
     if d.world_size > 1:
         dist.barrier()  # no rank writes into ``out`` before the previous run is gone
     try:
@@ -279,6 +283,8 @@ def _train(cfg: dict, out: Path, d: Dist, notes: _Notes, env_knobs: dict) -> dic
     with torch.device(d.device) if on_device else nullcontext():
         model = Transformer(cfg, d.ep_group, d.ep, d.ep_rank)
     model.init_weights(cfg["seed"], device=d.device if on_device else None)
+    # tokens per expert of every MoE layer, kept on the device until the end (trainer/routing_log.py)
+    routing = RoutingLog(model, range(cfg["profile_step_start"], min(cfg["profile_step_end"], cfg["steps"])))
     if cfg["compile"] == "dense":
         compile_dense(model, cfg, d.device)  # the same Block objects end up in the pipeline stages / DP wrappers
     pipe = None
@@ -312,6 +318,7 @@ def _train(cfg: dict, out: Path, d: Dist, notes: _Notes, env_knobs: dict) -> dic
                     "last action (a host sync per step)")
     watch = _LossWatch(d.device, deferred=timer.deferred)
     graphs = cfg["cuda_graphs"] == "on"
+    routing.start()
     try:
         for step in range(cfg["steps"]):
             gcm.step(step)
@@ -333,6 +340,7 @@ def _train(cfg: dict, out: Path, d: Dist, notes: _Notes, env_knobs: dict) -> dic
             opt.zero_grad(set_to_none=True)
             watch.post(loss, step)
             timer.stop()  # step_timing=sync: torch.cuda.synchronize; events: an event, no sync
+            routing.end_step(step)  # device work only: the counts reach the host after the loop
             watch.check(step)  # deferred (events): checked at the log points below and at the end
             if pipe is not None:
                 pipe.end_step()  # after the synchronisation above: resolves CUDA event times
@@ -348,13 +356,14 @@ def _train(cfg: dict, out: Path, d: Dist, notes: _Notes, env_knobs: dict) -> dic
         step_times = timer.finish()
         watch.flush()
     finally:
+        routing.stop()
         if prof is not None:
             prof.stop()
         gcm.close()
         if pipe is not None:
             pipe.close()
     return _finish(cfg, d, out, core, losses, auxes, gnorms, step_times, trace_path if prof else None,
-                   env_knobs, numa, notes.messages, pipe, timer)
+                   env_knobs, numa, notes.messages, pipe, timer, rank_record(routing, d))
 
 
 def make_optimizer(model, cfg: dict, device) -> torch.optim.Optimizer:
@@ -372,7 +381,7 @@ def make_optimizer(model, cfg: dict, device) -> torch.optim.Optimizer:
 
 
 def _finish(cfg, d: Dist, out: Path, model, losses, auxes, gnorms, step_times, trace_path, env_knobs, numa, notes,
-            pipe=None, timer: StepTimer | None = None):
+            pipe=None, timer: StepTimer | None = None, routing: dict | None = None):
     n = len(losses)
     dev = d.device
     stats = torch.stack([torch.stack(losses), torch.stack(auxes)]) if n else torch.zeros(2, 0, device=dev)
@@ -390,8 +399,10 @@ def _finish(cfg, d: Dist, out: Path, model, losses, auxes, gnorms, step_times, t
         dist.all_gather_object(peaks, peak)
         traces = [None] * d.world_size
         dist.all_gather_object(traces, trace_path is not None and trace_path.exists())
+        routings = [None] * d.world_size
+        dist.all_gather_object(routings, routing)
     else:
-        peaks, traces = [peak], [trace_path is not None and trace_path.exists()]
+        peaks, traces, routings = [peak], [trace_path is not None and trace_path.exists()], [routing]
     if d.rank != 0:
         dist.barrier()
         return None
@@ -418,6 +429,7 @@ def _finish(cfg, d: Dist, out: Path, model, losses, auxes, gnorms, step_times, t
     head = runtime.read_manifest(out) or {}
     manifest = {
         **_manifest_head(cfg, d, out),
+        "run_id": head.get("run_id"),
         "status": "complete",
         "created_utc": head.get("created_utc") or datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "finished_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -457,6 +469,8 @@ def _finish(cfg, d: Dist, out: Path, model, losses, auxes, gnorms, step_times, t
         "ep_dispatch": ep_dispatch_record(cfg, d, drops.tolist()),  # docs/trainer.md "Expert parallelism"
         "compile": compile_stats(cfg),  # compile=dense: graphs, graph breaks, CUDA-graph skips (trainer/compiling.py)
     }
+    routing_path = write_routing(out, routings, cfg, manifest, n)  # before the manifest says complete
+    manifest["routing"] = routing_path.name if routing_path is not None else None
     runtime.write_json_atomic(out / "manifest.json", manifest)
     mt = manifest["metrics"]
     mfu = f"{100 * mt['mfu']:.1f}%" if mt["mfu"] is not None else "n/a"

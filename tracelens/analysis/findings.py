@@ -32,6 +32,7 @@ from . import comm as CM
 from . import host as H
 from . import steps as S
 from .moe import padding_finding
+from .moe_view import routing_tie
 from .straggler import straggler_finding
 
 
@@ -131,6 +132,10 @@ def findings(analysis, small_us: float = H.SMALL_KERNEL_US, *, host_syncs: pd.Da
                                  else inst_all, gaps=idle_gaps, path=critical_path)
         if late is not None:
             out.append(late)
+            tie = routing_tie(a, late["evidence"]["late_rank"])  # the run's routing counts, when it has them
+            if tie is not None:
+                late["evidence"]["moe_routing"] = tie
+                late["title"] += "; " + tie["text"].split(": ", 1)[1]
             lb = next((f for f in out if f["type"] == "launch_bound"), None)
             if lb is not None and late["evidence"]["cause"] == "idle: launch-bound":
                 # the same mechanism seen from the other ranks: say it where the launch-bound idle is named

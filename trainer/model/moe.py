@@ -36,6 +36,7 @@ from trainer.model.dispatch import Dispatcher, Routed, Trip
 from trainer.model.ep import scale_grad
 from trainer.model.experts import _note, expert_swiglu, kernels_can_run, record_use
 from trainer.model.layers import SwiGLU
+from trainer.routing_log import record_routing
 from trainer.syncs import moe_stage
 
 
@@ -213,6 +214,7 @@ class MoE(nn.Module):
                 order, inverse, _ = permutation(topk_idx)
                 x_perm = xf.index_select(0, order // k)  # [T*k, D] sorted by global expert
             counts_host = counts.tolist() if level == 0 else None
+        record_routing(self, counts)  # tokens per expert into the run's routing log (device only; trainer/routing_log.py)
         y_perm = self._local_experts(x_perm, counts, counts_host)
         with moe_stage("unpermute"):
             if kernel_perm:
@@ -266,6 +268,7 @@ class MoE(nn.Module):
             counts_host = None
             if self.level == 0:  # the level-0 sync of the permute stage, once for all chunks
                 counts_host = torch.stack([t.routed.counts for t in trips]).tolist()
+        record_routing(self, *(t.routed.counts for t in trips))  # one forward's chunks (trainer/routing_log.py)
         with moe_stage("dispatch"):
             self.dispatcher.plan(trips, counts_host)
             for t in trips:
