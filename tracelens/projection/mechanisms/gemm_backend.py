@@ -16,6 +16,10 @@ kernels the trimmed rows feed (the expert stage's activations and copies, the re
 its backward scatter: kernels with a ``[rows, ...]`` input) linearly too; the token all-to-alls send the
 worst-case buffer at levels 2 and 3 alike. Linear in rows is an upper bound on the saving: a GEMM's time falls
 less than its rows (``tracelens.analysis.moe``, which counts the same padding in a trace).
+
+That is the trainer before issue 33's dispatch paths. A run whose manifest has ``ep_dispatch`` comes from the
+trainer whose grouped GEMMs stop at the routed rows at every level (the padded tail is sent, not multiplied):
+for it no level change scales the expert GEMMs, and the prediction is for that trainer, as the run is.
 """
 
 from __future__ import annotations
@@ -35,16 +39,28 @@ def _masked(cfg: dict) -> bool:
     return cfg["grouped_gemm_backend"] in PER_EXPERT and int(cfg["sync_free_level"]) >= 2
 
 
-def _padded(cfg: dict) -> bool:
-    return int(cfg.get("ep") or 1) > 1 and int(cfg["sync_free_level"]) >= 3
+def gemms_stop_at_routed_rows(manifest: dict | None) -> bool:
+    """Whether the run's trainer computes only the routed rows of a padded EP buffer (issue 33 and later: its
+    manifest has ``ep_dispatch``)."""
+    return isinstance(manifest, dict) and "ep_dispatch" in manifest
 
 
-def padded_rows(cfg: dict, tokens: int) -> int:
+def _manifest(change: Change) -> dict | None:
+    return getattr(change.model, "manifest", None)
+
+
+def _padded(cfg: dict, manifest: dict | None = None) -> bool:
+    return (not gemms_stop_at_routed_rows(manifest) and int(cfg.get("ep") or 1) > 1
+            and int(cfg["sync_free_level"]) >= 3)
+
+
+def padded_rows(cfg: dict, tokens: int, manifest: dict | None = None) -> int:
     """Rows the expert GEMMs of one rank compute per micro-batch of ``tokens`` (moespec/gemm_shapes.py): at EP > 1
-    and level 3 the whole worst-case buffer, ``ep * tokens * min(top_k, local experts)``; else the routed rows,
-    ``tokens * top_k`` (on average over the EP group)."""
+    and level 3 the whole worst-case buffer, ``ep * tokens * min(top_k, local experts)``, for a run of the trainer
+    before issue 33 (``manifest`` without ``ep_dispatch``); else the routed rows, ``tokens * top_k`` (on average
+    over the EP group)."""
     k, ep = int(cfg["top_k"]), int(cfg.get("ep") or 1)
-    if _padded(cfg):
+    if _padded(cfg, manifest):
         return tokens * ep * min(k, int(cfg["n_routed_experts"]) // ep)
     return tokens * k
 
@@ -78,7 +94,8 @@ class GemmBackend(Mechanism):
         old, new = change.old, change.new
         return (old["grouped_gemm_backend"] != new["grouped_gemm_backend"]
                 or (change.model.table is not None and change.s_tok != 1.0)
-                or _masked(old) != _masked(new) or _padded(old) != _padded(new))
+                or _masked(old) != _masked(new)
+                or _padded(old, _manifest(change)) != _padded(new, _manifest(change)))
 
     def edit(self, plan, p, change: Change) -> float:
         model, old, new = change.model, change.old, change.new
@@ -94,10 +111,11 @@ class GemmBackend(Mechanism):
         ep = int(old.get("ep") or 1)
         e_local = int(old["n_routed_experts"]) // ep
         # rows the expert GEMMs see: at EP > 1 and level 3 the whole worst-case buffer (module docstring)
-        rows0, rows1 = padded_rows(old, t0), padded_rows(new, t1)
+        man = _manifest(change)
+        rows0, rows1 = padded_rows(old, t0, man), padded_rows(new, t1, man)
         pad = 1.0  # the buffer's change beyond the tokens' (which the tokens mechanism scales)
         seen: set[int] = set()
-        if _padded(old) != _padded(new):
+        if _padded(old, man) != _padded(new, man):
             # the rows this rank's grouped expert GEMMs computed (at level 2 the received rows: they vary by rank); a
             # per-expert backend's GEMMs are one expert's rows each: the config's rows then
             grouped = ex[w["op"].astype(str).isin(GROUPED_GEMM_OPS).to_numpy()[ex]] if "dims" in w else ex[:0]
