@@ -1,21 +1,27 @@
 """Mixture-of-Experts FFN: router, permutation, EP dispatch/combine, grouped experts, sync-free levels.
 
 Stages (each a ``record_function`` range ``moe/<stage>``): router -> permute -> dispatch ->
-(permute, the receive-side regroup under EP) -> experts -> combine -> unpermute.
+(permute, the receive-side regroup under EP) -> experts -> combine -> unpermute. Under EP the dispatch
+and combine are trainer/model/dispatch.py's (``ep_dispatch``), and with ``ep_overlap`` the tokens go in
+chunks whose all-to-alls run while another chunk's experts (or the shared expert) compute.
 
 Host syncs by ``sync_free_level`` (per MoE layer, forward; see docs/trainer.md):
 
 =====  ====================================================  ==================================
-level  EP = 1                                                EP > 1
+level  EP = 1                                                EP > 1 (``ep_dispatch: nccl``)
 =====  ====================================================  ==================================
 0      permute: ``counts.tolist()``                          + dispatch: ``recv_counts.tolist()``
 1      experts: ``counts.tolist()`` (router/permute on dev)  dispatch: one ``tolist()`` of both
-2      none (grouped MLP on device offsets)                  permute (receive side): ``.item()``
-                                                             of the received-token total, to trim
-                                                             the worst-case padded buffer
-3      none                                                  none: experts run on the whole
-                                                             worst-case buffer
+2      none (grouped MLP on device offsets)                  permute (receive side): one ``tolist()``
+                                                             of the received totals, to trim the
+                                                             worst-case padded buffer
+3      none                                                  none: the worst-case buffer travels;
+                                                             the grouped GEMMs stop at the routed
+                                                             rows (device offsets)
 =====  ====================================================  ==================================
+
+``ep_dispatch: capacity`` never syncs (a static per-peer capacity; rows beyond it dropped and counted).
+With chunks, each level's reads are made once for all chunks.
 
 ``use_triton_kernels``: where ``kernels`` can run (CUDA, or CPU under the Triton interpreter) the
 router is ``kernels.fused_router`` (scores, group-limited top-k, weights and aux-loss statistics in
