@@ -363,3 +363,25 @@ def test_a_foreign_trace_with_all_to_all_but_no_peer_list():
     assert rep.pairs["dst"].tolist() == [-1] and rep.pairs["split_source"].tolist() == ["no peer list"]
     assert "all-to-all bytes per rank (no peer list)" in rep.missing and "\n" not in rep.missing
     assert rep.pair_matrix().empty  # nothing to draw per pair
+
+
+def test_capacity_overlap_run_counts_chunks_and_drops():
+    """tests/fixtures/h100_4gpu/ep4_cap_ovl (issue 33's trainer, capacity 1.25, 2 overlap chunks, no routing file):
+    each grouped GEMM and token all-to-all carries one chunk's buffer of 4 * ceil(1.25 * 16,384 * 6 / 4) rows;
+    the routed rows per call are a chunk's tokens x top_k less the manifest's dropped share, so bytes and rows
+    have the same padding share, routed never above sent, and no GEMM time is put on the padding."""
+    import json as _json
+    from pathlib import Path as _P
+
+    run = _P(__file__).resolve().parents[1] / "fixtures" / "h100_4gpu" / "ep4_cap_ovl"
+    man = _json.loads((run / "manifest.json").read_text())
+    want = 1 - 16_384 * 6 * (1 - man["ep_dispatch"]["dropped_share"]) / 122_880
+    rep = tracelens.analyze(tracelens.load(run, progress=False)).moe()
+    t = rep.to_dict()
+    t = t.get("summary", t)
+    assert t["gemm_computes_padding"] is False and t["chunks_per_microbatch"] == 2
+    assert t["padding_share_rows"] == pytest.approx(want, abs=1e-3)
+    assert t["a2a_padding_share_bytes"] == pytest.approx(want, abs=1e-3)
+    assert t["a2a_routed_bytes"] < t["a2a_sent_bytes"]
+    assert (rep.layers["padded_gemm_us"] == 0).all()
+    assert "the GEMMs stop at the routed rows" in rep.to_text()

@@ -56,6 +56,28 @@ def _grouped_rows(dims: Any) -> int | None:
 
 
 GROUPED_GEMM_OPS = ("aten::_grouped_mm", "aten::_scaled_grouped_mm")
+
+
+def dispatch_facts(run, cfg: dict, ep: int) -> tuple[int, float, bool]:
+    """What the run's EP dispatch does to the rows of one grouped-GEMM call (module docstring): (chunks per
+    micro-batch: ``ep_overlap_chunks`` with ``ep_overlap``, else 1; the manifest's dropped share of the routed
+    rows; whether the GEMMs computed the padded tail: true for a trainer before issue 33, whose manifest has no
+    ``ep_dispatch``)."""
+    manifest = getattr(run, "manifest", None) or {}
+    dispatch = manifest.get("ep_dispatch") if isinstance(manifest, dict) else None
+    chunks = 1
+    if ep > 1 and cfg.get("ep_overlap") is True:
+        try:
+            chunks = max(1, int(cfg.get("ep_overlap_chunks", 2)))
+        except (TypeError, ValueError):
+            chunks = 1
+    dropped = 0.0
+    if isinstance(dispatch, dict):
+        try:
+            dropped = min(max(float(dispatch.get("dropped_share") or 0.0), 0.0), 1.0)
+        except (TypeError, ValueError):
+            dropped = 0.0
+    return chunks, dropped, not (isinstance(manifest, dict) and "ep_dispatch" in manifest)
 grouped_rows = _grouped_rows  # public: the grouped (token) rows of one call's input dims (the what-if reads them)
 
 
@@ -72,22 +94,7 @@ def _gemm_part(analysis) -> tuple[dict[str, Any], pd.DataFrame, dict] | None:
         ep = int(cfg.get("ep", 1) or 1)
     except (KeyError, TypeError, ValueError):
         return None
-    manifest = getattr(run, "manifest", None) or {}
-    dispatch = manifest.get("ep_dispatch") if isinstance(manifest, dict) else None
-    chunks = 1
-    if ep > 1 and cfg.get("ep_overlap") is True:
-        try:
-            chunks = max(1, int(cfg.get("ep_overlap_chunks", 2)))
-        except (TypeError, ValueError):
-            chunks = 1
-    dropped = 0.0
-    if isinstance(dispatch, dict):
-        try:
-            dropped = min(max(float(dispatch.get("dropped_share") or 0.0), 0.0), 1.0)
-        except (TypeError, ValueError):
-            dropped = 0.0
-    # the trainer of issue 33 and later: offsets end at the routed rows, the padded tail is never multiplied
-    computes_padding = not (isinstance(manifest, dict) and "ep_dispatch" in manifest)
+    chunks, dropped, computes_padding = dispatch_facts(run, cfg, ep)
     ops = analysis.ops
     if ops is None or ops.empty:
         return None
@@ -206,5 +213,5 @@ def padding_finding(analysis) -> dict[str, Any] | None:
     }
 
 
-__all__ = ["GROUPED_GEMM_OPS", "MIN_SHARE", "expert_padding", "gemm_padding", "grouped_rows", "padding_finding",
+__all__ = ["GROUPED_GEMM_OPS", "MIN_SHARE", "dispatch_facts", "expert_padding", "gemm_padding", "grouped_rows", "padding_finding",
            "useful_share"]

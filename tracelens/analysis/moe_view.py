@@ -41,7 +41,7 @@ from .. import categories as C
 from ..io.run import ROUTING
 from .calltree import KIND_OP
 from .comm import _parse_ranks, dtype_bytes
-from .moe import _ELEM_BYTES, _grouped_rows
+from .moe import _ELEM_BYTES, _grouped_rows, dispatch_facts
 
 _LAYER_RE = re.compile(r"(?:^|/)layer/(\d+)(?:/|$)")
 # another framework's MoE layer: a module or range with "moe" in its name (vLLM's FusedMoE_3, an op moe_forward)
@@ -350,8 +350,12 @@ class MoEReport:
             return "–" if not _known(v) else format(v, fmt)
 
         if t.get("padding_share_rows") is not None:
-            out.append(f"grouped-GEMM rows: {num(t['rows_computed'])} computed, {num(t['rows_routed'])} routed: "
-                       f"{pct(t['padding_share_rows'])} padding")
+            if t.get("gemm_computes_padding") is False:  # issue 33's trainer: offsets end at the routed rows
+                out.append(f"grouped-GEMM buffer rows: {num(t['rows_computed'])}, {num(t['rows_routed'])} routed: "
+                           f"{pct(t['padding_share_rows'])} padding (moved and sent; the GEMMs stop at the routed rows)")
+            else:
+                out.append(f"grouped-GEMM rows: {num(t['rows_computed'])} computed, {num(t['rows_routed'])} routed: "
+                           f"{pct(t['padding_share_rows'])} padding")
         if t.get("a2a_padding_share_bytes") is not None:
             out.append(f"token all-to-all bytes: {num(t['a2a_sent_bytes'])} sent, {num(t['a2a_routed_bytes'])} "
                        f"routed: {pct(t['a2a_padding_share_bytes'])} padding")
@@ -436,6 +440,12 @@ def moe_report(analysis, late_rank: int | None = None) -> MoEReport:
         keys |= set(zip(experts["layer"].astype(int), experts["rank"].astype(int)))
     trace_ranks = {int(r) for r in a.timeline["rank"].unique()} if not a.timeline.empty else set()
     mean_routed = None  # without routing counts: tokens x top_k per forward from the manifest (every rank's mean)
+    chunks, dropped, computes_padding = 1, 0.0, True
+    if cfg:
+        try:
+            chunks, dropped, computes_padding = dispatch_facts(run, cfg, int(cfg.get("ep", 1) or 1))
+        except (TypeError, ValueError):
+            pass
     if counts is None and cfg:
         try:
             mean_routed = float(int(cfg["micro_batch_size"]) * int(cfg["seq_len"]) * int(cfg["top_k"]))
@@ -451,6 +461,9 @@ def moe_report(analysis, late_rank: int | None = None) -> MoEReport:
         received = float(recv.get((layer, rank), float("nan"))) if counts is not None else float("nan")
         routed_call = received / fwds if counts is not None and fwds and _known(fwds) else (
             mean_routed if mean_routed is not None else float("nan"))
+        # a grouped GEMM carries one overlap chunk; the capacity's drops (a run average: routing counts are the
+        # router's, before the drop) leave its buffer too
+        routed_call = routed_call / chunks * (1.0 - dropped)
         pad = max(1.0 - routed_call / rows_call, 0.0) if calls_n and _known(routed_call) else float("nan")
         gemm_us = float(g["dur_us"].sum()) / n_steps if not g.empty else 0.0
         mine = experts[(experts["layer"] == layer) & (experts["owner"] == rank)] if not experts.empty else experts
@@ -462,7 +475,8 @@ def moe_report(analysis, late_rank: int | None = None) -> MoEReport:
             "local_expert_imbalance": _mean_skew(local) if len(local) else None,
             "gemm_calls": calls_n / n_steps if calls_n else float("nan"), "rows_per_call": rows_call,
             "routed_rows_per_call": routed_call, "padding_share": pad, "expert_gemm_us": gemm_us,
-            "padded_gemm_us": gemm_us * pad if _known(pad) else float("nan"),
+            # since issue 33 the grouped GEMMs stop at the routed rows: the padding costs no GEMM time
+            "padded_gemm_us": (gemm_us * pad if computes_padding else 0.0) if _known(pad) else float("nan"),
         })
     layers = pd.DataFrame(rows, columns=["layer", "rank", "routed_rows", "received_rows", "forwards",
                                          "local_expert_imbalance", "gemm_calls", "rows_per_call", "routed_rows_per_call",
@@ -511,13 +525,15 @@ def moe_report(analysis, late_rank: int | None = None) -> MoEReport:
             both = float(r_sd.get((s, d), 0.0)) + float(r_sd.get((d, s), 0.0))
             # per MoE forward four token all-to-alls (dispatch and combine, forward and backward) carry the rows
             # routed s -> d twice and d -> s twice: each call, on average, half of both (c calls per step)
-            routed.append(c / f * (both / 2.0) * row_bytes if f > 0 else np.nan)
+            # (with overlap chunks a call carries one chunk's rows; the capacity's drops do not travel)
+            routed.append(c / f * (both / 2.0) * row_bytes / chunks * (1.0 - dropped) if f > 0 else np.nan)
         pairs["routed_bytes"] = routed if routed else np.nan
         ok = pairs["sent_bytes"] > 0
         pairs.loc[ok, "padding_share"] = (1.0 - pairs.loc[ok, "routed_bytes"] / pairs.loc[ok, "sent_bytes"]).clip(lower=0.0)
 
     # ---- totals
-    totals: dict[str, Any] = {}
+    totals: dict[str, Any] = {"gemm_computes_padding": computes_padding, "chunks_per_microbatch": chunks,
+                              "dropped_share": round(dropped, 6)}
     gsel = layers[layers["gemm_calls"].notna()] if not layers.empty else layers
     if not gsel.empty:
         comp = float((gsel["rows_per_call"] * gsel["gemm_calls"]).sum())
@@ -531,7 +547,8 @@ def moe_report(analysis, late_rank: int | None = None) -> MoEReport:
         routed_tot = float(pairs["routed_bytes"].sum(min_count=1))
         if counts is None and mean_routed is not None and elem and cfg and not calls.empty:
             # no routing counts: every call carries tokens x top_k rows on average over the ranks
-            routed_tot = float(calls["call"].nunique()) / n_steps * mean_routed * int(cfg["d_model"]) * elem
+            routed_tot = (float(calls["call"].nunique()) / n_steps * mean_routed / chunks * (1.0 - dropped)
+                          * int(cfg["d_model"]) * elem)
         off = pairs[(pairs["src"] != pairs["dst"]) & (pairs["dst"] >= 0)]
         totals.update(
             a2a_sent_bytes=round(sent_tot, 1) if _known(sent_tot) else None,
