@@ -59,11 +59,13 @@ class ModelSearch:
         return m
 
     def ready(self, base: dict) -> bool:
-        if self.model_of(base) is None:
-            self.why = self.failed.get(base["id"], "no model")
-            return False
+        """Whether the model can steer this space: some knob has a mechanism (asked first: then the
+        baseline's traces are not even read) and the baseline's run gives a model."""
         if len(self.unmodeled) == len(self.space.knobs):
             self.why = f"the model has no mechanism for any knob of the space ({', '.join(self.unmodeled)})"
+            return False
+        if self.model_of(base) is None:
+            self.why = self.failed.get(base["id"], "no model")
             return False
         return True
 

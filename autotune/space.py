@@ -8,7 +8,7 @@
       manual_gc: [0, 5]
     baseline: {sync_free_level: 0, grouped_gemm_backend: loop, manual_gc: 0}   # default: first values
     fixed: {steps: 6}            # overrides applied to every trial
-    constraints:                 # expressions over the knobs, `fixed` and the resolved trainer config
+    constraints:                 # expressions over the knobs, `fixed`, the resolved trainer config and nproc
       - "not (grouped_gemm_backend == 'loop' and sync_free_level >= 2)"    # (autotune/constraints.py)
     objective: tokens_per_s_per_gpu   # or tokens_per_s, mfu (maximized), step_time (minimized)
     budget: {trials: 8, wall_s: 900}
@@ -94,8 +94,8 @@ class Space:
         return OBJECTIVES[self.objective][0]
 
     def allowed(self, point: dict[str, Any]) -> bool:
-        """True when the point satisfies every constraint (evaluated over config + fixed + point)."""
-        env = {**self.base_config, **self.fixed, **point}
+        """True when the point satisfies every constraint (evaluated over ``nproc`` + config + fixed + point)."""
+        env = {"nproc": self.nproc, **self.base_config, **self.fixed, **point}
         for i, c in enumerate(self.constraints):
             try:
                 ok = compile_constraint(c).evaluate(env)
@@ -267,7 +267,26 @@ def parse_space(doc: Any, where: str = "space", check_trainer: bool = True, base
         raise SpaceError(f"{where}: constraints: no combination of the knobs satisfies them")
     if not space.allowed(space.baseline):
         raise SpaceError(f"{where}: baseline: {_cut(key_of(space.baseline))} violates the constraints")
+    if check_trainer:
+        _check_world(space, points, where)
     return space
+
+
+def _check_world(space: Space, points: list[dict[str, Any]], where: str) -> None:
+    """Every allowed point must fit the space's ``nproc`` processes (pp * dp * ep == nproc, as the trainer's
+    launcher checks): a point that cannot would only fail as a ``config`` trial, so it is a mistake of the
+    space, said in one line naming the point (a constraint such as ``nproc % ep == 0`` excludes it)."""
+    from moespec.config import ConfigError, resolve_world
+
+    for p in points:
+        env = {**space.base_config, **space.fixed, **p}
+        if not all(k in env for k in ("ep", "dp")):
+            return  # a trainer without these keys: nothing to check
+        try:
+            resolve_world(env, space.nproc)
+        except ConfigError as e:
+            raise SpaceError(f"{where}: nproc: {space.nproc} process(es) cannot run {_cut(key_of(p))} ({e}); "
+                             "exclude it with a constraint") from None
 
 
 def _flag(where: str, key: str, v) -> bool:

@@ -2,6 +2,7 @@
 
     python benchmarks/bench_trainer_knobs.py [--out runs/bench_trainer_knobs] [--steps 12]
                                              [--check-loss] [--diff] [--cpu] [--set key=value ...]
+                                             [--nproc N [--only knobs|ep]]
 
 Rows, each adding one knob to the row before (cumulative):
 
@@ -39,11 +40,31 @@ Budget: the table (8 rows) is meant to fit in 9 minutes on one H100 (a 12-step e
 compile adds its compilation); ``--budget-s`` (default 540) skips the rows that would start after it,
 saying so. Progress goes to stderr as the runs go (the trainer's step lines included).
 
+**Expert-parallel rows** (issue 33; ``--nproc N`` with N > 1, each one ``python -m trainer.launch --nproc N``: N
+GPUs, or N gloo processes with ``--cpu``), cumulative from data parallelism over the same N ranks:
+
+    baseline ep=1   gpu_proxy_train (trainer/configs: 16 x 2048 tokens per rank, level 3, the efficiency knobs
+                    on) on N ranks, data parallel (FSDP over N); tiny on a CPU
+    + ep            ep=N (today's all-to-all: ep_dispatch=nccl, the worst-case buffer at level 3)
+    + ep_dispatch   ep_dispatch=capacity (ep_capacity_factor 1.25: static per-peer buffers, rows beyond dropped)
+    + ep_overlap    ep_overlap=true (2 chunks: the all-to-alls behind the shared expert and the next chunk)
+    + ep_overlap_chunks  ep_overlap_chunks=4
+
+Every layout trains on the same global batch (trainer/data.py), so each EP row's loss is judged against the
+``baseline ep=1`` runs (their own eager ensemble, and their own control with ``--check-loss``) exactly as a knob
+row is against the single-process baseline; the dropped-row share of the manifest's ``ep_dispatch`` is printed
+beside each row (a capacity row that drops enough rows to leave the eager window fails like any other row).
+``--only ep`` runs these rows alone (``--only knobs`` the single-process ones alone; default: both with
+``--nproc`` > 1); ``--set ep_capacity_factor=1.1`` changes the capacity of every capacity row. Traces are diffed
+within a section, never across (the first EP row against the last knob row would compare two batch sizes).
+On GPUs, NVLink multicast is left off (``NCCL_NVLS_ENABLE=0``, ``TORCH_SYMM_MEM_DISABLE_MULTICAST=1``,
+``NVSHMEM_DISABLE_NVLS=1`` unless already set), as benchmarks/bench_ep.sh does.
+
 ``--cpu``: the tiny config on the CPU with the knobs that exist there (adamw_fused falls back to the
 default AdamW, events to wall-clock timing, compile=dense runs inductor's C++ code); the cuda_graphs row
 shows the trainer's one-line refusal, and so do the expert_swiglu row and the rows after it (cumulative:
 expert_swiglu=triton is refused on a CPU without Triton's interpreter). About 1-2 minutes on 2 cores: a test of this script, not a
-measurement.
+measurement. ``--cpu --nproc 2 --only ep`` runs the EP rows on 2 gloo processes (tiny has 8 experts: N in 2, 4, 8).
 
 Writes ``OUT/bench_trainer_knobs.json`` and ``.md`` (``check_loss.json`` / ``.md`` with
 ``--check-loss``).
@@ -55,6 +76,7 @@ import argparse
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import time
@@ -77,6 +99,20 @@ GPU_BASE = {"config": "gpu_proxy", "set": {"sync_free_level": 3, "grouped_gemm_b
                                            "micro_batch_size": 16, "timing_warmup_steps": 3}}
 CPU_BASE = {"config": "tiny", "set": {"sync_free_level": 3, "grouped_gemm_backend": "torch", "timing_warmup_steps": 3,
                                       "log_every": 4}}
+
+# the expert-parallel rows (--nproc N > 1), cumulative from data parallelism on the same N ranks; "+ ep" sets ep=N
+EP_KNOBS = [
+    ("baseline ep=1", {"ep": 1}),
+    ("+ ep", {"ep": "nproc"}),
+    ("+ ep_dispatch", {"ep_dispatch": "capacity"}),
+    ("+ ep_overlap", {"ep_overlap": True}),
+    ("+ ep_overlap_chunks", {"ep_overlap_chunks": 4}),
+]
+EP_GPU_BASE = {"config": "gpu_proxy_train", "set": {"timing_warmup_steps": 3}}
+EP_CPU_BASE = CPU_BASE
+# NVLink multicast off for multi-GPU rows (the machines' NVSwitch multicast is not usable: see bench_ep.sh)
+MULTI_GPU_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+SECTIONS = ("knobs", "ep")
 
 
 # --check-loss's last row, from the baseline (not cumulative): the learning rate x1.25, a change the check must
@@ -173,9 +209,15 @@ def judge_loss(eager: list[list[float]], new: list[float], rtol: float, late: in
 
 
 def judge_rows(rows: list[dict], rtol: float) -> None:
-    """Judge every row with a loss against the eager runs (the rows named ``baseline...``), in place:
-    ``loss_check`` (``judge_loss``'s figures), ``loss_rel_diff`` and ``loss_ok``. The agreed steps come from
-    all eager runs; an eager run is judged against the others (with one eager run it is not judged)."""
+    """Judge every row with a loss against the eager runs of its section (the rows named ``baseline...``; a row
+    without a ``section`` is in ``knobs``), in place: ``loss_check`` (``judge_loss``'s figures), ``loss_rel_diff``
+    and ``loss_ok``. The agreed steps come from all of the section's eager runs; an eager run is judged against
+    the others (with one eager run it is not judged)."""
+    for sec in dict.fromkeys(r.get("section", "knobs") for r in rows):
+        _judge_section([r for r in rows if r.get("section", "knobs") == sec], rtol)
+
+
+def _judge_section(rows: list[dict], rtol: float) -> None:
     eager = [r["loss"] for r in rows if r["name"].startswith("baseline") and r.get("loss")]
     window = agreed_steps(eager, rtol) if eager else None  # from every eager run
     for r in rows:
@@ -192,14 +234,21 @@ def judge_rows(rows: list[dict], rtol: float) -> None:
         r["loss_ok"] = r["loss_check"]["ok"]
 
 
-def run_row(i: int, n: int, name: str, over: dict, args, base: dict, out: Path, steps: int, profile: bool) -> dict:
-    run = out / f"{i}_{name.replace('+ ', '').replace(' ', '_')}"
+def run_dir_name(i: int, name: str) -> str:
+    """``3_compile``, ``9_baseline_ep-1_run_2``: the row's index and name, file-name safe."""
+    return f"{i}_" + re.sub(r"[^A-Za-z0-9_.-]+", "_", name.replace("+ ", "").replace("=", "-")).strip("_")
+
+
+def run_row(i: int, n: int, name: str, over: dict, args, base: dict, out: Path, steps: int, profile: bool,
+            nproc: int = 1) -> dict:
+    run = out / run_dir_name(i, name)
     sets = {**base["set"], "steps": steps, **over}
-    if profile:
-        sets.update(profile_step_start=8, profile_step_end=9)
+    if profile:  # step 8 (9 exports the trace); the last two steps of a shorter run
+        start = min(8, max(steps - 2, 0))
+        sets.update(profile_step_start=start, profile_step_end=start + 1)
     else:
         sets.update(profile_step_start=0, profile_step_end=0)
-    cmd = [sys.executable, "-m", "trainer.launch", "--config", base["config"], "--nproc", "1", "-o", str(run)]
+    cmd = [sys.executable, "-m", "trainer.launch", "--config", base["config"], "--nproc", str(nproc), "-o", str(run)]
     for k, v in sets.items():
         cmd += ["--set", f"{k}={json.dumps(v) if not isinstance(v, str) else v}"]
     for o in args.overrides:
@@ -209,8 +258,10 @@ def run_row(i: int, n: int, name: str, over: dict, args, base: dict, out: Path, 
     t0 = time.time()
     tail: list[str] = []
     try:
-        p = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        if nproc > 1 and not args.cpu:
+            env = {**MULTI_GPU_ENV, **env}
+        p = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
         deadline = t0 + args.timeout
         for line in p.stdout:  # progress: the trainer's own lines, as they come
             line = line.rstrip()
@@ -226,8 +277,8 @@ def run_row(i: int, n: int, name: str, over: dict, args, base: dict, out: Path, 
             rc = "timeout"
     except OSError as e:
         rc, tail = "error", [str(e)]
-    row = {"name": name, "adds": over, "overrides": sets, "rc": rc, "wall_s": round(time.time() - t0, 1),
-           "run_dir": str(run)}
+    row = {"name": name, "adds": over, "overrides": sets, "nproc": nproc, "rc": rc,
+           "wall_s": round(time.time() - t0, 1), "run_dir": str(run)}
     man = run / "manifest.json"
     doc = json.loads(man.read_text()) if rc == 0 and man.exists() else None
     if doc and doc.get("status") == "complete":
@@ -236,28 +287,44 @@ def run_row(i: int, n: int, name: str, over: dict, args, base: dict, out: Path, 
                    step_ms=m["mean_step_time_s"] * 1e3 if m["mean_step_time_s"] else None,
                    step_timing=m.get("step_timing"), timed_steps=m["timed_steps"],
                    peak_gib=max(m["peak_memory_bytes"]) / 2**30, loss=m["loss"], notes=doc.get("notes", []),
-                   device=doc["device"]["name"])
+                   device=doc["device"]["name"], ep_dispatch=doc.get("ep_dispatch"))
     else:
         errs = [ln for ln in tail if ln.startswith(("config error", "[trainer] error", "[launch]"))]
         row["error"] = (errs or tail or [str(rc)])[-1][:300]
     mfu = "n/a" if row.get("mfu") is None else f"{100 * row['mfu']:.1f} %"
-    done = (f"{_fmt(row.get('tokens_per_s_per_gpu'), ',.0f')} tokens/s/GPU, MFU {mfu}" if "loss" in row
+    done = (f"{_fmt(row.get('tokens_per_s_per_gpu'), ',.0f')} tokens/s/GPU, MFU {mfu}"
+            + (f", {dropped_text(row['ep_dispatch'])}" if row.get("ep_dispatch") else "") if "loss" in row
             else f"{'refused' if rc == 2 else 'failed'}: {row['error']}")
     print(f"[bench] {i + 1}/{n} {name}: {done} ({row['wall_s']:.0f} s)", file=sys.stderr, flush=True)
     return row
 
 
-def table(rows: list[dict], rtol: float, title: str) -> str:
-    lines = [title, "",
-             "| row | adds | tokens/s/GPU | MFU | step ms | vs previous | peak GiB | loss vs eager: numerics; training | run |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---|"]
+def dropped_text(rec: dict | None) -> str:
+    """The manifest's ``ep_dispatch`` in a few words: the path, and for the capacity path the share of the routed
+    rows it dropped, over every rank and step ("—" without EP)."""
+    if not rec:
+        return "—"
+    if rec.get("path") != "capacity":  # exact or worst-case buffers: every routed row travels
+        return f"{rec.get('path')}: none dropped"
+    share = rec.get("dropped_share") or 0.0
+    return (f"capacity {rec.get('capacity_factor')}: {100 * share:.2f} % dropped "
+            f"({rec.get('dropped_rows', 0):,} of {rec.get('routed_rows', 0):,} rows)")
+
+
+def table(rows: list[dict], rtol: float, title: str, ep: bool = False) -> str:
+    """The markdown table of one section; ``ep``: with the dropped-rows column (the manifest's ``ep_dispatch``)."""
+    head = "| row | adds | tokens/s/GPU | MFU | step ms | vs previous | peak GiB |"
+    rule = "|---|---|---:|---:|---:|---:|---:|"
+    if ep:
+        head, rule = head + " EP dispatch: dropped rows |", rule + "---|"
+    lines = [title, "", head + " loss vs eager: numerics; training | run |", rule + "---:|---|"]
     prev = None
     for r in rows:
         adds = ", ".join(f"`{k}={v}`" for k, v in r["adds"].items()) or "—"
         if "loss" not in r:
             what = "skipped" if r.get("skipped") else ("refused (exit 2)" if r.get("rc") == 2 else f"failed (rc={r.get('rc')})")
             lines.append(f"| {r['name']} | {adds} | {what}: "
-                         f"{r.get('error', '').replace('|', '/')} | | | | | | `{r.get('run_dir', '')}` |")
+                         f"{r.get('error', '').replace('|', '/')} | | | | |{' |' if ep else ''} | `{r.get('run_dir', '')}` |")
             continue
         tps = r["tokens_per_s_per_gpu"]
         gain = (f"{100 * (tps / prev - 1):+.1f} %" if prev and tps else "")
@@ -271,9 +338,10 @@ def table(rows: list[dict], rtol: float, title: str) -> str:
                     f"({'ok' if c['early_ok'] else 'OUT'}); last {c['late_steps']} mean {c['late_mean']:.3f} vs "
                     f"{c['eager_late_mean']:.3f} +/- {c['late_bound']:.3f} ({'ok' if c['late_ok'] else 'OUT'})"
                     + ("" if c["finite"] else ", non-finite loss"))
+        drop = f" {dropped_text(r.get('ep_dispatch'))} |" if ep else ""
         lines.append(f"| {r['name']} | {adds} | {_fmt(tps, ',.0f')} | {_fmt(r['mfu'] and 100 * r['mfu'], '.1f')}"
                      f"{'' if r['mfu'] is None else ' %'} | {_fmt(r['step_ms'], '.1f')} | {gain} | "
-                     f"{r['peak_gib']:.2f} | {dtxt} | `{r['run_dir']}` |")
+                     f"{r['peak_gib']:.2f} |{drop} {dtxt} | `{r['run_dir']}` |")
         prev = tps or prev
     lines += ["", f"Loss vs eager (`judge_loss`): numerics = the largest per-step |loss - eager mean| / eager mean "
               f"over the first steps, those the eager runs agree on within {rtol / 10:g}, <= {rtol:g}; training = "
@@ -289,6 +357,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--check-loss", action="store_true", help="50 unprofiled steps per row: the loss comparison")
     p.add_argument("--diff", action="store_true", help="run `tracelens diff` between consecutive rows afterwards")
     p.add_argument("--cpu", action="store_true", help="tiny config on the CPU (tests this script)")
+    p.add_argument("--nproc", type=int, default=1,
+                   help="ranks of the expert-parallel rows (EP = N; N > 1 adds them: N GPUs, or gloo with --cpu)")
+    p.add_argument("--only", choices=SECTIONS, default=None,
+                   help="run one section: the single-process knob rows or the EP rows (default: both with --nproc > 1)")
     p.add_argument("--loss-rtol", type=float, default=1e-2, help="relative loss tolerance vs the baseline (bf16)")
     p.add_argument("--eager-runs", type=int, default=3,
                    help="with --check-loss: runs of the eager baseline, the ensemble each row is judged against")
@@ -300,9 +372,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.eager_runs < 1 or (args.check_loss and args.eager_runs < 2):
         p.error("--eager-runs must be at least 1, and at least 2 with --check-loss (one eager run cannot show "
                 "where eager runs drift apart)")
+    if args.nproc < 1:
+        p.error(f"--nproc must be at least 1, got {args.nproc}")
+    if args.only == "ep" and args.nproc == 1:
+        p.error("--only ep needs --nproc N > 1 (the EP rows run ep=N on N ranks)")
+    sections = [args.only] if args.only else (["knobs", "ep"] if args.nproc > 1 else ["knobs"])
     steps = args.steps or (50 if args.check_loss else 12)
+    base, ep_base = (CPU_BASE, EP_CPU_BASE) if args.cpu else (GPU_BASE, EP_GPU_BASE)
+    if "ep" in sections and (why := ep_world_error(ep_base, args.nproc, args.overrides)):
+        p.error(why)
     if args.cpu:
-        base, device = CPU_BASE, "cpu"
+        device = "cpu"
     else:
         try:
             import torch
@@ -314,62 +394,117 @@ def main(argv: list[str] | None = None) -> int:
             print("bench_trainer_knobs: no CUDA device visible; run with --cpu to test the script on the tiny "
                   "config.", file=sys.stderr)
             return 1
-        base, device = GPU_BASE, torch.cuda.get_device_name(0)
+        if "ep" in sections and torch.cuda.device_count() < args.nproc:
+            print(f"bench_trainer_knobs: --nproc {args.nproc} needs {args.nproc} GPUs, {torch.cuda.device_count()} "
+                  "visible.", file=sys.stderr)
+            return 1
+        device = torch.cuda.get_device_name(0)
     out = Path(args.out or f"runs/bench_trainer_knobs{'_cpu' if args.cpu else ''}")
     if args.check_loss:
         out = out / "check_loss"
     out.mkdir(parents=True, exist_ok=True)
+    plan = [(sec, name, knob) for sec in sections
+            for name, knob in section_rows(sec, args.nproc, args.check_loss, args.eager_runs,
+                                           base if sec == "knobs" else ep_base)]
     rows: list[dict] = []
     acc: dict = {}
     t_start = time.time()
-    # the loss check compares numerics on the same batches: the micro-batch row changes the data, not the numerics
-    knobs = [(n, k) for n, k in KNOBS if not (args.check_loss and "micro_batch_size" in k)]
-    if args.check_loss:
-        # eager several times: the runs' own drift is what a row is judged against (bf16 atomics, routing);
-        # then a control that must fail (the learning rate x1.25), or the check could not tell a change apart
-        knobs[1:1] = [(f"baseline (run {r})", {}) for r in range(2, args.eager_runs + 1)]
-        knobs.append((CONTROL[0], {"lr": _base_lr(base) * CONTROL[1]}))
-    for i, (name, knob) in enumerate(knobs):
+    for i, (sec, name, knob) in enumerate(plan):
+        if i == 0 or plan[i - 1][0] != sec:
+            acc = {}  # every section starts from its own baseline
         acc = {**acc, **knob} if name != CONTROL[0] else {**knob}
         if time.time() - t_start > args.budget_s:
-            rows.append({"name": name, "adds": knob, "skipped": True, "rc": None,
+            rows.append({"name": name, "section": sec, "adds": knob, "skipped": True, "rc": None,
                          "error": f"budget of {args.budget_s:.0f} s spent before this row"})
-            print(f"[bench] {i + 1}/{len(knobs)} {name}: skipped (budget {args.budget_s:.0f} s spent)",
+            print(f"[bench] {i + 1}/{len(plan)} {name}: skipped (budget {args.budget_s:.0f} s spent)",
                   file=sys.stderr, flush=True)
             continue
-        row = run_row(i, len(knobs), name, dict(acc), args, base, out, steps, profile=not args.check_loss)
-        row["adds"] = knob
+        row = run_row(i, len(plan), name, dict(acc), args, base if sec == "knobs" else ep_base, out, steps,
+                      profile=not args.check_loss, nproc=1 if sec == "knobs" else args.nproc)
+        row.update(adds=knob, section=sec)
         rows.append(row)
     judge_rows(rows, args.loss_rtol)
     kind = "check_loss" if args.check_loss else "bench_trainer_knobs"
-    title = (f"## Trainer knobs, one at a time ({'loss check, ' if args.check_loss else ''}config "
-             f"{base['config']} + {', '.join(f'{k}={v}' for k, v in base['set'].items())}, {steps} steps, "
-             f"device {device})")
-    md = table(rows, args.loss_rtol, title)
-    if args.diff and not args.check_loss:
-        md += "\n" + diffs(rows, out)
-    else:
-        done = [r for r in rows if "loss" in r]
-        md += "\nWhat each knob changed: " + "; ".join(
-            f"`tracelens diff {a['run_dir']} {b['run_dir']}`" for a, b in zip(done, done[1:])) + "\n"
-    doc = {"device": device, "config": base["config"], "base_overrides": base["set"], "steps": steps,
+    md = ""
+    for sec in sections:
+        srows = [r for r in rows if r["section"] == sec]
+        b = base if sec == "knobs" else ep_base
+        what = ("Trainer knobs, one at a time" if sec == "knobs" else
+                f"Expert parallelism, one knob at a time ({args.nproc} ranks, EP {args.nproc} from data parallelism)")
+        title = (f"## {what} ({'loss check, ' if args.check_loss else ''}config "
+                 f"{b['config']} + {', '.join(f'{k}={v}' for k, v in b['set'].items())}, {steps} steps, "
+                 f"device {device})")
+        md += ("\n" if md else "") + table(srows, args.loss_rtol, title, ep=sec == "ep")
+        if args.diff and not args.check_loss:
+            md += "\n" + diffs(srows, out)
+        else:
+            done = [r for r in srows if "loss" in r]
+            md += "\nWhat each knob changed: " + "; ".join(
+                f"`tracelens diff {a['run_dir']} {b['run_dir']}`" for a, b in zip(done, done[1:])) + "\n"
+    doc = {"device": device, "config": base["config"] if "knobs" in sections else ep_base["config"],
+           "base_overrides": base["set"], "sections": sections, "nproc": args.nproc,
+           "ep_config": ep_base["config"] if "ep" in sections else None,
+           "ep_base_overrides": ep_base["set"] if "ep" in sections else None, "steps": steps,
            "loss_rtol": args.loss_rtol, "wall_s": round(time.time() - t_start, 1), "rows": rows}
     (out / f"{kind}.json").write_text(json.dumps(doc, indent=1, default=str))
     (out / f"{kind}.md").write_text(md)
     print(md)
     print(f"[bench] wrote {out / (kind + '.json')} and {kind}.md ({doc['wall_s']:.0f} s)", file=sys.stderr)
-    # on a CPU the expert_swiglu row is refused (exit 2, one line: no Triton there), and so are the rows after
-    # it (cumulative: they carry it): that is the check
-    refusable = ("+ expert_swiglu", "+ micro_batch_24", "+ cuda_graphs") if args.cpu else ()
-    ok = all(r.get("rc") == 0 or (r["name"] in refusable and r.get("rc") == 2)
+    return 0 if verdict(rows, args.cpu) else 1
+
+
+def section_rows(section: str, nproc: int, check_loss: bool, eager_runs: int, base: dict) -> list[tuple[str, dict]]:
+    """The rows of one section, in order: (name, the knobs the row adds). With ``check_loss``: the baseline
+    ``eager_runs`` times (the runs' own drift is what a row is judged against: bf16 atomics, routing), no
+    micro-batch row (it changes the data, not the numerics), and a last control that must fail (the learning
+    rate x1.25, from the baseline), or the check could not tell a change of that size apart."""
+    if section == "knobs":
+        rows = [(n, k) for n, k in KNOBS if not (check_loss and "micro_batch_size" in k)]
+    else:
+        rows = [(n, {key: nproc if v == "nproc" else v for key, v in k.items()}) for n, k in EP_KNOBS]
+    if check_loss:
+        first = rows[0][0]
+        rows[1:1] = [(f"{first} (run {r})", dict(rows[0][1])) for r in range(2, eager_runs + 1)]
+        rows.append((CONTROL[0], {**rows[0][1], "lr": _base_lr(base) * CONTROL[1]}))
+    return rows
+
+
+def ep_world_error(base: dict, nproc: int, overrides: list[str]) -> str | None:
+    """Why the EP rows cannot run on ``nproc`` ranks (the trainer's own one line), or None."""
+    if str(REPO) not in sys.path:
+        sys.path.insert(0, str(REPO))
+    from moespec.config import ConfigError, load_config, resolve_world
+    from moespec.yaml_bounded import safe_load
+
+    sets = {**base["set"], "device": "cpu"}
+    for o in overrides:
+        k, _, v = o.partition("=")
+        try:
+            sets[k] = safe_load(v)
+        except Exception:  # noqa: BLE001 - the trainer's own --set parsing reports it when the row runs
+            sets[k] = v
+    try:
+        for over in ({"ep": 1}, {"ep": nproc, "ep_dispatch": "capacity", "ep_overlap": True, "ep_overlap_chunks": 4}):
+            resolve_world(load_config(base["config"], {**sets, **over}), nproc)
+    except ConfigError as e:
+        return f"--nproc {nproc}: the EP rows (ep={nproc} on {base['config']}) cannot run: {e}"
+    return None
+
+
+def verdict(rows: list[dict], cpu: bool) -> bool:
+    """Every row ran (on a CPU the expert_swiglu row is refused, exit 2, one line: no Triton there; so are the
+    knob rows after it, which carry it), every row but the controls within the loss check, and every control
+    out of it (a control that passes means the check cannot tell a change of that size from eager's drift)."""
+    refusable = ("+ expert_swiglu", "+ micro_batch_24", "+ cuda_graphs") if cpu else ()
+    ok = all(r.get("rc") == 0 or (r.get("section", "knobs") == "knobs" and r["name"] in refusable and r.get("rc") == 2)
              for r in rows if not r.get("skipped"))
     ok = ok and all(r.get("loss_ok", True) for r in rows if r["name"] != CONTROL[0])
-    control = next((r for r in rows if r["name"] == CONTROL[0]), None)
-    if control is not None and control.get("loss_ok"):  # the check could not tell lr x1.25 from eager
-        print(f"[bench] the control ({CONTROL[0]}) passed the loss check: it cannot tell a change of that size "
-              "apart from eager's own drift", file=sys.stderr)
-        ok = False
-    return 0 if ok else 1
+    for control in (r for r in rows if r["name"] == CONTROL[0]):
+        if control.get("loss_ok"):
+            print(f"[bench] the control ({CONTROL[0]}, {control.get('section', 'knobs')} rows) passed the loss check: "
+                  "it cannot tell a change of that size apart from eager's own drift", file=sys.stderr)
+            ok = False
+    return ok
 
 
 def diffs(rows: list[dict], out: Path) -> str:

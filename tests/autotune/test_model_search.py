@@ -87,3 +87,29 @@ def test_a_space_of_knobs_without_a_mechanism_falls_back_to_the_rules(tmp_path):
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert ("what-if model unavailable (the model has no mechanism for any knob of the space (seq_len)): "
             "steering by the rules") in r.stdout
+
+
+@pytest.mark.slow
+def test_an_ep_space_runs_multi_process_trials_and_falls_back_to_the_rules(tmp_path):
+    """autotune/spaces/tiny_cpu_ep.yaml on 2 gloo processes (2 trials): every trial is a torchrun job through
+    trainer.launch --nproc 2, the what-if model says it has no mechanism for the EP knobs (issue 35) and the
+    search steers by the rules: no finding on a CPU, so the first allowed neighbour (ep=1, data parallel)."""
+    import yaml
+
+    doc = yaml.safe_load((REPO / "autotune" / "spaces" / "tiny_cpu_ep.yaml").read_text())
+    doc.update(nproc=2, budget={"trials": 2}, guided={"explore": 1})
+    doc["knobs"]["ep"] = [1, 2]
+    space = tmp_path / "s.yaml"
+    space.write_text(yaml.safe_dump(doc, sort_keys=False))
+    r = _cli(str(space), "-o", str(tmp_path / "sweep"))
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert ("what-if model unavailable (the model has no mechanism for any knob of the space (ep, ep_dispatch, "
+            "ep_capacity_factor, ep_overlap)): steering by the rules") in r.stdout
+    path = _meta(tmp_path / "sweep" / "sweep.sqlite", "path")
+    assert [p["knobs"]["ep"] for p in path] == [2, 1] and [p["status"] for p in path] == ["ok", "ok"]
+    assert path[1]["motivation"] == "no finding left: check ep -> ep=1"
+    mans = [json.loads((tmp_path / "sweep" / "trials" / f"t00{i}" / "manifest.json").read_text()) for i in (1, 2)]
+    assert [m["world_size"] for m in mans] == [2, 2]
+    assert "--nproc 2" in (tmp_path / "sweep" / "trials" / "t001" / "trial.log").read_text().splitlines()[0]
+    assert mans[0]["ep_dispatch"]["path"] == "nccl" and mans[0]["ep_dispatch"]["dropped_rows"] == 0
+    assert mans[1]["ep_dispatch"] is None  # ep=1: no token left its rank

@@ -196,3 +196,51 @@ def test_sweep_report_names_the_incumbent_and_the_higher_reverted_trial(tmp_path
     assert "trial 1: tokens_per_s_per_gpu = 100" in html
     assert 'id="top-note">trial 2: 105, reverted' in html
     assert "sync_free_level: 0" in sweep_report.best_yaml(space, res.best)
+
+
+EP_KNOBS = {"ep": [1, 4], "ep_dispatch": ["nccl", "capacity"], "ep_overlap": [False, True], "ep_overlap_chunks": [2, 4]}
+EP_CUR = {"ep": 4, "ep_dispatch": "nccl", "ep_overlap": False, "ep_overlap_chunks": 2}
+
+
+def test_exposed_comm_under_ep_asks_for_the_capacity_path_and_the_overlap():
+    ex = [finding("exposed_comm")]
+    assert moves(ex, knobs=EP_KNOBS, cur=EP_CUR) == [("ep_dispatch", "capacity", "exposed_comm"),
+                                                    ("ep_overlap", True, "exposed_comm")]
+    # the overlap already on: more chunks; at ep=1 no token travels, so no EP move at all
+    assert moves(ex, knobs=EP_KNOBS, cur={**EP_CUR, "ep_dispatch": "capacity", "ep_overlap": True}) == [
+        ("ep_overlap_chunks", 4, "exposed_comm")]
+    assert moves(ex, knobs=EP_KNOBS, cur={**EP_CUR, "ep": 1}) == []
+    # a space without the EP knobs: nothing to move for it
+    assert moves(ex) == []
+
+
+def test_the_ep_space_is_steered_by_the_rules_when_the_model_has_no_mechanism(tmp_path):
+    """autotune/spaces/gpu_ep4.yaml (every knob without a what-if mechanism, issue 35): the guided search says
+    why it falls back, follows the exposed_comm rule from EP 4 on the all-to-all, then explores the
+    neighbours it may (ep=1 only with the dispatch defaults, the constraints say)."""
+    from pathlib import Path
+
+    from autotune.space import load_space
+
+    space = load_space(Path(__file__).resolve().parents[2] / "autotune" / "spaces" / "gpu_ep4.yaml")
+    base = dict(space.baseline)
+    assert base == {"ep": 4, "ep_dispatch": "nccl", "ep_capacity_factor": 1.25, "ep_overlap": False,
+                    "ep_overlap_chunks": 2}
+    comm = {"type": "exposed_comm", "severity": "high", "title": "40 ms per rank of communication not hidden",
+            "evidence": {"per_rank": {0: 40000.0}}}
+    cap = {**base, "ep_dispatch": "capacity"}
+    ovl = {**cap, "ep_overlap": True}
+    table = {key_of(base): (100.0, [comm], {}, 0.0), key_of(cap): (150.0, [comm], {}, 0.0),
+             key_of(ovl): (170.0, [comm], {}, 0.0), key_of({**ovl, "ep_overlap_chunks": 4}): (168.0, [], {}, 0.0)}
+    logs: list[str] = []
+    res = run_sweep(space, tmp_path, log=logs.append, runner=FakeRunner(table, default=(90.0, [], {}, 0.0)))
+    assert ("[autotune] what-if model unavailable (the model has no mechanism for any knob of the space (ep, "
+            "ep_dispatch, ep_capacity_factor, ep_overlap, ep_overlap_chunks)): steering by the rules") in logs
+    got = [(p["knobs"], p["decision"], p["motivation"].split(" -> ")[-1]) for p in res.path]
+    assert got[:4] == [(base, "start", "baseline"), (cap, "kept", "ep_dispatch=capacity"),
+                       (ovl, "kept", "ep_overlap=True"), ({**ovl, "ep_overlap_chunks": 4}, "reverted", "ep_overlap_chunks=4")]
+    assert res.path[1]["motivation"].startswith("finding exposed_comm (high): 40 ms per rank")
+    # then the neighbours of the incumbent the constraints allow (ep=1 needs the defaults: not one knob away)
+    assert [p["motivation"].split(" -> ")[-1] for p in res.path[4:]] == ["ep_dispatch=nccl", "ep_capacity_factor=1.1"]
+    assert all(space.allowed(p["knobs"]) for p in res.path)
+    assert res.best["knobs"] == ovl and res.stopped == "no finding or neighbour left"

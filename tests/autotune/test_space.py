@@ -91,7 +91,7 @@ def test_trainer_checks_names_values_and_resolves_config(tmp_path):
         "(config error: sync_free_level: must be 0, 1, 2 or 3, got 4)")
     # a value valid only next to another knob's value (zbv needs vpp=2; the baseline has vpp=1) is fine;
     # one valid with no combination is not
-    pp = {"config": "tiny", "fixed": {"pp": 2, "microbatches": 4, "dp_mode": "ddp", "n_layers": 4}, "baseline": {"vpp": 1}}
+    pp = {"config": "tiny", "nproc": 2, "fixed": {"pp": 2, "microbatches": 4, "dp_mode": "ddp", "n_layers": 4}, "baseline": {"vpp": 1}}
     s = parse_space({**pp, "knobs": {"pipeline_schedule": ["1f1b", "zbv"], "vpp": [1, 2]},
                      "constraints": ["not (pipeline_schedule == 'zbv' and vpp != 2)"]}, "s.yaml")
     assert {"pipeline_schedule": "zbv", "vpp": 2} in s.grid() and len(s.grid()) == 3
@@ -244,3 +244,41 @@ def test_space_file_is_bounded_yaml(tmp_path):
     os.mkfifo(fifo)
     with pytest.raises(SpaceError, match=r"fifo.yaml: cannot read: not a regular file"):
         load_space(fifo, check_trainer=False)
+
+
+def test_every_point_must_fit_nproc_and_constraints_can_read_it():
+    doc = {"config": "tiny", "nproc": 4, "knobs": {"ep": [1, 2, 8]}, "fixed": {"n_routed_experts": 16}}
+    assert _err(doc, True) == ('s.yaml: nproc: 4 process(es) cannot run {"ep":8} (config error: ep: world size 4 != '
+                               'dp*ep = 0*8); exclude it with a constraint')
+    s = parse_space({**doc, "constraints": ["nproc % ep == 0"]}, "s.yaml")
+    assert s.grid() == [{"ep": 1}, {"ep": 2}]
+    # a fixed dp that the world cannot hold is named too (here: every point)
+    assert _err({**doc, "knobs": {"ep": [1, 2]}, "fixed": {"dp": 4}}, True).startswith(
+        's.yaml: nproc: 4 process(es) cannot run {"ep":2} (config error: dp: world size 4 != dp*ep = 4*2)')
+
+
+@pytest.mark.parametrize("name, nproc, points", [("tiny_cpu_ep.yaml", 4, 13), ("gpu_ep4.yaml", 4, 10)])
+def test_ep_spaces_search_the_dispatch_knobs_only_where_the_trainer_takes_them(name, nproc, points):
+    """The EP spaces' constraints leave out exactly the points the trainer refuses (a dispatch knob off its
+    default at ep=1) and the ones that repeat another (the capacity factor without the capacity path, the chunk
+    count without the overlap); every point left is a valid trainer config on ``nproc`` processes."""
+    from pathlib import Path
+
+    from moespec.config import ConfigError, load_config, resolve_world
+
+    space = load_space(Path(__file__).resolve().parents[2] / "autotune" / "spaces" / name)
+    assert space.nproc == nproc and len(space.grid()) == points
+    names = list(space.knobs)
+    for vals in itertools.product(*space.knobs.values()):
+        p = dict(zip(names, vals))
+        try:
+            cfg = load_config(space.config, {**space.fixed, **p, "device": "cpu"})
+            resolve_world(cfg, space.nproc)
+            valid = True
+        except ConfigError:
+            valid = False
+        repeats = ((p.get("ep_capacity_factor", 1.25) != 1.25 and p["ep_dispatch"] != "capacity")
+                   or (p.get("ep_overlap_chunks", 2) != 2 and not p["ep_overlap"]))
+        assert space.allowed(p) == (valid and not repeats), p
+        if p["ep"] == 1:
+            assert valid == (p["ep_dispatch"] == "nccl" and not p["ep_overlap"]), p

@@ -1,5 +1,7 @@
 """benchmarks/bench_trainer_knobs.py: its loss comparison and table (the GPU runs themselves are the lead's;
-``--cpu`` runs it end to end on the tiny config in about a minute, too slow for CI)."""
+``--cpu`` runs it end to end on the tiny config in about a minute, too slow for CI), and its expert-parallel rows:
+judged per section, the dropped-row share, one-line refusals, and (slow: 2 gloo processes, 1.5-2 minutes each)
+the EP rows end to end on a CPU with their trace diffs and with the loss check."""
 
 from __future__ import annotations
 
@@ -155,3 +157,124 @@ def test_check_loss_needs_two_eager_runs():
     r = subprocess.run([sys.executable, "benchmarks/bench_trainer_knobs.py", "--check-loss", "--eager-runs", "1"],
                        cwd=REPO, capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "at least 2 with --check-loss" in r.stderr and "Traceback" not in r.stderr
+
+
+# ---------------------------------------------------------------------------------------------- expert-parallel rows
+def test_ep_rows_are_cumulative_from_data_parallelism_and_valid_on_the_world():
+    from moespec.config import load_config, resolve_world
+
+    b = _bench()
+    rows = b.section_rows("ep", 4, False, 3, b.EP_GPU_BASE)
+    assert rows == [("baseline ep=1", {"ep": 1}), ("+ ep", {"ep": 4}), ("+ ep_dispatch", {"ep_dispatch": "capacity"}),
+                    ("+ ep_overlap", {"ep_overlap": True}), ("+ ep_overlap_chunks", {"ep_overlap_chunks": 4})]
+    acc = {}
+    for _, knob in rows:
+        acc.update(knob)
+        cfg = load_config(b.EP_GPU_BASE["config"], {**b.EP_GPU_BASE["set"], **acc, "device": "auto"})
+        assert resolve_world(cfg, 4) == (4 // cfg["ep"], cfg["ep"])
+    assert (cfg["ep"], cfg["ep_dispatch"], cfg["ep_capacity_factor"], cfg["ep_overlap"], cfg["ep_overlap_chunks"],
+            cfg["micro_batch_size"], cfg["sync_free_level"]) == (4, "capacity", 1.25, True, 4, 16, 3)
+    # the loss check: the DP baseline as the eager ensemble, no micro-batch row to drop, its own control
+    rows = b.section_rows("ep", 2, True, 3, b.EP_CPU_BASE)
+    assert [n for n, _ in rows] == ["baseline ep=1", "baseline ep=1 (run 2)", "baseline ep=1 (run 3)", "+ ep",
+                                    "+ ep_dispatch", "+ ep_overlap", "+ ep_overlap_chunks", "control: lr x1.25"]
+    assert rows[-1][1] == {"ep": 1, "lr": pytest.approx(1.25e-2)}  # tiny's lr 1e-2, from the DP baseline
+    # the single-process rows are what they were
+    assert [n for n, _ in b.section_rows("knobs", 4, True, 2, b.GPU_BASE)] == [
+        "baseline", "baseline (run 2)", "+ optimizer", "+ step_timing", "+ compile", "+ triton_kernels",
+        "+ expert_swiglu", "+ cuda_graphs", "control: lr x1.25"]
+    assert b.run_dir_name(9, "baseline ep=1 (run 2)") == "9_baseline_ep-1_run_2"
+    assert b.run_dir_name(3, "+ ep_overlap_chunks") == "3_ep_overlap_chunks"
+
+
+def _row(name, loss, section="ep", **kw):
+    return {"name": name, "section": section, "adds": {}, "tokens_per_s_per_gpu": 100.0, "mfu": None, "step_ms": 10.0,
+            "peak_gib": 1.0, "loss": loss, "run_dir": name, "rc": 0, **kw}
+
+
+def test_ep_rows_are_judged_against_their_own_baseline_and_a_capacity_row_out_of_the_window_fails():
+    b = _bench()
+    eager = [_curve(30, 13, 0.2, s) for s in (0, 1, 2)]
+    knob_eager = [[v + 1.0 for v in eager[0]] for _ in range(2)]  # another batch size: another curve, no drift
+    cap = {"path": "capacity", "capacity_factor": 1.0, "overlap": False, "overlap_chunks": 1, "routed_rows": 12288,
+           "dropped_rows": 3072, "dropped_share": 0.25}
+    rows = [_row("baseline", knob_eager[0], "knobs"), _row("baseline (run 2)", knob_eager[1], "knobs"),
+            _row("baseline ep=1", eager[0]), _row("baseline ep=1 (run 2)", eager[1]),
+            _row("baseline ep=1 (run 3)", eager[2]),
+            _row("+ ep", _curve(30, 13, 0.2, 3), ep_dispatch={**cap, "path": "nccl", "capacity_factor": None,
+                                                               "dropped_rows": 0, "dropped_share": 0.0}),
+            # drops a quarter of the routed rows: 3 % off from step 1 on, out of the eager window
+            _row("+ ep_dispatch", [v * (1.03 if i else 1.0) for i, v in enumerate(eager[0])], ep_dispatch=cap)]
+    b.judge_rows(rows, 1e-2)
+    by = {r["name"]: r for r in rows}
+    assert by["+ ep"]["loss_ok"] and by["baseline ep=1 (run 3)"]["loss_ok"]
+    # judged against the EP section's baseline, not the single-process one (which is 1.0 higher)
+    assert by["+ ep"]["loss_check"]["eager_late_mean"] == pytest.approx(
+        sum(sum(e[-10:]) / 10 for e in eager) / 3)
+    assert by["baseline (run 2)"]["loss_ok"] and by["baseline (run 2)"]["loss_check"]["agreed_steps"] == 30
+    capr = by["+ ep_dispatch"]
+    assert not capr["loss_ok"] and not capr["loss_check"]["early_ok"]
+    md = b.table([r for r in rows if r["section"] == "ep"], 1e-2, "## ep", ep=True)
+    assert "| EP dispatch: dropped rows | loss vs eager" in md
+    assert "| + ep | — | 100 | n/a | 10.0 | +0.0 % | 1.00 | nccl: none dropped | first 13 steps" in md
+    line = next(ln for ln in md.splitlines() if ln.startswith("| + ep_dispatch |"))
+    assert "| capacity 1.0: 25.00 % dropped (3,072 of 12,288 rows) | first 13 steps 3.00e-02 (OUT);" in line
+    assert "| baseline ep=1 | — | 100 | n/a | 10.0 |  | 1.00 | — |" in md
+    assert not b.verdict(rows, cpu=True)  # the capacity row fails the run (exit 1), as any knob row would
+    assert b.verdict([r for r in rows if r["name"] != "+ ep_dispatch"], cpu=True)
+    # a control that passes fails the run, per section; a refused EP row is never excused on a CPU
+    ok_control = _row("control: lr x1.25", eager[1], loss_ok=True)
+    assert not b.verdict([ok_control], cpu=True)
+    assert not b.verdict([_row("+ expert_swiglu", [], rc=2)], cpu=True)
+    assert b.verdict([_row("+ expert_swiglu", [], "knobs", rc=2)], cpu=True)
+    assert b.dropped_text(None) == "—"
+
+
+@pytest.mark.parametrize("argv, msg", [
+    (["--cpu", "--only", "ep"], "--only ep needs --nproc N > 1"),
+    (["--cpu", "--nproc", "3", "--only", "ep"], "--nproc 3: the EP rows (ep=3 on tiny) cannot run: config error: ep: "),
+    (["--cpu", "--nproc", "0"], "--nproc must be at least 1, got 0"),
+])
+def test_ep_rows_bad_world_is_one_line_exit_2(argv, msg):
+    r = subprocess.run([sys.executable, "benchmarks/bench_trainer_knobs.py", *argv], cwd=REPO, capture_output=True,
+                       text=True, timeout=60, check=False)
+    assert r.returncode == 2 and msg in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["diff", "check-loss"])
+def test_cpu_ep_rows_on_two_gloo_processes(tmp_path, mode):
+    """``--cpu --nproc 2 --only ep``: the EP rows through trainer.launch on 2 gloo ranks, a few steps each, with the
+    trace diff of every row against the one before (``diff``) or the loss check with its control (``check-loss``)."""
+    # the loss check runs 6 steps: by step 5 the control (lr x1.25, after tiny's 2 warm-up steps) is 2e-2 off the
+    # DP runs, twice the tolerance; at 4 steps it is still inside it
+    extra = ["--diff", "--steps", "4"] if mode == "diff" else ["--check-loss", "--eager-runs", "2", "--steps", "6"]
+    r = subprocess.run([sys.executable, "benchmarks/bench_trainer_knobs.py", "--cpu", "--nproc", "2", "--only", "ep",
+                        "--out", str(tmp_path), *extra], cwd=REPO, capture_output=True, text=True, timeout=900,
+                       check=False)
+    out = tmp_path / ("check_loss" if mode == "check-loss" else "")
+    kind = "check_loss" if mode == "check-loss" else "bench_trainer_knobs"
+    doc = json.loads((out / f"{kind}.json").read_text())
+    rows = {row["name"]: row for row in doc["rows"]}
+    assert doc["nproc"] == 2 and doc["sections"] == ["ep"], r.stderr[-3000:]
+    assert all(row["rc"] == 0 and row["nproc"] == 2 for row in rows.values()), r.stderr[-3000:]
+    assert [row["ep_dispatch"] for row in rows.values() if row["name"].startswith(("baseline", "control"))] == \
+        [None] * (3 if mode == "check-loss" else 1)  # the DP runs (2 with --eager-runs 2) and the control
+    assert rows["+ ep"]["ep_dispatch"]["path"] == "nccl" and rows["+ ep"]["ep_dispatch"]["dropped_rows"] == 0
+    cap = rows["+ ep_dispatch"]["ep_dispatch"]
+    assert (cap["path"], cap["capacity_factor"], cap["overlap"]) == ("capacity", 1.25, False)
+    assert rows["+ ep_overlap_chunks"]["ep_dispatch"]["overlap_chunks"] == 4
+    assert 0 < cap["routed_rows"] and cap["dropped_share"] == cap["dropped_rows"] / cap["routed_rows"]
+    md = (out / f"{kind}.md").read_text()
+    assert f"capacity 1.25: {100 * cap['dropped_share']:.2f} % dropped" in md
+    # the loss of every EP row against the DP baseline's, rc 0 only when every row passes (and the control fails)
+    ok = all(row.get("loss_ok", True) for n, row in rows.items() if not n.startswith("control"))
+    if mode == "check-loss":
+        assert not rows["control: lr x1.25"]["loss_ok"]
+    assert r.returncode == (0 if ok else 1), r.stderr[-3000:]
+    assert rows["+ ep"]["loss_ok"] and rows["+ ep"]["loss_rel_diff"] < 1e-5  # EP = the DP layer (fp32)
+    if mode == "diff":
+        for a, b in (("0_baseline_ep-1", "1_ep"), ("1_ep", "2_ep_dispatch"), ("2_ep_dispatch", "3_ep_overlap"),
+                     ("3_ep_overlap", "4_ep_overlap_chunks")):
+            assert (out / f"diff_{a}__{b}" / "diff.md").is_file(), md
+        assert len(list((out / "2_ep_dispatch" / "traces").glob("rank*.json.gz"))) == 2
