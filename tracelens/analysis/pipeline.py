@@ -54,7 +54,7 @@ from ..errors import TraceError
 from ..io.run import Run
 from . import intervals as I
 from .bubble import bubble_ratio
-from .steps import run_manifest, steady_pipeline_step
+from .steps import manifest_step_roles, run_manifest, steady_pipeline_step
 
 KINDS = ("F", "B", "W")
 MAX_TIME_NS = 1 << 62  # 2116 in epoch ns: a start or end at or past it is not a time (2**63-1 is a sentinel)
@@ -493,11 +493,15 @@ def pipeline_meta(run_dir, actions: pd.DataFrame) -> PipelineMeta:
 # ------------------------------------------------------------------------------------ steps
 
 
-def select_steps(actions: pd.DataFrame, step: int | None = None) -> tuple[pd.DataFrame, list[int], list[int]]:
-    """(actions of the analyzed steps, analyzed step numbers, steps skipped as warm-up).
+def select_steps(actions: pd.DataFrame, step: int | None = None,
+                 manifest: dict | None = None) -> tuple[pd.DataFrame, list[int], list[int]]:
+    """(actions of the analyzed steps, analyzed step numbers, steps skipped).
 
     step given: that step only (`TraceError` if absent). Otherwise every step but the first when there
-    are two or more (the first is warm-up).
+    are two or more (the first is warm-up), and but the steps the run's manifest marks as warm-up or as
+    the trace-export step (`steps.manifest_step_roles`: the step in which the profiler stops and writes
+    its trace, 2x the others on the 4-GPU fixtures), as the rest of the analyzer leaves them out; when
+    that would leave no step, those are kept.
     """
     all_steps = sorted(actions["step"].unique().tolist())
     if not all_steps:
@@ -507,8 +511,19 @@ def select_steps(actions: pd.DataFrame, step: int | None = None) -> tuple[pd.Dat
             raise TraceError(None, f"step {step} is not in the pipeline data (steps {_ranges(all_steps)})")
         return actions[actions["step"] == step], [step], []
     skipped = all_steps[:1] if len(all_steps) > 1 else []
+    roles = manifest_step_roles(manifest)
+    more = [s for s in all_steps if s in roles and s not in skipped]
+    if [s for s in all_steps if s not in skipped and s not in more]:
+        skipped = sorted(skipped + more)
     keep = [s for s in all_steps if s not in skipped]
     return actions[actions["step"].isin(keep)], keep, skipped
+
+
+def skip_reasons(skipped: list[int], manifest: dict | None) -> str:
+    """'step 0 (warm-up), 5 (trace export)': why the analyzed window leaves those steps out."""
+    roles = manifest_step_roles(manifest)
+    names = {"warmup": "warm-up", "export": "trace export"}
+    return ", ".join(f"{s} ({names.get(roles[s][0], roles[s][0]) if s in roles else 'warm-up'})" for s in skipped)
 
 
 def _ranges(nums: list[int]) -> str:
@@ -852,7 +867,7 @@ def _layer_move(tab: pd.DataFrame, s: int, layers: list[int], mods: list[list[st
         layer_ns = float(np.mean(clean)) if clean else t[s] / n_s
     before = busiest(t)
     best = None
-    keep_min = 1 if pure(s) else 0  # a stage keeps at least one module
+    keep_min = 1  # a stage keeps at least one transformer layer (as the automatic layout gives every stage)
     for n in neighbours:
         for k in range(1, n_s - keep_min + 1):
             new = t.copy()
@@ -863,8 +878,11 @@ def _layer_move(tab: pd.DataFrame, s: int, layers: list[int], mods: list[list[st
                 best = {"layers": k, "from": s, "to": n, "layer_ns": layer_ns, "bottleneck_before_ns": before,
                         "bottleneck_after_ns": after, "from_after_ns": float(new[s]), "to_after_ns": float(new[n])}
     if best is None or best["bottleneck_after_ns"] >= before * 0.99:
+        # the non-layer pieces the stage holds (embedding, loss head) and what they cost beyond its layers
+        extra = [x for x in (mods[s] if mods else []) if not _is_layer_module(x)]
         return {"layers": 0, "from": s, "to": None, "layer_ns": layer_ns, "bottleneck_before_ns": before,
-                "bottleneck_after_ns": before}
+                "bottleneck_after_ns": before, "stage_layers": int(n_s), "extra_modules": extra,
+                "extra_ns": max(float(t[s]) - n_s * layer_ns, 0.0) if extra else 0.0}
     return best
 
 
@@ -880,6 +898,15 @@ def _statement(tab, slowest, ratio, critical, flagged, move, has_layout) -> str:
     what = "slowest stage" if one_stage_per_rank else "busiest pipeline rank"
     if move is None or not move["layers"]:
         per = fmt_ns(move["layer_ns"]) if move else "?"
+        n_l = (move or {}).get("stage_layers")
+        if n_l == 1:  # no layer can leave it: say what would help instead
+            extra = move.get("extra_modules") or []
+            piece = " and ".join({"loss": "the loss head", "embedding": "the embedding"}.get(str(x), str(x)) for x in extra)
+            cost = f" (≈ {fmt_ns(move['extra_ns'])} per microbatch beyond its layer)" if extra and move.get("extra_ns") else ""
+            help_ = (f"; it holds a single layer{' and ' + piece + cost if piece else ''}, which no layer move can "
+                     "lower: give every other stage more layers (fewer pipeline stages, pp or vpp, or more layers "
+                     "per stage)" + (f", or make {piece} cheaper (fused or chunked loss)" if "loss" in extra else ""))
+            return f"{head}{help_} (one layer ≈ {per}){crit}"
         return (f"{head}: moving whole layers to a neighbour would not lower the {what} "
                 f"(one layer ≈ {per}){crit}")
     k = move["layers"]
@@ -1385,6 +1412,7 @@ class PipelineAnalysis:
     source: str  # "jsonl" | "trace"
     warnings: list[str] = field(default_factory=list)
     account: BubbleAccount | None = None  # each rank's idle split into theory, imbalance, comm, host, other
+    skipped_note: str = ""  # why the skipped steps are left out ('0 (warm-up), 5 (trace export)')
 
     def tables(self) -> dict[str, pd.DataFrame]:
         out = {"pipeline_actions": self.actions, "pipeline_bubbles": self.per_step,
@@ -1415,7 +1443,8 @@ class PipelineAnalysis:
         """The `tracelens ppvis` text: bubbles per rank against theory, the stage balance and the fix, and
         the bubble account; times per step."""
         m = self.meta
-        skipped = f"; step {', '.join(map(str, self.skipped_steps))} skipped as warm-up" if self.skipped_steps else ""
+        skipped = (f"; step {self.skipped_note or ', '.join(map(str, self.skipped_steps))} skipped"
+                   if self.skipped_steps else "")
         pct = lambda v: "n/a" if v is None or math.isnan(v) else f"{100 * v:.1f}%"  # noqa: E731
         lines = [f"pipeline: {m.schedule}{f' ({m.torch_schedule})' if m.torch_schedule else ''}, pp {m.pp}, vpp {m.vpp}, "
                  f"{m.microbatches} microbatches; {len(self.steps)} step(s) analyzed{skipped}"
@@ -1443,14 +1472,16 @@ def _num(v: float) -> float | None:
 
 
 def analyze_pipeline(actions: pd.DataFrame, meta: PipelineMeta | None = None, *, step: int | None = None,
-                     source: str = "jsonl", trace=None) -> PipelineAnalysis:
+                     source: str = "jsonl", trace=None, manifest: dict | None = None) -> PipelineAnalysis:
     """Bubbles, theory, stage balance and the bubble account over the analyzed steps (see `select_steps`);
     `trace` (the run's loaded traces) lets the account tell communication from host overhead."""
     if actions.empty:
         raise TraceError(None, "empty window: no pipeline actions")
     meta = meta or infer_meta(actions)
     warns = list(actions.attrs.get("warnings", [])) + check_actions(actions, meta)
-    sel, steps, skipped = select_steps(actions, step)
+    if manifest is None and trace is not None:
+        manifest = run_manifest(trace)
+    sel, steps, skipped = select_steps(actions, step, manifest)
     per_step = bubbles(sel)
     if per_step.empty or int(per_step["window_ns"].sum()) <= 0:
         raise TraceError(None, f"empty window: the actions of step(s) {_ranges(steps)} span no time")
@@ -1458,14 +1489,15 @@ def analyze_pipeline(actions: pd.DataFrame, meta: PipelineMeta | None = None, *,
     per_rank = rank_bubbles(per_step, theory)
     overall = float(per_step["idle_ns"].sum() / per_step["window_ns"].sum())
     # lanes show a steady-state step: not a warm-up, profiled or trace-export step of the run's manifest
-    shown = steps[-1] if step is not None else steady_pipeline_step(steps, run_manifest(trace) if trace is not None else None)
+    shown = steps[-1] if step is not None else steady_pipeline_step(steps, manifest)
     gaps = bubble_gaps(sel[sel["step"] == shown])
     balance = stage_balance(sel, meta)
     account = bubble_account(sel, meta, balance, trace=trace, measured=per_step)
     return PipelineAnalysis(actions=actions, selected=sel, steps=steps, skipped_steps=skipped, shown_step=shown, meta=meta,
                             per_step=per_step, per_rank=per_rank, overall_ratio=overall, theory_ratio=theory,
                             theory_note=note, gaps=gaps, balance=balance, source=source,
-                            warnings=warns + account.warnings, account=account)
+                            warnings=warns + account.warnings, account=account,
+                            skipped_note=skip_reasons(skipped, manifest))
 
 
 def load_pipeline(source, *, step: int | None = None, cache: bool = True, traces: bool = True) -> PipelineAnalysis:
@@ -1494,7 +1526,8 @@ def load_pipeline(source, *, step: int | None = None, cache: bool = True, traces
             except TraceError as e:
                 extra.append(f"bubble account without traces (comm and host not told apart): {e.one_line()}")
     try:
-        res = analyze_pipeline(actions, meta, step=step, source=src, trace=trace)
+        res = analyze_pipeline(actions, meta, step=step, source=src, trace=trace,
+                               manifest=getattr(run, "manifest", None) if run is not None else None)
     except TraceError as e:
         if e.path is None and is_path:  # name the run in the one-line error
             raise TraceError(source, e.problem) from None

@@ -222,9 +222,15 @@ def _move_bubble(analysis, p, ms: dict, step_ms: float, other_idle: float, notes
     scale = step_ms / (p.step_ns / 1e6)  # the calibration: the traced step's ms -> the decomposed step's
     want = bubble_ns / 1e6 * scale
     w = p.work
-    p2p = w["is_comm"].to_numpy(dtype=bool) & w["name"].astype(str).str.contains(P2P_KERNEL).to_numpy()
-    handoff_ms = float(row["comm_ns"].iloc[0]) / 1e6 if "comm_ns" in row.columns else 0.0
-    p2p_wait_ms = max(float(w["dur"].to_numpy(dtype=np.float64)[p2p].sum()) / 1e6 - handoff_ms, 0.0) * scale
+    if "wait_kind" in w.columns and (w["wait_kind"] == "pipeline").any():
+        # the stage's point-to-point waits for its neighbour (tracelens.analysis.waits): the bubble's share of
+        # the communication kernels' time
+        pipe = (w["wait_kind"] == "pipeline").to_numpy()
+        p2p_wait_ms = float(w["wait"].to_numpy(dtype=np.float64)[pipe].sum()) / 1e6 * scale
+    else:  # no cross-rank waits known (one rank loaded): the point-to-point time beyond the hand-offs
+        p2p = w["is_comm"].to_numpy(dtype=bool) & w["name"].astype(str).str.contains(P2P_KERNEL).to_numpy()
+        handoff_ms = float(row["comm_ns"].iloc[0]) / 1e6 if "comm_ns" in row.columns else 0.0
+        p2p_wait_ms = max(float(w["dur"].to_numpy(dtype=np.float64)[p2p].sum()) / 1e6 - handoff_ms, 0.0) * scale
     other_idle_ms = other_idle * ms["other"]
     moved = 0.0
     for comp, avail in (("exposed communication", min(p2p_wait_ms, ms["exposed communication"])),

@@ -1,0 +1,126 @@
+"""Wait vs transfer of communication kernels: the one notion every view reads.
+
+A communication kernel (NCCL/RCCL) starts when its rank launches it and cannot move data before every
+rank it exchanges with has arrived: until then it spins. Its duration is a wait and a transfer:
+
+    wait(k)     = min(last arrival - start(k), dur(k))    (last arrival: the latest start of the
+                                                           instance's kernels over the ranks,
+                                                           `comm.collective_instances`)
+    transfer(k) = dur(k) - wait(k)
+
+The wait is not communication, and no bandwidth shrinks it. What it is depends on what the rank waits
+for (`kind`):
+
+    peer      a collective (or a point-to-point exchange outside a pipeline) waiting for the last rank
+              of its group to arrive: "waiting for rank N" (`waiting_for`); the late rank's cause is
+              `tracelens.analysis.straggler`'s
+    pipeline  a pipeline stage's point-to-point kernel (its receive, or a send whose peer has not posted
+              its receive) waiting for its neighbour stage: the pipeline bubble (schedule + stage
+              imbalance, as ppvis's bubble account splits it), not communication
+    startup   waiting for a rank that had not started profiling (the wait is partly outside the trace:
+              `steps.startup_waits`); unmatched such kernels wait for their whole duration
+
+A kernel whose instance lacks a rank of its group in the loaded traces (a partial rank set) has no
+known wait: it counts as transfer (`kind` ``unmatched``), as before this split existed.
+
+Consumers: the GPU timeline (`timeline.gpu_timeline(..., waits=)`: exposed communication is the transfer
+no compute hides; `comm_wait_us` and `pipeline_wait_us` are the waits, each its own category), and
+through it summary.json, the report and `diff`; the findings; `comm`'s exposed communication; the
+what-if's step profiles (`projection.profile`: a unit's ``wait``), so a predicted change never scales a
+wait as if it were transfer; and the step decomposition (pipeline waits are its ``pipeline bubble``,
+collective waits its ``collective waits``).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+
+US = 1000.0
+KINDS = ("peer", "pipeline", "startup", "unmatched")
+# the GPU timeline's wait classes (`timeline.gpu_timeline`): 0 transfer (or any other event), 1 a wait for a
+# peer rank (peer and startup), 2 a pipeline wait
+WAIT_CLASS = {"peer": 1, "startup": 1, "pipeline": 2}
+COLUMNS = ["rank", "step", "family", "kind", "wait_ns", "transfer_ns", "waiting_for"]
+
+
+def is_pipeline(trace) -> bool:
+    """Whether the traces are of a pipeline-parallel run (its point-to-point kernels are stage hand-offs):
+    a run dir with pipeline actions, pipeline ranges in the trace, or a manifest with pp > 1."""
+    from .pipeline import has_pipeline_data
+
+    run = getattr(trace, "run", None)
+    man = getattr(run, "manifest", None) if run is not None else None
+    cfg = man.get("config") if isinstance(man, dict) and isinstance(man.get("config"), dict) else {}
+    pp = cfg.get("pp")
+    if isinstance(pp, int) and not isinstance(pp, bool) and pp > 1:
+        return True
+    return bool(has_pipeline_data(trace)) if getattr(trace, "events", None) is not None else False
+
+
+def kernel_waits(inst: pd.DataFrame, pipeline: bool = False) -> pd.DataFrame:
+    """One row per communication kernel of the collective instances `inst` (`comm.collective_instances`),
+    indexed by its GPU row label (`gpu_row`): rank, step, family, kind (see the module docstring),
+    wait_ns and transfer_ns (int64 ns, adding up to the kernel's duration) and waiting_for (the rank the
+    wait is for: the instance's last arrival; -1 when it did not wait or the wait is not known).
+    pipeline: the run is pipeline-parallel (`is_pipeline`): its point-to-point waits are pipeline waits."""
+    if inst is None or inst.empty:
+        return pd.DataFrame({c: pd.Series([], dtype="int64" if c not in ("family", "kind") else object)
+                             for c in COLUMNS}, index=pd.Index([], dtype="int64", name="gpu_row"))
+    dur = np.rint(inst["kernel_us"].to_numpy(np.float64) * US).astype(np.int64)
+    sync = inst["sync_us"].to_numpy(np.float64)
+    cross = inst["cross_rank"].to_numpy(bool)
+    startup = inst["startup"].to_numpy(bool)
+    known = cross & np.isfinite(sync)
+    wait = np.zeros(len(inst), dtype=np.int64)
+    wait[known] = np.rint(sync[known] * US).astype(np.int64)
+    # a start-up kernel whose peer is not in the traces waits for its whole duration (an upper bound, as
+    # `steps.startup_waits` counts it)
+    wait[startup & ~known] = dur[startup & ~known]
+    wait = np.clip(wait, 0, dur)
+    fam = inst["family"].astype(str).to_numpy()
+    kind = np.where(startup, "startup", np.where(~known, "unmatched",
+                                                 np.where((fam == "p2p") & pipeline, "pipeline", "peer")))
+    last = inst["last_rank"].to_numpy(np.int64)
+    rank = inst["rank"].to_numpy(np.int64)
+    waiting_for = np.where((wait > 0) & known & (last != rank), last, -1)
+    out = pd.DataFrame({"rank": rank, "step": inst["step"].to_numpy(np.int64), "family": fam, "kind": kind.astype(object),
+                        "wait_ns": wait, "transfer_ns": dur - wait, "waiting_for": waiting_for},
+                       index=pd.Index(inst["gpu_row"].to_numpy(np.int64), name="gpu_row"))
+    return out[~out.index.duplicated()]
+
+
+def rank_waits(kw: pd.DataFrame, steps=None) -> pd.DataFrame:
+    """Per rank (over `steps` when given, start-up waits left out): kernel time of its communication kernels
+    split into peer wait, pipeline wait and transfer (µs, sums over kernels, as `tracelens comm` reports
+    them), and the rank it waited for most (`waits_for`, -1: none)."""
+    cols = ["rank", "peer_wait_us", "pipeline_wait_us", "transfer_us", "waits_for"]
+    if kw is None or kw.empty:
+        return pd.DataFrame(columns=cols)
+    k = kw[kw["kind"] != "startup"]
+    if steps is not None:
+        k = k[k["step"].isin(list(steps))]
+    rows = []
+    for r, g in k.groupby("rank", sort=True):
+        peer = g["kind"] == "peer"
+        who = g[peer & (g["waiting_for"] >= 0)].groupby("waiting_for")["wait_ns"].sum()
+        rows.append({"rank": int(r), "peer_wait_us": float(g.loc[peer, "wait_ns"].sum()) / US,
+                     "pipeline_wait_us": float(g.loc[g["kind"] == "pipeline", "wait_ns"].sum()) / US,
+                     "transfer_us": float(g["transfer_ns"].sum()) / US,
+                     "waits_for": int(who.idxmax()) if len(who) and who.max() > 0 else -1})
+    return pd.DataFrame(rows, columns=cols)
+
+
+def wait_class(kw: pd.DataFrame | None) -> pd.DataFrame | None:
+    """The GPU timeline's input: wait_ns and wclass (`WAIT_CLASS`) of the kernels that waited, indexed by
+    GPU row label; None when none did."""
+    if kw is None or kw.empty:
+        return None
+    k = kw[(kw["wait_ns"] > 0) & kw["kind"].isin(list(WAIT_CLASS))]
+    if k.empty:
+        return None
+    return pd.DataFrame({"wait_ns": k["wait_ns"].to_numpy(np.int64),
+                         "wclass": k["kind"].map(WAIT_CLASS).to_numpy(np.int8)}, index=k.index)
+
+
+__all__ = ["COLUMNS", "KINDS", "WAIT_CLASS", "is_pipeline", "kernel_waits", "rank_waits", "wait_class"]
