@@ -62,9 +62,10 @@ def _comm_instances(a: Any, comm_kernels: pd.DataFrame) -> pd.DataFrame:
 @DERIVED.entry("comm_waits", inputs=("comm_instances", "trace"), module="tracelens.analysis.waits")
 def _comm_waits(a: Any, comm_instances: pd.DataFrame) -> pd.DataFrame:
     """Each communication kernel's wait and transfer, by GPU row label (tracelens.analysis.waits.kernel_waits)."""
+    from .analysis.pipeline import has_pipeline_data
     from .analysis.waits import is_pipeline, kernel_waits
 
-    return kernel_waits(comm_instances, pipeline=is_pipeline(a.trace))
+    return kernel_waits(comm_instances, pipeline=is_pipeline(a.trace, has_pipeline_data))
 
 
 @DERIVED.entry("host_syncs", inputs=("tree", "gpu", "steps", "trace"), module="tracelens.analysis.host")

@@ -783,6 +783,7 @@ def exposed_comm(analysis, inst: pd.DataFrame) -> pd.DataFrame:
     startup_rows = inst.loc[inst["startup"], "gpu_row"].to_numpy()
     keep = ~np.isin(g.index.to_numpy(), startup_rows)
     kw = analysis.comm_waits() if hasattr(analysis, "comm_waits") else kernel_waits(inst, is_pipeline(analysis.trace))
+    # (without the analysis's entry: a pipeline is known from the manifest only, and p2p waits count as peer waits)
     tl = gpu_timeline(g[keep], waits=wait_class(kw))
     tl = tl[tl["comm_us"] > 0] if len(tl) else tl
     out = tl[cols[:-1]].copy()

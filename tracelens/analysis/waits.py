@@ -44,18 +44,19 @@ WAIT_CLASS = {"peer": 1, "startup": 1, "pipeline": 2}
 COLUMNS = ["rank", "step", "family", "kind", "wait_ns", "transfer_ns", "waiting_for"]
 
 
-def is_pipeline(trace) -> bool:
-    """Whether the traces are of a pipeline-parallel run (its point-to-point kernels are stage hand-offs):
-    a run dir with pipeline actions, pipeline ranges in the trace, or a manifest with pp > 1."""
-    from .pipeline import has_pipeline_data
-
+def is_pipeline(trace, has_pipeline_data=None) -> bool:
+    """Whether the traces are of a pipeline-parallel run (its point-to-point kernels are stage hand-offs): a
+    manifest with pp > 1, or (``has_pipeline_data``: `pipeline.has_pipeline_data`, passed in by the caller,
+    so this module does not import the pipeline analysis) pipeline actions or ranges."""
     run = getattr(trace, "run", None)
     man = getattr(run, "manifest", None) if run is not None else None
     cfg = man.get("config") if isinstance(man, dict) and isinstance(man.get("config"), dict) else {}
     pp = cfg.get("pp")
     if isinstance(pp, int) and not isinstance(pp, bool) and pp > 1:
         return True
-    return bool(has_pipeline_data(trace)) if getattr(trace, "events", None) is not None else False
+    if has_pipeline_data is None or getattr(trace, "events", None) is None:
+        return False
+    return bool(has_pipeline_data(trace))
 
 
 def kernel_waits(inst: pd.DataFrame, pipeline: bool = False) -> pd.DataFrame:
