@@ -522,6 +522,8 @@ def select_steps(actions: pd.DataFrame, step: int | None = None,
 def skip_reasons(skipped: list[int], manifest: dict | None) -> str:
     """'step 0 (warm-up), 5 (trace export)': why the analyzed window leaves those steps out."""
     roles = manifest_step_roles(manifest)
+    if not any(s in roles for s in skipped):
+        return ""
     names = {"warmup": "warm-up", "export": "trace export"}
     return ", ".join(f"{s} ({names.get(roles[s][0], roles[s][0]) if s in roles else 'warm-up'})" for s in skipped)
 
@@ -1443,8 +1445,8 @@ class PipelineAnalysis:
         """The `tracelens ppvis` text: bubbles per rank against theory, the stage balance and the fix, and
         the bubble account; times per step."""
         m = self.meta
-        skipped = (f"; step {self.skipped_note or ', '.join(map(str, self.skipped_steps))} skipped"
-                   if self.skipped_steps else "")
+        skipped = ("" if not self.skipped_steps else f"; step {self.skipped_note} skipped" if self.skipped_note
+                   else f"; step {', '.join(map(str, self.skipped_steps))} skipped as warm-up")
         pct = lambda v: "n/a" if v is None or math.isnan(v) else f"{100 * v:.1f}%"  # noqa: E731
         lines = [f"pipeline: {m.schedule}{f' ({m.torch_schedule})' if m.torch_schedule else ''}, pp {m.pp}, vpp {m.vpp}, "
                  f"{m.microbatches} microbatches; {len(self.steps)} step(s) analyzed{skipped}"
