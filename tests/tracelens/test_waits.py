@@ -71,6 +71,47 @@ def test_ep4_collective_waits_are_not_communication(ep4):
         assert us == pytest.approx(next(x for x in summ["ranks"] if x["rank"] == int(r))["exposed_comm_us"], abs=0.01)
 
 
+def _union(iv) -> float:
+    total, end = 0.0, -np.inf
+    for s, e in sorted(iv):
+        if e <= s:
+            continue
+        if s > end:
+            total += e - s
+            end = e
+        elif e > end:
+            total += e - end
+            end = e
+    return total
+
+
+def test_ep4_decomposition_collective_waits_are_the_exposed_waits(ep4):
+    """The decomposition's `collective waits` (replayed step, not calibrated: it reproduces the traced step) is
+    the step's collective waits no compute hides, computed here from the raw JSON as |W u T u C| - |T u C|
+    (W waits, T transfers, C other kernels); what stays `exposed communication` is transfer only."""
+    from tracelens.projection.decomposition import decomposition
+
+    run, a, summ = ep4
+    assert summ["window"]["gpu_events_outside_steps"] == 0  # every GPU event is in the analyzed step
+    raw = _raw(run)
+    k = {r: _nccl(ev) for r, ev in raw.items()}
+    last = np.stack([k[r][:, 0] for r in range(4)]).max(axis=0)
+    d = decomposition(a, calibrate=False)
+    for info in d.attrs["ranks"]:
+        r = info["rank"]
+        comp = [(e["ts"], e["ts"] + e["dur"]) for e in raw[r] if e.get("cat") == "kernel" and "nccl" not in e["name"].lower()]
+        w = [(s, min(max(lt, s), e)) for (s, e), lt in zip(k[r], last)]
+        t = [(min(max(lt, s), e), e) for (s, e), lt in zip(k[r], last)]
+        exposed_wait_ms = (_union(w + t + comp) - _union(t + comp)) / 1e3
+        exposed_transfer_ms = (_union(t + comp) - _union(comp)) / 1e3
+        scale = info["step_ms"] / info["traced_step_ms"]
+        g = d[d["rank"] == r].set_index("component")["ms"]
+        assert g["collective waits"] == pytest.approx(exposed_wait_ms * scale, rel=0.01), r
+        assert g["exposed communication"] == pytest.approx(exposed_transfer_ms * scale, rel=0.05, abs=0.2), r
+        rec = next(x for x in summ["ranks"] if x["rank"] == r)
+        assert rec["comm_wait_us"] / 1e3 == pytest.approx(exposed_wait_ms, rel=0.01), r
+
+
 def test_ep4_timeline_split_adds_up(ep4):
     _, a, _ = ep4
     tl = a.timeline

@@ -36,9 +36,13 @@ from ..io.run import Run
 # Components of a step, in the order a report lists them: they add up to the step time. Device work
 # first (communication counts only where no computation overlaps it: exposed), then device idle time
 # by cause; "other" is any other kernel and idle time with no known cause.
+# "collective waits" (a communication kernel spinning until the last rank of its collective arrives:
+# tracelens.analysis.waits) is the decomposition's, out of the replay's exposed communication: the what-if's
+# replay runs each kernel's transfer only, so it has none.
 COMPONENTS = ("expert GEMMs", "dense GEMMs", "attention", "norms/activations", "optimizer step", "copies/casts",
-              "exposed communication", "sync waits", "launch-bound idle", "pipeline bubble", "other")
-IDLE_COMPONENTS = ("sync waits", "launch-bound idle", "pipeline bubble")
+              "exposed communication", "collective waits", "sync waits", "launch-bound idle", "pipeline bubble",
+              "other")
+IDLE_COMPONENTS = ("collective waits", "sync waits", "launch-bound idle", "pipeline bubble")
 WORK_COMPONENTS = tuple(c for c in COMPONENTS if c not in IDLE_COMPONENTS)
 # how each component's time scales when a knob changes (reported beside the decomposition)
 SCALES = ("tokens", "params", "fixed")

@@ -164,9 +164,12 @@ class Model:
     # -------------------------------------------------------------- building
     @classmethod
     def from_run(cls, run, kernel_table: str | Path | None = None, capacity_gib: float | None = None,
-                 analysis=None) -> "Model":
+                 analysis=None, transfer_only: bool = True) -> "Model":
         """The model of one profiled run. ``run``: a run dir's path, or a `tracelens.io.run.Run` (e.g. an
-        analysis's ``trace.run``, or one given another manifest with `Run.with_manifest`)."""
+        analysis's ``trace.run``, or one given another manifest with `Run.with_manifest`). ``transfer_only``
+        (the what-if's): each communication kernel replays its transfer only, its wait for another rank
+        left out (`_transfer_only`); False (the step decomposition's): the kernels as measured, so each
+        rank's waits stay in its step."""
         source = run if isinstance(run, Run) else None
         run = Path(run) if source is None else (source.root or source.trace_dir or Path("."))
         man = read_manifest(source if source is not None else run)
@@ -196,7 +199,8 @@ class Model:
         if not profs:
             raise WhatIfError(f"{run}: no profiled step with device work in its traces (profile_step_start/"
                               "profile_step_end must cover a whole step)")
-        _transfer_only(profs)
+        if transfer_only:
+            _transfer_only(profs)
         progs = [R.prepare(p) for p in profs]
         hs, ds, comps_all = [], [], []
         per_expert = cfg.get("grouped_gemm_backend") in PER_EXPERT
