@@ -272,7 +272,8 @@ class Analysis:
         core = summary_core(self.trace, self.window, self.timeline,
                             self.timeline_all if self.timeline_all is not None else self.timeline,
                             self.step_timeline, self.categories)
-        _add_comm_kernel_waits(core["ranks"], self)
+        cross = len(self.trace.ranks) >= 2 and self.has_gpu and bool(self.gpu["is_comm"].any())
+        add_comm_kernel_waits(core["ranks"], self.comm_waits() if cross else None, self.window)
         findings = self.findings()
         health = _health_summary(self)
         if task is not None:
@@ -384,13 +385,12 @@ _FIELDS = ("span_us", "gpu_busy_us", "gpu_idle_us", "compute_us", "comm_us", "me
            "exposed_comm_us", "comm_wait_us", "pipeline_wait_us", "kernel_count")
 
 
-def _add_comm_kernel_waits(ranks: list[dict[str, Any]], a: Analysis) -> None:
+def add_comm_kernel_waits(ranks: list[dict[str, Any]], kw: pd.DataFrame | None, sw: Any) -> None:
     """Each rank's ``comm_kernels`` record: its communication kernels' time over the window split into waiting
     for another rank, waiting for the neighbour pipeline stage and transfer (sums over kernels, as `tracelens
-    comm` reports them; the timeline fields are the parts no compute hides), and the rank it waited for most
-    (tracelens.analysis.waits); null without cross-rank waits (one rank, no communication)."""
-    kw = a.comm_waits() if len(a.trace.ranks) >= 2 and a.has_gpu and bool(a.gpu["is_comm"].any()) else None
-    sw = a.window
+    comm` reports them; the timeline fields are the parts no compute hides), and the rank it waited for most,
+    from the kernels' waits ``kw`` (tracelens.analysis.waits); null without cross-rank waits (kw None: one
+    rank, no communication). `Analysis.summary` and the many-rank path both call it."""
     per = waits_mod.rank_waits(kw, sw.used if sw is not None and sw.restricts else None) if kw is not None else None
     by = per.set_index("rank") if per is not None and len(per) else None
     for r in ranks:
