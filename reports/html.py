@@ -30,12 +30,14 @@ def timeline_figure(tl: pd.DataFrame) -> dict:
         ("exposed comm", tl["exposed_comm_us"]),
         # a communication kernel's wait for another rank, and a pipeline stage's for its neighbour (the bubble), are
         # not communication (tracelens.analysis.waits)
-        ("comm wait", tl["comm_wait_us"] if "comm_wait_us" in tl else 0.0 * tl["exposed_comm_us"]),
-        ("pipeline wait", tl["pipeline_wait_us"] if "pipeline_wait_us" in tl else 0.0 * tl["exposed_comm_us"]),
+        ("comm wait", tl.get("comm_wait_us")),
+        ("pipeline wait", tl.get("pipeline_wait_us")),
         ("memcpy", tl["excl_memcpy_us"]),
         ("memset", tl["excl_memset_us"]),
         ("idle", tl["gpu_idle_us"]),
     ]
+    # the wait parts only where some rank has them (one rank, or no communication: none)
+    parts = [(n, v) for n, v in parts if v is not None and (n not in ("comm wait", "pipeline wait") or (v > 0).any())]
     data = [
         {"type": "bar", "orientation": "h", "name": name, "y": ranks, "x": [round(float(v) / 1000.0, 4) for v in vals],
          "marker": {"color": COLORS[name]}, "hovertemplate": "%{y}: %{x:.3f} ms " + name + "<extra></extra>"}
