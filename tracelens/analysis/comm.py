@@ -308,65 +308,29 @@ def p2p_peer_sets(events: pd.DataFrame) -> dict[int, tuple[int, ...]]:
     return {r: tuple(sorted(v)) for r, v in out.items()}
 
 
-# two point-to-point kernels that exchange data end together: the transfer completes on both sides (on the
-# 4-GPU H100 fixtures within 12-14 µs, the clocks' offset); a peer kernel ending further from this one's end
-# is doing another exchange
-P2P_END_TOL_NS = 200_000
-
-
 def _p2p_by_overlap(df: pd.DataFrame) -> None:
     """Point-to-point kernels of no known peer pair (``peers`` empty: batched sends and receives, whose kernels
     cover several ops) cannot be matched as a sequence across ranks: a pipeline stage exchanges with two
-    neighbours, in its own order. A point-to-point kernel moves data only while its peer's kernel runs, and
-    the two end together when the transfer completes. So a kernel's partner on each peer rank it exchanges
-    with (`p2p_peers`, both ways) is the peer's kernel overlapping it whose end is closest to its own, taken
-    when within `P2P_END_TOL_NS` (else, when no peer's is, the closest of all); its exchange begins when the
-    last partner started: that is its last arrival. Edits sync_ns, comm_ns, last_rank, skew and cross_rank in
-    place for those rows (NaN, not cross-rank, where no peer kernel overlaps it)."""
+    neighbours, in its own order. Each is paired instead with its partner kernels on the peer ranks it
+    exchanges with (`waits.p2p_partner_waits`: the overlapping kernel that ends with it); its last arrival is
+    the latest partner's start. Edits sync_ns, comm_ns, last_rank, skew and cross_rank in place for those rows
+    (NaN, not cross-rank, where no peer kernel overlaps it)."""
+    from .waits import p2p_partner_waits
+
     sel = np.flatnonzero(((df["family"] == "p2p") & (df["peers"] == "")).to_numpy())
     if not len(sel):
         return
     sub = df.iloc[sel]
-    ranks = sorted({int(r) for r in sub["rank"]})
-    sets: dict[int, set] = {}
+    sets: dict[int, tuple] = {}
     if "p2p_peers" in sub.columns:
         for r, ps in zip(sub["rank"], sub["p2p_peers"]):
             if isinstance(ps, tuple) and int(r) not in sets:
-                sets[int(r)] = set(ps)
-    ts_all, end_all, rank_all = (sub["ts"].to_numpy(np.int64), sub["end"].to_numpy(np.int64),
-                                 sub["rank"].to_numpy(np.int64))
-    by_rank = {}
-    for r in ranks:
-        i = np.flatnonzero(rank_all == r)
-        i = i[np.argsort(ts_all[i], kind="stable")]
-        by_rank[r] = (ts_all[i], end_all[i])
-    sync = np.full(len(sel), np.nan)
-    last = np.full(len(sel), -1, dtype=np.int64)
-    for r in ranks:
-        peers = [q for q in ranks if q != r and (r not in sets or q in sets[r]) and (q not in sets or r in sets[q])]
-        for i in np.flatnonzero(rank_all == r):
-            t0, t1 = int(ts_all[i]), int(end_all[i])
-            cand = []  # (|end difference|, start, peer) of each peer's best partner
-            for q in peers:
-                qs, qe = by_rank[q]
-                lo = np.searchsorted(qe, t0, side="right")  # q's kernels ending after k starts ...
-                hi = np.searchsorted(qs, t1, side="left")  # ... and starting before k ends
-                if hi <= lo:
-                    continue
-                d = np.abs(qe[lo:hi] - t1)
-                j = int(np.argmin(d))
-                cand.append((int(d[j]), int(qs[lo + j]), q))
-            if not cand:
-                continue
-            near = [c for c in cand if c[0] <= P2P_END_TOL_NS] or [min(cand)]
-            start, who = max((c[1], c[2]) for c in near)
-            w = min(max(start - t0, 0), t1 - t0)
-            sync[i] = float(w)
-            last[i] = who if start > t0 else r
-    dur = (end_all - ts_all).astype(float)
+                sets[int(r)] = ps
+    ts, end = sub["ts"].to_numpy(np.int64), sub["end"].to_numpy(np.int64)
+    sync, last = p2p_partner_waits(ts, end, sub["rank"].to_numpy(np.int64), sets)
     idx = df.index[sel]
     df.loc[idx, "sync_ns"] = sync
-    df.loc[idx, "comm_ns"] = dur - sync
+    df.loc[idx, "comm_ns"] = (end - ts).astype(float) - sync
     df.loc[idx, "last_rank"] = last
     df.loc[idx, "skew"] = sync
     df.loc[idx, "cross_rank"] = ~np.isnan(sync)
