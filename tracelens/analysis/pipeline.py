@@ -53,7 +53,9 @@ from .. import categories as C
 from ..errors import TraceError
 from ..io.run import Run
 from . import intervals as I
+from . import waits as waits_mod
 from .bubble import bubble_ratio
+from .comm import p2p_peer_sets
 from .steps import manifest_step_roles, run_manifest, steady_pipeline_step
 
 KINDS = ("F", "B", "W")
@@ -940,6 +942,8 @@ _HOST_COMM_RE = re.compile(r"^(c10d::|c10d_|nccl:|rccl:|gloo:|mpi:|ucc:|record_p
 _HOST_BUSY_CATS = C.OP_CATS | C.RUNTIME_CATS | C.PYTHON_CATS
 # What the trace shows during a critical-path wait, in order of precedence, and the part each goes to.
 WAIT_CLASSES = {
+    "comm_wait_gpu": "comm",  # a point-to-point kernel on the rank's GPU spinning until its peer posts its side
+                              # (the sender or receiver was late: tracelens.analysis.waits), not moving data
     "comm_gpu": "comm",      # a communication kernel (NCCL/RCCL p2p or collective) running on the rank's GPU
     "gpu_other": "other",    # other GPU work outside the pipeline actions
     "comm_host": "comm",     # GPU idle, the host inside a send/recv/wait or collective call
@@ -1065,8 +1069,9 @@ class TraceActivity:
         out["no_trace"] = hi - b
         cov_s, cov_e = np.empty(0, np.int64), np.empty(0, np.int64)
         done = 0
-        for cls in ("comm_gpu", "gpu_other", "comm_host", "host_ops"):
-            starts, ends = self.sets[rank][cls]
+        empty = (np.empty(0, np.int64), np.empty(0, np.int64))
+        for cls in ("comm_wait_gpu", "comm_gpu", "gpu_other", "comm_host", "host_ops"):
+            starts, ends = self.sets[rank].get(cls, empty)
             i, j = np.searchsorted(ends, a, side="right"), np.searchsorted(starts, b, side="left")
             if j > i:  # (a class with nothing in [a, b) adds nothing: no union to redo)
                 cs, ce = I.clip(starts[i:j], ends[i:j], a, b)
@@ -1094,7 +1099,7 @@ def trace_activity(trace, actions: pd.DataFrame) -> TraceActivity | None:
     elif actions.empty:
         return None
     base = {ri.rank: int(ri.base_time_ns or 0) for ri in trace.ranks}
-    span, sets, offset = {}, {}, {}
+    span, sets, offset, peers = {}, {}, {}, {}
     for r in sorted(per_rank):
         lo, hi, rank_sets = per_rank[r]
         acts = actions[actions["rank"] == r]
@@ -1109,10 +1114,35 @@ def trace_activity(trace, actions: pd.DataFrame) -> TraceActivity | None:
         if best is None:
             continue
         offset[r], span[r] = best, (lo + best, hi + best)
-        sets[r] = {cls: (a + best, b + best) for cls, (a, b) in rank_sets.items()}
+        sets[r] = {cls: (a + best, b + best) for cls, (a, b) in rank_sets.items() if cls != "p2p_peers"}
+        if "p2p_peers" in rank_sets:
+            peers[r] = tuple(int(x) for x in rank_sets["p2p_peers"][0])
     if not sets:
         return None
+    _p2p_wait_sets(sets, peers)
     return TraceActivity(span=span, sets=sets, offset=offset)
+
+
+def _p2p_wait_sets(sets: dict, peers: dict) -> None:
+    """Each rank's ``comm_wait_gpu`` intervals: the part of its point-to-point kernels (``p2p``: each kernel,
+    not a union) spent waiting for the peer to post its side, paired across ranks on the actions' clock as
+    everywhere else (`waits.p2p_partner_waits`); the ``p2p`` entries are dropped."""
+    ranks = [r for r in sets if "p2p" in sets[r]]
+    parts = [(r, *sets[r].pop("p2p")) for r in ranks]
+    parts = [(r, s, e) for r, s, e in parts if len(s)]
+    for rank_sets in sets.values():
+        rank_sets.setdefault("comm_wait_gpu", (np.empty(0, np.int64), np.empty(0, np.int64)))
+    if len(parts) < 2:
+        return
+    ts = np.concatenate([s for _, s, _ in parts])
+    end = np.concatenate([e for _, _, e in parts])
+    rank = np.concatenate([np.full(len(s), r, dtype=np.int64) for r, s, _ in parts])
+    wait, _ = waits_mod.p2p_partner_waits(ts, end, rank, peers)
+    ok = np.isfinite(wait) & (wait > 0)
+    for r, _, _ in parts:
+        m = ok & (rank == r)
+        if m.any():
+            sets[r]["comm_wait_gpu"] = I.union(ts[m], ts[m] + wait[m].astype(np.int64))
 
 
 def rank_activity(ev: pd.DataFrame, ranks: set | None = None) -> dict[int, tuple[int, int, dict]]:
@@ -1129,6 +1159,8 @@ def rank_activity(ev: pd.DataFrame, ranks: set | None = None) -> dict[int, tuple
         name, lambda s: bool(_HOST_COMM_RE.match(s)))
     host = C.isin(cat, _HOST_BUSY_CATS)
     masks = {"comm_gpu": comm_k, "gpu_other": gpu & ~comm_k, "comm_host": host_comm, "host_ops": host}
+    p2p = comm_k & C.map_strings(name, lambda s: bool(waits_mod.P2P_KERNEL.search(s)))
+    peer_sets = p2p_peer_sets(ev) if p2p.any() else {}
     ts = ev["ts"].to_numpy(np.int64)
     te = ts + np.maximum(ev["dur"].fillna(0).to_numpy(np.int64), 0)
     rank_col = ev["rank"].to_numpy()
@@ -1137,7 +1169,15 @@ def rank_activity(ev: pd.DataFrame, ranks: set | None = None) -> dict[int, tuple
         if ranks is not None and r not in ranks:
             continue
         lo, hi = int(ts[idx].min()), int(te[idx].max())
-        out[r] = (lo, hi, {cls: I.union(ts[idx[m[idx]]], te[idx[m[idx]]]) for cls, m in masks.items()})
+        sets = {cls: I.union(ts[idx[m[idx]]], te[idx[m[idx]]]) for cls, m in masks.items()}
+        k = idx[p2p[idx]]
+        if len(k):  # each point-to-point kernel (not their union), and the ranks its ops name: for the waits
+            k = k[np.argsort(ts[k], kind="stable")]
+            sets["p2p"] = (ts[k], te[k])
+            if r in peer_sets:
+                pe = np.array(peer_sets[r], dtype=np.int64)
+                sets["p2p_peers"] = (pe, pe)  # (ranks, not times: never shifted)
+        out[r] = (lo, hi, sets)
     return out
 
 
@@ -1347,13 +1387,24 @@ def _account_advice(per_rank: pd.DataFrame, waits: pd.DataFrame, meta: PipelineM
                         f"(routing, noise), which no layout removes.{stmt}")
     w = {k: int(waits[f"{k}_ns"].sum()) for k in WAIT_CLASSES} if len(waits) else dict.fromkeys(WAIT_CLASSES, 0)
     wall = max(1, sum(w.values()))
-    seen = (f"on the critical path, a communication kernel on the GPU ({_pct_of(w['comm_gpu'], wall)} of its waits) "
+    on_gpu = w["comm_gpu"] + w.get("comm_wait_gpu", 0)
+    spin = (f"; {_pct_of(w['comm_wait_gpu'], on_gpu)} of that a point-to-point kernel spinning until its peer posts "
+            "its side (the peer was late, e.g. its host launching the send late), not moving data"
+            if w.get("comm_wait_gpu") else "")
+    seen = (f"on the critical path, a communication kernel on the GPU ({_pct_of(on_gpu, wall)} of its waits{spin}) "
             f"or the host in send/recv/collective calls with the GPU idle ({_pct_of(w['comm_host'], wall)})"
             if gpu is not False else
             f"on the critical path, the host in send/recv/collective calls ({_pct_of(w['comm_host'], wall)} of its waits)")
-    out["comm"] = (f"{share('comm')}: {seen}. Overlap the hand-offs with compute (post receives early, batch "
-                   "isend/irecv, a separate communication stream) and send fewer or smaller activations (each "
-                   "virtual stage adds a hand-off per microbatch).")
+    if w.get("comm_wait_gpu", 0) * 2 > w["comm_gpu"] + w.get("comm_wait_gpu", 0) + w["comm_host"]:
+        # mostly kernels waiting for their peer: moving less data would not shorten it
+        fix = ("Most of it is waiting, not moving data: the peer stage posts its send or receive late. Post "
+               "receives before the compute they feed and sends as soon as an output is ready (batch isend/irecv), "
+               "and shrink the peer's host time per action (the host part); smaller activations would not help.")
+    else:
+        fix = ("Overlap the hand-offs with compute (post receives early, batch isend/irecv, a separate "
+               "communication stream) and send fewer or smaller activations (each virtual stage adds a hand-off "
+               "per microbatch).")
+    out["comm"] = f"{share('comm')}: {seen}. {fix}"
     late = w.get("before_trace", 0)
     late_txt = (f"; before the rank's trace begins: {_pct_of(late, wall)}, the rank entering the profiled step late "
                 "(its previous step's tail or the profiler starting: profile two steps to see which)") if late else ""

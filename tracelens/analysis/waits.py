@@ -33,10 +33,14 @@ collective waits its ``collective waits``).
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pandas as pd
 
 US = 1000.0
+# point-to-point kernels by name (NCCL's SendRecv, RCCL's, send/recv kernels of other libraries)
+P2P_KERNEL = re.compile(r"SendRecv|(?<![A-Za-z])(?:Send|Recv)(?![A-Za-z])|_send_|_recv_", re.IGNORECASE)
 KINDS = ("peer", "pipeline", "startup", "unmatched")
 # the GPU timeline's wait classes (`timeline.gpu_timeline`): 0 transfer (or any other event), 1 a wait for a
 # peer rank (peer and startup), 2 a pipeline wait
@@ -177,5 +181,5 @@ def wait_class(kw: pd.DataFrame | None) -> pd.DataFrame | None:
                          "wclass": k["kind"].map(WAIT_CLASS).to_numpy(np.int8)}, index=k.index)
 
 
-__all__ = ["COLUMNS", "KINDS", "P2P_END_TOL_NS", "WAIT_CLASS", "is_pipeline", "kernel_waits", "p2p_partner_waits",
+__all__ = ["COLUMNS", "KINDS", "P2P_END_TOL_NS", "P2P_KERNEL", "WAIT_CLASS", "is_pipeline", "kernel_waits", "p2p_partner_waits",
            "rank_waits", "wait_class"]

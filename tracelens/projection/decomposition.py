@@ -45,6 +45,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from ..analysis import waits as W
 from ..io.run import Run
 from . import replay as R
 from .profile import COMPONENTS, IDLE_COMPONENTS, ProfileError, step_profile
@@ -197,7 +198,7 @@ def _steady_step(analysis, rank: int) -> int | None:
     return have[len(have) // 2]
 
 
-P2P_KERNEL = re.compile(r"SendRecv|(?<![A-Za-z])(?:Send|Recv)(?![A-Za-z])|_send_|_recv_", re.I)
+P2P_KERNEL = W.P2P_KERNEL
 
 
 def _move_bubble(analysis, p, ms: dict, step_ms: float, other_idle: float, notes: list) -> float:
