@@ -76,6 +76,9 @@ class Sweep:
         try:
             self._check_resume(space, strategy, resume, seed)
             self.elapsed0 = float(self.store.get_meta("elapsed_s", 0.0, kind=(int, float)))
+            if not 0.0 <= self.elapsed0 < float("inf"):  # NaN would pass every budget check, inf none
+                raise StoreError(f"{self.store.path}: meta 'elapsed_s' holds {self.elapsed0!r}, not a sweep's elapsed "
+                                 "seconds (damaged store?)")
         except BaseException as e:
             self.store.close()  # releases the lock
             if isinstance(e, StoreError):

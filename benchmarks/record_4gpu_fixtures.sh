@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Record the 4-GPU NCCL run dirs the analyzer's multi-GPU tests read (issue 34; tests/fixtures/h100_4gpu/):
-# the GPU proxy (DeepSeek-V2-Lite layer shapes) with expert parallelism over 4 GPUs at sync-free levels 0 and 3,
+# the GPU proxy (DeepSeek-V2-Lite layer shapes) with expert parallelism over 4 GPUs at sync-free levels 0, 2 and 3,
 # and pipeline parallelism over 4 GPUs with 1F1B and interleaved 1F1B (vpp 2). Two profiled steps each, small
 # enough to commit gzipped. One tarball per run dir comes back in $OUT (the device tool returns few files).
 #
@@ -25,10 +25,11 @@ PP="--set pp=$NPROC --set microbatches=8 --set micro_batch_size=1 --set seq_len=
 declare -A RUNS=(
   [ep4_L0_loop]="$EP --sync-free-level 0 --grouped-gemm-backend loop"
   [ep4_L3_torch]="$EP --sync-free-level 3 --grouped-gemm-backend torch"
+  [ep4_L2_torch]="$EP --sync-free-level 2 --grouped-gemm-backend torch"
   [pp4_1f1b]="$PP --set n_layers=4 --set pipeline_schedule=1f1b"
   [pp4_vpp2]="$PP --set n_layers=8 --set pipeline_schedule=vpp --set vpp=2"
 )
-for name in ${ONLY:-ep4_L0_loop ep4_L3_torch pp4_1f1b pp4_vpp2}; do
+for name in ${ONLY:-ep4_L0_loop ep4_L3_torch ep4_L2_torch pp4_1f1b pp4_vpp2}; do
   echo "=== $name: python -m trainer.launch --config gpu_proxy --nproc $NPROC ${RUNS[$name]}"
   t0=$(date +%s)
   # shellcheck disable=SC2086

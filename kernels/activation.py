@@ -35,7 +35,15 @@ if HAS_TRITON:
     import triton.language as tl
 
     @triton.jit
-    def _swiglu_fwd_kernel(h_ptr, a_ptr, R, F, s_h, s_a, BR: tl.constexpr, BF: tl.constexpr):
+    def _rows(R, n_ptr, BOUND: tl.constexpr):
+        if BOUND:  # a device-side row count (the routed rows of a padded buffer): no host sync to read it
+            R = tl.minimum(R, tl.load(n_ptr).to(tl.int64))
+        return R
+
+    @triton.jit
+    def _swiglu_fwd_kernel(h_ptr, a_ptr, R, F, s_h, s_a, n_ptr, BOUND: tl.constexpr, BR: tl.constexpr,
+                           BF: tl.constexpr):
+        R = _rows(R, n_ptr, BOUND)
         r = tl.program_id(0) * BR + tl.arange(0, BR)
         f = tl.program_id(1) * BF + tl.arange(0, BF)
         m = (r < R)[:, None] & (f < F)[None, :]
@@ -47,7 +55,9 @@ if HAS_TRITON:
         tl.store(a_ptr + r64 * s_a + f[None, :], a.to(a_ptr.dtype.element_ty), mask=m)
 
     @triton.jit
-    def _swiglu_bwd_kernel(h_ptr, da_ptr, dh_ptr, R, F, s_h, s_da, s_dh, BR: tl.constexpr, BF: tl.constexpr):
+    def _swiglu_bwd_kernel(h_ptr, da_ptr, dh_ptr, R, F, s_h, s_da, s_dh, n_ptr, BOUND: tl.constexpr,
+                           BR: tl.constexpr, BF: tl.constexpr):
+        R = _rows(R, n_ptr, BOUND)
         r = tl.program_id(0) * BR + tl.arange(0, BR)
         f = tl.program_id(1) * BF + tl.arange(0, BF)
         m = (r < R)[:, None] & (f < F)[None, :]
@@ -80,22 +90,35 @@ def _check(h: torch.Tensor) -> int:
     return h.shape[1] // 2
 
 
-def swiglu_forward(h: torch.Tensor) -> torch.Tensor:
-    """``silu(h[:, :F]) * h[:, F:]`` with the Triton kernel (no autograd); ``h`` [R, 2F]."""
+def _bound(n_rows: torch.Tensor | None, h: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    if n_rows is None:
+        return h, False  # any pointer: the kernel does not read it
+    if n_rows.numel() != 1 or n_rows.device != h.device or n_rows.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"swiglu: n_rows must be one int32/int64 element on {h.device}, got "
+                         f"{tuple(n_rows.shape)} {n_rows.dtype} on {n_rows.device}")
+    return n_rows, True
+
+
+def swiglu_forward(h: torch.Tensor, n_rows: torch.Tensor | None = None) -> torch.Tensor:
+    """``silu(h[:, :F]) * h[:, F:]`` with the Triton kernel (no autograd); ``h`` [R, 2F]. With ``n_rows`` (a
+    device scalar), only the first ``n_rows`` rows are computed; the rest of the output is left unwritten."""
     F = _check(h)
+    n_ptr, bound = _bound(n_rows, h)
     h = h if h.stride(-1) == 1 else h.contiguous()
     R = h.shape[0]
     a = torch.empty(R, F, device=h.device, dtype=h.dtype)
     if R and F:
         BR, BF = swiglu_blocks(F)
-        _swiglu_fwd_kernel[(triton.cdiv(R, BR), triton.cdiv(F, BF))](h, a, R, F, h.stride(0), a.stride(0),
-                                                                     BR=BR, BF=BF, num_warps=4)
+        _swiglu_fwd_kernel[(triton.cdiv(R, BR), triton.cdiv(F, BF))](h, a, R, F, h.stride(0), a.stride(0), n_ptr,
+                                                                     BOUND=bound, BR=BR, BF=BF, num_warps=4)
     return a
 
 
-def swiglu_backward(h: torch.Tensor, da: torch.Tensor) -> torch.Tensor:
-    """``dh`` [R, 2F] of ``a = silu(g) * u`` given ``da`` [R, F], with the Triton kernel."""
+def swiglu_backward(h: torch.Tensor, da: torch.Tensor, n_rows: torch.Tensor | None = None) -> torch.Tensor:
+    """``dh`` [R, 2F] of ``a = silu(g) * u`` given ``da`` [R, F], with the Triton kernel (``n_rows``: as in
+    :func:`swiglu_forward`; rows past it are left unwritten)."""
     F = _check(h)
+    n_ptr, bound = _bound(n_rows, h)
     if da.shape != (h.shape[0], F):
         raise ValueError(f"swiglu backward: da {tuple(da.shape)} does not match h {tuple(h.shape)}")
     h = h if h.stride(-1) == 1 else h.contiguous()
@@ -105,29 +128,37 @@ def swiglu_backward(h: torch.Tensor, da: torch.Tensor) -> torch.Tensor:
     if R and F:
         BR, BF = swiglu_blocks(F)
         _swiglu_bwd_kernel[(triton.cdiv(R, BR), triton.cdiv(F, BF))](h, da, dh, R, F, h.stride(0), da.stride(0),
-                                                                     dh.stride(0), BR=BR, BF=BF, num_warps=4)
+                                                                     dh.stride(0), n_ptr, BOUND=bound, BR=BR, BF=BF,
+                                                                     num_warps=4)
     return dh
 
 
 class _SwiGLUFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, h):
-        ctx.save_for_backward(h)
-        return swiglu_forward(h)
+    def forward(ctx, h, n_rows):
+        ctx.save_for_backward(h, n_rows)
+        ctx.bounded = n_rows is not None
+        return swiglu_forward(h, n_rows)
 
     @staticmethod
     def backward(ctx, da):
-        (h,) = ctx.saved_tensors
-        return swiglu_backward(h, da)
+        h, n_rows = ctx.saved_tensors
+        return swiglu_backward(h, da, n_rows if ctx.bounded else None), None
 
 
-def swiglu(h: torch.Tensor) -> torch.Tensor:
+def swiglu(h: torch.Tensor, n_rows: torch.Tensor | None = None) -> torch.Tensor:
     """``a = silu(h[:, :F]) * h[:, F:]`` for ``h`` [R, 2F] (gate, then up), differentiable in ``h``.
 
     The Triton kernels where they can run (CUDA; CPU under the interpreter), else the reference.
     The gradient comes back as one ``[R, 2F]`` tensor, in ``h``'s layout.
+
+    ``n_rows``: a one-element int32/int64 device tensor; with it the kernels compute only rows
+    ``[0, n_rows)`` both ways (a padded expert buffer whose routed rows are known only on the device) and
+    leave the rest of the output and of the gradient unwritten. The reference path computes every row.
     """
     _check(h)
     if not triton_ok(h):
         return swiglu_ref(h)
-    return _SwiGLUFn.apply(h)
+    if n_rows is not None:
+        _bound(n_rows, h)
+    return _SwiGLUFn.apply(h, n_rows)

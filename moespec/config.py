@@ -92,6 +92,13 @@ DEFAULTS: dict[str, Any] = {
     "dp": None,                  # None -> world_size // ep
     "ep": 1,
     "dp_mode": "fsdp",           # fsdp (FSDP2 fully_shard) | ddp
+    # ---- expert parallelism (ep > 1; docs/trainer.md "Expert parallelism") ----
+    "ep_dispatch": "nccl",       # nccl (exact splits at levels 0-1, the worst-case buffer at 2-3) | capacity
+                                 # (a static per-peer capacity: rows beyond it are dropped and counted)
+    "ep_capacity_factor": 1.25,  # capacity: rows per peer = ceil(factor * tokens * top_k / ep), per chunk
+    "ep_overlap": False,         # chunked dispatch: a chunk's rows travel while another chunk's experts (or
+                                 # the shared expert) compute
+    "ep_overlap_chunks": 2,      # chunks of tokens per micro-batch when ep_overlap is on
     # ---- pipeline parallelism (docs/pipeline.md) ----
     "pp": 1,                     # pipeline ranks; world = pp * dp * ep
     "vpp": 1,                    # virtual stages per pipeline rank (interleaved / zero-bubble schedules)
@@ -128,11 +135,11 @@ _INT_KEYS = {"vocab_size", "d_model", "n_layers", "n_heads", "d_ff", "moe_d_ff",
              "micro_batch_size", "steps", "warmup_steps", "seed", "log_every", "timing_warmup_steps",
              "ep", "sync_free_level", "multistream_num_streams", "grouped_gemm_align", "loss_chunk_size", "manual_gc",
              "profile_step_start", "profile_step_end", "kv_lora_rank", "qk_nope_head_dim",
-             "qk_rope_head_dim", "v_head_dim", "pp", "vpp", "microbatches"}
+             "qk_rope_head_dim", "v_head_dim", "pp", "vpp", "microbatches", "ep_overlap_chunks"}
 _OPT_INT_KEYS = {"n_kv_heads", "head_dim", "dp", "q_lora_rank"}
 _FLOAT_KEYS = {"routed_scaling_factor", "aux_loss_coef", "rms_eps", "rope_theta", "init_std", "lr",
-               "min_lr_ratio", "weight_decay", "adam_beta1", "adam_beta2", "grad_clip"}
-_BOOL_KEYS = {"norm_topk_prob", "tie_embeddings", "loss_fusion", "numa_bind", "use_triton_kernels"}
+               "min_lr_ratio", "weight_decay", "adam_beta1", "adam_beta2", "grad_clip", "ep_capacity_factor"}
+_BOOL_KEYS = {"norm_topk_prob", "tie_embeddings", "loss_fusion", "numa_bind", "use_triton_kernels", "ep_overlap"}
 _CHOICES = {
     "attn_type": ("gqa", "mla"),
     "score_func": ("softmax", "sigmoid"),
@@ -148,6 +155,7 @@ _CHOICES = {
     "compile": ("none", "dense"),
     "cuda_graphs": ("off", "on"),
     "expert_swiglu": ("torch", "triton"),
+    "ep_dispatch": ("nccl", "capacity"),
 }
 
 # Bounds (docs/trainer.md "Bounds"): every integer key is in [0, MAX_INT] (seed: [0, MAX_SEED]); the ones below
@@ -163,6 +171,7 @@ _FLOAT_RANGES = {
     "adam_beta1": (0.0, 1.0, True), "adam_beta2": (0.0, 1.0, True), "grad_clip": (0.0, None, True),
     "aux_loss_coef": (0.0, None, True), "routed_scaling_factor": (0.0, None, False), "rms_eps": (0.0, None, False),
     "rope_theta": (0.0, None, False), "init_std": (0.0, None, True),
+    "ep_capacity_factor": (0.0, 1e6, False),
 }
 MAX_CONFIG_BYTES = 1 << 20
 
@@ -170,7 +179,8 @@ MAX_CONFIG_BYTES = 1 << 20
 CLI_FLAG_KEYS = ("sync_free_level", "grouped_gemm_backend", "recompute_layer_ids", "loss_fusion",
                  "manual_gc", "numa_bind", "steps", "ep", "dp", "dp_mode", "dtype", "device",
                  "profile_step_start", "profile_step_end", "pp", "vpp", "pipeline_schedule", "pipeline_layout",
-                 "microbatches", "optimizer", "step_timing", "compile", "cuda_graphs", "expert_swiglu")
+                 "microbatches", "optimizer", "step_timing", "compile", "cuda_graphs", "expert_swiglu",
+                 "ep_dispatch", "ep_capacity_factor", "ep_overlap")
 
 
 def _parse_value(text: str, key: str = "config", where: str = "") -> Any:
@@ -407,6 +417,23 @@ def validate(cfg: dict) -> None:
         raise ConfigError("dp", "must be >= 1")
     _validate_pipeline(cfg)
     _validate_cuda_graphs(cfg)
+    _validate_ep(cfg)
+
+
+def _validate_ep(cfg: dict) -> None:
+    """The expert-parallel knobs act on tokens that leave their rank: with ep=1 there are none, so a
+    non-default value there is a mistake, said in one line rather than ignored."""
+    if cfg["ep_overlap_chunks"] < 2:
+        raise ConfigError("ep_overlap_chunks", f"must be >= 2 (1 chunk is ep_overlap=false), got {cfg['ep_overlap_chunks']}")
+    tokens = cfg["micro_batch_size"] * cfg["seq_len"]
+    if cfg["ep_overlap"] and cfg["ep_overlap_chunks"] > tokens:
+        raise ConfigError("ep_overlap_chunks", f"{cfg['ep_overlap_chunks']} chunks of a micro-batch of {tokens} tokens "
+                                               "leave some chunk empty")
+    if cfg["ep"] == 1:
+        for key, default in (("ep_dispatch", "nccl"), ("ep_overlap", False)):
+            if cfg[key] != default:
+                raise ConfigError(key, f"{cfg[key]!r} needs expert parallelism (ep > 1): with ep=1 no token leaves "
+                                       "its rank")
 
 
 def _validate_cuda_graphs(cfg: dict) -> None:

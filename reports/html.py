@@ -17,6 +17,7 @@ import pandas as pd
 from tracelens.analyzer import Analysis
 
 from .common import COLORS, html_table, plot_text, plotly_js, safe_json, template_env, version, write_text_atomic
+from .critpath import section_context as critpath_context
 from .decomposition import section_context as decomposition_context
 from .pipeline import section_context as pipeline_context
 
@@ -130,10 +131,16 @@ def render(analysis: Analysis, title: str | None = None) -> str:
         figures["plot-decomposition"] = decomp["decomp_figure"]
     if extra.get("roofline_figure"):
         figures["plot-roofline"] = extra.pop("roofline_figure")
+    moe = _moe_section(a)
+    if moe is not None:
+        figures.update(moe.pop("figures"))
     pipeline = None
     if getattr(a, "pipeline", None) is not None:  # run dir with pipeline data: reports/pipeline.py
         pipeline = pipeline_context(a.pipeline)
         figures.update(pipeline.pop("figures"))
+    critpath = critpath_context(a)  # never raises: bad input is its one-line problem
+    if critpath and critpath.get("figure"):
+        figures["plot-critpath"] = critpath.pop("figure")
     ops_cols = [("op", "op", "name"), ("input_dims", "input dims", "name"), ("count", "count", "num"),
                 ("gpu_total_us", "GPU µs", "num"), ("gpu_mean_us", "GPU mean µs", "num"),
                 ("pct_gpu_busy", "% GPU busy", "pct"), ("kernels", "kernels", "num"),
@@ -175,6 +182,8 @@ def render(analysis: Analysis, title: str | None = None) -> str:
         kernels_table=html_table(a.kernels, kern_cols) if has_gpu else "",
         top_ops_table=html_table(a.top_ops, top_cols),
         pipeline=pipeline,
+        critpath=critpath,
+        moe=moe,
         figures_json=safe_json(figures),
     )
 
@@ -194,12 +203,12 @@ def _deep_sections(a: Analysis) -> dict:
     r = a.roofline()
     if not r.table.empty:
         out["roofline_figure"] = RR.roofline_figure(r.table, r.ceilings)
-        out["roofline_table"] = html_table(r.table, RR.roofline_table_columns())
+        out["roofline_table"] = html_table(r.table, RR.roofline_table_columns(r.table))
         s = r.summary()
         share = s.get("modeled_share")  # None when there is no non-communication GPU time (all durations 0)
         out["roofline_note"] = ((f"{100 * share:.0f}% of non-communication GPU time is in modeled ops. "
                                  if share is not None else "No non-communication GPU time to model. ")
-                                + " ".join(r.warnings))
+                                + " ".join(r.notes() + r.warnings))
     if not r.unmodeled.empty:
         out["roofline_unmodeled"] = html_table(r.unmodeled, RR.unmodeled_table_columns())
     comm = CM.comm_report(a)  # what `tracelens comm` shows
@@ -208,7 +217,9 @@ def _deep_sections(a: Analysis) -> dict:
                                               ("count", "count", "num"), ("kernel_us", "kernel µs", "num"),
                                               ("comm_us", "comm µs", "num"),
                                               ("sync_us", "sync wait µs", "num"), ("sync_pct", "sync %", "pct"),
-                                              ("mean_busbw_gbps", "busbw GB/s", "num"), ("times_last", "times last", "num"),
+                                              ("mean_busbw_gbps", "busbw GB/s", "num"),
+                                              *([("useful_busbw_gbps", "useful GB/s", "num")] if comm.padding_note() else []),
+                                              ("times_last", "times last", "num"),
                                               ("startup_excluded", "start-up excluded", "num")])
         strag = comm.stragglers
         out["straggler_table"] = html_table(strag, [
@@ -217,7 +228,8 @@ def _deep_sections(a: Analysis) -> dict:
             if not strag.empty else ""
         n = comm.startup_instances  # and comm.partial: a group with ranks not loaded: per-rank figures only
         out["comm_note"] = " ".join(x for x in (
-            comm.partial, f"{n} instance(s) began before every rank was profiling (start-up wait) and are left out." if n else "") if x)
+            comm.partial, f"{n} instance(s) began before every rank was profiling (start-up wait) and are left out." if n else "",
+            comm.padding_note()) if x)
     host = H.host_report(a)  # what `tracelens host` shows
     if not host.syncs.empty:
         out["host_table"] = html_table(host.sync_summary, [
@@ -233,6 +245,18 @@ def _deep_sections(a: Analysis) -> dict:
         ("launch_p90_us", "p90 µs", "num"), ("small_kernels", "small kernels", "num"), ("small_share", "small share", "num"),
         ("small_time_share", "small time share", "num")])
     return out
+
+
+def _moe_section(a: Analysis) -> dict | None:
+    """The MoE section's context (reports/moe.py); a bad routing file is its one line, not a failed page."""
+    from tracelens.errors import TraceError
+
+    from .moe import moe_context
+
+    try:
+        return moe_context(a.moe())
+    except TraceError as e:
+        return moe_context(None, e.one_line())
 
 
 def _health_context(a: Analysis) -> list[dict]:

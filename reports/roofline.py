@@ -24,14 +24,18 @@ _KIND_COLORS = {
 _ROOF_COLORS = ("#444444", "#b22222", "#2f4f4f", "#8b008b")
 
 
-def roofline_table_columns() -> list[tuple[str, str, str]]:
-    """(column, header, kind) for `reports.common.html_table`; kinds 'num', 'pct', 'name', 'text'."""
+def roofline_table_columns(table: pd.DataFrame | None = None) -> list[tuple[str, str, str]]:
+    """(column, header, kind) for `reports.common.html_table`; kinds 'num', 'pct', 'name', 'text'. Given the
+    roofline table, the useful-work columns (padded expert GEMMs' routed rows) come too where it has any."""
+    useful = table is not None and "useful_tflops" in table and bool(table["useful_tflops"].notna().any())
     return [
         ("op", "op", "name"), ("input_dims", "input dims", "name"), ("dtype", "dtype", "text"),
         ("kind", "kind", "text"), ("count", "count", "num"), ("gpu_us", "GPU µs", "num"),
         ("tflops", "TFLOP/s", "num"), ("tbps", "TB/s", "num"), ("intensity", "FLOP/byte", "num"),
         ("pct_peak_compute", "% peak compute", "pct"), ("pct_peak_memory", "% peak HBM", "pct"),
-        ("pct_roof", "% of roof", "pct"), ("bound", "bound", "text"), ("family", "shape family", "name"),
+        ("pct_roof", "% of roof", "pct"),
+        *([("useful_tflops", "useful TFLOP/s", "num"), ("useful_pct_roof", "useful % of roof", "pct")] if useful else []),
+        ("bound", "bound", "text"), ("family", "shape family", "name"),
         ("note", "note", "text"), ("device", "device", "text"),
     ]
 

@@ -101,15 +101,26 @@ def _kernels_per_op(a: Any) -> pd.DataFrame:
     return kernels_per_op(a)
 
 
+@DERIVED.entry("critical_path", inputs=("gpu", "steps", "window", "pipeline", "trace", "comm_instances", "host_syncs"),
+               module="tracelens.analysis.critical_path")
+def _critical_path(a: Any, comm_instances: pd.DataFrame, host_syncs: pd.DataFrame) -> Any:
+    """The critical path of the window's steps across ranks (tracelens.analysis.critical_path); bad input is its
+    one-line `problem`, never an exception (findings and summary.json read it)."""
+    from .analysis.critical_path import path_entry
+
+    return path_entry(a, comm_instances, host_syncs)
+
+
 @DERIVED.entry("findings", inputs=("timeline", "window", "manifest", "gpu", "tree", "steps", "trace", "host_syncs",
-                                   "idle_gaps", "launch_stats", "kernels_per_op", "comm_instances"), module="tracelens.analysis.findings")
+                                   "idle_gaps", "launch_stats", "kernels_per_op", "comm_instances", "critical_path"),
+               module="tracelens.analysis.findings")
 def _findings(a: Any, host_syncs: pd.DataFrame, idle_gaps: pd.DataFrame, launch_stats: pd.DataFrame,
-              kernels_per_op: pd.DataFrame, comm_instances: pd.DataFrame) -> list[dict[str, Any]]:
+              kernels_per_op: pd.DataFrame, comm_instances: pd.DataFrame, critical_path: Any) -> list[dict[str, Any]]:
     """Ranked, structured findings (tracelens.analysis.findings)."""
     from .analysis.findings import findings
 
     return findings(a, host_syncs=host_syncs, idle_gaps=idle_gaps, launch_stats=launch_stats,
-                    kernels_per_op=kernels_per_op, comm_instances=comm_instances)
+                    kernels_per_op=kernels_per_op, comm_instances=comm_instances, critical_path=critical_path)
 
 
 @DERIVED.entry("health", inputs=("trace", "tree", "gpu", "steps", "window", "comm_kernels", "comm_instances"), module="tracelens.analysis.health")
@@ -135,6 +146,15 @@ def _decomposition(a: Any) -> pd.DataFrame:
     from .projection.decomposition import decomposition
 
     return decomposition(a)
+
+
+@DERIVED.entry("moe", inputs=("trace", "gpu", "tree", "steps", "timeline", "window", "comm_kernels", "comm_instances",
+                              "findings"), keep_errors=True, module="tracelens.analysis.moe_view")
+def _moe(a: Any, comm_kernels: pd.DataFrame, comm_instances: pd.DataFrame, findings: list) -> Any:
+    """The MoE view (tracelens.analysis.moe_view), or the error of a bad routing file (one line, kept)."""
+    from .analysis.moe_view import moe_report
+
+    return moe_report(a)
 
 
 @dataclass
@@ -218,6 +238,15 @@ class Analysis:
 
         return self.derived["kernels_per_op"] if small_us in (None, SMALL_KERNEL_US) else kernels_per_op(self, small_us)
 
+    def critical_path(self, step: int | None = None) -> Any:
+        """The critical path across ranks (tracelens.analysis.critical_path.CriticalPath): the entry (the window's
+        steps; `problem` says why there is none), or of one `step`, computed (raises TraceError for bad input)."""
+        if step is None:
+            return self.derived["critical_path"]
+        from .analysis.critical_path import critical_path_of
+
+        return critical_path_of(self, step, instances=self.comm_instances(), syncs=self.host_syncs())
+
     def health(self) -> pd.DataFrame:
         """Trace health checks (tracelens.analysis.health): one row per finding with its severity, the ranks,
         what was found and which figures it invalidates."""
@@ -233,7 +262,7 @@ class Analysis:
         from .analysis.findings import findings
 
         return findings(self, small_us, host_syncs=self.host_syncs(), idle_gaps=self.idle_gaps(),
-                        comm_instances=self.comm_instances())
+                        comm_instances=self.comm_instances(), critical_path=self.critical_path())
 
     def decomposition(self) -> pd.DataFrame:
         """The step decomposition (tracelens.projection.decomposition): per rank, the components that add
@@ -241,6 +270,12 @@ class Analysis:
         the traces sit in a run dir (``attrs["basis"]``, ``attrs["note"]``). Raises DecompositionError
         (one line) when there is no profiled step to decompose, again on each call without recomputing."""
         return self.derived["decomposition"]
+
+    def moe(self):
+        """The MoE view (tracelens.analysis.moe_view.MoEReport): routing tied to expert-GEMM time and all-to-all
+        bytes per rank pair. Raises TraceError (one line naming the file) for a truncated routing file or one
+        from another run, again on each call without recomputing."""
+        return self.derived["moe"]
 
     @property
     def trace_rank_count(self) -> int:
@@ -287,6 +322,8 @@ class Analysis:
             "warnings": list(self.warnings),
             "health": health,
             "decomposition": _decomposition_summary(self),
+            "critical_path": self.critical_path().summary(),
+            "moe": self.moe().summary(),
         }
 
 

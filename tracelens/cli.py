@@ -297,6 +297,45 @@ def comm(paths, json_out, no_cache):
 
 @main.command()
 @click.argument("paths", nargs=-1, required=True, type=click.Path())
+@click.option("--step", type=click.IntRange(0), default=None, help="The profiler step (default: every step of the steady-state window).")
+@click.option("--json", "json_out", type=click.Path(dir_okay=False), help="Write the summary and every segment of the path here.")
+@click.option("--no-cache", is_flag=True, help="Do not read or write the parsed-trace cache.")
+def critpath(paths, step, json_out, no_cache):
+    """The critical path of a step across ranks: the chain of GPU work, idle time and hand-offs between ranks
+    (a collective's wait for its last rank, a receive's wait for its sender) that sets the step's time, and
+    what it is made of by cause and by rank. See docs/critpath.md.
+
+    Exit status 2 with one line for a step that some rank lacks or ranks whose collectives match nothing."""
+    from . import analyze as run_analysis, load
+    from .analysis.critical_path import critical_path_of
+
+    cp = critical_path_of(run_analysis(load(list(paths), cache=not no_cache)), step)
+    _echo(cp.to_text())
+    if json_out:
+        _write_json(json_out, cp.to_dict())
+
+
+@main.command()
+@click.argument("paths", nargs=-1, required=True, type=click.Path())
+@click.option("--json", "json_out", type=click.Path(dir_okay=False), help="Write the view, with every (layer, rank, expert) record, here.")
+@click.option("--no-cache", is_flag=True, help="Do not read or write the parsed-trace cache.")
+def moe(paths, json_out, no_cache):
+    """The MoE view: per MoE layer and rank, routed tokens per expert and the expert load imbalance (from the
+    run's routing.json), grouped-GEMM rows computed vs routed (padding), expert GEMM time, all-to-all bytes
+    per rank pair and their skew, tied to the late rank. See docs/moe.md.
+
+    Without a routing file (older runs, other frameworks) it shows what the trace has and says in one line
+    what is missing. A truncated routing file, or one from another run: one line, exit 2."""
+    from . import analyze as run_analysis, load
+
+    rep = run_analysis(load(list(paths), cache=not no_cache)).moe()
+    _echo(rep.to_text())
+    if json_out:
+        _write_json(json_out, rep.to_dict())
+
+
+@main.command()
+@click.argument("paths", nargs=-1, required=True, type=click.Path())
 @click.option("--json", "json_out", type=click.Path(dir_okay=False), help="Write the checks (and the exit status) as JSON here.")
 @click.option("--fail-on", type=click.Choice(["error", "warning", "never"]), default="error", show_default=True,
               help="Exit 1 when a check is at least this severe ('never': exit 0 whatever is found).")

@@ -124,18 +124,18 @@ PARTIAL_DIR = ".partial"  # files being written (traces), renamed into place whe
 RUN_OUTPUTS: dict[str, tuple[str, ...] | None] = {
     "manifest.json": None, "traces": ("*.json", "*.json.gz"), "pipeline": ("*.jsonl", "*.jsonl.gz"),
     "logs": ("torchrun.log", "rank*.traceback.txt"), PARTIAL_DIR: ("*",),
-    "report.html": None, "summary.json": None, "ppvis.html": None, "tables": ("*.parquet", "*.csv"),
+    "routing.json": None, "report.html": None, "summary.json": None, "ppvis.html": None, "tables": ("*.parquet", "*.csv"),
 }
 
 
-def write_json_atomic(path: str | Path, doc) -> None:
+def write_json_atomic(path: str | Path, doc, indent: int | None = 2) -> None:
     """Write JSON so that a reader sees the old file or the new one, never a part: a temporary file in
     the same directory, fsync'd, then ``os.replace``."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         with open(tmp, "w") as f:
-            f.write(json.dumps(doc, indent=2, default=str))
+            f.write(json.dumps(doc, indent=indent, default=str))
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)

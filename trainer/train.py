@@ -8,6 +8,7 @@ import logging
 import math
 import os
 import sys
+import uuid
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
@@ -23,6 +24,7 @@ from trainer.data import make_data
 from trainer.model import Transformer
 from trainer.model import experts
 from trainer.parallel import Dist, init_distributed, sync_expert_grads, wrap_data_parallel
+from trainer.routing_log import RoutingLog, rank_record, write_routing
 from trainer.timing import StepTimer
 
 SCHEMA_VERSION = 1
@@ -210,7 +212,9 @@ def train(cfg: dict, out_dir: str | Path) -> dict | None:
         removed = runtime.clear_previous_run(out, keep=("logs",))
         if removed:
             print(f"[trainer] {out}: replaced the previous run ({', '.join(removed)})", flush=True)
-        runtime.write_json_atomic(out / "manifest.json", {**_manifest_head(cfg, d, out), "status": "running"})
+        # run_id: what ties the run's other files (routing.json) to this manifest
+        runtime.write_json_atomic(out / "manifest.json", {**_manifest_head(cfg, d, out), "run_id": uuid.uuid4().hex,
+                                                          "status": "running"})
     if d.world_size > 1:
         dist.barrier()  # no rank writes into ``out`` before the previous run is gone
     try:
@@ -279,6 +283,8 @@ def _train(cfg: dict, out: Path, d: Dist, notes: _Notes, env_knobs: dict) -> dic
     with torch.device(d.device) if on_device else nullcontext():
         model = Transformer(cfg, d.ep_group, d.ep, d.ep_rank)
     model.init_weights(cfg["seed"], device=d.device if on_device else None)
+    # tokens per expert of every MoE layer, kept on the device until the end (trainer/routing_log.py)
+    routing = RoutingLog(model, range(cfg["profile_step_start"], min(cfg["profile_step_end"], cfg["steps"])))
     if cfg["compile"] == "dense":
         compile_dense(model, cfg, d.device)  # the same Block objects end up in the pipeline stages / DP wrappers
     pipe = None
@@ -312,6 +318,7 @@ def _train(cfg: dict, out: Path, d: Dist, notes: _Notes, env_knobs: dict) -> dic
                     "last action (a host sync per step)")
     watch = _LossWatch(d.device, deferred=timer.deferred)
     graphs = cfg["cuda_graphs"] == "on"
+    routing.start()
     try:
         for step in range(cfg["steps"]):
             gcm.step(step)
@@ -333,6 +340,7 @@ def _train(cfg: dict, out: Path, d: Dist, notes: _Notes, env_knobs: dict) -> dic
             opt.zero_grad(set_to_none=True)
             watch.post(loss, step)
             timer.stop()  # step_timing=sync: torch.cuda.synchronize; events: an event, no sync
+            routing.end_step(step)  # device work only: the counts reach the host after the loop
             watch.check(step)  # deferred (events): checked at the log points below and at the end
             if pipe is not None:
                 pipe.end_step()  # after the synchronisation above: resolves CUDA event times
@@ -348,13 +356,14 @@ def _train(cfg: dict, out: Path, d: Dist, notes: _Notes, env_knobs: dict) -> dic
         step_times = timer.finish()
         watch.flush()
     finally:
+        routing.stop()
         if prof is not None:
             prof.stop()
         gcm.close()
         if pipe is not None:
             pipe.close()
     return _finish(cfg, d, out, core, losses, auxes, gnorms, step_times, trace_path if prof else None,
-                   env_knobs, numa, notes.messages, pipe, timer)
+                   env_knobs, numa, notes.messages, pipe, timer, rank_record(routing, d))
 
 
 def make_optimizer(model, cfg: dict, device) -> torch.optim.Optimizer:
@@ -372,14 +381,16 @@ def make_optimizer(model, cfg: dict, device) -> torch.optim.Optimizer:
 
 
 def _finish(cfg, d: Dist, out: Path, model, losses, auxes, gnorms, step_times, trace_path, env_knobs, numa, notes,
-            pipe=None, timer: StepTimer | None = None):
+            pipe=None, timer: StepTimer | None = None, routing: dict | None = None):
     n = len(losses)
     dev = d.device
     stats = torch.stack([torch.stack(losses), torch.stack(auxes)]) if n else torch.zeros(2, 0, device=dev)
     wall = timer.wall_s if timer is not None and timer.wall_s is not None else sum(step_times)
     times = torch.tensor([*step_times, wall], dtype=torch.float64, device=dev)
     peak, peak_kind = runtime.peak_memory_bytes(dev)
+    drops = ep_drop_totals(model, dev)  # [dropped, routed] rows of this rank's MoE layers (device, no sync yet)
     if d.world_size > 1:
+        dist.all_reduce(drops)
         dist.all_reduce(stats)
         # per data-parallel replica: under PP only the last stage has the loss and each stage a part of aux
         stats /= d.world_size // d.pp
@@ -388,8 +399,10 @@ def _finish(cfg, d: Dist, out: Path, model, losses, auxes, gnorms, step_times, t
         dist.all_gather_object(peaks, peak)
         traces = [None] * d.world_size
         dist.all_gather_object(traces, trace_path is not None and trace_path.exists())
+        routings = [None] * d.world_size
+        dist.all_gather_object(routings, routing)
     else:
-        peaks, traces = [peak], [trace_path is not None and trace_path.exists()]
+        peaks, traces, routings = [peak], [trace_path is not None and trace_path.exists()], [routing]
     if d.rank != 0:
         dist.barrier()
         return None
@@ -416,6 +429,7 @@ def _finish(cfg, d: Dist, out: Path, model, losses, auxes, gnorms, step_times, t
     head = runtime.read_manifest(out) or {}
     manifest = {
         **_manifest_head(cfg, d, out),
+        "run_id": head.get("run_id"),
         "status": "complete",
         "created_utc": head.get("created_utc") or datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "finished_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -423,7 +437,8 @@ def _finish(cfg, d: Dist, out: Path, model, losses, auxes, gnorms, step_times, t
         "device": {"type": dev.type, "name": dev_name, "count": d.world_size, "peak_bf16_flops": peak_flops},
         "toggles": {k: cfg[k] for k in ("sync_free_level", "grouped_gemm_backend", "recompute_layer_ids", "optimizer",
                                         "loss_fusion", "manual_gc", "numa_bind", "dtype", "step_timing", "compile",
-                                        "cuda_graphs")},
+                                        "cuda_graphs", "ep_dispatch", "ep_capacity_factor", "ep_overlap",
+                                        "ep_overlap_chunks")},
         "numa": numa,
         "env": {"knobs": env_knobs, "recorded": runtime.recorded_env()},
         "params": {**count_params(cfg), "local_routed_experts": cfg["n_routed_experts"] // d.ep},
@@ -451,8 +466,11 @@ def _finish(cfg, d: Dist, out: Path, model, losses, auxes, gnorms, step_times, t
         "notes": notes,
         "pipeline": pipe.manifest() if pipe is not None else None,  # docs/pipeline.md
         "kernels": experts.kernels_record(cfg),  # what ran each MoE op; auto's backend per pass
+        "ep_dispatch": ep_dispatch_record(cfg, d, drops.tolist()),  # docs/trainer.md "Expert parallelism"
         "compile": compile_stats(cfg),  # compile=dense: graphs, graph breaks, CUDA-graph skips (trainer/compiling.py)
     }
+    routing_path = write_routing(out, routings, cfg, manifest, n)  # before the manifest says complete
+    manifest["routing"] = routing_path.name if routing_path is not None else None
     runtime.write_json_atomic(out / "manifest.json", manifest)
     mt = manifest["metrics"]
     mfu = f"{100 * mt['mfu']:.1f}%" if mt["mfu"] is not None else "n/a"
@@ -463,6 +481,31 @@ def _finish(cfg, d: Dist, out: Path, model, losses, auxes, gnorms, step_times, t
     if d.world_size > 1:
         dist.barrier()
     return manifest
+
+
+def ep_drop_totals(model, device) -> torch.Tensor:
+    """[dropped, routed] rows over this rank's MoE layers and all steps (capacity dispatch drops; float64 so
+    the all-reduce sums exactly). Read once, at the end of the run: no sync inside a step."""
+    dropped, routed = torch.zeros((), dtype=torch.float64, device=device), 0
+    for m in model.modules():
+        disp = getattr(m, "dispatcher", None)
+        if disp is not None:
+            routed += disp.routed_rows
+            if disp.dropped is not None:
+                dropped = dropped + disp.dropped.to(device=device, dtype=torch.float64)
+    return torch.stack([dropped, torch.tensor(float(routed), dtype=torch.float64, device=device)])
+
+
+def ep_dispatch_record(cfg: dict, d: Dist, drops: list[float]) -> dict | None:
+    """The manifest's ``ep_dispatch``: the path, its knobs and, over every rank and step, the routed rows and
+    the rows the capacity dropped (None without expert parallelism)."""
+    if d.ep == 1:
+        return None
+    dropped, routed = int(drops[0]), int(drops[1])
+    return {"path": cfg["ep_dispatch"], "capacity_factor": cfg["ep_capacity_factor"] if cfg["ep_dispatch"] == "capacity"
+            else None, "overlap": cfg["ep_overlap"], "overlap_chunks": cfg["ep_overlap_chunks"] if cfg["ep_overlap"]
+            else 1, "routed_rows": routed, "dropped_rows": dropped,
+            "dropped_share": dropped / routed if routed else 0.0}
 
 
 def platform_cpu_name() -> str:

@@ -4,6 +4,7 @@ store error is one line naming the file."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sqlite3
@@ -218,6 +219,9 @@ def test_a_missing_store_without_trial_dirs_starts_a_new_sweep(tmp_path):
     "UPDATE autotune_trials SET objective = -9e999 WHERE id = 1",
     "UPDATE autotune_meta SET v = '[]' WHERE k = 'identity'",
     "UPDATE autotune_meta SET v = '\"x\"' WHERE k = 'elapsed_s'",
+    "UPDATE autotune_meta SET v = 'NaN' WHERE k = 'elapsed_s'",  # JSON's NaN: every budget check passed
+    "UPDATE autotune_meta SET v = 'Infinity' WHERE k = 'elapsed_s'",
+    "UPDATE autotune_meta SET v = '-1e9' WHERE k = 'elapsed_s'",
     "DROP TABLE autotune_trials",
     "ALTER TABLE autotune_trials DROP COLUMN run_dir",
 ])
@@ -245,3 +249,25 @@ def test_store_errors_name_the_file(tmp_path):
     _one_line(str(e.value), tmp_path / "s.sqlite", "trial 99 is not running")
     s.close()
     s.close()  # idempotent
+
+
+@pytest.mark.parametrize("value", ["NaN", "Infinity", "-1"])
+def test_resume_with_an_elapsed_time_that_is_no_time_exits_2_naming_the_store(tmp_path, value):
+    # a NaN elapsed_s passed every wall-time budget check on --resume (found by the every-verb fuzz)
+    from click.testing import CliRunner
+
+    from tracelens.cli import main
+
+    out = tmp_path / "sweep"
+    _finished_sweep(out)
+    con = sqlite3.connect(out / "sweep.sqlite")
+    con.execute("UPDATE autotune_meta SET v = ? WHERE k = 'elapsed_s'", (value,))
+    con.commit()
+    con.close()
+    space = tmp_path / "space.yaml"
+    space.write_text(json.dumps(SPACE))  # JSON is YAML
+    res = CliRunner().invoke(main, ["autotune", str(space), "-o", str(out), "--strategy", "grid", "--resume"])
+    assert res.exit_code == 2, res.output
+    msg = res.output.strip()
+    _one_line(msg, out / "sweep.sqlite", "elapsed_s")
+    assert res.exception is None or isinstance(res.exception, SystemExit)

@@ -7,7 +7,7 @@ search spaces and sweep stores:
 - run-dir manifests: a value replaced (wrong type, huge, deeply nested, NaN/Infinity, out of range), a
   key removed, the whole document replaced (not an object, empty, invalid JSON or UTF-8, truncated,
   nested beyond the parser), or manifest.json that is a FIFO, a directory or a dangling symlink;
-  verbs: check, whatif, memory, diff, ppvis (plus host, comm, roofline, replay on the same dirs);
+  verbs: check, whatif, memory, diff, ppvis (plus host, comm, roofline, replay, critpath on the same dirs);
 - pipeline `rank<N>.jsonl[.gz]`: a field replaced (out-of-range or swapped times, wrong types), a
   field removed, lines dropped, duplicated, replaced by non-objects, deep nesting or a huge line; an
   empty file, a missing rank, invalid UTF-8, a truncated gzip, a FIFO; verb: ppvis (and whatif);
@@ -351,6 +351,17 @@ def _check_ppvis(doc) -> None:
         assert sum(t[p] for p in acc["parts"]) == t["idle"], ("the bubble account's parts = its idle", t)
 
 
+def _check_critpath(doc) -> None:
+    # the path's segments tile the analyzed steps: their durations add up to the summed spans, and so do the causes
+    assert doc["schema_version"] == 1
+    if not doc["available"]:
+        assert "\n" not in doc["reason"]
+        return
+    _close(sum(s["dur_us"] for s in doc["segments"]), doc["span_us"], "segments = span", rel=1e-6, abs_=0.01)
+    _close(sum(c["us"] for c in doc["by_cause"]), doc["span_us"], "causes = span", rel=1e-6, abs_=0.01)
+    assert all(s["dur_us"] >= 0 for s in doc["segments"])
+
+
 def _check_json(path: Path, check=None, *extra) -> None:
     doc = _strict_json(path)
     for where, v in _numbers(doc):
@@ -605,7 +616,7 @@ def _yaml_text(base: dict, edits: list) -> str:
 # ------------------------------------------------------------------------------------ properties
 
 
-VERBS_ON_RUN = ["check", "whatif", "memory", "ppvis", "diff", "host", "comm", "roofline", "replay"]
+VERBS_ON_RUN = ["check", "whatif", "memory", "ppvis", "diff", "host", "comm", "roofline", "replay", "critpath"]
 
 
 def _verb(case: Case, verb: str, run: Path, other: Path | None = None, extra: tuple = (), keys: tuple = ()) -> str:
@@ -614,11 +625,12 @@ def _verb(case: Case, verb: str, run: Path, other: Path | None = None, extra: tu
     out = case.dir / "out"
     names = [str(case.dir), *(f"{k}:" for k in keys), *(f"{k}=" for k in keys), *(f"'{k}'" for k in keys)]
     j = out.with_suffix(".json")
-    if verb in ("host", "comm", "check", "roofline"):
+    if verb in ("host", "comm", "check", "roofline", "critpath"):
         res = case.invoke([verb, run, "--json", j, *extra])
         ok = case.expect(res, names, (0, 1) if verb == "check" else (0,))
         if ok == "ok":
-            check = {"host": _check_host, "comm": _check_comm, "check": _check_check, "roofline": _check_roofline}[verb]
+            check = {"host": _check_host, "comm": _check_comm, "check": _check_check, "roofline": _check_roofline,
+                     "critpath": _check_critpath}[verb]
             if j.exists() or verb != "roofline":  # roofline of a CPU-only trace writes nothing
                 _check_json(j, check, *((res.exit_code,) if verb == "check" else ()))
         return ok
@@ -690,7 +702,7 @@ def test_mutated_pipeline_files_error_in_one_line_or_satisfy_the_invariants():
     _finish("pipeline")
 
 
-TRACE_VERBS = ["host", "comm", "check", "roofline", "replay", "diff"]
+TRACE_VERBS = ["host", "comm", "check", "roofline", "replay", "diff", "critpath"]
 
 
 @FUZZ

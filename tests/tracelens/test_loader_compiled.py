@@ -12,6 +12,7 @@ import gzip
 import json
 import os
 import random
+from decimal import ROUND_HALF_EVEN, Decimal
 
 import numpy as np
 import pyarrow as pa
@@ -257,10 +258,10 @@ def test_version_names_the_decoder_in_use():
     assert "trace decoder: compiled scanner" in out
 
 
-def test_timestamps_are_the_msgspec_paths_nanoseconds_at_every_magnitude():
-    # the scanner's integer fast paths (below 2**40 us, and 1-6 decimals in [2**40, 2**52) us, where
-    # epoch-based Kineto clocks are) against the msgspec path's formula on the double, incl. the
-    # rounding edges: a fraction that rounds up to the next whole microsecond, exact halves
+def test_timestamps_are_exact_nanoseconds_at_every_magnitude(monkeypatch):
+    # both decoders against the exact decimal value, rounded half to even (timestamps.py's rule), from
+    # Kineto's monotonic clock (2**30 us) to epoch clocks (2**50.6 us) and the bound, with 1-7 decimals
+    # and the rounding edges: a fraction that rounds up to the next whole microsecond, exact halves
     rng = random.Random(20261125)
     vals = []
     for _ in range(20000):
@@ -270,10 +271,13 @@ def test_timestamps_are_the_msgspec_paths_nanoseconds_at_every_magnitude():
         f = rng.choice([rng.randrange(10**fd), 10**fd - 1, 5 * 10 ** (fd - 1), 0])
         vals.append(f"{ip}.{f:0{fd}d}")
     vals += ["1099511627776.999", "4503599627370495.999999", "4503599627370496.5", "1099511627775.9995"]
-    doc = ('{"traceEvents":[' + ",".join('{"ph":"X","name":"a","pid":1,"tid":1,"ts":%s,"dur":1}' % v for v in vals)
-           + "]}").encode()
+    doc = ('{"traceEvents":[' + ",".join('{"ph":"X","name":"a%d","pid":1,"tid":1,"ts":%s,"dur":1}' % (i, v)
+                                         for i, v in enumerate(vals)) + "]}").encode()
+    want = [int((Decimal(v) * 1000).to_integral_value(rounding=ROUND_HALF_EVEN)) for v in vals]
     s = K.Scan(doc)
     s.run(threads=1)
     assert s.error is None
-    got = np.frombuffer(s.result["ts"], dtype=np.int64)
-    assert np.array_equal(got, K._ns([float(v) for v in vals]))
+    assert np.frombuffer(s.result["ts"], dtype=np.int64).tolist() == want
+    pure = _pure(monkeypatch, "times.json", data=doc).events  # rows reordered by thread and time: by name
+    got = dict(zip(pure["name"].to_pylist(), pure["ts"].to_pylist()))
+    assert [got[f"a{i}"] for i in range(len(vals))] == want

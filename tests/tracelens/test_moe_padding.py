@@ -65,3 +65,33 @@ def test_a_trace_without_a_manifest_claims_nothing(tmp_path):
     shutil.copytree(L3 / "traces", tmp_path / "traces")
     a = tracelens.analyze(tracelens.load(tmp_path / "traces", progress=False))
     assert expert_padding(a) is None
+
+
+CAP = FIX / "h100_4gpu" / "ep4_cap_ovl"
+
+
+def test_capacity_overlap_run_buffers_padded_gemms_not():
+    """The trainer of issue 33 (its manifest has `ep_dispatch`): capacity 1.25, 2 overlap chunks. Every grouped
+    GEMM's buffer is ep * ceil(1.25 * chunk tokens * top_k / ep) rows (from the raw JSON, and from the formula);
+    the routed rows per call are a chunk's tokens x top_k less the manifest's dropped share; the GEMMs stop at the
+    routed rows, so the padding is in the buffers and on the wire, and no GEMM time is claimed for it."""
+    rows, elems, cfg = _raw_counts(CAP)
+    man = json.loads((CAP / "manifest.json").read_text())
+    disp = man["ep_dispatch"]
+    assert disp["path"] == "capacity" and disp["overlap_chunks"] == 2 and 0 < disp["dropped_share"] < 0.1
+    chunk = cfg["micro_batch_size"] * cfg["seq_len"] // 2
+    ep, k = cfg["ep"], cfg["top_k"]
+    buf = ep * -(-int(1.25 * chunk * k) // ep)
+    assert set(rows) == {buf} == {122_880}
+    assert {n // cfg["d_model"] for n in elems} == {buf}  # the token all-to-alls carry the same buffers
+    routed = chunk * k * (1 - disp["dropped_share"])
+    a = tracelens.analyze(tracelens.load(CAP, progress=False))
+    p = expert_padding(a)
+    assert p["gemm_computes_padding"] is False and p["padded_gemm_us_per_rank"] == 0.0
+    assert p["chunks_per_microbatch"] == 2 and p["rows_per_call"] == buf
+    assert p["routed_rows_per_call"] == round(routed)
+    assert p["padding_share_rows"] == pytest.approx(1 - routed / buf, abs=1e-4)
+    assert p["a2a_padding_share_bytes"] == pytest.approx(1 - routed / buf, abs=1e-4)
+    f = next(f for f in a.findings() if f["type"] == "moe_padding")
+    assert "the GEMMs stop at the routed rows" in f["title"] and "buffer rows" in f["title"]
+    assert "per chunk of 2" in f["title"] and "dropped" in f["title"]

@@ -104,8 +104,8 @@ def test_traces_without_a_manifest(tmp_path):
 
 
 def _opens_run_files(path: Path) -> list[str]:
-    """Code (not docstrings) of one module that names a run dir's files: the manifest's name, or a path
-    joined with "pipeline" (the jsonl directory)."""
+    """Code (not docstrings) of one module that names a run dir's files: the manifest's or the routing file's
+    name, or a path joined with "pipeline" (the jsonl directory)."""
     tree = ast.parse(path.read_text())
     docs = {id(n.body[0].value) for n in ast.walk(tree)
             if isinstance(n, (ast.Module, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
@@ -113,8 +113,8 @@ def _opens_run_files(path: Path) -> list[str]:
     hits = []
     for n in ast.walk(tree):
         if isinstance(n, ast.Constant) and isinstance(n.value, str) and id(n) not in docs:
-            if n.value == "manifest.json":
-                hits.append(f"{path.relative_to(REPO)}:{n.lineno}: 'manifest.json'")
+            if n.value in ("manifest.json", "routing.json"):
+                hits.append(f"{path.relative_to(REPO)}:{n.lineno}: {n.value!r}")
         if isinstance(n, ast.BinOp) and isinstance(n.op, ast.Div) and isinstance(n.right, ast.Constant) \
                 and n.right.value == "pipeline":
             hits.append(f"{path.relative_to(REPO)}:{n.lineno}: / 'pipeline'")
@@ -123,7 +123,7 @@ def _opens_run_files(path: Path) -> list[str]:
 
 def test_the_run_dir_is_opened_in_one_module():
     """Analyses, projections, the CLI and the reports receive a `Run`; only tracelens/io/run.py opens a run
-    dir's manifest and pipeline files."""
+    dir's manifest, pipeline and routing files."""
     owner = REPO / "tracelens" / "io" / "run.py"
     assert _opens_run_files(owner), "the check must see the owner's own reads"
     hits = [h for pkg in ("tracelens", "reports") for f in sorted((REPO / pkg).rglob("*.py")) if f != owner

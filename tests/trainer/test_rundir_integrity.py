@@ -173,7 +173,7 @@ def test_a_complete_run_says_so_and_a_rerun_replaces_the_previous_run(tmp_path):
     (run / "pipeline").mkdir()
     (run / "pipeline" / "rank3.jsonl").write_text("{}\n")
     (run / "manifest.json").write_text(json.dumps({"schema_version": 1, "status": "complete", "world_size": 4}))
-    for name in ("report.html", "summary.json"):
+    for name in ("report.html", "summary.json", "routing.json"):
         (run / name).write_text("old")
     (run / "tables").mkdir()
     (run / "tables" / "ops.csv").write_text("old")
@@ -181,10 +181,11 @@ def test_a_complete_run_says_so_and_a_rerun_replaces_the_previous_run(tmp_path):
     r = subprocess.run(_launch(run, 1, "steps=4", "profile_step_start=1", "profile_step_end=2"), cwd=REPO,
                        capture_output=True, text=True, timeout=180)
     assert r.returncode == 0, r.stderr
-    assert f"[trainer] {run}: replaced the previous run (manifest.json, traces, pipeline, report.html, summary.json, " \
-           "tables)" in r.stdout
+    assert f"[trainer] {run}: replaced the previous run (manifest.json, traces, pipeline, routing.json, report.html, " \
+           "summary.json, tables)" in r.stdout
     assert sorted(p.name for p in (run / "traces").iterdir()) == ["rank0.json.gz"]
-    assert sorted(p.name for p in run.iterdir()) == ["manifest.json", "notes.txt", "traces"]
+    assert sorted(p.name for p in run.iterdir()) == ["manifest.json", "notes.txt", "routing.json", "traces"]
+    assert json.loads((run / "routing.json").read_text())["run"]["run_id"] == _manifest(run)["run_id"]  # the new one
     assert (run / "notes.txt").read_text() == "mine"
     m = _manifest(run)
     assert m["status"] == "complete" and m["world_size"] == 1 and "reason" not in m

@@ -27,6 +27,11 @@ per-step and per-rank totals.
 
 Bandwidths follow NCCL's definitions (nccl-tests PERFORMANCE.md): algbw = bytes / comm time, busbw =
 algbw x factor: all-reduce 2(n-1)/n; all-gather, reduce-scatter, all-to-all (n-1)/n; others 1.
+
+Useful bandwidth: a sync-free MoE run (levels 2-3, EP > 1) sends worst-case token buffers of which only the
+routed rows carry tokens (`tracelens.analysis.moe`, the `moe_padding` finding). Where that padding is known,
+`comm_summary` also gives each rank's all-to-all bytes and bus bandwidth counting the routed bytes only
+(`useful_bytes`, `useful_busbw_gbps`: the instance's busbw x routed / sent bytes); NaN elsewhere.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ import numpy as np
 import pandas as pd
 
 from .. import categories as C
+from . import moe
 
 US = 1000.0
 
@@ -682,14 +688,35 @@ def _sum_or_nan(s: pd.Series) -> float:
     return float(s.sum(min_count=1)) if len(s) else float("nan")
 
 
-def comm_summary(inst: pd.DataFrame) -> pd.DataFrame:
+def _useful_fraction(inst: pd.DataFrame, padding: dict | None) -> pd.Series | None:
+    """Per instance, routed / sent bytes: below 1 for the padded token all-to-alls `padding` (`moe.expert_padding`)
+    names, 1 for every other instance; None when no instance is padded."""
+    sizes = (padding or {}).get("a2a_buffer_bytes") or []
+    routed = (padding or {}).get("a2a_routed_bytes_per_call")
+    if not sizes or not routed or inst.empty:
+        return None
+    tok = (inst["family"] == "all_to_all") & inst["bytes"].isin(sizes)
+    if not tok.any():
+        return None
+    frac = pd.Series(1.0, index=inst.index)
+    frac[tok] = np.minimum(float(routed) / inst.loc[tok, "bytes"].astype(float), 1.0)
+    return frac
+
+
+def comm_summary(inst: pd.DataFrame, padding: dict | None = None) -> pd.DataFrame:
     """Per rank and collective (start-up instances excluded): counts, kernel time, bytes (known sizes only;
     `unknown_size` counts the rest), comm/sync totals and bandwidths over the instances with cross-rank
-    figures (NaN when none has them: a rank of the group is missing)."""
+    figures (NaN when none has them: a rank of the group is missing). With the padding of a sync-free MoE
+    run (`moe.expert_padding`), `useful_bytes` and `useful_busbw_gbps` count the token all-to-alls' routed
+    bytes only, on the rows that hold such an all-to-all (NaN elsewhere; module docstring)."""
     cols = ["rank", "collective", "count", "bytes", "unknown_size", "kernel_us", "comm_us", "sync_us", "sync_pct",
-            "mean_algbw_gbps", "mean_busbw_gbps", "times_last", "startup_excluded", "cross_rank"]
+            "mean_algbw_gbps", "mean_busbw_gbps", "times_last", "startup_excluded", "cross_rank", "useful_bytes",
+            "useful_busbw_gbps"]
     if inst.empty:
         return pd.DataFrame(columns=cols)
+    frac = _useful_fraction(inst, padding)
+    if frac is None:
+        frac = pd.Series(np.nan, index=inst.index)
     ok = inst[~inst["startup"]]
     ex = inst[inst["startup"]].groupby(["rank", "collective"]).size()
     rows = []
@@ -698,19 +725,24 @@ def comm_summary(inst: pd.DataFrame) -> pd.DataFrame:
         known = g["bytes"] > 0
         comm, sync = _sum_or_nan(x["comm_us"]), _sum_or_nan(x["sync_us"])
         tot = comm + sync
+        padded = bool((frac[g.index] < 1.0).any())
         rows.append({"rank": int(r), "collective": c, "count": len(g), "bytes": int(g.loc[known, "bytes"].sum()),
                      "unknown_size": int((~known).sum()), "kernel_us": float(g["kernel_us"].sum()),
                      "comm_us": comm, "sync_us": sync,
                      "sync_pct": 100.0 * sync / tot if tot > 0 else (0.0 if tot == 0 else float("nan")),
                      "mean_algbw_gbps": x["algbw_gbps"].mean(), "mean_busbw_gbps": x["busbw_gbps"].mean(),
                      "times_last": int((x["last_rank"] == r).sum()) if len(x) else float("nan"),
-                     "startup_excluded": int(ex.get((r, c), 0)), "cross_rank": int(len(x))})
+                     "startup_excluded": int(ex.get((r, c), 0)), "cross_rank": int(len(x)),
+                     "useful_bytes": float((g.loc[known, "bytes"] * frac[g.index][known]).sum()) if padded else np.nan,
+                     "useful_busbw_gbps": float((x["busbw_gbps"] * frac[x.index]).mean())
+                     if padded and len(x) else np.nan})
     for (r, c), n in ex.items():  # a collective seen only at start-up still gets its row
         if not any(d["rank"] == r and d["collective"] == c for d in rows):
             rows.append({"rank": int(r), "collective": c, "count": 0, "bytes": 0, "unknown_size": 0, "kernel_us": 0.0,
                          "comm_us": float("nan"), "sync_us": float("nan"), "sync_pct": float("nan"),
                          "mean_algbw_gbps": float("nan"), "mean_busbw_gbps": float("nan"), "times_last": float("nan"),
-                         "startup_excluded": int(n), "cross_rank": 0})
+                         "startup_excluded": int(n), "cross_rank": 0, "useful_bytes": np.nan,
+                         "useful_busbw_gbps": np.nan})
     return pd.DataFrame(rows, columns=cols).sort_values(["rank", "collective"], ignore_index=True)
 
 
@@ -776,6 +808,7 @@ class CommReport:
     groups: pd.DataFrame  # group_coverage: per process group
     partial: str  # partial_note: '' when every group's ranks are loaded
     startup_instances: int  # instances that began before every rank was profiling (left out of the totals)
+    padding: dict | None = None  # moe.expert_padding when the token all-to-alls carry padding (useful columns)
 
     @property
     def empty(self) -> bool:
@@ -786,7 +819,17 @@ class CommReport:
         """The `tracelens comm --json` document (docs/comm.md)."""
         return {"schema_version": 2, "partial": self.partial or None, "records": _records(self.instances),
                 "summary": _records(self.summary), "stragglers": _records(self.stragglers),
-                "exposed_comm": _records(self.exposed), "groups": _records(self.groups)}
+                "exposed_comm": _records(self.exposed), "groups": _records(self.groups),
+                "padding": self.padding}
+
+    def padding_note(self) -> str:
+        """One line on the token all-to-alls' padding behind the useful columns; '' when there is none."""
+        p = self.padding
+        if not p or self.summary.empty or not self.summary["useful_busbw_gbps"].notna().any():
+            return ""
+        return (f"useful GB/s: bus bandwidth of the routed bytes only: {100 * p['a2a_padding_share_bytes']:.0f}% of the "
+                f"token all-to-all bytes are padding (worst-case buffers, finding moe_padding): "
+                f"{p['a2a_routed_bytes_per_call']:,} routed of {p['a2a_bytes_per_call']:,} bytes sent per call")
 
     def to_text(self) -> str:
         """The `tracelens comm` table: per rank and collective, then stragglers and exposed communication.
@@ -803,12 +846,16 @@ class CommReport:
         def f(v, fmt):
             return "–" if v != v else format(v, fmt)  # NaN: no cross-rank figure
 
+        note = self.padding_note()
+        useful = f" {'useful GB/s':>11}" if note else ""
         lines.append(f"{'rank':>4} {'collective':<16} {'count':>5} {'kernel ms':>9} {'comm ms':>9} {'sync ms':>9} "
-                     f"{'sync %':>7} {'busbw GB/s':>10} {'last':>5}")
+                     f"{'sync %':>7} {'busbw GB/s':>10}{useful} {'last':>5}")
         for r in self.summary.itertuples(index=False):
+            u = (f" {'':>11}" if r.useful_busbw_gbps != r.useful_busbw_gbps else f" {r.useful_busbw_gbps:>11.1f}") \
+                if note else ""
             lines.append(f"{r.rank:>4} {r.collective[:16]:<16} {r.count:>5} {r.kernel_us / 1e3:>9.3f} "
                          f"{f(r.comm_us / 1e3, '.3f'):>9} {f(r.sync_us / 1e3, '.3f'):>9} {f(r.sync_pct, '.1f'):>7} "
-                         f"{f(r.mean_busbw_gbps, '.1f'):>10} {f(float(r.times_last), '.0f'):>5}")
+                         f"{f(r.mean_busbw_gbps, '.1f'):>10}{u} {f(float(r.times_last), '.0f'):>5}")
         for r in self.stragglers.itertuples(index=False):
             lines.append(f"{r.family}: skew mean {r.mean_skew_us / 1e3:.3f} ms, max {r.max_skew_us / 1e3:.3f} ms; "
                          f"rank {r.straggler_rank} arrives last in {100 * r.straggler_share:.0f}% of {r.instances}")
@@ -817,6 +864,8 @@ class CommReport:
                                  + (f" (+ {x.comm_wait_us / 1e3:.3f} ms waiting for other ranks)" if x.comm_wait_us > 0 else "")
                                  + (f" (+ {x.pipeline_wait_us / 1e3:.3f} ms pipeline wait)" if x.pipeline_wait_us > 0 else "")
                                  for x in self.exposed.itertuples()))
+        if note:
+            lines.append(note)
         return "\n".join(lines)
 
 
@@ -827,7 +876,11 @@ def comm_report(analysis) -> CommReport:
         return CommReport(instances=inst, summary=comm_summary(inst), stragglers=stragglers(inst),
                           exposed=exposed_comm(analysis, inst), groups=pd.DataFrame(), partial="", startup_instances=0)
     kern = analysis.comm_kernels()
-    return CommReport(instances=inst, summary=comm_summary(inst), stragglers=stragglers(inst),
+    padding = moe.expert_padding(analysis) if (inst["family"] == "all_to_all").any() else None
+    if padding is not None and not padding.get("a2a_buffer_bytes"):
+        padding = None  # padded GEMM rows, but no token all-to-all recognised: nothing for this view
+    return CommReport(instances=inst, summary=comm_summary(inst, padding), stragglers=stragglers(inst),
                       exposed=exposed_comm(analysis, inst), groups=group_coverage(analysis, inst, kern),
                       partial=partial_note(analysis, inst, kern),
-                      startup_instances=int(inst.drop_duplicates(["group", "peers", "seq"])["startup"].sum()))
+                      startup_instances=int(inst.drop_duplicates(["group", "peers", "seq"])["startup"].sum()),
+                      padding=padding)

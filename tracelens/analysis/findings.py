@@ -34,6 +34,7 @@ from . import host as H
 from . import steps as S
 from . import waits as W
 from .moe import padding_finding
+from .moe_view import routing_tie
 from .straggler import straggler_finding
 
 
@@ -43,10 +44,12 @@ def _severity(share: float) -> str:
 
 def findings(analysis, small_us: float = H.SMALL_KERNEL_US, *, host_syncs: pd.DataFrame | None = None,
              idle_gaps: pd.DataFrame | None = None, launch_stats: pd.DataFrame | None = None,
-             kernels_per_op: pd.DataFrame | None = None, comm_instances: pd.DataFrame | None = None) -> list[dict[str, Any]]:
+             kernels_per_op: pd.DataFrame | None = None, comm_instances: pd.DataFrame | None = None,
+             critical_path=None) -> list[dict[str, Any]]:
     """The findings of an analysis (see the module docstring). The keyword arguments are its inputs when
     already computed (the analysis's entries: `idle_gaps` classified against every host sync, with object
-    text columns; `launch_stats` / `kernels_per_op` at this `small_us`); each one not given is computed."""
+    text columns; `launch_stats` / `kernels_per_op` at this `small_us`); each one not given is computed, but
+    `critical_path` (tracelens.analysis.critical_path), which the `late_rank` finding cites when given."""
     a = analysis
     extra = _overhead_finding(getattr(a, "manifest", None))
     if a.timeline.empty:
@@ -129,9 +132,13 @@ def findings(analysis, small_us: float = H.SMALL_KERNEL_US, *, host_syncs: pd.Da
             p2p_wait = {int(r): float(v) for r, v in pw.items() if v > 0}
             bubble["evidence"]["p2p_wait_us_per_rank"] = {r: round(v, 3) for r, v in p2p_wait.items()}
         late = straggler_finding(a, n_ranks, inst=inst_all[inst_all["family"] != "p2p"] if bubble is not None
-                                 else inst_all, gaps=idle_gaps)
+                                 else inst_all, gaps=idle_gaps, path=critical_path)
         if late is not None:
             out.append(late)
+            tie = routing_tie(a, late["evidence"]["late_rank"])  # the run's routing counts, when it has them
+            if tie is not None:
+                late["evidence"]["moe_routing"] = tie
+                late["title"] += "; " + tie["text"].split(": ", 1)[1]
             lb = next((f for f in out if f["type"] == "launch_bound"), None)
             if lb is not None and late["evidence"]["cause"] == "idle: launch-bound":
                 # the same mechanism seen from the other ranks: say it where the launch-bound idle is named

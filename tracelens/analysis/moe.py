@@ -12,10 +12,18 @@ is dropped). The rest of each buffer is padding. This module counts it from what
 - each token all-to-all's bytes (`tracelens.analysis.comm` instances whose bytes are the grouped rows times
   ``d_model`` times the element size);
 
-against the routed rows ``T * top_k`` (``T = micro_batch_size * seq_len``, from the run's manifest config).
-Time on padding is estimated as the padded share of the GEMM and transfer time (an upper bound for GEMMs,
-whose cost does not fall linearly with rows). Without a manifest (a trace from another framework) the routed
-rows are not known and nothing is claimed. Pure function of the analysis' tables and `Trace.run`.
+against the routed rows ``T * top_k`` (``T = micro_batch_size * seq_len``, from the run's manifest config;
+with ``ep_overlap`` each grouped GEMM and all-to-all carries one of ``ep_overlap_chunks`` chunks of tokens, and
+with ``ep_dispatch: capacity`` the rows the manifest's ``ep_dispatch.dropped_share`` counts as dropped are not
+routed). Time on padding is estimated as the padded share of the GEMM and transfer time (an upper bound for
+GEMMs, whose cost does not fall linearly with rows).
+
+Which trainer wrote the run matters for the GEMMs: since the dispatch paths of issue 33 (a manifest with an
+``ep_dispatch`` key), the grouped GEMMs' device offsets end at the routed rows, so a padded buffer's tail is
+moved and sent but never multiplied: ``gemm_computes_padding`` is false, the padded share then describes the
+buffers (memory, all-to-all bytes), and no GEMM time is counted as spent on padding. Older runs computed the
+whole buffer. Without a manifest (a trace from another framework) the routed rows are not known and nothing is
+claimed. Pure function of the analysis' tables and `Trace.run`.
 """
 
 from __future__ import annotations
@@ -47,46 +55,108 @@ def _grouped_rows(dims: Any) -> int | None:
     return None
 
 
-def expert_padding(analysis) -> dict[str, Any] | None:
-    """Padded rows and bytes of a run's expert GEMMs and token all-to-alls (module docstring); None when the run
-    has no grouped GEMMs, no manifest config with the MoE shape, or no padding above `MIN_SHARE`."""
+GROUPED_GEMM_OPS = ("aten::_grouped_mm", "aten::_scaled_grouped_mm")
+grouped_rows = _grouped_rows  # public: the grouped (token) rows of one call's input dims (the what-if reads them)
+
+
+def _gemm_part(analysis) -> tuple[dict[str, Any], pd.DataFrame, dict] | None:
+    """The expert-GEMM half of `expert_padding`: (its fields, the grouped-GEMM op groups with their rows, the
+    run's config), or None."""
     run = getattr(analysis.trace, "run", None)
     cfg = run.config if run is not None else None
     if not cfg:
         return None
     try:
         tokens = int(cfg["micro_batch_size"]) * int(cfg["seq_len"])
-        top_k, d_model = int(cfg["top_k"]), int(cfg["d_model"])
+        top_k = int(cfg["top_k"])
+        ep = int(cfg.get("ep", 1) or 1)
     except (KeyError, TypeError, ValueError):
         return None
+    manifest = getattr(run, "manifest", None) or {}
+    dispatch = manifest.get("ep_dispatch") if isinstance(manifest, dict) else None
+    chunks = 1
+    if ep > 1 and cfg.get("ep_overlap") is True:
+        try:
+            chunks = max(1, int(cfg.get("ep_overlap_chunks", 2)))
+        except (TypeError, ValueError):
+            chunks = 1
+    dropped = 0.0
+    if isinstance(dispatch, dict):
+        try:
+            dropped = min(max(float(dispatch.get("dropped_share") or 0.0), 0.0), 1.0)
+        except (TypeError, ValueError):
+            dropped = 0.0
+    # the trainer of issue 33 and later: offsets end at the routed rows, the padded tail is never multiplied
+    computes_padding = not (isinstance(manifest, dict) and "ep_dispatch" in manifest)
     ops = analysis.ops
     if ops is None or ops.empty:
         return None
-    g = ops[ops["op"].astype(str).isin(("aten::_grouped_mm", "aten::_scaled_grouped_mm"))]
+    g = ops[ops["op"].astype(str).isin(GROUPED_GEMM_OPS)]
     if g.empty:
         return None
     rows = g["input_dims"].map(_grouped_rows)
     g = g[rows.notna()].assign(rows=rows[rows.notna()].astype(np.int64))
     if g.empty:
         return None
-    routed = tokens * top_k
+    routed_exact = tokens * top_k / chunks * (1.0 - dropped)
+    routed = int(round(routed_exact))
     calls = g["count"].astype(float)
     # per call the padded share; weighted by the calls' GPU time for the time estimate
-    share_call = (1.0 - routed / g["rows"].astype(float)).clip(lower=0.0)
+    share_call = (1.0 - routed_exact / g["rows"].astype(float)).clip(lower=0.0)
     rows_mean = float((g["rows"] * calls).sum() / calls.sum())
-    share = max(1.0 - routed / rows_mean, 0.0)
+    share = max(1.0 - routed_exact / rows_mean, 0.0)
     if share < MIN_SHARE:
         return None
     n_ranks = max(int(analysis.timeline["rank"].nunique()), 1) if not analysis.timeline.empty else 1
     gemm_us = float(g["gpu_total_us"].sum()) / n_ranks
-    padded_gemm_us = float((g["gpu_total_us"] * share_call).sum()) / n_ranks
+    padded_gemm_us = float((g["gpu_total_us"] * share_call).sum()) / n_ranks if computes_padding else 0.0
     out: dict[str, Any] = {
         "rows_per_call": int(round(rows_mean)), "routed_rows_per_call": routed, "tokens_per_microbatch": tokens,
         "top_k": top_k, "padding_share_rows": round(share, 4), "grouped_gemm_us_per_rank": round(gemm_us, 3),
         "padded_gemm_us_per_rank": round(padded_gemm_us, 3), "grouped_gemm_calls": int(calls.sum()),
-        "a2a_padding_share_bytes": None, "a2a_bytes_per_call": None, "a2a_routed_bytes_per_call": None,
-        "padded_a2a_us_per_rank": 0.0,
+        "gemm_computes_padding": computes_padding, "chunks_per_microbatch": chunks,
+        "dropped_share": round(dropped, 6),
     }
+    return out, g, cfg
+
+
+def gemm_padding(analysis) -> dict[str, Any] | None:
+    """The expert-GEMM fields of `expert_padding` alone (rows computed and routed per call, padded share and
+    time): what needs no communication table (the roofline reads it). None when `expert_padding` has none."""
+    part = _gemm_part(analysis)
+    return None if part is None else part[0]
+
+
+def useful_share(padding: dict[str, Any], input_dims: Any) -> float | None:
+    """Routed / computed rows of one grouped-GEMM call with these input dims, given `gemm_padding`'s or
+    `expert_padding`'s result: the share of its FLOPs that is useful work (a GEMM's FLOPs are linear in its
+    grouped dimension). None when the dims do not give the grouped dimension; 1 when the GEMMs stop at the
+    routed rows (``gemm_computes_padding`` false: the buffer's tail is not computed)."""
+    rows = _grouped_rows(input_dims)
+    if not rows:
+        return None
+    if padding.get("gemm_computes_padding") is False:
+        return 1.0
+    return min(float(padding["routed_rows_per_call"]) / rows, 1.0)
+
+
+def expert_padding(analysis) -> dict[str, Any] | None:
+    """Padded rows and bytes of a run's expert GEMMs and token all-to-alls (module docstring); None when the run
+    has no grouped GEMMs, no manifest config with the MoE shape, or no padding above `MIN_SHARE`.
+    ``a2a_buffer_bytes``: the sizes of the all-to-all instances counted as token buffers (`tracelens
+    .analysis.comm` rates their routed bytes with it)."""
+    part = _gemm_part(analysis)
+    if part is None:
+        return None
+    out, g, cfg = part
+    out.update(a2a_padding_share_bytes=None, a2a_bytes_per_call=None, a2a_routed_bytes_per_call=None,
+               padded_a2a_us_per_rank=0.0, a2a_buffer_bytes=[])
+    try:
+        d_model = int(cfg["d_model"])
+    except (KeyError, TypeError, ValueError):
+        return out
+    n_ranks = max(int(analysis.timeline["rank"].nunique()), 1) if not analysis.timeline.empty else 1
+    routed = out["routed_rows_per_call"]
     elem = _ELEM_BYTES.get(str(cfg.get("dtype", "bf16")).lower())
     inst = analysis.comm_instances() if hasattr(analysis, "comm_instances") else None
     if elem and inst is not None and not inst.empty:
@@ -101,7 +171,8 @@ def expert_padding(analysis) -> dict[str, Any] | None:
             s_b = max(1.0 - routed_b / sent, 0.0)
             out.update(a2a_padding_share_bytes=round(s_b, 4), a2a_bytes_per_call=int(sent),
                        a2a_routed_bytes_per_call=int(routed_b),
-                       padded_a2a_us_per_rank=round(float(a2a["comm_us"].sum()) * s_b / n_ranks, 3))
+                       padded_a2a_us_per_rank=round(float(a2a["comm_us"].sum()) * s_b / n_ranks, 3),
+                       a2a_buffer_bytes=sorted(int(b) for b in a2a["bytes"].unique()))
     return out
 
 
@@ -111,18 +182,29 @@ def padding_finding(analysis) -> dict[str, Any] | None:
     if p is None:
         return None
     a2a = p["a2a_padding_share_bytes"]
-    what = "expert-GEMM rows" + (" and all-to-all bytes" if a2a is not None else "")
+    rec = p["padded_gemm_us_per_rank"] + p["padded_a2a_us_per_rank"]
     share_txt = f"{100 * p['padding_share_rows']:.0f}%"
     if a2a is not None and abs(a2a - p["padding_share_rows"]) >= 0.005:
         share_txt += f" / {100 * a2a:.0f}%"
-    rec = p["padded_gemm_us_per_rank"] + p["padded_a2a_us_per_rank"]
+    routed_txt = "tokens x top_k" + (f" per chunk of {p['chunks_per_microbatch']}" if p["chunks_per_microbatch"] > 1
+                                     else "") + (f", less the {100 * p['dropped_share']:.1f}% dropped"
+                                                 if p["dropped_share"] else "")
+    if p["gemm_computes_padding"]:
+        what = "expert-GEMM rows" + (" and all-to-all bytes" if a2a is not None else "")
+        title = (f"{share_txt} of {what} are padding: grouped GEMMs compute {p['rows_per_call']:,} rows per call for "
+                 f"{p['routed_rows_per_call']:,} routed ({routed_txt}); up to {rec / 1e3:.3f} ms per rank on padding")
+    else:  # the GEMMs stop at the routed rows: the padding is in the buffers and on the wire
+        what = "expert-GEMM buffer rows" + (" and all-to-all bytes" if a2a is not None else "")
+        title = (f"{share_txt} of {what} are padding: buffers of {p['rows_per_call']:,} rows per call for "
+                 f"{p['routed_rows_per_call']:,} routed ({routed_txt}); the GEMMs stop at the routed rows, "
+                 f"up to {rec / 1e3:.3f} ms per rank sending padding")
     return {
         "type": "moe_padding",
-        "title": f"{share_txt} of {what} are padding: grouped GEMMs compute {p['rows_per_call']:,} rows per call for "
-                 f"{p['routed_rows_per_call']:,} routed (tokens x top_k); up to {rec / 1e3:.3f} ms per rank on padding",
+        "title": title,
         "evidence": p, "recoverable_us": rec,
         "ranks": sorted(int(r) for r in analysis.timeline["rank"].unique()) if not analysis.timeline.empty else [],
     }
 
 
-__all__ = ["MIN_SHARE", "expert_padding", "padding_finding"]
+__all__ = ["GROUPED_GEMM_OPS", "MIN_SHARE", "expert_padding", "gemm_padding", "grouped_rows", "padding_finding",
+           "useful_share"]

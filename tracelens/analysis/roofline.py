@@ -15,6 +15,15 @@ modeled op above them belong to their innermost op, which is then listed as unmo
 `scaled_dot_product_attention -> _scaled_dot_product_cudnn_attention -> _cudnn_attention_forward` counts
 once, at the innermost (most specific) op, and backward kernels are counted at the aten ops the autograd
 engine calls (e.g. `aten::mm` inside `MmBackward0`), with the shapes of that call.
+
+Every rank's time adds up in a group's GPU time (`gpu_us`, "GPU time summed over N ranks" in the text); the
+rates (TFLOP/s, TB/s, % of roof) are per GPU: the group's FLOPs or bytes over its GPU time.
+
+Useful work: a sync-free MoE run's expert GEMMs compute a worst-case buffer of which only the routed rows carry
+tokens (`tracelens.analysis.moe`, the `moe_padding` finding). Where that padding is known, each grouped-GEMM
+row also gives the rate of its routed rows alone (`useful_tflops`, `useful_pct_roof`: the FLOPs of the routed
+rows over the same GPU time; FLOPs are linear in the grouped dimension) beside the computed rate, which counts
+the padding as work; elsewhere those columns are NaN.
 """
 
 from __future__ import annotations
@@ -30,18 +39,19 @@ import pandas as pd
 
 from .. import categories as C
 from .. import devices, perfmodels
-from . import calltree
+from . import calltree, moe
 
 TABLE_COLUMNS = (
     "device", "op", "kind", "dtype", "input_dims", "input_types", "concrete_inputs", "input_strides", "note", "family", "count",
     "kernels", "gpu_us", "flops", "bytes", "total_flops", "total_bytes", "tflops", "tbps", "intensity",
     "peak_tflops", "peak_tbps", "ridge", "roof_tflops", "pct_peak_compute", "pct_peak_memory", "pct_roof", "bound",
-    "share_gpu_time",
+    "share_gpu_time", "useful_total_flops", "useful_tflops", "useful_pct_roof",
 )
 UNMODELED_COLUMNS = ("device", "op", "input_dims", "input_types", "concrete_inputs", "reason", "count", "kernels", "gpu_us",
                      "share_gpu_time")
 FAMILY_COLUMNS = ("device", "family", "op", "dtype", "shapes", "count", "gpu_us", "total_flops", "total_bytes",
-                  "tflops", "tbps", "intensity", "pct_peak_compute", "pct_roof", "bound")
+                  "tflops", "tbps", "intensity", "pct_peak_compute", "pct_roof", "bound", "useful_tflops",
+                  "useful_pct_roof")
 
 
 NO_GPU_TEXT = ("no GPU kernels in these traces (CPU-only profile): a roofline needs GPU kernel times; nothing to plot "
@@ -61,6 +71,8 @@ class RooflineResult:
     modeled_gpu_us: float = 0.0
     unmodeled_gpu_us: float = 0.0
     unattributed_gpu_us: float = 0.0  # GPU time launched outside any op
+    ranks: int = 1  # ranks whose GPU time the table sums
+    padding: dict[str, Any] | None = None  # `moe.gemm_padding`: the expert GEMMs' computed vs routed rows, if padded
 
     def tables(self) -> dict[str, pd.DataFrame]:
         """The tables to write next to the report (Parquet/CSV), named like `Analysis.tables()`."""
@@ -76,6 +88,8 @@ class RooflineResult:
             "modeled_share": round(self.modeled_gpu_us / total, 4) if total else None,
             "devices": {k: (v.to_dict() if v else None) for k, v in self.ceilings.items()},
             "warnings": list(self.warnings),
+            "ranks": self.ranks,  # gpu_us sums these ranks' time; the rates are per GPU
+            "padding": dict(self.padding) if self.padding else None,
         }
 
     def to_dict(self) -> dict[str, Any]:
@@ -84,16 +98,43 @@ class RooflineResult:
         return {"schema_version": 1, "summary": self.summary(), "roofline": recs(self.table),
                 "unmodeled": recs(self.unmodeled), "families": recs(self.families)}
 
+    def notes(self) -> list[str]:
+        """What the figures mean beyond the table's headers: the ranks the GPU time sums, and the expert GEMMs'
+        padding the useful columns take out (the text and the report show them)."""
+        out = []
+        if self.ranks > 1:
+            out.append(f"GPU time summed over {self.ranks} ranks; TFLOP/s, TB/s and % roof per GPU.")
+        u = self.table[self.table["useful_tflops"].notna()]
+        if self.padding is not None and len(u):
+            p = self.padding
+            sec = float(u["gpu_us"].sum()) / 1e6
+            roof = float((u["roof_tflops"] * u["gpu_us"]).sum() / u["gpu_us"].sum())
+            comp, use = float(u["total_flops"].sum()) / sec / 1e12, float(u["useful_total_flops"].sum()) / sec / 1e12
+            out.append(f"Useful: {100 * p['padding_share_rows']:.0f}% of expert-GEMM rows are padding (worst-case "
+                       f"buffers, finding moe_padding): {p['routed_rows_per_call']:,} routed of {p['rows_per_call']:,} "
+                       f"computed rows per call; the grouped GEMMs run {comp:.1f} TFLOP/s ({100 * comp / roof:.1f}% of "
+                       f"roof) on computed rows, {use:.1f} ({100 * use / roof:.1f}%) on routed rows (the useful columns).")
+        return out
+
     def to_text(self, top: int = 15) -> str:
-        """What `tracelens roofline` prints: the `top` op groups by GPU time and the modeled share (the
-        warnings are the caller's to show, on stderr)."""
-        lines = [f"{'op':<36} {'GPU ms':>8} {'TFLOP/s':>8} {'TB/s':>6} {'AI':>7} {'% roof':>7} bound"]
-        for x in self.table.sort_values("gpu_us", ascending=False).head(top).itertuples(index=False):
-            lines.append(f"{x.op[:36]:<36} {x.gpu_us / 1e3:>8.3f} {x.tflops:>8.1f} {x.tbps:>6.2f} {x.intensity:>7.1f} "
-                         f"{x.pct_roof:>7.1f} {x.bound}")
+        """What `tracelens roofline` prints: the `top` op groups by GPU time, the modeled share and the `notes`
+        (the warnings are the caller's to show, on stderr). With padded expert GEMMs (`padding`), two columns
+        give their routed rows' rate (module docstring)."""
+        rows = self.table.sort_values("gpu_us", ascending=False).head(top)
+        useful = self.padding is not None and bool(rows["useful_tflops"].notna().any())
+        head = f"{'op':<36} {'GPU ms':>8} {'TFLOP/s':>8} {'TB/s':>6} {'AI':>7} {'% roof':>7}"
+        lines = [head + (f" {'useful TFLOP/s':>14} {'useful % roof':>13}" if useful else "") + " bound"]
+        for x in rows.itertuples(index=False):
+            line = (f"{x.op[:36]:<36} {x.gpu_us / 1e3:>8.3f} {x.tflops:>8.1f} {x.tbps:>6.2f} {x.intensity:>7.1f} "
+                    f"{x.pct_roof:>7.1f}")
+            if useful:
+                line += (f" {x.useful_tflops:>14.1f} {x.useful_pct_roof:>13.1f}" if x.useful_tflops == x.useful_tflops
+                         else f" {'':>14} {'':>13}")
+            lines.append(f"{line} {x.bound}")
         share = self.summary().get("modeled_share")
         share = "n/a" if share is None else f"{100 * share:.0f}%"
         lines.append(f"modeled: {share} of non-communication GPU time; {len(self.unmodeled)} op group(s) unmodeled")
+        lines.extend(self.notes())
         return "\n".join(lines)
 
 
@@ -216,6 +257,7 @@ def roofline_result(analysis, ceilings: Any = None) -> RooflineResult:
     if g.empty:
         warnings.append("no GPU activity in the trace: roofline unavailable")
         return RooflineResult(_empty(TABLE_COLUMNS), _empty(UNMODELED_COLUMNS), _empty(FAMILY_COLUMNS), ceil, warnings)
+    n_ranks = max(int(g["rank"].nunique()), 1) if "rank" in g else 1
     is_comm = g["is_comm"].to_numpy() if "is_comm" in g else np.zeros(len(g), bool)
     g = g.loc[~is_comm]
     op_row = g["op_row"].to_numpy()
@@ -227,7 +269,7 @@ def roofline_result(analysis, ceilings: Any = None) -> RooflineResult:
     if g.empty:
         warnings.append("no GPU event is linked to an op: roofline unavailable")
         return RooflineResult(_empty(TABLE_COLUMNS), _empty(UNMODELED_COLUMNS), _empty(FAMILY_COLUMNS), ceil,
-                              warnings, unattributed_gpu_us=unattributed_us)
+                              warnings, unattributed_gpu_us=unattributed_us, ranks=n_ranks)
     uniq, inv = np.unique(g["op_row"].to_numpy(), return_inverse=True)
     owner_u, nested_u = _owner_rows(tree, uniq)
     owner = owner_u[inv.reshape(-1)]
@@ -298,6 +340,7 @@ def roofline_result(analysis, ceilings: Any = None) -> RooflineResult:
     bound = np.where(m["ridge"].isna(), "unknown", bound)
     m["bound"] = bound
     m["family"] = _families(m, perfs)
+    padding = _useful_work(analysis, m)
     m = m.sort_values("gpu_us", ascending=False)
     table = m[list(TABLE_COLUMNS)].reset_index(drop=True)
 
@@ -313,7 +356,26 @@ def roofline_result(analysis, ceilings: Any = None) -> RooflineResult:
     modeled_us = float(table["gpu_us"].sum())
     return RooflineResult(table=table, unmodeled=um, families=family_table(table), ceilings=ceil, warnings=warnings,
                           modeled_gpu_us=modeled_us, unmodeled_gpu_us=float(um["gpu_us"].sum()),
-                          unattributed_gpu_us=unattributed_us)
+                          unattributed_gpu_us=unattributed_us, ranks=n_ranks, padding=padding)
+
+
+def _useful_work(analysis, m: pd.DataFrame) -> dict[str, Any] | None:
+    """The useful-work columns of the modeled groups `m` (module docstring), in place: NaN unless the run's
+    expert GEMMs are padded (`moe.gemm_padding`, what the `moe_padding` finding reports). Returns that padding."""
+    for c in ("useful_total_flops", "useful_tflops", "useful_pct_roof"):
+        m[c] = np.nan
+    grouped = m["op"].isin(moe.GROUPED_GEMM_OPS)
+    padding = moe.gemm_padding(analysis) if grouped.any() else None
+    if padding is None:
+        return None
+    share = pd.Series([moe.useful_share(padding, d) if k else None for d, k in zip(m["input_dims"], grouped)],
+                      index=m.index, dtype=float)
+    m["useful_total_flops"] = m["total_flops"] * share
+    sec = m["dur_ns"].to_numpy() / 1e9
+    with np.errstate(divide="ignore", invalid="ignore"):
+        m["useful_tflops"] = np.where(sec > 0, m["useful_total_flops"] / sec / 1e12, np.nan)
+        m["useful_pct_roof"] = np.where(m["roof_tflops"] > 0, 100.0 * m["useful_tflops"] / m["roof_tflops"], np.nan)
+    return padding
 
 
 def roofline(analysis, ceilings: Any = None) -> pd.DataFrame:
@@ -370,6 +432,10 @@ def family_table(table: pd.DataFrame) -> pd.DataFrame:
         op=("op", "first"), dtype=("dtype", "first"), shapes=("input_dims", "nunique"), count=("count", "sum"),
         gpu_us=("gpu_us", "sum"), total_flops=("total_flops", "sum"), total_bytes=("total_bytes", "sum"),
         peak_tflops=("peak_tflops", "first"), peak_tbps=("peak_tbps", "first")).reset_index()
+    # useful FLOPs: where any group of the family has them, the others' FLOPs are all useful
+    known = t["useful_total_flops"].notna().groupby([t["device"], t["family"]], sort=False).any()
+    useful = t["useful_total_flops"].fillna(t["total_flops"]).groupby([t["device"], t["family"]], sort=False).sum()
+    useful = useful.where(known).reindex(pd.MultiIndex.from_frame(f[["device", "family"]])).to_numpy()
     sec = f["gpu_us"] / 1e6
     with np.errstate(divide="ignore", invalid="ignore"):
         f["tflops"] = f["total_flops"] / sec / 1e12
@@ -379,5 +445,7 @@ def family_table(table: pd.DataFrame) -> pd.DataFrame:
         roof = np.minimum(f["peak_tflops"], f["intensity"] * f["peak_tbps"])
         f["pct_roof"] = 100.0 * f["tflops"] / roof
         ridge = f["peak_tflops"] / f["peak_tbps"]
+        f["useful_tflops"] = useful / sec / 1e12
+        f["useful_pct_roof"] = 100.0 * f["useful_tflops"] / roof
     f["bound"] = np.where(ridge.isna(), "unknown", np.where(f["intensity"] >= ridge, "compute", "memory"))
     return f.sort_values("gpu_us", ascending=False)[list(FAMILY_COLUMNS)].reset_index(drop=True)

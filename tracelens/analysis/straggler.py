@@ -7,8 +7,9 @@ it computed more (a heavier stage, more routed tokens), or its GPU idled waiting
 blocking sync). For every collective instance with a wait, each rank's stretch is split into GPU work by
 kernel category and idle time by cause (`tracelens.analysis.host` gaps: launch-bound, sync, other); the late
 rank's excess over the median of the other ranks, part by part, says what made it late. Summed over the
-instances a rank was last in, per collective family, the largest excess is the cause the finding names.
-Pure function of the analysis' tables.
+instances a rank was last in, per collective family, the largest excess is the cause the finding names. The
+finding also cites the step's critical path across ranks (`tracelens.analysis.critical_path`): how much of it
+runs on the late rank and what dominates its segments there. Pure function of the analysis' tables.
 """
 
 from __future__ import annotations
@@ -138,10 +139,38 @@ def _cause_text(cause: str | None) -> str:
     return f"it computed more {what}"
 
 
+def _path_text(cause: str) -> str:
+    kind, _, what = cause.partition(": ")
+    return {"launch-bound": "GPU idle waiting for kernel launches", "host sync": "GPU idle after host syncs",
+            "idle": "GPU idle on stream or event dependencies", "wait": "waits it could not follow",
+            }.get(kind, f"{what} {kind}" if what else kind)
+
+
+def cite_path(finding: dict[str, Any], path) -> None:
+    """Add to a ``late_rank`` finding what the step's critical path (tracelens.analysis.critical_path) says of its
+    rank: the share of the path on it, the cause holding most of its segments there, its ops with the most compute
+    on the path (with their stage) and the ranks it was itself waiting for (`evidence.critical_path`, and a clause
+    of the title); that the path does not run through it when so."""
+    if path is None or not getattr(path, "available", False):
+        return
+    late = finding["evidence"]["late_rank"]
+    rc = path.rank_cause(late)
+    if rc is None:
+        finding["evidence"]["critical_path"] = {"on_path": False, "share": 0.0}
+        finding["title"] += "; the step's critical path does not run through it"
+        return
+    finding["evidence"]["critical_path"] = {"on_path": True, **{k: rc[k] for k in ("share", "cause", "cause_share",
+                                                                                  "top_compute", "waited_for")}}
+    finding["title"] += (f"; {100 * rc['share']:.0f}% of the step's critical path is on rank {late}, "
+                         f"{100 * rc['cause_share']:.0f}% of that {_path_text(rc['cause'])}")
+    if rc["waited_for"]:  # its own earlier waits: the path goes on from the ranks it waited for
+        finding["title"] += " (itself waiting for rank " + ", ".join(map(str, rc["waited_for"])) + " before)"
+
+
 def straggler_finding(analysis, n_ranks: int, inst: pd.DataFrame | None = None,
-                      gaps: pd.DataFrame | None = None) -> dict[str, Any] | None:
+                      gaps: pd.DataFrame | None = None, path=None) -> dict[str, Any] | None:
     """The rank whose late arrivals cost the others the most waiting, over every collective family, with what
-    made it late (type ``late_rank``), or None."""
+    made it late (type ``late_rank``), or None. `path`: the step's critical path, cited when given (`cite_path`)."""
     t = late_rank_causes(analysis, inst, gaps)
     if t.empty:
         return None
@@ -160,7 +189,7 @@ def straggler_finding(analysis, n_ranks: int, inst: pd.DataFrame | None = None,
     n = int(per.at[late, "instances"])
     fams = ", ".join(f"{r.family} ({int(r.instances)})" for r in mine.itertuples(index=False))
     cause_us = parts.get(cause, 0.0) / max(n, 1) if cause else 0.0
-    return {
+    out = {
         "type": "late_rank",
         "title": f"rank {late} is last into {fams}, costing {wait / 1e3:.3f} ms per rank of waiting: before arriving "
                  f"{_cause_text(cause)} ({cause_us / 1e3:.3f} ms more than the other ranks per instance)",
@@ -170,6 +199,8 @@ def straggler_finding(analysis, n_ranks: int, inst: pd.DataFrame | None = None,
                                  "cause": r.cause} for r in t[t["late_rank"] != late].itertuples(index=False)][:4]},
         "recoverable_us": wait, "ranks": [late],
     }
+    cite_path(out, path)
+    return out
 
 
-__all__ = ["late_rank_causes", "straggler_finding"]
+__all__ = ["cite_path", "late_rank_causes", "straggler_finding"]

@@ -38,7 +38,6 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
-#include <math.h>
 #include <setjmp.h>
 #include <signal.h>
 #include <stddef.h>
@@ -348,60 +347,64 @@ static int number_double(Parser *p, int64_t off, int64_t len, double *out) {
     return 0;
 }
 
-/* Microseconds (a JSON number) -> integer nanoseconds, exactly as kineto._ns computes them from the
-   double: whole = floor(us), ns = whole * 1000 + rint((us - whole) * 1000).
-   Fast paths from the digits: where that formula gives the decimal value exactly (an integer below
-   2**53, or at most 3 decimals below 2**40 us: the double's error is then < 0.13 ns, so rint lands on
-   the exact value), and for 1-6 decimals in [2**40, 2**52) us, the formula itself in integers (below).
-   Anything else goes through the double. */
+/* Microseconds (a JSON number's text, validated by scan_number) -> integer nanoseconds: the number's
+   exact decimal value times 1000, rounded to the nearest integer, ties to even, from the digits alone
+   (no double: an epoch-scale 1732662400123456.789 us is 2**50.6, where a double's step is 0.25 us).
+   Any number of digits and any exponent; the same integers as tracelens/io/timestamps.py gives on the
+   msgspec path. |value| >= 2**53 us (int64 ns overflow is at 9.2e15 us) fails: the msgspec path then
+   parses the file and drops the event as unrepresentable. */
+#define NS_BOUND 9007199254740992000ull /* 2**53 us in ns */
 static int number_ns(Parser *p, int64_t off, int64_t len, int64_t *out) {
-    static const int64_t scale[4] = {1000, 100, 10, 1};
     const unsigned char *s = p->buf + off, *e = s + len;
-    int neg = 0, nd = 0, fd = 0;
-    uint64_t ip = 0, frac = 0;
+    int neg = 0;
     if (s < e && *s == '-') {
         neg = 1;
         s++;
     }
-    while (s < e && *s >= '0' && *s <= '9' && nd < 17) {
-        ip = ip * 10 + (uint64_t)(*s++ - '0');
-        nd++;
-    }
+    const unsigned char *ip = s;
+    while (s < e && *s >= '0' && *s <= '9') s++;
+    int64_t ni = s - ip, nf = 0;
+    const unsigned char *fp = s;
     if (s < e && *s == '.') {
+        fp = ++s;
+        while (s < e && *s >= '0' && *s <= '9') s++;
+        nf = s - fp;
+    }
+    int64_t ex = 0;
+    if (s < e && (*s == 'e' || *s == 'E')) {
+        int eneg = 0;
         s++;
-        while (s < e && *s >= '0' && *s <= '9' && fd < 7) {
-            frac = frac * 10 + (uint64_t)(*s++ - '0');
-            fd++;
+        if (s < e && (*s == '+' || *s == '-')) eneg = *s++ == '-';
+        while (s < e && *s >= '0' && *s <= '9') {
+            if (ex < 1000000) ex = ex * 10 + (*s - '0'); /* beyond, the value is 0 or out of range anyway */
+            s++;
         }
+        if (eneg) ex = -ex;
     }
-    if (s == e && nd > 0 && fd <= 3 && (fd == 0 ? ip < (1ull << 53) : ip < (1ull << 40))) {
-        int64_t v = (int64_t)ip * 1000 + (int64_t)frac * scale[fd];
-        *out = neg ? -v : v;
-        return 0;
-    }
-    if (s == e && !neg && fd >= 1 && fd <= 6 && ip >= (1ull << 40) && ip < (1ull << 52)) {
-        /* Epoch-like timestamps (2**40 us is 12.7 days): the formula on the double, done exactly in
-           integers. The double is ip + m / 2**k (k = 52 - exponent of ip, 1..12), with m the fraction's
-           10**-fd units rounded half to even to multiples of 2**-k; (us - whole) * 1000 = m * 1000 / 2**k
-           is then exact, and rint rounds it half to even. */
-        static const uint64_t pow10[7] = {1, 10, 100, 1000, 10000, 100000, 1000000};
-        int k = 52 - (63 - __builtin_clzll(ip));
-        uint64_t P = pow10[fd], num = frac << k, m = num / P, r = num % P;
-        if (2 * r > P || (2 * r == P && (m & 1))) m++;
-        if (m == (1ull << k)) {
-            *out = (int64_t)(ip + 1) * 1000;
-            return 0;
+    if (s != e || ni == 0) FAIL(p, "unparsable number", off);
+    /* The digits D[0..nd) (integer then fraction digits); the value in ns is D[0..point) . D[point..) */
+    int64_t nd = ni + nf, point = ni + ex + 3, z = 0;
+#define DIGIT(i) ((i) < ni ? ip[(i)] - '0' : fp[(i) - ni] - '0')
+    while (z < nd && DIGIT(z) == 0) z++;
+    uint64_t v = 0;
+    if (z < nd && point > z) {
+        if (point - z > 19) FAIL(p, "timestamp out of range", off);
+        for (int64_t i = z; i < point; i++) {
+            if (v > NS_BOUND / 10) FAIL(p, "timestamp out of range", off);
+            v = v * 10 + (uint64_t)(i < nd ? DIGIT(i) : 0);
         }
-        uint64_t t = m * 1000, q = t >> k, r2 = t & ((1ull << k) - 1), half = 1ull << (k - 1);
-        if (r2 > half || (r2 == half && (q & 1))) q++;
-        *out = (int64_t)ip * 1000 + (int64_t)q;
-        return 0;
+        if (v >= NS_BOUND) FAIL(p, "timestamp out of range", off);
     }
-    double us;
-    if (number_double(p, off, len, &us) < 0) return -1;
-    if (!(fabs(us) < 9.0e15)) FAIL(p, "timestamp out of range", off);
-    double whole = floor(us);
-    *out = (int64_t)whole * 1000 + (int64_t)rint((us - whole) * 1000.0);
+    /* round half to even on the digits past the point */
+    int64_t r = point >= 0 ? point : -1;
+    int first = r >= 0 && r < nd ? DIGIT(r) : 0;
+    if (first >= 5) {
+        int sticky = 0;
+        for (int64_t i = r + 1; i < nd && !sticky; i++) sticky = DIGIT(i) != 0;
+        if (first > 5 || sticky || (v & 1)) v++;
+    }
+#undef DIGIT
+    *out = neg ? -(int64_t)v : (int64_t)v;
     return 0;
 }
 

@@ -18,10 +18,9 @@ The hot path of the whole toolkit. Measured choices (see docs/performance.md):
   not reproduce exactly (an arg of an unexpected JSON type, escaped keys, invalid JSON, ...) is parsed
   by the msgspec path, which is the reference and gives every error message. `DECODER` says which one
   is in use; TRACELENS_PURE_PYTHON=1 forces the msgspec path.
-- Timestamps become exact integer nanoseconds: Kineto writes microseconds with three decimals; the
-  integer and fractional parts are converted separately so no float rounding leaks into the ns value
-  (exact while |ts| < 2**43 us, i.e. ~100 days of clock, which covers Kineto's monotonic clock and
-  every epoch-based trace that writes whole microseconds).
+- Timestamps become exact integer nanoseconds (`timestamps.py`: the text's decimal value times 1000,
+  rounded half to even, at any magnitude up to 2**53 us): `ts` and `dur` are decoded as raw JSON
+  slices and converted from their digits, never through a double.
 """
 
 from __future__ import annotations
@@ -45,10 +44,11 @@ import pyarrow as pa
 
 from ..errors import TraceError
 
-from .checks import MAX_ABS_US, UNREPRESENTABLE, check_events, cut_long_names, cut_name
+from .checks import check_events, cut_long_names, cut_name
 from .narrow import narrow_args
 from .roworder import tree_rows_first
 from .scanner import FAST_FEED, Mapped, Scan, _kineto_fast, decoder, fast_enabled, map_file, read_bytes, usable_cpus  # noqa: F401 - re-exported
+from .timestamps import from_texts
 
 BATCH = 32768  # events per decode: smaller batches lower the peak memory, larger ones gain nothing measurable
 
@@ -65,8 +65,8 @@ class _Event(msgspec.Struct, gc=False):
     name: str = ""
     pid: int | str = 0
     tid: int | str = 0
-    ts: float | None = None
-    dur: float = 0.0
+    ts: msgspec.Raw = _NORAW  # JSON text, converted by timestamps.py (a double cannot hold epoch-scale ns)
+    dur: msgspec.Raw = _NORAW
     id: int | str | None = None
     bp: str | None = None
     args: msgspec.Raw = msgspec.Raw(b"{}")  # absent args decode to all defaults
@@ -118,7 +118,7 @@ def _inline_struct(lenient: bool) -> tuple[type, type]:
     event = msgspec.defstruct(
         f"_TypedEvent{'Lenient' if lenient else ''}",
         [(f, t, d) for f, t, d in (("ph", str, ""), ("cat", str, ""), ("name", str, ""), ("pid", int | str, 0),
-                                   ("tid", int | str, 0), ("ts", float | None, None), ("dur", float, 0.0),
+                                   ("tid", int | str, 0), ("ts", msgspec.Raw, _NORAW), ("dur", msgspec.Raw, _NORAW),
                                    ("id", int | str | None, None), ("bp", str | None, None))]
         + [("args", args, msgspec.field(default_factory=args))],
         gc=False,
@@ -181,18 +181,17 @@ def _json_problem(path: str, data: bytes, err: Exception) -> TraceError:
     return TraceError(path, f"invalid JSON ({msg})")
 
 
-def _ns(values: list) -> np.ndarray:
-    """Microsecond timestamps/durations (floats with <=3 decimals) -> exact int64 nanoseconds."""
-    us = np.asarray(values, dtype=np.float64)
-    bad = ~(np.abs(us) < MAX_ABS_US)  # beyond int64 ns, inf, nan: marked, dropped by checks.check_events
-    if bad.any():
-        us = np.where(bad, 0.0, us)
-    whole = np.floor(us)
-    frac_ns = np.rint((us - whole) * 1000.0)
-    ns = whole.astype(np.int64) * 1000 + frac_ns.astype(np.int64)
-    if bad.any():
-        ns[bad] = UNREPRESENTABLE
-    return ns
+_MISSING = np.iinfo(np.int64).min + 1  # a timed event's ts that is not there (or null): no time at all
+
+
+def _ns(path: str, texts: list, key: str, absent: int) -> np.ndarray:
+    """Raw `ts`/`dur` values -> exact int64 ns (`timestamps.py`; past 2**53 us UNREPRESENTABLE, dropped by
+    checks.check_events); `absent` where the key is missing or null. A value that is no number is one
+    line naming the file."""
+    try:
+        return from_texts(texts, absent)
+    except ValueError as e:
+        raise TraceError(path, f"malformed event: '{key}' is {e}") from None
 
 
 def _int_or(v: Any, default: int = -1) -> int:
@@ -414,12 +413,12 @@ class _RangeParser:
         ev["name"].append(self.ev_dicts["name"].encode([e.name for e in timed]))
         ev["pid"].append(_pid_tid([e.pid for e in timed], self.str_ids))
         ev["tid"].append(_pid_tid([e.tid for e in timed], self.str_ids))
-        ts = np.array([e.ts for e in timed], dtype=np.float64)  # None (no 'ts') -> nan
-        missing = int(np.isnan(ts).sum())
+        ts = _ns(self.path, [e.ts for e in timed], "ts", _MISSING)
+        missing = int((ts == _MISSING).sum())
         if missing:
             raise TraceError(self.path, f"{missing} complete events have no 'ts' timestamp")
-        ev["ts"].append(_ns(ts))
-        ev["dur"].append(_ns([e.dur for e in timed]))
+        ev["ts"].append(ts)
+        ev["dur"].append(_ns(self.path, [e.dur for e in timed], "dur", 0))
 
         cats = self.ev_dicts["cat"].values
         if len(self.cat_group) < len(cats):
@@ -474,9 +473,7 @@ class _RangeParser:
         fl["id"].append(_int_values([e.id for e in flows]))
         fl["pid"].append(_pid_tid([e.pid for e in flows], self.str_ids))
         fl["tid"].append(_pid_tid([e.tid for e in flows], self.str_ids))
-        ts = np.array([e.ts for e in flows], dtype=np.float64)
-        ts[np.isnan(ts)] = 0.0  # a flow point without 'ts' sits at 0
-        fl["ts"].append(_ns(ts))
+        fl["ts"].append(_ns(self.path, [e.ts for e in flows], "ts", 0))  # a flow point without 'ts' sits at 0
         fl["bp"].extend([e.bp for e in flows])
 
     def events_table(self) -> pa.Table | None:

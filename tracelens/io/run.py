@@ -5,6 +5,7 @@ The trainer writes (docs/architecture.md, "The run directory")::
     RUN/manifest.json             config, environment, metrics, status, pipeline layout
     RUN/traces/rank<N>.json.gz    one Kineto trace per rank
     RUN/pipeline/rank<N>.jsonl    one line per pipeline action (optional; .jsonl.gz for long runs)
+    RUN/routing.json              MoE routing counts per layer, rank and expert (optional; `tracelens.io.routing`)
 
 Everything the analyzer learns about a run beyond its traces comes from these files, and this module is
 the only one that opens them (a test greps the package for it): analyses and projections receive a `Run`
@@ -37,6 +38,7 @@ from ..errors import TraceError
 from .limits import gunzip_bounded
 
 MANIFEST = "manifest.json"
+ROUTING = "routing.json"
 INCOMPLETE = ("running", "failed")
 _JSONL_NAME = re.compile(r"^rank(\d+)\.jsonl(\.gz)?$")  # gzip for long runs
 MAX_MANIFEST_BYTES = 64 << 20  # a manifest is kilobytes; anything this large is not one
@@ -255,6 +257,33 @@ class Run:
         be read. Read on each call (the files can be large; callers keep what they decode)."""
         return [(r, p, read_pipeline_bytes(p)) for r, p in self.pipeline_files()]
 
+    @property
+    def routing_path(self) -> Path | None:
+        """RUN/routing.json when the run dir holds one (None outside a run dir or without the file)."""
+        if self.root is None:
+            return None
+        p = self.root / ROUTING
+        return p if (p.exists() or p.is_symlink()) else None
+
+    def routing(self):
+        """The run's MoE routing counts (`tracelens.io.routing.RoutingCounts`), None when it has no routing file;
+        `TraceError`, one line naming the file, when it cannot be read, is truncated or malformed, or was written
+        by another run than the manifest's. Read on each call (the caller keeps what it decodes)."""
+        from .routing import RoutingError, check_run, decode, problem_line
+
+        path = self.routing_path
+        if path is None:
+            return None
+        doc, err = read_json_value(path)
+        if err is not None:
+            raise TraceError(None, problem_line(path, err))
+        try:
+            counts = decode(doc)
+            check_run(counts, self.manifest)
+        except RoutingError as e:
+            raise TraceError(path, str(e)) from None
+        return counts
+
     def with_manifest(self, manifest: dict | None) -> "Run":
         """This run with another manifest (a user's manifest given beside loose traces)."""
         from dataclasses import replace
@@ -268,4 +297,4 @@ class Run:
                 "trace_files": list(self.trace_files)}
 
 
-__all__ = ["Run", "MANIFEST", "INCOMPLETE", "pipeline_files", "read_json_object", "read_json_value", "read_pipeline_bytes"]
+__all__ = ["Run", "MANIFEST", "ROUTING", "INCOMPLETE", "pipeline_files", "read_json_object", "read_json_value", "read_pipeline_bytes"]

@@ -276,12 +276,14 @@ class Model:
         ch.modeled, ch.notes = modeled, notes
         edits = [m for m in MECH.EDITS if m.applies(ch)]
         sig2 = 0.0
-        steps, comps_list = [], []
+        steps, comps_list, said = [], [], []
         xs = self.expert_host or [1.0] * len(self.programs)
         for prog, hs, ds, x in zip(self.programs, self.host_scale, self.device_scale, xs):
             plan = _Plan.of(prog, profiler_lead=False)
             _scale_expert_host(plan, x)
-            rank_ch = replace(ch, modeled=modeled if not comps_list else [])  # one rank says what it modeled
+            # each rank says what it modeled, in its calibrated time; the rank whose step is shown is the one heard
+            rank_ch = replace(ch, modeled=[], device_scale=ds)
+            said.append(rank_ch.modeled)
             var = 0.0
             for m in edits:
                 var += m.edit(plan, prog.profile, rank_ch)
@@ -300,6 +302,7 @@ class Model:
         slow = int(np.argmax(steps))
         step = steps[slow]
         comps = comps_list[slow]
+        modeled.extend(said[slow])
         for m in MECH.STEPS:
             if m.applies(ch):
                 step, comps, var = m.finish(ch, step, comps, self.profiles[slow].rank)
@@ -316,7 +319,7 @@ class Model:
             notes.append(f"memory projection unavailable: {' '.join(str(e).split())[:160]}")
         unc = math.sqrt(sig2 + self.noise ** 2)
         measured = [f"replayed profiled step of rank {p.rank} (step {p.step}), calibrated to the measured mean "
-                    f"step {1e3 * self.base_step_s:.1f} ms" for p in self.profiles[:1]]
+                    f"step {1e3 * self.base_step_s:.1f} ms" for p in self.profiles[slow:slow + 1]]
         if not diff:
             modeled = ["no change: the calibrated replay of the measured run"]
         return Prediction(new, diff, step, tps, peak, self.capacity_bytes, self.base_step_s,

@@ -364,15 +364,16 @@ def swiglu_problem(device) -> str | None:
             "(Triton's interpreter, for tests)")
 
 
-def swiglu_activation(h: torch.Tensor, impl: str = "torch") -> torch.Tensor:
+def swiglu_activation(h: torch.Tensor, impl: str = "torch", n_rows: torch.Tensor | None = None) -> torch.Tensor:
     """``silu(gate) * up`` of ``h = [gate | up]`` [R, 2F]: eager PyTorch (``torch``), or ``kernels.swiglu``
-    (``triton``: one kernel each way; the run was refused at start where it cannot run)."""
+    (``triton``: one kernel each way; the run was refused at start where it cannot run). ``n_rows`` (device
+    scalar): the Triton kernels compute only the rows before it (a padded EP buffer); eager computes all."""
     if impl == "triton":
         from kernels import swiglu  # noqa: PLC0415
 
         where = ", CPU interpreter)" if h.device.type == "cpu" else ")"
         record_use("expert_swiglu", "kernels.swiglu (Triton" + where)
-        return swiglu(h)
+        return swiglu(h, n_rows)
     g, u = h.chunk(2, dim=-1)
     return F.silu(g) * u
 
@@ -387,5 +388,7 @@ def expert_swiglu(x, w13, w2, *, backend: str, counts=None, offs=None, n_streams
         xp, offs_p, dest = align_groups(x, offs, align)
         return expert_swiglu(xp, w13, w2, backend=backend, offs=offs_p, swiglu=swiglu).index_select(0, dest)
     h = grouped_gemm(x, w13, backend=backend, counts=counts, offs=offs, n_streams=n_streams)
-    return grouped_gemm(swiglu_activation(h, swiglu), w2, backend=backend, counts=counts, offs=offs,
+    # rows past offs[-1] (a padded EP buffer's tail) belong to no expert: the fused activation skips them
+    n_rows = offs[-1:] if offs is not None and backend in GROUPED_BACKENDS else None
+    return grouped_gemm(swiglu_activation(h, swiglu, n_rows), w2, backend=backend, counts=counts, offs=offs,
                         n_streams=n_streams)

@@ -1,21 +1,27 @@
 """Mixture-of-Experts FFN: router, permutation, EP dispatch/combine, grouped experts, sync-free levels.
 
 Stages (each a ``record_function`` range ``moe/<stage>``): router -> permute -> dispatch ->
-(permute, the receive-side regroup under EP) -> experts -> combine -> unpermute.
+(permute, the receive-side regroup under EP) -> experts -> combine -> unpermute. Under EP the dispatch
+and combine are trainer/model/dispatch.py's (``ep_dispatch``), and with ``ep_overlap`` the tokens go in
+chunks whose all-to-alls run while another chunk's experts (or the shared expert) compute.
 
 Host syncs by ``sync_free_level`` (per MoE layer, forward; see docs/trainer.md):
 
 =====  ====================================================  ==================================
-level  EP = 1                                                EP > 1
+level  EP = 1                                                EP > 1 (``ep_dispatch: nccl``)
 =====  ====================================================  ==================================
 0      permute: ``counts.tolist()``                          + dispatch: ``recv_counts.tolist()``
 1      experts: ``counts.tolist()`` (router/permute on dev)  dispatch: one ``tolist()`` of both
-2      none (grouped MLP on device offsets)                  permute (receive side): ``.item()``
-                                                             of the received-token total, to trim
-                                                             the worst-case padded buffer
-3      none                                                  none: experts run on the whole
-                                                             worst-case buffer
+2      none (grouped MLP on device offsets)                  permute (receive side): one ``tolist()``
+                                                             of the received totals, to trim the
+                                                             worst-case padded buffer
+3      none                                                  none: the worst-case buffer travels;
+                                                             the grouped GEMMs stop at the routed
+                                                             rows (device offsets)
 =====  ====================================================  ==================================
+
+``ep_dispatch: capacity`` never syncs (a static per-peer capacity; rows beyond it dropped and counted).
+With chunks, each level's reads are made once for all chunks.
 
 ``use_triton_kernels``: where ``kernels`` can run (CUDA, or CPU under the Triton interpreter) the
 router is ``kernels.fused_router`` (scores, group-limited top-k, weights and aux-loss statistics in
@@ -32,9 +38,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from trainer.model.dispatch import Dispatcher, Routed, Trip
+from trainer.model.ep import scale_grad
 from trainer.model.experts import _note, expert_swiglu, kernels_can_run, record_use
 from trainer.model.layers import SwiGLU
-from trainer.model.ep import all_to_all, exchange_counts, scale_grad
+from trainer.routing_log import record_routing
 from trainer.syncs import moe_stage
 
 
@@ -127,6 +135,10 @@ class MoE(nn.Module):
                                       align=cfg["grouped_gemm_align"], swiglu=cfg["expert_swiglu"])
         ns = cfg["n_shared_experts"]
         self.shared = SwiGLU(d, ff * ns) if ns else None
+        self.chunks = cfg.get("ep_overlap_chunks", 2) if cfg.get("ep_overlap", False) and ep_size > 1 else 1
+        self.dispatcher = Dispatcher(path=cfg.get("ep_dispatch", "nccl"), level=self.level, k=self.k, P=ep_size,
+                                     El=self.E_local, group=ep_group,
+                                     capacity_factor=cfg.get("ep_capacity_factor", 1.25)) if ep_size > 1 else None
 
     def init_weights(self, std: float, generator: torch.Generator | None = None):
         """Initialise this rank's slice of the *global* expert weights (same result for any EP size)."""
@@ -195,21 +207,21 @@ class MoE(nn.Module):
                                                  routed_scaling_factor=c["routed_scaling_factor"])
                 counts = expert_counts(topk_idx, E)
                 aux = load_balance_loss(scores, counts, k, c["score_func"]) if c["aux_loss_coef"] > 0 else logits.new_zeros(())
+        if self.ep_size > 1:
+            y = self._ep_forward(xf, topk_idx, topk_w, kernel_perm)
+            return y.view(B, S, D).to(x.dtype), aux
         with moe_stage("permute"):
             if kernel_perm:
                 from kernels import permute  # noqa: PLC0415
 
                 perm = permute(xf, topk_idx, E)
                 x_perm, counts = perm.x_perm, perm.counts.long()
-                sorted_exp = topk_idx.reshape(-1).index_select(0, perm.sorted_pos.long()) if self.ep_size > 1 else None
             else:
-                order, inverse, sorted_exp = permutation(topk_idx)
+                order, inverse, _ = permutation(topk_idx)
                 x_perm = xf.index_select(0, order // k)  # [T*k, D] sorted by global expert
             counts_host = counts.tolist() if level == 0 else None
-        if self.ep_size == 1:
-            y_perm = self._local_experts(x_perm, counts, counts_host)
-        else:
-            y_perm = self._ep_experts(x_perm, counts, counts_host, sorted_exp, T)
+        record_routing(self, counts)  # tokens per expert into the run's routing log (device only; trainer/routing_log.py)
+        y_perm = self._local_experts(x_perm, counts, counts_host)
         with moe_stage("unpermute"):
             if kernel_perm:
                 from kernels import unpermute  # noqa: PLC0415
@@ -222,6 +234,70 @@ class MoE(nn.Module):
             y = y + self.shared(xf).to(y.dtype)
         return y.view(B, S, D).to(x.dtype), aux
 
+    def _permute(self, xf: torch.Tensor, topk_idx: torch.Tensor, kernel_perm: bool) -> tuple[Routed, object]:
+        """Sender-side permutation of one chunk -> (Routed, what its unpermute needs)."""
+        k, E = self.k, self.E
+        if kernel_perm:
+            from kernels import permute  # noqa: PLC0415
+
+            perm = permute(xf, topk_idx, E)
+            order = perm.sorted_pos.long()
+            flat = topk_idx.reshape(-1)
+            return Routed(perm.x_perm, perm.counts.long(), order, flat.index_select(0, order), flat, xf.shape[0]), perm
+        order, inverse, sorted_exp = permutation(topk_idx)
+        counts = expert_counts(topk_idx, E)
+        return Routed(xf.index_select(0, order // k), counts, order, sorted_exp, topk_idx.reshape(-1),
+                      xf.shape[0]), inverse
+
+    def _unpermute(self, y_perm, how, topk_w, kernel_perm: bool) -> torch.Tensor:
+        if kernel_perm:
+            from kernels import unpermute  # noqa: PLC0415
+
+            return unpermute(y_perm, how, topk_w)
+        n = topk_w.shape[0]
+        y = y_perm.index_select(0, how).view(n, self.k, y_perm.shape[1])
+        return (y * topk_w.to(y.dtype).unsqueeze(-1)).sum(1)
+
+    def _ep_forward(self, xf, topk_idx, topk_w, kernel_perm: bool) -> torch.Tensor:
+        """The routed experts under EP, in ``ep_overlap_chunks`` chunks of tokens when ``ep_overlap`` is on:
+        every chunk's rows are sent before any expert runs, the shared expert computes while they travel,
+        and a chunk's outputs travel back while the next chunk's experts compute."""
+        T = xf.shape[0]
+        C = min(self.chunks, T)
+        bounds = [(T * c // C, T * (c + 1) // C) for c in range(C)]
+        trips, hows = [], []
+        with moe_stage("permute"):
+            for lo, hi in bounds:
+                routed, how = self._permute(xf[lo:hi], topk_idx[lo:hi], kernel_perm)
+                trips.append(Trip(routed))
+                hows.append(how)
+            counts_host = None
+            if self.level == 0:  # the level-0 sync of the permute stage, once for all chunks
+                counts_host = torch.stack([t.routed.counts for t in trips]).tolist()
+        record_routing(self, *(t.routed.counts for t in trips))  # one forward's chunks (trainer/routing_log.py)
+        with moe_stage("dispatch"):
+            self.dispatcher.plan(trips, counts_host)
+            for t in trips:
+                self.dispatcher.send(t)
+        shared = self.shared(xf) if self.shared is not None else None  # computes while the rows travel
+        for t in trips:
+            with moe_stage("permute"):  # receive side: regroup rows (source, expert) -> (expert, source)
+                x2, offs, host = self.dispatcher.receive(t)
+            with moe_stage("experts"):
+                y2 = self.experts(x2, counts=host) if host is not None else self.experts(x2, offs=offs)
+            with moe_stage("combine"):
+                self.dispatcher.combine_send(t, y2)
+        ys = []
+        for t, how, (lo, hi) in zip(trips, hows, bounds, strict=True):
+            with moe_stage("combine"):
+                y_perm = self.dispatcher.combine_receive(t)
+            with moe_stage("unpermute"):
+                ys.append(self._unpermute(y_perm, how, topk_w[lo:hi], kernel_perm))
+        y = ys[0] if C == 1 else torch.cat(ys)
+        if shared is not None:
+            y = y + shared.to(y.dtype)
+        return y
+
     def _local_experts(self, x_perm, counts, counts_host):
         with moe_stage("experts"):
             if self.level <= 1:
@@ -229,57 +305,3 @@ class MoE(nn.Module):
                     counts_host = counts.tolist()
                 return self.experts(x_perm, counts=counts_host)
             return self.experts(x_perm, offs=counts.cumsum(0).to(torch.int32))
-
-    def _ep_experts(self, x_perm, counts, counts_host, sorted_exp, T):
-        P, El, k, g = self.ep_size, self.E_local, self.k, self.ep_group
-        with moe_stage("dispatch"):
-            recv_counts = exchange_counts(counts, g)  # [P * El]: what each peer sends to my experts
-            if self.level <= 1:
-                if self.level == 0:
-                    recv_host = recv_counts.tolist()
-                else:
-                    both = torch.cat([counts, recv_counts]).tolist()
-                    counts_host, recv_host = both[:self.E], both[self.E:]
-                send_splits = [sum(counts_host[p * El:(p + 1) * El]) for p in range(P)]
-                recv_splits = [sum(recv_host[p * El:(p + 1) * El]) for p in range(P)]
-                x_recv = all_to_all(x_perm, recv_splits, send_splits, g)
-            else:
-                # worst case per peer: every local token picks min(k, El) experts on that peer
-                cap = T * min(k, El)
-                dest = sorted_exp // El
-                rank_counts = counts.view(P, El).sum(1)
-                rank_start = rank_counts.cumsum(0) - rank_counts
-                pos = torch.arange(x_perm.shape[0], device=x_perm.device) - rank_start.index_select(0, dest)
-                slot = dest * cap + pos
-                send = x_perm.new_zeros(P * cap, x_perm.shape[1]).index_copy(0, slot, x_perm)
-                x_recv = all_to_all(send, None, None, g)
-        with moe_stage("permute"):  # receive side: regroup rows (source, expert) -> (expert, source)
-            rc = recv_counts.view(P, El)
-            if self.level <= 1:
-                R = sum(recv_splits)
-                seg = torch.repeat_interleave(torch.arange(P * El, device=x_recv.device) % El, recv_counts,
-                                              output_size=R)
-                order2 = torch.argsort(seg, stable=True)
-                local_host = [sum(recv_host[p * El + j] for p in range(P)) for j in range(El)]
-            else:
-                j = torch.arange(cap, device=x_recv.device).expand(P, cap).contiguous()
-                seg = torch.searchsorted(rc.cumsum(1).contiguous(), j, right=True).reshape(-1)  # El = padding
-                order2 = torch.argsort(seg, stable=True)
-                offs = rc.sum(0).cumsum(0).to(torch.int32)
-                if self.level == 2:
-                    n = int(offs[-1].item())  # the one sync left at level 2: trim the padded buffer
-                    order2 = order2[:n]
-                else:
-                    offs = torch.cat([offs[:-1], offs.new_full((1,), P * cap)])  # padding -> last expert
-            x2 = x_recv.index_select(0, order2)
-        with moe_stage("experts"):
-            if self.level <= 1:
-                y2 = self.experts(x2, counts=local_host)
-            else:
-                y2 = self.experts(x2, offs=offs)
-        with moe_stage("combine"):
-            y_recv = y2.new_zeros(x_recv.shape[0], y2.shape[1]).index_copy(0, order2, y2)
-            if self.level <= 1:
-                return all_to_all(y_recv, send_splits, recv_splits, g)
-            y_back = all_to_all(y_recv, None, None, g)
-            return y_back.index_select(0, slot)

@@ -45,8 +45,9 @@ class Change:
     new: dict  # the config the per-rank replay edits toward (keys a mechanism holds stay at the run's values)
     target: dict  # the full changed config (validated by the trainer's rules)
     diff: dict  # the keys whose value changed, with their new values
-    modeled: list = field(default_factory=list)  # one line per modeled change (the first rank's replay only)
+    modeled: list = field(default_factory=list)  # one line per modeled change (the shown rank's replay's)
     notes: list = field(default_factory=list)  # what could not be modeled, caveats
+    device_scale: float = 1.0  # the rank's profiled -> calibrated time factor: what a line about times multiplies by
 
     @property
     def t0(self) -> int:

@@ -6,17 +6,32 @@ at the old rows; a per-expert backend (loop, multistream) launches one GEMM per 
 one (torch, triton) one per pass: launches and their host time are removed or added, and the per-expert
 copies and elementwise kernels merge into one each. Without a table the per-expert kernels are merged
 (their work adds, one fixed part is paid) and the prediction says so. The per-expert backends at levels
-2-3 run the masked reference (every expert over all rows); at EP > 1 and level 3 the expert GEMMs see
-the whole worst-case buffer.
+2-3 run the masked reference (every expert over all rows).
+
+Padding (``padded_rows``): at EP > 1 and level 3 the experts run on the whole worst-case buffer, ``ep * tokens *
+min(top_k, local experts)`` rows, of which ``tokens * top_k`` are routed on average; level 2 trims it to the
+routed rows (one host sync: the sync-free mechanism adds it) before the experts. A level change across 3 scales
+the expert GEMMs by the kernel table at the new rows or, without a table, linearly in rows, and the row-shaped
+kernels the trimmed rows feed (the expert stage's activations and copies, the receive-side regroup's gather and
+its backward scatter: kernels with a ``[rows, ...]`` input) linearly too; the token all-to-alls send the
+worst-case buffer at levels 2 and 3 alike. Linear in rows is an upper bound on the saving: a GEMM's time falls
+less than its rows (``tracelens.analysis.moe``, which counts the same padding in a trace).
+
+That is the trainer before issue 33's dispatch paths. A run whose manifest has ``ep_dispatch`` comes from the
+trainer whose grouped GEMMs stop at the routed rows at every level (the padded tail is sent, not multiplied):
+for it no level change scales the expert GEMMs, and the prediction is for that trainer, as the run is.
 """
 
 from __future__ import annotations
+
+import re
 
 import numpy as np
 import pandas as pd
 
 from moespec.backends import PER_EXPERT_BACKENDS as PER_EXPERT
 
+from ...analysis.moe import GROUPED_GEMM_OPS, grouped_rows
 from .base import Change, Mechanism, register, unit_positions
 
 
@@ -24,15 +39,53 @@ def _masked(cfg: dict) -> bool:
     return cfg["grouped_gemm_backend"] in PER_EXPERT and int(cfg["sync_free_level"]) >= 2
 
 
-def _padded(cfg: dict) -> bool:
-    return int(cfg.get("ep") or 1) > 1 and int(cfg["sync_free_level"]) >= 3
+def gemms_stop_at_routed_rows(manifest: dict | None) -> bool:
+    """Whether the run's trainer computes only the routed rows of a padded EP buffer (issue 33 and later: its
+    manifest has ``ep_dispatch``)."""
+    return isinstance(manifest, dict) and "ep_dispatch" in manifest
+
+
+def _manifest(change: Change) -> dict | None:
+    return getattr(change.model, "manifest", None)
+
+
+def _padded(cfg: dict, manifest: dict | None = None) -> bool:
+    return (not gemms_stop_at_routed_rows(manifest) and int(cfg.get("ep") or 1) > 1
+            and int(cfg["sync_free_level"]) >= 3)
+
+
+def padded_rows(cfg: dict, tokens: int, manifest: dict | None = None) -> int:
+    """Rows the expert GEMMs of one rank compute per micro-batch of ``tokens`` (moespec/gemm_shapes.py): at EP > 1
+    and level 3 the whole worst-case buffer, ``ep * tokens * min(top_k, local experts)``, for a run of the trainer
+    before issue 33 (``manifest`` without ``ep_dispatch``); else the routed rows, ``tokens * top_k`` (on average
+    over the EP group)."""
+    k, ep = int(cfg["top_k"]), int(cfg.get("ep") or 1)
+    if _padded(cfg, manifest):
+        return tokens * ep * min(k, int(cfg["n_routed_experts"]) // ep)
+    return tokens * k
+
+
+def _row_shaped(w: pd.DataFrame, rows: set[int]) -> np.ndarray:
+    """Units of the expert stage and the receive-side regroup whose work is on the buffer's rows: an input shaped
+    ``[rows, ...]`` for one of ``rows`` (activations, copies, gather / scatter of token rows), not FSDP's parameter
+    traffic (the expert GEMMs are scaled on their own)."""
+    if not rows:
+        return np.zeros(len(w), dtype=bool)
+    alts = "|".join(str(int(r)) for r in sorted(rows))
+    pat = re.compile(rf"\[\s*(?:{alts})\s*,")
+    stage = w["moe_stage"].to_numpy()
+    paths = w["path"].astype(str).to_numpy()
+    dims = w["dims"].astype(str).to_numpy() if "dims" in w else np.full(len(w), "")
+    ok = np.isin(stage, ("moe/experts", "moe/permute")) & ~w["expert"].to_numpy()
+    return np.array([bool(o) and "FSDP" not in pth and bool(pat.search(d)) for o, pth, d in zip(ok, paths, dims)],
+                    dtype=bool)
 
 
 @register
 class GemmBackend(Mechanism):
     name = "gemm_backend"
     keys = ("grouped_gemm_backend",)
-    sigma = {"table": 0.10, "merge": 0.30}
+    sigma = {"table": 0.10, "merge": 0.30, "padding": 0.25}
     order = 40.0
     summary = ("expert GEMMs x the kernel table's new/old ratio (or the per-expert kernels merged without one); "
                "launches and the expert stage's host time follow the launch structure")
@@ -41,7 +94,8 @@ class GemmBackend(Mechanism):
         old, new = change.old, change.new
         return (old["grouped_gemm_backend"] != new["grouped_gemm_backend"]
                 or (change.model.table is not None and change.s_tok != 1.0)
-                or _masked(old) != _masked(new) or _padded(old) != _padded(new))
+                or _masked(old) != _masked(new)
+                or _padded(old, _manifest(change)) != _padded(new, _manifest(change)))
 
     def edit(self, plan, p, change: Change) -> float:
         model, old, new = change.model, change.old, change.new
@@ -54,17 +108,33 @@ class GemmBackend(Mechanism):
         if not len(ex):
             notes.append("no expert GEMM kernels in the profiled step: the backend change is not modeled")
             return 0.0
-        k = int(old["top_k"])
         ep = int(old.get("ep") or 1)
         e_local = int(old["n_routed_experts"]) // ep
-        # rows the expert GEMMs see (trainer/gemm_shapes.py): at EP > 1 and level 3 the whole worst-case
-        # buffer, ep * tokens * min(top_k, local experts)
-        rows0 = t0 * (ep * min(k, e_local) if ep > 1 and int(old["sync_free_level"]) >= 3 else k)
-        rows1 = t1 * (ep * min(k, e_local) if ep > 1 and int(new["sync_free_level"]) >= 3 else k)
+        # rows the expert GEMMs see: at EP > 1 and level 3 the whole worst-case buffer (module docstring)
+        man = _manifest(change)
+        rows0, rows1 = padded_rows(old, t0, man), padded_rows(new, t1, man)
+        pad = 1.0  # the buffer's change beyond the tokens' (which the tokens mechanism scales)
+        seen: set[int] = set()
+        if _padded(old, man) != _padded(new, man):
+            # the rows this rank's grouped expert GEMMs computed (at level 2 the received rows: they vary by rank); a
+            # per-expert backend's GEMMs are one expert's rows each: the config's rows then
+            grouped = ex[w["op"].astype(str).isin(GROUPED_GEMM_OPS).to_numpy()[ex]] if "dims" in w else ex[:0]
+            got = [r for r in (grouped_rows(d) for d in w["dims"].to_numpy()[grouped]) if r]
+            seen = set(got)
+            rows0 = round(float(np.mean(got))) if got else rows0
+            pad = (rows1 / t1) / (rows0 / t0)
+        ds = change.device_scale  # profiled -> calibrated time: what the prediction's table shows
+        rows_ns = (0.0, 0.0)
+        if pad != 1.0:
+            shaped = np.flatnonzero(_row_shaped(w, seen or {rows0}))
+            before = float(sum(plan.dur[j] for j in shaped))
+            for j in shaped:
+                plan.dur[j] *= pad
+            rows_ns = (before, before * pad)
         d, ff = int(old["d_model"]), int(old["moe_d_ff"])
         layer = w["layer"].to_numpy()
         back = w["backward"].to_numpy()
-        base_ns = float(w["dur"].to_numpy()[ex].sum())
+        base_ns = float(w["dur"].to_numpy()[ex].sum())  # the run's
         passes = {False: (("fwd", rows0, d, 2 * ff), ("fwd", rows0, ff, d)),
                   True: (("dx", rows0, d, 2 * ff), ("dw", rows0, d, 2 * ff), ("dx", rows0, ff, d), ("dw", rows0, ff, d))}
         table = model.table
@@ -110,6 +180,7 @@ class GemmBackend(Mechanism):
                     new_total = float(dj.sum()) + f * n_pass * (e_local - 1)
                 else:
                     new_total = float(dj.sum())
+                new_total *= pad  # the worst-case buffer trimmed or computed: linear in rows
                 if masked1 and not masked0:
                     new_total *= e_local
                 elif masked0 and not masked1:
@@ -167,11 +238,21 @@ class GemmBackend(Mechanism):
         else:
             merged_host = 0.0
         new_ns = float(sum(plan.dur[j] for kd, j in zip(plan.kind, plan.ref) if kd == 0 and plan.comp[j] == "expert GEMMs"))
-        what = "kernel-table ratio" if used_table else "merged per-expert work (no kernel table)"
-        modeled.append(f"grouped_gemm_backend {b0} -> {b1}" + (" (masked reference)" if masked1 else "")
-                       + f": expert GEMMs {base_ns / 1e6:.2f} -> {new_ns / 1e6:.2f} ms by {what}"
+        what = "kernel-table ratio" if used_table else (
+            "merged per-expert work (no kernel table)" if b0 != b1 else "rows, linearly (no kernel table)")
+        head = f"grouped_gemm_backend {b0} -> {b1}" if b0 != b1 else f"grouped_gemm_backend {b0}"
+        if pad != 1.0:
+            lv0, lv1 = old["sync_free_level"], new["sync_free_level"]
+            head = (f"sync_free_level {lv0} -> {lv1} at EP {ep}, {head}: the experts compute {rows1:,} rows per "
+                    f"micro-batch instead of {rows0:,} ("
+                    + ("the worst-case buffer trimmed to the routed rows" if pad < 1 else "the whole worst-case buffer")
+                    + f"); the row-shaped kernels they feed {ds * rows_ns[0] / 1e6:.2f} -> {ds * rows_ns[1] / 1e6:.2f} ms"
+                    + (" (the token all-to-alls keep their worst-case buffer at levels 2-3)" if min(lv0, lv1) >= 2 else ""))
+        # in the prediction's calibrated time (x the device factor), the unit its component table shows
+        modeled.append(head + (" (masked reference)" if masked1 else "")
+                       + f": expert GEMMs {ds * base_ns / 1e6:.2f} -> {ds * new_ns / 1e6:.2f} ms by {what}"
                        + ("; launches per pass 1 per expert" if b1 in PER_EXPERT else "; one launch per pass")
-                       + (f"; the per-expert copies/elementwise kernels merged ({merged_ns / 1e6:.2f} ms less)"
+                       + (f"; the per-expert copies/elementwise kernels merged ({ds * merged_ns / 1e6:.2f} ms less)"
                           if merged_ns else "")
                        + (f"; the expert stage's host time x{(n_kept + len(inserted)) / n_old:.2f} with its launches "
                           f"({merged_host / 1e6:+.2f} ms less, profiled)" if inserted and n_old and pool else ""))
@@ -182,9 +263,14 @@ class GemmBackend(Mechanism):
             notes.append("no kernel table for the backend change: run `tracelens kernels tune --config ... --json T.json` "
                          "on the GPU and pass --kernel-table T.json for a measured ratio")
             source = "merge"
-        # the GEMM change, the merged kernels and the expert stage's host time moved: each modeled
+        # the GEMM change, the merged kernels and the expert stage's host time moved: each modeled; the padding's
+        # change, linear in rows, with its own uncertainty
         changed = abs(new_ns - base_ns) + merged_ns + abs(merged_host)
-        return (self.sigma[source] * changed / max(float(p.step_ns), 1.0)) ** 2
+        var = (self.sigma[source] * changed / max(float(p.step_ns), 1.0)) ** 2
+        if pad != 1.0:
+            var += (self.sigma["padding"] * (abs(new_ns - base_ns) + abs(rows_ns[1] - rows_ns[0]))
+                    / max(float(p.step_ns), 1.0)) ** 2
+        return var
 
 
 def merge_per_expert(plan, w: pd.DataFrame, pos: dict, ly: int, bw: bool, e_local: int, drop: set) -> float:

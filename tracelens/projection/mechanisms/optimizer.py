@@ -54,6 +54,7 @@ class Optimizer(Mechanism):
         else:
             new = meas * (2.0 * 6) / 7.0
             plan.dur[int(opt[0])] += new - meas
-        modeled.append(f"optimizer {o0} -> {o1}: optimizer step {meas / 1e6:.2f} -> {new / 1e6:.2f} ms "
+        ds = change.device_scale  # the calibrated time the prediction's table shows
+        modeled.append(f"optimizer {o0} -> {o1}: optimizer step {ds * meas / 1e6:.2f} -> {ds * new / 1e6:.2f} ms "
                        f"({n_pass} foreach op families measured)")
         return (self.sigma["optimizer"] * abs(new - meas) / max(float(p.step_ns), 1.0)) ** 2

@@ -1,0 +1,88 @@
+#!/usr/bin/env bash
+# Expert parallelism against data parallelism on the GPU proxy in its training regime (gpu_proxy_train:
+# 16 x 2048 = 32,768 tokens per rank and step, sync-free level 3, torch grouped GEMM), issue 33. Every row is
+# a real NCCL run through trainer.launch; the summary (tokens/s/GPU, MFU, peak memory per rank, dropped rows,
+# losses) goes to $OUT/bench_ep.json and .md, the run logs and each profiled row's `tracelens comm` next to it.
+#
+#   on a 4-GPU machine, from the checkout (carry: [".whl"]):
+#     bash benchmarks/bench_ep.sh                         # the 4-GPU rows
+#     ROWS="check dp4 ep4_cap" bash benchmarks/bench_ep.sh
+#   check:  the dispatch paths' numerics on NCCL (tests/trainer/_ep_dispatch_worker.py on the GPUs, fp32 + bf16)
+#   1-/2-GPU rows (the scaling table): gpu1, dp2, ep2_*; NPROC is taken from the row's name.
+set -u
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+OUTDIR=${OUT:-/tmp/tracelens-bench-ep}
+WORK=${WORK:-/tmp/tracelens-bench-ep-runs}
+mkdir -p "$OUTDIR" "$WORK"
+if ! python3 -c "import yaml" 2>/dev/null; then  # the GPU image has torch, triton, numpy; PyYAML comes as a wheel
+  python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl 2>/dev/null \
+    || python3 -m pip install -q --no-index --no-deps --target /tmp/site --find-links .whl pyyaml
+  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+STEPS="--set steps=10 --set timing_warmup_steps=3 --set log_every=5 --set profile_step_end=0"
+PROF="--set steps=10 --set timing_warmup_steps=3 --set log_every=5 --set profile_step_start=8 --set profile_step_end=9"
+CAP="--set ep_dispatch=capacity --set ep_capacity_factor=${CAPF:-1.25}"
+declare -A RUNS=(
+  [gpu1]="1 $STEPS"
+  [dp2]="2 $STEPS"
+  [dp4]="4 $STEPS"
+  [ep2_nccl]="2 --set ep=2 $STEPS"
+  [ep2_cap]="2 --set ep=2 $CAP $STEPS"
+  [ep2_cap_ovl]="2 --set ep=2 $CAP --set ep_overlap=true $STEPS"
+  [ep4_nccl]="4 --set ep=4 $STEPS"
+  [ep4_nccl_L1_ovl]="4 --set ep=4 --sync-free-level 1 --set ep_overlap=true $STEPS"
+  [ep4_cap]="4 --set ep=4 $CAP $PROF"
+  [ep4_cap_ovl]="4 --set ep=4 $CAP --set ep_overlap=true $PROF"
+  [ep4_cap_ovl4]="4 --set ep=4 $CAP --set ep_overlap=true --set ep_overlap_chunks=4 $STEPS"
+  [ep4_cap110]="4 --set ep=4 --set ep_dispatch=capacity --set ep_capacity_factor=1.1 $STEPS"
+  [ep4_cap110_ovl4]="4 --set ep=4 --set ep_dispatch=capacity --set ep_capacity_factor=1.1 --set ep_overlap=true --set ep_overlap_chunks=4 $STEPS"
+  # the committed fixture (tests/fixtures/h100_4gpu/ep4_cap_ovl): two profiled steps
+  [ep4_cap_ovl_fixture]="4 --set ep=4 $CAP --set ep_overlap=true --set steps=10 --set timing_warmup_steps=3 --set log_every=5 --set profile_step_start=7 --set profile_step_end=9"
+)
+for name in ${ROWS:-check dp4 ep4_nccl ep4_cap ep4_cap_ovl ep4_nccl_L1_ovl}; do
+  t0=$(date +%s)
+  if [ "$name" = check ]; then
+    echo "=== check: the dispatch paths on NCCL"
+    EP_WORKER_DEVICE=cuda timeout 300 python3 -m torch.distributed.run --standalone --nproc-per-node 4 \
+      tests/trainer/_ep_dispatch_worker.py "$OUTDIR" > "$OUTDIR/check.log" 2>&1
+    echo "check: exit $? in $(( $(date +%s) - t0 )) s"; tail -2 "$OUTDIR/check.log"
+    continue
+  fi
+  set -- ${RUNS[$name]}
+  nproc=$1; shift
+  echo "=== $name: python -m trainer.launch --config gpu_proxy_train --nproc $nproc $*"
+  rm -rf "${WORK:?}/$name"
+  timeout 900 python3 -m trainer.launch --config gpu_proxy_train --nproc "$nproc" "$@" -o "$WORK/$name" \
+    > "$OUTDIR/$name.log" 2>&1
+  echo "$name: exit $? in $(( $(date +%s) - t0 )) s"
+  tail -2 "$OUTDIR/$name.log"
+  if ls "$WORK/$name"/traces/*.json.gz >/dev/null 2>&1; then
+    python3 -m tracelens comm "$WORK/$name" > "$OUTDIR/$name.comm.txt" 2>&1 || true
+    python3 -m tracelens comm "$WORK/$name" --json > "$OUTDIR/$name.comm.json" 2>/dev/null || true
+  fi
+done
+python3 - "$OUTDIR" "$WORK" <<'EOF'
+import json, sys
+from pathlib import Path
+out, work = Path(sys.argv[1]), Path(sys.argv[2])
+rows = {}
+for m in sorted(work.glob("*/manifest.json")):
+    j = json.loads(m.read_text())
+    mt = j["metrics"]
+    rows[m.parent.name] = {
+        "world": j["device"]["count"], "device": j["device"]["name"], "parallel": j.get("parallel"),
+        "ep_dispatch": j.get("ep_dispatch"), "tokens_per_s_per_gpu": mt["tokens_per_s_per_gpu"], "mfu": mt["mfu"],
+        "mean_step_time_s": mt["mean_step_time_s"], "peak_memory_gib": [p / 2**30 for p in mt["peak_memory_bytes"]],
+        "loss": mt["loss"], "status": j.get("status")}
+(out / "bench_ep.json").write_text(json.dumps(rows, indent=1))
+lines = ["| row | GPUs | tokens/s/GPU | MFU | step ms | peak GiB (max) | dropped | final loss |", "|---|---|---|---|---|---|---|---|"]
+for n, r in rows.items():
+    tps = r["tokens_per_s_per_gpu"]
+    dr = (r["ep_dispatch"] or {}).get("dropped_share")
+    lines.append(f"| {n} | {r['world']} | {tps:,.0f} | {100 * (r['mfu'] or 0):.1f} % | {1e3 * r['mean_step_time_s']:.1f} | "
+                 f"{max(r['peak_memory_gib']):.1f} | {'-' if dr is None else f'{100 * dr:.2f} %'} | {r['loss'][-1]:.4f} |"
+                 if tps else f"| {n} | {r['world']} | failed | | | | | |")
+(out / "bench_ep.md").write_text("\n".join(lines) + "\n")
+print("\n".join(lines))
+EOF

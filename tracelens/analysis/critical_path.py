@@ -1,0 +1,539 @@
+"""The critical path of a step across ranks: the chain of GPU work, idle time and hand-offs that sets the step's time.
+
+`tracelens.analysis.pipeline.critical_path` walks a pipeline's actions; this walks every rank's GPU timeline at
+kernel granularity and crosses ranks where they wait for each other, so it covers expert / data parallelism
+(all-to-all, all-gather, reduce-scatter, all-reduce) as well as a pipeline's sends and receives.
+
+The walk starts at the GPU event that ends the step last (over all ranks) and goes back in time, one segment at a
+time, until the step's first GPU event on any rank:
+
+- a computation kernel, memcpy or memset: the segment is the event (``compute``: kernel category, the launching
+  top-level op and the stage: the pipeline action ``F s2`` when the run has pipeline records, else the
+  record_function path, ``backward`` or ``optimizer``);
+- a communication kernel matched across the ranks of its group (`tracelens.analysis.comm`): its transfer, from the
+  last rank's arrival to its end, is a ``transfer`` segment; the time it spent before that was waiting for the last
+  rank, so the walk hops there (``wait``: a zero-length segment naming ``to_rank``) and goes on with what that rank
+  did before its kernel began. A rank that arrived last itself has no wait: its whole kernel is transfer. A kernel
+  that is not matched (a group with ranks not loaded, a start-up instance) is one ``comm`` segment;
+- before an event, the event that ended last on the same rank at or before its start (the latest-finishing
+  predecessor, as in ppvis's path; events still running when it started ran beside it and are not on the path), and
+  between the two the GPU was idle for that event: ``host sync`` when a blocking device-to-host sync returned in
+  that stretch, ``launch-bound`` when the host launched it after the stretch began, else ``idle`` (a stream
+  dependency, an event wait), the same rules as `tracelens.analysis.host.idle_gaps`.
+
+The segments of a step are contiguous and their durations add up to the step's span: first GPU event start to last
+GPU event end over all ranks (the tests assert it on every fixture). A trace with no profiler step marked is one
+step, numbered -1: the profiled window. A hop that would come back to a (rank, time)
+already visited (clocks or an unusual overlap of streams) is not followed; the wait stays on the path as a
+``wait`` segment with its duration. Pure function of the analysis' tables; `CriticalPath` carries the text, the
+JSON (`tracelens critpath`), summary.json's ``critical_path`` and the report section.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from .. import categories as C
+from ..errors import TraceError
+from .host import SYNC_TOLERANCE_NS
+
+KINDS = ("compute", "launch-bound", "host sync", "idle", "transfer", "comm", "wait")
+SEGMENT_COLUMNS = ["step", "rank", "start_ns", "end_ns", "dur_ns", "kind", "what", "op", "stage", "to_rank", "gpu_row"]
+STEP_COLUMNS = ["step", "start_ns", "end_ns", "span_ns", "end_rank", "segments", "hops", "ranks"]
+KIND_TEXT = {"compute": "compute", "launch-bound": "GPU idle waiting for kernel launches",
+             "host sync": "GPU idle after a blocking host sync", "idle": "GPU idle (stream or event dependency)",
+             "transfer": "communication transfer", "comm": "communication (not matched across ranks)",
+             "wait": "waiting for another rank (not followed)"}
+
+
+@dataclass
+class CriticalPath:
+    """The critical path of each analyzed step (see the module docstring). ``problem``: why there is none, in one
+    line (then the tables are empty)."""
+
+    segments: pd.DataFrame  # SEGMENT_COLUMNS, each step's segments in time order
+    steps: pd.DataFrame  # STEP_COLUMNS, one row per step
+    problem: str = ""
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def available(self) -> bool:
+        return not self.problem and not self.steps.empty
+
+    @property
+    def span_ns(self) -> int:
+        return int(self.steps["span_ns"].sum()) if len(self.steps) else 0
+
+    def by_cause(self) -> pd.DataFrame:
+        """Time on the path by cause over the steps: compute per kernel category, transfer per collective family,
+        idle per cause; ``share`` of the summed spans."""
+        cols = ["cause", "ns", "share", "segments"]
+        seg = self.segments[self.segments["dur_ns"] > 0]
+        if seg.empty:
+            return pd.DataFrame(columns=cols)
+        out = seg.assign(cause=_cause(seg)).groupby("cause", sort=False).agg(ns=("dur_ns", "sum"), segments=("dur_ns", "size"))
+        out = out.reset_index().sort_values("ns", ascending=False, kind="stable", ignore_index=True)
+        out["share"] = out["ns"] / max(self.span_ns, 1)
+        return out[cols]
+
+    def by_rank(self) -> pd.DataFrame:
+        """Per rank: time on the path, its share, and the cause holding most of that rank's segments."""
+        cols = ["rank", "ns", "share", "cause", "cause_ns"]
+        seg = self.segments[self.segments["dur_ns"] > 0]
+        if seg.empty:
+            return pd.DataFrame(columns=cols)
+        seg = seg.assign(cause=_cause(seg))
+        rows = []
+        for r, g in seg.groupby("rank"):
+            c = g.groupby("cause")["dur_ns"].sum().sort_values(ascending=False, kind="stable")
+            rows.append({"rank": int(r), "ns": int(g["dur_ns"].sum()), "cause": str(c.index[0]), "cause_ns": int(c.iloc[0])})
+        out = pd.DataFrame(rows, columns=cols)
+        out["share"] = out["ns"] / max(self.span_ns, 1)
+        return out.sort_values("ns", ascending=False, kind="stable", ignore_index=True)[cols]
+
+    def hops(self) -> pd.DataFrame:
+        """The hand-offs the path follows: per (from_rank, to_rank), how many."""
+        w = self.segments[(self.segments["kind"] == "wait") & (self.segments["dur_ns"] == 0)]
+        if w.empty:
+            return pd.DataFrame(columns=["from_rank", "to_rank", "count"])
+        out = w.groupby(["rank", "to_rank"]).size().reset_index(name="count")
+        return out.rename(columns={"rank": "from_rank"}).sort_values("count", ascending=False, kind="stable", ignore_index=True)
+
+    def top_ops(self, n: int = 8) -> pd.DataFrame:
+        """The launching ops with the most compute on the path (with their stage)."""
+        c = self.segments[(self.segments["kind"] == "compute") & (self.segments["dur_ns"] > 0)]
+        if c.empty:
+            return pd.DataFrame(columns=["op", "stage", "ns", "share"])
+        out = c.groupby(["op", "stage"], sort=False)["dur_ns"].sum().sort_values(ascending=False, kind="stable").head(n)
+        out = out.reset_index().rename(columns={"dur_ns": "ns"})
+        out["share"] = out["ns"] / max(self.span_ns, 1)
+        return out
+
+    def rank_cause(self, rank: int) -> dict[str, Any] | None:
+        """What dominates `rank`'s segments on the path: {share (of the path on that rank), cause, cause_share (of
+        that rank's time on the path), ns, top_compute (its three ops with the most compute on the path, with their
+        stage), waited_for (rank -> hand-offs: the path left it for a rank it was itself waiting for)}, or None when
+        the path does not run through it."""
+        br = self.by_rank()
+        row = br[br["rank"] == rank]
+        if row.empty:
+            return None
+        r = row.iloc[0]
+        seg = self.segments[self.segments["rank"] == rank]
+        comp = seg[(seg["kind"] == "compute") & (seg["dur_ns"] > 0)]
+        top = comp.groupby(["op", "stage"], sort=False)["dur_ns"].sum().sort_values(ascending=False, kind="stable").head(3)
+        waited = seg[(seg["kind"] == "wait") & (seg["dur_ns"] == 0)]["to_rank"].value_counts()
+        return {"share": round(float(r["share"]), 4), "cause": str(r["cause"]),
+                "cause_share": round(float(r["cause_ns"]) / max(float(r["ns"]), 1.0), 4), "ns": int(r["ns"]),
+                "top_compute": [{"op": op, "stage": st, "us": round(v / 1e3, 3)} for (op, st), v in top.items()],
+                "waited_for": {int(k): int(v) for k, v in waited.items()}}
+
+    def summary(self) -> dict[str, Any]:
+        """summary.json's ``critical_path`` (docs/summary-json.md)."""
+        if not self.available:
+            return {"available": False, "reason": self.problem or "no GPU activity in the analyzed steps"}
+
+        def recs(df: pd.DataFrame, ns_cols=("ns",)) -> list[dict[str, Any]]:
+            df = df.copy()
+            for c in ns_cols:
+                df[c] = df[c] / 1e3
+            df = df.rename(columns={c: c[:-2] + "us" for c in ns_cols})
+            if "share" in df:
+                df["share"] = df["share"].round(4)
+            return json.loads(df.to_json(orient="records", double_precision=3))
+
+        return {"available": True,
+                "steps": [{"step": int(s.step), "span_us": round(s.span_ns / 1e3, 3), "end_rank": int(s.end_rank),
+                           "hops": int(s.hops), "ranks": list(s.ranks)} for s in self.steps.itertuples(index=False)],
+                "span_us": round(self.span_ns / 1e3, 3),
+                "by_cause": recs(self.by_cause()),
+                "by_rank": recs(self.by_rank(), ("ns", "cause_ns")),
+                "hops": json.loads(self.hops().to_json(orient="records")),
+                "top_ops": recs(self.top_ops()),
+                "notes": list(self.notes)}
+
+    def to_dict(self) -> dict[str, Any]:
+        """The `tracelens critpath --json` document: the summary plus every segment (times in µs from the step's
+        start, and absolute trace ns)."""
+        out = {"schema_version": 1, **self.summary()}
+        if self.available:
+            seg = self.segments.copy()
+            t0 = seg["step"].map(self.steps.set_index("step")["start_ns"])
+            seg["start_us"] = (seg["start_ns"] - t0) / 1e3
+            seg["dur_us"] = seg["dur_ns"] / 1e3
+            out["segments"] = json.loads(seg.to_json(orient="records", double_precision=3))
+        return out
+
+    def to_text(self, top: int = 10) -> str:
+        """What `tracelens critpath` prints."""
+        if not self.available:
+            return f"no critical path: {self.problem or 'no GPU activity in the analyzed steps'}"
+        lines = []
+        for s in self.steps.itertuples(index=False):
+            lines.append(f"{'the profiled window (no step marked)' if s.step < 0 else f'step {s.step}'}: critical path {s.span_ns / 1e6:.3f} ms, ends on rank {s.end_rank}, runs through "
+                         f"rank(s) {', '.join(map(str, s.ranks))} with {s.hops} hand-off(s)")
+        lines.append(f"{'cause':<40} {'ms':>10} {'% path':>7} {'segments':>8}")
+        for c in self.by_cause().head(top).itertuples(index=False):
+            lines.append(f"{c.cause[:40]:<40} {c.ns / 1e6:>10.3f} {100 * c.share:>7.1f} {c.segments:>8}")
+        lines.append("per rank: " + "; ".join(
+            f"rank {r.rank} {r.ns / 1e6:.3f} ms ({100 * r.share:.0f}%; {100 * r.cause_ns / max(r.ns, 1):.0f}% {r.cause})"
+            for r in self.by_rank().itertuples(index=False)))
+        h = self.hops()
+        if len(h):
+            lines.append("hand-offs: " + ", ".join(
+                f"rank {int(x.from_rank)} waits for rank {int(x.to_rank)} x{int(x['count'])}" for _, x in h.iterrows()))
+        c = self.segments[(self.segments["kind"] == "compute") & (self.segments["stage"] != "")]
+        if len(c):
+            st = c.groupby("stage")["dur_ns"].sum().sort_values(ascending=False, kind="stable").head(5)
+            lines.append("compute on the path, by stage: " + ", ".join(f"{k} {v / 1e6:.3f} ms" for k, v in st.items()))
+        t = self.top_ops(5)
+        if len(t):
+            lines.append("compute on the path, by op: " + ", ".join(
+                f"{o.op} [{o.stage or '-'}] {o.ns / 1e6:.3f} ms" for o in t.itertuples(index=False)))
+        lines.extend(f"note: {n}" for n in self.notes)
+        return "\n".join(lines)
+
+
+def _cause(seg: pd.DataFrame) -> pd.Series:
+    """A segment's cause label: 'compute: GEMM', 'transfer: all_to_all', 'launch-bound', ..."""
+    kind = seg["kind"].astype(str)
+    what = seg["what"].astype(str)
+    return kind.where(~kind.isin(["compute", "transfer", "comm"]), kind + ": " + what)
+
+
+def unavailable(problem: str) -> CriticalPath:
+    return CriticalPath(pd.DataFrame(columns=SEGMENT_COLUMNS), pd.DataFrame(columns=STEP_COLUMNS), problem=problem)
+
+
+# ------------------------------------------------------------------------------------------------- the walk
+
+
+def _stage_label(path: str, top_op: str) -> str:
+    """Where in the step a kernel ran, from its record_function path (first four levels), else its launching op."""
+    if path:
+        return "/".join(path.split("/")[:4])
+    if top_op.startswith("autograd::engine"):
+        return "backward"
+    if top_op.startswith("Optimizer.") or "optimizer" in top_op.lower():
+        return "optimizer"
+    return ""
+
+
+@dataclass
+class _Rank:
+    """One rank's GPU events with a positive duration, sorted by (end, start)."""
+
+    end: np.ndarray
+    at: np.ndarray  # positions in the GPU table
+    sync_end: np.ndarray  # sorted ends of the rank's blocking host syncs
+
+
+def _action_offsets(actions: pd.DataFrame, gpu: pd.DataFrame, trace) -> dict[int, int]:
+    """Per rank, the clock offset (actions' clock - trace ts) under which most of its pipeline actions fall inside
+    its GPU span: 0, or the trace's baseTimeNanoseconds (jsonl times are epoch ns; see pipeline.trace_activity)."""
+    base = {ri.rank: int(ri.base_time_ns or 0) for ri in getattr(trace, "ranks", [])}
+    out = {}
+    for r, g in gpu.groupby("rank"):
+        acts = actions[actions["rank"] == r]
+        if acts.empty:
+            continue
+        lo, hi = int(g["ts"].min()), int(g["end"].max())
+        s, e = acts["start_ns"].to_numpy(np.int64), acts["end_ns"].to_numpy(np.int64)
+        best, best_n = None, 0
+        for off in dict.fromkeys((0, base.get(int(r), 0))):
+            n = int(((s >= lo + off) & (e <= hi + off)).sum())
+            if n > best_n:
+                best, best_n = off, n
+        if best is not None:
+            out[int(r)] = best
+    return out
+
+
+def _pipeline_stages(pipeline, gpu: pd.DataFrame, trace) -> dict[int, tuple[np.ndarray, np.ndarray, list[str]]]:
+    """Per rank: its pipeline actions on the trace's clock (starts, ends, labels like 'B s2'), sorted by start."""
+    actions = getattr(pipeline, "actions", None)
+    if actions is None or actions.empty:
+        return {}
+    off = _action_offsets(actions, gpu, trace)
+    out = {}
+    for r, g in actions.groupby("rank"):
+        if int(r) not in off:
+            continue
+        g = g.sort_values("start_ns")
+        out[int(r)] = (g["start_ns"].to_numpy(np.int64) - off[int(r)], g["end_ns"].to_numpy(np.int64) - off[int(r)],
+                       [f"{k} s{s}" for k, s in zip(g["kind"].astype(str), g["stage"].astype(int))])
+    return out
+
+
+def _rank_file(trace, rank: int) -> str | None:
+    for ri in getattr(trace, "ranks", []):
+        if ri.rank == rank:
+            return ri.path
+    return None
+
+
+P2P_OPS = {"c10d::send": "send", "c10d::recv_": "recv"}
+_P2P_KERNEL = re.compile(r"SendRecv|Send|Recv", re.IGNORECASE)
+
+
+def _peer(concrete: Any) -> int | None:
+    """The peer of a c10d::send / c10d::recv_ op: its third concrete input (dst / src, a group rank)."""
+    try:
+        v = json.loads(concrete) if isinstance(concrete, str) else None
+        return int(v[2]) if isinstance(v, list) and len(v) > 2 and str(v[2]).lstrip("-").isdigit() else None
+    except ValueError:
+        return None
+
+
+def p2p_links(events: pd.DataFrame, gpu: pd.DataFrame) -> dict[int, list[int]]:
+    """Each point-to-point kernel (GPU-table row) -> the peer kernels carrying the other side of its sends and
+    receives. A rank's `c10d::send` / `c10d::recv_` ops belong to the first p2p kernel it launches at or after
+    them (`batch_isend_irecv` coalesces several into one SendRecv kernel); the peer is the op's dst / src (mapped
+    to a global rank through the process group's ranks when its `record_param_comms` names them); rank A's k-th
+    send to B in a step pairs with B's k-th receive from A in that step (NCCL keeps each pair's order). Empty when
+    the trace has no such ops (then `comm`'s matching by peers from the `nccl:*` annotations is all there is)."""
+    if events is None or events.empty or gpu.empty or "concrete_inputs" not in events:
+        return {}
+    ops = events[C.isin(events["name"], frozenset(P2P_OPS))]
+    if ops.empty:
+        return {}
+    k = gpu[gpu["is_comm"].to_numpy() & C.map_strings(gpu["name"], lambda n: bool(_P2P_KERNEL.search(n)))]
+    k = k[k["launch_ts"].to_numpy() >= 0]
+    rpc = events[C.isin(events["name"], frozenset({"record_param_comms"}))]
+    queues: dict[tuple[int, int, str, int], list[int]] = {}  # (from, to, send|recv, step) -> kernel rows in order
+    for r, o in ops.groupby("rank"):
+        kr = k[k["rank"] == r].sort_values("launch_ts")
+        if kr.empty:
+            continue
+        o = o.sort_values("ts")
+        at = np.searchsorted(kr["launch_ts"].to_numpy(np.int64), o["ts"].to_numpy(np.int64), side="left")
+        rr = rpc[rpc["rank"] == r]
+        r_ts, r_ranks = rr["ts"].to_numpy(np.int64), C.strings(rr["pg_ranks"]) if len(rr) else np.array([])
+        k_rows, k_step = kr.index.to_numpy(), kr["step"].to_numpy()
+        for name, ts, dur, conc, i in zip(C.strings(o["name"]), o["ts"].to_numpy(np.int64),
+                                          o["dur"].fillna(0).to_numpy(np.int64), C.strings(o["concrete_inputs"]), at):
+            peer = _peer(conc)
+            if peer is None or i >= len(kr):
+                continue
+            j = int(np.searchsorted(r_ts, ts, side="left"))
+            if j < len(r_ts) and r_ts[j] <= ts + dur:  # its record_param_comms: the group's global ranks
+                try:
+                    ranks = json.loads(r_ranks[j])
+                    peer = int(ranks[peer]) if isinstance(ranks, list) and 0 <= peer < len(ranks) else peer
+                except (ValueError, TypeError):
+                    pass
+            row, step = int(k_rows[i]), int(k_step[i])
+            kind = P2P_OPS[name]
+            key = (int(r), peer, kind, step) if kind == "send" else (peer, int(r), kind, step)
+            queues.setdefault(key, []).append(row)
+    links: dict[int, list[int]] = {}
+    for (src, dst, kind, step), rows in queues.items():
+        if kind != "send":
+            continue
+        for a, b in zip(rows, queues.get((src, dst, "recv", step), [])):
+            links.setdefault(a, []).append(b)
+            links.setdefault(b, []).append(a)
+    return links
+
+
+def critical_path(gpu: pd.DataFrame, instances: pd.DataFrame, syncs: pd.DataFrame, steps: list[int], *,
+                  trace=None, pipeline=None, events: pd.DataFrame | None = None) -> CriticalPath:
+    """The critical path of each step in `steps` (see the module docstring).
+
+    gpu: the analysis's GPU table (rank, ts, end, is_comm, category, top_op, path, launch_ts, step; row labels as
+    `instances.gpu_row` names them); instances: `tracelens.analysis.comm.collective_instances`; syncs:
+    `tracelens.analysis.host.host_syncs`; trace: for the rank files (messages) and the pipeline clock; pipeline: a
+    `PipelineAnalysis` (stage labels); events: the host events, for the peers of point-to-point kernels
+    (`p2p_links`; default: the trace's). Raises TraceError (one line) for a step that some rank lacks, or for ranks
+    that communicate with no collective matched across them."""
+    if gpu.empty or not steps:
+        return unavailable("no GPU activity in the analyzed steps")
+    ranks = sorted(int(r) for r in gpu["rank"].unique())
+    have = gpu.groupby("rank")["step"].agg(lambda s: {int(x) for x in s})
+    for n in steps:
+        for r in ranks:
+            if n not in have.get(r, set()):
+                where = sorted(x for x in have.get(r, set()) if x >= 0)
+                raise TraceError(_rank_file(trace, r), f"rank {r} has no GPU work in step {n} (its steps: "
+                                 f"{', '.join(map(str, where)) or 'none'}), so no critical path of step {n} across ranks")
+    if events is None and trace is not None:
+        events = getattr(trace, "events", None)
+    links = p2p_links(events, gpu)
+    comm_ranks = sorted(int(r) for r in gpu.loc[gpu["is_comm"].to_numpy(), "rank"].unique())
+    matched = instances[instances["cross_rank"] & ~instances["startup"]] if len(instances) else instances
+    # point-to-point kernels matched as one group-wide sequence (no peers known) are not pairs: their "last rank"
+    # says nothing about whom a kernel waited for
+    matched = matched[(matched["family"] != "p2p") | (matched["peers"] != "")] if len(matched) else matched
+    if len(comm_ranks) > 1 and matched.empty and not links:
+        raise TraceError(_rank_file(trace, comm_ranks[0]), f"ranks {', '.join(map(str, comm_ranks))} run communication "
+                         "kernels but no collective or send/receive is matched across them (different runs, or a "
+                         "group with ranks not loaded): no critical path across ranks")
+    # each matched comm kernel (GPU row): the last arrival of its instance (ns), the last rank, the family, and
+    # the last rank's kernel (where a hop lands)
+    arrival: dict[int, tuple[int, int, str, int]] = {}
+    if len(matched):
+        m = matched.assign(k_ts=gpu.loc[matched["gpu_row"], "ts"].to_numpy(np.int64))
+        for _, g in m.groupby(["group", "peers", "seq"], sort=False):
+            i = g["k_ts"].idxmax()
+            a, last, last_row = int(g.at[i, "k_ts"]), int(g.at[i, "rank"]), int(g.at[i, "gpu_row"])
+            for row, fam in zip(g["gpu_row"].tolist(), g["family"].tolist()):
+                arrival[int(row)] = (a, last, str(fam), last_row)
+    if links:  # a p2p kernel ends after every peer kernel it pairs with has begun
+        lab = np.fromiter({x for row, peers in links.items() for x in (row, *peers)}, dtype=np.int64)
+        where = gpu.index.get_indexer(lab)
+        k_ts = dict(zip(lab.tolist(), gpu["ts"].to_numpy(np.int64)[where].tolist()))
+        k_rank = dict(zip(lab.tolist(), gpu["rank"].to_numpy()[where].tolist()))
+        for row, peers in links.items():
+            j = max((row, *peers), key=lambda x, row=row: (k_ts[x], x == row))
+            arrival[row] = (k_ts[j], int(k_rank[j]), "p2p", j)
+    per: dict[int, _Rank] = {}
+    pos = gpu.index
+    ts_all, end_all = gpu["ts"].to_numpy(np.int64), gpu["end"].to_numpy(np.int64)
+    launch_all = gpu["launch_ts"].to_numpy(np.int64) if "launch_ts" in gpu else np.full(len(gpu), -1, np.int64)
+    rank_all = gpu["rank"].to_numpy()
+    s_rank = syncs["rank"].to_numpy() if len(syncs) else np.empty(0)
+    s_end = ((syncs["ts"] + (syncs["host_blocked_us"] * 1e3).astype(np.int64)).to_numpy(np.int64)
+             if len(syncs) else np.empty(0, np.int64))
+    for r in ranks:
+        at = np.flatnonzero((rank_all == r) & (end_all > ts_all))
+        at = at[np.lexsort((ts_all[at], end_all[at]))]
+        per[r] = _Rank(end_all[at], at, np.sort(s_end[s_rank == r]))
+    is_comm = gpu["is_comm"].to_numpy()
+    labels = pos.to_numpy()
+    category = C.strings(gpu["category"])
+    top_op = C.strings(gpu["top_op"]) if "top_op" in gpu else np.full(len(gpu), "", dtype=object)
+    paths = C.strings(gpu["path"]) if "path" in gpu else np.full(len(gpu), "", dtype=object)
+    stages = _pipeline_stages(pipeline, gpu, trace) if pipeline is not None else {}
+
+    def stage_of(r: int, i: int, lo: int, hi: int) -> str:
+        if r in stages:
+            s, e, lab = stages[r]
+            mid = (lo + hi) // 2
+            k = int(s.searchsorted(mid, "right")) - 1
+            if k >= 0 and e[k] > mid:
+                return lab[k]
+        return _stage_label(paths[i], top_op[i])
+
+    def idle_kind(rk: _Rank, gs: int, ge: int, launch: int) -> str:
+        if len(rk.sync_end):
+            k = int(rk.sync_end.searchsorted(ge, "left")) - 1
+            if k >= 0 and rk.sync_end[k] >= gs - SYNC_TOLERANCE_NS:
+                return "host sync"
+        return "launch-bound" if launch >= 0 and launch > gs else "idle"
+
+    seg_rows: list[tuple] = []
+    step_rows: list[dict[str, Any]] = []
+    notes: list[str] = []
+    step_all = gpu["step"].to_numpy()
+    for n in steps:
+        in_step = step_all == n
+        t0, t1 = int(ts_all[in_step].min()), int(end_all[in_step].max())
+        last_i = int(np.flatnonzero(in_step)[np.argmax(end_all[in_step])])
+        out: list[tuple] = []  # reversed: latest first
+
+        def emit(r, lo, hi, kind, what="", op="", stage="", to_rank=-1, row=-1, out=out, n=n):
+            out.append((n, r, lo, hi, hi - lo, kind, what, op, stage, to_rank, row))
+
+        r = int(rank_all[last_i])
+        cur = last_i  # position in the GPU table of the event being put on the path
+        visited: set[tuple[int, int]] = set()
+        unfollowed = 0
+        while True:
+            lo_e, hi_e = int(ts_all[cur]), int(end_all[cur])
+            lbl = int(labels[cur])
+            t = lo_e  # where the walk goes on from, on rank r
+            succ_launch = int(launch_all[cur])
+            if lbl in arrival:
+                a, last, fam, last_row = arrival[lbl]
+                if last != r and a > lo_e:  # r waited for `last` until a: the transfer, then the hop
+                    a = min(a, hi_e)  # (a kernel ending before its last peer began: clocks apart; hop at its end)
+                    if a < hi_e:
+                        emit(r, max(a, t0), hi_e, "transfer", fam, top_op[cur], row=lbl)
+                    if a <= t0:
+                        break
+                    if (last, a) not in visited:
+                        visited.update({(r, a), (last, a)})
+                        emit(r, a, a, "wait", fam, top_op[cur], to_rank=last, row=lbl)
+                        r, t = last, a
+                        succ_launch = int(launch_all[pos.get_loc(last_row)])
+                    else:
+                        unfollowed += 1
+                        emit(r, max(lo_e, t0), a, "wait", fam, top_op[cur], to_rank=last, row=lbl)
+                else:
+                    emit(r, max(lo_e, t0), hi_e, "transfer", fam, top_op[cur], row=lbl)
+            elif is_comm[cur]:
+                emit(r, max(lo_e, t0), hi_e, "comm", category[cur], top_op[cur], row=lbl)
+            else:
+                lo = max(lo_e, t0)
+                emit(r, lo, hi_e, "compute", category[cur], top_op[cur], stage_of(r, cur, lo, hi_e), row=lbl)
+            if t <= t0:
+                break
+            rk = per[r]
+            k = int(rk.end.searchsorted(t, "right")) - 1  # the event that ended last at or before t
+            if k < 0 or rk.end[k] <= t0:
+                if k < 0:
+                    emit(r, t0, t, "idle", "before its first traced GPU work (the rank began the step late)")
+                else:
+                    emit(r, t0, t, idle_kind(rk, int(rk.end[k]), t, succ_launch))
+                break
+            if rk.end[k] < t:
+                emit(r, int(rk.end[k]), t, idle_kind(rk, int(rk.end[k]), t, succ_launch))
+            cur = int(rk.at[k])
+        out.reverse()
+        seg_rows += out
+        hops = sum(1 for s in out if s[5] == "wait" and s[4] == 0)
+        on = sorted({s[1] for s in out if s[4] > 0})
+        step_rows.append({"step": n, "start_ns": t0, "end_ns": t1, "span_ns": t1 - t0, "end_rank": int(rank_all[last_i]),
+                          "segments": len(out), "hops": hops, "ranks": on})
+        if unfollowed:
+            notes.append(f"step {n}: {unfollowed} wait(s) not followed (the rank waited for had already been passed "
+                         "at that time: clocks or overlapping streams); they stay on the path as waits")
+    seg = pd.DataFrame(seg_rows, columns=SEGMENT_COLUMNS)
+    return CriticalPath(seg, pd.DataFrame(step_rows, columns=STEP_COLUMNS), notes=notes)
+
+
+def critical_path_of(analysis, step: int | None = None, *, instances: pd.DataFrame | None = None,
+                     syncs: pd.DataFrame | None = None) -> CriticalPath:
+    """The critical path of an analysis: of `step`, else of every step its window reads (the steady state).
+    Raises TraceError for a step not in the traces, a step some rank lacks, or ranks with no matched collective."""
+    a = analysis
+    gpu = a.gpu
+    if gpu.empty:
+        return unavailable("no GPU activity in these traces (CPU-only): no GPU critical path")
+    known = sorted(int(s) for s in gpu["step"].unique() if s >= 0)
+    if not known:  # no profiler step marked: the whole profiled window is the one "step" (-1)
+        if step is not None:
+            raise TraceError(None, f"step {step} is not in the traces: they mark no profiler step (the whole window "
+                             "is analyzed without --step)")
+        return critical_path(gpu, a.comm_instances() if instances is None else instances,
+                             a.host_syncs() if syncs is None else syncs, [-1], trace=a.trace,
+                             pipeline=getattr(a, "pipeline", None), events=a.trace.events)
+    if step is not None:
+        if step not in known:
+            raise TraceError(None, f"step {step} is not in the traces' GPU work (steps: {', '.join(map(str, known)) or 'none'})")
+        steps = [step]
+    else:
+        sw = getattr(a, "window", None)
+        used = [int(s) for s in getattr(sw, "used", [])] if sw is not None else []
+        steps = [s for s in used if s in known] or known
+    inst = a.comm_instances() if instances is None else instances
+    syncs = a.host_syncs() if syncs is None else syncs
+    return critical_path(gpu, inst, syncs, steps, trace=a.trace, pipeline=getattr(a, "pipeline", None),
+                         events=a.trace.events)
+
+
+def path_entry(analysis, instances: pd.DataFrame, syncs: pd.DataFrame) -> CriticalPath:
+    """The analysis's `critical_path` entry: the window's steps; bad input kept as the one-line problem."""
+    try:
+        return critical_path_of(analysis, instances=instances, syncs=syncs)
+    except TraceError as e:
+        return unavailable(e.one_line())
+
+
+__all__ = ["KINDS", "CriticalPath", "critical_path", "critical_path_of", "p2p_links", "path_entry", "unavailable"]
