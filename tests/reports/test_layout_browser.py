@@ -22,6 +22,7 @@ import tracelens
 from reports.html import write_report
 
 from ..conftest import FIXTURES, MOE_GROUPED, MOE_LOOP, NCCL_2RANK
+from ..tracelens.test_ppvis import unbalanced_run
 from .test_report_browser import browser, open_report, plot_ok  # noqa: F401 - the browser fixture
 
 pytestmark = pytest.mark.browser
@@ -66,8 +67,7 @@ def pages(tmp_path_factory) -> dict[str, Path]:
     p["memory"] = write_memory_report(projs, out / "memory.html", device_bytes=80 * M.GIB)
     for run in ("1f1b", "vpp2", "zb1p"):
         p[f"ppvis_{run}"] = write_ppvis(load_pipeline(PP2 / run, cache=False), out / f"ppvis_{run}.html")
-    from ..tracelens.test_ppvis import unbalanced_run  # stage 2 holds 3 layers: a move that lowers it
-
+    # stage 2 of the synthetic run holds 3 layers: a move that lowers it
     p["ppvis_unbalanced"] = write_ppvis(load_pipeline(unbalanced_run(out)[0], cache=False), out / "ppvis_unbalanced.html")
     return p
 
