@@ -23,7 +23,7 @@ from jinja2 import Environment, FileSystemLoader, select_autoescape
 
 TEMPLATES = Path(__file__).parent / "templates"
 COLORS = {
-    "compute": "#3b7dd8", "exposed comm": "#e4572e", "memcpy": "#f3a712", "memset": "#a0a0a0", "idle": "#dfe3ea",
+    "compute": "#3b7dd8", "exposed comm": "#e4572e", "comm wait": "#8e44ad", "pipeline wait": "#6c7a91", "memcpy": "#f3a712", "memset": "#a0a0a0", "idle": "#dfe3ea",
     "GEMM": "#3b7dd8", "grouped GEMM": "#1b4f9c", "attention": "#8e5ad6", "elementwise": "#29a37a",
     "reduction/norm": "#7fb800", "communication": "#e4572e", "memory": "#f3a712", "other": "#9aa6b8",
 }

@@ -16,9 +16,9 @@ from .common import html_table, plot_text
 COLORS = {
     "expert GEMMs": "#1b4f9c", "dense GEMMs": "#3b7dd8", "attention": "#8e5ad6", "norms/activations": "#29a37a",
     "optimizer step": "#17a2b8", "copies/casts": "#f3a712", "exposed communication": "#e4572e",
-    "sync waits": "#c0392b", "launch-bound idle": "#b8c2d1", "pipeline bubble": "#6c7a91", "other": "#9aa6b8",
+    "collective waits": "#8e44ad", "sync waits": "#c0392b", "launch-bound idle": "#b8c2d1", "pipeline bubble": "#6c7a91", "other": "#9aa6b8",
 }
-MECHANISM_TEXT = {"sync waits": "per blocking sync", "launch-bound idle": "per launch",
+MECHANISM_TEXT = {"collective waits": "the late rank's lateness", "sync waits": "per blocking sync", "launch-bound idle": "per launch",
                   "pipeline bubble": "share of the stage time", "other": "idle of no known cause"}
 
 

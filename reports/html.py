@@ -29,10 +29,16 @@ def timeline_figure(tl: pd.DataFrame) -> dict:
     parts = [
         ("compute", tl["compute_us"]),
         ("exposed comm", tl["exposed_comm_us"]),
+        # a communication kernel's wait for another rank, and a pipeline stage's for its neighbour (the bubble), are
+        # not communication (tracelens.analysis.waits)
+        ("comm wait", tl.get("comm_wait_us")),
+        ("pipeline wait", tl.get("pipeline_wait_us")),
         ("memcpy", tl["excl_memcpy_us"]),
         ("memset", tl["excl_memset_us"]),
         ("idle", tl["gpu_idle_us"]),
     ]
+    # the wait parts only where some rank has them (one rank, or no communication: none)
+    parts = [(n, v) for n, v in parts if v is not None and (n not in ("comm wait", "pipeline wait") or (v > 0).any())]
     data = [
         {"type": "bar", "orientation": "h", "name": name, "y": ranks, "x": [round(float(v) / 1000.0, 4) for v in vals],
          "marker": {"color": COLORS[name]}, "hovertemplate": "%{y}: %{x:.3f} ms " + name + "<extra></extra>"}
@@ -107,7 +113,8 @@ def render(analysis: Analysis, title: str | None = None) -> str:
     timeline_table = step_table = ""
     tl_cols = [("rank", "rank", "num"), ("span_us", "span µs", "num"), ("gpu_busy_us", "busy µs", "num"),
                ("gpu_idle_us", "idle µs", "num"), ("compute_us", "compute µs", "num"), ("comm_us", "comm µs", "num"),
-               ("exposed_comm_us", "exposed comm µs", "num"), ("memcpy_us", "memcpy µs", "num"),
+               ("exposed_comm_us", "exposed comm µs", "num"), ("comm_wait_us", "comm wait µs", "num"),
+               ("pipeline_wait_us", "pipeline wait µs", "num"), ("memcpy_us", "memcpy µs", "num"),
                ("memset_us", "memset µs", "num"), ("kernel_count", "kernels", "num")]
     if has_gpu:
         figures["plot-timeline"] = timeline_figure(a.timeline)

@@ -22,6 +22,7 @@ import pandas as pd
 
 from . import __version__, offload
 from .analysis import calltree, steps as steps_mod, summaries, timeline
+from .analysis import waits as waits_mod
 from .derived import Derived, Registry
 from .trace import Trace, give_back_memory
 
@@ -56,6 +57,15 @@ def _comm_instances(a: Any, comm_kernels: pd.DataFrame) -> pd.DataFrame:
     from .analysis.comm import collective_instances
 
     return collective_instances(a, kern=comm_kernels)
+
+
+@DERIVED.entry("comm_waits", inputs=("comm_instances", "trace"), module="tracelens.analysis.waits")
+def _comm_waits(a: Any, comm_instances: pd.DataFrame) -> pd.DataFrame:
+    """Each communication kernel's wait and transfer, by GPU row label (tracelens.analysis.waits.kernel_waits)."""
+    from .analysis.pipeline import has_pipeline_data
+    from .analysis.waits import is_pipeline, kernel_waits
+
+    return kernel_waits(comm_instances, pipeline=is_pipeline(a.trace, has_pipeline_data))
 
 
 @DERIVED.entry("host_syncs", inputs=("tree", "gpu", "steps", "trace"), module="tracelens.analysis.host")
@@ -204,6 +214,10 @@ class Analysis:
         """The `comm_instances` entry: one row per (collective instance, rank) (read-only)."""
         return self.derived["comm_instances"]
 
+    def comm_waits(self) -> pd.DataFrame:
+        """The `comm_waits` entry: each communication kernel's wait and transfer (tracelens.analysis.waits)."""
+        return self.derived["comm_waits"]
+
     def host_syncs(self) -> pd.DataFrame:
         """The `host_syncs` entry: every blocking device-to-host sync (read-only)."""
         return self.derived["host_syncs"]
@@ -293,6 +307,8 @@ class Analysis:
         core = summary_core(self.trace, self.window, self.timeline,
                             self.timeline_all if self.timeline_all is not None else self.timeline,
                             self.step_timeline, self.categories)
+        cross = len(self.trace.ranks) >= 2 and self.has_gpu and bool(self.gpu["is_comm"].any())
+        add_comm_kernel_waits(core["ranks"], self.comm_waits() if cross else None, self.window)
         findings = self.findings()
         health = _health_summary(self)
         if task is not None:
@@ -319,12 +335,19 @@ def summary_text(result: Any) -> str:
     lines = [f"window: {result.window.describe()}"] if result.window is not None else []
     tl = result.timeline
     if not tl.empty:
+        waits = "comm_wait_us" in tl.columns and bool((tl["comm_wait_us"] > 0).any() or (tl["pipeline_wait_us"] > 0).any())
         lines.append(f"{'rank':>4} {'span ms':>10} {'busy %':>7} {'compute ms':>11} {'comm ms':>9} {'exposed ms':>11} "
-                     f"{'kernels':>8}")
+                     + (f"{'wait ms':>9} {'pp wait ms':>10} " if waits else "") + f"{'kernels':>8}")
         for r in tl.itertuples(index=False):
             busy = 100.0 * r.gpu_busy_us / r.span_us if r.span_us else 0.0
             lines.append(f"{r.rank:>4} {r.span_us / 1e3:>10.3f} {busy:>7.1f} {r.compute_us / 1e3:>11.3f} "
-                         f"{r.comm_us / 1e3:>9.3f} {r.exposed_comm_us / 1e3:>11.3f} {r.kernel_count:>8}")
+                         f"{r.comm_us / 1e3:>9.3f} {r.exposed_comm_us / 1e3:>11.3f} "
+                         + (f"{r.comm_wait_us / 1e3:>9.3f} {r.pipeline_wait_us / 1e3:>10.3f} " if waits else "")
+                         + f"{r.kernel_count:>8}")
+        if waits:
+            lines.append("comm ms: communication kernel time; exposed ms: its transfer not hidden by compute; wait ms: "
+                         "waiting in collectives for another rank; pp wait ms: pipeline receives waiting for the "
+                         "neighbour stage (the bubble)")
         return "\n".join(lines)
     lines.append("no GPU activity in these traces (CPU-only): GPU timeline unavailable; host time per rank instead")
     hs = steps_mod.host_step_table(result)
@@ -396,7 +419,25 @@ def summary_core(trace: Any, window: Any, timeline: pd.DataFrame, timeline_all: 
 
 
 _FIELDS = ("span_us", "gpu_busy_us", "gpu_idle_us", "compute_us", "comm_us", "memcpy_us", "memset_us",
-           "exposed_comm_us", "kernel_count")
+           "exposed_comm_us", "comm_wait_us", "pipeline_wait_us", "kernel_count")
+
+
+def add_comm_kernel_waits(ranks: list[dict[str, Any]], kw: pd.DataFrame | None, sw: Any) -> None:
+    """Each rank's ``comm_kernels`` record: its communication kernels' time over the window split into waiting
+    for another rank, waiting for the neighbour pipeline stage and transfer (sums over kernels, as `tracelens
+    comm` reports them; the timeline fields are the parts no compute hides), and the rank it waited for most,
+    from the kernels' waits ``kw`` (tracelens.analysis.waits); null without cross-rank waits (kw None: one
+    rank, no communication). `Analysis.summary` and the many-rank path both call it."""
+    per = waits_mod.rank_waits(kw, sw.used if sw is not None and sw.restricts else None) if kw is not None else None
+    by = per.set_index("rank") if per is not None and len(per) else None
+    for r in ranks:
+        if by is None or r["rank"] not in by.index:
+            r["comm_kernels"] = None
+            continue
+        x = by.loc[r["rank"]]
+        r["comm_kernels"] = {"wait_us": _num(x["peer_wait_us"]), "pipeline_wait_us": _num(x["pipeline_wait_us"]),
+                             "transfer_us": _num(x["transfer_us"]),
+                             "waits_for": int(x["waits_for"]) if int(x["waits_for"]) >= 0 else None}
 
 
 def _decomposition_summary(a: Analysis) -> dict[str, Any]:
@@ -511,8 +552,12 @@ def analyze(trace: Trace, window: str = "steady") -> Analysis:
     waits = steps_mod.startup_waits(trace, gpu, instances=lambda: early["comm_instances"])
     tree_step = steps_mod.host_steps(tree, steps)
     sw = steps_mod.step_window(trace, tree, gpu, steps, mode=window, waits=waits, manifest=manifest, tree_step=tree_step)
-    tl_all = timeline.gpu_timeline(gpu)
-    stl = timeline.gpu_timeline(gpu, by_step=True)
+    # each communication kernel's wait (for a peer rank, for the pipeline) and transfer: the timelines count
+    # only the transfer as communication (tracelens.analysis.waits)
+    cross = len(trace.ranks) >= 2 and not gpu.empty and bool(gpu["is_comm"].any())
+    kwaits = waits_mod.wait_class(early["comm_waits"]) if cross else None
+    tl_all = timeline.gpu_timeline(gpu, waits=kwaits)
+    stl = timeline.gpu_timeline(gpu, by_step=True, waits=kwaits)
     gpu_ranks = set(gpu["rank"].unique().tolist())
     for info in trace.ranks:
         if info.rank not in gpu_ranks:
@@ -530,7 +575,7 @@ def analyze(trace: Trace, window: str = "steady") -> Analysis:
     if sw.restricts and not gpu.empty and gw_raw.empty:
         sw.notes.append("no GPU event was launched inside the steady-state steps: GPU views read the whole window")
         gw_raw = gpu
-    tl = timeline.gpu_timeline(gw_raw, cuts=sw.cuts) if gw_raw is not gpu or sw.cuts else tl_all
+    tl = timeline.gpu_timeline(gw_raw, cuts=sw.cuts, waits=kwaits) if gw_raw is not gpu or sw.cuts else tl_all
     gw = steps_mod.clip_durations(gw_raw, sw.cuts)
     host_mask = np.isin(tree_step, sw.used) if sw.restricts else None
     if host_mask is not None and not (host_mask & (tree["kind"].to_numpy() == calltree.KIND_OP)).any():

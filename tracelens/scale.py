@@ -88,6 +88,9 @@ class WindowPlan:
     used: list[int]
     cuts: dict  # rank -> [(start_ns, end_ns)]
     whole_gpu: bool  # no GPU event inside the steady steps anywhere: read the whole window
+    # rank -> its communication kernels' waits (`waits.wait_class`, on the rank's own row labels): the
+    # timelines count only their transfer as communication
+    waits: dict = field(default_factory=dict)
 
 
 _GPU_COLS = ["rank", "step", "ts", "end", "dur", "kind", "is_comm", "category"]
@@ -140,9 +143,10 @@ def reduce_rank(path: str, index: int = 0, n_files: int = 1, *, cache: bool = Tr
     return out
 
 
-def window_rank(rt: RankTables, plan: WindowPlan) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """One rank's figures over the chosen window: (timeline row, category rows), as `analyze` computes
-    them for that rank."""
+def window_rank(rt: RankTables, plan: WindowPlan) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame, pd.DataFrame]:
+    """One rank's figures over the chosen window: (timeline row, category rows, whole-window timeline,
+    per-step timeline), as `analyze` computes them for that rank (the last two redone with the waits of the
+    rank's communication kernels when the cross-rank step found any)."""
     from .analysis import summaries, timeline
     from .analysis.steps import clip_durations
 
@@ -151,10 +155,13 @@ def window_rank(rt: RankTables, plan: WindowPlan) -> tuple[pd.DataFrame, pd.Data
     if plan.restricts and not gpu.empty and not plan.whole_gpu:
         gw_raw = gpu[gpu["step"].isin(plan.used).to_numpy()]
     cuts = {rt.info.rank: plan.cuts[rt.info.rank]} if rt.info.rank in plan.cuts else {}
-    tl = timeline.gpu_timeline(gw_raw, cuts=cuts) if (gw_raw is not gpu or plan.cuts) else rt.timeline_all
+    w = (plan.waits or {}).get(rt.info.rank)
+    tla = timeline.gpu_timeline(gpu, waits=w) if w is not None else rt.timeline_all
+    stl = timeline.gpu_timeline(gpu, by_step=True, waits=w) if w is not None else rt.step_timeline
+    tl = timeline.gpu_timeline(gw_raw, cuts=cuts, waits=w) if (gw_raw is not gpu or plan.cuts) else tla
     gw = clip_durations(gw_raw, cuts)
     busy = {int(r.rank): r.gpu_busy_us * 1000.0 for r in tl.itertuples(index=False)}
-    return tl, summaries.category_rollup(gw, busy)
+    return tl, summaries.category_rollup(gw, busy), tla, stl
 
 
 @dataclass
@@ -186,6 +193,7 @@ class RanksAnalysis:
     step_timeline: pd.DataFrame
     categories: pd.DataFrame
     instances: pd.DataFrame  # comm.collective_instances
+    comm_waits: pd.DataFrame | None  # waits.kernel_waits of the instances (None: no cross-rank waits)
     comm_summary: pd.DataFrame
     stragglers: pd.DataFrame
     coverage: pd.DataFrame
@@ -212,14 +220,16 @@ class RanksAnalysis:
         values; `comm` and `pipeline` hold the cross-rank analyses; `distributed` says what is left out."""
         import json
 
-        from .analyzer import summary_core
+        from .analyzer import add_comm_kernel_waits, summary_core
 
         def recs(df):
             return json.loads(df.to_json(orient="records"))
 
+        core = summary_core(self.trace, self.window, self.timeline, self.timeline_all, self.step_timeline,
+                            self.categories)
+        add_comm_kernel_waits(core["ranks"], self.comm_waits, self.window)
         return {
-            **summary_core(self.trace, self.window, self.timeline, self.timeline_all, self.step_timeline,
-                           self.categories),
+            **core,
             "warnings": list(self.warnings),
             "comm": {"summary": recs(self.comm_summary), "stragglers": recs(self.stragglers),
                      "coverage": recs(self.coverage)},
@@ -269,7 +279,8 @@ def combine(light: list[RankTables], files: list[str], window: str = "steady"):
     def global_rows(i: int, row: np.ndarray) -> np.ndarray:
         return np.where(row < k[i], row + tree_off[i], row + rest_off[i])
 
-    parts = [r.comm.assign(row=global_rows(i, r.comm["row"].to_numpy())) for i, r in enumerate(light) if not r.comm.empty]
+    parts = [r.comm.assign(local_row=r.comm["row"].to_numpy(), row=global_rows(i, r.comm["row"].to_numpy()))
+             for i, r in enumerate(light) if not r.comm.empty]
     kern = pd.concat(parts, ignore_index=True) if parts else light[0].comm.iloc[:0]
     window_start = pd.Series({r.info.rank: r.window_start for r in light if r.window_start is not None}, dtype=np.int64)
     inst = match_instances(kern, window_start, rt)
@@ -303,9 +314,40 @@ def _startup_waits(inst: pd.DataFrame, kern: pd.DataFrame, n_ranks: int, n_gpu: 
                          "wait_start_ns": ts, "wait_end_ns": ts + wait})[cols].reset_index(drop=True)
 
 
-def plan_window(light: list[RankTables], sw) -> WindowPlan:
+def comm_waits(light: list[RankTables], rt, kern: pd.DataFrame, inst: pd.DataFrame) -> pd.DataFrame | None:
+    """`waits.kernel_waits` of the matched instances (global row labels), as `analyze`'s `comm_waits` entry;
+    None when there are no cross-rank waits to find (one rank, no GPU, no communication kernel)."""
+    from .analysis.pipeline import has_pipeline_data
+    from .analysis.waits import is_pipeline, kernel_waits
+
+    if len(light) < 2 or not sum(r.n_gpu for r in light) or kern.empty:
+        return None
+    pipeline = is_pipeline(rt, has_pipeline_data) or any(r.actions is not None for r in light)
+    return kernel_waits(inst, pipeline=pipeline)
+
+
+def local_waits(kw: pd.DataFrame | None, kern: pd.DataFrame) -> dict:
+    """rank -> `waits.wait_class` of its kernels on its own row labels (what `window_rank` reads)."""
+    from .analysis.waits import wait_class
+
+    wc = wait_class(kw)
+    if wc is None or kern.empty or "local_row" not in kern.columns:
+        return {}
+    m = kern.drop_duplicates("row").set_index("row")[["rank", "local_row"]].reindex(wc.index)
+    ok = m["rank"].notna().to_numpy()
+    wc, m = wc[ok], m[ok]
+    out = {}
+    for r in sorted(set(m["rank"].astype(int))):
+        sel = (m["rank"].astype(int) == r).to_numpy()
+        part = wc[sel].copy()
+        part.index = pd.Index(m.loc[sel, "local_row"].astype(np.int64).to_numpy())
+        out[r] = part
+    return out
+
+
+def plan_window(light: list[RankTables], sw, waits: dict | None = None) -> WindowPlan:
     """The window decisions `analyze` takes on all ranks' GPU and host tables, from the reductions; adds
-    its notes to `sw` in the same order."""
+    its notes to `sw` in the same order. waits: `local_waits` (rank -> its kernels' waits)."""
     whole = False
     if sw.restricts and any(r.n_gpu for r in light):
         inside = sum(int(r.gpu_steps[r.gpu_steps.index.isin(sw.used)].sum()) for r in light)
@@ -316,10 +358,12 @@ def plan_window(light: list[RankTables], sw) -> WindowPlan:
         in_used = sum(int(r.ops_per[r.ops_per.index.get_level_values("step").isin(sw.used)].sum()) for r in light)
         if in_used == 0 and any(r.n_ops for r in light):
             sw.notes.append("no op ran inside the steady-state steps: host views read the whole window")
-    return WindowPlan(restricts=sw.restricts, used=list(sw.used), cuts=dict(sw.cuts), whole_gpu=whole)
+    return WindowPlan(restricts=sw.restricts, used=list(sw.used), cuts=dict(sw.cuts), whole_gpu=whole,
+                      waits=waits or {})
 
 
-def finish(light: list[RankTables], windowed: dict[int, tuple], rt, sw, kern, inst, waits, engine: str) -> RanksAnalysis:
+def finish(light: list[RankTables], windowed: dict[int, tuple], rt, sw, kern, inst, waits, engine: str,
+           kw: pd.DataFrame | None = None) -> RanksAnalysis:
     """Assemble the result from the light reductions, the windowed figures (rank -> (timeline, categories))
     and the cross-rank pieces of `combine`; the warnings in `analyze`'s order."""
     from .analysis.comm import comm_summary, coverage, stragglers
@@ -342,7 +386,7 @@ def finish(light: list[RankTables], windowed: dict[int, tuple], rt, sw, kern, in
             return pd.DataFrame(columns=cols) if cols else pd.DataFrame()
         return pd.concat(frames, ignore_index=True)
 
-    stl = cat([r.step_timeline for r in light], TIMELINE_COLUMNS)
+    stl = cat([windowed[r.info.rank][3] for r in light], TIMELINE_COLUMNS)
     stl = _mark_startup_waits(stl, waits, warnings, sw)
     if not stl.empty:
         stl["steady"] = stl["step"].isin(sw.used).to_numpy() if sw.restricts else True
@@ -367,10 +411,11 @@ def finish(light: list[RankTables], windowed: dict[int, tuple], rt, sw, kern, in
     warnings.extend(pipe_warnings)
     tl = cat([windowed[r.info.rank][0] for r in light], TIMELINE_COLUMNS)
     cats = cat([windowed[r.info.rank][1] for r in light], ["rank", "category", "count", "total_us", "pct_gpu_busy"])
-    tla = cat([r.timeline_all for r in light], TIMELINE_COLUMNS)
+    tla = cat([windowed[r.info.rank][2] for r in light], TIMELINE_COLUMNS)
 
     return RanksAnalysis(
         trace=rt, window=sw, timeline=tl, timeline_all=tla, step_timeline=stl, categories=cats, instances=inst,
+        comm_waits=kw,
         comm_summary=comm_summary(inst), stragglers=stragglers(inst),
         coverage=coverage(rt, kern, inst), pipeline=pipe, warnings=warnings, engine=engine,
     )
@@ -453,11 +498,12 @@ def analyze_ranks(paths: str | os.PathLike | Sequence[str | os.PathLike], *, wor
         light = [r.light() for r in full]
         lap("reduce")
         rt, sw, kern, inst, waits, _ = combine(light, files, window)
-        plan = plan_window(light, sw)
+        kw = comm_waits(light, rt, kern, inst)
+        plan = plan_window(light, sw, local_waits(kw, kern))
         lap("combine")
         windowed = {r.info.rank: window_rank(r, plan) for r in full}
         lap("window")
-        res = finish(light, windowed, rt, sw, kern, inst, waits, "in-process")
+        res = finish(light, windowed, rt, sw, kern, inst, waits, "in-process", kw)
         lap("finish")
         res.timings = timings
         return res
@@ -474,7 +520,8 @@ def analyze_ranks(paths: str | os.PathLike | Sequence[str | os.PathLike], *, wor
         del light_f
         lap("reduce")
         rt, sw, kern, inst, waits, _ = combine(light, files, window)
-        plan = plan_window(light, sw)
+        kw = comm_waits(light, rt, kern, inst)
+        plan = plan_window(light, sw, local_waits(kw, kern))
         lap("combine")
         win_f = client.map(window_rank, full, plan=plan, pure=False)
         win = _gather(client, win_f, files)
@@ -482,7 +529,7 @@ def analyze_ranks(paths: str | os.PathLike | Sequence[str | os.PathLike], *, wor
         lap("window")
         by_index = {r.index: r.info.rank for r in light}
         windowed = {by_index[i]: w for i, w in enumerate(win)}
-        res = finish(light, windowed, rt, sw, kern, inst, waits, engine)
+        res = finish(light, windowed, rt, sw, kern, inst, waits, engine, kw)
         lap("finish")
         res.timings = timings
         return res

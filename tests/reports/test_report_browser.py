@@ -64,8 +64,10 @@ def test_report_renders_charts_and_sorts(browser, tmp_path):
         assert plot_ok(page, div) > 3, div
     assert page.locator("#findings li").count() >= 3  # ranked findings rendered
     assert "allreduce" in page.inner_text("#comm")
-    # the timeline has one bar row per rank and 5 stacked parts
-    assert page.evaluate("document.getElementById('plot-timeline').data.length") == 5
+    # the timeline has one bar row per rank and its stacked parts: communication kernels' waits for another rank
+    # are their own part (no pipeline here: no pipeline-wait part)
+    assert page.evaluate("document.getElementById('plot-timeline').data.map(t => t.name)") == [
+        "compute", "exposed comm", "comm wait", "memcpy", "memset", "idle"]
     assert page.locator("#plot-breakdown .slice").count() >= 5  # sunburst sectors drawn
     # sorting: click "count" in the kernels table twice -> ascending then descending order
     table = page.locator("#kernels table.data")

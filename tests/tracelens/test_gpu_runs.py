@@ -89,11 +89,25 @@ def _raw_actions(run):
     return rows
 
 
-def _raw_bubble(rows, skip_first=True):
-    """Per rank: idle / window summed over steps; window = first start to last end over all ranks."""
+def _manifest_skips(run) -> set:
+    """Steps the run's manifest marks as warm-up (config.timing_warmup_steps) or trace export (profile.step_end),
+    read with the standard library: ppvis leaves them out of its window, as the rest of the analyzer does."""
+    man = json.loads((PP2 / run / "manifest.json").read_text())
+    out = set(range(int(man["config"].get("timing_warmup_steps") or 0)))
+    prof = man.get("profile") or {}
+    if isinstance(prof.get("step_start"), int) and isinstance(prof.get("step_end"), int) and prof["step_end"] > prof["step_start"]:
+        out.add(prof["step_end"])
+    return out
+
+
+def _raw_bubble(rows, skip_first=True, skip=()):
+    """Per rank: idle / window summed over steps; window = first start to last end over all ranks. skip: steps
+    also left out (the manifest's warm-up and trace-export steps) unless that leaves none."""
     steps = sorted({a["step"] for a in rows})
     if skip_first and len(steps) > 1:
         steps = steps[1:]
+    if [x for x in steps if x not in set(skip)]:
+        steps = [x for x in steps if x not in set(skip)]
     idle, window = {}, {}
     for s in steps:
         acts = [a for a in rows if a["step"] == s]
@@ -117,7 +131,7 @@ def _raw_bubble(rows, skip_first=True):
 def test_pp2_bubbles_match_raw_jsonl(run, schedule, vpp):
     rows = _raw_actions(run)
     pa = load_pipeline(PP2 / run)
-    expect, steps = _raw_bubble(rows)
+    expect, steps = _raw_bubble(rows, skip=_manifest_skips(run))
     assert pa.steps == steps and pa.source == "jsonl"
     got = pa.per_rank.set_index("rank")["bubble_ratio"]
     for r, v in expect.items():
@@ -135,7 +149,7 @@ def test_pp2_zero_bubble_matches_raw_jsonl():
     micro-batch; the bubble against the raw jsonl and against ZB-H1's (p - 1) / (3m + p - 1)."""
     rows = _raw_actions("zb1p")
     pa = load_pipeline(PP2 / "zb1p")
-    expect, steps = _raw_bubble(rows)
+    expect, steps = _raw_bubble(rows, skip=_manifest_skips("zb1p"))
     assert pa.steps == steps and pa.source == "jsonl"
     got = pa.per_rank.set_index("rank")["bubble_ratio"]
     for r, v in expect.items():

@@ -285,20 +285,21 @@ def test_sync_counts_and_rows_per_level():
     assert padded_rows(cfg | {"sync_free_level": 3, "ep": 1}, t) == t * cfg["top_k"]
 
 
-def _raw_token_a2a_transfer_us(run: Path) -> float:
-    """Mean over the token all-to-all instances of the shortest rank's kernel time (the transfer, without waiting
-    for a late peer), from the raw JSON: the NCCL kernels whose args name an all_to_allv of more than d_model
-    elements (the counts exchange is smaller), paired across ranks by their order."""
+def _raw_token_a2a_transfer_us(run: Path, rank: int) -> float:
+    """Mean over the token all-to-all instances of `rank`'s transfer: its kernel's end less the last rank's
+    kernel start (without waiting for a late peer; tracelens.analysis.waits' notion), from the raw JSON: the
+    NCCL kernels whose args name an all_to_allv of more than d_model elements (the counts exchange is smaller),
+    paired across ranks by their order."""
     d_model = _cfg(run)["d_model"]
     per_rank = []
     for f in sorted((run / "traces").iterdir()):
-        k = sorted((e["ts"], e["dur"]) for e in _events(f) if e.get("cat") == "kernel"
+        k = sorted((e["ts"], e["ts"] + e["dur"]) for e in _events(f) if e.get("cat") == "kernel"
                    and e["args"].get("Collective name") == "all_to_allv"
                    and int(e["args"].get("In msg nelems") or 0) > d_model)
-        per_rank.append([d for _, d in k])
-    n = min(len(d) for d in per_rank)
+        per_rank.append(k)
+    n = min(len(k) for k in per_rank)
     assert n >= 4
-    return float(np.mean([min(d[i] for d in per_rank) for i in range(n)]))
+    return float(np.mean([per_rank[rank][i][1] - max(k[i][0] for k in per_rank) for i in range(n)]))
 
 
 def test_whatif_level_0_to_2_sends_the_worst_case_buffer():
@@ -309,13 +310,13 @@ def test_whatif_level_0_to_2_sends_the_worst_case_buffer():
 
     from tracelens.projection import whatif as W
 
-    measured = _raw_token_a2a_transfer_us(L3)  # us per token all-to-all, 24,576 rows of d_model
     m = W.Model.from_run(L0)
     p = m.predict({"sync_free_level": 2, "grouped_gemm_backend": "torch"})
     line = next(x for x in p.modeled if "token all-to-alls send" in x)
     got = re.search(r"send ([\d,]+) rows instead of ([\d,]+).*transfer (\d+\.\d+) -> (\d+\.\d+) ms", line)
     assert got and got.group(1) == "24,576", line
     rank = int(p.measured[0].split("rank ")[1].split()[0])
+    measured = _raw_token_a2a_transfer_us(L3, rank)  # us per token all-to-all, 24,576 rows of d_model
     i = [q.rank for q in m.profiles].index(rank)
     w = m.profiles[i].work
     n = int((w["is_comm"] & w["moe_stage"].isin(["moe/dispatch", "moe/combine"])

@@ -270,13 +270,76 @@ def comm_kernels(analysis) -> pd.DataFrame:
         sizes.append(b)
         sources.append(src)
     variable = np.array([c.lower().endswith("v") for c in collective])
+    peer_sets = p2p_peer_sets(events)
     return pd.DataFrame({
         "row": k.index.to_numpy(), "rank": k["rank"].to_numpy().astype(int), "ts": k["ts"].to_numpy(),
         "end": k["end"].to_numpy(), "dur": k["dur"].to_numpy(), "step": k["step"].to_numpy().astype(int),
         "collective": collective, "family": family, "group": group, "peers": peers, "pg_ranks": pg_ranks,
         "group_size": np.array(group_size, dtype=np.int64), "bytes": np.array(sizes, dtype=np.int64),
         "size_source": sources, "variable": variable,
-    }, columns=cols)
+        "p2p_peers": [peer_sets.get(int(r)) for r in k["rank"].to_numpy()],
+    }, columns=cols + ["p2p_peers"])
+
+
+def p2p_peer_sets(events: pd.DataFrame) -> dict[int, tuple[int, ...]]:
+    """Per rank: the global ranks its point-to-point ops (`record_param_comms` send / recv) exchange with. The
+    op's peer is its `rank` argument (the fourth of its Concrete Inputs: the destination of a send, the
+    source of a receive, a rank of its process group), mapped to a global rank through the group's ranks."""
+    need = {"name", "collective", "concrete_inputs", "rank"}
+    if events is None or events.empty or not need <= set(events.columns):
+        return {}
+    coll = C.map_strings(events["collective"], lambda x: x in ("send", "recv"))
+    is_rpc = C.map_strings(events["name"], lambda x: x == "record_param_comms")
+    sel = events[coll & is_rpc]
+    if sel.empty:
+        return {}
+    out: dict[int, set] = {}
+    pg = sel["pg_ranks"].to_numpy(dtype=object) if "pg_ranks" in sel.columns else np.full(len(sel), None, dtype=object)
+    for r, ci, ranks in zip(sel["rank"].to_numpy(), sel["concrete_inputs"].to_numpy(dtype=object), pg):
+        try:
+            vals = json.loads(ci) if isinstance(ci, str) else None
+        except ValueError:
+            continue
+        if not isinstance(vals, list) or len(vals) < 4:
+            continue
+        try:
+            peer = int(vals[3])
+        except (TypeError, ValueError):
+            continue
+        members = _parse_ranks(ranks)
+        if members is not None and 0 <= peer < len(members):
+            peer = members[peer]
+        if peer != int(r) and peer >= 0:
+            out.setdefault(int(r), set()).add(peer)
+    return {r: tuple(sorted(v)) for r, v in out.items()}
+
+
+def _p2p_by_overlap(df: pd.DataFrame) -> None:
+    """Point-to-point kernels of no known peer pair (``peers`` empty: batched sends and receives, whose kernels
+    cover several ops) cannot be matched as a sequence across ranks: a pipeline stage exchanges with two
+    neighbours, in its own order. Each is paired instead with its partner kernels on the peer ranks it
+    exchanges with (`waits.p2p_partner_waits`: the overlapping kernel that ends with it); its last arrival is
+    the latest partner's start. Edits sync_ns, comm_ns, last_rank, skew and cross_rank in place for those rows
+    (NaN, not cross-rank, where no peer kernel overlaps it)."""
+    from .waits import p2p_partner_waits
+
+    sel = np.flatnonzero(((df["family"] == "p2p") & (df["peers"] == "")).to_numpy())
+    if not len(sel):
+        return
+    sub = df.iloc[sel]
+    sets: dict[int, tuple] = {}
+    if "p2p_peers" in sub.columns:
+        for r, ps in zip(sub["rank"], sub["p2p_peers"]):
+            if isinstance(ps, tuple) and int(r) not in sets:
+                sets[int(r)] = ps
+    ts, end = sub["ts"].to_numpy(np.int64), sub["end"].to_numpy(np.int64)
+    sync, last = p2p_partner_waits(ts, end, sub["rank"].to_numpy(np.int64), sets)
+    idx = df.index[sel]
+    df.loc[idx, "sync_ns"] = sync
+    df.loc[idx, "comm_ns"] = (end - ts).astype(float) - sync
+    df.loc[idx, "last_rank"] = last
+    df.loc[idx, "skew"] = sync
+    df.loc[idx, "cross_rank"] = ~np.isnan(sync)
 
 
 # ------------------------------------------------------------------------------------ matching
@@ -496,6 +559,9 @@ def match_instances(kern: pd.DataFrame, window_start: pd.Series, trace) -> pd.Da
     df["skew"] = np.where(cross, (last_arrival - first_arrival).astype(float), np.nan)
     last_rank = df.loc[grp["ts"].idxmax(), ["entry", "rank"]].set_index("entry")["rank"]
     df["last_rank"] = np.where(cross, df["entry"].map(last_rank), -1)
+    if (df["family"] == "p2p").any():
+        _p2p_by_overlap(df)
+        cross = df["cross_rank"].to_numpy()
     # start-up artifact: the instance began before a rank of its group that was loaded started profiling
     ws_by_rank = {int(r): int(v) for r, v in window_start.items()}
     group_ws = []
@@ -503,6 +569,13 @@ def match_instances(kern: pd.DataFrame, window_start: pd.Series, trace) -> pd.Da
         pool = [r for r in (ranks or m) if r in ws_by_rank] or list(m)
         group_ws.append(max(ws_by_rank.get(r, -2**62) for r in pool))
     df["startup"] = first_arrival.to_numpy() < np.array(group_ws)
+    # a point-to-point kernel whose peer's kernel is in the traces waited for that kernel, a wait measured on
+    # both sides: a pipeline stage's first receive waits for the schedule's fill, not for the profiler
+    p2p = ((df["family"] == "p2p") & (df["peers"] == "")).to_numpy()
+    if p2p.any():
+        st = df["startup"].to_numpy().copy()
+        st[p2p] = np.isnan(df["sync_ns"].to_numpy(dtype=float)[p2p]) & (df["ts"].to_numpy()[p2p] < np.array(group_ws)[p2p])
+        df["startup"] = st
     with np.errstate(divide="ignore", invalid="ignore"):
         alg = np.where((df["bytes"] > 0) & (df["comm_ns"] > 0), df["bytes"] / df["comm_ns"], np.nan)  # bytes/ns = GB/s
     df["algbw_gbps"] = alg
@@ -691,28 +764,29 @@ def stragglers(inst: pd.DataFrame) -> pd.DataFrame:
 
 
 def exposed_comm(analysis, inst: pd.DataFrame) -> pd.DataFrame:
-    """Per rank: communication time not overlapped by compute on any stream, with start-up instances
-    left out (their wait happened partly before the other ranks were profiled). A per-rank figure: it
-    holds on a partial rank set too."""
-    from . import intervals as I
+    """Per rank: communication kernel time (`comm_us`, their union), its transfer not overlapped by compute on
+    any stream (`exposed_comm_us`) and its waits (`comm_wait_us` for another rank of a collective,
+    `pipeline_wait_us` for the neighbour pipeline stage), each kernel split as `tracelens.analysis.waits` does
+    (the GPU timeline's figures), with start-up instances left out (their wait happened partly before the other
+    ranks were profiled). A per-rank figure: on a partial rank set the waits not known count as transfer."""
+    from .timeline import gpu_timeline
+    from .waits import is_pipeline, kernel_waits, wait_class
 
-    cols = ["rank", "comm_us", "exposed_comm_us", "exposed_pct"]
+    cols = ["rank", "comm_us", "exposed_comm_us", "comm_wait_us", "pipeline_wait_us", "exposed_pct"]
     g = analysis.gpu
     if g.empty or inst.empty:
         return pd.DataFrame(columns=cols)
     startup_rows = inst.loc[inst["startup"], "gpu_row"].to_numpy()
-    rows = []
-    for r, gr in g.groupby("rank"):
-        kern = (gr["kind"] == "kernel").to_numpy()
-        comm = gr["is_comm"].to_numpy() & kern
-        keep = ~np.isin(gr.index.to_numpy(), startup_rows)
-        cs = (gr["ts"].to_numpy()[kern & ~comm], gr["end"].to_numpy()[kern & ~comm])
-        ns = (gr["ts"].to_numpy()[comm & keep], gr["end"].to_numpy()[comm & keep])
-        c = I.union_length(ns)
-        exposed = I.union_length(cs, ns) - I.union_length(cs)
-        rows.append({"rank": int(r), "comm_us": c / US, "exposed_comm_us": exposed / US,
-                     "exposed_pct": 100.0 * exposed / c if c else 0.0})
-    return pd.DataFrame(rows, columns=cols)
+    keep = ~np.isin(g.index.to_numpy(), startup_rows)
+    kw = analysis.comm_waits() if hasattr(analysis, "comm_waits") else kernel_waits(inst, is_pipeline(analysis.trace))
+    # (without the analysis's entry: a pipeline is known from the manifest only, and p2p waits count as peer waits)
+    tl = gpu_timeline(g[keep], waits=wait_class(kw))
+    tl = tl[tl["comm_us"] > 0] if len(tl) else tl
+    out = tl[cols[:-1]].copy()
+    c = out["comm_us"].to_numpy(np.float64)
+    out["exposed_pct"] = np.where(c > 0, 100.0 * out["exposed_comm_us"].to_numpy(np.float64) / np.where(c > 0, c, 1.0), 0.0)
+    out["rank"] = out["rank"].astype(int)
+    return out[cols].reset_index(drop=True)
 
 
 # ------------------------------------------------------------------------------ the `tracelens comm` view
@@ -785,9 +859,11 @@ class CommReport:
         for r in self.stragglers.itertuples(index=False):
             lines.append(f"{r.family}: skew mean {r.mean_skew_us / 1e3:.3f} ms, max {r.max_skew_us / 1e3:.3f} ms; "
                          f"rank {r.straggler_rank} arrives last in {100 * r.straggler_share:.0f}% of {r.instances}")
-        lines.append("exposed communication (not overlapped by compute, start-up excluded): " + ", ".join(
-            f"rank {int(x.rank)} {x.exposed_comm_us / 1e3:.3f} of {x.comm_us / 1e3:.3f} ms"
-            for x in self.exposed.itertuples()))
+        lines.append("exposed communication (transfer not overlapped by compute; waits apart; start-up excluded): "
+                     + ", ".join(f"rank {int(x.rank)} {x.exposed_comm_us / 1e3:.3f} of {x.comm_us / 1e3:.3f} ms"
+                                 + (f" (+ {x.comm_wait_us / 1e3:.3f} ms waiting for other ranks)" if x.comm_wait_us > 0 else "")
+                                 + (f" (+ {x.pipeline_wait_us / 1e3:.3f} ms pipeline wait)" if x.pipeline_wait_us > 0 else "")
+                                 for x in self.exposed.itertuples()))
         if note:
             lines.append(note)
         return "\n".join(lines)

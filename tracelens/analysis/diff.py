@@ -9,7 +9,8 @@ sample on a side the noise is unknown (spread and p-value are null, never 0): th
 warning and a rule decides on the change alone.
 
 Rules (`--fail-on`), a small grammar:  METRIC OP VALUE
-    METRIC  step_time | gpu.busy | gpu.idle | gpu.compute | gpu.comm | gpu.exposed_comm | gpu.span |
+    METRIC  step_time | gpu.busy | gpu.idle | gpu.compute | gpu.comm | gpu.exposed_comm | gpu.comm_wait |
+            gpu.pipeline_wait | gpu.span |
             host_syncs | kernels | category.<name> (gemm, grouped_gemm, attention, elementwise,
             reduction_norm, communication, memory, other) | run.<manifest metric> (run dirs)
     OP      >  >=  <  <=
@@ -45,6 +46,8 @@ METRICS: dict[str, tuple[str, str, float]] = {  # name -> (per-step column, unit
     "gpu.compute": ("compute_us", "ms", 1e-3),
     "gpu.comm": ("comm_us", "ms", 1e-3),
     "gpu.exposed_comm": ("exposed_comm_us", "ms", 1e-3),
+    "gpu.comm_wait": ("comm_wait_us", "ms", 1e-3),
+    "gpu.pipeline_wait": ("pipeline_wait_us", "ms", 1e-3),
     "host_syncs": ("host_syncs", "count", 1.0),
     "kernels": ("kernels", "count", 1.0),
 }

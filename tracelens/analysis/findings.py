@@ -7,7 +7,8 @@ per rank on average), ranks. Types:
     launch_bound        GPU idle while waiting for the host to launch kernels
     small_kernels       many kernels under the small-kernel threshold (launch overhead dominates)
     sync_wait           ranks waiting inside collectives for the last rank (skew / straggler)
-    exposed_comm        communication not overlapped by compute
+    exposed_comm        communication (the transfer part of communication kernels: tracelens.analysis.waits)
+                        not overlapped by compute
     profiler_overhead   (run dirs) the profiled steps ran slower than every unprofiled step: the trace's
                         absolute times are inflated by the profiler (from the manifest's step times)
   Host findings (traces without GPU activity, e.g. the trainer on a CPU; per rank, per step):
@@ -31,6 +32,7 @@ from .. import categories as C
 from . import comm as CM
 from . import host as H
 from . import steps as S
+from . import waits as W
 from .moe import padding_finding
 from .moe_view import routing_tie
 from .straggler import straggler_finding
@@ -122,11 +124,12 @@ def findings(analysis, small_us: float = H.SMALL_KERNEL_US, *, host_syncs: pd.Da
         out.append(bubble)
     if not inst.empty:
         ok = inst[~inst["startup"] & inst["cross_rank"]]  # sync wait needs every rank of the group
-        if bubble is not None and (ok["family"] == "p2p").any():
-            # a pipeline stage waiting for its neighbour spins in its receive (NCCL): that wait is the bubble
-            # the pipeline finding accounts for (schedule + imbalance), not communication
-            pw = ok[ok["family"] == "p2p"].groupby("rank")["sync_us"].sum()
-            p2p_wait = {int(r): float(v) for r, v in pw.items()}
+        kw = a.comm_waits() if hasattr(a, "comm_waits") else None
+        if bubble is not None and kw is not None and (kw["kind"] == "pipeline").any():
+            # a pipeline stage waiting for its neighbour spins in its receive (NCCL): that wait is the bubble the
+            # pipeline finding accounts for (schedule + imbalance), not communication (tracelens.analysis.waits)
+            pw = W.rank_waits(kw, sw.used if restricts else None).set_index("rank")["pipeline_wait_us"]
+            p2p_wait = {int(r): float(v) for r, v in pw.items() if v > 0}
             bubble["evidence"]["p2p_wait_us_per_rank"] = {r: round(v, 3) for r, v in p2p_wait.items()}
         late = straggler_finding(a, n_ranks, inst=inst_all[inst_all["family"] != "p2p"] if bubble is not None
                                  else inst_all, gaps=idle_gaps, path=critical_path)
@@ -156,22 +159,24 @@ def findings(analysis, small_us: float = H.SMALL_KERNEL_US, *, host_syncs: pd.Da
                              "straggler_rank": int(strag.index[0])},
                 "recoverable_us": wait, "ranks": sorted(g["rank"].astype(int).unique().tolist()),
             })
-        # exposed comm over the window: the steady timeline's (start-up steps are not in it), else the
-        # whole window's with start-up instances left out
-        ex = (a.timeline[["rank", "comm_us", "exposed_comm_us"]] if restricts else CM.exposed_comm(a, inst_all))
+        # exposed comm over the window: the steady timeline's (start-up steps are not in it), else the whole
+        # window's; both count only the transfer part of each communication kernel: a rank spinning in a
+        # collective until its last peer arrives is waiting, not communicating (tracelens.analysis.waits), and
+        # those waits are the findings above (sync_wait, late_rank; on a pipeline its receives' waits are the bubble)
+        tl = a.timeline if restricts or a.timeline_all is None else a.timeline_all
+        cols = ["rank", "comm_us", "exposed_comm_us"] + [c for c in ("comm_wait_us", "pipeline_wait_us") if c in tl]
+        ex = tl[cols]
         ex = ex[ex["comm_us"] > 0]
-        # a rank spinning in a collective until its last peer arrives is waiting, not communicating: those waits
-        # are the findings above (sync_wait, late_rank; on a pipeline its receives' waits are the bubble)
-        waits = {int(r): float(v) for r, v in ok.groupby("rank")["sync_us"].sum().items()}
-        if any(v > 0 for v in waits.values()):
-            ex = ex.assign(exposed_comm_us=[max(float(e) - waits.get(int(r), 0.0), 0.0)
-                                            for r, e in zip(ex["rank"], ex["exposed_comm_us"])])
         exposed = float(ex["exposed_comm_us"].mean()) if len(ex) else 0.0
+        waited = "comm_wait_us" in ex and bool(((ex["comm_wait_us"] > 0) | (ex["pipeline_wait_us"] > 0)).any())
         if exposed > 0:
             out.append({
                 "type": "exposed_comm", "title": f"{exposed / 1e3:.3f} ms per rank of communication not hidden by compute"
-                         + (" (waits for the last rank left out)" if any(v > 0 for v in waits.values()) else ""),
-                "evidence": {"per_rank": {int(r.rank): round(float(r.exposed_comm_us), 3) for r in ex.itertuples()}},
+                         + (" (waits for other ranks left out)" if waited else ""),
+                "evidence": {"per_rank": {int(r.rank): round(float(r.exposed_comm_us), 3) for r in ex.itertuples()},
+                             **({"wait_us_per_rank": {int(r.rank): round(float(r.comm_wait_us), 3) for r in ex.itertuples()},
+                                 "pipeline_wait_us_per_rank": {int(r.rank): round(float(r.pipeline_wait_us), 3)
+                                                               for r in ex.itertuples()}} if waited else {})},
                 "recoverable_us": exposed, "ranks": ex["rank"].astype(int).tolist(),
             })
 

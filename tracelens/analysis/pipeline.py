@@ -53,8 +53,10 @@ from .. import categories as C
 from ..errors import TraceError
 from ..io.run import Run
 from . import intervals as I
+from . import waits as waits_mod
 from .bubble import bubble_ratio
-from .steps import run_manifest, steady_pipeline_step
+from .comm import p2p_peer_sets
+from .steps import manifest_step_roles, run_manifest, steady_pipeline_step
 
 KINDS = ("F", "B", "W")
 MAX_TIME_NS = 1 << 62  # 2116 in epoch ns: a start or end at or past it is not a time (2**63-1 is a sentinel)
@@ -493,11 +495,15 @@ def pipeline_meta(run_dir, actions: pd.DataFrame) -> PipelineMeta:
 # ------------------------------------------------------------------------------------ steps
 
 
-def select_steps(actions: pd.DataFrame, step: int | None = None) -> tuple[pd.DataFrame, list[int], list[int]]:
-    """(actions of the analyzed steps, analyzed step numbers, steps skipped as warm-up).
+def select_steps(actions: pd.DataFrame, step: int | None = None,
+                 manifest: dict | None = None) -> tuple[pd.DataFrame, list[int], list[int]]:
+    """(actions of the analyzed steps, analyzed step numbers, steps skipped).
 
     step given: that step only (`TraceError` if absent). Otherwise every step but the first when there
-    are two or more (the first is warm-up).
+    are two or more (the first is warm-up), and but the steps the run's manifest marks as warm-up or as
+    the trace-export step (`steps.manifest_step_roles`: the step in which the profiler stops and writes
+    its trace, 2x the others on the 4-GPU fixtures), as the rest of the analyzer leaves them out; when
+    that would leave no step, those are kept.
     """
     all_steps = sorted(actions["step"].unique().tolist())
     if not all_steps:
@@ -507,8 +513,21 @@ def select_steps(actions: pd.DataFrame, step: int | None = None) -> tuple[pd.Dat
             raise TraceError(None, f"step {step} is not in the pipeline data (steps {_ranges(all_steps)})")
         return actions[actions["step"] == step], [step], []
     skipped = all_steps[:1] if len(all_steps) > 1 else []
+    roles = manifest_step_roles(manifest)
+    more = [s for s in all_steps if s in roles and s not in skipped]
+    if [s for s in all_steps if s not in skipped and s not in more]:
+        skipped = sorted(skipped + more)
     keep = [s for s in all_steps if s not in skipped]
     return actions[actions["step"].isin(keep)], keep, skipped
+
+
+def skip_reasons(skipped: list[int], manifest: dict | None) -> str:
+    """'step 0 (warm-up), 5 (trace export)': why the analyzed window leaves those steps out."""
+    roles = manifest_step_roles(manifest)
+    if not any(s in roles for s in skipped):
+        return ""
+    names = {"warmup": "warm-up", "export": "trace export"}
+    return ", ".join(f"{s} ({names.get(roles[s][0], roles[s][0]) if s in roles else 'warm-up'})" for s in skipped)
 
 
 def _ranges(nums: list[int]) -> str:
@@ -852,7 +871,7 @@ def _layer_move(tab: pd.DataFrame, s: int, layers: list[int], mods: list[list[st
         layer_ns = float(np.mean(clean)) if clean else t[s] / n_s
     before = busiest(t)
     best = None
-    keep_min = 1 if pure(s) else 0  # a stage keeps at least one module
+    keep_min = 1  # a stage keeps at least one transformer layer (as the automatic layout gives every stage)
     for n in neighbours:
         for k in range(1, n_s - keep_min + 1):
             new = t.copy()
@@ -863,8 +882,11 @@ def _layer_move(tab: pd.DataFrame, s: int, layers: list[int], mods: list[list[st
                 best = {"layers": k, "from": s, "to": n, "layer_ns": layer_ns, "bottleneck_before_ns": before,
                         "bottleneck_after_ns": after, "from_after_ns": float(new[s]), "to_after_ns": float(new[n])}
     if best is None or best["bottleneck_after_ns"] >= before * 0.99:
+        # the non-layer pieces the stage holds (embedding, loss head) and what they cost beyond its layers
+        extra = [x for x in (mods[s] if mods else []) if not _is_layer_module(x)]
         return {"layers": 0, "from": s, "to": None, "layer_ns": layer_ns, "bottleneck_before_ns": before,
-                "bottleneck_after_ns": before}
+                "bottleneck_after_ns": before, "stage_layers": int(n_s), "extra_modules": extra,
+                "extra_ns": max(float(t[s]) - n_s * layer_ns, 0.0) if extra else 0.0}
     return best
 
 
@@ -880,6 +902,15 @@ def _statement(tab, slowest, ratio, critical, flagged, move, has_layout) -> str:
     what = "slowest stage" if one_stage_per_rank else "busiest pipeline rank"
     if move is None or not move["layers"]:
         per = fmt_ns(move["layer_ns"]) if move else "?"
+        n_l = (move or {}).get("stage_layers")
+        if n_l == 1:  # no layer can leave it: say what would help instead
+            extra = move.get("extra_modules") or []
+            piece = " and ".join({"loss": "the loss head", "embedding": "the embedding"}.get(str(x), str(x)) for x in extra)
+            cost = f" (≈ {fmt_ns(move['extra_ns'])} per microbatch beyond its layer)" if extra and move.get("extra_ns") else ""
+            help_ = (f"; it holds a single layer{' and ' + piece + cost if piece else ''}, which no layer move can "
+                     "lower: give every other stage more layers (fewer pipeline stages, pp or vpp, or more layers "
+                     "per stage)" + (f", or make {piece} cheaper (fused or chunked loss)" if "loss" in extra else ""))
+            return f"{head}{help_} (one layer ≈ {per}){crit}"
         return (f"{head}: moving whole layers to a neighbour would not lower the {what} "
                 f"(one layer ≈ {per}){crit}")
     k = move["layers"]
@@ -911,6 +942,8 @@ _HOST_COMM_RE = re.compile(r"^(c10d::|c10d_|nccl:|rccl:|gloo:|mpi:|ucc:|record_p
 _HOST_BUSY_CATS = C.OP_CATS | C.RUNTIME_CATS | C.PYTHON_CATS
 # What the trace shows during a critical-path wait, in order of precedence, and the part each goes to.
 WAIT_CLASSES = {
+    "comm_wait_gpu": "comm",  # a point-to-point kernel on the rank's GPU spinning until its peer posts its side
+                              # (the sender or receiver was late: tracelens.analysis.waits), not moving data
     "comm_gpu": "comm",      # a communication kernel (NCCL/RCCL p2p or collective) running on the rank's GPU
     "gpu_other": "other",    # other GPU work outside the pipeline actions
     "comm_host": "comm",     # GPU idle, the host inside a send/recv/wait or collective call
@@ -1036,8 +1069,9 @@ class TraceActivity:
         out["no_trace"] = hi - b
         cov_s, cov_e = np.empty(0, np.int64), np.empty(0, np.int64)
         done = 0
-        for cls in ("comm_gpu", "gpu_other", "comm_host", "host_ops"):
-            starts, ends = self.sets[rank][cls]
+        empty = (np.empty(0, np.int64), np.empty(0, np.int64))
+        for cls in ("comm_wait_gpu", "comm_gpu", "gpu_other", "comm_host", "host_ops"):
+            starts, ends = self.sets[rank].get(cls, empty)
             i, j = np.searchsorted(ends, a, side="right"), np.searchsorted(starts, b, side="left")
             if j > i:  # (a class with nothing in [a, b) adds nothing: no union to redo)
                 cs, ce = I.clip(starts[i:j], ends[i:j], a, b)
@@ -1065,7 +1099,7 @@ def trace_activity(trace, actions: pd.DataFrame) -> TraceActivity | None:
     elif actions.empty:
         return None
     base = {ri.rank: int(ri.base_time_ns or 0) for ri in trace.ranks}
-    span, sets, offset = {}, {}, {}
+    span, sets, offset, peers = {}, {}, {}, {}
     for r in sorted(per_rank):
         lo, hi, rank_sets = per_rank[r]
         acts = actions[actions["rank"] == r]
@@ -1080,10 +1114,35 @@ def trace_activity(trace, actions: pd.DataFrame) -> TraceActivity | None:
         if best is None:
             continue
         offset[r], span[r] = best, (lo + best, hi + best)
-        sets[r] = {cls: (a + best, b + best) for cls, (a, b) in rank_sets.items()}
+        sets[r] = {cls: (a + best, b + best) for cls, (a, b) in rank_sets.items() if cls != "p2p_peers"}
+        if "p2p_peers" in rank_sets:
+            peers[r] = tuple(int(x) for x in rank_sets["p2p_peers"][0])
     if not sets:
         return None
+    _p2p_wait_sets(sets, peers)
     return TraceActivity(span=span, sets=sets, offset=offset)
+
+
+def _p2p_wait_sets(sets: dict, peers: dict) -> None:
+    """Each rank's ``comm_wait_gpu`` intervals: the part of its point-to-point kernels (``p2p``: each kernel,
+    not a union) spent waiting for the peer to post its side, paired across ranks on the actions' clock as
+    everywhere else (`waits.p2p_partner_waits`); the ``p2p`` entries are dropped."""
+    ranks = [r for r in sets if "p2p" in sets[r]]
+    parts = [(r, *sets[r].pop("p2p")) for r in ranks]
+    parts = [(r, s, e) for r, s, e in parts if len(s)]
+    for rank_sets in sets.values():
+        rank_sets.setdefault("comm_wait_gpu", (np.empty(0, np.int64), np.empty(0, np.int64)))
+    if len(parts) < 2:
+        return
+    ts = np.concatenate([s for _, s, _ in parts])
+    end = np.concatenate([e for _, _, e in parts])
+    rank = np.concatenate([np.full(len(s), r, dtype=np.int64) for r, s, _ in parts])
+    wait, _ = waits_mod.p2p_partner_waits(ts, end, rank, peers)
+    ok = np.isfinite(wait) & (wait > 0)
+    for r, _, _ in parts:
+        m = ok & (rank == r)
+        if m.any():
+            sets[r]["comm_wait_gpu"] = I.union(ts[m], ts[m] + wait[m].astype(np.int64))
 
 
 def rank_activity(ev: pd.DataFrame, ranks: set | None = None) -> dict[int, tuple[int, int, dict]]:
@@ -1100,6 +1159,8 @@ def rank_activity(ev: pd.DataFrame, ranks: set | None = None) -> dict[int, tuple
         name, lambda s: bool(_HOST_COMM_RE.match(s)))
     host = C.isin(cat, _HOST_BUSY_CATS)
     masks = {"comm_gpu": comm_k, "gpu_other": gpu & ~comm_k, "comm_host": host_comm, "host_ops": host}
+    p2p = comm_k & C.map_strings(name, lambda s: bool(waits_mod.P2P_KERNEL.search(s)))
+    peer_sets = p2p_peer_sets(ev) if p2p.any() else {}
     ts = ev["ts"].to_numpy(np.int64)
     te = ts + np.maximum(ev["dur"].fillna(0).to_numpy(np.int64), 0)
     rank_col = ev["rank"].to_numpy()
@@ -1108,7 +1169,15 @@ def rank_activity(ev: pd.DataFrame, ranks: set | None = None) -> dict[int, tuple
         if ranks is not None and r not in ranks:
             continue
         lo, hi = int(ts[idx].min()), int(te[idx].max())
-        out[r] = (lo, hi, {cls: I.union(ts[idx[m[idx]]], te[idx[m[idx]]]) for cls, m in masks.items()})
+        sets = {cls: I.union(ts[idx[m[idx]]], te[idx[m[idx]]]) for cls, m in masks.items()}
+        k = idx[p2p[idx]]
+        if len(k):  # each point-to-point kernel (not their union), and the ranks its ops name: for the waits
+            k = k[np.argsort(ts[k], kind="stable")]
+            sets["p2p"] = (ts[k], te[k])
+            if r in peer_sets:
+                pe = np.array(peer_sets[r], dtype=np.int64)
+                sets["p2p_peers"] = (pe, pe)  # (ranks, not times: never shifted)
+        out[r] = (lo, hi, sets)
     return out
 
 
@@ -1318,13 +1387,24 @@ def _account_advice(per_rank: pd.DataFrame, waits: pd.DataFrame, meta: PipelineM
                         f"(routing, noise), which no layout removes.{stmt}")
     w = {k: int(waits[f"{k}_ns"].sum()) for k in WAIT_CLASSES} if len(waits) else dict.fromkeys(WAIT_CLASSES, 0)
     wall = max(1, sum(w.values()))
-    seen = (f"on the critical path, a communication kernel on the GPU ({_pct_of(w['comm_gpu'], wall)} of its waits) "
+    on_gpu = w["comm_gpu"] + w.get("comm_wait_gpu", 0)
+    spin = (f"; {_pct_of(w['comm_wait_gpu'], on_gpu)} of that a point-to-point kernel spinning until its peer posts "
+            "its side (the peer was late, e.g. its host launching the send late), not moving data"
+            if w.get("comm_wait_gpu") else "")
+    seen = (f"on the critical path, a communication kernel on the GPU ({_pct_of(on_gpu, wall)} of its waits{spin}) "
             f"or the host in send/recv/collective calls with the GPU idle ({_pct_of(w['comm_host'], wall)})"
             if gpu is not False else
             f"on the critical path, the host in send/recv/collective calls ({_pct_of(w['comm_host'], wall)} of its waits)")
-    out["comm"] = (f"{share('comm')}: {seen}. Overlap the hand-offs with compute (post receives early, batch "
-                   "isend/irecv, a separate communication stream) and send fewer or smaller activations (each "
-                   "virtual stage adds a hand-off per microbatch).")
+    if w.get("comm_wait_gpu", 0) * 2 > w["comm_gpu"] + w.get("comm_wait_gpu", 0) + w["comm_host"]:
+        # mostly kernels waiting for their peer: moving less data would not shorten it
+        fix = ("Most of it is waiting, not moving data: the peer stage posts its send or receive late. Post "
+               "receives before the compute they feed and sends as soon as an output is ready (batch isend/irecv), "
+               "and shrink the peer's host time per action (the host part); smaller activations would not help.")
+    else:
+        fix = ("Overlap the hand-offs with compute (post receives early, batch isend/irecv, a separate "
+               "communication stream) and send fewer or smaller activations (each virtual stage adds a hand-off "
+               "per microbatch).")
+    out["comm"] = f"{share('comm')}: {seen}. {fix}"
     late = w.get("before_trace", 0)
     late_txt = (f"; before the rank's trace begins: {_pct_of(late, wall)}, the rank entering the profiled step late "
                 "(its previous step's tail or the profiler starting: profile two steps to see which)") if late else ""
@@ -1385,6 +1465,7 @@ class PipelineAnalysis:
     source: str  # "jsonl" | "trace"
     warnings: list[str] = field(default_factory=list)
     account: BubbleAccount | None = None  # each rank's idle split into theory, imbalance, comm, host, other
+    skipped_note: str = ""  # why the skipped steps are left out ('0 (warm-up), 5 (trace export)')
 
     def tables(self) -> dict[str, pd.DataFrame]:
         out = {"pipeline_actions": self.actions, "pipeline_bubbles": self.per_step,
@@ -1415,7 +1496,8 @@ class PipelineAnalysis:
         """The `tracelens ppvis` text: bubbles per rank against theory, the stage balance and the fix, and
         the bubble account; times per step."""
         m = self.meta
-        skipped = f"; step {', '.join(map(str, self.skipped_steps))} skipped as warm-up" if self.skipped_steps else ""
+        skipped = ("" if not self.skipped_steps else f"; step {self.skipped_note} skipped" if self.skipped_note
+                   else f"; step {', '.join(map(str, self.skipped_steps))} skipped as warm-up")
         pct = lambda v: "n/a" if v is None or math.isnan(v) else f"{100 * v:.1f}%"  # noqa: E731
         lines = [f"pipeline: {m.schedule}{f' ({m.torch_schedule})' if m.torch_schedule else ''}, pp {m.pp}, vpp {m.vpp}, "
                  f"{m.microbatches} microbatches; {len(self.steps)} step(s) analyzed{skipped}"
@@ -1443,14 +1525,16 @@ def _num(v: float) -> float | None:
 
 
 def analyze_pipeline(actions: pd.DataFrame, meta: PipelineMeta | None = None, *, step: int | None = None,
-                     source: str = "jsonl", trace=None) -> PipelineAnalysis:
+                     source: str = "jsonl", trace=None, manifest: dict | None = None) -> PipelineAnalysis:
     """Bubbles, theory, stage balance and the bubble account over the analyzed steps (see `select_steps`);
     `trace` (the run's loaded traces) lets the account tell communication from host overhead."""
     if actions.empty:
         raise TraceError(None, "empty window: no pipeline actions")
     meta = meta or infer_meta(actions)
     warns = list(actions.attrs.get("warnings", [])) + check_actions(actions, meta)
-    sel, steps, skipped = select_steps(actions, step)
+    if manifest is None and trace is not None:
+        manifest = run_manifest(trace)
+    sel, steps, skipped = select_steps(actions, step, manifest)
     per_step = bubbles(sel)
     if per_step.empty or int(per_step["window_ns"].sum()) <= 0:
         raise TraceError(None, f"empty window: the actions of step(s) {_ranges(steps)} span no time")
@@ -1458,14 +1542,15 @@ def analyze_pipeline(actions: pd.DataFrame, meta: PipelineMeta | None = None, *,
     per_rank = rank_bubbles(per_step, theory)
     overall = float(per_step["idle_ns"].sum() / per_step["window_ns"].sum())
     # lanes show a steady-state step: not a warm-up, profiled or trace-export step of the run's manifest
-    shown = steps[-1] if step is not None else steady_pipeline_step(steps, run_manifest(trace) if trace is not None else None)
+    shown = steps[-1] if step is not None else steady_pipeline_step(steps, manifest)
     gaps = bubble_gaps(sel[sel["step"] == shown])
     balance = stage_balance(sel, meta)
     account = bubble_account(sel, meta, balance, trace=trace, measured=per_step)
     return PipelineAnalysis(actions=actions, selected=sel, steps=steps, skipped_steps=skipped, shown_step=shown, meta=meta,
                             per_step=per_step, per_rank=per_rank, overall_ratio=overall, theory_ratio=theory,
                             theory_note=note, gaps=gaps, balance=balance, source=source,
-                            warnings=warns + account.warnings, account=account)
+                            warnings=warns + account.warnings, account=account,
+                            skipped_note=skip_reasons(skipped, manifest))
 
 
 def load_pipeline(source, *, step: int | None = None, cache: bool = True, traces: bool = True) -> PipelineAnalysis:
@@ -1494,7 +1579,8 @@ def load_pipeline(source, *, step: int | None = None, cache: bool = True, traces
             except TraceError as e:
                 extra.append(f"bubble account without traces (comm and host not told apart): {e.one_line()}")
     try:
-        res = analyze_pipeline(actions, meta, step=step, source=src, trace=trace)
+        res = analyze_pipeline(actions, meta, step=step, source=src, trace=trace,
+                               manifest=getattr(run, "manifest", None) if run is not None else None)
     except TraceError as e:
         if e.path is None and is_path:  # name the run in the one-line error
             raise TraceError(source, e.problem) from None

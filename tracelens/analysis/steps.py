@@ -90,8 +90,11 @@ def step_figures(analysis) -> StepFigures:
         waits = st.set_index(["rank", "step"])["startup_wait_us"] if "startup_wait_us" in st else None
         if sw is not None and sw.cuts and used is not None:  # a kept start-up wait is cut out of the step
             from .timeline import gpu_timeline
+            from .waits import wait_class
 
-            st = gpu_timeline(a.gpu[a.gpu["step"].isin(used).to_numpy()], by_step=True, cuts=sw.cuts)
+            kw = a.comm_waits() if hasattr(a, "comm_waits") and a.trace_rank_count >= 2 else None
+            st = gpu_timeline(a.gpu[a.gpu["step"].isin(used).to_numpy()], by_step=True, cuts=sw.cuts,
+                              waits=wait_class(kw))
             st = st.assign(startup_wait_us=0.0)
         host_steps = a.steps.assign(step_time_us=(a.steps["end"] - a.steps["start"]) / US)
         rows = []
@@ -113,6 +116,8 @@ def step_figures(analysis) -> StepFigures:
                 "compute_us": float(g["compute_us"].mean()),
                 "comm_us": float(g["comm_us"].mean()),
                 "exposed_comm_us": float(g["exposed_comm_us"].mean()),
+                "comm_wait_us": float(g["comm_wait_us"].mean()) if "comm_wait_us" in g else 0.0,
+                "pipeline_wait_us": float(g["pipeline_wait_us"].mean()) if "pipeline_wait_us" in g else 0.0,
                 "kernels": float(g["kernel_count"].mean()),
                 "host_syncs": float(sync_n) / max(1, a.trace_rank_count),
             })
@@ -125,7 +130,7 @@ def step_figures(analysis) -> StepFigures:
         nan = float("nan")
         rows = [{"step": int(step), "step_time_us": float(g["step_time_us"].max()), "gpu_span_us": nan,
                  "gpu_busy_us": nan, "gpu_idle_us": nan, "compute_us": nan, "comm_us": nan,
-                 "exposed_comm_us": nan, "kernels": 0.0,
+                 "exposed_comm_us": nan, "comm_wait_us": nan, "pipeline_wait_us": nan, "kernels": 0.0,
                  "host_syncs": float(_count_in_steps(syncs, a.steps, step)) / max(1, a.trace_rank_count)}
                 for step, g in hs.groupby("step")]
         return StepFigures("profiler steps (host)", len(rows), pd.DataFrame(rows))
@@ -145,6 +150,8 @@ def step_figures(analysis) -> StepFigures:
             "compute_us": float(tl["compute_us"].mean()) / n,
             "comm_us": float(tl["comm_us"].mean()) / n,
             "exposed_comm_us": float(tl["exposed_comm_us"].mean()) / n,
+            "comm_wait_us": float(tl["comm_wait_us"].mean()) / n if "comm_wait_us" in tl else 0.0,
+            "pipeline_wait_us": float(tl["pipeline_wait_us"].mean()) / n if "pipeline_wait_us" in tl else 0.0,
             "kernels": len(kernels) / max(1, a.trace_rank_count) / n,
         }
     per["host_syncs"] = len(syncs) / max(1, a.trace_rank_count) / n

@@ -3,9 +3,14 @@
 All figures are lengths of unions of [start, end) intervals over every stream of the rank's GPU(s):
 - busy     = |kernels u memcpy u memset|, idle = span - busy, span = first GPU start -> last GPU end
 - compute  = |non-communication kernels|, comm = |communication kernels|, memcpy, memset likewise
-- exposed_comm = |comm - compute| = |comm u compute| - |compute| (communication no compute hides)
-- the exclusive split used for stacked bars: compute, exposed comm, memcpy not under either, memset not
-  under any of those, idle; these add up to the span exactly.
+- a communication kernel's duration is a wait and a transfer (`tracelens.analysis.waits`, when the
+  cross-rank waits are given): the transfer part is communication, the wait part is not
+- exposed_comm = |transfer u compute| - |compute| (data movement no compute hides)
+- comm_wait = |transfer u compute u peer waits| - |transfer u compute|: waiting inside collectives for
+  another rank (no compute, no transfer under it); pipeline_wait = |comm u compute| - |... u peer waits|:
+  a pipeline stage's point-to-point kernels waiting for the neighbour stage (the pipeline bubble)
+- the exclusive split used for stacked bars: compute, exposed comm, comm wait, pipeline wait, memcpy not
+  under any of those, memset not under any of those, idle; these add up to the span exactly.
 - cuts: intervals of a rank's time left out of its figures (a profiler start-up wait kept as a fallback,
   see `steps.StepWindow`): every union becomes |U - K| = |U u K| - |K| and the span loses |K|, so the
   identities above still hold on the time that is left.
@@ -22,7 +27,7 @@ NS_PER_US = 1000.0
 
 TIMELINE_COLUMNS = [
     "rank", "step", "span_us", "gpu_busy_us", "gpu_idle_us", "compute_us", "comm_us", "memcpy_us", "memset_us",
-    "exposed_comm_us", "overlapped_comm_us", "excl_memcpy_us", "excl_memset_us", "kernel_count", "start_ns", "end_ns",
+    "exposed_comm_us", "comm_wait_us", "pipeline_wait_us", "overlapped_comm_us", "excl_memcpy_us", "excl_memset_us", "kernel_count", "start_ns", "end_ns",
 ]
 
 
@@ -37,12 +42,7 @@ def _metrics(g: pd.DataFrame, cut: list | None = None) -> dict:
         K = I.union(ks, ke) if ks.size else None
     cut_len = int((K[1] - K[0]).sum()) if K is not None else 0
 
-    kind = g["kind"]  # compared as a categorical: on its codes, no string per row
-    is_k = (kind == "kernel").to_numpy()
-    comm = g["is_comm"].to_numpy() & is_k
-    comp = is_k & ~comm
-    cpy = (kind == "memcpy").to_numpy()
-    mst = (kind == "memset").to_numpy()
+    m = _masks(g)
     if K is None:
         # sorted by start once: every union below is of a masked (so still sorted) part of the same arrays
         o = np.argsort(s, kind="stable")
@@ -54,8 +54,44 @@ def _metrics(g: pd.DataFrame, cut: list | None = None) -> dict:
         def U(mask: np.ndarray) -> int:
             return I.union_length((s[mask], e[mask]), K) - cut_len
 
-    return _figures(end - start - cut_len, U(comp | comm | cpy | mst), U(comp), U(comm), U(comp | comm),
-                    U(comp | comm | cpy), U(cpy), U(mst), int(is_k.sum()), start, end)
+    comp, comm, tx, peer, cpy, mst = m["comp"], m["comm"], m["tx"], m["peer"], m["cpy"], m["mst"]
+    c_or_n = U(comp | comm)
+    waited = m["waited"]
+    return _figures(end - start - cut_len, U(comp | comm | cpy | mst), U(comp), U(comm), c_or_n,
+                    U(comp | comm | cpy), U(cpy), U(mst), int(m["kernels"].sum()), start, end,
+                    c_or_t=U(comp | tx) if waited else c_or_n, c_t_p=U(comp | tx | peer) if waited else c_or_n)
+
+
+def _masks(g: pd.DataFrame) -> dict:
+    """Row masks of a timeline's events (see `_with_waits` for the wait rows and `wclass`)."""
+    kind = g["kind"]  # compared as a categorical: on its codes, no string per row
+    is_k = (kind == "kernel").to_numpy()
+    comm = g["is_comm"].to_numpy() & is_k
+    wc = g["wclass"].to_numpy() if "wclass" in g.columns else np.zeros(len(g), dtype=np.int8)
+    return {"comp": is_k & ~comm, "comm": comm, "tx": comm & (wc == 0), "peer": comm & (wc == 1),
+            "cpy": (kind == "memcpy").to_numpy(), "mst": (kind == "memset").to_numpy(),
+            "kernels": is_k & (wc == 0), "waited": bool((wc != 0).any())}
+
+
+def _with_waits(data: pd.DataFrame, waits: pd.DataFrame | None) -> pd.DataFrame:
+    """The events with each communication kernel that waited (`waits`: wait_ns and wclass by GPU row label,
+    `waits.wait_class`) cut in two: its wait [ts, ts + wait) as an added row of class wclass (1 a peer wait,
+    2 a pipeline wait) and its transfer [ts + wait, end) in its own row (class 0, like every other event)."""
+    if waits is None or waits.empty or data.empty:
+        return data
+    hit = waits.index.intersection(data.index)
+    if not len(hit):
+        return data
+    w = waits.loc[hit]
+    dur = (data.loc[hit, "end"] - data.loc[hit, "ts"]).to_numpy(np.int64)
+    wait = np.minimum(w["wait_ns"].to_numpy(np.int64), np.maximum(dur, 0))
+    out = data.copy()
+    out["wclass"] = np.int8(0)
+    added = data.loc[hit].copy()
+    added["end"] = added["ts"].to_numpy(np.int64) + wait
+    added["wclass"] = w["wclass"].to_numpy(np.int8)
+    out.loc[hit, "ts"] = out.loc[hit, "ts"].to_numpy(np.int64) + wait
+    return pd.concat([out, added[wait > 0]])
 
 
 def _sorted_union_length(s: np.ndarray, e: np.ndarray) -> int:
@@ -73,9 +109,15 @@ def _sorted_union_length(s: np.ndarray, e: np.ndarray) -> int:
     return int((run_end[last] - s[first]).sum())
 
 
-def _figures(span, busy, compute, comm_u, c_or_n, c_n_y, memcpy, memset, kernels, start, end) -> dict:
-    """The timeline figures (µs) from the union lengths (ns): scalars for one group, arrays for many."""
-    exposed = c_or_n - compute
+def _figures(span, busy, compute, comm_u, c_or_n, c_n_y, memcpy, memset, kernels, start, end, c_or_t=None,
+             c_t_p=None) -> dict:
+    """The timeline figures (µs) from the union lengths (ns): scalars for one group, arrays for many.
+    c_or_t: |compute u transfer|, c_t_p: |compute u transfer u peer waits| (default: no waits known)."""
+    c_or_t = c_or_n if c_or_t is None else c_or_t
+    c_t_p = c_or_n if c_t_p is None else c_t_p
+    exposed = c_or_t - compute
+    comm_wait = c_t_p - c_or_t
+    pipe_wait = c_or_n - c_t_p
     return {
         "span_us": span / NS_PER_US,
         "gpu_busy_us": busy / NS_PER_US,
@@ -85,7 +127,9 @@ def _figures(span, busy, compute, comm_u, c_or_n, c_n_y, memcpy, memset, kernels
         "memcpy_us": memcpy / NS_PER_US,
         "memset_us": memset / NS_PER_US,
         "exposed_comm_us": exposed / NS_PER_US,
-        "overlapped_comm_us": (comm_u - exposed) / NS_PER_US,
+        "comm_wait_us": comm_wait / NS_PER_US,
+        "pipeline_wait_us": pipe_wait / NS_PER_US,
+        "overlapped_comm_us": (comm_u - (c_or_n - compute)) / NS_PER_US,
         "excl_memcpy_us": (c_n_y - c_or_n) / NS_PER_US,
         "excl_memset_us": (busy - c_n_y) / NS_PER_US,
         "kernel_count": kernels,
@@ -94,11 +138,14 @@ def _figures(span, busy, compute, comm_u, c_or_n, c_n_y, memcpy, memset, kernels
     }
 
 
-def gpu_timeline(gpu: pd.DataFrame, by_step: bool = False, cuts: dict | None = None) -> pd.DataFrame:
+def gpu_timeline(gpu: pd.DataFrame, by_step: bool = False, cuts: dict | None = None,
+                 waits: pd.DataFrame | None = None) -> pd.DataFrame:
     """One row per rank (step = -1), or per (rank, step) for events inside marked steps.
 
     `gpu` is the output of `calltree.attribute_gpu` (needs rank, ts, end, kind, is_comm, step); `cuts`:
-    rank -> [(start_ns, end_ns)] left out of that rank's figures (see the module docstring).
+    rank -> [(start_ns, end_ns)] left out of that rank's figures (see the module docstring); `waits`: the
+    communication kernels' waits by GPU row label (`waits.wait_class`; None: no wait known, every
+    communication kernel is transfer).
     """
     rows = []
     if gpu.empty:
@@ -106,6 +153,7 @@ def gpu_timeline(gpu: pd.DataFrame, by_step: bool = False, cuts: dict | None = N
     keys = ["rank", "step"] if by_step else ["rank"]
     data = gpu[["rank", "step", "ts", "end", "kind", "is_comm"]]
     data = data[data["step"] >= 0] if by_step else data
+    data = _with_waits(data, waits)
     if by_step and not cuts:  # thousands of steps (a trace of short steps): every step at once
         fast = _step_metrics(data)
         if fast is not None:
@@ -164,12 +212,8 @@ def _step_metrics(data: pd.DataFrame) -> pd.DataFrame | None:
     width = int((end - start).max()) + 1  # each group's times, relative to its start, lie in [0, width)
     if n * width >= (1 << 62) or int(np.abs(s).max()) >= (1 << 61) or int(np.abs(e).max()) >= (1 << 61):
         return None
-    kind = data["kind"]
-    is_k = (kind == "kernel").to_numpy()
-    comm = data["is_comm"].to_numpy() & is_k
-    comp = is_k & ~comm
-    cpy = (kind == "memcpy").to_numpy()
-    mst = (kind == "memset").to_numpy()
+    m = _masks(data)
+    comp, comm, tx, peer, cpy, mst = m["comp"], m["comm"], m["tx"], m["peer"], m["cpy"], m["mst"]
 
     # every group's times on one axis, groups apart (group * width + t - its start), sorted once: each
     # union below is of a masked, so still sorted, part
@@ -186,10 +230,12 @@ def _step_metrics(data: pd.DataFrame) -> pd.DataFrame | None:
     c_or_n = U(comp | comm)
     c_n_y = U(comp | comm | cpy)
     busy = U(comp | comm | cpy | mst)
+    waited = m["waited"]
     return pd.DataFrame({
         "rank": pairs[:, 0], "step": pairs[:, 1],
         **_figures(end - start, busy, compute, comm_u, c_or_n, c_n_y, U(cpy), U(mst),
-                   np.bincount(gid, weights=is_k, minlength=n).astype(np.int64), start, end),
+                   np.bincount(gid, weights=m["kernels"], minlength=n).astype(np.int64), start, end,
+                   c_or_t=U(comp | tx) if waited else c_or_n, c_t_p=U(comp | tx | peer) if waited else c_or_n),
     }, columns=TIMELINE_COLUMNS)
 
 

@@ -6,7 +6,8 @@
     >>> df[df["rank"] == 0]          # component, ms, share, scales_with, ...
 
 Per rank, the step time is cut into the components of :data:`profile.COMPONENTS` (expert GEMMs,
-dense GEMMs, attention, norms/activations, optimizer step, copies/casts, exposed communication, sync
+dense GEMMs, attention, norms/activations, optimizer step, copies/casts, exposed communication, collective
+waits (a collective kernel spinning until its last rank arrives: tracelens.analysis.waits), sync
 waits, launch-bound idle, pipeline bubble, other) that add up to it. The cut is the what-if model's:
 the rank's profiled step is replayed (``replay.py``: the host issues its launches and blocking syncs,
 the device runs the units) and the replayed timeline is split by what the device did at each moment
@@ -44,6 +45,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from ..analysis import waits as W
 from ..io.run import Run
 from . import replay as R
 from .profile import COMPONENTS, IDLE_COMPONENTS, ProfileError, step_profile
@@ -51,7 +53,8 @@ from .whatif import Model, WhatIfError
 
 COLUMNS = ["rank", "component", "ms", "share", "scales_with", "scale_share", "scale_basis", "step", "basis"]
 # the label of a component that has no unit of work (time the device spent idle), by its mechanism
-MECHANISM_SCALE = {"sync waits": "fixed", "launch-bound idle": "fixed", "pipeline bubble": "tokens", "other": "fixed"}
+MECHANISM_SCALE = {"collective waits": "fixed", "sync waits": "fixed", "launch-bound idle": "fixed",
+                   "pipeline bubble": "tokens", "other": "fixed"}
 CALIBRATED, REPLAY = "calibrated", "replay"
 # an uncalibrated replay further than this from the traced step is flagged in the note (the replay
 # reproduces the trainer's traced steps within 0.3-0.6 %; other programs' traces can differ more)
@@ -115,11 +118,12 @@ def _calibrated(analysis, manifest: dict, mean_s: float) -> pd.DataFrame:
     run = getattr(analysis.trace, "run", None) or Run()
     if run.manifest != manifest:  # a manifest given beside loose traces (or another one): the model takes it as given
         run = run.with_manifest(manifest)
-    model = Model.from_run(run, analysis=analysis)
+    model = Model.from_run(run, analysis=analysis, transfer_only=False)
     rows, ranks, bubble_notes = [], [], []
     for p, comps in zip(model.profiles, model.base_by_rank):
         ms = {c: 1e3 * float(comps.get(c, 0.0)) for c in COMPONENTS}
         step_ms = float(sum(ms.values()))
+        _move_waits(analysis, p, ms, step_ms, bubble_notes)
         idle = _other_idle_fraction(R.prepare(p))
         idle = _move_bubble(analysis, p, ms, step_ms, idle, bubble_notes)
         rows += _rows(p, ms, step_ms, CALIBRATED, idle)
@@ -134,7 +138,7 @@ def _calibrated(analysis, manifest: dict, mean_s: float) -> pd.DataFrame:
     missing = _missing(analysis, {r["rank"] for r in ranks})
     if missing:
         note += f"; no profiled step with device work on rank(s) {missing}"
-    return _frame(rows, CALIBRATED, note + "".join(bubble_notes[:1]), ranks)
+    return _frame(rows, CALIBRATED, note + "".join(bubble_notes[:2]), ranks)
 
 
 def _replayed(analysis, config: dict, why_not: str) -> pd.DataFrame:
@@ -147,6 +151,7 @@ def _replayed(analysis, config: dict, why_not: str) -> pd.DataFrame:
         res = R.run(prog, host_scale=1.0)
         ms = {c: float(res.components.get(c, 0.0)) / 1e6 for c in COMPONENTS}
         step_ms = float(sum(ms.values()))
+        _move_waits(analysis, p, ms, step_ms, bubble_notes)
         idle = _move_bubble(analysis, p, ms, step_ms, _other_idle_fraction(prog, res), bubble_notes)
         rows += _rows(p, ms, step_ms, REPLAY, idle)
         ranks.append({"rank": int(p.rank), "step": int(p.step), "step_ms": step_ms, "traced_step_ms": p.step_ns / 1e6})
@@ -169,7 +174,7 @@ def _replayed(analysis, config: dict, why_not: str) -> pd.DataFrame:
     missing = _missing(analysis, {r["rank"] for r in ranks})
     if missing:
         note += f"; no profiled step with device work on rank(s) {missing}"
-    return _frame(rows, REPLAY, note + "".join(bubble_notes[:1]), ranks)
+    return _frame(rows, REPLAY, note + "".join(bubble_notes[:2]), ranks)
 
 
 # ------------------------------------------------------------------------------------------ helpers
@@ -193,7 +198,7 @@ def _steady_step(analysis, rank: int) -> int | None:
     return have[len(have) // 2]
 
 
-P2P_KERNEL = re.compile(r"SendRecv|(?<![A-Za-z])(?:Send|Recv)(?![A-Za-z])|_send_|_recv_", re.I)
+P2P_KERNEL = W.P2P_KERNEL
 
 
 def _move_bubble(analysis, p, ms: dict, step_ms: float, other_idle: float, notes: list) -> float:
@@ -222,9 +227,15 @@ def _move_bubble(analysis, p, ms: dict, step_ms: float, other_idle: float, notes
     scale = step_ms / (p.step_ns / 1e6)  # the calibration: the traced step's ms -> the decomposed step's
     want = bubble_ns / 1e6 * scale
     w = p.work
-    p2p = w["is_comm"].to_numpy(dtype=bool) & w["name"].astype(str).str.contains(P2P_KERNEL).to_numpy()
-    handoff_ms = float(row["comm_ns"].iloc[0]) / 1e6 if "comm_ns" in row.columns else 0.0
-    p2p_wait_ms = max(float(w["dur"].to_numpy(dtype=np.float64)[p2p].sum()) / 1e6 - handoff_ms, 0.0) * scale
+    pipe_ms = _timeline_wait_ms(analysis, p, "pipeline_wait_us")
+    if pipe_ms is not None:
+        # the stage's point-to-point waits for its neighbour that no compute hides (tracelens.analysis.waits, the
+        # GPU timeline's pipeline_wait_us of the step): the bubble's share of the communication kernels' time
+        p2p_wait_ms = pipe_ms * scale
+    else:  # no cross-rank waits known (one rank loaded): the point-to-point time beyond the hand-offs
+        p2p = w["is_comm"].to_numpy(dtype=bool) & w["name"].astype(str).str.contains(P2P_KERNEL).to_numpy()
+        handoff_ms = float(row["comm_ns"].iloc[0]) / 1e6 if "comm_ns" in row.columns else 0.0
+        p2p_wait_ms = max(float(w["dur"].to_numpy(dtype=np.float64)[p2p].sum()) / 1e6 - handoff_ms, 0.0) * scale
     other_idle_ms = other_idle * ms["other"]
     moved = 0.0
     for comp, avail in (("exposed communication", min(p2p_wait_ms, ms["exposed communication"])),
@@ -238,11 +249,42 @@ def _move_bubble(analysis, p, ms: dict, step_ms: float, other_idle: float, notes
         if comp == "other":
             other_idle_ms -= take
     ms["pipeline bubble"] += moved
-    if not notes:
+    if not any("pipeline bubble" in n for n in notes):
         notes.append("; pipeline bubble: the schedule's share of each rank's waiting (theory + stage imbalance, "
                      "from the pipeline bubble account) moved out of the point-to-point kernels it spins in "
                      "(NCCL) and the replay's idle parts")
     return other_idle_ms / ms["other"] if ms["other"] > 0 else 0.0
+
+
+def _timeline_wait_ms(analysis, p, column: str) -> float | None:
+    """ms of the rank's profiled step in the GPU timeline's wait column (``comm_wait_us`` / ``pipeline_wait_us``:
+    communication kernels' waits no compute hides, tracelens.analysis.waits); None when the timeline has no
+    such figure for it (no cross-rank waits known)."""
+    st = getattr(analysis, "step_timeline", None)
+    if st is None or not len(st) or column not in st.columns:
+        return None
+    row = st[(st["rank"] == p.rank) & (st["step"] == p.step)]
+    if row.empty:
+        return None
+    return float(row[column].iloc[0]) / 1e3
+
+
+def _move_waits(analysis, p, ms: dict, step_ms: float, notes: list) -> None:
+    """A rank's communication kernels spin until the last rank of their collective arrives: that part of their
+    time is waiting for another rank (its lateness), not communication (tracelens.analysis.waits). The step's
+    such waits that no compute hides (the GPU timeline's ``comm_wait_us``), scaled like the rest of the step,
+    move from ``exposed communication`` to ``collective waits``. Edits ``ms`` in place."""
+    wait_ms = _timeline_wait_ms(analysis, p, "comm_wait_us")
+    if not wait_ms or p.step_ns <= 0:
+        return
+    take = min(wait_ms * step_ms / (p.step_ns / 1e6), ms["exposed communication"])
+    if take <= 0:
+        return
+    ms["exposed communication"] -= take
+    ms["collective waits"] += take
+    if not any("collective waits" in n for n in notes):
+        notes.append("; collective waits: the time communication kernels spun waiting for the last rank of their "
+                     "collective (GPU timeline comm_wait_us), moved out of exposed communication")
 
 
 def _other_idle_fraction(prog: R.Program, res: R.Result | None = None) -> float:

@@ -36,9 +36,13 @@ from ..io.run import Run
 # Components of a step, in the order a report lists them: they add up to the step time. Device work
 # first (communication counts only where no computation overlaps it: exposed), then device idle time
 # by cause; "other" is any other kernel and idle time with no known cause.
+# "collective waits" (a communication kernel spinning until the last rank of its collective arrives:
+# tracelens.analysis.waits) is the decomposition's, out of the replay's exposed communication: the what-if's
+# replay runs each kernel's transfer only, so it has none.
 COMPONENTS = ("expert GEMMs", "dense GEMMs", "attention", "norms/activations", "optimizer step", "copies/casts",
-              "exposed communication", "sync waits", "launch-bound idle", "pipeline bubble", "other")
-IDLE_COMPONENTS = ("sync waits", "launch-bound idle", "pipeline bubble")
+              "exposed communication", "collective waits", "sync waits", "launch-bound idle", "pipeline bubble",
+              "other")
+IDLE_COMPONENTS = ("collective waits", "sync waits", "launch-bound idle", "pipeline bubble")
 WORK_COMPONENTS = tuple(c for c in COMPONENTS if c not in IDLE_COMPONENTS)
 # how each component's time scales when a knob changes (reported beside the decomposition)
 SCALES = ("tokens", "params", "fixed")
@@ -226,7 +230,7 @@ def step_profile(analysis, config: dict, rank: int, step: int | None = None) -> 
         for st_, e_ in before.groupby("stream")["end"].max().items():
             backlog[int(st_)] = int(e_) - start
     if len(g):
-        work = _gpu_work(g, tree, analysis.trace.events, fwd_paths, tokens, mbs, seq_len)
+        work = _attach_waits(_gpu_work(g, tree, analysis.trace.events, fwd_paths, tokens, mbs, seq_len), analysis)
         device = "gpu"
     else:
         work = _cpu_work(tree, analysis.trace.events, rank, start, end, fwd_paths, tokens, mbs, seq_len)
@@ -235,6 +239,27 @@ def step_profile(analysis, config: dict, rank: int, step: int | None = None) -> 
     return StepProfile(rank, int(step), device, start, end, work, syncs, tokens, dict(config),
                        _expert_host(tree, analysis.trace.events, rank, start, end, fwd_paths), backlog,
                        _lead(tree, rank, start, end))
+
+
+def _attach_waits(work: pd.DataFrame, analysis) -> pd.DataFrame:
+    """Each unit's ``wait`` (ns) and ``wait_kind``: the part of a communication kernel spent waiting for another
+    rank (``peer``, ``startup``) or for the neighbour pipeline stage (``pipeline``), from the analysis's
+    `comm_waits` (tracelens.analysis.waits); 0 and '' for every other unit and where no wait is known."""
+    work["wait"] = np.zeros(len(work), dtype=np.int64)
+    work["wait_kind"] = np.full(len(work), "", dtype=object)
+    get = getattr(analysis, "comm_waits", None)
+    if get is None or not work["is_comm"].any() or len(getattr(analysis.trace, "ranks", ())) < 2:
+        return work
+    kw = get()
+    if kw is None or kw.empty:
+        return work
+    rows = work["gpu_row"].to_numpy(np.int64)
+    hit = np.isin(rows, kw.index.to_numpy())
+    if hit.any():
+        k = kw.loc[rows[hit]]
+        work.loc[hit, "wait"] = np.minimum(k["wait_ns"].to_numpy(np.int64), work.loc[hit, "dur"].to_numpy(np.int64))
+        work.loc[hit, "wait_kind"] = k["kind"].to_numpy(dtype=object)
+    return work
 
 
 def _paths_of(tree: pd.DataFrame, events: pd.DataFrame, rows: np.ndarray, fwd_paths: dict, rank: int) -> tuple[np.ndarray, np.ndarray]:
@@ -308,7 +333,7 @@ def _gpu_work(g: pd.DataFrame, tree: pd.DataFrame, events: pd.DataFrame, fwd_pat
         "dur": g["dur"].to_numpy(np.int64), "stream": g["stream"].to_numpy(np.int64),
         "name": C.strings(g["name"]), "op": op, "path": path, "dims": dims, "component": comp, "scale": scale,
         "expert": expert, "moe_stage": stage, "layer": layer, "backward": back, "recompute": recompute,
-        "is_comm": is_comm.astype(bool),
+        "is_comm": is_comm.astype(bool), "gpu_row": g.index.to_numpy(np.int64),
     })
     bad = work["launch"].to_numpy() < 0  # no launch event linked: it ran when it ran
     work["linked"] = ~bad

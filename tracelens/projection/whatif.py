@@ -164,9 +164,12 @@ class Model:
     # -------------------------------------------------------------- building
     @classmethod
     def from_run(cls, run, kernel_table: str | Path | None = None, capacity_gib: float | None = None,
-                 analysis=None) -> "Model":
+                 analysis=None, transfer_only: bool = True) -> "Model":
         """The model of one profiled run. ``run``: a run dir's path, or a `tracelens.io.run.Run` (e.g. an
-        analysis's ``trace.run``, or one given another manifest with `Run.with_manifest`)."""
+        analysis's ``trace.run``, or one given another manifest with `Run.with_manifest`). ``transfer_only``
+        (the what-if's): each communication kernel replays its transfer only, its wait for another rank
+        left out (`_transfer_only`); False (the step decomposition's): the kernels as measured, so each
+        rank's waits stay in its step."""
         source = run if isinstance(run, Run) else None
         run = Path(run) if source is None else (source.root or source.trace_dir or Path("."))
         man = read_manifest(source if source is not None else run)
@@ -196,7 +199,8 @@ class Model:
         if not profs:
             raise WhatIfError(f"{run}: no profiled step with device work in its traces (profile_step_start/"
                               "profile_step_end must cover a whole step)")
-        _transfer_only(profs)
+        if transfer_only:
+            _transfer_only(profs)
         progs = [R.prepare(p) for p in profs]
         hs, ds, comps_all = [], [], []
         per_expert = cfg.get("grouped_gemm_backend") in PER_EXPERT
@@ -370,26 +374,21 @@ class Model:
 
 
 def _transfer_only(profs: list[StepProfile]) -> None:
-    """Across ranks, a collective kernel lasts until the last rank arrives: the part of it spent waiting
-    for another rank is that rank's lateness, not this one's work. Each collective kernel (matched across
-    ranks by its order among the step's collective kernels on the same stream position) keeps only the
-    shortest rank's duration, the transfer; the replay of each rank then runs without the others' waits
-    and the slowest rank decides the step."""
-    if len(profs) < 2:
-        return
-    seqs = []
+    """Across ranks, a collective kernel lasts until the last rank arrives: the part of it spent waiting for
+    another rank is that rank's lateness, not this one's work, and no bandwidth or size change shrinks it.
+    Each communication kernel keeps only its transfer (its duration less its wait for a peer rank, the one
+    notion of `tracelens.analysis.waits`: a unit's ``wait`` of kind ``peer`` or ``startup``); the replay of
+    each rank then runs without the others' waits and the slowest rank decides the step. A pipeline stage's
+    waits for its neighbour stay: they are the schedule's bubble, which the pipeline model accounts for."""
     for p in profs:
         w = p.work
-        seqs.append(np.flatnonzero(w["is_comm"].to_numpy()))
-    n = min(len(s) for s in seqs)
-    if n == 0 or any(len(s) != n for s in seqs):
-        return  # collectives that do not pair up one to one: leave the measured durations
-    durs = np.stack([p.work["dur"].to_numpy()[s[:n]] for p, s in zip(profs, seqs)])
-    low = durs.min(axis=0)
-    for p, s in zip(profs, seqs):
-        d = p.work["dur"].to_numpy().copy()
-        d[s[:n]] = low
-        p.work["dur"] = d
+        if "wait" not in w.columns or not len(w):
+            continue
+        peer = w["wait_kind"].isin(["peer", "startup"]).to_numpy()
+        if peer.any():
+            d = w["dur"].to_numpy().copy()
+            d[peer] = np.maximum(d[peer] - w["wait"].to_numpy()[peer], 0)
+            w["dur"] = d
 
 
 def _calibrate(prog: R.Program, target_ns: float, prep=None,

@@ -53,14 +53,15 @@ class Pipeline(Mechanism):
         pp_rank = base.rank_to_pp.get(rank)
         d_busy = (pr.busy_ns[pp_rank] - pr.base_busy_ns[pp_rank]) / 1e9 if pp_rank is not None else 0.0
         out = dict(components)
-        work = [c for c in out if c not in ("sync waits", "launch-bound idle", "pipeline bubble", "other")]
+        work = [c for c in out if c not in ("collective waits", "sync waits", "launch-bound idle", "pipeline bubble",
+                                            "other")]
         tot_work = sum(out[c] for c in work)
         if tot_work > 0 and d_busy:
             f = max(tot_work + d_busy, 0.0) / tot_work
             for c in work:
                 out[c] *= f
         rest = step - sum(out.values())
-        for c in ("pipeline bubble", "other", "launch-bound idle", "sync waits"):
+        for c in ("pipeline bubble", "other", "launch-bound idle", "sync waits", "collective waits"):
             if rest >= 0:
                 break
             take = min(out.get(c, 0.0), -rest)
