@@ -41,10 +41,14 @@ def path_figure(cp, step: int) -> dict:
                      "base": [round((s - t0) / 1e6, 4) for s in g["start"]],
                      "x": [round((e - s) / 1e6, 4) for s, e in zip(g["start"], g["end"])],
                      "marker": {"color": color}, "hovertemplate": "%{y}: %{x:.3f} ms " + name + " at %{base:.3f} ms<extra></extra>"})
-    layout = {"barmode": "overlay", "height": 140 + 34 * len(ranks), "margin": {"l": 70, "r": 20, "t": 10, "b": 40},
+    # the legend (up to a dozen causes) goes right of the plot, one cause per line: in a row above the plot it
+    # runs into the mode bar
+    layout = {"barmode": "overlay", "height": max(140 + 34 * len(ranks), 90 + 24 * len(data)),
+              "margin": {"l": 70, "r": 20, "t": 40, "b": 40},
               "xaxis": {"title": {"text": f"ms from the start of step {step}"}},
               "yaxis": {"autorange": "reversed", "categoryorder": "array", "categoryarray": [f"rank {r}" for r in ranks]},
-              "legend": {"orientation": "h"}, "bargap": 0.3}
+              "legend": {"orientation": "v", "x": 1.01, "xanchor": "left", "y": 1, "yanchor": "top",
+                         "font": {"size": 11}}, "bargap": 0.3}
     return {"data": data, "layout": layout}
 
 
