@@ -1,7 +1,8 @@
 # Two commands on a fresh machine (see README.md):
 #   make demo   install into .venv, profile a small MoE run on CPU, analyze it and open the report
 #               (on a machine without a browser it prints the report's file:// address instead)
-#   make test   install into .venv (with test tools and Chromium) and run the whole test suite
+#   make test   install into .venv (with test tools and Chromium) and run the whole test suite, on two
+#               pytest-xdist workers (a test file per worker at a time; see tests/conftest.py)
 #   make lint   install into .venv and check the import layering of docs/architecture.md (import-linter
 #               contracts in pyproject.toml); .ci/run runs it before the tests
 #
@@ -50,8 +51,10 @@ demo: install
 demo-gpu-trace: install
 	$(VENV)/bin/tracelens analyze tests/fixtures/h200_nccl_2rank -o out/demo --open
 
+# Two workers, whole files each (module fixtures built once), files with slow tests handed out first in
+# collection order (--no-loadscope-reorder: xdist would otherwise start with the files of most tests).
 test: install browser
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder
 
 # The layering contracts ([tool.importlinter] in pyproject.toml): which package may import which, no
 # import cycles. lint-imports puts the checkout first on sys.path, so it reads this tree's modules.

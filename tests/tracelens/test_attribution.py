@@ -525,7 +525,8 @@ def test_runtime_call_parents_match_a_stack_walk(name):
 # ------------------------------------------------------------------------------ bounded memory: chunked steps
 
 @pytest.mark.parametrize("path", [ROOT / "tests" / "fixtures" / "h200_moe_1gpu" / "moe1gpu_loop.json.gz",
-                                  SHARED / "external" / "hta" / "trace_diff" / "test.json.gz"], ids=lambda p: p.name)
+                                  ROOT / "tests" / "fixtures" / "external" / "hta" / "trace_diff" / "test.json.gz"],
+                         ids=lambda p: p.name)  # this checkout's own copies: a clone has no ../shared
 def test_chunked_steps_match_reference(monkeypatch, path):
     """build_tree places the runtime calls, and ops_summary sums its groups, a chunk of rows at a time
     (issue 20: temporaries bounded by the chunk, not the trace); with chunks of ~100 rows, so that every

@@ -173,10 +173,14 @@ def test_roofline_owner_grouping_in_chunks_equals_one_groupby(monkeypatch):
     monkeypatch.setattr(R, "_group_owners", lambda cols, keys: seen.append((cols, keys)) or grouped(cols, keys))
     tracelens.analyze(tracelens.load(str(EP2_L0), cache=False)).roofline()
     (cols, keys), = seen
-    assert len(cols["rank"]) > 200
-    one = pd.DataFrame(cols).groupby(keys, sort=False).agg(
-        count=("dur_ns", "size"), kernels=("kernels", "sum"), dur_ns=("dur_ns", "sum")).reset_index()
-    assert one["count"].sum() == len(cols["rank"]) and len(one) < len(cols["rank"])  # groups do merge rows
-    for chunk in (1, 7, 64, 1 << 19):
+    n = len(cols["rank"])
+    assert n > 200
+    # the small chunks on the first rows only: a chunk is one groupby, ~10 ms, whatever its size (all n
+    # rows one at a time took 28 s); those rows hold groups that merge across chunks all the same
+    for chunk, rows in ((1, 160), (7, 700), (64, n), (1 << 19, n)):
+        sub = {k: v[:rows] for k, v in cols.items()}
+        one = pd.DataFrame(sub).groupby(keys, sort=False).agg(
+            count=("dur_ns", "size"), kernels=("kernels", "sum"), dur_ns=("dur_ns", "sum")).reset_index()
+        assert one["count"].sum() == rows and len(one) < rows  # groups do merge rows
         monkeypatch.setattr(R, "_OWNER_CHUNK", chunk)
-        pd.testing.assert_frame_equal(grouped(cols, keys), one, check_exact=True)
+        pd.testing.assert_frame_equal(grouped(sub, keys), one, check_exact=True)

@@ -4,6 +4,7 @@ prints one address per step for each wrapping, and a plain module's weight never
 from __future__ import annotations
 
 import re
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -11,10 +12,18 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 
 
+def _free_port() -> int:
+    """A port nothing listens on now (the probe's one-rank store binds it): a fixed one would collide with
+    another run of this test on the machine (a second pytest-xdist worker, another checkout's suite)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def test_probe_prints_an_address_per_step(tmp_path):
     r = subprocess.run([sys.executable, str(REPO / "benchmarks" / "fsdp_param_addresses.py"), "--steps", "3",
                         "--device", "cpu"], cwd=tmp_path, capture_output=True, text=True, timeout=120,
-                       env={"MASTER_PORT": "29587", "PATH": "/usr/bin:/bin"})
+                       env={"MASTER_PORT": str(_free_port()), "PATH": "/usr/bin:/bin"})
     assert r.returncode == 0, r.stderr[-2000:]
     lines = {ln.split(" cpu:")[0].strip(): ln for ln in r.stdout.splitlines() if " cpu: weight address per step: " in ln}
     assert set(lines) == {"FSDP2 bf16", "plain module"}

@@ -165,6 +165,7 @@ def test_profiled_step_has_pipeline_ranges(numerics):
 THEORY = {"bubble_1f1b": (2 - 1) / (8 + 2 - 1), "bubble_vpp": (2 - 1) / (2 * 8 + 2 - 1)}  # 1/9, 1/17
 
 
+@pytest.mark.alone  # wall-clock time against theory, a CPU core per rank: nothing else may run beside it
 def test_bubble_against_theory(bubble):
     """Measured bubble within 5 points of theory for 1F1B (11.1 %) and interleaved (5.9 %).
 
@@ -193,6 +194,7 @@ def test_bubble_against_theory(bubble):
     assert got["bubble_vpp"][0] < got["bubble_1f1b"][0], (got, context)
 
 
+@pytest.mark.alone  # the same launch as test_bubble_against_theory (whichever runs first makes it)
 def test_unbalanced_layout_flags_the_heavy_stage(bubble):
     out, res = bubble
     assert res["runs"]["unbalanced"]["pipeline"]["stage_layers"] == [[0, 1], [2, 3], list(range(4, 14)), [14, 15]]

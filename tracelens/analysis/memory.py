@@ -45,6 +45,7 @@ run dirs in tests/fixtures (EP2 FSDP2, PP2 1F1B and interleaved under DDP) 0.993
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import math
@@ -561,14 +562,36 @@ def backward_moments(lay: Layout, rank: int) -> list[tuple[int, dict[int, float]
     if lay.schedule not in SIMULATED_SCHEDULES or not loop:
         n = in_flight(lay, rank)
         return [(v, {u: n for u in vs}) for v in vs]
+    return [(st, dict(alive)) for st, alive in _simulated_moments(lay.schedule, lay.pp, lay.vpp, lay.microbatches,
+                                                                   rank, tuple(vs))]
+
+
+@functools.lru_cache(maxsize=1024)
+def _simulated_moments(schedule: str, pp: int, vpp: int, m: int, rank: int,
+                       vs: tuple[int, ...]) -> tuple[tuple[int, tuple[tuple[int, float], ...]], ...]:
+    """`backward_moments` of a simulated schedule on the loop placement, as tuples. It depends on the
+    schedule's shape alone, so a sweep's thousands of layouts (tp, ep, dp, mbs, recompute varying) share it."""
     alive: dict[int, set] = {v: set() for v in vs}
     out = []
-    for kind, st, mb in _schedules.action_order(lay.schedule, lay.pp, lay.vpp, lay.microbatches, rank):
+    for kind, st, mb in _schedules.action_order(schedule, pp, vpp, m, rank):
         if kind == "F":
             alive[st].add(mb)
         else:
-            out.append((st, {v: float(len(x)) for v, x in alive.items()}))
+            out.append((st, tuple((v, float(len(x))) for v, x in alive.items())))
             alive[st].discard(mb)
+    return tuple(out)
+
+
+def _distinct_moments(lay: Layout, rank: int) -> list[tuple[int, dict[int, float]]]:
+    """`backward_moments` with each (stage, alive mix) once, in order of first appearance: a steady state
+    repeats the same mix for every microbatch, and the peak is a max over the mixes (`max` returns the
+    first maximal element, which is the first appearance of its mix, so the choice is the same)."""
+    seen, out = set(), []
+    for st, comp in backward_moments(lay, rank):
+        key = (st, tuple(comp.items()))
+        if key not in seen:
+            seen.add(key)
+            out.append((st, comp))
     return out
 
 
@@ -750,7 +773,7 @@ def _rows_for_stage(c: dict, lay: Layout, stage: int) -> list[dict]:
     # ---- activations: per virtual stage and microbatch, times the microbatches alive at each moment
     per_v = {v: _vstage_activations(c, lay, v, chunks[v]) for v in vs}
     size = {v: sum(per_v[v][0].values()) for v in vs}
-    moments = backward_moments(lay, stage)
+    moments = _distinct_moments(lay, stage)
 
     def alive(comp):
         return sum(n * size[v] for v, n in comp.items())
