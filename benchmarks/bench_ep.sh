@@ -10,16 +10,10 @@
 #   check:  the dispatch paths' numerics on NCCL (tests/trainer/_ep_dispatch_worker.py on the GPUs, fp32 + bf16)
 #   1-/2-GPU rows (the scaling table): gpu1, dp2, ep2_*; NPROC is taken from the row's name.
 set -u
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+source "$(dirname "$0")/gpu_env.sh"
 OUTDIR=${OUT:-/tmp/tracelens-bench-ep}
 WORK=${WORK:-/tmp/tracelens-bench-ep-runs}
 mkdir -p "$OUTDIR" "$WORK"
-if ! python3 -c "import yaml" 2>/dev/null; then  # the GPU image has torch, triton, numpy; PyYAML comes as a wheel
-  python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl 2>/dev/null \
-    || python3 -m pip install -q --no-index --no-deps --target /tmp/site --find-links .whl pyyaml
-  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-fi
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 STEPS="--set steps=10 --set timing_warmup_steps=3 --set log_every=5 --set profile_step_end=0"
 PROF="--set steps=10 --set timing_warmup_steps=3 --set log_every=5 --set profile_step_start=8 --set profile_step_end=9"
 CAP="--set ep_dispatch=capacity --set ep_capacity_factor=${CAPF:-1.25}"

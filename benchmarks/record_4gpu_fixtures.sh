@@ -7,15 +7,10 @@
 #   on a 4-GPU machine, from the checkout:   bash benchmarks/record_4gpu_fixtures.sh      (carry: [".whl"])
 #   ONLY="ep4_L0_loop pp4_1f1b" bash benchmarks/record_4gpu_fixtures.sh
 set -u
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+source "$(dirname "$0")/gpu_env.sh"
 OUTDIR=${OUT:-/tmp/tracelens-4gpu}
 WORK=${WORK:-/tmp/tracelens-4gpu-runs}
 mkdir -p "$OUTDIR" "$WORK"
-if ! python3 -c "import yaml" 2>/dev/null; then  # the GPU image has torch, triton, numpy; PyYAML comes as a wheel
-  python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl 2>/dev/null \
-    || python3 -m pip install -q --no-index --no-deps --target /tmp/site --find-links .whl pyyaml
-  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-fi
 python3 -c "import yaml, torch; print('torch', torch.__version__, 'gpus', torch.cuda.device_count())"
 NPROC=${NPROC:-4}
 # two profiled steps (4, 5) after three warm-up steps; 1,024-token sequences keep each trace small

@@ -90,7 +90,7 @@ if "ce" in which:
              scale_ptr="*fp32", V=i32, s_l=i32, ignore_index=i32), dict(HAS_GRAD=True, HAS_SCALE=hs, BLOCK_V=4096), 8)
 if "swiglu" in which:  # F = 1408 (16-divisible, like every stride here): the GPU's 32 x 128 tiles
     for bound in (False, True):
-        comp(f"swiglu_fwd bound={bound}", S._swiglu_fwd_kernel, dict(h_ptr="*bf16", a_ptr="*bf16", R=i32, F=i32,
+        comp("swiglu_fwd" + ("_bound" if bound else ""), S._swiglu_fwd_kernel, dict(h_ptr="*bf16", a_ptr="*bf16", R=i32, F=i32,
              s_h=i32, s_a=i32, n_ptr="*i32"), dict(BOUND=bound, BR=32, BF=128), 4)
-        comp(f"swiglu_bwd bound={bound}", S._swiglu_bwd_kernel, dict(h_ptr="*bf16", da_ptr="*bf16", dh_ptr="*bf16",
+        comp("swiglu_bwd" + ("_bound" if bound else ""), S._swiglu_bwd_kernel, dict(h_ptr="*bf16", da_ptr="*bf16", dh_ptr="*bf16",
              R=i32, F=i32, s_h=i32, s_da=i32, s_dh=i32, n_ptr="*i32"), dict(BOUND=bound, BR=32, BF=128), 4)

@@ -256,9 +256,9 @@ def test_expert_swiglu_triton_trains_like_the_eager_activation(tmp_path, loop_ru
     calls = []
     orig = kernels.swiglu
 
-    def spy(h):
+    def spy(h, *a, **k):
         calls.append(tuple(h.shape))
-        return orig(h)
+        return orig(h, *a, **k)
 
     monkeypatch.setattr(kernels, "swiglu", spy)
     m = _train(tmp_path, "swiglu", expert_swiglu="triton")

@@ -12,7 +12,6 @@ so a person can look at it.
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
@@ -29,13 +28,6 @@ pytestmark = pytest.mark.browser
 
 PP2 = FIXTURES / "h200_pp2_run"
 
-
-@pytest.fixture(scope="module")
-def shots(tmp_path_factory) -> Path:
-    d = os.environ.get("TRACELENS_SCREENSHOTS")
-    out = Path(d) if d else tmp_path_factory.mktemp("screenshots")
-    out.mkdir(parents=True, exist_ok=True)
-    return out
 
 
 @pytest.fixture(scope="module")

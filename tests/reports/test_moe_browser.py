@@ -4,7 +4,6 @@ recorded with its routing counts (tests/fixtures/h100_4gpu_routing/ep4_L3_torch)
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
@@ -20,14 +19,6 @@ FIX = Path(__file__).resolve().parents[1] / "fixtures"
 R_L3 = FIX / "h100_4gpu_routing" / "ep4_L3_torch"
 L3 = FIX / "h100_4gpu" / "ep4_L3_torch"
 
-
-@pytest.fixture(scope="module")
-def shots(tmp_path_factory) -> Path:
-    """Where the section's screenshots go: $TRACELENS_SCREENSHOTS (to look at them), else a temporary dir."""
-    d = os.environ.get("TRACELENS_SCREENSHOTS")
-    out = Path(d) if d else tmp_path_factory.mktemp("screenshots")
-    out.mkdir(parents=True, exist_ok=True)
-    return out
 
 
 def test_moe_section_heatmaps_and_tables(browser, shots, tmp_path):  # noqa: F811

@@ -26,7 +26,9 @@ def test_single_process_run_writes_run_dir(tmp_path):
     m = check_run_dir(run, world=1, steps=6, profiled=range(2, 4))
     assert m["toggles"] == {"sync_free_level": 2, "grouped_gemm_backend": "torch", "recompute_layer_ids": [1],
                             "optimizer": "adamw", "loss_fusion": True, "manual_gc": 2, "numa_bind": True,
-                            "dtype": "fp32", "step_timing": "sync", "compile": "none", "cuda_graphs": "off"}
+                            "dtype": "fp32", "step_timing": "sync", "compile": "none", "cuda_graphs": "off",
+                            "ep_dispatch": "nccl", "ep_capacity_factor": 1.25, "ep_overlap": False,
+                            "ep_overlap_chunks": 2}
     assert m["env"]["knobs"] == {"TRACELENS_TEST_KNOB": "7"}
     assert m["env"]["recorded"] is not None
     assert m["numa"]["bound"] is False and "no-op" in m["numa"]["reason"]
