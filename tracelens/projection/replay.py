@@ -368,10 +368,12 @@ class Plan:
                 last_sync = h
         h += self.tail * host_scale
         gpu = drain - back  # the device's own time for this step's work (after the previous step's)
-        if gpu > h:
-            step, w0 = gpu, back
-        else:
-            step, w0 = max(h, 0.0), 0.0
+        # the window the components cut starts when the previous step's work has left the device: before that the
+        # device runs work this step did not launch (in a steady state, its own work running into the next step
+        # takes that place). Host-bound with a backlog (a loop whose host runs ahead and has no sync in its step),
+        # a window from the step's host start counted the previous step's work as this step's idle ("other")
+        # and cut off this step's own work past the host's end
+        step, w0 = (gpu, back) if gpu > h else (max(h, 0.0), back)
         st, en = np.clip(start - w0, 0, step), np.clip(end - w0, 0, step)
         kp = keep & (en > st)
         return Result(step, decompose(st, en, np.asarray(self.comp, dtype=object), kp, cause, step), start - w0,
