@@ -88,13 +88,16 @@ def unpermute_ref(y_perm: torch.Tensor, row_map: torch.Tensor, topk_weights: tor
 
 
 def router_ref(logits: torch.Tensor, top_k: int, score_func: str = "softmax", n_groups: int = 1,
-               topk_groups: int = 1, norm_topk: bool = True, scaling: float = 1.0):
+               topk_groups: int = 1, norm_topk: bool = True, scaling: float = 1.0,
+               bias: torch.Tensor | None = None):
     """Router: scores -> (group-limited) top-k -> weights, plus aux-loss statistics.
 
     logits: [T, E].  ``score_func`` is ``"softmax"`` or ``"sigmoid"``.  With ``n_groups > 1`` the
     experts split into ``n_groups`` equal groups, each group is scored by its best expert, and only
     experts of the ``topk_groups`` best groups may be chosen (DeepSeek-V2 device-limited routing).
-    Weights are the chosen scores, divided by their sum when ``norm_topk``, times ``scaling``.
+    Weights are the chosen scores, divided by their sum when ``norm_topk``, times ``scaling``. A ``bias``
+    [E] (DeepSeek-V3's auxiliary-loss-free balancing) is added to the scores that choose the groups and
+    the experts, not to the weights; the ids come in descending order of the biased score.
 
     Returns ``(topk_weights [T,k] fp32, topk_ids [T,k] int32, tokens_per_expert_frac [E] fp32,
     mean_prob [E] fp32)``: the fraction of the T*k assignments that went to each expert (f_i, not
@@ -104,14 +107,14 @@ def router_ref(logits: torch.Tensor, top_k: int, score_func: str = "softmax", n_
     T, E = logits.shape
     s = logits.float()
     scores = torch.softmax(s, -1) if score_func == "softmax" else torch.sigmoid(s)
-    sel = scores
+    sel = scores.detach() if bias is None else scores.detach() + bias.detach().float()
     if n_groups > 1:
-        g = scores.detach().view(T, n_groups, E // n_groups).amax(-1)
+        g = sel.view(T, n_groups, E // n_groups).amax(-1)
         gidx = torch.topk(g, topk_groups, dim=-1).indices
         gmask = torch.zeros(T, n_groups, dtype=torch.bool, device=logits.device).scatter_(1, gidx, True)
         emask = gmask.unsqueeze(-1).expand(T, n_groups, E // n_groups).reshape(T, E)
-        sel = scores.masked_fill(~emask, float("-inf"))
-    ids = torch.topk(sel.detach(), top_k, dim=-1).indices
+        sel = sel.masked_fill(~emask, float("-inf"))
+    ids = torch.topk(sel, top_k, dim=-1).indices
     w = scores.gather(1, ids)
     if norm_topk:
         w = w / (w.sum(-1, keepdim=True) + 1e-20)

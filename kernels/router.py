@@ -5,7 +5,8 @@ One Triton program handles ``BT`` tokens with the whole expert row in registers 
 1. scores ``p = softmax(logits)`` (or ``sigmoid``), fp32;
 2. with ``n_groups > 1``: each group of ``E / n_groups`` experts is scored by its best expert, the
    ``topk_groups`` best groups are kept and every other expert is masked out (DeepSeek-V2
-   device-limited routing);
+   device-limited routing); with a ``bias`` [E] (DeepSeek-V3's auxiliary-loss-free balancing) the
+   groups and experts are chosen by ``p + bias`` while the weights stay ``p``;
 3. top-k by ``k`` rounds of ``argmax`` + mask (ties go to the lower expert id);
 4. weights: the chosen scores, divided by their sum when ``norm_topk``, times ``scaling``;
 5. aux-loss statistics: per block of tokens, the number of assignments and the sum of scores of
@@ -69,15 +70,20 @@ if HAS_TRITON:
         return sel
 
     @triton.jit
-    def _router_fwd_kernel(logits_ptr, w_ptr, ids_ptr, cnt_ptr, psum_ptr, T, E, s_l, scaling,
+    def _router_fwd_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, cnt_ptr, psum_ptr, T, E, s_l, scaling,
                            TOPK: tl.constexpr, SOFTMAX: tl.constexpr, N_GROUPS: tl.constexpr,
-                           TOPK_GROUPS: tl.constexpr, NORM: tl.constexpr, BT: tl.constexpr, BLOCK_E: tl.constexpr):
+                           TOPK_GROUPS: tl.constexpr, NORM: tl.constexpr, HAS_BIAS: tl.constexpr,
+                           BT: tl.constexpr, BLOCK_E: tl.constexpr):
         pid = tl.program_id(0)
         t = pid * BT + tl.arange(0, BT)
         e = tl.arange(0, BLOCK_E)
         tmask = t < T
         p, m = _scores(logits_ptr, t, e, T, E, s_l, SOFTMAX)
-        sel = _candidates(p, m, e, E, N_GROUPS, TOPK_GROUPS)
+        if HAS_BIAS:  # selection scores: p + bias (the choice and its order); the weights stay p
+            q = p + tl.load(bias_ptr + e, mask=e < E, other=0.0).to(tl.float32)[None, :]
+        else:
+            q = p
+        sel = _candidates(q, m, e, E, N_GROUPS, TOPK_GROUPS)
         chosen = tl.zeros((BT, BLOCK_E), tl.int32)
         for _ in tl.static_range(TOPK):  # pass 1: chosen set and the normaliser
             idx = tl.argmax(sel, 1)
@@ -88,8 +94,8 @@ if HAS_TRITON:
             inv = scaling / (tl.sum(tl.where(chosen != 0, p, 0.0), 1) + 1e-20)
         else:
             inv = tl.full((BT,), 1.0, tl.float32) * scaling
-        # pass 2: emit (weight, id) in descending-score order
-        sel = tl.where(chosen != 0, p, float("-inf"))
+        # pass 2: emit (weight, id) in descending selection-score order
+        sel = tl.where(chosen != 0, q, float("-inf"))
         t64 = t.to(tl.int64)
         for i in tl.static_range(TOPK):
             idx = tl.argmax(sel, 1)
@@ -147,7 +153,7 @@ def _bt(E: int) -> int:
 
 class _RouterFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, top_k, score_func, n_groups, topk_groups, norm_topk, scaling):
+    def forward(ctx, logits, top_k, score_func, n_groups, topk_groups, norm_topk, scaling, bias):
         T, E = logits.shape
         logits = logits.contiguous()
         dev = logits.device
@@ -160,9 +166,9 @@ class _RouterFn(torch.autograd.Function):
         psum = torch.zeros(nb, E, device=dev, dtype=torch.float32)
         if T > 0:
             _router_fwd_kernel[(nb,)](
-                logits, w, ids, cnt, psum, T, E, logits.stride(0), float(scaling),
+                logits, logits if bias is None else bias, w, ids, cnt, psum, T, E, logits.stride(0), float(scaling),
                 TOPK=top_k, SOFTMAX=score_func == "softmax", N_GROUPS=n_groups, TOPK_GROUPS=topk_groups,
-                NORM=norm_topk, BT=BT, BLOCK_E=BLOCK_E, num_warps=4,
+                NORM=norm_topk, HAS_BIAS=bias is not None, BT=BT, BLOCK_E=BLOCK_E, num_warps=4,
             )
         frac = cnt.sum(0).float() / max(T * top_k, 1)
         mean_prob = psum.sum(0) / max(T, 1)
@@ -185,15 +191,18 @@ class _RouterFn(torch.autograd.Function):
                 TOPK=top_k, SOFTMAX=softmax, NORM=norm, HAS_GW=gw is not None, HAS_GMP=gmp is not None,
                 BT=BT, BLOCK_E=BLOCK_E, num_warps=4,
             )
-        return dl, None, None, None, None, None, None
+        return dl, None, None, None, None, None, None, None
 
 
 def fused_router(logits: torch.Tensor, top_k: int, score_func: str = "softmax", n_groups: int = 1,
-                 topk_groups: int = 1, norm_topk: bool = True, scaling: float = 1.0):
+                 topk_groups: int = 1, norm_topk: bool = True, scaling: float = 1.0,
+                 bias: torch.Tensor | None = None):
     """Route ``logits`` [T, E]; returns ``(topk_weights [T,k] fp32, topk_ids [T,k] int32,
     tokens_per_expert_frac [E] fp32, mean_prob [E] fp32)``.  Semantics: :func:`kernels.reference.router_ref`.
 
-    The balance loss of Switch/DeepSeek is ``alpha * E * (frac * mean_prob).sum()``.
+    The balance loss of Switch/DeepSeek is ``alpha * E * (frac * mean_prob).sum()``. ``bias`` [E] (fp32,
+    not differentiable): DeepSeek-V3's auxiliary-loss-free balancing term, added to the scores that choose
+    the experts (and their groups) but not to the weights.
     """
     if score_func not in ("softmax", "sigmoid"):
         raise ValueError(f"score_func must be 'softmax' or 'sigmoid', got {score_func!r}")
@@ -205,7 +214,9 @@ def fused_router(logits: torch.Tensor, top_k: int, score_func: str = "softmax", 
             raise ValueError(f"E={E} is not divisible by n_groups={n_groups}")
         if not (1 <= topk_groups <= n_groups) or top_k > topk_groups * (E // n_groups):
             raise ValueError("need 1 <= topk_groups <= n_groups and top_k <= topk_groups * E / n_groups")
+    if bias is not None and tuple(bias.shape) != (E,):
+        raise ValueError(f"bias must have shape ({E},) (one per expert), got {tuple(bias.shape)}")
     if not triton_ok(logits) or E > 1024:
-        return router_ref(logits, top_k, score_func, n_groups, topk_groups, norm_topk, scaling)
+        return router_ref(logits, top_k, score_func, n_groups, topk_groups, norm_topk, scaling, bias=bias)
     return _RouterFn.apply(logits, int(top_k), score_func, int(n_groups), int(topk_groups), bool(norm_topk),
-                           float(scaling))
+                           float(scaling), None if bias is None else bias.detach().float().contiguous())

@@ -59,6 +59,7 @@ DEFAULTS: dict[str, Any] = {
     "norm_topk_prob": False,     # renormalise the top-k weights to sum to 1 (always done for sigmoid)
     "routed_scaling_factor": 1.0,
     "aux_loss_coef": 0.01,       # load-balancing loss weight (0 disables)
+    "router_bias_update_rate": 0.0,  # DeepSeek-V3 auxiliary-loss-free balancing: bias step per update (0 = off)
     "first_k_dense": 1,          # the first k layers use a dense FFN instead of MoE
     "tie_embeddings": False,
     "rms_eps": 1e-6,
@@ -137,8 +138,9 @@ _INT_KEYS = {"vocab_size", "d_model", "n_layers", "n_heads", "d_ff", "moe_d_ff",
              "profile_step_start", "profile_step_end", "kv_lora_rank", "qk_nope_head_dim",
              "qk_rope_head_dim", "v_head_dim", "pp", "vpp", "microbatches", "ep_overlap_chunks"}
 _OPT_INT_KEYS = {"n_kv_heads", "head_dim", "dp", "q_lora_rank"}
-_FLOAT_KEYS = {"routed_scaling_factor", "aux_loss_coef", "rms_eps", "rope_theta", "init_std", "lr",
-               "min_lr_ratio", "weight_decay", "adam_beta1", "adam_beta2", "grad_clip", "ep_capacity_factor"}
+_FLOAT_KEYS = {"routed_scaling_factor", "aux_loss_coef", "router_bias_update_rate", "rms_eps", "rope_theta",
+               "init_std", "lr", "min_lr_ratio", "weight_decay", "adam_beta1", "adam_beta2", "grad_clip",
+               "ep_capacity_factor"}
 _BOOL_KEYS = {"norm_topk_prob", "tie_embeddings", "loss_fusion", "numa_bind", "use_triton_kernels", "ep_overlap"}
 _CHOICES = {
     "attn_type": ("gqa", "mla"),
@@ -172,6 +174,7 @@ _FLOAT_RANGES = {
     "aux_loss_coef": (0.0, None, True), "routed_scaling_factor": (0.0, None, False), "rms_eps": (0.0, None, False),
     "rope_theta": (0.0, None, False), "init_std": (0.0, None, True),
     "ep_capacity_factor": (0.0, 1e6, False),
+    "router_bias_update_rate": (0.0, 1.0, True),
 }
 MAX_CONFIG_BYTES = 1 << 20
 
@@ -385,6 +388,9 @@ def validate(cfg: dict) -> None:
         raise ConfigError("topk_group", f"top_k={k} exceeds the experts in topk_group groups")
     if not 0 <= cfg["first_k_dense"] <= cfg["n_layers"]:
         raise ConfigError("first_k_dense", "must be between 0 and n_layers")
+    if cfg["router_bias_update_rate"] > 0 and cfg["first_k_dense"] >= cfg["n_layers"]:
+        raise ConfigError("router_bias_update_rate", f"{cfg['router_bias_update_rate']} balances MoE routers, but "
+                                                     f"all {cfg['n_layers']} layers are dense (first_k_dense)")
     ids = cfg["recompute_layer_ids"]
     if not isinstance(ids, list) or any(type(i) is not int or not 0 <= i < cfg["n_layers"] for i in ids):
         raise ConfigError("recompute_layer_ids",

@@ -23,6 +23,7 @@ from trainer.compiling import compile_dense, compile_stats
 from trainer.data import make_data
 from trainer.model import Transformer
 from trainer.model import experts
+from trainer.model.balance import RouterBias, moe_layers
 from trainer.parallel import Dist, init_distributed, sync_expert_grads, wrap_data_parallel
 from trainer.routing_log import RoutingLog, rank_record, write_routing
 from trainer.timing import StepTimer
@@ -285,6 +286,10 @@ def _train(cfg: dict, out: Path, d: Dist, notes: _Notes, env_knobs: dict) -> dic
     model.init_weights(cfg["seed"], device=d.device if on_device else None)
     # tokens per expert of every MoE layer, kept on the device until the end (trainer/routing_log.py)
     routing = RoutingLog(model, range(cfg["profile_step_start"], min(cfg["profile_step_end"], cfg["steps"])))
+    # router_bias_update_rate: each step's loads (the routing log's counters) move the routers' biases
+    # (trainer/model/balance.py), summed over the ranks that hold the same layers
+    balancer = RouterBias(moe_layers(model), cfg["router_bias_update_rate"], d.replica_mesh.get_group()
+                          if d.replica_mesh is not None and d.world_size > 1 else None)
     if cfg["compile"] == "dense":
         compile_dense(model, cfg, d.device)  # the same Block objects end up in the pipeline stages / DP wrappers
     pipe = None
@@ -340,6 +345,7 @@ def _train(cfg: dict, out: Path, d: Dist, notes: _Notes, env_knobs: dict) -> dic
             opt.zero_grad(set_to_none=True)
             watch.post(loss, step)
             timer.stop()  # step_timing=sync: torch.cuda.synchronize; events: an event, no sync
+            balancer.step(routing.acc)  # before end_step clears the step's counts; device work only
             routing.end_step(step)  # device work only: the counts reach the host after the loop
             watch.check(step)  # deferred (events): checked at the log points below and at the end
             if pipe is not None:
@@ -363,7 +369,8 @@ def _train(cfg: dict, out: Path, d: Dist, notes: _Notes, env_knobs: dict) -> dic
         if pipe is not None:
             pipe.close()
     return _finish(cfg, d, out, core, losses, auxes, gnorms, step_times, trace_path if prof else None,
-                   env_knobs, numa, notes.messages, pipe, timer, rank_record(routing, d))
+                   env_knobs, numa, notes.messages, pipe, timer, rank_record(routing, d),
+                   balancer.summary() if balancer.active else None)
 
 
 def make_optimizer(model, cfg: dict, device) -> torch.optim.Optimizer:
@@ -381,7 +388,7 @@ def make_optimizer(model, cfg: dict, device) -> torch.optim.Optimizer:
 
 
 def _finish(cfg, d: Dist, out: Path, model, losses, auxes, gnorms, step_times, trace_path, env_knobs, numa, notes,
-            pipe=None, timer: StepTimer | None = None, routing: dict | None = None):
+            pipe=None, timer: StepTimer | None = None, routing: dict | None = None, balance: dict | None = None):
     n = len(losses)
     dev = d.device
     stats = torch.stack([torch.stack(losses), torch.stack(auxes)]) if n else torch.zeros(2, 0, device=dev)
@@ -438,7 +445,7 @@ def _finish(cfg, d: Dist, out: Path, model, losses, auxes, gnorms, step_times, t
         "toggles": {k: cfg[k] for k in ("sync_free_level", "grouped_gemm_backend", "recompute_layer_ids", "optimizer",
                                         "loss_fusion", "manual_gc", "numa_bind", "dtype", "step_timing", "compile",
                                         "cuda_graphs", "ep_dispatch", "ep_capacity_factor", "ep_overlap",
-                                        "ep_overlap_chunks")},
+                                        "ep_overlap_chunks", "router_bias_update_rate")},
         "numa": numa,
         "env": {"knobs": env_knobs, "recorded": runtime.recorded_env()},
         "params": {**count_params(cfg), "local_routed_experts": cfg["n_routed_experts"] // d.ep},
@@ -467,6 +474,7 @@ def _finish(cfg, d: Dist, out: Path, model, losses, auxes, gnorms, step_times, t
         "pipeline": pipe.manifest() if pipe is not None else None,  # docs/pipeline.md
         "kernels": experts.kernels_record(cfg),  # what ran each MoE op; auto's backend per pass
         "ep_dispatch": ep_dispatch_record(cfg, d, drops.tolist()),  # docs/trainer.md "Expert parallelism"
+        "router_bias": balance,  # router_bias_update_rate: rank 0's final biases per MoE layer (docs/trainer.md)
         "compile": compile_stats(cfg),  # compile=dense: graphs, graph breaks, CUDA-graph skips (trainer/compiling.py)
     }
     routing_path = write_routing(out, routings, cfg, manifest, n)  # before the manifest says complete

@@ -59,3 +59,47 @@ def test_router_single_token_and_errors(needs_triton):
         fused_router(torch.randn(3, 8), 9)
     with pytest.raises(ValueError):
         fused_router(torch.randn(3, 8), 2, score_func="relu")
+
+
+@pytest.mark.parametrize("cfg", [CONFIGS[1], CONFIGS[2], CONFIGS[4]], ids=lambda c: "-".join(map(str, c)))
+def test_router_bias_chooses_but_does_not_weigh(needs_triton, cfg):
+    """DeepSeek-V3's balancing bias: the ids are the top-k of scores + bias (groups too), the weights the
+    unbiased scores of those ids; checked against a direct computation, not only against router_ref."""
+    score, ng, tg, norm, scaling, k, E = cfg
+    torch.manual_seed(3)
+    T = 37
+    logits = torch.randn(T, E)
+    bias = torch.randn(E) * 0.3
+    la, lb = logits.clone().requires_grad_(), logits.clone().requires_grad_()
+    w, ids, frac, mp = fused_router(la, k, score, ng, tg, norm, scaling, bias=bias)
+    rw, rids, _, rmp = router_ref(lb, k, score, ng, tg, norm, scaling, bias=bias)
+    assert torch.equal(ids, rids)
+    assert_close(w, rw, torch.float32, "weights")
+    # independent truth: per token, the experts of its best groups (by max of p + bias) ranked by p + bias
+    p = logits.softmax(-1) if score == "softmax" else logits.sigmoid()
+    q = p + bias
+    for t in range(T):
+        allowed = range(E)
+        if ng > 1:
+            g = E // ng
+            best = sorted(range(ng), key=lambda j: -max(q[t, j * g:(j + 1) * g]).item())[:tg]
+            allowed = [e for e in range(E) if e // g in best]
+        want = sorted(allowed, key=lambda e: -q[t, e].item())[:k]
+        assert ids[t].tolist() == want
+        wt = p[t, want]
+        if norm:
+            wt = wt / wt.sum()
+        assert torch.allclose(w[t], wt * scaling, rtol=1e-5, atol=1e-6)
+    assert torch.allclose(frac * T * k, torch.bincount(ids.reshape(-1).long(), minlength=E).float())
+    # a large bias on one expert makes every token pick it; without groups nothing stops it
+    if ng == 1:
+        big = torch.zeros(E)
+        big[E - 1] = 10.0
+        _, ids_big, _, _ = fused_router(logits, k, score, ng, tg, norm, scaling, bias=big)
+        assert (ids_big[:, 0] == E - 1).all()
+    # the bias takes no gradient: d logits as without it, given the same ids
+    gw = torch.randn(T, k)
+    assert_close(torch.autograd.grad((w * gw).sum(), la)[0], torch.autograd.grad((rw * gw).sum(), lb)[0],
+                 torch.float32, "d logits")
+    with pytest.raises(ValueError):
+        fused_router(logits, k, score, ng, tg, norm, scaling, bias=torch.zeros(E + 1))

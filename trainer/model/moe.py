@@ -47,19 +47,20 @@ from trainer.syncs import moe_stage
 
 
 def route(logits: torch.Tensor, *, top_k: int, score_func: str, n_group: int = 1, topk_group: int = 1,
-          norm_topk_prob: bool = False, routed_scaling_factor: float = 1.0):
+          norm_topk_prob: bool = False, routed_scaling_factor: float = 1.0, bias: torch.Tensor | None = None):
     """Top-k routing on fp32 logits [T, E] -> (topk_idx [T,k] int64, topk_w [T,k] fp32, scores [T,E]).
 
     Group-limited top-k (DeepSeek): experts form ``n_group`` groups; a group's score is its best
     expert (softmax, V2) or the sum of its top-2 (sigmoid, V3); each token keeps ``topk_group`` groups.
-    Sync-free: topk / scatter / gather only.
+    ``bias`` [E] (DeepSeek-V3's auxiliary-loss-free balancing, trainer/model/balance.py) is added to the
+    scores that choose the groups and experts, never to the weights. Sync-free: topk / scatter / gather only.
     """
     logits = logits.float()
     scores = logits.softmax(dim=-1) if score_func == "softmax" else logits.sigmoid()
     T, E = scores.shape
-    sel = scores
+    sel = scores if bias is None else scores + bias.detach().float()
     if n_group > 1:
-        grouped = scores.view(T, n_group, E // n_group)
+        grouped = sel.view(T, n_group, E // n_group)
         if score_func == "sigmoid" and E // n_group >= 2:
             gscore = grouped.topk(2, dim=-1).values.sum(-1)
         else:
@@ -67,7 +68,7 @@ def route(logits: torch.Tensor, *, top_k: int, score_func: str, n_group: int = 1
         gidx = gscore.topk(topk_group, dim=-1).indices
         gmask = torch.zeros_like(gscore, dtype=torch.bool).scatter_(1, gidx, True)
         emask = gmask.unsqueeze(-1).expand(T, n_group, E // n_group).reshape(T, E)
-        sel = scores.masked_fill(~emask, float("-inf"))
+        sel = sel.masked_fill(~emask, float("-inf"))
     topk_idx = sel.topk(top_k, dim=-1).indices
     topk_w = scores.gather(1, topk_idx)
     if score_func == "sigmoid" or norm_topk_prob:
@@ -130,6 +131,11 @@ class MoE(nn.Module):
         self.level = cfg["sync_free_level"]
         self.cfg = cfg
         self.gate = nn.Linear(d, self.E, bias=False)
+        # DeepSeek-V3's auxiliary-loss-free balancing: a per-expert bias on the selection scores, moved after
+        # every optimizer step towards balance (trainer/model/balance.py); a buffer, not a parameter
+        self.balance_bias = cfg.get("router_bias_update_rate", 0.0) > 0
+        if self.balance_bias:
+            self.register_buffer("expert_bias", torch.zeros(self.E, dtype=torch.float32))
         self.experts = GroupedExperts(self.E_local, d, ff, cfg["grouped_gemm_backend"],
                                       cfg["multistream_num_streams"], grad_scale=1.0 / ep_size,
                                       align=cfg["grouped_gemm_align"], swiglu=cfg["expert_swiglu"])
@@ -150,6 +156,8 @@ class MoE(nn.Module):
         with torch.no_grad():
             self.experts.w13.copy_(w13[lo:hi])
             self.experts.w2.copy_(w2[lo:hi])
+            if self.balance_bias:
+                self.expert_bias.zero_()
 
     def _kernel_ops(self, xf: torch.Tensor) -> tuple[bool, bool]:
         """(fused router, kernels permute/unpermute) for this forward; notes why not when asked for."""
@@ -181,7 +189,8 @@ class MoE(nn.Module):
         c, k = self.cfg, self.k
         w, ids, frac, mean_prob = fused_router(
             logits, top_k=k, score_func=c["score_func"], n_groups=c["n_group"], topk_groups=c["topk_group"],
-            norm_topk=c["score_func"] == "sigmoid" or c["norm_topk_prob"], scaling=c["routed_scaling_factor"])
+            norm_topk=c["score_func"] == "sigmoid" or c["norm_topk_prob"], scaling=c["routed_scaling_factor"],
+            bias=self.expert_bias if self.balance_bias else None)
         if c["aux_loss_coef"] <= 0:
             aux = logits.new_zeros(())
         else:
@@ -204,7 +213,8 @@ class MoE(nn.Module):
             else:
                 topk_idx, topk_w, scores = route(logits, top_k=k, score_func=c["score_func"], n_group=c["n_group"],
                                                  topk_group=c["topk_group"], norm_topk_prob=c["norm_topk_prob"],
-                                                 routed_scaling_factor=c["routed_scaling_factor"])
+                                                 routed_scaling_factor=c["routed_scaling_factor"],
+                                                 bias=self.expert_bias if self.balance_bias else None)
                 counts = expert_counts(topk_idx, E)
                 aux = load_balance_loss(scores, counts, k, c["score_func"]) if c["aux_loss_coef"] > 0 else logits.new_zeros(())
         if self.ep_size > 1:

@@ -134,7 +134,10 @@ def wrap_data_parallel(model: nn.Module, cfg: dict, d: Dist) -> nn.Module:
         return model
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    DDP._set_params_and_buffers_to_ignore_for_model(model, expert_param_names(model))
+    # expert weights are split over ep (their gradients are reduced by sync_expert_grads); the routers'
+    # balancing biases are updated identically on every rank (trainer/model/balance.py): no broadcast
+    bias = [n for n, _ in model.named_buffers() if n.endswith("expert_bias")]
+    DDP._set_params_and_buffers_to_ignore_for_model(model, expert_param_names(model) + bias)
     kw = {"device_ids": [d.device.index]} if d.device.type == "cuda" else {}
     return DDP(model, process_group=d.replica_mesh.get_group(), **kw)
 
