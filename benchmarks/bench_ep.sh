@@ -17,6 +17,8 @@ mkdir -p "$OUTDIR" "$WORK"
 STEPS="--set steps=10 --set timing_warmup_steps=3 --set log_every=5 --set profile_step_end=0"
 PROF="--set steps=10 --set timing_warmup_steps=3 --set log_every=5 --set profile_step_start=8 --set profile_step_end=9"
 CAP="--set ep_dispatch=capacity --set ep_capacity_factor=${CAPF:-1.25}"
+LONG="--set steps=30 --set timing_warmup_steps=18 --set log_every=10 --set profile_step_end=0"
+BAL="--set router_bias_update_rate=0.001 $LONG"
 declare -A RUNS=(
   [gpu1]="1 $STEPS"
   [dp2]="2 $STEPS"
@@ -31,6 +33,19 @@ declare -A RUNS=(
   [ep4_cap_ovl4]="4 --set ep=4 $CAP --set ep_overlap=true --set ep_overlap_chunks=4 $STEPS"
   [ep4_cap110]="4 --set ep=4 --set ep_dispatch=capacity --set ep_capacity_factor=1.1 $STEPS"
   [ep4_cap110_ovl4]="4 --set ep=4 --set ep_dispatch=capacity --set ep_capacity_factor=1.1 --set ep_overlap=true --set ep_overlap_chunks=4 $STEPS"
+  # auxiliary-loss-free balancing (router_bias_update_rate, DeepSeek-V3's 0.001): 30 steps, the last 12 timed,
+  # so the router has settled; the *_b30 rows without it are the same length for the comparison
+  [dp4_bal]="4 $BAL"
+  [dp4_b30]="4 $LONG"
+  [ep4_cap_bal]="4 --set ep=4 $CAP $BAL"
+  [ep4_cap_b30]="4 --set ep=4 $CAP $LONG"
+  [ep4_cap_ovl_bal]="4 --set ep=4 $CAP --set ep_overlap=true $BAL"
+  [ep4_cap100_bal]="4 --set ep=4 --set ep_dispatch=capacity --set ep_capacity_factor=1.0 $BAL"
+  [ep4_nccl_bal]="4 --set ep=4 $BAL"
+  [ep4_cap_bal_prof]="4 --set ep=4 $CAP --set router_bias_update_rate=0.001 --set steps=30 --set timing_warmup_steps=18 --set log_every=10 --set profile_step_start=26 --set profile_step_end=28"
+  [ep4_cap_ovl_bal_prof]="4 --set ep=4 $CAP --set ep_overlap=true --set router_bias_update_rate=0.001 --set steps=30 --set timing_warmup_steps=18 --set log_every=10 --set profile_step_start=26 --set profile_step_end=28"
+  [ep2_cap_bal]="2 --set ep=2 $CAP $BAL"
+  [dp2_bal]="2 $BAL"
   # the committed fixture (tests/fixtures/h100_4gpu/ep4_cap_ovl): two profiled steps
   [ep4_cap_ovl_fixture]="4 --set ep=4 $CAP --set ep_overlap=true --set steps=10 --set timing_warmup_steps=3 --set log_every=5 --set profile_step_start=7 --set profile_step_end=9"
 )
