@@ -961,6 +961,34 @@ def test_whatif_on_an_unreadable_manifest_is_one_line_error(tmp_path, manifest):
     _one_line_exit_2(res, str(run / "manifest.json"))
 
 
+def test_a_manifest_value_nested_thousands_deep_is_rejected_when_read(tmp_path):
+    """A 5,000-deep list inside manifest.json decoded (the decoder's limit is higher), reached a verb's output
+    and broke its JSON writer: `ppvis --json` exit 3, RecursionError (the 2,000-example campaign, worker 31).
+    Now the reader rejects any run-dir JSON nested deeper than MAX_JSON_DEPTH, counted without recursion."""
+    from tracelens.io.run import MAX_JSON_DEPTH, json_depth, read_json_value
+
+    assert json_depth({"a": [1, {"b": []}]}, 10) == 4 and json_depth(7, 10) == 0
+    assert json_depth([[[[[]]]]], 2) == 3  # stops counting past the bound
+    run = tmp_path / "run"
+    shutil.copytree(EP2_RUN, run)
+    doc = json.loads((run / "manifest.json").read_text())
+    doc["notes"] = "@@DEEP@@"
+    text = json.dumps(doc)
+    for depth, ok in ((MAX_JSON_DEPTH - 1, True), (MAX_JSON_DEPTH, False), (5000, False)):  # one level down
+        (run / "manifest.json").write_text(text.replace('"@@DEEP@@"', "[" * depth + "]" * depth))
+        got, err = read_json_value(run / "manifest.json")
+        assert (err is None) == ok, err
+        if depth == MAX_JSON_DEPTH:  # decoded, then refused by the depth bound
+            assert err == ("RecursionError", f"JSON nested deeper than {MAX_JSON_DEPTH} levels")
+        elif not ok:  # the decoder's own limit, where the recursion limit is below 5,000 (it varies by host)
+            assert err[0] == "RecursionError"
+    res = CliRunner().invoke(main, ["whatif", str(run)], env={"TRACELENS_CACHE_DIR": str(tmp_path / "cache")})
+    _one_line_exit_2(res, str(run / "manifest.json"))
+    res = CliRunner().invoke(main, ["ppvis", str(run), "--no-traces", "-o", str(tmp_path / "p.html"), "--json",
+                                    str(tmp_path / "p.json")], env={"TRACELENS_CACHE_DIR": str(tmp_path / "cache")})
+    assert res.exit_code in (0, 2) and "internal error" not in res.stderr, res.stderr
+
+
 @pytest.mark.parametrize("line", [b"[" * 100_000, b'{"step":' * 100_000], ids=["list", "object"])
 def test_ppvis_on_a_deeply_nested_pipeline_line_is_one_line_error(tmp_path, line):
     """A pipeline jsonl line nested beyond the decoder's recursion limit was a RecursionError (exit 3)."""

@@ -51,17 +51,41 @@ def _one_line(e: BaseException) -> str:
     return " ".join(str(e).split())[:200] or type(e).__name__
 
 
+MAX_JSON_DEPTH = 200  # levels of nesting in a run dir's JSON files (manifest.json: 5)
+
+
 def read_json_value(path: Path) -> tuple[Any, tuple[str, str] | None]:
     """(the JSON document in ``path``, None) or (None, (exception type name or "", the problem)). Never raises.
-    Only a regular file of at most MAX_MANIFEST_BYTES is read (a FIFO would block, a device never end)."""
+    Only a regular file of at most MAX_MANIFEST_BYTES is read (a FIFO would block, a device never end), and
+    only a document nested at most MAX_JSON_DEPTH levels is returned: the trainer writes 5, and a deeper one
+    would reach the recursion limit later, in whatever writes a field of it back out (a verb's JSON)."""
     try:
         if not path.is_file():
             return None, ("", "not a regular file")
         if path.stat().st_size > MAX_MANIFEST_BYTES:
             return None, ("", f"larger than {MAX_MANIFEST_BYTES >> 20} MiB: not a manifest")
-        return json.loads(path.read_bytes()), None
+        doc = json.loads(path.read_bytes())
     except (OSError, ValueError, RecursionError) as e:
         return None, (type(e).__name__, str(e))
+    if json_depth(doc, MAX_JSON_DEPTH) > MAX_JSON_DEPTH:
+        return None, ("RecursionError", f"JSON nested deeper than {MAX_JSON_DEPTH} levels")
+    return doc, None
+
+
+def json_depth(doc: Any, stop: int) -> int:
+    """The nesting depth of a decoded JSON value (a scalar: 0), walked without recursion; stops counting once
+    past ``stop``."""
+    deepest, todo = 0, [(doc, 0)]
+    while todo:
+        v, d = todo.pop()
+        if isinstance(v, (dict, list)):
+            d += 1
+            if d > deepest:
+                deepest = d
+                if deepest > stop:
+                    return deepest
+            todo.extend((x, d) for x in (v.values() if isinstance(v, dict) else v))
+    return deepest
 
 
 def read_json_object(path: Path) -> tuple[dict | None, tuple[str, str] | None]:
