@@ -16,7 +16,7 @@ nearest first; "lower" the values before it, nearest first; "switch" every other
                                                               then raise sync_free_level, then the other grouped
                                                               backends (never a per-expert one: more launches)
     small_kernels (most kernels under 10 us)                  switch grouped_gemm_backend, grouped ones first
-    exposed_comm (communication not hidden), at ep > 1        raise ep_dispatch (nccl -> capacity), raise
+    exposed_comm (communication not hidden), at ep > 1        raise ep_dispatch (nccl -> capacity -> symm), raise
                                                               ep_overlap; with the overlap on, raise
                                                               ep_overlap_chunks
     signal moe_sync_ops / moe_host_syncs > 0                  raise sync_free_level
@@ -151,7 +151,7 @@ def propose(knobs: dict[str, list], current: dict, findings: Any = None, signals
         elif kind == "small_kernels":
             b.switch_grouped(kind, label)
         elif kind == "exposed_comm" and current.get("ep", 2) != 1:  # at ep=1 no token travels (ep not a knob: try)
-            b.raise_("ep_dispatch", kind, label)  # capacity: the bytes on the wire scale with the routed rows
+            b.raise_("ep_dispatch", kind, label)  # capacity, symm: the bytes on the wire scale with the routed rows
             b.raise_("ep_overlap", kind, label)  # the all-to-alls behind the shared expert and the next chunk
             if current.get("ep_overlap") is True:
                 b.raise_("ep_overlap_chunks", kind, label)

@@ -7,7 +7,9 @@
 #   on a 4-GPU machine, from the checkout (carry: [".whl"]):
 #     bash benchmarks/bench_ep.sh                         # the 4-GPU rows
 #     ROWS="check dp4 ep4_cap" bash benchmarks/bench_ep.sh
-#   check:  the dispatch paths' numerics on NCCL (tests/trainer/_ep_dispatch_worker.py on the GPUs, fp32 + bf16)
+#   check:  the dispatch paths' numerics on NCCL and NVSHMEM (tests/trainer/_ep_dispatch_worker.py on the GPUs, fp32 +
+#           bf16, symm included): one PASS/FAIL line per case, the count at the end, exit 1 if any case failed
+#     ROWS=check bash benchmarks/bench_ep.sh          # 4 GPUs; the lines in $OUT/check.log
 #   1-/2-GPU rows (the scaling table): gpu1, dp2, ep2_*; NPROC is taken from the row's name.
 set -u
 source "$(dirname "$0")/gpu_env.sh"
@@ -19,6 +21,7 @@ PROF="--set steps=10 --set timing_warmup_steps=3 --set log_every=5 --set profile
 CAP="--set ep_dispatch=capacity --set ep_capacity_factor=${CAPF:-1.25}"
 LONG="--set steps=30 --set timing_warmup_steps=18 --set log_every=10 --set profile_step_end=0"
 BAL="--set router_bias_update_rate=0.001 $LONG"
+SYMM="--set ep_dispatch=symm --set ep_capacity_factor=${CAPF:-1.25}"
 declare -A RUNS=(
   [gpu1]="1 $STEPS"
   [dp2]="2 $STEPS"
@@ -30,6 +33,8 @@ declare -A RUNS=(
   [ep4_nccl_L1_ovl]="4 --set ep=4 --sync-free-level 1 --set ep_overlap=true $STEPS"
   [ep4_cap]="4 --set ep=4 $CAP $PROF"
   [ep4_cap_ovl]="4 --set ep=4 $CAP --set ep_overlap=true $PROF"
+  [ep4_symm]="4 --set ep=4 $SYMM $PROF"
+  [ep4_symm_ovl]="4 --set ep=4 $SYMM --set ep_overlap=true $PROF"
   [ep4_cap_ovl4]="4 --set ep=4 $CAP --set ep_overlap=true --set ep_overlap_chunks=4 $STEPS"
   [ep4_cap110]="4 --set ep=4 --set ep_dispatch=capacity --set ep_capacity_factor=1.1 $STEPS"
   [ep4_cap110_ovl4]="4 --set ep=4 --set ep_dispatch=capacity --set ep_capacity_factor=1.1 --set ep_overlap=true --set ep_overlap_chunks=4 $STEPS"
@@ -49,13 +54,14 @@ declare -A RUNS=(
   # the committed fixture (tests/fixtures/h100_4gpu/ep4_cap_ovl): two profiled steps
   [ep4_cap_ovl_fixture]="4 --set ep=4 $CAP --set ep_overlap=true --set steps=10 --set timing_warmup_steps=3 --set log_every=5 --set profile_step_start=7 --set profile_step_end=9"
 )
-for name in ${ROWS:-check dp4 ep4_nccl ep4_cap ep4_cap_ovl ep4_nccl_L1_ovl}; do
+for name in ${ROWS:-check dp4 ep4_nccl ep4_cap ep4_cap_ovl ep4_symm ep4_symm_ovl ep4_nccl_L1_ovl}; do
   t0=$(date +%s)
   if [ "$name" = check ]; then
-    echo "=== check: the dispatch paths on NCCL"
-    EP_WORKER_DEVICE=cuda timeout 300 python3 -m torch.distributed.run --standalone --nproc-per-node 4 \
+    echo "=== check: the dispatch paths on NCCL and NVSHMEM"
+    EP_WORKER_DEVICE=cuda timeout 420 python3 -m torch.distributed.run --standalone --nproc-per-node 4 \
       tests/trainer/_ep_dispatch_worker.py "$OUTDIR" > "$OUTDIR/check.log" 2>&1
-    echo "check: exit $? in $(( $(date +%s) - t0 )) s"; tail -2 "$OUTDIR/check.log"
+    echo "check: exit $? in $(( $(date +%s) - t0 )) s"
+    grep -E "^(PASS|FAIL) |cases PASS" "$OUTDIR/check.log" || tail -20 "$OUTDIR/check.log"
     continue
   fi
   set -- ${RUNS[$name]}

@@ -25,6 +25,13 @@ from .schedules import PIPELINE_SCHEDULES, SCHEDULES, SINGLE_STAGE
 CONFIG_DIR = Path(__file__).parent.parent / "trainer" / "configs"
 
 
+# ep_dispatch=symm: the PyTorch NVSHMEM ops' limits (torch/csrc/distributed/c10d/symm_mem/nvshmem_extension.cu:
+# one 512-thread block holds the splits, in 16 tiles of a 32-lane warp scan): all_to_all_vdev_2d takes at most
+# 16 experts per rank, all_to_all_vdev_2d_offset at most 16 ranks
+SYMM_MAX_EP = 16
+SYMM_MAX_LOCAL_EXPERTS = 16
+
+
 class ConfigError(ValueError):
     """A bad configuration value. ``key`` names the offending key; ``str(err)`` is one line."""
 
@@ -95,8 +102,9 @@ DEFAULTS: dict[str, Any] = {
     "dp_mode": "fsdp",           # fsdp (FSDP2 fully_shard) | ddp
     # ---- expert parallelism (ep > 1; docs/trainer.md "Expert parallelism") ----
     "ep_dispatch": "nccl",       # nccl (exact splits at levels 0-1, the worst-case buffer at 2-3) | capacity
-                                 # (a static per-peer capacity: rows beyond it are dropped and counted)
-    "ep_capacity_factor": 1.25,  # capacity: rows per peer = ceil(factor * tokens * top_k / ep), per chunk
+                                 # (a static per-peer capacity: rows beyond it are dropped and counted) | symm
+                                 # (the capacity rule, only routed rows sent over NVSHMEM symmetric memory)
+    "ep_capacity_factor": 1.25,  # capacity, symm: rows per peer = ceil(factor * tokens * top_k / ep), per chunk
     "ep_overlap": False,         # chunked dispatch: a chunk's rows travel while another chunk's experts (or
                                  # the shared expert) compute
     "ep_overlap_chunks": 2,      # chunks of tokens per micro-batch when ep_overlap is on
@@ -157,7 +165,7 @@ _CHOICES = {
     "compile": ("none", "dense"),
     "cuda_graphs": ("off", "on"),
     "expert_swiglu": ("torch", "triton"),
-    "ep_dispatch": ("nccl", "capacity"),
+    "ep_dispatch": ("nccl", "capacity", "symm"),
 }
 
 # Bounds (docs/trainer.md "Bounds"): every integer key is in [0, MAX_INT] (seed: [0, MAX_SEED]); the ones below
@@ -440,6 +448,22 @@ def _validate_ep(cfg: dict) -> None:
             if cfg[key] != default:
                 raise ConfigError(key, f"{cfg[key]!r} needs expert parallelism (ep > 1): with ep=1 no token leaves "
                                        "its rank")
+    if cfg["ep_dispatch"] == "symm":
+        _validate_symm(cfg)
+
+
+def _validate_symm(cfg: dict) -> None:
+    """ep_dispatch=symm runs PyTorch's NVSHMEM all-to-all ops: GPUs only (checked again at run time, with
+    NVSHMEM and the ops, for device=auto), within the ops' limits on ranks and experts per rank."""
+    if cfg["device"] == "cpu":
+        raise ConfigError("ep_dispatch", "symm needs CUDA GPUs with NVSHMEM (device=cpu): on a CPU use nccl or capacity")
+    if cfg["ep"] > SYMM_MAX_EP:
+        raise ConfigError("ep_dispatch", f"symm: the NVSHMEM ops take at most {SYMM_MAX_EP} ranks per EP group, "
+                                         f"got ep={cfg['ep']}")
+    El = cfg["n_routed_experts"] // cfg["ep"]
+    if El > SYMM_MAX_LOCAL_EXPERTS:
+        raise ConfigError("ep_dispatch", f"symm: the NVSHMEM dispatch op takes at most {SYMM_MAX_LOCAL_EXPERTS} "
+                                         f"experts per rank, got n_routed_experts/ep = {El}")
 
 
 def _validate_cuda_graphs(cfg: dict) -> None:

@@ -240,6 +240,12 @@ def _check_device_knobs(cfg: dict, device: torch.device) -> None:
         why = compile_problem(device)
         if why:
             raise ConfigError("compile", f"dense {why}")
+    if cfg["ep_dispatch"] == "symm" and cfg["ep"] > 1:
+        from trainer.model.dispatch import symm_problem
+
+        why = symm_problem(device)
+        if why:
+            raise ConfigError("ep_dispatch", f"symm {why}")
     if cfg["expert_swiglu"] == "triton":
         from trainer.model.experts import swiglu_problem  # noqa: PLC0415
 
@@ -510,7 +516,7 @@ def ep_dispatch_record(cfg: dict, d: Dist, drops: list[float]) -> dict | None:
     if d.ep == 1:
         return None
     dropped, routed = int(drops[0]), int(drops[1])
-    return {"path": cfg["ep_dispatch"], "capacity_factor": cfg["ep_capacity_factor"] if cfg["ep_dispatch"] == "capacity"
+    return {"path": cfg["ep_dispatch"], "capacity_factor": cfg["ep_capacity_factor"] if cfg["ep_dispatch"] in ("capacity", "symm")
             else None, "overlap": cfg["ep_overlap"], "overlap_chunks": cfg["ep_overlap_chunks"] if cfg["ep_overlap"]
             else 1, "routed_rows": routed, "dropped_rows": dropped,
             "dropped_share": dropped / routed if routed else 0.0}

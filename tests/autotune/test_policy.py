@@ -237,10 +237,13 @@ def test_the_ep_space_is_steered_by_the_rules_when_the_model_has_no_mechanism(tm
     assert ("[autotune] what-if model unavailable (the model has no mechanism for any knob of the space (ep, "
             "ep_dispatch, ep_capacity_factor, ep_overlap, ep_overlap_chunks)): steering by the rules") in logs
     got = [(p["knobs"], p["decision"], p["motivation"].split(" -> ")[-1]) for p in res.path]
-    assert got[:4] == [(base, "start", "baseline"), (cap, "kept", "ep_dispatch=capacity"),
-                       (ovl, "kept", "ep_overlap=True"), ({**ovl, "ep_overlap_chunks": 4}, "reverted", "ep_overlap_chunks=4")]
+    symm = {**base, "ep_dispatch": "symm"}  # the rule raises the path along the space's list: capacity, then symm
+    assert got[:6] == [(base, "start", "baseline"), (cap, "kept", "ep_dispatch=capacity"),
+                       (symm, "reverted", "ep_dispatch=symm"), (ovl, "kept", "ep_overlap=True"),
+                       ({**ovl, "ep_dispatch": "symm"}, "reverted", "ep_dispatch=symm"),
+                       ({**ovl, "ep_overlap_chunks": 4}, "reverted", "ep_overlap_chunks=4")]
     assert res.path[1]["motivation"].startswith("finding exposed_comm (high): 40 ms per rank")
     # then the neighbours of the incumbent the constraints allow (ep=1 needs the defaults: not one knob away)
-    assert [p["motivation"].split(" -> ")[-1] for p in res.path[4:]] == ["ep_dispatch=nccl", "ep_capacity_factor=1.1"]
+    assert [p["motivation"].split(" -> ")[-1] for p in res.path[6:]] == ["ep_dispatch=nccl", "ep_capacity_factor=1.1"]
     assert all(space.allowed(p["knobs"]) for p in res.path)
     assert res.best["knobs"] == ovl and res.stopped == "no finding or neighbour left"

@@ -257,7 +257,7 @@ def test_every_point_must_fit_nproc_and_constraints_can_read_it():
         's.yaml: nproc: 4 process(es) cannot run {"ep":2} (config error: dp: world size 4 != dp*ep = 4*2)')
 
 
-@pytest.mark.parametrize("name, nproc, points", [("tiny_cpu_ep.yaml", 4, 13), ("gpu_ep4.yaml", 4, 10)])
+@pytest.mark.parametrize("name, nproc, points", [("tiny_cpu_ep.yaml", 4, 13), ("gpu_ep4.yaml", 4, 16)])
 def test_ep_spaces_search_the_dispatch_knobs_only_where_the_trainer_takes_them(name, nproc, points):
     """The EP spaces' constraints leave out exactly the points the trainer refuses (a dispatch knob off its
     default at ep=1) and the ones that repeat another (the capacity factor without the capacity path, the chunk
@@ -272,12 +272,13 @@ def test_ep_spaces_search_the_dispatch_knobs_only_where_the_trainer_takes_them(n
     for vals in itertools.product(*space.knobs.values()):
         p = dict(zip(names, vals))
         try:
-            cfg = load_config(space.config, {**space.fixed, **p, "device": "cpu"})
+            # the GPU space's points are for GPUs (ep_dispatch=symm is refused on a CPU)
+            cfg = load_config(space.config, {**space.fixed, **p, "device": "cuda" if name.startswith("gpu") else "cpu"})
             resolve_world(cfg, space.nproc)
             valid = True
         except ConfigError:
             valid = False
-        repeats = ((p.get("ep_capacity_factor", 1.25) != 1.25 and p["ep_dispatch"] != "capacity")
+        repeats = ((p.get("ep_capacity_factor", 1.25) != 1.25 and p["ep_dispatch"] not in ("capacity", "symm"))
                    or (p.get("ep_overlap_chunks", 2) != 2 and not p["ep_overlap"]))
         assert space.allowed(p) == (valid and not repeats), p
         if p["ep"] == 1:

@@ -11,11 +11,22 @@ group's tokens with the full expert set:
   rank went to the same peer; a token's output is its shared expert plus its kept experts' weighted
   SwiGLU outputs. The dropped-row count is checked against the same rule.
 
-Host syncs in the MoE path are counted per path and level (forward + backward).
+``ep_dispatch: symm`` runs the capacity rule too (its reference is the same), serial and overlapped,
+without and with drops, and with a skewed router (``skew``: a large feature pushes most rows to the first
+experts and none to the last peer's, so that peer receives nothing and several local experts are empty).
+On a CPU the NVSHMEM ops cannot run: :class:`EmulatedSymmOps` writes their contract (nvshmem_extension.cu:
+the expert-major layout with one padding row per empty expert, the reverse op) with gloo all-to-alls, and
+fills fresh symmetric buffers with NaN, so a padding or dropped row that leaked into an output or a
+gradient would show. On GPUs the real ops run.
+
+Host syncs in the MoE path are counted per path and level (forward + backward; the emulation's own reads
+are hidden from the counter, as the real ops have none).
 
 ``EP_WORKER_DEVICE=cuda`` (benchmarks/bench_ep.sh, on GPUs): NCCL instead of gloo, the same cases on the
 GPU, plus bf16 cases through ``torch._grouped_mm`` (whose rows past the last offset are left unwritten:
-the outputs and gradients must still match and be finite).
+the outputs and gradients must still match and be finite). Rank 0 prints one PASS/FAIL line per case
+(tolerances in :func:`tolerance`; a failing case names each quantity over it with its shape and first
+mismatch) and the worker exits 1 if any case failed.
 """
 
 from __future__ import annotations
@@ -29,27 +40,126 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.utils._python_dispatch import _disable_current_modes
 
 from moespec.config import load_config
+from trainer.model import dispatch
 from trainer.model.moe import MoE, route
 from trainer.syncs import HostSyncCounter
 
 
-def _init(m: MoE) -> None:
+def _init(m: MoE, skew_P: int = 0) -> None:
     torch.manual_seed(7)
     m.gate.weight.data.normal_(0, 0.5)
     for lin in (m.shared.w1, m.shared.w2, m.shared.w3):
         lin.weight.data.normal_(0, 0.1)
     m.init_weights(0.1, torch.Generator().manual_seed(11))
+    if skew_P:  # feature 0 (made large in _inputs) favours experts 0-2 and rules out the last peer's experts
+        E = m.gate.weight.shape[0]
+        col = torch.zeros(E)
+        col[:3] = 4.0
+        col[E - E // skew_P:] = -4.0
+        m.gate.weight.data[:, 0] = col.to(m.gate.weight.device, m.gate.weight.dtype)
 
 
 DEV = torch.device("cpu")
 
 
-def _inputs(ranks, B, S, D, dtype):
-    xs = [torch.randn(B, S, D, generator=torch.Generator().manual_seed(100 + r)).to(DEV, dtype) for r in ranks]
+def _inputs(ranks, B, S, D, dtype, skew=False):
+    xs = [torch.randn(B, S, D, generator=torch.Generator().manual_seed(100 + r)) for r in ranks]
+    if skew:
+        for x in xs:
+            x[..., 0] = 3.0
+    xs = [x.to(DEV, dtype) for x in xs]
     gs = [torch.randn(B, S, D, generator=torch.Generator().manual_seed(200 + r)).to(DEV, dtype) for r in ranks]
     return xs, gs
+
+
+def _host(t: torch.Tensor) -> list[int]:
+    """Host ints through ``int()`` (``aten::_local_scalar_dense``, hidden with the dispatch modes), not the
+    counter's patched ``Tensor.tolist``."""
+    return [int(v) for v in t]
+
+
+class EmulatedSymmOps:
+    """``torch.ops.symm_mem.all_to_all_vdev_2d`` (with ``major_align=1``) and ``all_to_all_vdev_2d_offset``
+    as PyTorch 2.11's nvshmem_extension.cu defines them, written with gloo all-to-alls for the CPU tests of
+    the symm path; "symmetric" buffers are plain tensors filled with NaN (int64: -1)."""
+
+    def alloc(self, shape, dtype, device, group, heap_hint):
+        return torch.full(shape, -1 if dtype == torch.int64 else float("nan"), dtype=dtype, device=device)
+
+    @staticmethod
+    def expert_major(recv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows received [P src, El] -> (splits, offsets) [El*P], index e*P + src: each expert's block starts
+        where the previous one ends, and takes at least one row (major_align = 1)."""
+        P, El = recv.shape
+        splits = recv.t().reshape(-1)
+        offsets, start = [], 0
+        for e in range(El):
+            pos = start
+            for s in range(P):
+                offsets.append(pos)
+                pos += int(recv[s, e])
+            start += max(int(recv[:, e].sum()), 1)
+        return splits, torch.tensor(offsets, dtype=torch.int64)
+
+    def dispatch(self, inp, out, in_splits, oso, group):
+        with _disable_current_modes():  # the real op reads nothing on the host: keep the sync counter blind
+            P = dist.get_world_size(group)
+            El = in_splits.numel() // P
+            recv = torch.empty_like(in_splits)
+            dist.all_to_all_single(recv, in_splits.clone(), group=group)
+            recv = recv.view(P, El)
+            send_sizes = _host(in_splits.view(P, El).sum(1))
+            recv_sizes = _host(recv.sum(1))
+            rows = inp.new_empty((sum(recv_sizes), inp.shape[1]))
+            dist.all_to_all_single(rows, inp[:sum(send_sizes)].contiguous(), recv_sizes, send_sizes, group=group)
+            splits, offsets = self.expert_major(recv)
+            pos = 0
+            for s in range(P):  # received source-major, each source's rows by local expert
+                for e in range(El):
+                    n = int(recv[s, e])
+                    o = int(offsets[e * P + s])
+                    out[o:o + n] = rows[pos:pos + n]
+                    pos += n
+            oso[0].copy_(splits)
+            oso[1].copy_(offsets)
+
+    def combine(self, inp, out, iso, oso, group):
+        with _disable_current_modes():
+            P = dist.get_world_size(group)
+            El = iso.shape[1] // P
+            splits, offsets = iso[0].view(El, P), iso[1].view(El, P)
+            chunks = [inp[int(offsets[e, p]):int(offsets[e, p]) + int(splits[e, p])] for p in range(P) for e in range(El)]
+            send = torch.cat(chunks) if chunks else inp[:0]
+            send_sizes = _host(splits.sum(0))
+            back = torch.empty(P * El, dtype=torch.int64)
+            dist.all_to_all_single(back, splits.t().contiguous().reshape(-1), group=group)   # [src, e]
+            recv_sizes = _host(back.view(P, El).sum(1))
+            rows = inp.new_empty((sum(recv_sizes), inp.shape[1]))
+            dist.all_to_all_single(rows, send.contiguous(), recv_sizes, send_sizes, group=group)
+            out[:rows.shape[0]] = rows
+            oso[0].copy_(back)
+            oso[1].copy_(back.cumsum(0) - back)
+
+
+def tolerance(dtype) -> float:
+    """Largest error accepted: fp32 differs only by summation order (CPU measured <= 7e-6; GPU kernels
+    differ more); bf16 relative to the reference's scale (every product rounds)."""
+    if dtype != torch.float32:
+        return 2e-2
+    return 1e-4 if DEV.type == "cuda" else 1e-5
+
+
+def _first_mismatch(got: torch.Tensor, want: torch.Tensor, tol: float) -> str:
+    diff = (got.float() - want.float()).abs()
+    bad = (diff > tol) | ~got.isfinite()
+    if not bool(bad.any()):
+        return f"shape {tuple(got.shape)}"
+    idx = tuple(int(i) for i in bad.nonzero()[0])
+    return (f"shape {tuple(got.shape)}, {int(bad.sum())} elements off, first at {idx}: got {float(got[idx]):.6g}, "
+            f"want {float(want[idx]):.6g}")
 
 
 def _dropping_reference(ref: MoE, cfg, xs, P, chunks, factor):
@@ -90,23 +200,24 @@ def _dropping_reference(ref: MoE, cfg, xs, P, chunks, factor):
     return ys, dropped
 
 
-def check(cfg, group, P, me, ranks, *, path, level, overlap, factor, backend="torch", dtype=torch.float32):
+def check(cfg, group, P, me, ranks, *, path, level, overlap, factor, backend="torch", dtype=torch.float32,
+          skew=False):
     cfg = dict(cfg, sync_free_level=level, grouped_gemm_backend=backend, ep=P, ep_dispatch=path,
                ep_capacity_factor=factor, ep_overlap=overlap, ep_overlap_chunks=2)
     ep = MoE(cfg, group, P, me)
     ref = MoE(dict(cfg, ep=1, ep_dispatch="nccl", ep_overlap=False), None, 1, 0)
-    _init(ep)
-    _init(ref)
+    _init(ep, P if skew else 0)
+    _init(ref, P if skew else 0)
     ep.to(DEV, dtype)
     ref.to(DEV, dtype)
     B, S, D = 2, 16, cfg["d_model"]
-    xs, gs = _inputs(ranks, B, S, D, dtype)
+    xs, gs = _inputs(ranks, B, S, D, dtype, skew)
     x = xs[me].clone().requires_grad_(True)
     with HostSyncCounter() as counter:
         y, _ = ep(x)
         (y * gs[me]).sum().backward()
     chunks = 2 if overlap else 1
-    if path == "capacity":
+    if path in ("capacity", "symm"):
         xr = [t.clone().requires_grad_(True) for t in xs]
         yr, want_dropped = _dropping_reference(ref, cfg, xr, P, chunks, factor)
         sum((a * b).sum() for a, b in zip(yr, gs, strict=True)).backward()
@@ -131,6 +242,9 @@ def check(cfg, group, P, me, ranks, *, path, level, overlap, factor, backend="to
     shared_grad = ep.shared.w1.weight.grad.clone()
     dist.all_reduce(shared_grad, group=group)
     finite = all(bool(t.isfinite().all()) for t in (y, x.grad, ep.experts.w13.grad, ep.experts.w2.grad))
+    pairs = {"y": (y, y_ref), "x_grad": (x.grad, xg_ref), "w13_grad": (ep.experts.w13.grad * P, ref.experts.w13.grad[lo:hi]),
+             "w2_grad": (ep.experts.w2.grad * P, ref.experts.w2.grad[lo:hi]), "gate_grad": (gate_grad, ref.gate.weight.grad),
+             "shared_grad": (shared_grad, ref.shared.w1.weight.grad)}
     err = {
         "y": (y - y_ref).abs().max().item(),
         "x_grad": (x.grad - xg_ref).abs().max().item(),
@@ -140,10 +254,24 @@ def check(cfg, group, P, me, ranks, *, path, level, overlap, factor, backend="to
         "gate_grad": (gate_grad - ref.gate.weight.grad).abs().max().item(),
         "shared_grad": (shared_grad - ref.shared.w1.weight.grad).abs().max().item(),
     }
+    tol = tolerance(dtype)
+    scale = {k: 1.0 for k in err}
     if dtype != torch.float32:  # relative to the reference's scale: bf16 rounds every product
-        err = {k: v / max(1e-6, float(ref_scale[k])) for k, v in err.items()}
-    return {"err": err, "finite": finite, "syncs": dict(counter.by_stage), "moe_syncs": counter.moe_total,
-            "dropped": got_dropped, "want_dropped": want_dropped, "routed_rows": ep.dispatcher.routed_rows}
+        scale = {k: max(1e-6, float(ref_scale[k])) for k in err}
+        err = {k: v / scale[k] for k, v in err.items()}
+    where = {k: _first_mismatch(pairs[k][0], pairs[k][1], tol * scale[k]) for k, v in err.items() if v >= tol or not finite}
+    # rows each global expert gets from the group's tokens (the routing the case exercises: skew empties the
+    # last peer and some experts)
+    per_expert = torch.zeros(cfg["n_routed_experts"], dtype=torch.int64)
+    for xr_ in xs:
+        logits = F.linear(xr_.reshape(-1, D).float(), ref.gate.weight.float())
+        idx, _, _ = route(logits, top_k=cfg["top_k"], score_func=cfg["score_func"], n_group=cfg["n_group"],
+                          topk_group=cfg["topk_group"], norm_topk_prob=cfg["norm_topk_prob"],
+                          routed_scaling_factor=cfg["routed_scaling_factor"])
+        per_expert += torch.bincount(idx.reshape(-1).cpu(), minlength=cfg["n_routed_experts"])
+    return {"err": err, "tol": tol, "finite": finite, "where": where, "syncs": dict(counter.by_stage),
+            "moe_syncs": counter.moe_total, "dropped": got_dropped, "want_dropped": want_dropped,
+            "routed_rows": ep.dispatcher.routed_rows, "rows_per_expert": per_expert.tolist()}
 
 
 def main(out_dir: str) -> None:
@@ -162,26 +290,66 @@ def main(out_dir: str) -> None:
     cases = []
     for level in range(4):
         for overlap in (False, True):
-            cases.append(dict(path="nccl", level=level, overlap=overlap, factor=1.25))
+            cases.append({"path": "nccl", "level": level, "overlap": overlap, "factor": 1.25})
     for overlap in (False, True):
-        cases.append(dict(path="capacity", level=3, overlap=overlap, factor=8.0))   # >= the worst case: no drop
-        cases.append(dict(path="capacity", level=3, overlap=overlap, factor=0.6))   # drops
-    cases.append(dict(path="capacity", level=3, overlap=True, factor=0.6, backend="loop"))
+        cases.append({"path": "capacity", "level": 3, "overlap": overlap, "factor": 8.0})   # >= the worst case: no drop
+        cases.append({"path": "capacity", "level": 3, "overlap": overlap, "factor": 0.6})   # drops
+    cases.append({"path": "capacity", "level": 3, "overlap": True, "factor": 0.6, "backend": "loop"})
+    for overlap in (False, True):  # symm: no drop, drops, a skewed router (one peer receives nothing) with and without
+        cases.append({"path": "symm", "level": 3, "overlap": overlap, "factor": 8.0})
+        cases.append({"path": "symm", "level": 3, "overlap": overlap, "factor": 0.6})
+        cases.append({"path": "symm", "level": 3, "overlap": overlap, "factor": 8.0, "skew": True})
+        cases.append({"path": "symm", "level": 3, "overlap": overlap, "factor": 1.0, "skew": True})
+    cases.append({"path": "symm", "level": 0, "overlap": True, "factor": 1.25})  # symm ignores the level: no sync
     if cuda:
-        for path, factor in (("nccl", 1.25), ("capacity", 8.0), ("capacity", 0.6)):
+        for path, factor in (("nccl", 1.25), ("capacity", 8.0), ("capacity", 0.6), ("symm", 8.0), ("symm", 0.6)):
             for backend in ("torch", "triton"):
-                cases.append(dict(path=path, level=3, overlap=True, factor=factor, backend=backend,
-                                  dtype=torch.bfloat16))
-    results = {}
+                cases.append({"path": path, "level": 3, "overlap": True, "factor": factor, "backend": backend,
+                                  "dtype": torch.bfloat16})
+        cases.append({"path": "symm", "level": 3, "overlap": False, "factor": 1.0, "skew": True, "dtype": torch.bfloat16})
+    else:  # the NVSHMEM ops' contract, emulated on gloo
+        dispatch.set_symm_ops(EmulatedSymmOps())
+    results, failed = {}, 0
     for P, (group, me, ranks) in layouts.items():
         for c in cases:
             key = f"ep{P}/{c['path']}/L{c['level']}/{'overlap' if c['overlap'] else 'serial'}/f{c['factor']}" \
-                  f"/{c.get('backend', 'torch')}" + ("/bf16" if c.get("dtype") == torch.bfloat16 else "")
-            results[key] = check(cfg, group, P, me, ranks, **c)
+                  f"/{c.get('backend', 'torch')}" + ("/bf16" if c.get("dtype") == torch.bfloat16 else "") \
+                  + ("/skew" if c.get("skew") else "")
+            try:
+                res = check(cfg, group, P, me, ranks, **c)
+            except Exception as err:  # noqa: BLE001 - one FAIL line per case; every rank fails alike on a bad op call
+                res = {"error": f"{type(err).__name__}: {' '.join(str(err).split())[:400]}"}
+            results[key] = res
+            failed += _report(key, res, rank, cuda)
     if rank == 0:
         (Path(out_dir) / "results.json").write_text(json.dumps(results, indent=1))
+        print(f"{len(results) - failed} of {len(results)} cases PASS on {DEV.type}"
+              + (f", {failed} FAIL" if failed else ""), flush=True)
     dist.barrier()
     dist.destroy_process_group()
+    if failed and cuda:
+        sys.exit(1)
+
+
+def _report(key: str, res: dict, rank: int, cuda: bool) -> int:
+    """Print the case's PASS/FAIL line on rank 0 (GPU runs; the CPU test judges the JSON). 1 if it failed."""
+    if "error" in res:
+        why = res["error"]
+    else:
+        bad = {k: v for k, v in res["err"].items() if not v < res["tol"]}
+        level = key.split("/")[2]
+        want_syncs = {"L0": {"permute": 1, "dispatch": 1}, "L1": {"dispatch": 1}, "L2": {"permute": 1}, "L3": {}}[level]
+        if "/nccl/" not in key:
+            want_syncs = {}
+        why = "; ".join([f"{k} err {v:.3g} > tol {res['tol']:g} ({res['where'].get(k, '')})" for k, v in bad.items()]
+                        + ([] if res["finite"] else ["non-finite output or gradient"])
+                        + ([] if res["dropped"] == res["want_dropped"] else
+                           [f"dropped {res['dropped']} rows, the rule drops {res['want_dropped']}"])
+                        + ([] if res["syncs"] == want_syncs else [f"host syncs {res['syncs']}, want {want_syncs}"]))
+    if cuda and rank == 0:
+        worst = "" if "error" in res else f" (max err {max(res['err'].values()):.2g}, dropped {res['dropped']})"
+        print(f"{'FAIL' if why else 'PASS'} {key}{worst}{': ' + why if why else ''}", flush=True)
+    return int(bool(why))
 
 
 if __name__ == "__main__":

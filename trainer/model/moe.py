@@ -20,7 +20,7 @@ level  EP = 1                                                EP > 1 (``ep_dispat
                                                              rows (device offsets)
 =====  ====================================================  ==================================
 
-``ep_dispatch: capacity`` never syncs (a static per-peer capacity; rows beyond it dropped and counted).
+``ep_dispatch: capacity`` and ``symm`` never sync (a static per-peer capacity; rows beyond it dropped and counted).
 With chunks, each level's reads are made once for all chunks.
 
 ``use_triton_kernels``: where ``kernels`` can run (CUDA, or CPU under the Triton interpreter) the
@@ -282,7 +282,7 @@ class MoE(nn.Module):
                 trips.append(Trip(routed))
                 hows.append(how)
             counts_host = None
-            if self.level == 0:  # the level-0 sync of the permute stage, once for all chunks
+            if self.level == 0 and self.dispatcher.exact:  # the level-0 sync of the permute stage, once for all chunks
                 counts_host = torch.stack([t.routed.counts for t in trips]).tolist()
         record_routing(self, *(t.routed.counts for t in trips))  # one forward's chunks (trainer/routing_log.py)
         with moe_stage("dispatch"):
