@@ -197,6 +197,11 @@ class Layout:
     dtype: str = "bf16"
     zero: int = 3
     moe_imbalance: float = 1.0   # received rows / balanced rows at levels 0-2 (1.0 = perfectly balanced)
+    # EP dispatch path (trainer/model/dispatch.py): "nccl" (exact rows at levels 0-1, the worst-case buffer at 2-3)
+    # or "capacity" (static buffers of ep * ceil(f * T_c * k / ep) rows per chunk); chunks: ep_overlap's
+    ep_dispatch: str = "nccl"
+    ep_capacity: float = 1.25
+    ep_chunks: int = 1
     # The trainer's pipeline layout (a manifest's "pipeline" record): layer ids per virtual stage (pp*vpp of
     # them, in model order) and the pipeline rank of each. None = even contiguous chunks, placed s % pp (V for zbv).
     stage_layers: tuple[tuple[int, ...], ...] | None = None
@@ -297,6 +302,9 @@ def resolve_layout(cfg: dict, world: int | None = None, source: str | None = Non
         sync_free_level=kw.get("sync_free_level", cfg["sync_free_level"]),
         loss_fusion=kw.get("loss_fusion", cfg["loss_fusion"]), loss_chunk=kw.get("loss_chunk", cfg["loss_chunk_size"]),
         dtype=kw.get("dtype", cfg["dtype"]), zero=zero, moe_imbalance=float(kw.get("moe_imbalance", 1.0)),
+        ep_dispatch=kw.get("ep_dispatch", cfg.get("ep_dispatch") or "nccl"),
+        ep_capacity=float(kw.get("ep_capacity", cfg.get("ep_capacity_factor") or 1.25)),
+        ep_chunks=int(kw.get("ep_chunks", (cfg.get("ep_overlap_chunks") or 2) if cfg.get("ep_overlap") else 1)),
         stage_layers=kw.get("stage_layers"), stage_to_rank=kw.get("stage_to_rank"),
     )
     check_layout(cfg, lay, source)
@@ -498,7 +506,7 @@ def layer_activations(c: dict, lay: Layout, layer: int) -> dict[str, float]:
     rows = tk * (lay.moe_imbalance if lay.ep > 1 else 1.0)
     expert = a * (d + 4 * ff)                                  # per row: input, w13 out [2F], silu out, product
     moe += rows * (expert + (8.0 if lay.ep > 1 else 0.0))      # + receive-side order index under EP
-    if lay.ep > 1 and lay.sync_free_level >= 2:
+    if lay.ep > 1 and (lay.sync_free_level >= 2 or lay.ep_dispatch == "capacity"):
         moe += 8.0 * tk                                        # slot index of the padded send buffer
     moe += a * tk * d                                          # top-k output copies kept by the weighted sum
     if ns:
@@ -506,8 +514,8 @@ def layer_activations(c: dict, lay: Layout, layer: int) -> dict[str, float]:
     out["moe"] = moe
     if ac:  # GroupedExperts.forward: w13.to(bf16), w2.to(bf16) -- fresh copies per forward, saved by the GEMMs
         out["moe_weight_copies"] = 2.0 * E / lay.ep * 3 * d * ff
-    if lay.ep > 1 and lay.sync_free_level == 3:
-        worst = moe_worst_rows(c, lay)
+    if padded_buffer(lay):
+        worst = moe_buffer_rows(c, lay)
         out["moe_dispatch"] = max(0.0, worst - rows) * (expert + 8.0)
     return out
 
@@ -516,6 +524,25 @@ def autocast(lay: Layout) -> bool:
     """The trainer runs bf16 DDP (``dp_mode=ddp``, zero 0) under ``torch.autocast`` with fp32 weights and
     an fp32 residual stream; FSDP2 (zero 3) casts the parameters instead (``MixedPrecisionPolicy``)."""
     return lay.zero == 0 and lay.dtype == "bf16"
+
+
+def padded_buffer(lay: Layout) -> bool:
+    """Whether the experts' input is a padded EP buffer kept for the backward: the worst case (nccl, level 3) or
+    the capacity buffer (capacity, any level)."""
+    return lay.ep > 1 and (lay.ep_dispatch == "capacity" or lay.sync_free_level == 3)
+
+
+def moe_buffer_rows(c: dict, lay: Layout) -> float:
+    """Rows of a rank's EP receive buffers per micro-batch (every chunk's: all are sent before any expert runs):
+    capacity ``chunks * ep * ceil(f * T/chunks * k / ep)``; nccl levels 2-3 the worst case (`moe_worst_rows`);
+    nccl levels 0-1 the received rows ``T * k`` x the imbalance."""
+    t = lay.mbs * lay.seq / (lay.tp * lay.cp)
+    if lay.ep_dispatch == "capacity":
+        tc = t / max(lay.ep_chunks, 1)
+        return float(lay.ep_chunks * lay.ep * math.ceil(lay.ep_capacity * tc * c["top_k"] / lay.ep))
+    if lay.sync_free_level >= 2:
+        return moe_worst_rows(c, lay)
+    return t * c["top_k"] * lay.moe_imbalance
 
 
 def moe_worst_rows(c: dict, lay: Layout) -> float:
@@ -790,7 +817,8 @@ def _rows_for_stage(c: dict, lay: Layout, stage: int) -> list[dict]:
         if k == "attention" and lay.cp > 1:
             extra = f"; cp={lay.cp} splits the sequence"
         if k == "moe_dispatch":
-            extra = f"; rows ep*T*min(k, E/ep) = {moe_worst_rows(c, lay):,.0f} vs {t * c['top_k']:,.0f} balanced"
+            extra = (f"; rows {'ep*ceil(f*T*k/ep) (capacity)' if lay.ep_dispatch == 'capacity' else 'ep*T*min(k, E/ep)'}"
+                     f" = {moe_buffer_rows(c, lay):,.0f} vs {t * c['top_k']:,.0f} balanced")
         if k == "moe_weight_copies":
             extra = "; GroupedExperts casts w13/w2 per forward and the grouped GEMMs save the casts"
         if k == "stage_output":
@@ -855,7 +883,10 @@ def _rows_for_stage(c: dict, lay: Layout, stage: int) -> list[dict]:
                                                              if lay.recompute != "none" else "")
         + ("; autocast: a weight gradient in bf16 and its fp32 cast" if ac else ""))
     if lay.ep > 1 and any(li >= c["first_k_dense"] for li in layers):
-        if lay.sync_free_level >= 2:
+        if lay.ep_dispatch == "capacity":
+            add("transient: MoE dispatch/combine buffers", "transient", "B", 2 * a * moe_buffer_rows(c, lay) * d,
+                "capacity: static send + receive buffers of ep*ceil(f*T*k/ep) rows per chunk")
+        elif lay.sync_free_level >= 2:
             add("transient: MoE dispatch/combine buffers", "transient", "B", 2 * a * moe_worst_rows(c, lay) * d,
                 "level >= 2: padded send + receive buffers of ep*T*min(k, E/ep) rows")
         else:
@@ -957,8 +988,8 @@ def _layer_backward_workspace(c: dict, lay: Layout, layer: int) -> float:
     if layer < c["first_k_dense"]:
         return max(attn, a * t * (3 * c["d_ff"] + d), wgrad)
     rows = t * c["top_k"] * (lay.moe_imbalance if lay.ep > 1 else 1.0)
-    if lay.ep > 1 and lay.sync_free_level == 3:
-        rows = moe_worst_rows(c, lay)
+    if padded_buffer(lay):
+        rows = moe_buffer_rows(c, lay)
     if autocast(lay):
         # the w13 copy's bf16 gradient, its fp32 cast and w2's pending bf16 gradient, after both copies
         # (counted in the activations) were freed: net 4 bytes per element of this rank's w13
@@ -1064,7 +1095,7 @@ def comm_volume(c: dict, lay: Layout) -> dict[str, float]:
     n_moe = sum(1 for li in layers if li >= c["first_k_dense"])
     out = {}
     if lay.ep > 1:
-        rows = moe_worst_rows(c, lay) if lay.sync_free_level >= 2 else t * c["top_k"] * lay.moe_imbalance
+        rows = moe_buffer_rows(c, lay)
         out["ep_all_to_all"] = 4 * n_moe * m * rows * d * a * (lay.ep - 1) / lay.ep
     else:
         out["ep_all_to_all"] = 0.0

@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from moespec.config import DEFAULTS, ConfigError, load_config
+from moespec.config import DEFAULTS, ConfigError, load_config, resolve_world
 
 from ..errors import TraceError
 from . import kerneltable as KT
@@ -160,6 +160,7 @@ class Model:
     base_by_rank: list = field(default_factory=list)  # calibrated base components per profile
     pipe_base: Any = None  # pipeline_whatif.PipelineBase of a pipelined run, measured on first use
     expert_host: list = field(default_factory=list)  # per profile: the expert stage's host factor (_calibrate)
+    measured: dict = field(default_factory=dict)  # per mechanism: what it read from the run (Mechanism.measure)
 
     # -------------------------------------------------------------- building
     @classmethod
@@ -234,6 +235,8 @@ class Model:
         if any(x > 1.0 for x in xs):
             m.notes.append(f"the run's timed steps were slower than its profiled step replays at any profiler factor: "
                            f"the rest is put on the per-expert stage's host time (x{max(xs):.2f})")
+        for mech in MECH.REGISTRY:
+            mech.measure(m, analysis)
         m._memory_setup(capacity_gib, analysis)
         return m
 
@@ -362,6 +365,8 @@ class Model:
         if unmodeled:
             raise WhatIfError(f"{unmodeled[0]}: the what-if model has no mechanism for this key yet (it models "
                               f"{', '.join(MODELED)})")
+        if changes.get("ep") == 1:  # the EP-only keys have no meaning at ep 1: back at their defaults unless given
+            changes = {**{k: DEFAULTS[k] for k in ("ep_dispatch", "ep_overlap")}, **changes}
         try:
             new = load_config(None, {**self.config, **changes})
         except ConfigError as e:
@@ -370,6 +375,11 @@ class Model:
             except ConfigError as own:  # the run's own config is at fault, not the change: name its manifest
                 raise WhatIfError(f"{Path(self.run) / MANIFEST}: the run's config does not validate ({own})") from None
             raise WhatIfError(str(e)) from None
+        world = int(self.manifest.get("world_size") or 1)
+        try:  # the layout must fill the run's GPUs: pp * dp * ep = world size (the trainer's own rule)
+            resolve_world(new, world)
+        except ConfigError as e:
+            raise WhatIfError(f"{e} (the what-if predicts layouts of the run's {world} GPU(s))") from None
         return new
 
 

@@ -16,7 +16,8 @@ Phases, in the order the model runs them (within a phase, by ``order``):
 * ``step``: :meth:`Mechanism.finish` acts once on the replayed step of the slowest rank (its seconds and
   components), after every rank was replayed.
 
-Two optional hooks for any phase: :meth:`Mechanism.hold` names keys the per-rank replay keeps at the
+An optional hook :meth:`Mechanism.measure` reads, once when the model is built, what the mechanism needs from
+the run's analysis beyond the step profiles (``model.measured[name]``). Two optional hooks for any phase: :meth:`Mechanism.hold` names keys the per-rank replay keeps at the
 run's values (the mechanism predicts them itself in its ``step`` phase), and :meth:`Mechanism.replay`
 replaces the plain replay of a rank's edited program (the first mechanism that returns one wins).
 
@@ -84,6 +85,10 @@ class Mechanism:
         """Keys the per-rank replay keeps at the run's values (this mechanism predicts them in its
         ``step`` phase)."""
         return ()
+
+    def measure(self, model, analysis) -> None:
+        """Once, when the model is built: read what this mechanism needs from the run's analysis tables (the
+        collectives, the routing counts) into ``model.measured[self.name]``. Default: nothing."""
 
     def edit(self, plan, profile, change: Change) -> float:
         """``units`` / ``end`` phase: edit ``plan`` (replay.Plan of ``profile``'s rank); return the variance

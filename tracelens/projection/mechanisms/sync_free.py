@@ -21,6 +21,7 @@ import re
 import numpy as np
 
 from .base import Change, Mechanism, register
+from .layout import changes_layout  # a layout change sizes the token all-to-alls itself
 
 
 def moe_syncs(cfg: dict, level: int, backend: str) -> int:
@@ -116,7 +117,7 @@ class SyncFree(Mechanism):
         sy = p.syncs
         moe = sy["moe"].to_numpy() if len(sy) else np.zeros(0, bool)
         var = 0.0
-        if _a2a_padded(change.new) != _a2a_padded(change.old):
+        if _a2a_padded(change.new) != _a2a_padded(change.old) and not changes_layout(change):
             line, moved = _token_a2a(plan, p, change)
             if line:
                 change.modeled.append(line)

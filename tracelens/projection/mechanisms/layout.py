@@ -1,0 +1,553 @@
+"""``ep``, ``dp``, ``ep_dispatch``, ``ep_capacity_factor``: another expert / data parallel layout on the same GPUs.
+
+A run of ``W`` GPUs (pp = 1) is ``dp x ep`` (trainer/parallel/dist.py): EP groups are consecutive ranks, rank ``r``
+holds experts ``[(r % ep) * E/ep, ...)``; dense parameters are FSDP-sharded over the world, expert parameters over
+the ``dp = W / ep`` ranks that hold the same experts (no expert all-gather at ``dp = 1``). A new layout changes four
+things in each rank's replayed step, each from the run's own tables:
+
+* **Expert rows.** The rows each rank's experts compute per MoE layer and micro-batch: the rows routed to its local
+  experts from every rank of its new EP group, from the run's routing counts (``RUN/routing.json``: per rank, layer
+  and global expert; the profiled steps' counts per forward), ``T * k`` per rank when the run has none (said so).
+  ``ep_dispatch: capacity`` keeps at most ``ceil(f * T_c * k / ep)`` rows per peer and chunk (the rest is dropped);
+  the trainer before issue 33 (a manifest without ``ep_dispatch``) computed the whole worst-case buffer at level 3.
+  Each layer's expert-stage work (GEMMs, SwiGLU, their copies) scales with the rank's rows: the baseline's measured
+  time per row of each kernel. The rank with the most rows in a layer sets the pace: the others wait for it in the
+  next all-to-all (the difference between the new and the run's wait is added to that all-to-all).
+* **Token all-to-alls.** Per MoE layer, micro-batch and chunk four of them (dispatch and combine, forward and
+  backward), each sending the rank's buffer: the routed rows (nccl, levels 0-1), the worst-case buffer
+  ``ep * T * min(k, E/ep)`` (nccl, levels 2-3) or ``ep * ceil(f * T * k / ep)`` (capacity), x ``d_model`` x the
+  activation bytes. Time = bus bytes / the run's measured bus bandwidth at the nearest message size of the same
+  collective and group size (`bandwidth_table`): the run's own all-to-alls when it has them, else (a DP run) its
+  FSDP all-gathers / reduce-scatters on the same links, said so. From a DP run they are inserted on the experts'
+  stream around each layer's expert stage (with the counts exchange, at the run's smallest collective's time).
+* **FSDP of the experts.** Each MoE layer's experts are all-gathered (forward and backward, working dtype) and
+  their gradients reduce-scattered (fp32) over the ``dp`` group: ``E/ep * 3 * d * F`` parameters. The run's expert
+  all-gathers and reduce-scatters (found by their size) take the new size and group's time, or go at ``dp = 1``;
+  from a run without them they are inserted on the run's all-gather / reduce-scatter streams, the expert stage
+  waiting for its gather and the reduce-scatter for the expert stage's last backward kernel.
+* Memory is the memory projection's (``tracelens.analysis.memory``: experts sharded by ep, FSDP over dp, the
+  dispatch buffers by path); the model scales it by the run's measured / projected peak.
+
+Not modeled (said in the prediction): the receive-side regroup kernels an EP run adds (from a DP run) or drops,
+the host time of the added collectives' launches, a pipelined run's layout (pp > 1).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+import pandas as pd
+
+from .base import Change, Mechanism, WhatIfError, register
+from .gemm_backend import _row_shaped, gemms_stop_at_routed_rows
+
+LAYOUT_KEYS = ("ep", "dp", "ep_dispatch", "ep_capacity_factor", "ep_overlap", "ep_overlap_chunks")
+_FAMILIES = ("all_to_all", "all_gather", "reduce_scatter")
+
+
+# ------------------------------------------------------------------------------------------ the layout's numbers
+def world_of(manifest: dict) -> int:
+    return int((manifest or {}).get("world_size") or 1)
+
+
+def dims(cfg: dict, world: int) -> tuple[int, int]:
+    """(dp, ep) of ``cfg`` on ``world`` GPUs (pp = 1): the trainer's rule (``moespec.config.resolve_world``)."""
+    from moespec.config import ConfigError, resolve_world
+
+    try:
+        return resolve_world(cfg, world)
+    except ConfigError as e:
+        raise WhatIfError(f"layout: {e}") from None
+
+
+def act_bytes(cfg: dict) -> int:
+    """Bytes per element of the activations the token all-to-alls move."""
+    return 2 if cfg.get("dtype") == "bf16" else 4
+
+
+def chunks(cfg: dict) -> int:
+    return int(cfg.get("ep_overlap_chunks") or 2) if cfg.get("ep_overlap") else 1
+
+
+def capacity_rows(cfg: dict, tokens: int) -> int:
+    """Per-peer capacity of the capacity path per chunk: ``ceil(f * T_c * k / ep)`` (trainer/model/dispatch.py)."""
+    ep = int(cfg.get("ep") or 1)
+    tc = tokens / chunks(cfg)
+    return math.ceil(float(cfg["ep_capacity_factor"]) * tc * int(cfg["top_k"]) / ep)
+
+
+def send_rows(cfg: dict, tokens: int) -> int:
+    """Rows one rank's token all-to-all sends per micro-batch (all chunks together; docs/trainer.md): the routed
+    rows (nccl, levels 0-1), the worst-case buffer (nccl, levels 2-3), the capacity buffer (capacity); 0 at ep 1."""
+    ep, k = int(cfg.get("ep") or 1), int(cfg["top_k"])
+    if ep == 1:
+        return 0
+    if cfg.get("ep_dispatch", "nccl") == "capacity":
+        return ep * capacity_rows(cfg, tokens) * chunks(cfg)
+    if int(cfg["sync_free_level"]) >= 2:
+        return ep * tokens * min(k, int(cfg["n_routed_experts"]) // ep)
+    return tokens * k
+
+
+def recv_buffer_rows(cfg: dict, tokens: int) -> int:
+    """Rows of one chunk's EP receive buffer (what the regroup gathers and the combine scatters): the send buffer
+    per chunk at levels 2-3 or under capacity; 0 where the buffer is the routed rows (nccl levels 0-1) or at ep 1."""
+    ep = int(cfg.get("ep") or 1)
+    if ep == 1 or (cfg.get("ep_dispatch", "nccl") != "capacity" and int(cfg["sync_free_level"]) < 2):
+        return 0
+    return send_rows(cfg, tokens) // chunks(cfg)
+
+
+def expert_params(cfg: dict) -> int:
+    """Routed-expert parameters of one MoE layer on one rank before FSDP sharding: ``E/ep * 3 * d * F``."""
+    ep = int(cfg.get("ep") or 1)
+    return int(cfg["n_routed_experts"]) // ep * 3 * int(cfg["d_model"]) * int(cfg["moe_d_ff"])
+
+
+def fsdp_expert_bytes(cfg: dict, world: int) -> tuple[int, int, int]:
+    """(all-gather output bytes, reduce-scatter input bytes, group size) of one MoE layer's experts under FSDP
+    (trainer/parallel/dist.py: experts on the dp sub-mesh; bf16 params gathered, fp32 gradients reduced);
+    (0, 0, 1) at dp = 1 or under DDP."""
+    dp, _ = dims(cfg, world)
+    if cfg.get("dp_mode", "fsdp") != "fsdp" or dp == 1:
+        return 0, 0, 1
+    n = expert_params(cfg)
+    return n * act_bytes(cfg), n * 4, dp
+
+
+# ------------------------------------------------------------------------------------------ routing: rows per rank
+@dataclass
+class Routing:
+    """Per source rank and MoE layer: its tokens per global expert per forward (micro-batch), at the run's tokens."""
+
+    counts: dict  # rank -> layer -> np.ndarray [E]
+    basis: str
+
+
+def read_routing(run, manifest: dict | None) -> tuple[Routing | None, str]:
+    """The run's routing counts per forward, or None and why."""
+    from ...errors import TraceError
+
+    if run is None:
+        return None, "no run dir"
+    try:
+        rc = run.routing()
+    except TraceError as e:
+        return None, e.one_line()
+    if rc is None:
+        return None, "the run has no routing.json"
+    out: dict = {}
+    used: set = set()
+    for rank, r in rc.ranks.items():
+        out[rank] = {}
+        for lid, lc in r.layers.items():
+            got = [(f, np.asarray(c, float)) for s, (f, c) in sorted(lc.steps.items()) if f > 0]
+            if got:
+                used |= set(lc.steps)
+                out[rank][lid] = sum(c for _, c in got) / sum(f for f, _ in got)
+            elif lc.total_forwards > 0:
+                out[rank][lid] = np.asarray(lc.total, float) / lc.total_forwards
+    basis = (f"routing.json, profiled step(s) {', '.join(map(str, sorted(used)))}" if used
+             else f"routing.json, all {rc.steps} steps")
+    return Routing(out, basis), ""
+
+
+def moe_layers(cfg: dict) -> list[int]:
+    return list(range(int(cfg.get("first_k_dense") or 0), int(cfg["n_layers"])))
+
+
+def expert_rows(cfg: dict, world: int, tokens: int, routing: Routing | None, padded_l3: bool = False) -> dict:
+    """Rows each rank's experts compute per micro-batch of ``tokens``: {rank: {layer: rows}} (module docstring).
+    ``padded_l3``: the trainer before issue 33 computed the whole worst-case buffer at nccl level 3."""
+    _, ep = dims(cfg, world)
+    E, k = int(cfg["n_routed_experts"]), int(cfg["top_k"])
+    el = E // ep
+    cap = capacity_rows(cfg, tokens) if ep > 1 and cfg.get("ep_dispatch", "nccl") == "capacity" else None
+    c = chunks(cfg) if ep > 1 else 1
+    out: dict = {}
+    for r in range(world):
+        g0 = (r // ep) * ep
+        lo = (r % ep) * el
+        out[r] = {}
+        for ly in moe_layers(cfg):
+            if ep > 1 and padded_l3 and cap is None and int(cfg["sync_free_level"]) >= 3:
+                out[r][ly] = float(ep * tokens * min(k, el))
+                continue
+            tot = 0.0
+            for s in range(g0, g0 + ep):
+                if routing is not None and s in routing.counts and ly in routing.counts[s]:
+                    cnt = routing.counts[s][ly]
+                    scale = tokens / max(float(cnt.sum()) / k, 1.0)  # the run's counts at these tokens
+                    sent = float(cnt[lo:lo + el].sum()) * scale
+                else:
+                    sent = tokens * k / ep
+                tot += c * min(sent / c, cap) if cap is not None else sent
+            out[r][ly] = tot
+    return out
+
+
+# ------------------------------------------------------------------------------------------ measured bandwidth
+@dataclass
+class Bandwidth:
+    """The run's measured bus bandwidth per collective family, group size and message size (transfer time only:
+    `tracelens.analysis.comm`, end - last arrival)."""
+
+    table: pd.DataFrame  # family, group_size, bytes, busbw_gbps, n
+
+    def lookup(self, family: str, n: int, nbytes: float) -> tuple[float, str]:
+        """(bus GB/s, where it came from) at the nearest measured message size: the same family and group size,
+        else the same group size (another collective on the same links), else the family at another size."""
+        t = self.table
+        for sel, how in ((t[(t.family == family) & (t.group_size == n)], f"{family} over {n}"),
+                         (t[(t.group_size == n) & t.family.isin(_FAMILIES)], f"the run's collectives over {n}"),
+                         (t[t.family == family], f"{family} over another group size"),
+                         (t[t.family.isin(_FAMILIES)], "the run's collectives")):
+            if len(sel):
+                d = np.abs(np.log(sel["bytes"].to_numpy(float) / max(nbytes, 1.0)))
+                row = sel.iloc[int(np.argmin(d))]
+                src = f"{row.family} over {int(row.group_size)} at {row.bytes / 2**20:,.0f} MiB"
+                return float(row.busbw_gbps), src + ("" if how.startswith(family) else f" ({how})")
+        raise WhatIfError("layout: the run has no measured collective to take a bandwidth from")
+
+    def seconds(self, family: str, n: int, nbytes: float) -> tuple[float, str]:
+        """Transfer time (ns) of one collective of ``nbytes`` over ``n`` ranks, and the bandwidth's source."""
+        if n <= 1 or nbytes <= 0:
+            return 0.0, ""
+        bw, src = self.lookup(family, n, nbytes)
+        return nbytes * (n - 1) / n / (bw * 1e9) * 1e9, src
+
+
+def bandwidth_table(inst: pd.DataFrame) -> Bandwidth:
+    ok = inst[~inst["startup"] & inst["cross_rank"] & (inst["bytes"] > 0) & (inst["comm_us"] > 0)]
+    ok = ok[ok["family"].isin(_FAMILIES)]
+    if ok.empty:
+        return Bandwidth(pd.DataFrame(columns=["family", "group_size", "bytes", "busbw_gbps", "n"]))
+    t = ok.groupby(["family", "group_size", "bytes"]).agg(busbw_gbps=("busbw_gbps", "median"),
+                                                          n=("rank", "size")).reset_index()
+    return Bandwidth(t[t["busbw_gbps"] > 0].reset_index(drop=True))
+
+
+# ------------------------------------------------------------------------------------------ what the run shows
+@dataclass
+class LayoutBase:
+    """What the mechanism reads from the run once (`Layout.measure`)."""
+
+    world: int
+    bw: Bandwidth
+    comm: list  # per profile: DataFrame indexed by unit (family, bytes, group_size) of its communication units
+    routing: Routing | None
+    routing_note: str
+    latency_ns: float  # the run's smallest collective transfer (a counts exchange costs about that)
+    notes: list = field(default_factory=list)
+
+
+def measure(model, analysis) -> LayoutBase | None:
+    from ...analysis import comm as CM
+
+    world = world_of(model.manifest)
+    if world < 2:
+        return None
+    kern = CM.comm_kernels(analysis)
+    inst = CM.collective_instances(analysis, kern)
+    bw = bandwidth_table(inst)
+    k = kern.set_index("row")
+    per = []
+    for p in model.profiles:
+        w = p.work
+        c = w.index[w["is_comm"].to_numpy()] if "gpu_row" in w else w.index[:0]
+        rows = w.loc[c, "gpu_row"].to_numpy() if len(c) else np.zeros(0, np.int64)
+        hit = np.isin(rows, k.index.to_numpy())
+        df = pd.DataFrame({"family": "", "bytes": -1, "group_size": -1}, index=c)
+        if hit.any():
+            kk = k.loc[rows[hit]]
+            df.loc[c[hit], "family"] = kk["family"].to_numpy()
+            df.loc[c[hit], "bytes"] = kk["bytes"].to_numpy()
+            df.loc[c[hit], "group_size"] = kk["group_size"].to_numpy()
+        per.append(df)
+    run = getattr(analysis.trace, "run", None)
+    routing, why = read_routing(run, model.manifest)
+    lat = [float(p.work["dur"].to_numpy()[df.index.to_numpy()].min()) for p, df in zip(model.profiles, per) if len(df)]
+    return LayoutBase(world, bw, per, routing, why, min(lat) if lat else 10_000.0)
+
+
+# ------------------------------------------------------------------------------------------ editing a rank's step
+def _positions(plan) -> dict[int, int]:
+    return {j: i for i, (kd, j) in enumerate(zip(plan.kind, plan.ref)) if kd == 0}
+
+
+def _stage_units(w: pd.DataFrame, layer: int, backward: bool) -> np.ndarray:
+    """The layer's expert-stage units of one pass (GEMMs, SwiGLU, their copies), not communication."""
+    m = ((w["layer"].to_numpy() == layer) & (w["moe_stage"].to_numpy() == "moe/experts")
+         & (w["backward"].to_numpy() == backward) & ~w["is_comm"].to_numpy())
+    paths = w["path"].astype(str).to_numpy()
+    m &= np.array(["FSDP" not in s for s in paths], dtype=bool)
+    return np.flatnonzero(m)
+
+
+def _a2a_units(w: pd.DataFrame, comm: pd.DataFrame) -> np.ndarray:
+    """The token all-to-alls (not the counts exchange: a message of a few KiB)."""
+    if comm is None or comm.empty:
+        return np.zeros(0, np.int64)
+    sel = comm[(comm["family"] == "all_to_all") & (comm["bytes"] > 1 << 16)]
+    return sel.index.to_numpy(np.int64)
+
+
+def _all_a2a(comm: pd.DataFrame) -> np.ndarray:
+    if comm is None or comm.empty:
+        return np.zeros(0, np.int64)
+    return comm.index[comm["family"] == "all_to_all"].to_numpy(np.int64)
+
+
+def _fsdp_expert_units(comm: pd.DataFrame, ag: int, rs: int) -> tuple[np.ndarray, np.ndarray]:
+    if comm is None or comm.empty or (ag <= 0 and rs <= 0):
+        return np.zeros(0, np.int64), np.zeros(0, np.int64)
+    b = comm["bytes"].to_numpy(float)
+    fam = comm["family"].to_numpy()
+    is_ag = (fam == "all_gather") & (np.abs(b - ag) <= 0.01 * max(ag, 1))
+    is_rs = (fam == "reduce_scatter") & (np.abs(b - rs) <= 0.01 * max(rs, 1))
+    return comm.index[is_ag].to_numpy(np.int64), comm.index[is_rs].to_numpy(np.int64)
+
+
+def _stream_of(w: pd.DataFrame, comm: pd.DataFrame, family: str) -> int | None:
+    if comm is None or comm.empty:
+        return None
+    idx = comm.index[comm["family"] == family]
+    return int(w["stream"].iloc[idx[0]]) if len(idx) else None
+
+
+def changes_layout(change: Change) -> bool:
+    """Whether a what-if changes the expert / data parallel layout (then this mechanism owns the token all-to-alls)."""
+    return any(change.old.get(k) != change.target.get(k) for k in LAYOUT_KEYS)
+
+
+@register
+class Layout(Mechanism):
+    name = "layout"
+    keys = LAYOUT_KEYS
+    sigma = {"layout_rows": 0.10, "layout_a2a": 0.20, "layout_fsdp": 0.15}
+    order = 55.0  # after tokens (20), the backend (40) and the sync-free level (50): on their durations
+    summary = ("expert rows per rank from the routing counts (the busiest rank sets the pace), token all-to-alls and "
+               "the experts' FSDP traffic at the run's measured bus bandwidth per size and group")
+
+    def applies(self, change: Change) -> bool:
+        return changes_layout(change)
+
+    @staticmethod
+    def base(change: Change) -> LayoutBase:
+        b = getattr(change.model, "measured", {}).get("layout")
+        if b is None:
+            raise WhatIfError(f"{change.model.run}: a layout change needs a multi-GPU run with its collectives "
+                              "(world size 1, or no communication kernels in the profiled step)")
+        return b
+
+    def measure(self, model, analysis) -> None:
+        model.measured["layout"] = measure(model, analysis)
+
+    def edit(self, plan, p, change: Change) -> float:
+        model, old, new = change.model, change.old, change.new
+        b = self.base(change)
+        if int(old.get("pp") or 1) > 1 or int(new.get("pp") or 1) > 1:
+            raise WhatIfError("layout: ep / dp of a pipelined run (pp > 1) is not modeled")
+        world = b.world
+        dp0, ep0 = dims(old, world)
+        dp1, ep1 = dims(new, world)
+        if ep1 > 1 and chunks(old if ep0 > 1 else new) != chunks(new):
+            raise WhatIfError(f"ep_overlap: {chunks(old)} -> {chunks(new)} dispatch chunk(s) at ep {ep1} is not modeled "
+                              "yet (the overlap is dropped only where ep 1 turns it off)")
+        if ep0 > 1 and ep1 == 1 and chunks(old) > 1:
+            change.notes.append(f"layout: the run's {chunks(old)} dispatch chunks ran the expert stage in {chunks(old)} "
+                                "pieces; at ep 1 they merge (their launches are kept)")
+        pi = next(i for i, q in enumerate(model.profiles) if q is p)
+        comm = b.comm[pi]
+        w = p.work
+        ds = change.device_scale
+        t0, t1 = change.t0, change.t1
+        old_trainer = not gemms_stop_at_routed_rows(model.manifest)
+        rows0 = expert_rows(old, world, t0, b.routing, old_trainer)
+        rows1 = expert_rows(new, world, t1, b.routing, old_trainer)
+        r = p.rank
+        var = 0.0
+        lines = []
+        pos = _positions(plan)
+        # ---- the receive buffer's row-shaped kernels (regroup gathers, their backward scatters, activations on the
+        # whole buffer): x the buffer's rows per token (the tokens mechanism scaled the tokens)
+        buf0, buf1 = recv_buffer_rows(old, t0), recv_buffer_rows(new, t1)
+        shaped = np.flatnonzero(_row_shaped(w, {buf0})) if buf0 else np.zeros(0, np.int64)
+        shaped = shaped[~w["expert"].to_numpy()[shaped]] if len(shaped) else shaped
+        if len(shaped):
+            fb = (buf1 / t1) / (buf0 / t0)
+            sb = float(sum(plan.dur[j] for j in shaped))
+            for j in shaped:
+                plan.dur[j] *= fb
+            lines.append(f"the EP receive buffer: {buf1:,} rows per chunk instead of {buf0:,}: its {len(shaped)} "
+                         f"row-shaped kernels (regroup, scatter, activations on the buffer) {ds * sb / 1e6:.2f} -> "
+                         f"{ds * sb * fb / 1e6:.2f} ms, linear in rows")
+        skip = set(shaped.tolist())
+        # ---- expert rows: each layer's expert stage x rows per token (the tokens mechanism scaled the tokens)
+        moved = 0.0
+        waits: dict[tuple[int, bool], float] = {}
+        for ly in moe_layers(old):
+            if r not in rows0 or ly not in rows0[r]:
+                continue
+            f = (rows1[r][ly] / t1) / max(rows0[r][ly] / t0, 1e-9)
+            g0 = range((r // ep0) * ep0, (r // ep0) * ep0 + ep0)
+            g1 = range((r // ep1) * ep1, (r // ep1) * ep1 + ep1)
+            for bwd in (False, True):
+                js = np.asarray([j for j in _stage_units(w, ly, bwd) if int(j) not in skip], dtype=np.int64)
+                if not len(js):
+                    continue
+                before = float(sum(plan.dur[j] for j in js))
+                for j in js:
+                    plan.dur[j] *= f
+                moved += abs(before * (f - 1.0))
+                # the busiest rank of the group sets the pace: its extra rows, at this rank's time per row
+                per_row = before / max(rows0[r][ly] * t1 / t0, 1e-9)
+                w1 = per_row * (max(rows1[s][ly] for s in g1) - rows1[r][ly]) if ep1 > 1 else 0.0
+                w0 = per_row * (max(rows0[s][ly] * t1 / t0 for s in g0) - rows0[r][ly] * t1 / t0) if ep0 > 1 else 0.0
+                waits[(ly, bwd)] = w1 - w0
+        mean0 = np.mean([rows0[r][ly] for ly in rows0.get(r, {})]) if rows0.get(r) else 0.0
+        mean1 = np.mean([rows1[r][ly] for ly in rows1.get(r, {})]) if rows1.get(r) else 0.0
+        src = b.routing.basis if b.routing is not None else f"uniform T*k/ep per peer ({b.routing_note})"
+        lines.append(f"layout ep {ep0} -> {ep1} (dp {dp0} -> {dp1}): rank {r}'s experts compute {mean1:,.0f} rows per "
+                     f"MoE layer and micro-batch instead of {mean0 * t1 / t0:,.0f} ({src}); the expert stage x its rows "
+                     f"at the run's time per row")
+        var += (self.sigma["layout_rows"] * moved / max(float(p.step_ns), 1.0)) ** 2
+        # ---- token all-to-alls
+        a2a = _a2a_units(w, comm)
+        rows_s0, rows_s1 = send_rows(old, t1), send_rows(new, t1)
+        ab = act_bytes(new) * int(new["d_model"])
+        a2a_before = float(sum(plan.dur[j] for j in _all_a2a(comm)))
+        inserted: list[tuple[int, float, int, str]] = []  # (position, ns, stream, comp)
+        if ep1 == 1:
+            # the dispatch and combine stages (and the receive-side regroup) run only under EP: their kernels and
+            # the host time before each of their launches go
+            stage = w["moe_stage"].to_numpy()
+            gone = set(_all_a2a(comm).tolist()) | skip | set(np.flatnonzero(np.isin(stage, ("moe/dispatch",
+                                                                                              "moe/combine"))).tolist())
+            host = 0.0
+            for i, (kd, j) in enumerate(zip(plan.kind, plan.ref)):
+                if kd == 0 and j in gone:
+                    host += plan.gap[i]
+                    plan.gap[i] = 0.0
+                    plan.gap_x[i] = 0.0
+            dev = float(sum(plan.dur[j] for j in gone))
+            for j in gone:
+                plan.dur[j] = 0.0
+            lines.append(f"EP dispatch at ep 1: the dispatch / combine stages and the receive-side regroup go: "
+                         f"{len(gone)} kernels ({len(_all_a2a(comm))} all-to-alls), {ds * dev / 1e6:.2f} ms of device "
+                         f"and {host / 1e6:.2f} ms of the profiled host time")
+        elif len(a2a):
+            # the run's all-to-alls, from their measured durations (the tokens' change is in the new bytes)
+            dur0 = w["dur"].to_numpy(float)
+            n_per = max(round(len(a2a) / (4 * len(moe_layers(old)) * int(old.get("microbatches") or 1))), 1)
+            b_new = rows_s1 / n_per * ab
+            t_new, srcs = b.bw.seconds("all_to_all", ep1, b_new)
+            for j in a2a:
+                b_old = float(comm.at[j, "bytes"])
+                t_old, _ = b.bw.seconds("all_to_all", ep0, b_old)
+                plan.dur[j] = dur0[j] * (t_new / t_old) if t_old > 0 else t_new
+            lines.append(f"token all-to-alls: {rows_s1:,} rows per micro-batch instead of {rows_s0:,} "
+                         f"({'capacity' if new.get('ep_dispatch') == 'capacity' else 'nccl'}), "
+                         f"{b_new / 2**20:,.1f} MiB each over {ep1} ranks at the bus bandwidth of {srcs}")
+        else:
+            # a run without token all-to-alls (ep 1): inserted on the experts' stream around each expert stage
+            n_c = chunks(new)
+            b_new = rows_s1 / n_c * ab
+            t_new, srcs = b.bw.seconds("all_to_all", ep1, b_new)
+            for ly in moe_layers(old):
+                for bwd in (False, True):
+                    js = _stage_units(w, ly, bwd)
+                    if not len(js):
+                        continue
+                    ps = [pos[int(j)] for j in js if int(j) in pos]
+                    if not ps:
+                        continue
+                    stream = int(plan.stream[int(js[0])])
+                    first, last = min(ps), max(ps)
+                    for _ in range(n_c):
+                        inserted.append((first, t_new, stream, "exposed communication"))
+                        inserted.append((last + 1, t_new, stream, "exposed communication"))
+                    if not bwd:
+                        inserted.append((first, b.latency_ns, stream, "exposed communication"))
+            lines.append(f"token all-to-alls: the run has none; {4 * n_c} per MoE layer and micro-batch added, "
+                         f"{rows_s1:,} rows ({b_new / 2**20:,.1f} MiB) each over {ep1} ranks at {t_new / 1e6:.2f} ms "
+                         f"(the bus bandwidth of {srcs}: no all-to-all measured, stated as such), and one counts "
+                         f"exchange per layer forward at the run's smallest collective ({b.latency_ns / 1e3:.0f} us)")
+            change.notes.append("layout: the receive-side regroup kernels of an EP run are not in a DP run's trace "
+                                "(not added)")
+        # ---- load imbalance: the wait for the busiest rank goes into the all-to-all after the expert stage
+        if ep1 > 1:
+            add = 0.0
+            for (ly, bwd), dw in waits.items():
+                if abs(dw) < 1.0:
+                    continue
+                js = _stage_units(w, ly, bwd)
+                last = max((pos[int(j)] for j in js if int(j) in pos), default=None)
+                tgt = next((int(j) for j in a2a if pos.get(int(j), -1) > (last or -1)), None) if last is not None else None
+                if tgt is not None and int(w["layer"].iloc[tgt]) == ly:
+                    plan.dur[tgt] = max(plan.dur[tgt] + dw, 0.0)
+                    add += dw
+                elif last is not None and len(inserted) and dw > 0:
+                    inserted.append((last + 1, dw, int(plan.stream[int(js[-1])]), "exposed communication"))
+                    add += dw
+            if abs(add) > 0:
+                lines.append(f"load imbalance: rank {r} waits {ds * add / 1e6:+.2f} ms per step for the busiest rank "
+                             "of its EP group (its rows at this rank's time per row), against the run's")
+        # ---- FSDP of the experts
+        ag0, rs0, n0 = fsdp_expert_bytes(old, world)
+        ag1, rs1, n1 = fsdp_expert_bytes(new, world)
+        if (ag0, rs0, n0) != (ag1, rs1, n1):
+            u_ag, u_rs = _fsdp_expert_units(comm, ag0, rs0)
+            f_before = float(sum(plan.dur[j] for j in np.concatenate([u_ag, u_rs])))
+            t_ag, s_ag = b.bw.seconds("all_gather", n1, ag1)
+            t_rs, s_rs = b.bw.seconds("reduce_scatter", n1, rs1)
+            if len(u_ag) or len(u_rs):
+                for j in u_ag:
+                    plan.dur[j] = t_ag
+                for j in u_rs:
+                    plan.dur[j] = t_rs
+                lines.append(f"FSDP of the experts: {len(u_ag)} all-gathers of {ag0 / 2**20:,.0f} -> {ag1 / 2**20:,.0f} "
+                             f"MiB and {len(u_rs)} reduce-scatters of {rs0 / 2**20:,.0f} -> {rs1 / 2**20:,.0f} MiB per "
+                             f"step over {n1} ranks" + (f" ({s_ag}; {s_rs})" if n1 > 1 else " (none at dp 1)")
+                             + f": {ds * f_before / 1e6:.2f} -> {ds * (len(u_ag) * t_ag + len(u_rs) * t_rs) / 1e6:.2f} ms")
+            elif n1 > 1:
+                s_ag_stream, s_rs_stream = _stream_of(w, comm, "all_gather"), _stream_of(w, comm, "reduce_scatter")
+                if s_ag_stream is None or s_rs_stream is None:
+                    raise WhatIfError("layout: the run has no FSDP all-gather / reduce-scatter to place the experts' on")
+                fsdp_ins = []
+                for ly in moe_layers(old):
+                    for bwd in (False, True):
+                        js = _stage_units(w, ly, bwd)
+                        ps = sorted(pos[int(j)] for j in js if int(j) in pos)
+                        if not ps:
+                            continue
+                        first_j = min((int(j) for j in js if int(j) in pos), key=lambda j: pos[j])
+                        last_j = max((int(j) for j in js if int(j) in pos), key=lambda j: pos[j])
+                        fsdp_ins.append((ps[0], t_ag, s_ag_stream, first_j, "wait"))
+                        if bwd:
+                            fsdp_ins.append((ps[-1] + 1, t_rs, s_rs_stream, last_j, "after"))
+                for at, ns, stream, anchor, how in fsdp_ins:
+                    inserted.append((at, ns, stream, ("fsdp", anchor, how)))
+                lines.append(f"FSDP of the experts: the run has none (dp 1); per MoE layer 2 all-gathers of "
+                             f"{ag1 / 2**20:,.0f} MiB ({t_ag / 1e6:.2f} ms, {s_ag}) and a reduce-scatter of "
+                             f"{rs1 / 2**20:,.0f} MiB ({t_rs / 1e6:.2f} ms, {s_rs}) over {n1} ranks added")
+            var += (self.sigma["layout_fsdp"] * abs(f_before - (len(u_ag) * t_ag + len(u_rs) * t_rs))
+                    / max(float(p.step_ns), 1.0)) ** 2
+        # ---- insert the new units, from the last position back (earlier positions stay valid)
+        for at, ns, stream, comp in sorted(inserted, key=lambda x: -x[0]):
+            if isinstance(comp, tuple):
+                _, anchor, how = comp
+                j = plan.add_unit(ns, stream, "exposed communication", 0.0, at)
+                if how == "wait":
+                    plan.dep[anchor] = j
+                else:
+                    plan.dep[j] = anchor
+            else:
+                plan.add_unit(ns, stream, comp, 0.0, at)
+        a2a_after = float(sum(plan.dur[j] for j in _all_a2a(comm))) + sum(x[1] for x in inserted
+                                                                            if not isinstance(x[3], tuple))
+        var += (self.sigma["layout_a2a"] * abs(a2a_after - a2a_before) / max(float(p.step_ns), 1.0)) ** 2
+        change.modeled.extend(lines)
+        return var
