@@ -50,6 +50,14 @@ declare -A RUNS=(
   [ep4_cap_bal_prof]="4 --set ep=4 $CAP --set router_bias_update_rate=0.001 --set steps=30 --set timing_warmup_steps=18 --set log_every=10 --set profile_step_start=26 --set profile_step_end=28"
   [ep4_cap_ovl_bal_prof]="4 --set ep=4 $CAP --set ep_overlap=true --set router_bias_update_rate=0.001 --set steps=30 --set timing_warmup_steps=18 --set log_every=10 --set profile_step_start=26 --set profile_step_end=28"
   [ep2_cap_bal]="2 --set ep=2 $CAP $BAL"
+  # faster-settling rates (the router of this 30-step run is far from balanced at 0.001)
+  [dp4_r3]="4 --set router_bias_update_rate=0.003 $LONG"
+  [ep4_cap_r3]="4 --set ep=4 $CAP --set router_bias_update_rate=0.003 $LONG"
+  [ep4_cap_r10]="4 --set ep=4 $CAP --set router_bias_update_rate=0.01 $LONG"
+  [ep4_cap_ovl_r3]="4 --set ep=4 $CAP --set ep_overlap=true --set router_bias_update_rate=0.003 $LONG"
+  [ep4_symm_r3]="4 --set ep=4 $SYMM --set router_bias_update_rate=0.003 $LONG"
+  [ep4_symm_ovl_r3]="4 --set ep=4 $SYMM --set ep_overlap=true --set router_bias_update_rate=0.003 $LONG"
+  [ep4_cap_r3_prof]="4 --set ep=4 $CAP --set router_bias_update_rate=0.003 --set steps=30 --set timing_warmup_steps=18 --set log_every=10 --set profile_step_start=26 --set profile_step_end=28"
   [dp2_bal]="2 $BAL"
   # the committed fixture (tests/fixtures/h100_4gpu/ep4_cap_ovl): two profiled steps
   [ep4_cap_ovl_fixture]="4 --set ep=4 $CAP --set ep_overlap=true --set steps=10 --set timing_warmup_steps=3 --set log_every=5 --set profile_step_start=7 --set profile_step_end=9"
