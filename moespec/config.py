@@ -457,6 +457,10 @@ def _validate_symm(cfg: dict) -> None:
     NVSHMEM and the ops, for device=auto), within the ops' limits on ranks and experts per rank."""
     if cfg["device"] == "cpu":
         raise ConfigError("ep_dispatch", "symm needs CUDA GPUs with NVSHMEM (device=cpu): on a CPU use nccl or capacity")
+    if cfg["ep_overlap"]:
+        raise ConfigError("ep_overlap", "true with ep_dispatch=symm is refused: on 4 x H100 the chunked NVSHMEM "
+                                        "exchange hung after its first step (docs/trainer.md); use symm serial, or "
+                                        "capacity with ep_overlap")
     if cfg["ep"] > SYMM_MAX_EP:
         raise ConfigError("ep_dispatch", f"symm: the NVSHMEM ops take at most {SYMM_MAX_EP} ranks per EP group, "
                                          f"got ep={cfg['ep']}")
@@ -537,4 +541,8 @@ def resolve_world(cfg: dict, world_size: int) -> tuple[int, int]:
         if pp > 1:
             raise ConfigError(key, f"world size {world_size} != pp*dp*ep = {pp}*{dp}*{ep}")
         raise ConfigError(key, f"world size {world_size} != dp*ep = {dp}*{ep}")
+    if cfg.get("ep_dispatch") == "symm" and ep != world_size:
+        raise ConfigError("ep_dispatch", f"symm needs one EP group over the whole world (ep = world size = "
+                                         f"{world_size}, got ep={ep}): on 4 x H100 with torch 2.11 the NVSHMEM ops "
+                                         "exchanged rows with the wrong peers inside smaller EP groups (docs/trainer.md)")
     return dp, ep

@@ -315,6 +315,10 @@ def main(out_dir: str) -> None:
             key = f"ep{P}/{c['path']}/L{c['level']}/{'overlap' if c['overlap'] else 'serial'}/f{c['factor']}" \
                   f"/{c.get('backend', 'torch')}" + ("/bf16" if c.get("dtype") == torch.bfloat16 else "") \
                   + ("/skew" if c.get("skew") else "")
+            if any(s and s in key for s in os.environ.get("EP_WORKER_SKIP", "").split(",")):  # e.g. "symm/L3/overlap"
+                if rank == 0:
+                    print(f"SKIP {key} (EP_WORKER_SKIP)", flush=True)
+                continue
             try:
                 res = check(cfg, group, P, me, ranks, **c)
             except Exception as err:  # noqa: BLE001 - one FAIL line per case; every rank fails alike on a bad op call

@@ -156,5 +156,20 @@ def test_symm_config_validation(over, needle):
 
 
 def test_symm_config_accepted_on_gpus():
-    cfg = load_config("tiny", {"ep": 4, "ep_dispatch": "symm", "device": "cuda", "ep_overlap": True})
+    cfg = load_config("tiny", {"ep": 4, "ep_dispatch": "symm", "device": "cuda"})
     assert cfg["ep_dispatch"] == "symm"
+
+
+def test_symm_is_refused_where_it_ran_wrong_or_hung_on_the_gpus():
+    """On 4 x H100 (stop 24): EP 4 over the world matched the reference (22 symm cases, fp32 and bf16), EP 2
+    groups of a 4-rank world did not (rows reached the wrong peers), and the overlapped exchange hung after
+    its first step: both are one-line config errors until fixed."""
+    from moespec.config import ConfigError, load_config, resolve_world
+
+    base = {"ep": 2, "ep_dispatch": "symm", "device": "auto"}
+    cfg = load_config("tiny", base)
+    assert resolve_world(cfg, 2) == (1, 2)
+    with pytest.raises(ConfigError, match="one EP group over the whole world"):
+        resolve_world(cfg, 4)
+    with pytest.raises(ConfigError, match="ep_overlap"):
+        load_config("tiny", {**base, "ep_overlap": True})
