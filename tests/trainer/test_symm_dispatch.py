@@ -161,7 +161,7 @@ def test_symm_config_accepted_on_gpus():
 
 
 def test_symm_is_refused_where_it_ran_wrong_or_hung_on_the_gpus():
-    """On 4 x H100 (stop 24): EP 4 over the world matched the reference (22 symm cases, fp32 and bf16), EP 2
+    """On 4 x H100 (stop 24): EP 4 over the world matched the reference (5 serial symm cases, fp32 and bf16), EP 2
     groups of a 4-rank world did not (rows reached the wrong peers), and the overlapped exchange hung after
     its first step: both are one-line config errors until fixed."""
     from moespec.config import ConfigError, load_config, resolve_world
