@@ -34,7 +34,9 @@ compound), so a per-step bound over 50 steps fails eager against itself. Each ro
 bf16: 1e-2) and its training over the whole run (finite, and the last 10 steps' mean inside the eager
 runs' 99 % prediction interval). A last row, the baseline with the learning rate x1.25, is the control:
 it must fail, or the check could not tell a change of that size apart (the run then exits 1). Exit 1
-when a row fails or is out of tolerance.
+when a row fails or is out of tolerance. ``--check-loss --diff``: every row also profiles one step (step 8; the
+last two steps of a shorter run), which leaves its loss as it is, and the knob rows' traces are diffed in turn
+(the repeated eager runs and the control left out): the loss check and the diffs from one set of runs.
 
 Budget: the table (8 rows) is meant to fit in 9 minutes on one H100 (a 12-step eager row is ~40 s,
 compile adds its compilation); ``--budget-s`` (default 540) skips the rows that would start after it,
@@ -355,7 +357,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=None, help="output dir (default runs/bench_trainer_knobs[_cpu])")
     p.add_argument("--steps", type=int, default=None, help="steps per row (12; 50 with --check-loss)")
     p.add_argument("--check-loss", action="store_true", help="50 unprofiled steps per row: the loss comparison")
-    p.add_argument("--diff", action="store_true", help="run `tracelens diff` between consecutive rows afterwards")
+    p.add_argument("--diff", action="store_true",
+                   help="run `tracelens diff` between consecutive rows afterwards (with --check-loss: profile a step "
+                        "of each row too)")
     p.add_argument("--cpu", action="store_true", help="tiny config on the CPU (tests this script)")
     p.add_argument("--nproc", type=int, default=1,
                    help="ranks of the expert-parallel rows (EP = N; N > 1 adds them: N GPUs, or gloo with --cpu)")
@@ -420,7 +424,7 @@ def main(argv: list[str] | None = None) -> int:
                   file=sys.stderr, flush=True)
             continue
         row = run_row(i, len(plan), name, dict(acc), args, base if sec == "knobs" else ep_base, out, steps,
-                      profile=not args.check_loss, nproc=1 if sec == "knobs" else args.nproc)
+                      profile=args.diff or not args.check_loss, nproc=1 if sec == "knobs" else args.nproc)
         row.update(adds=knob, section=sec)
         rows.append(row)
     judge_rows(rows, args.loss_rtol)
@@ -435,8 +439,8 @@ def main(argv: list[str] | None = None) -> int:
                  f"{b['config']} + {', '.join(f'{k}={v}' for k, v in b['set'].items())}, {steps} steps, "
                  f"device {device})")
         md += ("\n" if md else "") + table(srows, args.loss_rtol, title, ep=sec == "ep")
-        if args.diff and not args.check_loss:
-            md += "\n" + diffs(srows, out)
+        if args.diff:  # the knob rows in turn: not the repeated eager runs nor the control (--check-loss)
+            md += "\n" + diffs([r for r in srows if not _repeat_or_control(r["name"])], out)
         else:
             done = [r for r in srows if "loss" in r]
             md += "\nWhat each knob changed: " + "; ".join(
@@ -505,6 +509,11 @@ def verdict(rows: list[dict], cpu: bool) -> bool:
                   "it cannot tell a change of that size apart from eager's own drift", file=sys.stderr)
             ok = False
     return ok
+
+
+def _repeat_or_control(name: str) -> bool:
+    """A row that adds no knob to the row before: a repeated eager run (``baseline (run 2)``) or the control."""
+    return name == CONTROL[0] or re.search(r" \(run \d+\)$", name) is not None
 
 
 def diffs(rows: list[dict], out: Path) -> str:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import fcntl
 import gzip
 import json
+import os
 from contextlib import contextmanager
 from decimal import Decimal
 from pathlib import Path
@@ -61,12 +62,26 @@ def _isolated_cache(tmp_path_factory, monkeypatch):
 
 # ------------------------------------------------------------------ two workers (pytest-xdist)
 # `make test` runs `pytest -n 2 --dist loadfile`: a test file runs on one worker, in order, so its module
-# fixtures (a trainer run, a sweep) are built once. Two rules keep that as fast and as deterministic as
+# fixtures (a trainer run, a sweep) are built once. Three rules keep that as fast and as deterministic as
 # one process:
 # * files with a `slow` test start first (xdist would otherwise hand out the files with the most tests
 #   first and leave the few long ones for the end, one worker busy and the other idle);
 # * a test marked `alone` (it measures wall-clock time against a model, e.g. the pipeline bubble, with
-#   a CPU core per rank) runs with no test of the other worker beside it: `_machine_lock`.
+#   a CPU core per rank) runs with no test of the other worker beside it: `_machine_lock`;
+# * each worker runs torch (and OpenMP) on its share of the cores, never one thread per core each:
+#   `pytest_configure`.
+
+
+def pytest_configure(config):
+    """Under pytest-xdist, each worker (and every process it starts: trainer runs, sweeps) gets its share of
+    the cores as its OpenMP thread count, as torchrun gives its ranks one thread each. Two workers with a
+    thread per core each oversubscribe the machine: an OpenMP thread whose partner was descheduled waits a
+    time slice at every parallel op, and the small ops of the tests' models became 10-50x slower beside the
+    other worker (test_syncs' level-3 count: 0.2 s alone, 17 s in the suite). Set only where unset, before
+    any test module imports torch (it reads the variable once, at import)."""
+    workers = getattr(config, "workerinput", {}).get("workercount")
+    if workers:
+        os.environ.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // workers)))
 
 
 def pytest_collection_modifyitems(config, items):

@@ -1,11 +1,12 @@
 """benchmarks/bench_trainer_knobs.py: its loss comparison and table (the GPU runs themselves are the lead's;
 ``--cpu`` runs it end to end on the tiny config in about a minute, too slow for CI), and its expert-parallel rows:
-judged per section, the dropped-row share, one-line refusals, and (slow: 2 gloo processes, 1.5-2 minutes each)
-the EP rows end to end on a CPU with their trace diffs and with the loss check."""
+judged per section, the dropped-row share, one-line refusals, and (slow: 2 gloo processes, 1.5-2 minutes) the EP
+rows end to end on a CPU with the loss check and, from the same runs, their trace diffs."""
 
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import json
 import math
 import subprocess
@@ -242,39 +243,42 @@ def test_ep_rows_bad_world_is_one_line_exit_2(argv, msg):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["diff", "check-loss"])
-def test_cpu_ep_rows_on_two_gloo_processes(tmp_path, mode):
-    """``--cpu --nproc 2 --only ep``: the EP rows through trainer.launch on 2 gloo ranks, a few steps each, with the
-    trace diff of every row against the one before (``diff``) or the loss check with its control (``check-loss``)."""
-    # the loss check runs 6 steps: by step 5 the control (lr x1.25, after tiny's 2 warm-up steps) is 2e-2 off the
-    # DP runs, twice the tolerance; at 4 steps it is still inside it
-    extra = ["--diff", "--steps", "4"] if mode == "diff" else ["--check-loss", "--eager-runs", "2", "--steps", "6"]
+def test_cpu_ep_rows_on_two_gloo_processes(tmp_path):
+    """``--cpu --nproc 2 --only ep --check-loss --diff``: the EP rows through trainer.launch on 2 gloo ranks, a few
+    steps each, with the loss check and its control and, from the same runs (one step of each profiled), the trace
+    diff of every knob row against the one before."""
+    # 6 steps: by step 5 the control (lr x1.25, after tiny's 2 warm-up steps) is 2e-2 off the DP runs, twice the
+    # tolerance; at 4 steps it is still inside it
     r = subprocess.run([sys.executable, "benchmarks/bench_trainer_knobs.py", "--cpu", "--nproc", "2", "--only", "ep",
-                        "--out", str(tmp_path), *extra], cwd=REPO, capture_output=True, text=True, timeout=900,
-                       check=False)
-    out = tmp_path / ("check_loss" if mode == "check-loss" else "")
-    kind = "check_loss" if mode == "check-loss" else "bench_trainer_knobs"
-    doc = json.loads((out / f"{kind}.json").read_text())
+                        "--out", str(tmp_path), "--check-loss", "--diff", "--eager-runs", "2", "--steps", "6"],
+                       cwd=REPO, capture_output=True, text=True, timeout=900, check=False)
+    out = tmp_path / "check_loss"
+    doc = json.loads((out / "check_loss.json").read_text())
     rows = {row["name"]: row for row in doc["rows"]}
     assert doc["nproc"] == 2 and doc["sections"] == ["ep"], r.stderr[-3000:]
+    assert list(rows) == ["baseline ep=1", "baseline ep=1 (run 2)", "+ ep", "+ ep_dispatch", "+ ep_overlap",
+                          "+ ep_overlap_chunks", "control: lr x1.25"], r.stderr[-3000:]
     assert all(row["rc"] == 0 and row["nproc"] == 2 for row in rows.values()), r.stderr[-3000:]
     assert [row["ep_dispatch"] for row in rows.values() if row["name"].startswith(("baseline", "control"))] == \
-        [None] * (3 if mode == "check-loss" else 1)  # the DP runs (2 with --eager-runs 2) and the control
+        [None] * 3  # the DP runs (2 with --eager-runs 2) and the control
     assert rows["+ ep"]["ep_dispatch"]["path"] == "nccl" and rows["+ ep"]["ep_dispatch"]["dropped_rows"] == 0
     cap = rows["+ ep_dispatch"]["ep_dispatch"]
     assert (cap["path"], cap["capacity_factor"], cap["overlap"]) == ("capacity", 1.25, False)
     assert rows["+ ep_overlap_chunks"]["ep_dispatch"]["overlap_chunks"] == 4
     assert 0 < cap["routed_rows"] and cap["dropped_share"] == cap["dropped_rows"] / cap["routed_rows"]
-    md = (out / f"{kind}.md").read_text()
+    md = (out / "check_loss.md").read_text()
     assert f"capacity 1.25: {100 * cap['dropped_share']:.2f} % dropped" in md
-    # the loss of every EP row against the DP baseline's, rc 0 only when every row passes (and the control fails)
+    # the loss of every EP row against the DP baseline's, rc 0 only when every row passes and the control fails
     ok = all(row.get("loss_ok", True) for n, row in rows.items() if not n.startswith("control"))
-    if mode == "check-loss":
-        assert not rows["control: lr x1.25"]["loss_ok"]
+    assert not rows["control: lr x1.25"]["loss_ok"]
     assert r.returncode == (0 if ok else 1), r.stderr[-3000:]
     assert rows["+ ep"]["loss_ok"] and rows["+ ep"]["loss_rel_diff"] < 1e-5  # EP = the DP layer (fp32)
-    if mode == "diff":
-        for a, b in (("0_baseline_ep-1", "1_ep"), ("1_ep", "2_ep_dispatch"), ("2_ep_dispatch", "3_ep_overlap"),
-                     ("3_ep_overlap", "4_ep_overlap_chunks")):
-            assert (out / f"diff_{a}__{b}" / "diff.md").is_file(), md
-        assert len(list((out / "2_ep_dispatch" / "traces").glob("rank*.json.gz"))) == 2
+    # --diff: every row profiled one step on both ranks; the knob rows diffed in turn, the repeated eager run and
+    # the control left out of the chain
+    for row in rows.values():
+        assert len(list((Path(row["run_dir"]) / "traces").glob("rank*.json.gz"))) == 2, row["name"]
+    chain = ["0_baseline_ep-1", "2_ep", "3_ep_dispatch", "4_ep_overlap", "5_ep_overlap_chunks"]
+    want = {f"diff_{a}__{b}" for a, b in itertools.pairwise(chain)}
+    assert {d.name for d in out.glob("diff_*")} == want, md
+    for d in want:
+        assert (out / d / "diff.md").is_file(), md
