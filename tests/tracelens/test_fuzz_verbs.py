@@ -989,6 +989,50 @@ def test_a_manifest_value_nested_thousands_deep_is_rejected_when_read(tmp_path):
     assert res.exit_code in (0, 2) and "internal error" not in res.stderr, res.stderr
 
 
+def test_host_json_of_a_late_rank_with_no_known_cause_has_no_nan(tmp_path):
+    """The 10,000-case campaign (worker 49): 142 CPU events dropped from rank 0 of the two-rank trace left a
+    late rank whose cause could not be told; `host --json` wrote it as NaN (not JSON). Now null."""
+    d = tmp_path / "traces"
+    d.mkdir()
+    for k in (0, 1):
+        doc = _load_doc(NCCL_2RANK / f"rank{k}.json.gz")
+        if k == 0:
+            _apply(doc, [("drop", "cpu", 734, 142)], Applied())
+        (d / f"rank{k}.json.gz").write_bytes(gzip.compress(json.dumps(doc).encode()))
+    out = tmp_path / "host.json"
+    res = CliRunner().invoke(main, ["host", str(d), "--json", str(out)],
+                             env={"TRACELENS_CACHE_DIR": str(tmp_path / "cache")})
+    assert res.exit_code == 0, res.stderr
+    doc = json.loads(out.read_text(), parse_constant=lambda c: pytest.fail(f"{c} in host --json"))
+    late = [f for f in doc["findings"] if f["type"] == "late_rank"]
+    assert late and all(o["cause"] is None or isinstance(o["cause"], str) for o in late[0]["evidence"]["others"])
+    assert any(o["cause"] is None for o in late[0]["evidence"]["others"])  # the case that was NaN
+
+
+def test_a_pipeline_stage_of_2_63_is_refused_not_iterated(tmp_path):
+    """The 10,000-case campaign (worker 10): rank 0's first pipeline action with `stage` 2**63-1 made `check`
+    run past 120 s (a stage table sized by the largest stage). Now a stage or pp_rank past MAX_STAGES is a
+    one-line error at the action's line (ppvis), and `check` answers at once (the pipeline section is skipped,
+    said in the analysis' warnings)."""
+    import time
+
+    from tracelens.analysis.pipeline import MAX_STAGES
+
+    run = tmp_path / "run"
+    shutil.copytree(PP2_RUN, run)
+    f = sorted((run / "pipeline").iterdir())[0]
+    recs = [json.loads(ln) for ln in gzip.decompress(f.read_bytes()).splitlines() if ln.strip()]
+    recs[0]["stage"] = 2**63 - 1
+    f.write_bytes(gzip.compress(b"\n".join(json.dumps(r).encode() for r in recs) + b"\n"))
+    env = {"TRACELENS_CACHE_DIR": str(tmp_path / "cache")}
+    res = CliRunner().invoke(main, ["ppvis", str(run), "--no-traces", "-o", str(tmp_path / "p.html")], env=env)
+    _one_line_exit_2(res, f"{f}:1")
+    assert f"at most {MAX_STAGES - 1}" in res.stderr
+    t0 = time.monotonic()
+    res = CliRunner().invoke(main, ["check", str(run), "--json", str(tmp_path / "c.json")], env=env)
+    assert res.exit_code in (0, 1) and time.monotonic() - t0 < 60, res.stderr
+
+
 @pytest.mark.parametrize("line", [b"[" * 100_000, b'{"step":' * 100_000], ids=["list", "object"])
 def test_ppvis_on_a_deeply_nested_pipeline_line_is_one_line_error(tmp_path, line):
     """A pipeline jsonl line nested beyond the decoder's recursion limit was a RecursionError (exit 3)."""

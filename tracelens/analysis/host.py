@@ -139,13 +139,32 @@ def idle_gaps(analysis, syncs: pd.DataFrame | None = None, text_columns: bool = 
     return rows[0] if len(rows) == 1 else pd.concat(rows, ignore_index=True)[cols]
 
 
-def idle_summary(gaps: pd.DataFrame, timeline: pd.DataFrame) -> pd.DataFrame:
+def idle_summary(gaps: pd.DataFrame, timeline: pd.DataFrame, cuts: dict | None = None) -> pd.DataFrame:
+    """GPU idle per rank and cause over the timeline's window: each gap clipped to its rank's window
+    (``timeline.start_ns`` .. ``end_ns``) less the window's cuts (start-up waits, `steps.StepWindow.cuts`),
+    so the idle is measured on the same time as ``span_us`` and never exceeds it (a gap of a warm-up step
+    or inside a cut is not the window's idle)."""
     cols = ["rank", "cause", "gaps", "idle_us", "pct_of_span"]
-    if gaps.empty:
+    if gaps.empty or timeline.empty:
         return pd.DataFrame(columns=cols)
-    out = gaps.groupby(["rank", "cause"]).agg(gaps=("dur_us", "size"), idle_us=("dur_us", "sum")).reset_index()
-    span = out["rank"].map(timeline.set_index("rank")["span_us"])
-    out["pct_of_span"] = 100.0 * out["idle_us"] / span
+    tl = timeline.drop_duplicates("rank").set_index("rank")
+    rank = gaps["rank"].to_numpy()
+    lo = pd.Series(rank).map(tl["start_ns"]).to_numpy(dtype=float)
+    hi = pd.Series(rank).map(tl["end_ns"]).to_numpy(dtype=float)
+    s = np.maximum(gaps["start_ns"].to_numpy(dtype=float), lo)
+    e = np.minimum(gaps["end_ns"].to_numpy(dtype=float), hi)
+    length = np.maximum(e - s, 0.0)
+    for r, ivs in (cuts or {}).items():
+        on = rank == r
+        for cs, ce in ivs:
+            length[on] -= np.maximum(np.minimum(e[on], ce) - np.maximum(s[on], cs), 0.0).clip(min=0.0)
+    length = np.where(np.isnan(length), 0.0, np.maximum(length, 0.0))  # NaN: a rank with no timeline row
+    kept = gaps.loc[length > 0, ["rank", "cause"]].assign(dur_us=length[length > 0] / US)
+    if kept.empty:
+        return pd.DataFrame(columns=cols)
+    out = kept.groupby(["rank", "cause"]).agg(gaps=("dur_us", "size"), idle_us=("dur_us", "sum")).reset_index()
+    span = out["rank"].map(tl["span_us"])
+    out["pct_of_span"] = np.where(span > 0, 100.0 * out["idle_us"] / span, 0.0)
     return out[cols]
 
 
@@ -258,6 +277,7 @@ def host_report(analysis, small_us: float = SMALL_KERNEL_US) -> HostReport:
     `kernels_per_op`, `findings`: computed once there for the default threshold)."""
     syncs = analysis.host_syncs()
     return HostReport(syncs=syncs, sync_summary=sync_summary(syncs),
-                      idle=idle_summary(analysis.idle_gaps(), analysis.timeline),
+                      idle=idle_summary(analysis.idle_gaps(), analysis.timeline,
+                                        analysis.window.cuts if analysis.window is not None else None),
                       launch=analysis.launch_stats(small_us), kernels_per_op=analysis.kernels_per_op(small_us),
                       findings=analysis.findings(small_us), small_us=small_us)

@@ -60,6 +60,9 @@ from .steps import manifest_step_roles, run_manifest, steady_pipeline_step
 
 KINDS = ("F", "B", "W")
 MAX_TIME_NS = 1 << 62  # 2116 in epoch ns: a start or end at or past it is not a time (2**63-1 is a sentinel)
+# stages (and pp ranks) at or past this are not a pipeline: tables sized by the stage count would not end
+# (a stage of 2**63-1 made `check` spin over range(stages)); far above any real pipeline (thousands of stages)
+MAX_STAGES = 1 << 16
 ACTION_COLUMNS = ("step", "rank", "pp_rank", "stage", "microbatch", "kind", "start_ns", "end_ns")
 RANGE_RE = re.compile(r"^pipeline/([FBW])/s(\d+)/mb(\d+)$")
 # A stage is flagged when its time per microbatch is at least this many times the mean of all stages.
@@ -201,6 +204,7 @@ def _one_at_a_time(df: pd.DataFrame) -> tuple[np.ndarray, str | None]:
 
 def _columns_ok(arr: dict[str, np.ndarray], file_rank: int) -> bool:
     ok = all(arr[c].dtype.kind == "i" and (arr[c] >= 0).all() for c in ACTION_COLUMNS if c != "kind")
+    ok = ok and (arr["stage"] < MAX_STAGES).all() and (arr["pp_rank"] < MAX_STAGES).all()
     return bool(ok and np.isin(arr["kind"], KINDS).all() and (arr["end_ns"] >= arr["start_ns"]).all()
                 and (arr["end_ns"] < MAX_TIME_NS).all() and (arr["rank"] == file_rank).all())
 
@@ -230,6 +234,8 @@ def _check_line(line: bytes, where: str, file_rank: int) -> None:
             raise TraceError(where, f"{c!r} must be >= 0, got {v}")
         if c in ("start_ns", "end_ns") and v >= MAX_TIME_NS:
             raise TraceError(where, f"{c!r} {v} is not a time (at or past 2**62 ns, the year 2116)")
+        if c in ("stage", "pp_rank") and v >= MAX_STAGES:
+            raise TraceError(where, f"{c!r} {v} is not a pipeline stage (at most {MAX_STAGES - 1})")
     if rec["end_ns"] < rec["start_ns"]:
         raise TraceError(where, f"'end_ns' {rec['end_ns']} is before 'start_ns' {rec['start_ns']}")
     if rec["rank"] != file_rank:
@@ -407,6 +413,9 @@ def infer_meta(actions: pd.DataFrame) -> PipelineMeta:
     """
     if actions.empty:
         raise TraceError(None, "no pipeline actions to infer the pipeline set-up from")
+    top = int(actions["stage"].max())
+    if top >= MAX_STAGES:  # a pipeline range of a trace (pipeline/F/s<N>/...) read with an absurd stage number
+        raise TraceError(None, f"a pipeline action of stage {top}: not a pipeline stage (at most {MAX_STAGES - 1})")
     pp = int(actions["pp_rank"].nunique())
     n_stages = int(actions["stage"].max()) + 1
     vpp = max(1, n_stages // pp)

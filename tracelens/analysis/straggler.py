@@ -195,8 +195,11 @@ def straggler_finding(analysis, n_ranks: int, inst: pd.DataFrame | None = None,
                  f"{_cause_text(cause)} ({cause_us / 1e3:.3f} ms more than the other ranks per instance)",
         "evidence": {"late_rank": late, "instances": n, "families": mine["family"].tolist(), "cause": cause,
                      "excess_us_by_part": parts, "wait_caused_us_per_rank": round(wait, 3),
+                     # a late rank with no known cause (its parts undetermined: e.g. its CPU events were dropped)
+                     # has cause None (JSON null), never a float NaN
                      "others": [{"family": r.family, "late_rank": int(r.late_rank), "wait_caused_us": r.wait_caused_us,
-                                 "cause": r.cause} for r in t[t["late_rank"] != late].itertuples(index=False)][:4]},
+                                 "cause": r.cause if isinstance(r.cause, str) else None}
+                                for r in t[t["late_rank"] != late].itertuples(index=False)][:4]},
         "recoverable_us": wait, "ranks": [late],
     }
     cite_path(out, path)
