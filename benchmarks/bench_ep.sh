@@ -11,6 +11,11 @@
 #           bf16, symm included): one PASS/FAIL line per case, the count at the end, exit 1 if any case failed
 #     ROWS=check bash benchmarks/bench_ep.sh          # 4 GPUs; the lines in $OUT/check.log
 #   1-/2-GPU rows (the scaling table): gpu1, dp2, ep2_*; NPROC is taken from the row's name.
+#   expert placement by load (ep_placement: balanced): ep4_loads first (a short profiled run: its routing.json
+#   holds the loads), then the *_place rows, which read $WORK/ep4_loads/routing.json; the same rows without
+#   placement (ep4_cap, ep4_cap_ovl, ep4_nccl) are the comparison:
+#     ROWS="ep4_loads ep4_cap ep4_cap_place ep4_cap_ovl ep4_cap_ovl_place ep4_nccl ep4_nccl_place ep4_cap_place_prof" \
+#       bash benchmarks/bench_ep.sh
 set -u
 source "$(dirname "$0")/gpu_env.sh"
 OUTDIR=${OUT:-/tmp/tracelens-bench-ep}
@@ -22,6 +27,7 @@ CAP="--set ep_dispatch=capacity --set ep_capacity_factor=${CAPF:-1.25}"
 LONG="--set steps=30 --set timing_warmup_steps=18 --set log_every=10 --set profile_step_end=0"
 BAL="--set router_bias_update_rate=0.001 $LONG"
 SYMM="--set ep_dispatch=symm --set ep_capacity_factor=${CAPF:-1.25}"
+PLACE="--set ep_placement=balanced --set ep_placement_loads=$WORK/ep4_loads/routing.json"
 declare -A RUNS=(
   [gpu1]="1 $STEPS"
   [dp2]="2 $STEPS"
@@ -59,6 +65,13 @@ declare -A RUNS=(
   [ep4_symm_ovl_r3]="4 --set ep=4 $SYMM --set ep_overlap=true --set router_bias_update_rate=0.003 $LONG"
   [ep4_cap_r3_prof]="4 --set ep=4 $CAP --set router_bias_update_rate=0.003 --set steps=30 --set timing_warmup_steps=18 --set log_every=10 --set profile_step_start=26 --set profile_step_end=28"
   [dp2_bal]="2 $BAL"
+  # expert placement by load: ep4_loads writes the routing counts the *_place rows balance on (run it first)
+  [ep4_loads]="4 --set ep=4 $CAP $PROF"
+  [ep4_cap_place]="4 --set ep=4 $CAP $PLACE $STEPS"
+  [ep4_cap_ovl_place]="4 --set ep=4 $CAP --set ep_overlap=true $PLACE $STEPS"
+  [ep4_nccl_place]="4 --set ep=4 $PLACE $STEPS"
+  [ep4_cap_place_prof]="4 --set ep=4 $CAP $PLACE $PROF"
+  [ep4_cap_place_b30]="4 --set ep=4 $CAP $PLACE $LONG"
   # the committed fixture (tests/fixtures/h100_4gpu/ep4_cap_ovl): two profiled steps
   [ep4_cap_ovl_fixture]="4 --set ep=4 $CAP --set ep_overlap=true --set steps=10 --set timing_warmup_steps=3 --set log_every=5 --set profile_step_start=7 --set profile_step_end=9"
 )
@@ -80,6 +93,10 @@ for name in ${ROWS:-check dp4 ep4_nccl ep4_cap ep4_cap_ovl ep4_symm ep4_symm_ovl
     > "$OUTDIR/$name.log" 2>&1
   echo "$name: exit $? in $(( $(date +%s) - t0 )) s"
   tail -2 "$OUTDIR/$name.log"
+  if [ "$name" = ep4_loads ] && [ -f "$WORK/ep4_loads/routing.json" ]; then  # the gain the placement predicts
+    python3 -m tracelens moe "$WORK/ep4_loads" > "$OUTDIR/ep4_loads.moe.txt" 2>&1 || true
+    sed -n '/^expert placement/,/^train with/p' "$OUTDIR/ep4_loads.moe.txt"
+  fi
   if ls "$WORK/$name"/traces/*.json.gz >/dev/null 2>&1; then
     python3 -m tracelens comm "$WORK/$name" > "$OUTDIR/$name.comm.txt" 2>&1 || true
     python3 -m tracelens comm "$WORK/$name" --json > "$OUTDIR/$name.comm.json" 2>/dev/null || true
@@ -97,15 +114,19 @@ for m in sorted(work.glob("*/manifest.json")):
         "world": j["device"]["count"], "device": j["device"]["name"], "parallel": j.get("parallel"),
         "ep_dispatch": j.get("ep_dispatch"), "tokens_per_s_per_gpu": mt["tokens_per_s_per_gpu"], "mfu": mt["mfu"],
         "mean_step_time_s": mt["mean_step_time_s"], "peak_memory_gib": [p / 2**30 for p in mt["peak_memory_bytes"]],
-        "loss": mt["loss"], "status": j.get("status")}
+        "loss": mt["loss"], "status": j.get("status"), "ep_placement": j.get("ep_placement")}
 (out / "bench_ep.json").write_text(json.dumps(rows, indent=1))
-lines = ["| row | GPUs | tokens/s/GPU | MFU | step ms | peak GiB (max) | dropped | final loss |", "|---|---|---|---|---|---|---|---|"]
+lines = ["| row | GPUs | tokens/s/GPU | MFU | step ms | peak GiB (max) | dropped | expected rank imb. | final loss |",
+         "|---|---|---|---|---|---|---|---|---|"]
 for n, r in rows.items():
     tps = r["tokens_per_s_per_gpu"]
     dr = (r["ep_dispatch"] or {}).get("dropped_share")
+    pl = (r["ep_placement"] or {}).get("layers")  # balanced: max over layers, contiguous -> balanced
+    imb = (f"{max(x['imbalance_contiguous'] for x in pl):.2f} -> {max(x['imbalance_balanced'] for x in pl):.2f}"
+           if pl else "-")
     lines.append(f"| {n} | {r['world']} | {tps:,.0f} | {100 * (r['mfu'] or 0):.1f} % | {1e3 * r['mean_step_time_s']:.1f} | "
-                 f"{max(r['peak_memory_gib']):.1f} | {'-' if dr is None else f'{100 * dr:.2f} %'} | {r['loss'][-1]:.4f} |"
-                 if tps else f"| {n} | {r['world']} | failed | | | | | |")
+                 f"{max(r['peak_memory_gib']):.1f} | {'-' if dr is None else f'{100 * dr:.2f} %'} | {imb} | {r['loss'][-1]:.4f} |"
+                 if tps else f"| {n} | {r['world']} | failed | | | | | | |")
 (out / "bench_ep.md").write_text("\n".join(lines) + "\n")
 print("\n".join(lines))
 EOF

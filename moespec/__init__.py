@@ -10,6 +10,7 @@ predicts others with the same ones, so neither keeps a copy of the other's rules
 * ``moespec.devices``: the device table: datasheet ceilings, memory capacity, the MFU peak.
 * ``moespec.gemm_shapes``: the routed experts' grouped-GEMM shapes per rank.
 * ``moespec.backends``: the grouped-GEMM backend names of the config.
+* ``moespec.placement``: expert placement by load (``ep_placement: balanced``): the algorithm and its loads file.
 * ``moespec.yaml_bounded``: the one YAML loader for every file and value a user hands the project (bounded).
 
 May import: the standard library and PyYAML (loaded on first use); never torch, numpy or pandas (a test

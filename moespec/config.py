@@ -108,6 +108,9 @@ DEFAULTS: dict[str, Any] = {
     "ep_overlap": False,         # chunked dispatch: a chunk's rows travel while another chunk's experts (or
                                  # the shared expert) compute
     "ep_overlap_chunks": 2,      # chunks of tokens per micro-batch when ep_overlap is on
+    "ep_placement": "contiguous",  # contiguous (rank p holds experts [p*El, (p+1)*El)) | balanced (per MoE layer,
+                                 # El experts per rank chosen so the expected rank loads are even; moespec/placement.py)
+    "ep_placement_loads": None,  # balanced: the routing.json of an earlier run of this model (the expected loads)
     # ---- pipeline parallelism (docs/pipeline.md) ----
     "pp": 1,                     # pipeline ranks; world = pp * dp * ep
     "vpp": 1,                    # virtual stages per pipeline rank (interleaved / zero-bubble schedules)
@@ -166,6 +169,7 @@ _CHOICES = {
     "cuda_graphs": ("off", "on"),
     "expert_swiglu": ("torch", "triton"),
     "ep_dispatch": ("nccl", "capacity", "symm"),
+    "ep_placement": ("contiguous", "balanced"),
 }
 
 # Bounds (docs/trainer.md "Bounds"): every integer key is in [0, MAX_INT] (seed: [0, MAX_SEED]); the ones below
@@ -444,12 +448,27 @@ def _validate_ep(cfg: dict) -> None:
         raise ConfigError("ep_overlap_chunks", f"{cfg['ep_overlap_chunks']} chunks of a micro-batch of {tokens} tokens "
                                                "leave some chunk empty")
     if cfg["ep"] == 1:
-        for key, default in (("ep_dispatch", "nccl"), ("ep_overlap", False)):
+        for key, default in (("ep_dispatch", "nccl"), ("ep_overlap", False), ("ep_placement", "contiguous")):
             if cfg[key] != default:
                 raise ConfigError(key, f"{cfg[key]!r} needs expert parallelism (ep > 1): with ep=1 no token leaves "
                                        "its rank")
+    _validate_placement(cfg)
     if cfg["ep_dispatch"] == "symm":
         _validate_symm(cfg)
+
+
+def _validate_placement(cfg: dict) -> None:
+    """ep_placement=balanced reads its expected loads from ep_placement_loads (the file itself is read where the
+    model is built: moespec.placement.placement_plan, called by the trainer's CLI before any rank starts)."""
+    path = cfg["ep_placement_loads"]
+    if path is not None and (not isinstance(path, str) or not path.strip() or "\0" in path):
+        raise ConfigError("ep_placement_loads", f"expected the path of a routing.json or null, got {_short(path)}")
+    if cfg["ep_placement"] == "balanced" and path is None:
+        raise ConfigError("ep_placement_loads", "ep_placement=balanced needs the expected expert loads: the "
+                                                "routing.json of an earlier run of this model")
+    if cfg["ep_placement"] != "balanced" and path is not None:
+        raise ConfigError("ep_placement_loads", f"is read only by ep_placement=balanced (got "
+                                                f"ep_placement={cfg['ep_placement']})")
 
 
 def _validate_symm(cfg: dict) -> None:

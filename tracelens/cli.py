@@ -318,17 +318,35 @@ def critpath(paths, step, json_out, no_cache):
 @main.command()
 @click.argument("paths", nargs=-1, required=True, type=click.Path())
 @click.option("--json", "json_out", type=click.Path(dir_okay=False), help="Write the view, with every (layer, rank, expert) record, here.")
+@click.option("--placement-ep", type=click.IntRange(2), default=None,
+              help="Predict the balanced expert placement (ep_placement) for this EP size (default: the run's).")
 @click.option("--no-cache", is_flag=True, help="Do not read or write the parsed-trace cache.")
-def moe(paths, json_out, no_cache):
+def moe(paths, json_out, placement_ep, no_cache):
     """The MoE view: per MoE layer and rank, routed tokens per expert and the expert load imbalance (from the
     run's routing.json), grouped-GEMM rows computed vs routed (padding), expert GEMM time, all-to-all bytes
     per rank pair and their skew, tied to the late rank. See docs/moe.md.
 
+    With a routing file it also predicts, per layer, the rank imbalance under the balanced expert placement
+    the trainer's ``ep_placement: balanced`` would run with this file as ``ep_placement_loads``.
+
     Without a routing file (older runs, other frameworks) it shows what the trace has and says in one line
     what is missing. A truncated routing file, or one from another run: one line, exit 2."""
-    from . import analyze as run_analysis, load
+    import dataclasses
 
-    rep = run_analysis(load(list(paths), cache=not no_cache)).moe()
+    from . import analyze as run_analysis, load
+    from .analysis.moe_view import placement_preview
+
+    a = run_analysis(load(list(paths), cache=not no_cache))
+    rep = a.moe()
+    if placement_ep is not None:
+        run = a.trace.run
+        counts = run.routing() if run is not None else None
+        if counts is None:
+            _fail(f"{paths[0]}: --placement-ep needs the run's routing.json (the expected expert loads), and there is none")
+        if counts.n_experts % placement_ep:
+            _fail(f"{run.routing_path}: --placement-ep {placement_ep}: its {counts.n_experts} experts do not split "
+                  "evenly over that many ranks")
+        rep = dataclasses.replace(rep, placement=placement_preview(counts, placement_ep))
     _echo(rep.to_text())
     if json_out:
         _write_json(json_out, rep.to_dict())

@@ -16,6 +16,7 @@ import traceback
 from pathlib import Path
 
 from moespec.config import CLI_FLAG_KEYS, ConfigError, load_config, parse_override
+from moespec.placement import placement_plan
 
 
 def build_parser(prog: str = "python -m trainer") -> argparse.ArgumentParser:
@@ -39,7 +40,11 @@ def config_from_args(args) -> dict:
         v = getattr(args, f"flag_{key}")
         if v is not None:
             overrides[key] = parse_override(f"{key}={v}")[1]
-    return load_config(args.config, overrides)
+    cfg = load_config(args.config, overrides)
+    # ep_placement=balanced: read ep_placement_loads now, so a file that does not fit this model is one line
+    # (exit 2) before any rank starts; the trainer builds its model from the same plan
+    placement_plan(cfg)
+    return cfg
 
 
 ERROR_PREFIX = "[trainer] error: "  # a failed rank's one line (trainer.launch recognises it)

@@ -137,9 +137,12 @@ def rank_record(log: RoutingLog | None, d) -> dict | None:
     return log.to_host(d.rank, d.ep_rank, [int(r) for r in group], d.pp_rank)
 
 
-def write_routing(out: str | Path, records: list[dict | None], cfg: dict, run: dict, steps: int) -> Path | None:
+def write_routing(out: str | Path, records: list[dict | None], cfg: dict, run: dict, steps: int,
+                  placement: dict | None = None) -> Path | None:
     """Rank 0: write ``out/routing.json`` from every rank's record (atomically); None when no rank has an
-    MoE layer. ``run``: what ties the file to its manifest (``run_id``, ``name``, ``created_utc``)."""
+    MoE layer. ``run``: what ties the file to its manifest (``run_id``, ``name``, ``created_utc``).
+    ``placement`` (``ep_placement: balanced``, `moespec.placement.PlacementPlan.record`): the file says which EP
+    rank held which expert per layer; the counts stay per logical expert either way."""
     ranks = [r for r in records if r is not None]
     if not ranks:
         return None
@@ -153,6 +156,9 @@ def write_routing(out: str | Path, records: list[dict | None], cfg: dict, run: d
         "profiled_steps": list(range(cfg["profile_step_start"], min(cfg["profile_step_end"], cfg["steps"]))),
         "ranks": sorted(ranks, key=lambda r: r["rank"]),
     }
+    if placement is not None:
+        doc["placement"] = {"mode": placement["mode"], "layers": [{"layer": ly["layer"], "ranks": ly["ranks"]}
+                                                                  for ly in placement["layers"]]}
     path = Path(out) / ROUTING_FILE
     runtime.write_json_atomic(path, doc, indent=None)  # compact: E counts per layer, step and rank
     return path

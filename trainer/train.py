@@ -18,6 +18,7 @@ import torch.distributed as dist
 from moespec.config import ConfigError
 from moespec.devices import peak_bf16_flops
 from moespec.params import count_params, model_flops_per_token
+from moespec.placement import placement_plan
 from trainer import runtime
 from trainer.compiling import compile_dense, compile_stats
 from trainer.data import make_data
@@ -287,8 +288,11 @@ def _train(cfg: dict, out: Path, d: Dist, notes: _Notes, env_knobs: dict) -> dic
     # init and the copy take ~40 s for the GPU proxy); a pipeline builds the whole model and keeps its
     # stages, so it stays on the CPU until then
     on_device = d.device.type == "cuda" and d.pp == 1
+    # ep_placement=balanced: which EP rank holds which expert, per MoE layer (moespec/placement.py; the CLI
+    # has read the loads file once already, so a bad one never gets here)
+    placement = placement_plan(cfg) if d.ep > 1 else None
     with torch.device(d.device) if on_device else nullcontext():
-        model = Transformer(cfg, d.ep_group, d.ep, d.ep_rank)
+        model = Transformer(cfg, d.ep_group, d.ep, d.ep_rank, placement)
     model.init_weights(cfg["seed"], device=d.device if on_device else None)
     # tokens per expert of every MoE layer, kept on the device until the end (trainer/routing_log.py)
     routing = RoutingLog(model, range(cfg["profile_step_start"], min(cfg["profile_step_end"], cfg["steps"])))
@@ -376,7 +380,7 @@ def _train(cfg: dict, out: Path, d: Dist, notes: _Notes, env_knobs: dict) -> dic
             pipe.close()
     return _finish(cfg, d, out, core, losses, auxes, gnorms, step_times, trace_path if prof else None,
                    env_knobs, numa, notes.messages, pipe, timer, rank_record(routing, d),
-                   balancer.summary() if balancer.active else None)
+                   balancer.summary() if balancer.active else None, placement)
 
 
 def make_optimizer(model, cfg: dict, device) -> torch.optim.Optimizer:
@@ -394,7 +398,8 @@ def make_optimizer(model, cfg: dict, device) -> torch.optim.Optimizer:
 
 
 def _finish(cfg, d: Dist, out: Path, model, losses, auxes, gnorms, step_times, trace_path, env_knobs, numa, notes,
-            pipe=None, timer: StepTimer | None = None, routing: dict | None = None, balance: dict | None = None):
+            pipe=None, timer: StepTimer | None = None, routing: dict | None = None, balance: dict | None = None,
+            placement=None):
     n = len(losses)
     dev = d.device
     stats = torch.stack([torch.stack(losses), torch.stack(auxes)]) if n else torch.zeros(2, 0, device=dev)
@@ -451,7 +456,7 @@ def _finish(cfg, d: Dist, out: Path, model, losses, auxes, gnorms, step_times, t
         "toggles": {k: cfg[k] for k in ("sync_free_level", "grouped_gemm_backend", "recompute_layer_ids", "optimizer",
                                         "loss_fusion", "manual_gc", "numa_bind", "dtype", "step_timing", "compile",
                                         "cuda_graphs", "ep_dispatch", "ep_capacity_factor", "ep_overlap",
-                                        "ep_overlap_chunks", "router_bias_update_rate")},
+                                        "ep_overlap_chunks", "ep_placement", "router_bias_update_rate")},
         "numa": numa,
         "env": {"knobs": env_knobs, "recorded": runtime.recorded_env()},
         "params": {**count_params(cfg), "local_routed_experts": cfg["n_routed_experts"] // d.ep},
@@ -480,10 +485,13 @@ def _finish(cfg, d: Dist, out: Path, model, losses, auxes, gnorms, step_times, t
         "pipeline": pipe.manifest() if pipe is not None else None,  # docs/pipeline.md
         "kernels": experts.kernels_record(cfg),  # what ran each MoE op; auto's backend per pass
         "ep_dispatch": ep_dispatch_record(cfg, d, drops.tolist()),  # docs/trainer.md "Expert parallelism"
+        # ep_placement: per MoE layer the experts of each EP rank, the expected rank imbalance before and after
+        "ep_placement": (placement.record() if placement is not None else {"mode": "contiguous"}) if d.ep > 1 else None,
         "router_bias": balance,  # router_bias_update_rate: rank 0's final biases per MoE layer (docs/trainer.md)
         "compile": compile_stats(cfg),  # compile=dense: graphs, graph breaks, CUDA-graph skips (trainer/compiling.py)
     }
-    routing_path = write_routing(out, routings, cfg, manifest, n)  # before the manifest says complete
+    routing_path = write_routing(out, routings, cfg, manifest, n,  # before the manifest says complete
+                                 placement.record() if placement is not None else None)
     manifest["routing"] = routing_path.name if routing_path is not None else None
     runtime.write_json_atomic(out / "manifest.json", manifest)
     mt = manifest["metrics"]

@@ -24,7 +24,7 @@ import pytest
 from click.testing import CliRunner
 
 import tracelens
-from tracelens.analysis.moe_view import routing_tables, straggler_tie
+from tracelens.analysis.moe_view import placement_preview, routing_tables, straggler_tie
 from tracelens.cli import main
 from tracelens.errors import TraceError
 from tracelens.io.routing import RoutingError, check_run, decode
@@ -101,6 +101,71 @@ def test_routing_tables_tokens_per_expert_owner_and_steps():
     experts, _, basis = routing_tables(counts, [9])  # no window step kept: the run's totals per step
     assert basis == "all 3 steps of the run (mean)"
     assert experts["tokens"].tolist() == [2.0] * 8
+
+
+def _placed_doc(totals, placement=None, group=(0, 1)):
+    """A routing doc whose ranks' totals are ``totals`` [rank][layer 1's experts], optionally with a placement."""
+    E = len(totals[0])
+    d = _doc(n_routed_experts=E, steps=1, profiled_steps=[],
+             ranks=[{"rank": r, "ep_rank": r, "ep_group": list(group), "pp_rank": 0,
+                     "layers": [{"layer": 1, "total": t, "total_forwards": 1, "steps": []}]} for r, t in enumerate(totals)])
+    if placement is not None:
+        d["placement"] = {"mode": "balanced", "layers": [{"layer": 1, "ranks": placement}]}
+    return d
+
+
+def test_a_recorded_placement_decides_the_owners():
+    """ep_placement=balanced runs: routing.json counts logical experts and says where each one lived."""
+    counts = decode(_placed_doc([[9, 1, 1, 9], [9, 1, 1, 9]], placement=[[0, 1], [2, 3]]))
+    assert counts.placement == {1: (0, 0, 1, 1)}
+    counts = decode(_placed_doc([[9, 1, 1, 9], [9, 1, 1, 9]], placement=[[1, 3], [0, 2]]))
+    assert [counts.owner(0, e, layer=1) for e in range(4)] == [1, 0, 1, 0]
+    experts, _, _ = routing_tables(counts, None)
+    assert experts[experts["rank"] == 0]["owner"].tolist() == [1, 0, 1, 0]
+    assert [counts.owner(0, e) for e in range(4)] == [0, 0, 1, 1]  # no layer: the contiguous rule
+    for bad in ([[0, 1], [1, 3]], [[0, 1, 2], [3]], [[0], [1], [2], [3]]):
+        with pytest.raises(RoutingError, match=r"placement.layers\[0\].ranks: not the 4 experts split evenly"):
+            decode(_placed_doc([[1, 1, 1, 1]] * 2, placement=bad))
+
+
+def test_placement_preview_predicts_the_balanced_rank_imbalance():
+    """Loads 30, 20, 5, 5 (both ranks' totals summed) over two EP ranks: contiguous {0, 1} / {2, 3} carry 50
+    and 10, max / mean 50 / 30; balanced {0, 2} / {1, 3} (or {0, 3} / {1, 2}) carry 35 and 25: 35 / 30."""
+    counts = decode(_placed_doc([[15, 10, 2, 3], [15, 10, 3, 2]]))
+    pv = placement_preview(counts)
+    assert pv[["layer", "ep", "placement_now"]].values.tolist() == [[1, 2, "contiguous"]]
+    assert pv["imbalance_now"].iloc[0] == pytest.approx(50 / 30, abs=1e-4)
+    assert pv["imbalance_balanced"].iloc[0] == pytest.approx(35 / 30, abs=1e-4)
+    assert pv["ranks"].iloc[0] == [[0, 2], [1, 3]] or pv["ranks"].iloc[0] == [[0, 3], [1, 2]]
+    # at the run's own balanced placement, "now" is that placement's
+    counts = decode(_placed_doc([[15, 10, 2, 3], [15, 10, 3, 2]], placement=[[0, 3], [1, 2]]))
+    pv = placement_preview(counts)
+    assert pv["placement_now"].iloc[0] == "balanced" and pv["imbalance_now"].iloc[0] == pytest.approx(35 / 30, abs=1e-4)
+    # another EP size: 4 ranks of one expert each; and nothing to place at 3 (4 experts) or 1
+    pv = placement_preview(counts, 4)
+    assert pv["imbalance_now"].iloc[0] == pv["imbalance_balanced"].iloc[0] == pytest.approx(30 / 15, abs=1e-4)
+    assert placement_preview(counts, 3).empty and placement_preview(counts, 1).empty
+
+
+def test_the_verb_predicts_the_placement_from_the_runs_routing_file(r_l3, tmp_path):
+    """The committed 4-GPU run: the predicted imbalance of its contiguous placement, from routing.json read
+    with json.load and summed here, and the verb's --placement-ep."""
+    doc = json.loads((R_L3 / "routing.json").read_text())
+    loads = [sum(r["layers"][0]["total"][e] for r in doc["ranks"]) for e in range(64)]
+    per = [sum(loads[p * 16:(p + 1) * 16]) for p in range(4)]
+    rep = r_l3.moe()
+    assert rep.placement["imbalance_now"].iloc[0] == pytest.approx(max(per) / (sum(per) / 4), abs=1e-4)
+    assert 1.0 <= rep.placement["imbalance_balanced"].iloc[0] < rep.placement["imbalance_now"].iloc[0]
+    r = CliRunner().invoke(main, ["moe", str(R_L3), "--no-cache", "--placement-ep", "8", "--json", str(tmp_path / "m.json")])
+    assert r.exit_code == 0, r.output
+    assert "expert placement at ep=8" in r.output
+    assert f"--set ep_placement=balanced --set ep_placement_loads={R_L3 / 'routing.json'}" in r.output
+    placed = json.loads((tmp_path / "m.json").read_text())["placement"]
+    assert len(placed) == 1 and len(placed[0]["ranks"]) == 8 and placed[0]["ep"] == 8
+    r = CliRunner().invoke(main, ["moe", str(R_L3), "--no-cache", "--placement-ep", "3"])
+    assert r.exit_code == 2
+    assert r.output.strip() == (f"tracelens: error: {R_L3 / 'routing.json'}: --placement-ep 3: its 64 experts do not "
+                                "split evenly over that many ranks")
 
 
 def test_decode_names_the_bad_field_and_another_run_is_refused():

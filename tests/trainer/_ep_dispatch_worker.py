@@ -162,8 +162,9 @@ def _first_mismatch(got: torch.Tensor, want: torch.Tensor, tol: float) -> str:
             f"want {float(want[idx]):.6g}")
 
 
-def _dropping_reference(ref: MoE, cfg, xs, P, chunks, factor):
-    """Output of every rank's tokens under the capacity rule, from ``ref``'s weights (EP=1 layer)."""
+def _dropping_reference(ref: MoE, cfg, xs, P, chunks, factor, slot: list[int] | None = None):
+    """Output of every rank's tokens under the capacity rule, from ``ref``'s weights (EP=1 layer). ``slot``
+    (``ep_placement``): logical expert -> physical slot, whose rank is the peer (default: the expert id's)."""
     k, E = cfg["top_k"], cfg["n_routed_experts"]
     El = E // P
     ys, dropped = [], 0
@@ -182,7 +183,8 @@ def _dropping_reference(ref: MoE, cfg, xs, P, chunks, factor):
             used = [0] * P
             for t in range(lo, hi):
                 for s in range(k):
-                    p = int(idx[t, s]) // El
+                    e = int(idx[t, s])
+                    p = (e if slot is None else slot[e]) // El
                     if used[p] < cap:
                         keep[t, s] = True
                         used[p] += 1

@@ -17,6 +17,9 @@ MoE layer, per profiled step) and the trace:
   step; with routing counts, the routed bytes of the same calls (each call carries on average half of the
   rows routed s -> d plus those routed d -> s: dispatch and combine, forward and backward), so the padded share
   and the skew of both;
+- the expert placement by load (`placement_preview`): per layer the expected rank imbalance under the run's
+  placement and under the balanced one the trainer's ``ep_placement: balanced`` computes from this routing
+  file (`moespec.placement`), so the gain shows before a run;
 - the tie to the straggler: whether the late rank (the ``late_rank`` finding) is the one receiving the most
   routed rows, or spending the most time in expert GEMMs.
 
@@ -36,6 +39,8 @@ from typing import Any
 
 import numpy as np
 import pandas as pd
+
+from moespec.placement import contiguous_placement, imbalance, plan_layer
 
 from .. import categories as C
 from ..io.run import ROUTING
@@ -260,9 +265,9 @@ def routing_tables(counts, steps: list[int] | None) -> tuple[pd.DataFrame, pd.Da
     recs, fw = [], []
     E = counts.n_experts
     for rank, rc in sorted(counts.ranks.items()):
-        per = E // len(rc.ep_group)
-        owners = [rc.ep_group[e // per] for e in range(E)]
         for lid, lc in sorted(rc.layers.items()):
+            # where the layer's experts lived: the run's placement (ep_placement), else contiguous
+            owners = [rc.ep_group[counts.ep_rank_of(e, lid, len(rc.ep_group))] for e in range(E)]
             if use:
                 got = [lc.steps[s] for s in use if s in lc.steps]
                 n = max(len(got), 1)
@@ -277,6 +282,38 @@ def routing_tables(counts, steps: list[int] | None) -> tuple[pd.DataFrame, pd.Da
     experts = pd.concat(recs, ignore_index=True) if recs else pd.DataFrame(
         columns=["layer", "rank", "expert", "owner", "tokens"])
     return experts, pd.DataFrame(fw, columns=["layer", "rank", "forwards"]), basis
+
+
+def placement_preview(counts, ep: int | None = None) -> pd.DataFrame:
+    """Per MoE layer, what ``ep_placement: balanced`` would gain (the trainer's `moespec.placement`, on this
+    run's routing counts as ``ep_placement_loads``): the expected rank imbalance (max / mean of the rows each
+    EP rank's experts receive, from every step's counts summed over the ranks) under the placement the run
+    used (``now``: its recorded placement at its own EP size, else contiguous) and under the balanced one,
+    whose experts per rank are ``ranks``. ``ep``: the EP size to place for (default: the run's). Empty when
+    there is nothing to place (``ep`` < 2, or experts that do not split evenly)."""
+    cols = ["layer", "ep", "placement_now", "imbalance_now", "imbalance_balanced", "swap_optimal", "ranks"]
+    run_ep = max((len(rc.ep_group) for rc in counts.ranks.values()), default=1)
+    ep = run_ep if ep is None else int(ep)
+    E = counts.n_experts
+    if ep < 2 or E % ep:
+        return pd.DataFrame(columns=cols)
+    loads: dict[int, list[int]] = {}
+    for rc in counts.ranks.values():
+        for lid, lc in rc.layers.items():
+            acc = loads.setdefault(lid, [0] * E)
+            for e, v in enumerate(lc.total):
+                acc[e] += v
+    rows = []
+    for lid, v in sorted(loads.items()):
+        if not any(v):
+            continue
+        where = counts.placement.get(lid) if ep == run_ep else None
+        now = [[e for e in range(E) if where[e] == p] for p in range(ep)] if where else contiguous_placement(E, ep)
+        lp = plan_layer(lid, v, ep)
+        rows.append({"layer": lid, "ep": ep, "placement_now": "balanced" if where else "contiguous",
+                     "imbalance_now": round(imbalance(v, now), 4), "imbalance_balanced": round(lp.imbalance_balanced, 4),
+                     "swap_optimal": lp.swap_optimal, "ranks": [list(r) for r in lp.ranks]})
+    return pd.DataFrame(rows, columns=cols)
 
 
 # ------------------------------------------------------------------------------------------------ the view
@@ -297,6 +334,9 @@ class MoEReport:
     totals: dict[str, Any] = field(default_factory=dict)
     straggler: dict[str, Any] | None = None
     routing_basis: str | None = None
+    # per layer: the expected rank imbalance now and under ep_placement=balanced (`placement_preview`)
+    placement: pd.DataFrame = field(default_factory=pd.DataFrame)
+    routing_file: str | None = None
 
     @property
     def empty(self) -> bool:
@@ -332,7 +372,7 @@ class MoEReport:
     def to_dict(self) -> dict[str, Any]:
         """The `tracelens moe --json` document: the summary plus every (layer, rank, expert) record."""
         d = self.summary() or {"source": self.source, "missing": self.missing, "steps": self.steps}
-        return {"schema_version": 1, **d, "experts": _records(self.experts)}
+        return {"schema_version": 1, **d, "experts": _records(self.experts), "placement": _records(self.placement)}
 
     def to_text(self) -> str:
         if self.empty:
@@ -387,6 +427,20 @@ class MoEReport:
             if t.get("pair_skew_sent") is not None or t.get("pair_skew_routed") is not None:
                 out.append(f"pair skew (max / mean, off-diagonal): sent {num(t.get('pair_skew_sent'), '.2f')}, "
                            f"routed {num(t.get('pair_skew_routed'), '.2f')}")
+        if not self.placement.empty:
+            out.append("")
+            pl = self.placement
+            out.append(f"expert placement at ep={int(pl['ep'].iloc[0])}: expected rank imbalance (max / mean rows per EP "
+                       "rank, every step's routing) now and balanced by load")
+            out.append(f"{'layer':>5} {'now':>6} {'balanced':>9}  experts of each rank (balanced)")
+            for r in pl.itertuples(index=False):
+                now = f"{r.imbalance_now:.2f}" + ("*" if r.placement_now == "balanced" else "")
+                out.append(f"{r.layer:>5} {now:>6} {r.imbalance_balanced:>9.2f}  "
+                           + " | ".join(",".join(map(str, x)) for x in r.ranks))
+            if (pl["placement_now"] == "balanced").any():
+                out.append("(* the run's own balanced placement)")
+            src = self.routing_file or "RUN/routing.json"
+            out.append(f"train with: --set ep_placement=balanced --set ep_placement_loads={src}")
         if self.straggler:
             out.append("")
             out.append(f"straggler: {self.straggler['text']}")
@@ -583,7 +637,9 @@ def moe_report(analysis, late_rank: int | None = None) -> MoEReport:
             missing += "; no token all-to-all in the trace"
     source = "routing file + trace" if counts is not None else ("trace + manifest" if mean_routed is not None else "trace")
     rep = MoEReport(source=source, missing=missing, steps=n_steps, layers=layers, layer_summary=layer_summary,
-                    pairs=pairs.reset_index(drop=True), experts=experts, totals=totals, routing_basis=basis)
+                    pairs=pairs.reset_index(drop=True), experts=experts, totals=totals, routing_basis=basis,
+                    placement=placement_preview(counts) if counts is not None else pd.DataFrame(),
+                    routing_file=str(run.routing_path) if counts is not None and run.routing_path else None)
     if late_rank is None:
         late = next((f for f in a.findings() if f.get("type") == "late_rank"), None) if hasattr(a, "findings") else None
         late_rank = late["evidence"]["late_rank"] if late else None
@@ -641,4 +697,5 @@ def routing_tie(analysis, late: int) -> dict[str, Any] | None:
     return rep.straggler if rep.straggler and "received_rows" in rep.straggler else None
 
 
-__all__ = ["MoEReport", "a2a_calls", "expert_gemm_kernels", "moe_report", "routing_tables", "routing_tie", "straggler_tie"]
+__all__ = ["MoEReport", "a2a_calls", "expert_gemm_kernels", "moe_report", "placement_preview", "routing_tables",
+           "routing_tie", "straggler_tie"]

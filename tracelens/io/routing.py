@@ -7,7 +7,7 @@ truncated copy), another format, a count list of the wrong length or with a nega
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -48,11 +48,20 @@ class RoutingCounts:
     profiled_steps: tuple[int, ...]
     run: dict[str, Any]
     ranks: dict[int, RankCounts]
+    # ``ep_placement: balanced`` runs: per MoE layer, the EP rank (index into a group) holding each expert;
+    # a layer not listed (every layer of a contiguous run) has rank p hold experts [p*El, (p+1)*El)
+    placement: dict[int, tuple[int, ...]] = field(default_factory=dict)
 
-    def owner(self, rank: int, expert: int) -> int:
-        """The global rank holding ``expert`` for the tokens of ``rank`` (in ``rank``'s EP group)."""
+    def ep_rank_of(self, expert: int, layer: int, group_size: int) -> int:
+        """The EP rank (index into an EP group of ``group_size``) that holds ``expert`` in ``layer``."""
+        where = self.placement.get(layer)
+        return where[expert] if where is not None else expert // (self.n_experts // group_size)
+
+    def owner(self, rank: int, expert: int, layer: int | None = None) -> int:
+        """The global rank holding ``expert`` (of ``layer``: its placement, if the run recorded one) for the
+        tokens of ``rank`` (in ``rank``'s EP group)."""
         g = self.ranks[rank].ep_group
-        return g[expert // (self.n_experts // len(g))]
+        return g[self.ep_rank_of(expert, layer, len(g)) if layer is not None else expert // (self.n_experts // len(g))]
 
 
 def _int(v: Any, where: str, lo: int = 0) -> int:
@@ -118,6 +127,7 @@ def decode(doc: Any) -> RoutingCounts:
                                  _int(r.get("pp_rank", 0), f"{w}.pp_rank"), layers)
     if not ranks:
         raise RoutingError("ranks: empty")
+    placement = _placement(d.get("placement"), E, {len(r.ep_group) for r in ranks.values()})
     run = d.get("run") if isinstance(d.get("run"), dict) else {}
     return RoutingCounts(
         n_experts=E, top_k=_int(d.get("top_k"), "top_k", 1), d_model=_int(d.get("d_model"), "d_model", 1),
@@ -125,7 +135,32 @@ def decode(doc: Any) -> RoutingCounts:
         tokens_per_microbatch=_int(d.get("tokens_per_microbatch"), "tokens_per_microbatch", 1),
         steps=_int(d.get("steps"), "steps"),
         profiled_steps=tuple(_int(s, "profiled_steps") for s in _list(d.get("profiled_steps", []), "profiled_steps")),
-        run=run, ranks=ranks)
+        run=run, ranks=ranks, placement=placement)
+
+
+def _placement(doc: Any, E: int, group_sizes: set[int]) -> dict[int, tuple[int, ...]]:
+    """The optional ``placement`` (trainer ``ep_placement: balanced``): per layer the experts of each EP rank
+    -> per layer the EP rank of each expert. Every layer's lists must split the E experts evenly over the
+    ranks of the file's EP groups."""
+    if doc is None:
+        return {}
+    layers = _list(_obj(doc, "placement").get("layers"), "placement.layers")
+    out: dict[int, tuple[int, ...]] = {}
+    for i, ly in enumerate(layers):
+        w = f"placement.layers[{i}]"
+        ly = _obj(ly, w)
+        lid = _int(ly.get("layer"), f"{w}.layer")
+        lists = [[_int(e, f"{w}.ranks") for e in _list(r, f"{w}.ranks")] for r in _list(ly.get("ranks"), f"{w}.ranks")]
+        flat = sorted(e for r in lists for e in r)
+        if flat != list(range(E)) or len({len(r) for r in lists}) != 1 or group_sizes != {len(lists)}:
+            raise RoutingError(f"{w}.ranks: not the {E} experts split evenly over the {sorted(group_sizes)[:4]} "
+                               "ranks of the EP groups")
+        where = [0] * E
+        for p, r in enumerate(lists):
+            for e in r:
+                where[e] = p
+        out[lid] = tuple(where)
+    return out
 
 
 def check_run(counts: RoutingCounts, manifest: dict | None) -> None:

@@ -23,6 +23,13 @@ level  EP = 1                                                EP > 1 (``ep_dispat
 ``ep_dispatch: capacity`` and ``symm`` never sync (a static per-peer capacity; rows beyond it dropped and counted).
 With chunks, each level's reads are made once for all chunks.
 
+``ep_placement: balanced`` (moespec/placement.py): which rank holds which expert, per layer. The router, its
+aux loss, its bias and the routing log work on LOGICAL expert ids; under EP one ``index_select`` maps the
+top-k ids to PHYSICAL slots (``expert_slot``: slot ``p*El + i`` is rank ``p``'s local expert ``i``) before the
+permutation, and the dispatch, the grouped GEMMs and the capacity rule work on slots. Each rank's expert
+weights are the global init's rows of the experts it holds, so the model computes the same function as
+with the contiguous placement; only where the experts live (and so which rows a capacity drops) changes.
+
 ``use_triton_kernels``: where ``kernels`` can run (CUDA, or CPU under the Triton interpreter) the
 router is ``kernels.fused_router`` (scores, group-limited top-k, weights and aux-loss statistics in
 one kernel), the permutation is ``kernels.permute`` (a sync-free counting sort plus a row gather)
@@ -122,7 +129,9 @@ class GroupedExperts(nn.Module):
 
 
 class MoE(nn.Module):
-    def __init__(self, cfg: dict, ep_group=None, ep_size: int = 1, ep_rank: int = 0):
+    def __init__(self, cfg: dict, ep_group=None, ep_size: int = 1, ep_rank: int = 0, placement: list[int] | None = None):
+        """``placement``: logical expert -> physical slot (`moespec.placement.slot_map`; None or the identity:
+        the contiguous placement)."""
         super().__init__()
         d, ff = cfg["d_model"], cfg["moe_d_ff"]
         self.E, self.k = cfg["n_routed_experts"], cfg["top_k"]
@@ -131,6 +140,16 @@ class MoE(nn.Module):
         self.level = cfg["sync_free_level"]
         self.cfg = cfg
         self.gate = nn.Linear(d, self.E, bias=False)
+        # the experts this rank holds (logical ids, in local order) and the logical -> slot map on the device;
+        # None: the contiguous placement (rank p holds [p*El, (p+1)*El), slot = logical id)
+        self.local_experts: list[int] | None = None
+        if placement is not None and list(placement) != list(range(self.E)) and ep_size > 1:
+            if sorted(placement) != list(range(self.E)):
+                raise ValueError(f"placement must map the {self.E} experts one-to-one onto the {self.E} slots")
+            lo = ep_rank * self.E_local
+            self.local_experts = sorted((e for e, s in enumerate(placement) if lo <= s < lo + self.E_local),
+                                        key=lambda e: placement[e])
+            self.register_buffer("expert_slot", torch.tensor(list(placement), dtype=torch.int64), persistent=False)
         # DeepSeek-V3's auxiliary-loss-free balancing: a per-expert bias on the selection scores, moved after
         # every optimizer step towards balance (trainer/model/balance.py); a buffer, not a parameter
         self.balance_bias = cfg.get("router_bias_update_rate", 0.0) > 0
@@ -152,10 +171,15 @@ class MoE(nn.Module):
         dev = generator.device if generator is not None else "cpu"
         w13 = torch.empty(E, two_ff, d, device=dev).normal_(0, std, generator=generator)
         w2 = torch.empty(E, d, ff, device=dev).normal_(0, std, generator=generator)
-        lo, hi = self.ep_rank * self.E_local, (self.ep_rank + 1) * self.E_local
+        if self.local_experts is not None:  # ep_placement=balanced: the rows of the experts this rank holds
+            idx = torch.tensor(self.local_experts, dtype=torch.int64, device=dev)
+            w13, w2 = w13.index_select(0, idx), w2.index_select(0, idx)
+        else:
+            lo, hi = self.ep_rank * self.E_local, (self.ep_rank + 1) * self.E_local
+            w13, w2 = w13[lo:hi], w2[lo:hi]
         with torch.no_grad():
-            self.experts.w13.copy_(w13[lo:hi])
-            self.experts.w2.copy_(w2[lo:hi])
+            self.experts.w13.copy_(w13)
+            self.experts.w2.copy_(w2)
             if self.balance_bias:
                 self.expert_bias.zero_()
 
@@ -218,6 +242,8 @@ class MoE(nn.Module):
                 counts = expert_counts(topk_idx, E)
                 aux = load_balance_loss(scores, counts, k, c["score_func"]) if c["aux_loss_coef"] > 0 else logits.new_zeros(())
         if self.ep_size > 1:
+            if self.local_experts is not None:  # logical expert -> the slot that holds it (ep_placement)
+                topk_idx = self.expert_slot.index_select(0, topk_idx.reshape(-1)).view_as(topk_idx)
             y = self._ep_forward(xf, topk_idx, topk_w, kernel_perm)
             return y.view(B, S, D).to(x.dtype), aux
         with moe_stage("permute"):
@@ -284,7 +310,9 @@ class MoE(nn.Module):
             counts_host = None
             if self.level == 0 and self.dispatcher.exact:  # the level-0 sync of the permute stage, once for all chunks
                 counts_host = torch.stack([t.routed.counts for t in trips]).tolist()
-        record_routing(self, *(t.routed.counts for t in trips))  # one forward's chunks (trainer/routing_log.py)
+        # one forward's chunks (trainer/routing_log.py), per logical expert: counts[slot[e]]
+        record_routing(self, *(t.routed.counts if self.local_experts is None
+                               else t.routed.counts.index_select(0, self.expert_slot) for t in trips))
         with moe_stage("dispatch"):
             self.dispatcher.plan(trips, counts_host)
             for t in trips:

@@ -14,14 +14,14 @@ from trainer.model.moe import MoE
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: dict, layer_id: int, ep_group=None, ep_size=1, ep_rank=0):
+    def __init__(self, cfg: dict, layer_id: int, ep_group=None, ep_size=1, ep_rank=0, placement=None):
         super().__init__()
         self.layer_id = layer_id
         self.attn_norm = RMSNorm(cfg["d_model"], cfg["rms_eps"])
         self.attn = MLAttention(cfg) if cfg["attn_type"] == "mla" else Attention(cfg)
         self.ffn_norm = RMSNorm(cfg["d_model"], cfg["rms_eps"])
         self.is_moe = layer_id >= cfg["first_k_dense"]
-        self.ffn = MoE(cfg, ep_group, ep_size, ep_rank) if self.is_moe else SwiGLU(cfg["d_model"], cfg["d_ff"])
+        self.ffn = MoE(cfg, ep_group, ep_size, ep_rank, placement) if self.is_moe else SwiGLU(cfg["d_model"], cfg["d_ff"])
         self.recompute = layer_id in cfg["recompute_layer_ids"]
         # compile=dense (trainer/compiling.py): torch.compile'd versions of the dense halves below, else None
         self.compiled_attn = None
@@ -92,12 +92,15 @@ def kernel_cross_entropy(h: torch.Tensor, w: torch.Tensor, targets: torch.Tensor
 
 
 class Transformer(nn.Module):
-    def __init__(self, cfg: dict, ep_group=None, ep_size: int = 1, ep_rank: int = 0):
+    def __init__(self, cfg: dict, ep_group=None, ep_size: int = 1, ep_rank: int = 0, placement=None):
+        """``placement``: a `moespec.placement.PlacementPlan` (``ep_placement: balanced``) or None (contiguous)."""
         super().__init__()
         self.cfg = cfg
         d, V = cfg["d_model"], cfg["vocab_size"]
         self.embed = nn.Embedding(V, d)
-        self.layers = nn.ModuleList(Block(cfg, i, ep_group, ep_size, ep_rank) for i in range(cfg["n_layers"]))
+        slots = {lid: lp.slots for lid, lp in placement.layers.items()} if placement is not None else {}
+        self.layers = nn.ModuleList(Block(cfg, i, ep_group, ep_size, ep_rank, slots.get(i))
+                                    for i in range(cfg["n_layers"]))
         self.norm = RMSNorm(d, cfg["rms_eps"])
         self.head = None if cfg["tie_embeddings"] else nn.Linear(d, V, bias=False)
         rope_dim = cfg["qk_rope_head_dim"] if cfg["attn_type"] == "mla" else (cfg["head_dim"] or d // cfg["n_heads"])
