@@ -54,7 +54,7 @@ def chunks_of(cfg: dict) -> int:
 def changes_chunks(change: Change) -> bool:
     """Whether a what-if changes the number of dispatch chunks with EP on both sides."""
     old, new = change.old, change.target
-    world = int((change.model.manifest or {}).get("world_size") or 1)
+    world = int((getattr(change.model, "manifest", None) or {}).get("world_size") or 1)
     if world < 2:
         return False
     try:

@@ -1,5 +1,5 @@
 """Pipeline knobs of a pipelined run: ``pipeline_schedule``, ``vpp``, ``pipeline_layout``,
-``pipeline_layer_costs`` (and ``microbatches`` when pp > 1).
+``pipeline_layer_costs`` (and ``microbatches`` when pp > 1); a change of ``pp`` itself is pp_layout.py's.
 
 ``pipeline_whatif.py`` replays the new schedule's action order over the run's measured stage costs,
 re-split by piece into the new layout, with the run's per-hand-off overhead, plus the run's rest of the
