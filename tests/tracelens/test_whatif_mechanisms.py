@@ -8,10 +8,10 @@ import pkgutil
 
 import pytest
 
+from moespec.config import DEFAULTS
 from tracelens.projection import mechanisms as MECH
 from tracelens.projection import whatif as W
 from tracelens.projection.mechanisms import base
-from moespec.config import DEFAULTS
 
 
 def test_every_module_registers_a_mechanism_and_the_lists_are_derived():
