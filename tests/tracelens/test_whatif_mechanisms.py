@@ -8,10 +8,10 @@ import pkgutil
 
 import pytest
 
+from moespec.config import DEFAULTS
 from tracelens.projection import mechanisms as MECH
 from tracelens.projection import whatif as W
 from tracelens.projection.mechanisms import base
-from moespec.config import DEFAULTS
 
 
 def test_every_module_registers_a_mechanism_and_the_lists_are_derived():
@@ -35,11 +35,13 @@ def test_the_application_order_keeps_the_dependencies_between_edits():
     edits = [m.name for m in MECH.EDITS]
     # the drains are found before anything moves item positions; the token scaling comes before the expert
     # GEMMs it feeds (already token-scaled per-expert kernels are merged); the step timing acts on the step's
-    # end after every other edit; GC and the pipeline act on the replayed step, the pipeline last
+    # end after every other edit; the EP overlap re-cuts the chunks the layout sized; GC and the pipeline act on the
+    # replayed step, the pipeline's own knobs before a change of pp (which stands them aside)
     assert edits[0] == "drains" and edits[-1] == "step_timing"
     assert edits.index("tokens") < edits.index("gemm_shapes") < edits.index("gemm_backend") < edits.index("sync_free")
-    assert [m.name for m in MECH.STEPS] == ["gc", "pipeline"]
-    assert set(edits) | {"gc", "pipeline"} == {m.name for m in MECH.REGISTRY if m.changes_step}
+    assert edits.index("layout") < edits.index("overlap")
+    assert [m.name for m in MECH.STEPS] == ["gc", "pipeline", "pp_layout"]
+    assert set(edits) | {"gc", "pipeline", "pp_layout"} == {m.name for m in MECH.REGISTRY if m.changes_step}
 
 
 def test_registration_refuses_a_bad_declaration():

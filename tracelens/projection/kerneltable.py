@@ -34,7 +34,8 @@ class KernelTable:
                 if r.get("ms") is None:
                     continue
                 key = (str(r["pass"]), int(r["K"]), int(r["N"]), int(r["E"]), str(r["backend"]))
-                self._pts[key].append((int(r["T"]), float(r["ms"])))
+                # T: tokens (the tuner's rows); benchmarks/bench_kernels.py writes them as "tokens"
+                self._pts[key].append((int(r["T"] if "T" in r else r["tokens"]), float(r["ms"])))
             except (KeyError, TypeError, ValueError):
                 continue
         for k in self._pts:

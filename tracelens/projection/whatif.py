@@ -342,6 +342,12 @@ class Model:
                     * int(self.config.get("microbatches") or 1)) / world
         scale = (int(cfg["micro_batch_size"]) * int(cfg.get("microbatches") or 1) * int(cfg["seq_len"])) / (
             int(self.config["micro_batch_size"]) * int(self.config.get("microbatches") or 1) * int(self.config["seq_len"]))
+        world = int(self.manifest.get("world_size") or 1)
+        try:  # the replicas (dp x ep: a pipeline's ranks share their replica's tokens) follow pp
+            (dp0, ep0), (dp1, ep1) = resolve_world(self.config, world), resolve_world(cfg, world)
+            scale *= (dp1 * ep1) / (dp0 * ep0)
+        except ConfigError:
+            pass
         return float(base) * scale
 
     @staticmethod

@@ -43,7 +43,7 @@ import pandas as pd
 from .base import Change, Mechanism, WhatIfError, register
 from .gemm_backend import _row_shaped, gemms_stop_at_routed_rows
 
-LAYOUT_KEYS = ("ep", "dp", "ep_dispatch", "ep_capacity_factor", "ep_overlap", "ep_overlap_chunks")
+LAYOUT_KEYS = ("ep", "dp", "ep_dispatch", "ep_capacity_factor")  # ep_overlap / ep_overlap_chunks: overlap.py
 _FAMILIES = ("all_to_all", "all_gather", "reduce_scatter")
 
 
@@ -353,9 +353,9 @@ class Layout(Mechanism):
         world = b.world
         dp0, ep0 = dims(old, world)
         dp1, ep1 = dims(new, world)
-        if ep1 > 1 and chunks(old if ep0 > 1 else new) != chunks(new):
-            raise WhatIfError(f"ep_overlap: {chunks(old)} -> {chunks(new)} dispatch chunk(s) at ep {ep1} is not modeled "
-                              "yet (the overlap is dropped only where ep 1 turns it off)")
+        if ep0 > 1 and ep1 > 1 and chunks(old) != chunks(new):
+            # the overlap mechanism (overlap.py) re-cuts the chunks after this edit: sized here in the run's chunks
+            new = {**new, "ep_overlap": old.get("ep_overlap"), "ep_overlap_chunks": old.get("ep_overlap_chunks")}
         if ep0 > 1 and ep1 == 1 and chunks(old) > 1:
             change.notes.append(f"layout: the run's {chunks(old)} dispatch chunks ran the expert stage in {chunks(old)} "
                                 "pieces; at ep 1 they merge (their launches are kept)")

@@ -1,5 +1,5 @@
 """Pipeline knobs of a pipelined run: ``pipeline_schedule``, ``vpp``, ``pipeline_layout``,
-``pipeline_layer_costs`` (and ``microbatches`` when pp > 1).
+``pipeline_layer_costs`` (and ``microbatches`` when pp > 1); a change of ``pp`` itself is pp_layout.py's.
 
 ``pipeline_whatif.py`` replays the new schedule's action order over the run's measured stage costs,
 re-split by piece into the new layout, with the run's per-hand-off overhead, plus the run's rest of the
@@ -23,8 +23,9 @@ class Pipeline(Mechanism):
     summary = ("the new schedule's action order replayed over the run's measured stage costs, re-split by piece into "
                "the new layout, with the run's per-hand-off overhead; the rest of the step kept")
 
-    def applies(self, change: Change) -> bool:
-        return PW.changes_pipeline(change.old, change.target)
+    def applies(self, change: Change) -> bool:  # a change of pp itself: pp_layout.py
+        same_pp = int(change.old.get("pp") or 1) == int(change.target.get("pp") or 1)
+        return same_pp and PW.changes_pipeline(change.old, change.target)
 
     def hold(self, change: Change) -> tuple[str, ...]:
         return PW.PIPELINE_KEYS + ("microbatches",) if self.applies(change) else ()
