@@ -149,16 +149,18 @@ def idle_summary(gaps: pd.DataFrame, timeline: pd.DataFrame, cuts: dict | None =
         return pd.DataFrame(columns=cols)
     tl = timeline.drop_duplicates("rank").set_index("rank")
     rank = gaps["rank"].to_numpy()
-    lo = pd.Series(rank).map(tl["start_ns"]).to_numpy(dtype=float)
-    hi = pd.Series(rank).map(tl["end_ns"]).to_numpy(dtype=float)
-    s = np.maximum(gaps["start_ns"].to_numpy(dtype=float), lo)
-    e = np.minimum(gaps["end_ns"].to_numpy(dtype=float), hi)
-    length = np.maximum(e - s, 0.0)
+    known = pd.Series(rank).isin(tl.index).to_numpy()  # a rank with no timeline row has no window: no idle
+    # integer ns throughout: epoch-ns times (~1.8e18) as floats would be rounded to 256 ns
+    lo = pd.Series(rank).map(tl["start_ns"]).fillna(0).to_numpy(dtype=np.int64)
+    hi = pd.Series(rank).map(tl["end_ns"]).fillna(0).to_numpy(dtype=np.int64)
+    s = np.maximum(gaps["start_ns"].to_numpy(dtype=np.int64), lo)
+    e = np.minimum(gaps["end_ns"].to_numpy(dtype=np.int64), hi)
+    length = np.where(known, np.maximum(e - s, 0), 0)
     for r, ivs in (cuts or {}).items():
         on = rank == r
         for cs, ce in ivs:
-            length[on] -= np.maximum(np.minimum(e[on], ce) - np.maximum(s[on], cs), 0.0).clip(min=0.0)
-    length = np.where(np.isnan(length), 0.0, np.maximum(length, 0.0))  # NaN: a rank with no timeline row
+            length[on] -= np.maximum(np.minimum(e[on], int(ce)) - np.maximum(s[on], int(cs)), 0)
+    length = np.maximum(length, 0)
     kept = gaps.loc[length > 0, ["rank", "cause"]].assign(dur_us=length[length > 0] / US)
     if kept.empty:
         return pd.DataFrame(columns=cols)
