@@ -38,6 +38,7 @@ class ModelSearch:
         self.models: dict[int, Any] = {}
         self.failed: dict[int, str] = {}
         self.why = ""
+        self.refused: set[str] = set()  # points the model gave no prediction for (said once each)
         self.predictions: list[dict] = list(sweep.store.get_meta("predictions", []) or [])
 
     # ------------------------------------------------------------------ models per trial
@@ -132,7 +133,11 @@ class ModelSearch:
                     unexplored.append(p)
                     continue
                 pr = self.predict(p, self._anchor(p, same, best))
-                if pr is None or "error" in pr:
+                if pr is None or "error" in pr:  # the model refuses it: left for the rules / exploration
+                    if pr is not None and k not in self.refused:
+                        self.refused.add(k)
+                        sw.log(f"[autotune] no prediction for {_fmt(p)}: {pr['error']}")
+                    unexplored.append(p)
                     continue
                 if not pr["fits"]:
                     skipped_oom.add(k)
@@ -181,14 +186,19 @@ class ModelSearch:
                     sum(1 for k in self.unmodeled if p.get(k) != inc.get(k)))
 
         point = min(unexplored, key=dist)
-        what = ", ".join(f"{k}={point[k]}" for k in self.unmodeled if point.get(k) != inc.get(k)) or "context"
-        why = f"what-if: no mechanism for {what}: measured once, nearest the incumbent"
+        what = ", ".join(f"{k}={point[k]}" for k in self.unmodeled if point.get(k) != inc.get(k))
+        if what:
+            why = f"what-if: no mechanism for {what}: measured once, nearest the incumbent"
+        else:  # every knob is modeled, but the model gave no prediction for this point (said in the log)
+            what = "this point"
+            why = "what-if: no prediction for this point: measured once, nearest the incumbent"
         cur = best
         t = sw.evaluate(point, why, parent=cur, source="whatif",
                         decide=lambda t, cur=cur: "kept" if sw.better(t, cur) else
                         ("failed" if t["status"] != "ok" else "reverted"))
         row = {"objective": float("nan"), "uncertainty": float("nan"), "anchor": None, "peak_gib": None,
-               "modeled": [f"not predicted: {what} has no mechanism in the model"], "components_ms": {},
+               "modeled": [f"not predicted: {what} has no mechanism in the model" if what != "this point" else
+                           "not predicted: the model refused this point (the sweep log says why)"], "components_ms": {},
                "base_components_ms": {}}
         self._record(t, point, row, t["decision"])
         return t if t["decision"] == "kept" else best

@@ -90,10 +90,11 @@ def test_a_space_of_knobs_without_a_mechanism_falls_back_to_the_rules(tmp_path):
 
 
 @pytest.mark.slow
-def test_an_ep_space_runs_multi_process_trials_and_falls_back_to_the_rules(tmp_path):
+def test_an_ep_space_runs_multi_process_trials_and_measures_what_the_model_refuses(tmp_path):
     """autotune/spaces/tiny_cpu_ep.yaml on 2 gloo processes (2 trials): every trial is a torchrun job through
-    trainer.launch --nproc 2, the what-if model says it has no mechanism for the EP knobs (issue 35) and the
-    search steers by the rules: no finding on a CPU, so the first allowed neighbour (ep=1, data parallel)."""
+    trainer.launch --nproc 2. The what-if model has the EP mechanisms (issue 35) but refuses every point of a
+    gloo run, which has no GPU collective to measure a bandwidth from; the search says so per point and
+    measures the point nearest the incumbent (ep=1, data parallel) instead of stopping."""
     import yaml
 
     doc = yaml.safe_load((REPO / "autotune" / "spaces" / "tiny_cpu_ep.yaml").read_text())
@@ -103,11 +104,11 @@ def test_an_ep_space_runs_multi_process_trials_and_falls_back_to_the_rules(tmp_p
     space.write_text(yaml.safe_dump(doc, sort_keys=False))
     r = _cli(str(space), "-o", str(tmp_path / "sweep"))
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    assert ("what-if model unavailable (the model has no mechanism for any knob of the space (ep, ep_dispatch, "
-            "ep_capacity_factor, ep_overlap)): steering by the rules") in r.stdout
+    assert ("[autotune] no prediction for ep=1, ep_dispatch=nccl, ep_capacity_factor=1.25, ep_overlap=False: "
+            "WhatIfError: layout: the run has no measured collective to take a bandwidth from") in r.stdout
     path = _meta(tmp_path / "sweep" / "sweep.sqlite", "path")
     assert [p["knobs"]["ep"] for p in path] == [2, 1] and [p["status"] for p in path] == ["ok", "ok"]
-    assert path[1]["motivation"] == "no finding left: check ep -> ep=1"
+    assert path[1]["motivation"] == "what-if: no prediction for this point: measured once, nearest the incumbent"
     mans = [json.loads((tmp_path / "sweep" / "trials" / f"t00{i}" / "manifest.json").read_text()) for i in (1, 2)]
     assert [m["world_size"] for m in mans] == [2, 2]
     assert "--nproc 2" in (tmp_path / "sweep" / "trials" / "t001" / "trial.log").read_text().splitlines()[0]
