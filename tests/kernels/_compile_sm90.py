@@ -77,10 +77,11 @@ if "perm" in which:
     comp("combine", P._combine_kernel, dict(y_ptr="*bf16", row_map_ptr="*i32", w_ptr="*fp32", out_ptr="*bf16", T=i32,
          D=i32, s_y=i32, s_out=i32), dict(K=6, HAS_W=True, BT=16, BD=128))
 if "router" in which:
-    for ng, tg in [(1, 1), (8, 3)]:
-        comp(f"router_fwd groups={ng}", R._router_fwd_kernel, dict(logits_ptr="*bf16", w_ptr="*fp32", ids_ptr="*i32",
+    for ng, tg, bias in [(1, 1, False), (8, 3, False), (1, 1, True), (8, 3, True)]:  # bias: router_bias_update_rate
+        comp(f"router_fwd groups={ng} bias={bias}", R._router_fwd_kernel, dict(
+             logits_ptr="*bf16", bias_ptr="*fp32" if bias else "*bf16", w_ptr="*fp32", ids_ptr="*i32",
              cnt_ptr="*i32", psum_ptr="*fp32", T=i32, E=i32, s_l=i32, scaling="fp32"),
-             dict(TOPK=6, SOFTMAX=True, N_GROUPS=ng, TOPK_GROUPS=tg, NORM=True, BT=64, BLOCK_E=64))
+             dict(TOPK=6, SOFTMAX=True, N_GROUPS=ng, TOPK_GROUPS=tg, NORM=True, HAS_BIAS=bias, BT=64, BLOCK_E=64))
     comp("router_bwd", R._router_bwd_kernel, dict(logits_ptr="*bf16", ids_ptr="*i32", gw_ptr="*fp32", gmp_ptr="*fp32",
          dl_ptr="*bf16", T=i32, E=i32, s_l=i32, s_d=i32, scaling="fp32", inv_T="fp32"),
          dict(TOPK=6, SOFTMAX=True, NORM=True, HAS_GW=True, HAS_GMP=True, BT=64, BLOCK_E=64))
