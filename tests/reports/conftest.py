@@ -9,9 +9,14 @@ import pytest
 
 
 @pytest.fixture(scope="module")
-def shots(tmp_path_factory) -> Path:
-    """Where a test's screenshots go: $TRACELENS_SCREENSHOTS (to look at them), else a temporary dir."""
+def shots() -> Path | None:
+    """Where the tests' screenshots go: $TRACELENS_SCREENSHOTS, to look at them; None (no screenshots) when it is
+    unset. A screenshot is for a person, never checked: a full page and each of its sections cost Chromium more
+    time than every check of the page together (test_layout_browser.py: ~50 of its ~90 s), so a plain run
+    takes none."""
     d = os.environ.get("TRACELENS_SCREENSHOTS")
-    out = Path(d) if d else tmp_path_factory.mktemp("screenshots")
+    if not d:
+        return None
+    out = Path(d)
     out.mkdir(parents=True, exist_ok=True)
     return out

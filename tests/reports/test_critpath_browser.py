@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import gzip
 import json
-import os
 
 import pytest
 
@@ -20,7 +19,7 @@ pytestmark = pytest.mark.browser
 EP4 = FIXTURES / "h100_4gpu" / "ep4_L0_loop"
 
 
-def test_critpath_section_renders(browser, tmp_path):  # noqa: F811 - the fixture imported above
+def test_critpath_section_renders(browser, shots, tmp_path):  # noqa: F811 - the fixture imported above
     a = tracelens.analyze(tracelens.load(EP4, cache=False, progress=False))
     report = write_report(a, tmp_path / "report.html")
     page, errors = open_report(browser, report)
@@ -34,11 +33,8 @@ def test_critpath_section_renders(browser, tmp_path):  # noqa: F811 - the fixtur
     text = page.inner_text("#critpath-statement")
     assert "rank 0" in text and "largest part is launch-bound (78% of its time there)" in text
     assert "launch-bound" in page.inner_text("#critpath-causes") and "waits for rank" in page.inner_text("#critpath-hops")
-    page.locator("#critpath").screenshot(path=str(tmp_path / "critpath.png"))
-    if os.environ.get("TRACELENS_SCREENSHOTS"):
-        import shutil
-
-        shutil.copy(tmp_path / "critpath.png", os.environ["TRACELENS_SCREENSHOTS"])
+    if shots:  # $TRACELENS_SCREENSHOTS (tests/reports/conftest.py)
+        page.locator("#critpath").screenshot(path=str(shots / "critpath.png"))
     assert errors == []
     page.close()
 

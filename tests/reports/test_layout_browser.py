@@ -6,8 +6,8 @@
 - the ppvis verdict's colour matches its words (red only for a fixable imbalance),
 - the sweep page shows its chart first and best.yaml collapsed below, with each trial's noise.
 
-Every page is also saved as a full-page PNG (to $TRACELENS_SCREENSHOTS when set, else the test's tmp dir)
-so a person can look at it.
+With $TRACELENS_SCREENSHOTS set, every page is also saved there as a full-page PNG (and one per section) so a
+person can look at it.
 """
 
 from __future__ import annotations
@@ -81,9 +81,10 @@ def _open(browser, path, shots, name):  # noqa: F811
     page, errors = open_report(browser, path)
     page.wait_for_function("() => Array.from(document.querySelectorAll('.plot')).every(d => !d.id || d.querySelector('.main-svg'))",
                            timeout=30000)
-    page.screenshot(path=str(shots / f"{name}.png"), full_page=True)
-    for sec in page.locator("main > section[id]").all():  # one image per section too: easier to look at
-        sec.screenshot(path=str(shots / f"{name}--{sec.get_attribute('id')}.png"))
+    if shots:  # $TRACELENS_SCREENSHOTS (tests/reports/conftest.py)
+        page.screenshot(path=str(shots / f"{name}.png"), full_page=True)
+        for sec in page.locator("main > section[id]").all():  # one image per section too: easier to look at
+            sec.screenshot(path=str(shots / f"{name}--{sec.get_attribute('id')}.png"))
     return page, errors
 
 

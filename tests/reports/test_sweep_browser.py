@@ -113,7 +113,7 @@ def _manifest(run_dir) -> dict:
     return json.loads((Path(run_dir) / "manifest.json").read_text())
 
 
-def test_model_driven_sweep_predicted_vs_measured(browser, model_sweep, tmp_path):  # noqa: F811
+def test_model_driven_sweep_predicted_vs_measured(browser, model_sweep, shots):  # noqa: F811
     res, space, paths, preds = model_sweep
     ran = [p for p in preds if p["trial"] is not None and p["measured"] is not None]
     oom = [p for p in preds if p["trial"] is None]
@@ -140,12 +140,13 @@ def test_model_driven_sweep_predicted_vs_measured(browser, model_sweep, tmp_path
     assert page.locator("#plot-predicted .scatterlayer .point").count() == len(ran)
     oom_text = page.inner_text("#predicted-oom")
     assert oom_text.count("micro_batch_size=4096") == len(oom)
-    page.locator("#predicted").screenshot(path=str(tmp_path / "predicted.png"))
+    if shots:  # $TRACELENS_SCREENSHOTS (tests/reports/conftest.py)
+        page.locator("#predicted").screenshot(path=str(shots / "predicted.png"))
     assert errors == []
     page.close()
 
 
-def test_model_driven_sweep_decomposition_baseline_vs_kept(browser, model_sweep, tmp_path):  # noqa: F811
+def test_model_driven_sweep_decomposition_baseline_vs_kept(browser, model_sweep, shots):  # noqa: F811
     res, space, paths, preds = model_sweep
     kept = [p["trial"] for p in res.path if p["decision"] == "kept"]
     page, errors = open_report(browser, paths["sweep.html"])
@@ -168,7 +169,8 @@ def test_model_driven_sweep_decomposition_baseline_vs_kept(browser, model_sweep,
         assert sum(tr["x"]) == pytest.approx(want, rel=1e-3), tid
     table = page.inner_text("#decomp-compare table")
     assert "optimizer step" in table and "tokens per step per GPU" in table if per_token else True
-    page.locator("#decomp-compare").screenshot(path=str(tmp_path / "decomp.png"))
-    page.screenshot(path=str(tmp_path / "sweep_full.png"), full_page=True)
+    if shots:
+        page.locator("#decomp-compare").screenshot(path=str(shots / "decomp.png"))
+        page.screenshot(path=str(shots / "sweep_full.png"), full_page=True)
     assert errors == []
     page.close()

@@ -6,6 +6,7 @@ kernels of each rank, matched across ranks, the wait of each = min(last arrival 
 
 from __future__ import annotations
 
+import functools
 import gzip
 import json
 from pathlib import Path
@@ -20,6 +21,7 @@ from tracelens.analysis import waits as W
 FIX = Path(__file__).resolve().parents[1] / "fixtures" / "h100_4gpu"
 
 
+@functools.cache  # each run's raw JSON parsed once per module (read only)
 def _raw(run: Path) -> dict[int, list[dict]]:
     out = {}
     for r in range(4):
@@ -31,6 +33,12 @@ def _raw(run: Path) -> dict[int, list[dict]]:
 def _nccl(events: list[dict]) -> np.ndarray:
     k = sorted((e["ts"], e["ts"] + e["dur"]) for e in events if e.get("cat") == "kernel" and "nccl" in e["name"].lower())
     return np.array(k, dtype=np.float64)
+
+
+@functools.cache
+def _analysis(run: Path):
+    """The run's analysis, made once per module and shared by the tests that read it."""
+    return tracelens.analyze(tracelens.load(run, progress=False))
 
 
 @pytest.fixture(scope="module")
@@ -133,6 +141,7 @@ def test_diff_has_the_wait_metric(ep4):
     assert float(per["comm_wait_us"].iloc[0]) == pytest.approx(float(a.timeline["comm_wait_us"].mean()), rel=1e-6)
 
 
+@functools.cache
 def _pipeline_wait_parts(run: Path) -> dict[int, list[tuple[float, float]]]:
     """Per rank, µs: each SendRecv kernel's wait [start, start + wait) for its partner on the peer ranks its
     send/recv ops name (the kernel on that rank overlapping it whose end is nearest its own: the two end
@@ -183,7 +192,7 @@ def test_ppvis_account_tells_spin_from_transfer():
 @pytest.mark.parametrize("name", ["pp4_1f1b", "pp4_vpp2"])
 def test_pipeline_receive_waits_are_bubble_not_communication(name):
     run = FIX / name
-    a = tracelens.analyze(tracelens.load(run, progress=False))
+    a = _analysis(run)
     want = _pipeline_waits_raw(run)
     tl = a.timeline.set_index("rank")
     per = W.rank_waits(a.comm_waits()).set_index("rank")
@@ -205,7 +214,7 @@ def test_pipeline_fill_wait_is_not_a_startup_wait():
     first3 = min(e["ts"] for e in raw[3] if "ts" in e and e.get("ph") == "X")
     early = [e for e in raw[0] if e.get("cat") == "kernel" and "SendRecv" in e["name"] and e["ts"] < first3]
     assert early  # the situation the old start-up rule misread
-    a = tracelens.analyze(tracelens.load(run, progress=False))
+    a = _analysis(run)
     assert not a.window.cuts and not a.window.notes
     assert not any(e["reason"] == "startup_wait" for e in a.window.excluded)
     assert (a.step_timeline["startup_wait_us"] == 0).all()
