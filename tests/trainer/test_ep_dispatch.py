@@ -11,13 +11,13 @@ layers and chunks. Its index math is also checked piece by piece against loops i
 
 from __future__ import annotations
 
-import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from tests.trainer._workers import run_worker
 
 REPO = Path(__file__).resolve().parents[2]
 TOL = 1e-5  # fp32, tiny.yaml: outputs and gradients differ only by summation order (measured <= 7e-6)
@@ -25,13 +25,7 @@ TOL = 1e-5  # fp32, tiny.yaml: outputs and gradients differ only by summation or
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    out = tmp_path_factory.mktemp("ep_dispatch")
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
-                        str(REPO / "tests" / "trainer" / "_ep_dispatch_worker.py"), str(out)],
-                       cwd=REPO, capture_output=True, text=True, timeout=600,
-                       env={**os.environ, "PYTHONPATH": str(REPO)})
-    assert r.returncode == 0, r.stderr[-4000:]
-    return json.loads((out / "results.json").read_text())
+    return run_worker("_ep_dispatch_worker.py", tmp_path_factory.mktemp("ep_dispatch"))
 
 
 @pytest.mark.slow

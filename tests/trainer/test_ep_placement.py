@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from tests.moespec.test_placement import routing_doc
+from tests.trainer._workers import run_worker
 
 REPO = Path(__file__).resolve().parents[2]
 TOL = 1e-5  # fp32; the drop cases' reference sums in another order (measured <= 3e-6)
@@ -28,13 +29,7 @@ TOL = 1e-5  # fp32; the drop cases' reference sums in another order (measured <=
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    out = tmp_path_factory.mktemp("ep_placement")
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
-                        str(REPO / "tests" / "trainer" / "_ep_placement_worker.py"), str(out)],
-                       cwd=REPO, capture_output=True, text=True, timeout=600, check=False,
-                       env={**os.environ, "PYTHONPATH": str(REPO)})
-    assert r.returncode == 0, r.stderr[-4000:]
-    return json.loads((out / "results.json").read_text())
+    return run_worker("_ep_placement_worker.py", tmp_path_factory.mktemp("ep_placement"))
 
 
 @pytest.mark.slow
