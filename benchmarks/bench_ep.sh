@@ -30,6 +30,10 @@ SYMM="--set ep_dispatch=symm --set ep_capacity_factor=${CAPF:-1.25}"
 PLACE="--set ep_placement=balanced --set ep_placement_loads=$WORK/ep4_loads/routing.json"
 declare -A RUNS=(
   [gpu1]="1 $STEPS"
+  # profiled 1- and 2-GPU rows: the scale-out projection's inputs (issue 35: 1 and 2 GPUs -> 4)
+  [gpu1_prof]="1 $PROF"
+  [dp2_prof]="2 $PROF"
+  [ep2_cap_prof]="2 --set ep=2 $CAP $PROF"
   [dp2]="2 $STEPS"
   [dp4]="4 $STEPS"
   [ep2_nccl]="2 --set ep=2 $STEPS"
