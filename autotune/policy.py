@@ -18,7 +18,7 @@ nearest first; "lower" the values before it, nearest first; "switch" every other
     small_kernels (most kernels under 10 us)                  switch grouped_gemm_backend, grouped ones first
     exposed_comm (communication not hidden), at ep > 1        raise ep_dispatch (nccl -> capacity -> symm), raise
                                                               ep_overlap; with the overlap on, raise
-                                                              ep_overlap_chunks
+                                                              ep_overlap_chunks, then ep_overlap_schedule
     signal moe_sync_ops / moe_host_syncs > 0                  raise sync_free_level
     signal expert_gemms_per_call > 4 (per-expert loop)        switch grouped_gemm_backend, grouped ones first
     signal expert_gemm_pct_roof < gemm_roof_pct (default 50)  switch grouped_gemm_backend
@@ -155,6 +155,7 @@ def propose(knobs: dict[str, list], current: dict, findings: Any = None, signals
             b.raise_("ep_overlap", kind, label)  # the all-to-alls behind the shared expert and the next chunk
             if current.get("ep_overlap") is True:
                 b.raise_("ep_overlap_chunks", kind, label)
+                b.raise_("ep_overlap_schedule", kind, label)  # chunked -> pipelined: the shared expert at both ends
     syncs = max(int(sig.get("moe_sync_ops") or 0), int(sig.get("moe_host_syncs") or 0))
     if syncs > 0:
         b.raise_("sync_free_level", "moe_sync_ops", f"signal: {syncs} host-sync op(s) in the MoE layer")

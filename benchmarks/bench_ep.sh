@@ -16,6 +16,10 @@
 #   placement (ep4_cap, ep4_cap_ovl, ep4_nccl) are the comparison:
 #     ROWS="ep4_loads ep4_cap ep4_cap_place ep4_cap_ovl ep4_cap_ovl_place ep4_nccl ep4_nccl_place ep4_cap_place_prof" \
 #       bash benchmarks/bench_ep.sh
+#   the overlap schedules (ep_overlap_schedule: chunked, pipelined), 2 and 4 chunks, each profiled (step 8): the
+#   tokens/s of each and, from its trace, `tracelens comm`'s "exposed all-to-all" line (issue 33: <= 25 % of the
+#   all-to-all kernel time on every rank) printed after the row:
+#     ROWS="check dp4 ep4_cap_ovl ep4_cap_pipe_prof ep4_cap_ovl4_prof ep4_cap_pipe4_prof" bash benchmarks/bench_ep.sh
 set -u
 source "$(dirname "$0")/gpu_env.sh"
 OUTDIR=${OUT:-/tmp/tracelens-bench-ep}
@@ -46,6 +50,12 @@ declare -A RUNS=(
   [ep4_symm]="4 --set ep=4 $SYMM $PROF"
   [ep4_symm_ovl]="4 --set ep=4 $SYMM --set ep_overlap=true $PROF"
   [ep4_cap_ovl4]="4 --set ep=4 $CAP --set ep_overlap=true --set ep_overlap_chunks=4 $STEPS"
+  # ep_overlap_schedule=pipelined: the shared expert in two halves at both ends of the chunk chain
+  [ep4_cap_pipe]="4 --set ep=4 $CAP --set ep_overlap=true --set ep_overlap_schedule=pipelined $STEPS"
+  [ep4_cap_pipe4]="4 --set ep=4 $CAP --set ep_overlap=true --set ep_overlap_chunks=4 --set ep_overlap_schedule=pipelined $STEPS"
+  [ep4_cap_pipe_prof]="4 --set ep=4 $CAP --set ep_overlap=true --set ep_overlap_schedule=pipelined $PROF"
+  [ep4_cap_ovl4_prof]="4 --set ep=4 $CAP --set ep_overlap=true --set ep_overlap_chunks=4 $PROF"
+  [ep4_cap_pipe4_prof]="4 --set ep=4 $CAP --set ep_overlap=true --set ep_overlap_chunks=4 --set ep_overlap_schedule=pipelined $PROF"
   [ep4_cap110]="4 --set ep=4 --set ep_dispatch=capacity --set ep_capacity_factor=1.1 $STEPS"
   [ep4_cap110_ovl4]="4 --set ep=4 --set ep_dispatch=capacity --set ep_capacity_factor=1.1 --set ep_overlap=true --set ep_overlap_chunks=4 $STEPS"
   # auxiliary-loss-free balancing (router_bias_update_rate, DeepSeek-V3's 0.001): 30 steps, the last 12 timed,
@@ -103,6 +113,7 @@ for name in ${ROWS:-check dp4 ep4_nccl ep4_cap ep4_cap_ovl ep4_symm ep4_symm_ovl
   fi
   if ls "$WORK/$name"/traces/*.json.gz >/dev/null 2>&1; then
     python3 -m tracelens comm "$WORK/$name" > "$OUTDIR/$name.comm.txt" 2>&1 || true
+    grep "^exposed all-to-all" "$OUTDIR/$name.comm.txt" || true
     python3 -m tracelens comm "$WORK/$name" --json > "$OUTDIR/$name.comm.json" 2>/dev/null || true
   fi
 done

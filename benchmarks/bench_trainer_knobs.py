@@ -51,6 +51,8 @@ GPUs, or N gloo processes with ``--cpu``), cumulative from data parallelism over
     + ep_dispatch   ep_dispatch=capacity (ep_capacity_factor 1.25: static per-peer buffers, rows beyond dropped)
     + ep_overlap    ep_overlap=true (2 chunks: the all-to-alls behind the shared expert and the next chunk)
     + ep_overlap_chunks  ep_overlap_chunks=4
+    + ep_overlap_schedule  ep_overlap_schedule=pipelined (the shared expert split over both ends of the chunk chain,
+                    where the chunked schedule leaves the first dispatch or the last return trip exposed)
 
 Every layout trains on the same global batch (trainer/data.py), so each EP row's loss is judged against the
 ``baseline ep=1`` runs (their own eager ensemble, and their own control with ``--check-loss``) exactly as a knob
@@ -109,6 +111,7 @@ EP_KNOBS = [
     ("+ ep_dispatch", {"ep_dispatch": "capacity"}),
     ("+ ep_overlap", {"ep_overlap": True}),
     ("+ ep_overlap_chunks", {"ep_overlap_chunks": 4}),
+    ("+ ep_overlap_schedule", {"ep_overlap_schedule": "pipelined"}),
 ]
 EP_GPU_BASE = {"config": "gpu_proxy_train", "set": {"timing_warmup_steps": 3}}
 EP_CPU_BASE = CPU_BASE
@@ -488,7 +491,8 @@ def ep_world_error(base: dict, nproc: int, overrides: list[str]) -> str | None:
         except Exception:  # noqa: BLE001 - the trainer's own --set parsing reports it when the row runs
             sets[k] = v
     try:
-        for over in ({"ep": 1}, {"ep": nproc, "ep_dispatch": "capacity", "ep_overlap": True, "ep_overlap_chunks": 4}):
+        for over in ({"ep": 1}, {"ep": nproc, "ep_dispatch": "capacity", "ep_overlap": True, "ep_overlap_chunks": 4,
+                                   "ep_overlap_schedule": "pipelined"}):
             resolve_world(load_config(base["config"], {**sets, **over}), nproc)
     except ConfigError as e:
         return f"--nproc {nproc}: the EP rows (ep={nproc} on {base['config']}) cannot run: {e}"

@@ -108,6 +108,8 @@ DEFAULTS: dict[str, Any] = {
     "ep_overlap": False,         # chunked dispatch: a chunk's rows travel while another chunk's experts (or
                                  # the shared expert) compute
     "ep_overlap_chunks": 2,      # chunks of tokens per micro-batch when ep_overlap is on
+    "ep_overlap_schedule": "chunked",  # with ep_overlap: chunked (the shared expert while the rows go out) |
+                                 # pipelined (the shared expert split over both ends of the chunk chain)
     "ep_placement": "contiguous",  # contiguous (rank p holds experts [p*El, (p+1)*El)) | balanced (per MoE layer,
                                  # El experts per rank chosen so the expected rank loads are even; moespec/placement.py)
     "ep_placement_loads": None,  # balanced: the routing.json of an earlier run of this model (the expected loads)
@@ -169,6 +171,7 @@ _CHOICES = {
     "cuda_graphs": ("off", "on"),
     "expert_swiglu": ("torch", "triton"),
     "ep_dispatch": ("nccl", "capacity", "symm"),
+    "ep_overlap_schedule": ("chunked", "pipelined"),
     "ep_placement": ("contiguous", "balanced"),
 }
 
@@ -447,6 +450,9 @@ def _validate_ep(cfg: dict) -> None:
     if cfg["ep_overlap"] and cfg["ep_overlap_chunks"] > tokens:
         raise ConfigError("ep_overlap_chunks", f"{cfg['ep_overlap_chunks']} chunks of a micro-batch of {tokens} tokens "
                                                "leave some chunk empty")
+    if cfg["ep_overlap_schedule"] != "chunked" and not cfg["ep_overlap"]:
+        raise ConfigError("ep_overlap_schedule", f"{cfg['ep_overlap_schedule']!r} schedules the chunks of ep_overlap, "
+                                                 "which is off: set ep_overlap=true")
     if cfg["ep"] == 1:
         for key, default in (("ep_dispatch", "nccl"), ("ep_overlap", False), ("ep_placement", "contiguous")):
             if cfg[key] != default:

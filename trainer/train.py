@@ -456,7 +456,8 @@ def _finish(cfg, d: Dist, out: Path, model, losses, auxes, gnorms, step_times, t
         "toggles": {k: cfg[k] for k in ("sync_free_level", "grouped_gemm_backend", "recompute_layer_ids", "optimizer",
                                         "loss_fusion", "manual_gc", "numa_bind", "dtype", "step_timing", "compile",
                                         "cuda_graphs", "ep_dispatch", "ep_capacity_factor", "ep_overlap",
-                                        "ep_overlap_chunks", "ep_placement", "router_bias_update_rate")},
+                                        "ep_overlap_chunks", "ep_overlap_schedule", "ep_placement",
+                                        "router_bias_update_rate")},
         "numa": numa,
         "env": {"knobs": env_knobs, "recorded": runtime.recorded_env()},
         "params": {**count_params(cfg), "local_routed_experts": cfg["n_routed_experts"] // d.ep},
@@ -526,7 +527,8 @@ def ep_dispatch_record(cfg: dict, d: Dist, drops: list[float]) -> dict | None:
     dropped, routed = int(drops[0]), int(drops[1])
     return {"path": cfg["ep_dispatch"], "capacity_factor": cfg["ep_capacity_factor"] if cfg["ep_dispatch"] in ("capacity", "symm")
             else None, "overlap": cfg["ep_overlap"], "overlap_chunks": cfg["ep_overlap_chunks"] if cfg["ep_overlap"]
-            else 1, "routed_rows": routed, "dropped_rows": dropped,
+            else 1, "overlap_schedule": cfg["ep_overlap_schedule"] if cfg["ep_overlap"] else None,
+            "routed_rows": routed, "dropped_rows": dropped,
             "dropped_share": dropped / routed if routed else 0.0}
 
 

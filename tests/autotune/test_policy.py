@@ -209,6 +209,11 @@ def test_exposed_comm_under_ep_asks_for_the_capacity_path_and_the_overlap():
     # the overlap already on: more chunks; at ep=1 no token travels, so no EP move at all
     assert moves(ex, knobs=EP_KNOBS, cur={**EP_CUR, "ep_dispatch": "capacity", "ep_overlap": True}) == [
         ("ep_overlap_chunks", 4, "exposed_comm")]
+    # with the schedule in the space: the pipelined schedule after the chunks
+    sched = {**EP_KNOBS, "ep_overlap_schedule": ["chunked", "pipelined"]}
+    assert moves(ex, knobs=sched, cur={**EP_CUR, "ep_dispatch": "capacity", "ep_overlap": True,
+                                       "ep_overlap_schedule": "chunked"}) == [
+        ("ep_overlap_chunks", 4, "exposed_comm"), ("ep_overlap_schedule", "pipelined", "exposed_comm")]
     assert moves(ex, knobs=EP_KNOBS, cur={**EP_CUR, "ep": 1}) == []
     # a space without the EP knobs: nothing to move for it
     assert moves(ex) == []
@@ -226,7 +231,7 @@ def test_the_ep_space_is_steered_by_the_rules_when_the_model_cannot_build(tmp_pa
     space = load_space(Path(__file__).resolve().parents[2] / "autotune" / "spaces" / "gpu_ep4.yaml")
     base = dict(space.baseline)
     assert base == {"ep": 4, "ep_dispatch": "nccl", "ep_capacity_factor": 1.25, "ep_overlap": False,
-                    "ep_overlap_chunks": 2}
+                    "ep_overlap_chunks": 2, "ep_overlap_schedule": "chunked"}
     comm = {"type": "exposed_comm", "severity": "high", "title": "40 ms per rank of communication not hidden",
             "evidence": {"per_rank": {0: 40000.0}}}
     cap = {**base, "ep_dispatch": "capacity"}
@@ -243,7 +248,10 @@ def test_the_ep_space_is_steered_by_the_rules_when_the_model_cannot_build(tmp_pa
                        (symm, "reverted", "ep_dispatch=symm"), (ovl, "kept", "ep_overlap=True"),
                        ({**ovl, "ep_overlap_chunks": 4}, "reverted", "ep_overlap_chunks=4")]
     assert res.path[1]["motivation"].startswith("finding exposed_comm (high): 40 ms per rank")
-    # then the neighbours of the incumbent the constraints allow (ep=1 needs the defaults: not one knob away)
-    assert [p["motivation"].split(" -> ")[-1] for p in res.path[5:]] == ["ep_dispatch=nccl", "ep_capacity_factor=1.1"]
+    # the rule's last move with the overlap on (the pipelined schedule; the fake trial is slower: reverted), then
+    # the neighbours of the incumbent the constraints allow (ep=1 needs the defaults: not one knob away)
+    assert (res.path[5]["knobs"], res.path[5]["decision"]) == ({**ovl, "ep_overlap_schedule": "pipelined"}, "reverted")
+    assert [p["motivation"].split(" -> ")[-1] for p in res.path[5:]] == [
+        "ep_overlap_schedule=pipelined", "ep_dispatch=nccl", "ep_capacity_factor=1.1"]
     assert all(space.allowed(p["knobs"]) for p in res.path)
     assert res.best["knobs"] == ovl and res.stopped == "no finding or neighbour left"

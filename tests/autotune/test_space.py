@@ -257,7 +257,7 @@ def test_every_point_must_fit_nproc_and_constraints_can_read_it():
         's.yaml: nproc: 4 process(es) cannot run {"ep":2} (config error: dp: world size 4 != dp*ep = 4*2)')
 
 
-@pytest.mark.parametrize("name, nproc, points", [("tiny_cpu_ep.yaml", 4, 13), ("gpu_ep4.yaml", 4, 12)])
+@pytest.mark.parametrize("name, nproc, points", [("tiny_cpu_ep.yaml", 4, 13), ("gpu_ep4.yaml", 4, 18)])
 def test_ep_spaces_search_the_dispatch_knobs_only_where_the_trainer_takes_them(name, nproc, points):
     """The EP spaces' constraints leave out exactly the points the trainer refuses (a dispatch knob off its
     default at ep=1) and the ones that repeat another (the capacity factor without the capacity path, the chunk
@@ -282,4 +282,5 @@ def test_ep_spaces_search_the_dispatch_knobs_only_where_the_trainer_takes_them(n
                    or (p.get("ep_overlap_chunks", 2) != 2 and not p["ep_overlap"]))
         assert space.allowed(p) == (valid and not repeats), p
         if p["ep"] == 1:
-            assert valid == (p["ep_dispatch"] == "nccl" and not p["ep_overlap"]), p
+            assert valid == (p["ep_dispatch"] == "nccl" and not p["ep_overlap"]
+                             and p.get("ep_overlap_schedule", "chunked") == "chunked"), p

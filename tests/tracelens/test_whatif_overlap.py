@@ -103,3 +103,21 @@ def test_four_chunks_against_the_measured_row(model):
 def test_chunking_is_owned_by_one_mechanism():
     assert MECH.BY_NAME["overlap"].keys == ("ep_overlap", "ep_overlap_chunks")
     assert "ep_overlap" not in MECH.BY_NAME["layout"].keys
+
+
+def test_the_pipelined_schedule_is_refused_in_one_line(tmp_path):
+    """ep_overlap_schedule has no mechanism: a change of it is refused by the what-if's rule, and re-chunking a run
+    of the pipelined schedule by this mechanism (which rebuilds the chunked schedule only)."""
+    with pytest.raises(W.WhatIfError, match="^ep_overlap_schedule: the what-if model has no mechanism for this key"):
+        W.Model.from_run(CAP_OVL).predict({"ep_overlap_schedule": "pipelined"})
+    run = tmp_path / "pipelined"
+    run.mkdir()
+    man = json.loads((CAP_OVL / "manifest.json").read_text())
+    man["config"]["ep_overlap_schedule"] = "pipelined"
+    (run / "manifest.json").write_text(json.dumps(man))
+    (run / "traces").symlink_to(CAP_OVL / "traces")
+    with pytest.raises(W.WhatIfError) as err:
+        W.Model.from_run(run).predict({"ep_overlap_chunks": 4})
+    assert str(err.value).startswith("ep_overlap_chunks with ep_overlap_schedule=pipelined: the overlap mechanism "
+                                      "rebuilds the chunked schedule only")
+    assert "\n" not in str(err.value)

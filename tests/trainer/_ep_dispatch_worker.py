@@ -35,6 +35,7 @@ import json
 import math
 import os
 import sys
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import torch
@@ -202,10 +203,46 @@ def _dropping_reference(ref: MoE, cfg, xs, P, chunks, factor, slot: list[int] | 
     return ys, dropped
 
 
+def _run_ep(cfg, group, P, me, x_in, g, skew, dtype, record=False):
+    """One forward + backward of the EP layer under ``cfg`` -> (the layer, its output, the input's gradient, and
+    with ``record`` the order of its shared-expert calls and token all-to-all starts, forward and backward)."""
+    ep = MoE(cfg, group, P, me)
+    _init(ep, P if skew else 0)
+    ep.to(DEV, dtype)
+    x = x_in.clone().requires_grad_(True)
+    with _recording(ep) if record else nullcontext([]) as order:
+        y, _ = ep(x)
+        (y * g).sum().backward()
+    return ep, y, x.grad, order
+
+
+@contextmanager
+def _recording(ep: MoE):
+    """Log, in order: each shared-expert forward and backward (with its rows) and each token all-to-all started
+    (``async_op``; the counts exchange is not one), forward or backward (inside the backward's graph task)."""
+    order: list[str] = []
+    hooks = [ep.shared.register_forward_pre_hook(lambda m, a: order.append(f"shared fwd {a[0].shape[0]}")),
+             ep.shared.register_full_backward_hook(lambda m, gi, go: order.append(f"shared bwd {go[0].shape[0]}"))]
+    a2a = dist.all_to_all_single
+
+    def logged(*args, **kwargs):
+        if kwargs.get("async_op"):
+            order.append("a2a bwd" if torch._C._current_graph_task_id() != -1 else "a2a fwd")
+        return a2a(*args, **kwargs)
+
+    dist.all_to_all_single = logged
+    try:
+        yield order
+    finally:
+        dist.all_to_all_single = a2a
+        for h in hooks:
+            h.remove()
+
+
 def check(cfg, group, P, me, ranks, *, path, level, overlap, factor, backend="torch", dtype=torch.float32,
-          skew=False):
+          skew=False, schedule="chunked"):
     cfg = dict(cfg, sync_free_level=level, grouped_gemm_backend=backend, ep=P, ep_dispatch=path,
-               ep_capacity_factor=factor, ep_overlap=overlap, ep_overlap_chunks=2)
+               ep_capacity_factor=factor, ep_overlap=overlap, ep_overlap_chunks=2, ep_overlap_schedule=schedule)
     ep = MoE(cfg, group, P, me)
     ref = MoE(dict(cfg, ep=1, ep_dispatch="nccl", ep_overlap=False), None, 1, 0)
     _init(ep, P if skew else 0)
@@ -271,9 +308,22 @@ def check(cfg, group, P, me, ranks, *, path, level, overlap, factor, backend="to
                           topk_group=cfg["topk_group"], norm_topk_prob=cfg["norm_topk_prob"],
                           routed_scaling_factor=cfg["routed_scaling_factor"])
         per_expert += torch.bincount(idx.reshape(-1).cpu(), minlength=cfg["n_routed_experts"])
-    return {"err": err, "tol": tol, "finite": finite, "where": where, "syncs": dict(counter.by_stage),
-            "moe_syncs": counter.moe_total, "dropped": got_dropped, "want_dropped": want_dropped,
-            "routed_rows": ep.dispatcher.routed_rows, "rows_per_expert": per_expert.tolist()}
+    res = {"err": err, "tol": tol, "finite": finite, "where": where, "syncs": dict(counter.by_stage),
+           "moe_syncs": counter.moe_total, "dropped": got_dropped, "want_dropped": want_dropped,
+           "routed_rows": ep.dispatcher.routed_rows, "rows_per_expert": per_expert.tolist()}
+    if schedule == "pipelined":  # against the serial path (no overlap) and the chunked schedule, on the same inputs
+        res["vs"] = {}
+        for name, over in (("serial", {"ep_overlap": False, "ep_overlap_schedule": "chunked"}),
+                           ("chunked", {"ep_overlap_schedule": "chunked"})):
+            other, y_o, xg_o, _ = _run_ep(dict(cfg, **over), group, P, me, xs[me], gs[me], skew, dtype)
+            res["vs"][name] = {
+                "y": (y - y_o).abs().max().item(), "x_grad": (x.grad - xg_o).abs().max().item(),
+                **{n: (a.grad - b.grad).abs().max().item()
+                   for (n, a), b in zip(ep.named_parameters(), other.parameters(), strict=True)},
+                "dropped": int(other.dispatcher.dropped) if other.dispatcher.dropped is not None else 0,
+                "own_dropped": int(ep.dispatcher.dropped) if ep.dispatcher.dropped is not None else 0}
+        res["order"] = _run_ep(cfg, group, P, me, xs[me], gs[me], skew, dtype, record=True)[3]
+    return res
 
 
 def main(out_dir: str) -> None:
@@ -303,18 +353,28 @@ def main(out_dir: str) -> None:
         cases.append({"path": "symm", "level": 3, "overlap": overlap, "factor": 8.0, "skew": True})
         cases.append({"path": "symm", "level": 3, "overlap": overlap, "factor": 1.0, "skew": True})
     cases.append({"path": "symm", "level": 0, "overlap": True, "factor": 1.25})  # symm ignores the level: no sync
+    # ep_overlap_schedule=pipelined: the exact and the padded nccl path, capacity without and with drops
+    for path, level, factor, backend in (("nccl", 0, 1.25, "torch"), ("nccl", 3, 1.25, "torch"),
+                                         ("capacity", 3, 8.0, "torch"), ("capacity", 3, 0.6, "torch"),
+                                         ("capacity", 3, 0.6, "loop")):
+        cases.append({"path": path, "level": level, "overlap": True, "factor": factor, "backend": backend,
+                      "schedule": "pipelined"})
     if cuda:
         for path, factor in (("nccl", 1.25), ("capacity", 8.0), ("capacity", 0.6), ("symm", 8.0), ("symm", 0.6)):
             for backend in ("torch", "triton"):
                 cases.append({"path": path, "level": 3, "overlap": True, "factor": factor, "backend": backend,
                                   "dtype": torch.bfloat16})
+        for factor in (8.0, 0.6):
+            cases.append({"path": "capacity", "level": 3, "overlap": True, "factor": factor, "backend": "torch",
+                          "dtype": torch.bfloat16, "schedule": "pipelined"})
         cases.append({"path": "symm", "level": 3, "overlap": False, "factor": 1.0, "skew": True, "dtype": torch.bfloat16})
     else:  # the NVSHMEM ops' contract, emulated on gloo
         dispatch.set_symm_ops(EmulatedSymmOps())
     results, failed = {}, 0
     for P, (group, me, ranks) in layouts.items():
         for c in cases:
-            key = f"ep{P}/{c['path']}/L{c['level']}/{'overlap' if c['overlap'] else 'serial'}/f{c['factor']}" \
+            mode = ("pipelined" if c.get("schedule") == "pipelined" else "overlap") if c["overlap"] else "serial"
+            key = f"ep{P}/{c['path']}/L{c['level']}/{mode}/f{c['factor']}" \
                   f"/{c.get('backend', 'torch')}" + ("/bf16" if c.get("dtype") == torch.bfloat16 else "") \
                   + ("/skew" if c.get("skew") else "")
             if any(s and s in key for s in os.environ.get("EP_WORKER_SKIP", "").split(",")):  # e.g. "symm/L3/overlap"

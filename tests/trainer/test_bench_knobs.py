@@ -167,18 +167,21 @@ def test_ep_rows_are_cumulative_from_data_parallelism_and_valid_on_the_world():
     b = _bench()
     rows = b.section_rows("ep", 4, False, 3, b.EP_GPU_BASE)
     assert rows == [("baseline ep=1", {"ep": 1}), ("+ ep", {"ep": 4}), ("+ ep_dispatch", {"ep_dispatch": "capacity"}),
-                    ("+ ep_overlap", {"ep_overlap": True}), ("+ ep_overlap_chunks", {"ep_overlap_chunks": 4})]
+                    ("+ ep_overlap", {"ep_overlap": True}), ("+ ep_overlap_chunks", {"ep_overlap_chunks": 4}),
+                    ("+ ep_overlap_schedule", {"ep_overlap_schedule": "pipelined"})]
     acc = {}
     for _, knob in rows:
         acc.update(knob)
         cfg = load_config(b.EP_GPU_BASE["config"], {**b.EP_GPU_BASE["set"], **acc, "device": "auto"})
         assert resolve_world(cfg, 4) == (4 // cfg["ep"], cfg["ep"])
     assert (cfg["ep"], cfg["ep_dispatch"], cfg["ep_capacity_factor"], cfg["ep_overlap"], cfg["ep_overlap_chunks"],
-            cfg["micro_batch_size"], cfg["sync_free_level"]) == (4, "capacity", 1.25, True, 4, 16, 3)
+            cfg["ep_overlap_schedule"], cfg["micro_batch_size"], cfg["sync_free_level"]) == (
+        4, "capacity", 1.25, True, 4, "pipelined", 16, 3)
     # the loss check: the DP baseline as the eager ensemble, no micro-batch row to drop, its own control
     rows = b.section_rows("ep", 2, True, 3, b.EP_CPU_BASE)
     assert [n for n, _ in rows] == ["baseline ep=1", "baseline ep=1 (run 2)", "baseline ep=1 (run 3)", "+ ep",
-                                    "+ ep_dispatch", "+ ep_overlap", "+ ep_overlap_chunks", "control: lr x1.25"]
+                                    "+ ep_dispatch", "+ ep_overlap", "+ ep_overlap_chunks", "+ ep_overlap_schedule",
+                                    "control: lr x1.25"]
     assert rows[-1][1] == {"ep": 1, "lr": pytest.approx(1.25e-2)}  # tiny's lr 1e-2, from the DP baseline
     # the single-process rows are what they were
     assert [n for n, _ in b.section_rows("knobs", 4, True, 2, b.GPU_BASE)] == [
@@ -257,7 +260,7 @@ def test_cpu_ep_rows_on_two_gloo_processes(tmp_path):
     rows = {row["name"]: row for row in doc["rows"]}
     assert doc["nproc"] == 2 and doc["sections"] == ["ep"], r.stderr[-3000:]
     assert list(rows) == ["baseline ep=1", "baseline ep=1 (run 2)", "+ ep", "+ ep_dispatch", "+ ep_overlap",
-                          "+ ep_overlap_chunks", "control: lr x1.25"], r.stderr[-3000:]
+                          "+ ep_overlap_chunks", "+ ep_overlap_schedule", "control: lr x1.25"], r.stderr[-3000:]
     assert all(row["rc"] == 0 and row["nproc"] == 2 for row in rows.values()), r.stderr[-3000:]
     assert [row["ep_dispatch"] for row in rows.values() if row["name"].startswith(("baseline", "control"))] == \
         [None] * 3  # the DP runs (2 with --eager-runs 2) and the control
@@ -265,6 +268,8 @@ def test_cpu_ep_rows_on_two_gloo_processes(tmp_path):
     cap = rows["+ ep_dispatch"]["ep_dispatch"]
     assert (cap["path"], cap["capacity_factor"], cap["overlap"]) == ("capacity", 1.25, False)
     assert rows["+ ep_overlap_chunks"]["ep_dispatch"]["overlap_chunks"] == 4
+    assert rows["+ ep_overlap_chunks"]["ep_dispatch"]["overlap_schedule"] == "chunked"
+    assert rows["+ ep_overlap_schedule"]["ep_dispatch"]["overlap_schedule"] == "pipelined"
     assert 0 < cap["routed_rows"] and cap["dropped_share"] == cap["dropped_rows"] / cap["routed_rows"]
     md = (out / "check_loss.md").read_text()
     assert f"capacity 1.25: {100 * cap['dropped_share']:.2f} % dropped" in md
@@ -277,7 +282,7 @@ def test_cpu_ep_rows_on_two_gloo_processes(tmp_path):
     # the control left out of the chain
     for row in rows.values():
         assert len(list((Path(row["run_dir"]) / "traces").glob("rank*.json.gz"))) == 2, row["name"]
-    chain = ["0_baseline_ep-1", "2_ep", "3_ep_dispatch", "4_ep_overlap", "5_ep_overlap_chunks"]
+    chain = ["0_baseline_ep-1", "2_ep", "3_ep_dispatch", "4_ep_overlap", "5_ep_overlap_chunks", "6_ep_overlap_schedule"]
     want = {f"diff_{a}__{b}" for a, b in itertools.pairwise(chain)}
     assert {d.name for d in out.glob("diff_*")} == want, md
     for d in want:

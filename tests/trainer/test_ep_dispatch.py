@@ -1,7 +1,9 @@
-"""CI: the expert-parallel dispatch paths (``ep_dispatch``) and the chunked overlap (``ep_overlap``) on 4
-gloo ranks, EP 4 and EP 2: outputs and gradients equal the reference (the EP=1 layer, or, where the
-capacity drops rows, the capacity rule written out from the weights in _ep_dispatch_worker.py), the host
-syncs per path and level, the dropped-row count; and the knobs' bad values are one line, exit 2.
+"""CI: the expert-parallel dispatch paths (``ep_dispatch``) and the chunked overlap (``ep_overlap``, both
+``ep_overlap_schedule`` values) on 4 gloo ranks, EP 4 and EP 2: outputs and gradients equal the reference (the
+EP=1 layer, or, where the capacity drops rows, the capacity rule written out from the weights in
+_ep_dispatch_worker.py), the host syncs per path and level, the dropped-row count; the pipelined schedule also
+equals the serial path and the chunked schedule directly, and runs its shared expert where it says; and the
+knobs' bad values are one line, exit 2.
 
 ``symm`` runs here on an emulation of its two NVSHMEM ops (the worker's ``EmulatedSymmOps``), so everything
 of the path but the ops themselves is checked on a CPU: the capacity rule, the packed send layout, the
@@ -30,7 +32,7 @@ def results(tmp_path_factory):
 
 @pytest.mark.slow
 def test_every_path_and_overlap_equals_the_reference(results):
-    assert len(results) == 2 * 22
+    assert len(results) == 2 * 27
     for key, res in results.items():
         assert max(res["err"].values()) < TOL, (key, res["err"])
 
@@ -56,6 +58,40 @@ def test_capacity_drops_exactly_the_rows_the_rule_drops(results):
             assert res["dropped"] == 0, key
         # every rank routes its 32 tokens x top-2 once per forward
         assert res["routed_rows"] == 2 * 16 * 2, key
+
+
+@pytest.mark.slow
+def test_pipelined_schedule_equals_serial_and_chunked(results):
+    """``ep_overlap_schedule: pipelined`` only moves the shared expert: against the chunked schedule (same chunks,
+    same drops) the routed path is bit-equal and the shared expert's weight gradients, summed over two halves of
+    the tokens, equal within fp32 rounding; against the serial path (no overlap) everything is within the
+    tolerance where nothing is dropped (a capacity counts per chunk, so with drops the serial path drops other
+    rows: the chunked comparison and the rule above judge those cases)."""
+    cases = {k: r for k, r in results.items() if "/pipelined/" in k}
+    assert len(cases) == 2 * 5
+    for key, res in cases.items():
+        chunked = res["vs"]["chunked"]
+        assert chunked["dropped"] == chunked["own_dropped"], key
+        for name in ("y", "x_grad", "gate.weight", "experts.w13", "experts.w2"):
+            assert chunked[name] == 0.0, (key, name, chunked[name])
+        assert max(v for n, v in chunked.items() if n.startswith("shared.")) < TOL, (key, chunked)
+        if "/f0.6/" not in key:
+            serial = res["vs"]["serial"]
+            assert serial["dropped"] == serial["own_dropped"] == 0, key
+            assert max(v for n, v in serial.items() if "dropped" not in n) < TOL, (key, serial)
+
+
+@pytest.mark.slow
+def test_pipelined_schedule_puts_the_shared_expert_at_both_ends(results):
+    """Forward: the two chunks' rows go out, half the shared expert (16 of 32 tokens) computes, the two return
+    trips start, the other half computes. Backward (autograd's order, not a line of the trainer's): the two output
+    gradients start back first, the second half's backward covers them, then the row gradients and the first
+    half's backward."""
+    want = ["a2a fwd", "a2a fwd", "shared fwd 16", "a2a fwd", "a2a fwd", "shared fwd 16",
+            "a2a bwd", "a2a bwd", "shared bwd 16", "a2a bwd", "a2a bwd", "shared bwd 16"]
+    for key, res in results.items():
+        if "/pipelined/" in key:
+            assert res["order"] == want, (key, res["order"])
 
 
 def _trainer(args, tmp_path):
@@ -84,6 +120,10 @@ def test_symm_skewed_router_leaves_a_peer_without_rows(results):
     (["--set", "ep=2", "--set", "ep_dispatch=capacity", "--set", "ep_capacity_factor=0"],
      "ep_capacity_factor: must be > 0"),
     (["--set", "ep=2", "--set", "ep_overlap_chunks=1"], "ep_overlap_chunks: must be >= 2"),
+    (["--set", "ep=2", "--set", "ep_overlap_schedule=pipelined"],
+     "ep_overlap_schedule: 'pipelined' schedules the chunks of ep_overlap, which is off: set ep_overlap=true"),
+    (["--set", "ep=2", "--set", "ep_overlap=true", "--set", "ep_overlap_schedule=dualpipe"],
+     "ep_overlap_schedule: 'dualpipe' is not one of chunked, pipelined"),
     (["--set", "ep=3"], "n_routed_experts=8 is not divisible by ep=3"),
     (["--set", "ep_dispatch=symm"], "ep_dispatch: 'symm' needs expert parallelism (ep > 1)"),
     (["--set", "ep=2", "--set", "ep_dispatch=symm"], "ep_dispatch: symm needs CUDA GPUs with NVSHMEM (device=cpu)"),

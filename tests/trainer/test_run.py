@@ -28,7 +28,8 @@ def test_single_process_run_writes_run_dir(tmp_path):
                             "optimizer": "adamw", "loss_fusion": True, "manual_gc": 2, "numa_bind": True,
                             "dtype": "fp32", "step_timing": "sync", "compile": "none", "cuda_graphs": "off",
                             "ep_dispatch": "nccl", "ep_capacity_factor": 1.25, "ep_overlap": False,
-                            "ep_overlap_chunks": 2, "ep_placement": "contiguous", "router_bias_update_rate": 0.0}
+                            "ep_overlap_chunks": 2, "ep_overlap_schedule": "chunked", "ep_placement": "contiguous",
+                            "router_bias_update_rate": 0.0}
     assert m["ep_placement"] is None  # ep=1: no placement to record
     assert m["env"]["knobs"] == {"TRACELENS_TEST_KNOB": "7"}
     assert m["env"]["recorded"] is not None

@@ -789,6 +789,53 @@ def exposed_comm(analysis, inst: pd.DataFrame) -> pd.DataFrame:
     return out[cols].reset_index(drop=True)
 
 
+def exposed_a2a(analysis, inst: pd.DataFrame) -> pd.DataFrame:
+    """Per rank: how much of its all-to-all kernel time no compute hides (issue 33's overlap measure: "exposed
+    all-to-all <= 25 % of the all-to-all kernel time on every rank"). Over the rank's all-to-all kernels (family
+    ``all_to_all``, start-up instances left out), each split as `tracelens.analysis.waits` does (wait first, then
+    transfer), and its compute (non-communication kernels, any stream):
+
+        a2a_us            |A|                 the all-to-all kernels' time (union)
+        exposed_us        |T u C| - |C|       transfer no compute runs beside (the single number)
+        exposed_wait_us   |W u T u C| - |T u C|  waiting for another rank with no compute beside it
+        exposed_pct       100 * exposed_us / a2a_us; exposed_wait_pct likewise
+
+    The wait is reported apart, as `tracelens comm` does everywhere: it is the slowest rank's lateness, which no
+    overlap schedule removes. Empty frame without all-to-all kernels."""
+    from . import intervals as I
+    from .waits import is_pipeline, kernel_waits
+
+    cols = ["rank", "a2a_count", "a2a_us", "exposed_us", "exposed_wait_us", "exposed_pct", "exposed_wait_pct"]
+    g = analysis.gpu
+    if g.empty or inst.empty:
+        return pd.DataFrame(columns=cols)
+    a2a = inst[(inst["family"] == "all_to_all") & ~inst["startup"]].drop_duplicates("gpu_row")
+    if a2a.empty:
+        return pd.DataFrame(columns=cols)
+    kw = analysis.comm_waits() if hasattr(analysis, "comm_waits") else kernel_waits(inst, is_pipeline(analysis.trace))
+    wait = kw["wait_ns"].reindex(a2a["gpu_row"].to_numpy()).fillna(0).to_numpy(np.int64)
+    rows = g.loc[a2a["gpu_row"].to_numpy()]
+    ts, end, rank = rows["ts"].to_numpy(np.int64), rows["end"].to_numpy(np.int64), rows["rank"].to_numpy(np.int64)
+    mid = ts + np.clip(wait, 0, end - ts)
+    is_k = (g["kind"] == "kernel").to_numpy() & ~g["is_comm"].to_numpy()
+    out = []
+    for r in np.unique(rank):
+        m = rank == r
+        cm = is_k & (g["rank"].to_numpy() == r)
+        comp = I.union(g["ts"].to_numpy(np.int64)[cm], g["end"].to_numpy(np.int64)[cm])
+        tx = I.union(mid[m], end[m])
+        wt = I.union(ts[m], mid[m])
+        c = I.length(*comp)
+        c_t = I.union_length(comp, tx)
+        total = I.length(ts[m], end[m])
+        exp_t = (c_t - c) / US
+        exp_w = (I.union_length(comp, tx, wt) - c_t) / US
+        out.append({"rank": int(r), "a2a_count": int(m.sum()), "a2a_us": total / US, "exposed_us": exp_t,
+                    "exposed_wait_us": exp_w, "exposed_pct": 100.0 * exp_t * US / total if total else 0.0,
+                    "exposed_wait_pct": 100.0 * exp_w * US / total if total else 0.0})
+    return pd.DataFrame(out, columns=cols)
+
+
 # ------------------------------------------------------------------------------ the `tracelens comm` view
 
 
@@ -809,6 +856,7 @@ class CommReport:
     partial: str  # partial_note: '' when every group's ranks are loaded
     startup_instances: int  # instances that began before every rank was profiling (left out of the totals)
     padding: dict | None = None  # moe.expert_padding when the token all-to-alls carry padding (useful columns)
+    exposed_a2a: pd.DataFrame | None = None  # exposed_a2a: per rank, the all-to-all time no compute hides
 
     @property
     def empty(self) -> bool:
@@ -820,7 +868,8 @@ class CommReport:
         return {"schema_version": 2, "partial": self.partial or None, "records": _records(self.instances),
                 "summary": _records(self.summary), "stragglers": _records(self.stragglers),
                 "exposed_comm": _records(self.exposed), "groups": _records(self.groups),
-                "padding": self.padding}
+                "padding": self.padding,
+                "exposed_a2a": _records(self.exposed_a2a) if self.exposed_a2a is not None else []}
 
     def padding_note(self) -> str:
         """One line on the token all-to-alls' padding behind the useful columns; '' when there is none."""
@@ -864,9 +913,19 @@ class CommReport:
                                  + (f" (+ {x.comm_wait_us / 1e3:.3f} ms waiting for other ranks)" if x.comm_wait_us > 0 else "")
                                  + (f" (+ {x.pipeline_wait_us / 1e3:.3f} ms pipeline wait)" if x.pipeline_wait_us > 0 else "")
                                  for x in self.exposed.itertuples()))
+        if self.exposed_a2a is not None and len(self.exposed_a2a):
+            lines.append(self.exposed_a2a_line())
         if note:
             lines.append(note)
         return "\n".join(lines)
+
+    def exposed_a2a_line(self) -> str:
+        """One line, per rank: the share of its all-to-all kernel time no compute hides (transfer; the wait
+        for other ranks apart), the figure issue 33's overlap target reads."""
+        return ("exposed all-to-all (transfer no compute hides, % of all-to-all kernel time; + waiting for other "
+                "ranks with no compute beside it): "
+                + ", ".join(f"rank {int(x.rank)} {x.exposed_pct:.1f} % of {x.a2a_us / 1e3:.3f} ms"
+                            f" (+ {x.exposed_wait_pct:.1f} % waiting)" for x in self.exposed_a2a.itertuples()))
 
 
 def comm_report(analysis) -> CommReport:
@@ -883,4 +942,4 @@ def comm_report(analysis) -> CommReport:
                       exposed=exposed_comm(analysis, inst), groups=group_coverage(analysis, inst, kern),
                       partial=partial_note(analysis, inst, kern),
                       startup_instances=int(inst.drop_duplicates(["group", "peers", "seq"])["startup"].sum()),
-                      padding=padding)
+                      padding=padding, exposed_a2a=exposed_a2a(analysis, inst))

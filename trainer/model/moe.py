@@ -161,6 +161,8 @@ class MoE(nn.Module):
         ns = cfg["n_shared_experts"]
         self.shared = SwiGLU(d, ff * ns) if ns else None
         self.chunks = cfg.get("ep_overlap_chunks", 2) if cfg.get("ep_overlap", False) and ep_size > 1 else 1
+        # ep_overlap_schedule: where the shared expert runs beside the chunks' all-to-alls (_ep_forward)
+        self.schedule = cfg.get("ep_overlap_schedule", "chunked") if self.chunks > 1 else "chunked"
         self.dispatcher = Dispatcher(path=cfg.get("ep_dispatch", "nccl"), level=self.level, k=self.k, P=ep_size,
                                      El=self.E_local, group=ep_group,
                                      capacity_factor=cfg.get("ep_capacity_factor", 1.25)) if ep_size > 1 else None
@@ -295,9 +297,23 @@ class MoE(nn.Module):
         return (y * topk_w.to(y.dtype).unsqueeze(-1)).sum(1)
 
     def _ep_forward(self, xf, topk_idx, topk_w, kernel_perm: bool) -> torch.Tensor:
-        """The routed experts under EP, in ``ep_overlap_chunks`` chunks of tokens when ``ep_overlap`` is on:
-        every chunk's rows are sent before any expert runs, the shared expert computes while they travel,
-        and a chunk's outputs travel back while the next chunk's experts compute."""
+        """The routed experts under EP, in ``ep_overlap_chunks`` chunks of tokens when ``ep_overlap`` is on.
+
+        Every chunk's rows are sent before any expert runs (NCCL runs them in order on its stream); chunk ``c``'s
+        outputs travel back while chunk ``c+1``'s experts compute. That hides every all-to-all but the ends of the
+        chain: the first chunk's rows (nothing to compute before they arrive) and the last chunk's outputs (nothing
+        left to compute while they travel back), which also collect the wait for the slowest rank of the group.
+        ``ep_overlap_schedule`` decides what covers the ends:
+
+        * ``chunked``: the shared expert, on every token, while the rows go out. The last return trip is exposed.
+        * ``pipelined``: the shared expert in two halves of the tokens, one while the first chunk's rows go out,
+          one after the last chunk's outputs were sent (before any return trip is awaited). The backward mirrors
+          it without a line of its own: autograd runs the ready node created last first, so the second half's
+          backward runs right after the last chunk's output gradient is sent (the backward's first all-to-all),
+          and the first half's after the first chunk's row gradient is sent (its last).
+
+        Both schedules compute the same function; only the order of the shared expert's rows differs (its weight
+        gradient is summed over two halves: equal within fp32 rounding)."""
         T = xf.shape[0]
         C = min(self.chunks, T)
         bounds = [(T * c // C, T * (c + 1) // C) for c in range(C)]
@@ -317,7 +333,10 @@ class MoE(nn.Module):
             self.dispatcher.plan(trips, counts_host)
             for t in trips:
                 self.dispatcher.send(t)
-        shared = self.shared(xf) if self.shared is not None else None  # computes while the rows travel
+        split = self.shared is not None and self.schedule == "pipelined" and T > 1
+        half = T // 2
+        # computes while the rows travel: every token (chunked), the first half (pipelined)
+        shared = [] if self.shared is None else [self.shared(xf[:half] if split else xf)]
         for t in trips:
             with moe_stage("permute"):  # receive side: regroup rows (source, expert) -> (expert, source)
                 x2, offs, host = self.dispatcher.receive(t)
@@ -325,6 +344,8 @@ class MoE(nn.Module):
                 y2 = self.experts(x2, counts=host) if host is not None else self.experts(x2, offs=offs)
             with moe_stage("combine"):
                 self.dispatcher.combine_send(t, y2)
+        if split:  # computes while the last chunk's outputs travel back (backward: while the first gradient does)
+            shared.append(self.shared(xf[half:]))
         ys = []
         for t, how, (lo, hi) in zip(trips, hows, bounds, strict=True):
             with moe_stage("combine"):
@@ -332,8 +353,8 @@ class MoE(nn.Module):
             with moe_stage("unpermute"):
                 ys.append(self._unpermute(y_perm, how, topk_w[lo:hi], kernel_perm))
         y = ys[0] if C == 1 else torch.cat(ys)
-        if shared is not None:
-            y = y + shared.to(y.dtype)
+        if shared:
+            y = y + (shared[0] if len(shared) == 1 else torch.cat(shared)).to(y.dtype)
         return y
 
     def _local_experts(self, x_perm, counts, counts_host):

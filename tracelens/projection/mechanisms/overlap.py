@@ -26,6 +26,10 @@ what hides under what is decided by the replay: never more than the compute that
 * one set of the expert stage's launches per chunk: the host time changes by the launches added or removed, each at
   the host's cost per launch when it does not wait (the step's 10th-percentile host gap before a launch) (the rest of the stage's host time is the run's).
 
+``ep_overlap_schedule`` (the shared expert split over both ends of the chunk chain) is not modeled: a change of it
+is refused by the what-if's rule for keys without a mechanism, and a change of the chunks where the run or the
+target is ``pipelined`` is refused here, in one line.
+
 Not modeled (said in the prediction): the SM contention of an all-to-all with the compute it overlaps (a grouped
 GEMM running beside NCCL was 1.9x slower on the ep4_cap_ovl fixture), the per-call weight copies of the grouped
 GEMMs (split with the rows), overlap changes from or to a run without EP (the layout mechanism inserts or drops
@@ -142,6 +146,10 @@ class Overlap(Mechanism):
 
     def edit(self, plan, p, change: Change) -> float:
         model, old, target = change.model, change.old, change.target
+        if "pipelined" in (old.get("ep_overlap_schedule"), target.get("ep_overlap_schedule")):
+            raise WhatIfError("ep_overlap_chunks with ep_overlap_schedule=pipelined: the overlap mechanism rebuilds the "
+                              "chunked schedule only (the shared expert before the chunks); measure it instead "
+                              "(benchmarks/bench_ep.sh, ep4_cap_pipe* rows)")
         b = model.measured.get("layout")
         if b is None:
             raise WhatIfError(f"{model.run}: ep_overlap needs a multi-GPU run with its collectives")
