@@ -86,6 +86,10 @@ declare -A RUNS=(
   [ep4_nccl_place]="4 --set ep=4 $PLACE $STEPS"
   [ep4_cap_place_prof]="4 --set ep=4 $CAP $PLACE $PROF"
   [ep4_cap_place_b30]="4 --set ep=4 $CAP $PLACE $LONG"
+  # pipeline layouts on 4 GPUs (issue 35: the what-if's pp predictions from the layout grid's baselines)
+  [pp2_mbs4]="4 --set pp=2 --set microbatches=4 --set micro_batch_size=4 $STEPS"
+  [pp2_ep2_cap_mbs4]="4 --set pp=2 --set ep=2 $CAP --set microbatches=4 --set micro_batch_size=4 $STEPS"
+  [pp4_mbs2]="4 --set pp=4 --set microbatches=8 --set micro_batch_size=2 $STEPS"
   # the committed fixture (tests/fixtures/h100_4gpu/ep4_cap_ovl): two profiled steps
   [ep4_cap_ovl_fixture]="4 --set ep=4 $CAP --set ep_overlap=true --set steps=10 --set timing_warmup_steps=3 --set log_every=5 --set profile_step_start=7 --set profile_step_end=9"
 )
