@@ -70,6 +70,53 @@ def _fmt(v: Any, unit: str = "") -> str:
     return f"{v:.3f}" if unit == "ms" else f"{v:.2f}"
 
 
+def _num_text(v: float, unit: str) -> str:
+    return f"{v:.3f}" if unit == "ms" else f"{v:.2f}"
+
+
+def describe_rule(x: dict) -> str:
+    """What a --fail-on verdict evaluated, in words with its numbers: the form (absolute: the new run's value;
+    change: new - base), the values compared, the threshold and, for a change, its noise."""
+    unit, metric = x.get("metric_unit", x["unit"]), x["metric"]
+    per = (f" {unit}" if unit else "") + ("" if metric.startswith("run.") else " per step")
+    thr = f"{x['threshold']:g}"
+    if x.get("form") == "absolute":
+        if x["new"] is None:
+            return f"absolute, the new run: {metric} unavailable on the new run"
+        verdict = f" {x['op']} {thr}" if x["tripped"] else f", not {x['op']} {thr}"
+        return f"absolute, the new run: {metric} {_num_text(x['new'], unit)}{per}{verdict}"
+    if x["base"] is None or x["new"] is None or x["compared"] is None:
+        return f"change new - base: {metric} unavailable on a side"
+    delta = x["new"] - x["base"]
+    text = f"change new - base: {metric} {_num_text(x['base'], unit)} -> {_num_text(x['new'], unit)}{per} = "
+    if x["unit"] == "%":
+        text += f"{x['compared']:+.1f} %"
+        thr = f"{x['threshold']:+g} %"
+    else:
+        text += f"{delta:+.3f}" if unit == "ms" else f"{delta:+.2f}"
+        text += f" {unit}" if unit else ""
+    if delta == 0:
+        return text + ", no change"
+    crossed = _crosses(x["compared"], x["op"], x["threshold"])
+    text += f" {x['op']} {thr}" if crossed else f", not {x['op']} {thr}"
+    if x["within_noise"]:
+        text += f", within noise (p={x['p_value']:.2f})" + (": not counted" if crossed else "")
+    elif x.get("noise") == "unknown":
+        text += "; noise unknown: one sample per side"
+    elif x.get("p_value") is not None:
+        text += f", significant (p={x['p_value']:.3f})"
+    return text
+
+
+def _crosses(v: float, op: str, t: float) -> bool:
+    return {">": v > t, ">=": v >= t, "<": v < t, "<=": v <= t}[op]
+
+
+def rule_line(x: dict) -> str:
+    """One verdict as the terminal prints it (also with -q)."""
+    return f"rule {x['rule']!r}: {'FAIL' if x['tripped'] else 'ok'} ({describe_rule(x)})"
+
+
 def to_text(r: DiffResult, rules: list[dict] | None = None, top: int = 10) -> str:
     lines = [f"tracelens diff: {r.base_label} -> {r.new_label} (per step; base {r.info['base']['steps']} "
              f"{r.info['base']['step_source']}, new {r.info['new']['steps']} {r.info['new']['step_source']})"]
@@ -112,13 +159,7 @@ def to_text(r: DiffResult, rules: list[dict] | None = None, top: int = 10) -> st
                     lines.append(f"  {label:<8} {calls:9.2f} calls  {ms:8.3f} ms  {str(o['op'])[:90]}")
     if rules:
         lines.append("")
-        for x in rules:
-            state = "FAIL" if x["tripped"] else "ok"
-            ch = "n/a" if x["change"] is None else f"{x['change']:+.3f}{x['unit'] if x['unit'] == '%' else ' ' + x['unit']}"
-            noise = (", within noise" if x["within_noise"] else
-                     ", noise unknown: one sample per side" if x.get("noise") == "unknown" else
-                     f", significant (p={x['p_value']:.3f})" if x.get("p_value") is not None else "")
-            lines.append(f"rule {x['rule']!r}: {state} (change {ch}{noise})")
+        lines += [rule_line(x) for x in rules]
     return "\n".join(lines)
 
 
@@ -139,12 +180,11 @@ def to_markdown(r: DiffResult, rules: list[dict] | None = None, top: int = 10) -
         out.append(f"> ⚠️ {_md_escape(w)}")
     if rules:
         out.append("")
-        out.append("| rule | result | change |")
+        out.append("| rule | result | evaluated |")
         out.append("|---|---|---|")
         for x in rules:
-            ch = "n/a" if x["change"] is None else f"{x['change']:+.3f} {x['unit']}"
-            out.append(f"| `{_md_escape(x['rule'])}` | {'**FAIL**' if x['tripped'] else 'ok'} | {ch}"
-                       f"{' (noise)' if x['within_noise'] else ''} |")
+            out.append(f"| `{_md_escape(x['rule'])}` | {'**FAIL**' if x['tripped'] else 'ok'} | "
+                       f"{_md_escape(describe_rule(x))} |")
     out.append("")
     out.append("| metric (per step) | base | new | change |")
     out.append("|---|---:|---:|---|")
@@ -235,7 +275,8 @@ def render_html(r: DiffResult, rules: list[dict] | None = None) -> str:
                                       ("delta", "Δ", "num")]),
     }
     return template_env().get_template("diff.html").render(
-        title=f"tracelens diff: {r.base_label} → {r.new_label}", info=r.info, warnings=r.warnings, rules=rules or [],
+        title=f"tracelens diff: {r.base_label} → {r.new_label}", info=r.info, warnings=r.warnings,
+        rules=[{**x, "evaluated": describe_rule(x)} for x in rules or []],
         plotly_js=plotly_js(), figures_json=safe_json(figures), tables=tables,
     )
 
