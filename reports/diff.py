@@ -10,7 +10,7 @@ from typing import Any
 
 import pandas as pd
 
-from tracelens.analysis.diff import DiffResult
+from tracelens.analysis.diff import MIN_SAMPLES, DiffResult
 
 from .common import html_table, plot_text, plotly_js, safe_json, template_env, write_text_atomic
 
@@ -60,8 +60,22 @@ def _fmt_change(row: pd.Series) -> str:
     elif row["within_noise"] and d != 0:
         s += f" ~noise (p={p:.2f})"
     elif d != 0:
-        s += f" (p={p:.3f})"
+        s += f" (p{_p_text(p)})"
     return s
+
+
+def fmt_p(p: float | None) -> str:
+    """A p-value as shown: three decimals, '< 0.001' below that (never 0: a test never proves a change
+    certain), '–' when there is none (too few samples)."""
+    if p is None or (isinstance(p, float) and math.isnan(p)):
+        return "–"
+    return "< 0.001" if p < 0.001 else f"{p:.3f}"
+
+
+def _p_text(p: float) -> str:
+    """'=0.023' or ' < 0.001', to follow a 'p'."""
+    t = fmt_p(p)
+    return f" {t}" if t.startswith("<") else f"={t}"
 
 
 def _fmt(v: Any, unit: str = "") -> str:
@@ -102,9 +116,12 @@ def describe_rule(x: dict) -> str:
     if x["within_noise"]:
         text += f", within noise (p={x['p_value']:.2f})" + (": not counted" if crossed else "")
     elif x.get("noise") == "unknown":
-        text += "; noise unknown: one sample per side"
+        nb, nn = x.get("samples", [1, 1])
+        text += ("; noise unknown: one sample per side" if max(nb, nn) <= 1 else
+                 f"; noise unknown: {nb} samples a side, a p-value needs {MIN_SAMPLES}" if nb == nn else
+                 f"; noise unknown: {nb} and {nn} samples, a p-value needs {MIN_SAMPLES} a side")
     elif x.get("p_value") is not None:
-        text += f", significant (p={x['p_value']:.3f})"
+        text += f", significant (p{_p_text(x['p_value'])})"
     return text
 
 
@@ -246,12 +263,13 @@ def bars_figure(r: DiffResult) -> dict:
 
 
 def render_html(r: DiffResult, rules: list[dict] | None = None) -> str:
-    metrics = r.metrics.assign(change=[_fmt_change(row) for _, row in r.metrics.iterrows()])
+    metrics = r.metrics.assign(change=[_fmt_change(row) for _, row in r.metrics.iterrows()],
+                               p_shown=[fmt_p(v) for v in r.metrics["p_value"]])
     figures = {"plot-bars": bars_figure(r), "plot-waterfall": waterfall_figure(r)}
     tables = {
         "metrics": html_table(metrics, [("metric", "metric", "text"), ("unit", "unit", "text"), ("base", "base", "num"),
                                         ("new", "new", "num"), ("delta", "Δ", "num"), ("rel_pct", "Δ %", "pct"),
-                                        ("spread", "noise spread", "num"), ("p_value", "p (Welch)", "num"),
+                                        ("spread", "noise spread", "num"), ("p_shown", "p (Welch)", "text"),
                                         ("steps_base", "base steps", "num"), ("steps_new", "new steps", "num"),
                                         ("change", "verdict", "text")]),
         "top_ops": html_table(r.top_ops(), [("status", "status", "text"), ("delta_wall_ms", "Δ wall ms/step", "num"),

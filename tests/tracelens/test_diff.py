@@ -100,23 +100,23 @@ def test_self_diff_no_change_any_rule_passes():
 
 def test_noise_from_several_steps(tmp_path):
     a = tracelens.analyze(tracelens.load(NCCL_2RANK, cache=False))
-    r = diff(a, a)
-    st = r.metric("step_time")
-    # steady state: steps 1-2 (step 0 holds rank 1's profiler start-up wait and is left out)
-    assert st["steps_base"] == 2 and st["spread"] > 0 and st["p_value"] == 1.0
-    # slow one kernel of one step by less than the spread: within noise, no rule trips
-    d = tmp_path / "new"
-    d.mkdir()
-    for f in ("rank0.json.gz", "rank1.json.gz"):
-        doc = json.loads(gzip.decompress((NCCL_2RANK / f).read_bytes()))
-        for e in doc["traceEvents"]:
-            if e.get("cat") == "kernel" and "nvjet" in e["name"]:
-                e["dur"] = e["dur"] + 1.0  # +1 us on each GEMM
-                break
-        (d / f).write_bytes(gzip.compress(json.dumps(doc).encode()))
-    r2 = diff(a, tracelens.analyze(tracelens.load(d, cache=False)))
+    st = diff(a, a).metric("step_time")
+    # steady state: steps 1-2 (step 0 holds rank 1's profiler start-up wait and is left out): a spread, but
+    # too few samples for a p-value (diff.MIN_SAMPLES)
+    assert st["steps_base"] == 2 and st["spread"] > 0 and st["p_value"] != st["p_value"]
+    # six steps a side (ProfilerStep#1009..1014): a p-value; 10 ns more on every kernel is within noise, no
+    # rule trips
+    c = tracelens.analyze(tracelens.load(DIFF_CONTROL, cache=False))
+    st = diff(c, c).metric("step_time")
+    assert st["steps_base"] == 6 and st["spread"] > 0 and st["p_value"] == 1.0
+    doc = json.loads(gzip.decompress(DIFF_CONTROL.read_bytes()))
+    for e in doc["traceEvents"]:
+        if e.get("cat") == "kernel":
+            e["dur"] = e["dur"] + 0.01
+    (tmp_path / "new.json.gz").write_bytes(gzip.compress(json.dumps(doc).encode()))
+    r2 = diff(c, tracelens.analyze(tracelens.load(tmp_path / "new.json.gz", cache=False)))
     busy = r2.metric("gpu.busy")
-    assert busy["within_noise"]
+    assert busy["delta"] > 0 and busy["within_noise"] and busy["noise"] == "within noise"
     assert not check_rules(r2, [parse_rule("delta(gpu.busy)>0")])[0]["tripped"]
 
 
@@ -256,3 +256,37 @@ def test_rule_output_names_the_form_and_numbers(tmp_path):
     md = (tmp_path / "d" / "diff.md").read_text()
     assert "absolute, the new run: host_syncs" in md and "change new - base: host_syncs" in md
     assert "absolute, the new run: host_syncs" in (tmp_path / "d" / "diff.html").read_text()
+
+
+def test_too_few_samples_give_no_p_value(tmp_path):
+    """Two steady steps a side (the NCCL fixture): Welch's test on 2 + 2 samples has at most 2 degrees of
+    freedom and printed p = 0.000 for a 20 % slowdown (issue 36). Under 3 samples a side there is no
+    p-value: the diff says so, and the rule decides on the change alone."""
+    from reports.diff import fmt_p
+
+    new = tmp_path / "slow"
+    new.mkdir()
+    for f in ("rank0.json.gz", "rank1.json.gz"):
+        doc = json.loads(gzip.decompress((NCCL_2RANK / f).read_bytes()))
+        for e in doc["traceEvents"]:
+            if e.get("cat") == "kernel":
+                e["dur"] = e["dur"] * 1.2
+        (new / f).write_bytes(gzip.compress(json.dumps(doc).encode()))
+    p = run("diff", NCCL_2RANK, new, "--fail-on", "category.gemm>+10%", "-o", tmp_path / "d")
+    assert p.returncode == 1, p.stdout + p.stderr  # +20 % > +10 %: decided on the change
+    assert "p=0.000" not in p.stdout and "p = 0.000" not in p.stdout
+    assert ("warning: too few samples: base has 2 per-step samples, new 2 (profiler steps / profiler steps); "
+            "a significance test needs 3 a side") in p.stdout
+    g = {m["metric"]: m for m in json.loads((tmp_path / "d" / "diff.json").read_text())["metrics"]}["category.gemm"]
+    assert g["p_value"] is None and g["noise"] == "unknown" and g["samples_base"] == g["samples_new"] == 2
+    assert g["spread"] is not None  # two samples still have a spread
+    rule = next(ln for ln in p.stdout.splitlines() if ln.startswith("rule "))
+    assert rule.endswith("; noise unknown: 2 samples a side, a p-value needs 3)")
+    assert fmt_p(0.0) == fmt_p(0.0004) == "< 0.001" and fmt_p(0.0123) == "0.012" and fmt_p(float("nan")) == "–"
+
+
+def test_p_value_never_printed_as_zero():
+    """Six steps a side, a deterministic change (zero variance): p is 0 in the JSON, '< 0.001' on screen."""
+    p = run("diff", DIFF_CONTROL, DIFF_TEST)
+    assert p.returncode == 0, p.stderr
+    assert "p=0.000" not in p.stdout and "(p < 0.001)" in p.stdout

@@ -3,10 +3,11 @@
 Everything is per step over each side's steady-state steps (see `steps.py`; `analyze(..., window="all")`
 for every step), so windows with different step counts compare fairly. Each metric's per-step values are
 its samples: the figure shown is their median, the spread (max - min, or p90 - p10 from 5 steps on) is
-reported, and with at least two samples on each side Welch's t-test (scipy's when installed, else the
-same test computed here) gives a two-sided p-value; a change is "within noise" when p >= 0.05. With one
-sample on a side the noise is unknown (spread and p-value are null, never 0): the diff says so in a
-warning and a rule decides on the change alone.
+reported, and with at least MIN_SAMPLES (3) samples on each side Welch's t-test (scipy's when installed,
+else the same test computed here) gives a two-sided p-value; a change is "within noise" when p >= 0.05.
+With fewer on a side the noise is unknown (p-value null, never 0; the spread too with one sample): two
+samples a side leave the test at most 2 degrees of freedom, and two near-equal steps make any change look
+certain. The diff says so in a warning and a rule decides on the change alone.
 
 Rules (`--fail-on`), a small grammar:  [new.|delta(]METRIC[)] OP VALUE
     METRIC  step_time | gpu.busy | gpu.idle | gpu.compute | gpu.comm | gpu.exposed_comm | gpu.comm_wait |
@@ -43,6 +44,7 @@ from ..errors import TraceError
 from .steps import op_shares, step_figures, sync_ops
 
 US = 1000.0
+MIN_SAMPLES = 3  # per side, for a p-value (Welch's test on 2 + 2 samples has at most 2 degrees of freedom)
 METRICS: dict[str, tuple[str, str, float]] = {  # name -> (per-step column, unit, scale from column)
     "step_time": ("step_time_us", "ms", 1e-3),
     "gpu.span": ("gpu_span_us", "ms", 1e-3),
@@ -228,8 +230,12 @@ def diff(base, new, base_manifest: dict | None = None, new_manifest: dict | None
     kb, kn = len(sb.per_step), len(sn.per_step)
     if kb < 2 or kn < 2:
         warnings.append(f"one sample: base has {kb} per-step sample(s), new {kn} ({sb.source} / {sn.source}): the noise "
-                        "is unknown and rules decide on the change alone; profile 3 or more steps for a "
+                        f"is unknown and rules decide on the change alone; profile {MIN_SAMPLES} or more steps for a "
                         "significance test")
+    elif kb < MIN_SAMPLES or kn < MIN_SAMPLES:
+        warnings.append(f"too few samples: base has {kb} per-step samples, new {kn} ({sb.source} / {sn.source}); "
+                        f"a significance test needs {MIN_SAMPLES} a side: the noise is unknown and rules decide on the "
+                        "change alone")
 
     rows = []
     for name, (col, unit, scale) in METRICS.items():
@@ -319,12 +325,12 @@ def _metric_row(name: str, unit: str, bvals: np.ndarray, nvals: np.ndarray) -> d
     delta = n - b
     sb, sn = _spread(bvals), _spread(nvals)
     spread = math.nan if math.isnan(sb) or math.isnan(sn) else max(sb, sn)
-    _, _, p = welch_test(bvals, nvals)
+    nb, nn = int(np.isfinite(bvals).sum()), int(np.isfinite(nvals).sum())
+    p = welch_test(bvals, nvals)[2] if min(nb, nn) >= MIN_SAMPLES else math.nan
     rel = (100.0 * delta / abs(b)) if b not in (0.0,) and not math.isnan(b) and not math.isnan(delta) else (
         0.0 if delta == 0 else math.nan)
-    # within noise: the test finds no difference (p >= 0.05); unknown noise (one sample) never is
+    # within noise: the test finds no difference (p >= 0.05); unknown noise (too few samples) never is
     within = (not math.isnan(delta)) and not math.isnan(p) and p >= 0.05
-    nb, nn = int(np.isfinite(bvals).sum()), int(np.isfinite(nvals).sum())
     return {"metric": name, "unit": unit, "base": b, "new": n, "delta": delta, "rel_pct": rel,
             "spread": spread, "p_value": p, "within_noise": bool(within),
             "noise": "unknown" if math.isnan(p) else ("within noise" if within else "significant"),
@@ -467,6 +473,7 @@ class Rule:
                 "base": _num(r["base"]), "new": _num(r["new"]), "compared": _num(compared),
                 "change": _num(change), "unit": "%" if self.relative else r["unit"],
                 "metric_unit": r["unit"], "within_noise": bool(r["within_noise"]),
+                "samples": [int(r.get("samples_base", 1)), int(r.get("samples_new", 1))],
                 "noise": r.get("noise", "unknown"), "p_value": _num(r.get("p_value", math.nan)),
                 "tripped": bool(tripped)}
 
