@@ -10,7 +10,7 @@ from typing import Any
 
 import pandas as pd
 
-from tracelens.analysis.diff import DiffResult
+from tracelens.analysis.diff import MIN_SAMPLES, DiffResult
 
 from .common import html_table, plot_text, plotly_js, safe_json, template_env, write_text_atomic
 
@@ -60,14 +60,78 @@ def _fmt_change(row: pd.Series) -> str:
     elif row["within_noise"] and d != 0:
         s += f" ~noise (p={p:.2f})"
     elif d != 0:
-        s += f" (p={p:.3f})"
+        s += f" (p{_p_text(p)})"
     return s
+
+
+def fmt_p(p: float | None) -> str:
+    """A p-value as shown: three decimals, '< 0.001' below that (never 0: a test never proves a change
+    certain), '–' when there is none (too few samples)."""
+    if p is None or (isinstance(p, float) and math.isnan(p)):
+        return "–"
+    return "< 0.001" if p < 0.001 else f"{p:.3f}"
+
+
+def _p_text(p: float) -> str:
+    """'=0.023' or ' < 0.001', to follow a 'p'."""
+    t = fmt_p(p)
+    return f" {t}" if t.startswith("<") else f"={t}"
 
 
 def _fmt(v: Any, unit: str = "") -> str:
     if v is None or (isinstance(v, float) and math.isnan(v)):
         return "–"
     return f"{v:.3f}" if unit == "ms" else f"{v:.2f}"
+
+
+def _num_text(v: float, unit: str) -> str:
+    return f"{v:.3f}" if unit == "ms" else f"{v:.2f}"
+
+
+def describe_rule(x: dict) -> str:
+    """What a --fail-on verdict evaluated, in words with its numbers: the form (absolute: the new run's value;
+    change: new - base), the values compared, the threshold and, for a change, its noise."""
+    unit, metric = x.get("metric_unit", x["unit"]), x["metric"]
+    per = (f" {unit}" if unit else "") + ("" if metric.startswith("run.") else " per step")
+    thr = f"{x['threshold']:g}"
+    if x.get("form") == "absolute":
+        if x["new"] is None:
+            return f"absolute, the new run: {metric} unavailable on the new run"
+        verdict = f" {x['op']} {thr}" if x["tripped"] else f", not {x['op']} {thr}"
+        return f"absolute, the new run: {metric} {_num_text(x['new'], unit)}{per}{verdict}"
+    if x["base"] is None or x["new"] is None or x["compared"] is None:
+        return f"change new - base: {metric} unavailable on a side"
+    delta = x["new"] - x["base"]
+    text = f"change new - base: {metric} {_num_text(x['base'], unit)} -> {_num_text(x['new'], unit)}{per} = "
+    if x["unit"] == "%":
+        text += f"{x['compared']:+.1f} %"
+        thr = f"{x['threshold']:+g} %"
+    else:
+        text += f"{delta:+.3f}" if unit == "ms" else f"{delta:+.2f}"
+        text += f" {unit}" if unit else ""
+    if delta == 0:
+        return text + ", no change"
+    crossed = _crosses(x["compared"], x["op"], x["threshold"])
+    text += f" {x['op']} {thr}" if crossed else f", not {x['op']} {thr}"
+    if x["within_noise"]:
+        text += f", within noise (p={x['p_value']:.2f})" + (": not counted" if crossed else "")
+    elif x.get("noise") == "unknown":
+        nb, nn = x.get("samples", [1, 1])
+        text += ("; noise unknown: one sample per side" if max(nb, nn) <= 1 else
+                 f"; noise unknown: {nb} samples a side, a p-value needs {MIN_SAMPLES}" if nb == nn else
+                 f"; noise unknown: {nb} and {nn} samples, a p-value needs {MIN_SAMPLES} a side")
+    elif x.get("p_value") is not None:
+        text += f", significant (p{_p_text(x['p_value'])})"
+    return text
+
+
+def _crosses(v: float, op: str, t: float) -> bool:
+    return {">": v > t, ">=": v >= t, "<": v < t, "<=": v <= t}[op]
+
+
+def rule_line(x: dict) -> str:
+    """One verdict as the terminal prints it (also with -q)."""
+    return f"rule {x['rule']!r}: {'FAIL' if x['tripped'] else 'ok'} ({describe_rule(x)})"
 
 
 def to_text(r: DiffResult, rules: list[dict] | None = None, top: int = 10) -> str:
@@ -112,13 +176,7 @@ def to_text(r: DiffResult, rules: list[dict] | None = None, top: int = 10) -> st
                     lines.append(f"  {label:<8} {calls:9.2f} calls  {ms:8.3f} ms  {str(o['op'])[:90]}")
     if rules:
         lines.append("")
-        for x in rules:
-            state = "FAIL" if x["tripped"] else "ok"
-            ch = "n/a" if x["change"] is None else f"{x['change']:+.3f}{x['unit'] if x['unit'] == '%' else ' ' + x['unit']}"
-            noise = (", within noise" if x["within_noise"] else
-                     ", noise unknown: one sample per side" if x.get("noise") == "unknown" else
-                     f", significant (p={x['p_value']:.3f})" if x.get("p_value") is not None else "")
-            lines.append(f"rule {x['rule']!r}: {state} (change {ch}{noise})")
+        lines += [rule_line(x) for x in rules]
     return "\n".join(lines)
 
 
@@ -139,12 +197,11 @@ def to_markdown(r: DiffResult, rules: list[dict] | None = None, top: int = 10) -
         out.append(f"> ⚠️ {_md_escape(w)}")
     if rules:
         out.append("")
-        out.append("| rule | result | change |")
+        out.append("| rule | result | evaluated |")
         out.append("|---|---|---|")
         for x in rules:
-            ch = "n/a" if x["change"] is None else f"{x['change']:+.3f} {x['unit']}"
-            out.append(f"| `{_md_escape(x['rule'])}` | {'**FAIL**' if x['tripped'] else 'ok'} | {ch}"
-                       f"{' (noise)' if x['within_noise'] else ''} |")
+            out.append(f"| `{_md_escape(x['rule'])}` | {'**FAIL**' if x['tripped'] else 'ok'} | "
+                       f"{_md_escape(describe_rule(x))} |")
     out.append("")
     out.append("| metric (per step) | base | new | change |")
     out.append("|---|---:|---:|---|")
@@ -206,12 +263,13 @@ def bars_figure(r: DiffResult) -> dict:
 
 
 def render_html(r: DiffResult, rules: list[dict] | None = None) -> str:
-    metrics = r.metrics.assign(change=[_fmt_change(row) for _, row in r.metrics.iterrows()])
+    metrics = r.metrics.assign(change=[_fmt_change(row) for _, row in r.metrics.iterrows()],
+                               p_shown=[fmt_p(v) for v in r.metrics["p_value"]])
     figures = {"plot-bars": bars_figure(r), "plot-waterfall": waterfall_figure(r)}
     tables = {
         "metrics": html_table(metrics, [("metric", "metric", "text"), ("unit", "unit", "text"), ("base", "base", "num"),
                                         ("new", "new", "num"), ("delta", "Δ", "num"), ("rel_pct", "Δ %", "pct"),
-                                        ("spread", "noise spread", "num"), ("p_value", "p (Welch)", "num"),
+                                        ("spread", "noise spread", "num"), ("p_shown", "p (Welch)", "text"),
                                         ("steps_base", "base steps", "num"), ("steps_new", "new steps", "num"),
                                         ("change", "verdict", "text")]),
         "top_ops": html_table(r.top_ops(), [("status", "status", "text"), ("delta_wall_ms", "Δ wall ms/step", "num"),
@@ -235,7 +293,8 @@ def render_html(r: DiffResult, rules: list[dict] | None = None) -> str:
                                       ("delta", "Δ", "num")]),
     }
     return template_env().get_template("diff.html").render(
-        title=f"tracelens diff: {r.base_label} → {r.new_label}", info=r.info, warnings=r.warnings, rules=rules or [],
+        title=f"tracelens diff: {r.base_label} → {r.new_label}", info=r.info, warnings=r.warnings,
+        rules=[{**x, "evaluated": describe_rule(x)} for x in rules or []],
         plotly_js=plotly_js(), figures_json=safe_json(figures), tables=tables,
     )
 

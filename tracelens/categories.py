@@ -31,6 +31,13 @@ SYNC_RUNTIME = frozenset({
     "hipStreamSynchronize", "hipDeviceSynchronize", "hipEventSynchronize", "hipMemcpy", "hipMemcpy2D",
 })
 
+# Wrapper ranges: cpu_op ranges that are not an op the program called but a dispatch step inside one.
+# "PythonSubclass": an op reaching a tensor subclass's __torch_dispatch__ (DTensor under FSDP2), recorded
+# between the op called and the same op on the local tensors (aten::sqrt > PythonSubclass > aten::sqrt);
+# its self time is that subclass's Python dispatch of the op, and host self-time views count it in the op
+# enclosing it (tracelens.analysis.steps.host_top_ops).
+WRAPPER_RANGES = frozenset({"PythonSubclass"})
+
 # Profiler-step markers: torch.profiler's "ProfilerStep#N" and the common "## step N" style.
 STEP_RE = re.compile(r"^(?:ProfilerStep#|##\s*step\s*#?)(\d+)\b", re.IGNORECASE)
 

@@ -242,16 +242,17 @@ def _manifest(path: str) -> dict | None:
 @click.argument("new", type=click.Path())
 @click.option("-o", "--out", type=click.Path(file_okay=False), help="Write diff.html, diff.md and diff.json here.")
 @click.option("--fail-on", "rules", multiple=True, metavar="RULE",
-              help="CI gate, repeatable: e.g. 'step_time>+5%' 'host_syncs>0' 'gpu.idle>+10%'. Exit 1 if any trips.")
+              help="CI gate, repeatable: e.g. 'step_time>+5%' (change) 'host_syncs>0' (the new run) 'gpu.idle>+10%'. Exit 1 if any trips.")
 @click.option("--no-cache", is_flag=True, help="Do not read or write the parsed-trace cache.")
 @click.option("--top", type=click.IntRange(1, 1000), default=10, show_default=True, help="Ops and kernels to list.")
-@click.option("--quiet", "-q", is_flag=True, help="Print only the rule verdicts.")
+@click.option("--quiet", "-q", is_flag=True, help="Print only the rule verdicts (one line each).")
 def diff(base, new, out, rules, no_cache, top, quiet):
     """Compare two traces, trace directories or run dirs (BASE -> NEW), per step.
 
     Exit status: 0 no rule tripped, 1 a --fail-on rule tripped, 2 bad input. Rule grammar:
-    METRIC OP VALUE, e.g. step_time>+5% (relative change), host_syncs>0 (absolute change per step);
-    see docs/diff.md.
+    METRIC OP VALUE. A signed value, a percentage or delta(METRIC) tests the change new - base
+    (step_time>+5%, delta(host_syncs)>0); an unsigned number or new.METRIC tests the new run's value
+    (host_syncs>0: the new run syncs at all). See docs/diff.md.
     """
     from . import analyze as run_analysis, load
     from .analysis.diff import check_rules, diff as run_diff, parse_rule
@@ -267,7 +268,7 @@ def diff(base, new, out, rules, no_cache, top, quiet):
         render.write_all(result, out, verdicts)
     if quiet:
         for v in verdicts:
-            _echo(f"rule {v['rule']!r}: {'FAIL' if v['tripped'] else 'ok'}")
+            _echo(render.rule_line(v))
     else:
         _echo(render.to_text(result, verdicts, top=top))
         if out:

@@ -93,31 +93,31 @@ def test_self_diff_no_change_any_rule_passes():
     r = diff(a, a)
     assert (r.metrics["delta"].fillna(0) == 0).all()
     assert set(r.ops["status"]) <= {"same"} and set(r.kernels["status"]) <= {"changed"}
-    rules = [parse_rule(x) for x in ("step_time>+5%", "host_syncs>0", "gpu.idle>+10%", "step_time>=0", "kernels<=0",
-                                     "gpu.busy<-1%")]
+    rules = [parse_rule(x) for x in ("step_time>+5%", "delta(host_syncs)>0", "gpu.idle>+10%", "step_time>=+0",
+                                     "delta(kernels)<=0", "gpu.busy<-1%")]
     assert not any(v["tripped"] for v in check_rules(r, rules))
 
 
 def test_noise_from_several_steps(tmp_path):
     a = tracelens.analyze(tracelens.load(NCCL_2RANK, cache=False))
-    r = diff(a, a)
-    st = r.metric("step_time")
-    # steady state: steps 1-2 (step 0 holds rank 1's profiler start-up wait and is left out)
-    assert st["steps_base"] == 2 and st["spread"] > 0 and st["p_value"] == 1.0
-    # slow one kernel of one step by less than the spread: within noise, no rule trips
-    d = tmp_path / "new"
-    d.mkdir()
-    for f in ("rank0.json.gz", "rank1.json.gz"):
-        doc = json.loads(gzip.decompress((NCCL_2RANK / f).read_bytes()))
-        for e in doc["traceEvents"]:
-            if e.get("cat") == "kernel" and "nvjet" in e["name"]:
-                e["dur"] = e["dur"] + 1.0  # +1 us on each GEMM
-                break
-        (d / f).write_bytes(gzip.compress(json.dumps(doc).encode()))
-    r2 = diff(a, tracelens.analyze(tracelens.load(d, cache=False)))
+    st = diff(a, a).metric("step_time")
+    # steady state: steps 1-2 (step 0 holds rank 1's profiler start-up wait and is left out): a spread, but
+    # too few samples for a p-value (diff.MIN_SAMPLES)
+    assert st["steps_base"] == 2 and st["spread"] > 0 and st["p_value"] != st["p_value"]
+    # six steps a side (ProfilerStep#1009..1014): a p-value; 10 ns more on every kernel is within noise, no
+    # rule trips
+    c = tracelens.analyze(tracelens.load(DIFF_CONTROL, cache=False))
+    st = diff(c, c).metric("step_time")
+    assert st["steps_base"] == 6 and st["spread"] > 0 and st["p_value"] == 1.0
+    doc = json.loads(gzip.decompress(DIFF_CONTROL.read_bytes()))
+    for e in doc["traceEvents"]:
+        if e.get("cat") == "kernel":
+            e["dur"] = e["dur"] + 0.01
+    (tmp_path / "new.json.gz").write_bytes(gzip.compress(json.dumps(doc).encode()))
+    r2 = diff(c, tracelens.analyze(tracelens.load(tmp_path / "new.json.gz", cache=False)))
     busy = r2.metric("gpu.busy")
-    assert busy["within_noise"]
-    assert not check_rules(r2, [parse_rule("gpu.busy>0")])[0]["tripped"]
+    assert busy["delta"] > 0 and busy["within_noise"] and busy["noise"] == "within noise"
+    assert not check_rules(r2, [parse_rule("delta(gpu.busy)>0")])[0]["tripped"]
 
 
 def test_cross_device_diff_warns():
@@ -143,7 +143,8 @@ def run(*args):
 
 
 def test_cli_exit_codes_and_outputs(tmp_path):
-    p = run("diff", MOE_LOOP, MOE_GROUPED, "-o", tmp_path / "d", "--fail-on", "step_time>+5%", "--fail-on", "host_syncs>0")
+    p = run("diff", MOE_LOOP, MOE_GROUPED, "-o", tmp_path / "d", "--fail-on", "step_time>+5%", "--fail-on",
+            "delta(host_syncs)>0")
     assert p.returncode == 0, p.stderr
     j = json.loads((tmp_path / "d" / "diff.json").read_text())
     assert j["failed"] is False and {m["metric"] for m in j["metrics"]} >= {"step_time", "host_syncs", "gpu.idle"}
@@ -152,7 +153,7 @@ def test_cli_exit_codes_and_outputs(tmp_path):
     assert "<script" in (tmp_path / "d" / "diff.html").read_text()
     p = run("diff", MOE_GROUPED, MOE_LOOP, "--fail-on", "step_time>+5%", "-q")
     assert p.returncode == 1 and "FAIL" in p.stdout
-    p = run("diff", MOE_LOOP, MOE_LOOP, "--fail-on", "step_time>+5%", "--fail-on", "host_syncs>0", "-q")
+    p = run("diff", MOE_LOOP, MOE_LOOP, "--fail-on", "step_time>+5%", "--fail-on", "delta(host_syncs)>0", "-q")
     assert p.returncode == 0
     p = run("diff", MOE_LOOP, tmp_path / "missing.json", "--fail-on", "step_time>+5%")
     assert p.returncode == 2 and "no such file" in p.stderr
@@ -210,3 +211,82 @@ def test_cpu_only_diff_uses_host_step_time(tmp_path):
                           "--fail-on", "step_time>+5%"], capture_output=True, text=True)
     assert res.returncode == 0, res.stderr
     assert (out / "diff.html").stat().st_size > 0 and "Traceback" not in res.stderr
+
+
+def test_rule_forms_absolute_and_change(moe):
+    """`host_syncs>0` reads as "the new run has a host sync", and is that: a bare unsigned number is a value of
+    the new run; a signed number, a percentage or delta(METRIC) is a change new - base; new.METRIC says absolute
+    explicitly (issue 36: the README's gate said "ok" while the new run synced twice per step)."""
+    _, _, r = moe
+    new_syncs = raw_syncs_per_step(MOE_GROUPED, 2)
+    base_syncs = raw_syncs_per_step(MOE_LOOP, 2)
+    assert new_syncs > 0 and base_syncs > new_syncs  # the grouped run syncs less, but still syncs
+    bare, explicit, delta, signed = check_rules(r, [parse_rule(x) for x in (
+        "host_syncs>0", "new.host_syncs>0", "delta(host_syncs)>0", "host_syncs>+0")])
+    for v in (bare, explicit):
+        assert v["form"] == "absolute" and v["tripped"]
+        assert v["compared"] == new_syncs and v["new"] == new_syncs and v["threshold"] == 0
+    for v in (delta, signed):
+        assert v["form"] == "change" and not v["tripped"]
+        assert v["compared"] == new_syncs - base_syncs and (v["base"], v["new"]) == (base_syncs, new_syncs)
+    rel = check_rules(r, [parse_rule("step_time>+5%")])[0]
+    assert rel["form"] == "change" and rel["unit"] == "%" and rel["compared"] == pytest.approx(r.metric("step_time")["rel_pct"])
+    assert parse_rule("delta(step_time) > 5%").relative and parse_rule("step_time>5%").form == "change"
+    assert parse_rule("kernels<=-3").form == "change" and parse_rule("new.kernels<=3").form == "absolute"
+    for bad in ("new.step_time>5%", "delta(step_time>5", "delta()>1", "new.nosuch>1", "delta(nosuch)>1"):
+        with pytest.raises(TraceError):
+            parse_rule(bad)
+
+
+def test_rule_output_names_the_form_and_numbers(tmp_path):
+    p = run("diff", MOE_LOOP, MOE_GROUPED, "--fail-on", "host_syncs>0", "--fail-on", "delta(host_syncs)>0",
+            "-o", tmp_path / "d")
+    assert p.returncode == 1, p.stdout + p.stderr  # the new run has host syncs
+    lines = {ln.split(":", 1)[0]: ln for ln in p.stdout.splitlines() if ln.startswith("rule ")}
+    new, base = raw_syncs_per_step(MOE_GROUPED, 2), raw_syncs_per_step(MOE_LOOP, 2)
+    assert lines["rule 'host_syncs>0'"] == (f"rule 'host_syncs>0': FAIL (absolute, the new run: host_syncs "
+                                            f"{new:.2f} count per step > 0)")
+    assert lines["rule 'delta(host_syncs)>0'"].startswith(
+        f"rule 'delta(host_syncs)>0': ok (change new - base: host_syncs {base:.2f} -> {new:.2f} count per step = "
+        f"{new - base:+.2f} count, not > 0")
+    q = run("diff", MOE_LOOP, MOE_GROUPED, "--fail-on", "host_syncs>0", "-q")
+    assert q.returncode == 1 and q.stdout.strip() == lines["rule 'host_syncs>0'"]  # -q: the same verdict line
+    j = json.loads((tmp_path / "d" / "diff.json").read_text())
+    assert [x["form"] for x in j["rules"]] == ["absolute", "change"]
+    md = (tmp_path / "d" / "diff.md").read_text()
+    assert "absolute, the new run: host_syncs" in md and "change new - base: host_syncs" in md
+    assert "absolute, the new run: host_syncs" in (tmp_path / "d" / "diff.html").read_text()
+
+
+def test_too_few_samples_give_no_p_value(tmp_path):
+    """Two steady steps a side (the NCCL fixture): Welch's test on 2 + 2 samples has at most 2 degrees of
+    freedom and printed p = 0.000 for a 20 % slowdown (issue 36). Under 3 samples a side there is no
+    p-value: the diff says so, and the rule decides on the change alone."""
+    from reports.diff import fmt_p
+
+    new = tmp_path / "slow"
+    new.mkdir()
+    for f in ("rank0.json.gz", "rank1.json.gz"):
+        doc = json.loads(gzip.decompress((NCCL_2RANK / f).read_bytes()))
+        for e in doc["traceEvents"]:
+            if e.get("cat") == "kernel":
+                e["dur"] = e["dur"] * 1.2
+        (new / f).write_bytes(gzip.compress(json.dumps(doc).encode()))
+    p = run("diff", NCCL_2RANK, new, "--fail-on", "category.gemm>+10%", "-o", tmp_path / "d")
+    assert p.returncode == 1, p.stdout + p.stderr  # +20 % > +10 %: decided on the change
+    assert "p=0.000" not in p.stdout and "p = 0.000" not in p.stdout
+    assert ("warning: too few samples: base has 2 per-step samples, new 2 (profiler steps / profiler steps); "
+            "a significance test needs 3 a side") in p.stdout
+    g = {m["metric"]: m for m in json.loads((tmp_path / "d" / "diff.json").read_text())["metrics"]}["category.gemm"]
+    assert g["p_value"] is None and g["noise"] == "unknown" and g["samples_base"] == g["samples_new"] == 2
+    assert g["spread"] is not None  # two samples still have a spread
+    rule = next(ln for ln in p.stdout.splitlines() if ln.startswith("rule "))
+    assert rule.endswith("; noise unknown: 2 samples a side, a p-value needs 3)")
+    assert fmt_p(0.0) == fmt_p(0.0004) == "< 0.001" and fmt_p(0.0123) == "0.012" and fmt_p(float("nan")) == "–"
+
+
+def test_p_value_never_printed_as_zero():
+    """Six steps a side, a deterministic change (zero variance): p is 0 in the JSON, '< 0.001' on screen."""
+    p = run("diff", DIFF_CONTROL, DIFF_TEST)
+    assert p.returncode == 0, p.stderr
+    assert "p=0.000" not in p.stdout and "(p < 0.001)" in p.stdout

@@ -404,3 +404,27 @@ def test_a_bare_name_that_is_both_a_config_and_a_local_path(tmp_path, monkeypatc
     res = r.invoke(main, ["memory", "mine.yaml", "--json", "m3.json"])
     assert res.exit_code == 0 and res.stderr == "", res.output
     assert json.loads((tmp_path / "m3.json").read_text())["layout"]["seq"] == 32
+
+
+def test_sweep_shares_each_schedule_shapes_moments():
+    """`memory proxy_1t --sweep` spent half its time re-deduplicating the same simulated backward moments for
+    each of thousands of layouts (issue 36: 30-56 s where the README says ~20 s). The distinct moments are now
+    cached on the schedule's shape; they are those of `backward_moments`, in order, for every schedule."""
+    def reference(lay, rank):
+        seen, out = set(), []
+        for st, comp in M.backward_moments(lay, rank):
+            if (st, tuple(comp.items())) not in seen:
+                seen.add((st, tuple(comp.items())))
+                out.append((st, comp))
+        return out
+
+    cfg = load_config("proxy_1t")
+    for sched, vpp in (("1f1b", 1), ("gpipe", 1), ("vpp", 2), ("zb1p", 1)):
+        lay = M.resolve_layout(cfg, world=768, pp=16, vpp=vpp, ep=8, microbatches=32, schedule=sched)
+        for rank in (0, 7, 15):
+            assert M._distinct_moments(lay, rank) == reference(lay, rank)
+    M._distinct_simulated.cache_clear()
+    space = M.SweepSpace(tp=(1, 2), cp=(1,), vpp=(1, 2), mbs=(1, 2))
+    M.sweep(cfg, world=64, device_bytes=141 * GIB, global_batch=1536, space=space)
+    info = M._distinct_simulated.cache_info()
+    assert info.hits > 5 * info.misses  # the layouts of one schedule shape share one computation

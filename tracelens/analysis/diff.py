@@ -3,24 +3,30 @@
 Everything is per step over each side's steady-state steps (see `steps.py`; `analyze(..., window="all")`
 for every step), so windows with different step counts compare fairly. Each metric's per-step values are
 its samples: the figure shown is their median, the spread (max - min, or p90 - p10 from 5 steps on) is
-reported, and with at least two samples on each side Welch's t-test (scipy's when installed, else the
-same test computed here) gives a two-sided p-value; a change is "within noise" when p >= 0.05. With one
-sample on a side the noise is unknown (spread and p-value are null, never 0): the diff says so in a
-warning and a rule decides on the change alone.
+reported, and with at least MIN_SAMPLES (3) samples on each side Welch's t-test (scipy's when installed,
+else the same test computed here) gives a two-sided p-value; a change is "within noise" when p >= 0.05.
+With fewer on a side the noise is unknown (p-value null, never 0; the spread too with one sample): two
+samples a side leave the test at most 2 degrees of freedom, and two near-equal steps make any change look
+certain. The diff says so in a warning and a rule decides on the change alone.
 
-Rules (`--fail-on`), a small grammar:  METRIC OP VALUE
+Rules (`--fail-on`), a small grammar:  [new.|delta(]METRIC[)] OP VALUE
     METRIC  step_time | gpu.busy | gpu.idle | gpu.compute | gpu.comm | gpu.exposed_comm | gpu.comm_wait |
             gpu.pipeline_wait | gpu.span |
             host_syncs | kernels | category.<name> (gemm, grouped_gemm, attention, elementwise,
             reduction_norm, communication, memory, other) | run.<manifest metric> (run dirs)
     OP      >  >=  <  <=
-    VALUE   a signed or unsigned number; with a trailing % it is the relative change in percent,
-            otherwise the absolute change in the metric's unit (ms per step, counts per step).
-A rule compares the *change* new - base, so a trace diffed against itself never trips one. A change
-within noise never trips a rule either.
-    step_time>+5%      the step got more than 5 % slower
-    host_syncs>0       any host synchronization was added per step
-    gpu.idle>+10%      GPU idle time per step grew by more than 10 %
+    VALUE   a number, signed or not, with a trailing % for a relative change in percent
+Two forms, and the verdict names the one it evaluated and the numbers it compared:
+  absolute  new.METRIC OP NUMBER, or METRIC OP NUMBER with an unsigned number and no %: the new run's value
+            per step (its median) against the number, whatever the base had. `host_syncs>0`: the new run
+            syncs at all.
+  change    delta(METRIC) OP VALUE, or METRIC OP VALUE with a signed number (+5, -3, +0) or a percentage:
+            the change new - base (absolute in the metric's unit, or relative in %). A change rule never
+            trips on no change (a trace diffed against itself passes it) or on a change within noise.
+    step_time>+5%          the step got more than 5 % slower
+    delta(host_syncs)>0    host synchronizations were added per step (also: host_syncs>+0)
+    host_syncs>0           the new run has any host synchronization per step (also: new.host_syncs>0)
+    gpu.idle>+10%          GPU idle time per step grew by more than 10 %
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ from ..errors import TraceError
 from .steps import op_shares, step_figures, sync_ops
 
 US = 1000.0
+MIN_SAMPLES = 3  # per side, for a p-value (Welch's test on 2 + 2 samples has at most 2 degrees of freedom)
 METRICS: dict[str, tuple[str, str, float]] = {  # name -> (per-step column, unit, scale from column)
     "step_time": ("step_time_us", "ms", 1e-3),
     "gpu.span": ("gpu_span_us", "ms", 1e-3),
@@ -223,8 +230,12 @@ def diff(base, new, base_manifest: dict | None = None, new_manifest: dict | None
     kb, kn = len(sb.per_step), len(sn.per_step)
     if kb < 2 or kn < 2:
         warnings.append(f"one sample: base has {kb} per-step sample(s), new {kn} ({sb.source} / {sn.source}): the noise "
-                        "is unknown and rules decide on the change alone; profile 3 or more steps for a "
+                        f"is unknown and rules decide on the change alone; profile {MIN_SAMPLES} or more steps for a "
                         "significance test")
+    elif kb < MIN_SAMPLES or kn < MIN_SAMPLES:
+        warnings.append(f"too few samples: base has {kb} per-step samples, new {kn} ({sb.source} / {sn.source}); "
+                        f"a significance test needs {MIN_SAMPLES} a side: the noise is unknown and rules decide on the "
+                        "change alone")
 
     rows = []
     for name, (col, unit, scale) in METRICS.items():
@@ -314,12 +325,12 @@ def _metric_row(name: str, unit: str, bvals: np.ndarray, nvals: np.ndarray) -> d
     delta = n - b
     sb, sn = _spread(bvals), _spread(nvals)
     spread = math.nan if math.isnan(sb) or math.isnan(sn) else max(sb, sn)
-    _, _, p = welch_test(bvals, nvals)
+    nb, nn = int(np.isfinite(bvals).sum()), int(np.isfinite(nvals).sum())
+    p = welch_test(bvals, nvals)[2] if min(nb, nn) >= MIN_SAMPLES else math.nan
     rel = (100.0 * delta / abs(b)) if b not in (0.0,) and not math.isnan(b) and not math.isnan(delta) else (
         0.0 if delta == 0 else math.nan)
-    # within noise: the test finds no difference (p >= 0.05); unknown noise (one sample) never is
+    # within noise: the test finds no difference (p >= 0.05); unknown noise (too few samples) never is
     within = (not math.isnan(delta)) and not math.isnan(p) and p >= 0.05
-    nb, nn = int(np.isfinite(bvals).sum()), int(np.isfinite(nvals).sum())
     return {"metric": name, "unit": unit, "base": b, "new": n, "delta": delta, "rel_pct": rel,
             "spread": spread, "p_value": p, "within_noise": bool(within),
             "noise": "unknown" if math.isnan(p) else ("within noise" if within else "significant"),
@@ -428,7 +439,9 @@ def _norm_cache(name: str) -> str:
 
 # --------------------------------------------------------------------------------------- rules
 
-_RULE = re.compile(r"^\s*([A-Za-z_][\w.]*)\s*(>=|<=|>|<)\s*([+-]?\d+(?:\.\d+)?)\s*(%?)\s*$")
+_RULE = re.compile(r"^\s*(?:new\.(?P<new>[A-Za-z_][\w.]*)|delta\(\s*(?P<delta>[A-Za-z_][\w.]*)\s*\)|(?P<bare>[A-Za-z_][\w.]*))"
+                   r"\s*(?P<op>>=|<=|>|<)\s*(?P<value>[+-]?\d+(?:\.\d+)?)\s*(?P<pct>%?)\s*$")
+ABSOLUTE, CHANGE = "absolute", "change"
 
 
 @dataclass
@@ -437,22 +450,36 @@ class Rule:
     metric: str
     op: str
     value: float
-    relative: bool
+    relative: bool  # a change in percent of the base
+    form: str = CHANGE  # ABSOLUTE: the new run's value; CHANGE: new - base
 
     def check(self, result: DiffResult) -> dict[str, Any]:
+        """The verdict: the form evaluated, the base and new values, the number compared with the threshold
+        (the new value, or the change) and whether the rule tripped, with the noise of the change."""
         rows = result.metrics[result.metrics["metric"] == self.metric]
         if rows.empty:
             known = ", ".join(result.metrics["metric"])
             raise TraceError(None, f"--fail-on {self.text!r}: unknown metric {self.metric!r} (known: {known})")
         r = rows.iloc[0]
         change = r["rel_pct"] if self.relative else r["delta"]
-        cond = _compare(change, self.op, self.value)
-        no_change = r["delta"] == 0 or (isinstance(change, float) and math.isnan(change))
-        tripped = bool(cond and not no_change and not r["within_noise"])
-        return {"rule": self.text, "metric": self.metric, "change": None if _nan(change) else float(change),
-                "unit": "%" if self.relative else r["unit"], "within_noise": bool(r["within_noise"]),
-                "noise": r.get("noise", "unknown"), "p_value": None if _nan(r.get("p_value", math.nan)) else float(r["p_value"]),
-                "tripped": tripped}
+        if self.form == ABSOLUTE:  # a fact about the new run: the base and the noise of the change play no part
+            compared = r["new"]
+            tripped = _compare(compared, self.op, self.value)
+        else:
+            compared = change
+            no_change = r["delta"] == 0 or _nan(change)
+            tripped = bool(_compare(change, self.op, self.value) and not no_change and not r["within_noise"])
+        return {"rule": self.text, "form": self.form, "metric": self.metric, "op": self.op, "threshold": self.value,
+                "base": _num(r["base"]), "new": _num(r["new"]), "compared": _num(compared),
+                "change": _num(change), "unit": "%" if self.relative else r["unit"],
+                "metric_unit": r["unit"], "within_noise": bool(r["within_noise"]),
+                "samples": [int(r.get("samples_base", 1)), int(r.get("samples_new", 1))],
+                "noise": r.get("noise", "unknown"), "p_value": _num(r.get("p_value", math.nan)),
+                "tripped": bool(tripped)}
+
+
+def _num(v: Any) -> float | None:
+    return None if v is None or _nan(float(v)) else float(v)
 
 
 def _nan(v: Any) -> bool:
@@ -466,14 +493,22 @@ def _compare(x: float, op: str, v: float) -> bool:
 
 
 def parse_rule(text: str) -> Rule:
+    """A --fail-on rule (the module docstring's grammar); a malformed one is a TraceError naming it."""
     m = _RULE.match(text)
     if not m:
-        raise TraceError(None, f"bad --fail-on rule {text!r}: expected METRIC OP VALUE, e.g. 'step_time>+5%' or 'host_syncs>0'")
-    metric, op, value, pct = m.groups()
+        raise TraceError(None, f"bad --fail-on rule {text!r}: expected METRIC OP VALUE, e.g. 'step_time>+5%', "
+                               "'host_syncs>0' (the new run) or 'delta(host_syncs)>0' (the change)")
+    metric = m["new"] or m["delta"] or m["bare"]
+    op, value, pct = m["op"], m["value"], m["pct"] == "%"
     if metric not in METRICS and not metric.startswith(("category.", "run.")):
         raise TraceError(None, f"bad --fail-on rule {text!r}: unknown metric {metric!r} "
                                f"(one of {', '.join(METRICS)}, category.<name>, run.<manifest metric>)")
-    return Rule(text=text.strip(), metric=metric, op=op, value=float(value), relative=pct == "%")
+    if m["new"] and pct:
+        raise TraceError(None, f"bad --fail-on rule {text!r}: a percentage is a change relative to the base; "
+                               f"write delta({metric}){op}{value}% or a value in the metric's unit")
+    # a signed number or a percentage reads as a change; an unsigned number as a value ("host_syncs>0")
+    form = ABSOLUTE if m["new"] or (m["bare"] and not pct and value[0] not in "+-") else CHANGE
+    return Rule(text=text.strip(), metric=metric, op=op, value=float(value), relative=pct, form=form)
 
 
 def check_rules(result: DiffResult, rules: list[Rule]) -> list[dict[str, Any]]:

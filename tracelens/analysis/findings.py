@@ -15,6 +15,9 @@ per rank on average), ranks. Types:
     host_hotspot        the op family (GEMM, attention, memory/layout, ... or one op) with the most host
                         self time per step, with its ops
     moe_stages          the MoE layer's stages (`moe/<stage>` record_function ranges) as shares of the step
+Recoverable amounts of the host findings are disjoint: each host sync's is the GPU idle it caused (an idle
+instant counted for one sync only, tracelens.analysis.host), and small_kernels claims the launch-bound idle
+in front of its ops, which the launch_bound finding then leaves out (its title still gives all of it).
 Severity: recoverable >= 10 % of the span -> high, >= 3 % -> medium, else low; "info" for findings that
 describe where the time goes or how far to trust it without an estimate of what a fix recovers
 (recoverable_us is null for them and share_of_span is the share of the step they describe).
@@ -101,8 +104,14 @@ def findings(analysis, small_us: float = H.SMALL_KERNEL_US, *, host_syncs: pd.Da
     kpo = H.kernels_per_op(a, small_us) if kernels_per_op is None else kernels_per_op
     if len(ls) and ls["small_share"].mean() >= 0.5 and ls["kernels"].sum() >= 50:
         small_ops = kpo.sort_values("small_kernels", ascending=False).head(8)
-        # what fusing them could win: the launch-bound idle time in front of these ops' kernels
+        # what fusing them could win: the launch-bound idle time in front of these ops' kernels; that idle
+        # is counted here and no longer in the launch-bound finding's recoverable time (disjoint amounts)
         rec = float(lb[lb["next_top_op"].isin(small_ops["top_op"])]["dur_us"].sum()) / n_ranks if len(lb) else 0.0
+        lbf = next((f for f in out if f["type"] == "launch_bound"), None)
+        if lbf is not None and rec > 0:
+            lbf["recoverable_us"] = max(lbf["recoverable_us"] - rec, 0.0)
+            lbf["evidence"]["small_kernel_ops_us_per_rank"] = round(rec, 3)
+            lbf["title"] += f" ({rec / 1e3:.3f} ms of it before the small-kernel ops: counted under small kernels)"
         out.append({
             "type": "small_kernels",
             "title": f"{100 * ls['small_share'].mean():.0f}% of kernels run under {small_us:g} us "

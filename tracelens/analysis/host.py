@@ -5,7 +5,8 @@
   the program called it, e.g. `aten::to` for `.tolist()`, and the innermost, e.g. `aten::copy_`), its
   record_function / module path, the Python stack when recorded, how long the host was blocked, and
   the GPU idle time it caused: from the sync (or the moment the GPU drained, if later) until the GPU
-  ran its next kernel.
+  ran its next kernel; when several syncs return in one gap, each idle instant counts for the latest sync
+  issued before it (the amounts are disjoint: they add up to the idle the syncs caused together).
 - Idle gaps on each rank's GPU are classified by what the GPU waited for:
     sync          the gap follows a host sync (the host had to wait, then relaunch)
     launch-bound  the kernel ending the gap was launched by the host after the gap began
@@ -69,8 +70,15 @@ def host_syncs(analysis) -> pd.DataFrame:
         # the gap during which the sync returned: it began before the sync ended, ended after
         idx = np.searchsorted(gs, end[m] + SYNC_TOLERANCE_NS, side="right") - 1
         ok = (idx >= 0) & (ge[np.maximum(idx, 0)] > end[m])
-        val = np.where(ok, ge[np.maximum(idx, 0)] - np.maximum(gs[np.maximum(idx, 0)], s["ts"].to_numpy()[m]), 0)
-        caused[m] = np.maximum(val, 0) / US
+        i = np.maximum(idx, 0)
+        lo = np.maximum(gs[i], s["ts"].to_numpy()[m])
+        hi = ge[i].copy()
+        # syncs returning in the same gap: each idle instant goes to the latest sync issued before it, so
+        # the amounts are disjoint and add up to the union of the idle the syncs caused
+        order = np.lexsort((lo, np.where(ok, idx, -1)))
+        same = ok[order][1:] & ok[order][:-1] & (idx[order][1:] == idx[order][:-1])
+        hi[order[:-1][same]] = np.minimum(hi[order[:-1][same]], lo[order[1:][same]])
+        caused[m] = np.where(ok, np.maximum(hi - lo, 0), 0) / US
     out["gpu_idle_caused_us"] = caused
     from .calltree import assign_steps
 
@@ -245,13 +253,19 @@ class HostReport:
         """The `tracelens host` text: syncs by op, idle by cause, launch statistics, the ops launching the
         most kernels, then the findings."""
         lines = []
+        # the host-sync findings are these syncs: their severity and recoverable time go on the syncs' lines,
+        # not on a second list of the same syncs under the findings
+        sync_f = {(f["evidence"]["op"], f["evidence"]["via"], f["evidence"]["call"]): f
+                  for f in self.findings if f.get("type") == "host_sync"}
         if self.sync_summary.empty:
             lines.append("host syncs: none issued by the workload")
         else:
             lines.append("host syncs (blocking device-to-host), by the op that issued them:")
             for r in self.sync_summary.itertuples(index=False):
+                f = sync_f.get((r.op, r.via, r.call))
+                tail = "" if f is None else f" [{f['severity']}] recoverable ~{f['recoverable_us'] / 1e3:.3f} ms/rank"
                 lines.append(f"  {r.count:>4} x {r.op} (via {r.via}, {r.call}): host blocked {r.host_blocked_us / 1e3:.3f} ms, "
-                             f"GPU idle caused {r.gpu_idle_caused_us / 1e3:.3f} ms")
+                             f"GPU idle caused {r.gpu_idle_caused_us / 1e3:.3f} ms{tail}")
         for r in self.idle.itertuples(index=False):
             lines.append(f"rank {r.rank}: GPU idle {r.cause:<12} {r.gaps:>6} gaps {r.idle_us / 1e3:>9.3f} ms "
                          f"({r.pct_of_span:.1f}% of span)")
@@ -263,9 +277,10 @@ class HostReport:
         if len(kpo):
             lines.append("ops launching the most kernels: " + "; ".join(
                 f"{r.top_op} {r.kernels} ({r.small_kernels} small)" for r in kpo.itertuples(index=False)))
-        if self.findings:
+        rest = [f for f in self.findings if f.get("type") != "host_sync"]
+        if rest:
             lines.append("findings:")
-            for f in self.findings:
+            for f in rest:
                 if f["recoverable_us"] is None:  # an "info" finding: where time goes, no estimate of a fix's gain
                     lines.append(f"  [{f['severity']}] {f['title']} ({100 * f['share_of_span']:.1f}% of the step; "
                                  "no recovery estimate)")

@@ -613,6 +613,10 @@ def _distinct_moments(lay: Layout, rank: int) -> list[tuple[int, dict[int, float
     """`backward_moments` with each (stage, alive mix) once, in order of first appearance: a steady state
     repeats the same mix for every microbatch, and the peak is a max over the mixes (`max` returns the
     first maximal element, which is the first appearance of its mix, so the choice is the same)."""
+    if lay.pp > 1 and lay.schedule in SIMULATED_SCHEDULES and placement(lay) == [
+            s % lay.pp for s in range(lay.pp * lay.vpp)]:  # backward_moments' simulated case, cached on its shape
+        return [(st, dict(comp)) for st, comp in _distinct_simulated(
+            lay.schedule, lay.pp, lay.vpp, lay.microbatches, rank, tuple(rank_stages(lay, rank)))]
     seen, out = set(), []
     for st, comp in backward_moments(lay, rank):
         key = (st, tuple(comp.items()))
@@ -620,6 +624,15 @@ def _distinct_moments(lay: Layout, rank: int) -> list[tuple[int, dict[int, float
             seen.add(key)
             out.append((st, comp))
     return out
+
+
+@functools.lru_cache(maxsize=1024)
+def _distinct_simulated(schedule: str, pp: int, vpp: int, m: int, rank: int,
+                        vs: tuple[int, ...]) -> tuple[tuple[int, tuple[tuple[int, float], ...]], ...]:
+    """`_simulated_moments` with each (stage, alive mix) once, in order of first appearance: a sweep asks
+    for the same schedule shape for thousands of layouts, and the dedup of its thousands of moments was
+    most of `memory --sweep`'s time."""
+    return tuple(dict.fromkeys(_simulated_moments(schedule, pp, vpp, m, rank, vs)))
 
 
 # ------------------------------------------------------------------------------------ projection

@@ -587,7 +587,9 @@ def moe_stage_table(analysis) -> pd.DataFrame:
 
 def host_top_ops(analysis, top: int = 10) -> pd.DataFrame:
     """Per rank: the ops with the most host self time per step (mean over the window's steps), with their
-    share of the rank's host step time. The whole window when the trace marks no steps (steps = 1)."""
+    share of the rank's host step time. The whole window when the trace marks no steps (steps = 1). A
+    wrapper range (`categories.WRAPPER_RANGES`: PythonSubclass) is no op: its self time counts in the op
+    enclosing it."""
     from .calltree import KIND_OP
 
     a = analysis
@@ -600,8 +602,16 @@ def host_top_ops(analysis, top: int = 10) -> pd.DataFrame:
     if not is_op.any():
         return pd.DataFrame(columns=cols)
     st = _window_steps(a)
-    ops = t.loc[is_op, ["rank", "name", "self_dur"]]
-    df = pd.DataFrame({"rank": ops["rank"].to_numpy(), "op": C.strings(ops["name"]), "self": ops["self_dur"].to_numpy()})
+    ops = t.loc[is_op, ["rank", "name", "self_dur", "parent"]]
+    self_us = ops["self_dur"].to_numpy().astype(np.int64)
+    wrap = C.isin(ops["name"], C.WRAPPER_RANGES)
+    if wrap.any():  # a wrapper range's self time is the enclosing op's (categories.WRAPPER_RANGES)
+        into = C.positions(ops.index, ops["parent"].to_numpy()[wrap])  # -1: its parent is no op of the window
+        np.add.at(self_us, into[into >= 0], self_us[wrap][into >= 0])
+        keep = ~wrap
+        keep[np.flatnonzero(wrap)[into < 0]] = True
+        ops, self_us = ops[keep], self_us[keep]
+    df = pd.DataFrame({"rank": ops["rank"].to_numpy(), "op": C.strings(ops["name"]), "self": self_us})
     g = df.groupby(["rank", "op"], sort=False)["self"].agg(["size", "sum"]).reset_index()
     if st.empty:
         n = pd.Series(1.0, index=g.index)
