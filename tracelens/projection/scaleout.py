@@ -314,9 +314,9 @@ class ScaleOut:
             except PW.PipelineWhatIfError as e:
                 raise ScaleOutError(str(e)) from None
             base = model.pipe_base
-            # the pipeline's steady steps (their median) scaled to the anchor's step (the run's measured mean x the
-            # what-if's change)
-            scale = step_a / base.step_ns if base.step_ns > 0 else scale
+            # the steady steps' median window and rest of the step, scaled to the anchor's step (the run's measured
+            # mean x the what-if's change)
+            scale = step_a / (base.window_ns + base.rest_ns) if base.window_ns + base.rest_ns > 0 else scale
             pf = {k: v * scale for k, v in base.piece_f.items()}
             pb = {k: v * scale for k, v in base.piece_bw.items()}
             rest = base.rest_ns * scale
