@@ -12,8 +12,6 @@ from __future__ import annotations
 import json
 import math
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -22,7 +20,7 @@ from tracelens.analysis import memory as M
 from tracelens.projection import network as N
 from tracelens.projection import planner as PL
 from tracelens.projection import scaleout as SO
-from tracelens.projection.whatif import Model
+from tracelens.projection.whatif import NEUTRAL
 
 ROOT = Path(__file__).resolve().parents[2]
 FIX = ROOT / "tests" / "fixtures"
@@ -144,8 +142,12 @@ def cap():
 
 
 @pytest.fixture(scope="module")
-def cap_fast_net():
-    return SO.ScaleOut.from_run(CAP_OVL, inter_node_gbps=800)
+def cap_fast_net(cap):
+    """The same run and model, its inter-node links twice as fast."""
+    from dataclasses import replace
+
+    return SO.ScaleOut(cap.model, replace(cap.net, inter_node_gbps=2 * cap.net.inter_node_gbps), cap.routing,
+                       cap.routing_note)
 
 
 @pytest.fixture(scope="module")
@@ -168,8 +170,13 @@ def test_the_run_projected_to_its_own_gpus_is_its_measurement(cap, pp4):
     assert 0 < q.bubble < 0.5 and q.layout["pp"] == 4
 
 
-def test_one_gpu_run_projected_to_its_own_gpu():
-    so = SO.ScaleOut.from_run(ONE_GPU)
+@pytest.fixture(scope="module")
+def one():
+    return SO.ScaleOut.from_run(ONE_GPU)
+
+
+def test_one_gpu_run_projected_to_its_own_gpu(one):
+    so = one
     assert so.project(1).tokens_per_s_per_gpu == pytest.approx(_measured_tps(ONE_GPU), rel=1e-3)
     assert "assumed" in so.net.describe()[1]  # nothing measured inside a node
     p = so.project(16)
@@ -179,8 +186,7 @@ def test_one_gpu_run_projected_to_its_own_gpu():
 
 def test_a_layout_on_the_runs_gpus_is_the_whatif_prediction(cap):
     """ep 1 on the run's 4 GPUs: the anchor is that what-if; the projection reproduces it (same tokens, same step)."""
-    want = Model.from_run(CAP_OVL).predict({"ep": 1, "ep_dispatch": "nccl", "ep_overlap": False,
-                                            "ep_capacity_factor": 1.25})
+    want = cap.model.predict({"ep": 1, "ep_dispatch": "nccl", "ep_overlap": False, "ep_capacity_factor": 1.25})
     p = cap.project(4, {"ep": 1})
     assert p.anchor["ep"] == 1
     assert p.tokens_per_s_per_gpu == pytest.approx(want.tokens_per_s_per_gpu, rel=1e-3)
@@ -291,40 +297,49 @@ def test_the_planner_without_a_profile_keeps_the_sweeps_order():
 
 
 # ------------------------------------------------------------------------------------------ validation
-def test_validation_against_measured_points(tmp_path, cap):
-    own = cap.project(4).tokens_per_s_per_gpu
-    at16 = cap.project(16, {"ep": 8}).tokens_per_s_per_gpu
-    doc = {"config": "gpu_proxy_train",
-           "baselines": [{"name": "ep4", "run": str(CAP_OVL),
-                          "set": {"ep": 4, "ep_dispatch": "capacity", "ep_capacity_factor": 1.25, "ep_overlap": True}}],
-           "points": [{"name": "own", "set": {"ep": 4, "ep_dispatch": "capacity", "ep_overlap": True},
-                       "tokens_per_s_per_gpu": own, "status": "ok"},
-                      {"name": "ep8_16", "gpus": 16, "set": {"ep": 8, "ep_dispatch": "capacity", "ep_overlap": True},
-                       "tokens_per_s_per_gpu": at16 * 1.05, "status": "ok"},
-                      {"name": "bad", "gpus": 6, "set": {"ep": 4}, "tokens_per_s_per_gpu": 1.0, "status": "ok"}]}
+def test_validation_against_measured_points(tmp_path, one):
+    """A 1-GPU baseline against points at 1 and 8 GPUs (measured.json's format, a point's 'gpus'): the error is the
+    projection's against the number written there."""
+    from moespec.config import DEFAULTS, load_config
+
+    base = load_config("gpu_proxy")
+    own_set = {k: v for k, v in one.config.items() if k in DEFAULTS and k not in NEUTRAL and base[k] != v}
+    own = one.project(1).tokens_per_s_per_gpu
+    at8 = one.project(8).tokens_per_s_per_gpu
+    doc = {"config": "gpu_proxy", "gpus": 8,
+           "baselines": [{"name": "one", "run": str(ONE_GPU), "set": own_set}],
+           "points": [{"name": "own", "gpus": 1, "set": own_set, "tokens_per_s_per_gpu": own, "status": "ok"},
+                      {"name": "dp8", "set": own_set, "tokens_per_s_per_gpu": at8 * 1.05, "status": "ok"},
+                      {"name": "bad", "gpus": 6, "set": {**own_set, "ep": 4}, "tokens_per_s_per_gpu": 1.0,
+                       "status": "ok"}]}
     f = tmp_path / "measured.json"
     f.write_text(json.dumps(doc))
     res = SO.validate(f)
     rows = {r["point"]: r for r in res["rows"]}
     assert rows["own"]["own"] and abs(rows["own"]["error"]) < 1e-6
-    assert rows["ep8_16"]["scale_out"] and rows["ep8_16"]["error"] == pytest.approx(1 / 1.05 - 1)
+    assert rows["dp8"]["scale_out"] and rows["dp8"]["gpus"] == 8  # the file's default count
+    assert rows["dp8"]["error"] == pytest.approx(1 / 1.05 - 1)
     assert "world size 6" in rows["bad"]["refused"]
-    s = res["summary"]["ep4"]
+    s = res["summary"]["one"]
     assert s["n"] == 1 and s["max_abs_error"] == pytest.approx(1 - 1 / 1.05) and s["meets"]
     assert "MEETS" in SO.validation_text(res)
 
 
 # ------------------------------------------------------------------------------------------ the command line
-def _cli(*args) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "tracelens", *args], capture_output=True, text=True, cwd=ROOT,
-                          timeout=300)
+def _cli(*args):
+    """The command in this process (click's runner: exit code, stdout and stderr apart)."""
+    from click.testing import CliRunner
+
+    from tracelens.cli import main
+
+    return CliRunner().invoke(main, [str(a) for a in args])
 
 
 def test_cli_scaleout_prints_the_tables_and_writes_json(tmp_path):
     out = tmp_path / "s.json"
     r = _cli("scaleout", str(CAP_OVL), "--gpus", "4,16,1024", "--ep", "4,16", "--ep-gpus", "16", "--pp", "2",
              "--inter-node-gbps", "200", "--json", str(out))
-    assert r.returncode == 0, r.stderr
+    assert r.exit_code == 0, r.output
     for title in ("DP scaling", "EP scaling", "Pipeline bubble per schedule at 1024 GPUs", "network model:",
                   "200 Gb/s per GPU (--inter-node-gbps)", "projection, unvalidated", "DP eff"):
         assert title in r.stdout
@@ -334,10 +349,12 @@ def test_cli_scaleout_prints_the_tables_and_writes_json(tmp_path):
 
 
 def test_cli_plan(tmp_path):
-    r = _cli("plan", "gpu_proxy_train", "--gpus", "8", "--global-batch", "64", "--from", str(CAP_OVL), "--mbs", "16",
-             "--top", "3", "--set", "ep=4", "--set", "ep_dispatch=capacity")
-    assert r.returncode == 0, r.stderr
-    assert f"ranked by tokens/s/GPU projected from {CAP_OVL}" in r.stdout
+    r = _cli("plan", "gpu_proxy", "--gpus", "16", "--global-batch", "256", "--from", ONE_GPU, "--mbs", "8",
+             "--top", "3", "--json", tmp_path / "p.json")
+    assert r.exit_code == 0, r.output
+    assert f"ranked by tokens/s/GPU projected from {ONE_GPU}" in r.stdout
+    doc = json.loads((tmp_path / "p.json").read_text())
+    assert doc["projected_from"] == str(ONE_GPU) and doc["layouts"][0]["fits"]
 
 
 @pytest.fixture()
@@ -354,7 +371,7 @@ def test_cli_bad_input_is_one_line_exit_2(tmp_path, no_traces, case):
     net.write_text("inter_node_gbps: -3\n")
     args, needle = {
         "no_traces": (["scaleout", str(no_traces), "--gpus", "8"], "no trace files"),
-        "gpus": (["scaleout", str(CAP_OVL), "--gpus", "8,6"], "--gpus 6"),
+        "gpus": (["scaleout", str(ONE_GPU), "--gpus", "8,6", "--set", "ep=4"], "--gpus 6"),
         "gpus_list": (["scaleout", str(CAP_OVL), "--gpus", "8,x"], "--gpus '8,x'"),
         "net_field": (["scaleout", str(CAP_OVL), "--gpus", "8", "--network", str(net)], f"{net}: inter_node_gbps"),
         "no_device": (["plan", "gpu_proxy_train", "--gpus", "8", "--global-batch", "64"], "--device"),
@@ -362,5 +379,5 @@ def test_cli_bad_input_is_one_line_exit_2(tmp_path, no_traces, case):
     }[case]
     r = _cli(*args)
     lines = [x for x in r.stderr.splitlines() if x.strip()]
-    assert r.returncode == 2, r.stdout + r.stderr
+    assert r.exit_code == 2, r.output
     assert len(lines) == 1 and needle in lines[0] and "Traceback" not in r.stderr
