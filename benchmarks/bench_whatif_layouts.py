@@ -3,24 +3,13 @@
     python benchmarks/bench_whatif_layouts.py tests/fixtures/h100_4gpu_layouts/measured.json
     python benchmarks/bench_whatif_layouts.py MEASURED.json --json out.json --check   # exit 1 when a target fails
 
-``measured.json`` (written with the recordings; paths relative to the file; read by
-``tracelens.projection.measured``)::
-
-    {"config": "gpu_proxy_train",                     # the trainer config every point and baseline extends
-     "machine": "4 x H100 80GB HBM3",
-     "baselines": [{"name": "dp4", "run": "dp4_base", "set": {"ep": 1}},
-                   {"name": "ep4", "run": "ep4_base", "set": {"ep": 4, "ep_dispatch": "capacity"}}],
-     "points": [{"name": "ep4_nccl", "set": {"ep": 4, "ep_dispatch": "nccl"},
-                 "tokens_per_s_per_gpu": 80175.0, "peak_mem_gib": [60.8, 60.1, 60.5, 60.2], "status": "ok"},
-                {"name": "ep4_mbs24", "set": {"ep": 4, "micro_batch_size": 24}, "status": "oom"}]}
-
-(``baselines`` may also be a mapping name -> run dir or -> {"run", "set"}; a point's ``set`` may be called
-``overrides``; ``peak_mem_gib`` is per rank or one number.) A point's config is the base config with its ``set``;
-from a baseline the what-if changes every key where the two differ (the baseline's own keys go back to the base
-config's values unless the point sets them). Each prediction is compared with the measurement: tokens/s/GPU error,
-and the memory verdict (predicted fits / out of memory against the point's status: an OOM predicted to fit is
-wrong, and so is a run that fit predicted as OOM). A point the model refuses (a knob without a mechanism) is listed
-with its one-line reason and not counted. The baseline's own point (no key changed) is shown and not counted.
+``measured.json``: the baselines (profiled run dirs) and the measured points, in the format
+``tracelens.projection.measured`` reads (its docstring). A point's config is the base config with its ``set``; from a
+baseline the what-if changes every key where the two differ (`changes_for`). Each prediction is compared with the
+measurement: tokens/s/GPU error, and the memory verdict (predicted fits / out of memory against the point's status: an
+OOM predicted to fit is wrong, and so is a run that fit predicted as OOM). A point the model refuses (a knob without a
+mechanism) is listed with its one-line reason and not counted. The baseline's own point (no key changed) is shown and
+not counted.
 
 Targets (issue 35, "Done means"): per baseline, over >= 8 cross-layout predictions, median |error| <= 8 %, max
 <= 20 %; every memory verdict right. No timing runs here: the measurements are the file's.

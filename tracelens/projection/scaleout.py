@@ -309,11 +309,9 @@ class ScaleOut:
                 ex_b[f"layer{ly}"] = max(ex_b.get(f"layer{ly}", 0.0), float(dur[L._stage_units(p.work, ly, True)].sum()))
         if int(model.config.get("pp") or 1) > 1:
             try:
-                if model.pipe_base is None:
-                    model.pipe_base = PW.pipeline_base(model.run, manifest=model.manifest)
+                base = PW.base_of(model)
             except PW.PipelineWhatIfError as e:
                 raise ScaleOutError(str(e)) from None
-            base = model.pipe_base
             # the steady steps' median window and rest of the step, scaled to the anchor's step (the run's measured
             # mean x the what-if's change)
             scale = step_a / (base.window_ns + base.rest_ns) if base.window_ns + base.rest_ns > 0 else scale
