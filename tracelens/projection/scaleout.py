@@ -136,6 +136,7 @@ class _Anchor:
     opt_ns: float
     fixed_ns: float  # per-step work outside the pieces (not optimizer, not communication)
     dp_exposed_ns: float  # the exposed data-parallel traffic the anchor's step holds
+    dp_model_ns: float  # what the network model exposes of the anchor's own data-parallel traffic
     a2a_hidden: float  # share of the anchor's modeled all-to-all time its step hid
     handoff_ns: float  # a pipelined run's calibrated overhead per hand-off (0 otherwise)
     beta: float | None
@@ -300,14 +301,18 @@ class ScaleOut:
         a2a_f, a2a_b = self.a2a_layer_ns(cfg_a, tokens)
         moe = L.moe_layers(cfg_a)
         a2a_tot = m * len(moe) * (a2a_f + a2a_b)
-        # each MoE layer's expert stage per micro-batch, from every profile (the layer's rank in a pipeline)
+        # each MoE layer's expert stage per micro-batch: the slowest rank's (the pieces' rank); in a pipeline, each
+        # layer's from the rank that holds it
+        pipelined = int(model.config.get("pp") or 1) > 1
         ex_f, ex_b = {}, {}
-        for p, ds in zip(model.profiles, model.device_scale):
+        for i, (p, ds) in enumerate(zip(model.profiles, model.device_scale)):
+            if not pipelined and i != slow:
+                continue
             dur = p.work["dur"].to_numpy(float) * ds * scale / m
             for ly in moe:
                 ex_f[f"layer{ly}"] = max(ex_f.get(f"layer{ly}", 0.0), float(dur[L._stage_units(p.work, ly, False)].sum()))
                 ex_b[f"layer{ly}"] = max(ex_b.get(f"layer{ly}", 0.0), float(dur[L._stage_units(p.work, ly, True)].sum()))
-        if int(model.config.get("pp") or 1) > 1:
+        if pipelined:
             try:
                 base = PW.base_of(model)
             except PW.PipelineWhatIfError as e:
@@ -317,12 +322,8 @@ class ScaleOut:
             scale = step_a / (base.window_ns + base.rest_ns) if base.window_ns + base.rest_ns > 0 else scale
             pf = {k: v * scale for k, v in base.piece_f.items()}
             pb = {k: v * scale for k, v in base.piece_bw.items()}
-            rest = base.rest_ns * scale
-            last_b = max(base.stage_b[i] + base.stage_w[i] for i in range(len(base.stage_b))) * scale
-            dp_model = self._dp_exposed(cfg_a, self.world, last_b, base.window_ns * scale)
-            dp_exp = min(dp_model, max(rest - opt, 0.0))
-            fixed = max(rest - opt - dp_exp, 0.0)
             hidden, handoff, beta = 0.0, base.handoff_ns, base.beta
+            dp_exp, fixed = None, 0.0  # below: the rest of the step past the replayed window
             notes.append(f"pieces: the run's stages' measured mean actions over {base.step_basis}, split by piece by "
                          f"the FLOP model; its calibrated {handoff / 1e6:.3f} ms per hand-off kept")
             pf = {k: max(v - a2a_f, 0.0) if k in {f"layer{ly}" for ly in moe} else v for k, v in pf.items()}
@@ -358,14 +359,22 @@ class ScaleOut:
         eb = {k: min(ex_b.get(k, 0.0), v) for k, v in pb.items()}
         af = {k: (a2a_exposed_f if k in {f"layer{ly}" for ly in moe} else 0.0) for k in pf}
         ab = {k: (a2a_exposed_b if k in {f"layer{ly}" for ly in moe} else 0.0) for k in pb}
-        return _Anchor(changes, cfg_a, step_a, {"compute": (cf, cb), "expert": (ef, eb), "a2a": (af, ab)}, m, opt,
-                       fixed, dp_exp, hidden, handoff, beta, notes)
+        a = _Anchor(changes, cfg_a, step_a, {"compute": (cf, cb), "expert": (ef, eb), "a2a": (af, ab)}, m, opt,
+                    fixed, dp_exp or 0.0, 0.0, hidden, handoff, beta, notes)
+        # the network model's exposure of the anchor's own data-parallel traffic, as a projection computes it
+        w = self._window(cfg_a, self.world, {"compute": (cf, cb), "expert stage": (ef, eb),
+                                             "all-to-all (exposed)": (af, ab)}, a)
+        a.dp_model_ns = self._dp_exposed(cfg_a, self.world, w["last_bwd_ns"], w["window_ns"])
+        if dp_exp is None:  # a pipelined run: the rest of its step holds the exposed traffic the model gives it
+            rest = step_a - w["window_ns"]
+            a.dp_exposed_ns = min(a.dp_model_ns, max(rest - opt, 0.0))
+            a.fixed_ns = max(rest - opt - a.dp_exposed_ns, 0.0)
+        return a
 
     def _dp_exposed(self, cfg: dict, gpus: int, last_bwd_ns: float, window_ns: float,
                     total: float | None = None) -> float:
         """Exposed ns of the data-parallel traffic: beyond the window under FSDP (its gathers are prefetched), beyond
         the last micro-batch's backward of the busiest stage under DDP / ZeRO-1/2 (pp_layout.dp_seconds's rule)."""
-
         tot = self.dp_ns(cfg, gpus) if total is None else total
         lay = self.mem_layout(cfg, gpus)
         hide = window_ns if lay.zero == 3 else last_bwd_ns
@@ -389,9 +398,6 @@ class ScaleOut:
             cfg = load_config(None, raw)
         except ConfigError as e:
             raise ScaleOutError(str(e)) from None
-        E = int(cfg["n_routed_experts"])
-        if E % int(cfg["ep"]):
-            raise ScaleOutError(f"ep {cfg['ep']} does not divide the {E} routed experts")
         try:
             dp, ep = resolve_world(cfg, gpus)
         except ConfigError as e:
@@ -427,52 +433,19 @@ class ScaleOut:
         kinds = {"compute": (cf, cb), "expert stage": (ef, eb), "all-to-all (exposed)": (af, ab)}
         pp, m = int(cfg["pp"]), int(cfg["microbatches"])
         nodes = math.ceil(gpus / net.gpus_per_node)
-        stage = {}
-        for kind, (f, b) in kinds.items():
-            _, sf, sb, sw = PPL.stage_costs(cfg, f, b, a.beta)
-            stage[kind] = (sf, sb, sw)
-        tot_f = [sum(stage[k][0][s] for k in kinds) for s in range(len(stage["compute"][0]))]
-        tot_b = [sum(stage[k][1][s] for k in kinds) for s in range(len(tot_f))]
-        tot_w = [sum(stage[k][2][s] for k in kinds) for s in range(len(tot_f))]
         notes = list(a.notes)
-        act = L.act_bytes(cfg) * tokens * int(cfg["d_model"])
+        w = self._window(cfg, gpus, kinds, a)
+        parts, bubble_ns = w["parts"], w["bubble_ns"]
         if pp > 1:
-            sched, vpp = str(cfg["pipeline_schedule"]), int(cfg["vpp"])
-            cross = gpus > net.gpus_per_node
-            handoff = a.handoff_ns + net.p2p(act, cross)
-            if a.handoff_ns > 0:  # the run's calibrated overhead carries its own p2p of the same activations
-                handoff -= net.p2p(L.act_bytes(a.config) * tokens * int(cfg["d_model"]), False)
-                handoff = max(handoff, a.handoff_ns)
-            order = PW.schedule_actions(sched, pp, vpp, m)
-            try:
-                window, _, _ = PW._replay(order, PW._costs_for(order, tot_f, tot_b, tot_w), handoff)
-            except PW.PipelineWhatIfError as e:
-                raise ScaleOutError(str(e)) from None
-            ranks = order["rank"].to_numpy()
-            busy = {k: np.bincount(ranks, weights=PW._costs_for(order, *stage[k]), minlength=pp) for k in kinds}
-            total = sum(busy.values())
-            r = int(np.argmax(total))
-            parts = {k: float(busy[k][r]) for k in kinds}
-            bubble_ns = max(window - float(total[r]), 0.0)
-            last_bwd = max(tot_b[s] + tot_w[s] for s in range(len(tot_b)))
-            notes.append(f"pipeline: {sched} pp {pp}{f' x vpp {vpp}' if vpp > 1 else ''}, {m} micro-batches replayed "
-                         f"with {handoff / 1e6:.3f} ms per hand-off ({act / 2**20:.1f} MiB of activations "
-                         f"{'across nodes' if cross else 'inside a node'})")
-        else:
-            parts = {k: m * (stage[k][0][0] + stage[k][1][0] + stage[k][2][0]) for k in kinds}
-            window = sum(parts.values())
-            bubble_ns = 0.0
-            last_bwd = tot_b[0] + tot_w[0]
-        # the rest of the step
+            vpp_text = f" x vpp {cfg['vpp']}" if int(cfg["vpp"]) > 1 else ""
+            notes.append(f"pipeline: {cfg['pipeline_schedule']} pp {pp}{vpp_text}, {m} "
+                         f"micro-batches replayed with {w['handoff_ns'] / 1e6:.3f} ms per hand-off "
+                         f"({w['act_bytes'] / 2**20:.1f} MiB of activations "
+                         f"{'across nodes' if w['cross'] else 'inside a node'})")
+        # the rest of the step: the data-parallel traffic's change on top of what the anchor's step exposed
         dp_total = self.dp_ns(cfg, gpus)
-        dp_t = self._dp_exposed(cfg, gpus, last_bwd, window, total=dp_total)
-        a_lastb = sum(a.pieces["compute"][1].values()) + sum(a.pieces["expert"][1].values()) + \
-            sum(a.pieces["a2a"][1].values())
-        a_window = a.microbatches * (a_lastb + sum(sum(d.values()) for d in (a.pieces["compute"][0],
-                                                                               a.pieces["expert"][0],
-                                                                               a.pieces["a2a"][0])))
-        dp_a = self._dp_exposed(a.config, self.world, a_lastb, a_window)
-        dp_exp = max(a.dp_exposed_ns + dp_t - dp_a, 0.0)
+        dp_t = self._dp_exposed(cfg, gpus, w["last_bwd_ns"], w["window_ns"], total=dp_total)
+        dp_exp = max(a.dp_exposed_ns + dp_t - a.dp_model_ns, 0.0)
         p_a, p_t = PPL.optimizer_params(_mem_cfg(a.config), self.world), PPL.optimizer_params(_mem_cfg(cfg), gpus)
         opt = a.opt_ns * (p_t / p_a if p_a > 0 else 1.0)
         comps = {"compute": parts["compute"], "expert stage": parts["expert stage"],
@@ -497,6 +470,42 @@ class ScaleOut:
                           {k: float(v) / 1e9 for k, v in comps.items()}, a2a_busy / 1e9, dp_total / 1e9,
                           bubble_ns / step_ns if step_ns > 0 else 0.0, peak, self.model.capacity_bytes,
                           a.changes, self.world, gpus <= self.world, notes)
+
+    def _window(self, cfg: dict, gpus: int, kinds: dict, a: _Anchor) -> dict:
+        """The per-step window of ``cfg``'s pieces (``kinds``: component -> (forward, backward) ns per piece and
+        micro-batch): the micro-batches back to back at pp 1, else the schedule replayed with one hand-off per stage
+        boundary (the activations over the network, plus a pipelined run's calibrated overhead less its own p2p);
+        the busiest rank's parts, the bubble, the busiest stage's last backward."""
+        net = self.net
+        pp, m = int(cfg["pp"]), int(cfg["microbatches"])
+        stage = {k: tuple(PPL.stage_costs(cfg, f, b, a.beta)[1:]) for k, (f, b) in kinds.items()}
+        n = len(stage["compute"][0])
+        tot = [[sum(stage[k][i][s] for k in kinds) for s in range(n)] for i in range(3)]
+        act = L.act_bytes(cfg) * int(cfg["micro_batch_size"]) * int(cfg["seq_len"]) * int(cfg["d_model"])
+        cross = gpus > net.gpus_per_node
+        out = {"act_bytes": act, "cross": cross, "handoff_ns": 0.0,
+               "last_bwd_ns": max(tot[1][s] + tot[2][s] for s in range(n))}
+        if pp == 1:
+            out["parts"] = {k: m * (stage[k][0][0] + stage[k][1][0] + stage[k][2][0]) for k in kinds}
+            out.update(window_ns=sum(out["parts"].values()), bubble_ns=0.0)
+            return out
+        handoff = a.handoff_ns + net.p2p(act, cross)
+        if a.handoff_ns > 0:  # the run's calibrated overhead carries its own p2p of its activations
+            own = L.act_bytes(a.config) * int(a.config["micro_batch_size"]) * int(a.config["seq_len"]) * \
+                int(a.config["d_model"])
+            handoff = max(handoff - net.p2p(own, False), a.handoff_ns)
+        order = PW.schedule_actions(str(cfg["pipeline_schedule"]), pp, int(cfg["vpp"]), m)
+        try:
+            window, _, _ = PW._replay(order, PW._costs_for(order, *tot), handoff)
+        except PW.PipelineWhatIfError as e:
+            raise ScaleOutError(str(e)) from None
+        ranks = order["rank"].to_numpy()
+        busy = {k: np.bincount(ranks, weights=PW._costs_for(order, *stage[k]), minlength=pp) for k in kinds}
+        total = sum(busy.values())
+        r = int(np.argmax(total))
+        out.update(parts={k: float(busy[k][r]) for k in kinds}, window_ns=window, handoff_ns=handoff,
+                   bubble_ns=max(window - float(total[r]), 0.0))
+        return out
 
     def _peak(self, cfg: dict, gpus: int) -> tuple[float | None, str]:
         from ..analysis import memory as M
