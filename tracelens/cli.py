@@ -531,6 +531,146 @@ def whatif(run, sets, kernel_table, memory_gib, json_out):
         _write_json(json_out, p.to_dict(), default=str)
 
 
+# ------------------------------------------------------------------ scale-out projection and the sharding planner
+def _counts(text: str | None, flag: str) -> list[int] | None:
+    """``--gpus 8,16,64`` -> [8, 16, 64]; a bad list is one line naming the flag."""
+    if text is None:
+        return None
+    try:
+        out = [int(x) for x in str(text).replace(" ", "").split(",") if x]
+    except ValueError:
+        _fail(f"{flag} {text!r}: expected comma-separated whole numbers, e.g. 8,16,64")
+    if not out or any(x < 1 for x in out):
+        _fail(f"{flag} {text!r}: expected comma-separated whole numbers >= 1")
+    return out
+
+
+def _network_options(f):
+    """The network model's flags (docs/whatif.md, "Scale-out projection and the planner"), shared by scaleout and plan."""
+    for opt in reversed((
+            click.option("--network", "network_path", type=click.Path(dir_okay=False),
+                         help="Network description (YAML or JSON: gpus_per_node, inter_node_gbps, inter_node_efficiency, "
+                              "inter_node_latency_us, intra_node_busbw_gb_s); flags override it."),
+            click.option("--gpus-per-node", type=int, default=None, help="GPUs per node (default 8, assumed)."),
+            click.option("--inter-node-gbps", type=float, default=None,
+                         help="Inter-node bandwidth per GPU in Gb/s, line rate (default 400, assumed)."),
+            click.option("--inter-node-efficiency", type=float, default=None,
+                         help="Share of the inter-node line rate a collective reaches (default 0.9, assumed)."),
+            click.option("--inter-node-latency-us", type=float, default=None,
+                         help="Inter-node latency per message step in us (default 5, assumed)."),
+            click.option("--intra-node-busbw", "intra_node_busbw_gb_s", type=float, default=None,
+                         help="Intra-node bus bandwidth in GB/s (default: measured from the run's trace)."),
+            click.option("--kernel-table", type=click.Path(dir_okay=False),
+                         help="Grouped-GEMM timings for the what-if's backend knob (as `tracelens whatif`)."),
+            click.option("--memory-gib", type=click.FloatRange(min=0.001),
+                         help="Memory capacity per GPU to fit in (default: the run's GPU's)."))):
+        f = opt(f)
+    return f
+
+
+def _net_flags(kw: dict) -> dict:
+    return {k: kw.pop(k) for k in ("gpus_per_node", "inter_node_gbps", "inter_node_efficiency", "inter_node_latency_us",
+                                   "intra_node_busbw_gb_s")}
+
+
+@main.command()
+@click.argument("run", type=click.Path(), required=False)
+@click.option("--gpus", "gpus_text", metavar="N,N,...", help="GPU counts to project to, e.g. 8,16,64,256,1024.")
+@click.option("--set", "sets", multiple=True, metavar="KEY=VALUE",
+              help="A trainer key for every projected layout (repeatable), e.g. --set ep=8 --set micro_batch_size=8.")
+@click.option("--ep", "ep_text", metavar="N,N,...", help="EP sizes of the EP scaling table (default: every one that "
+              "divides the experts and the GPUs).")
+@click.option("--ep-gpus", "ep_gpus_text", metavar="N,N,...", help="GPU counts of the EP scaling table (default: --gpus).")
+@click.option("--pp", "pp_text", metavar="N,N,...", help="Pipeline sizes of the bubble table (default: 2, 4, 8, 16 "
+              "up to the layers).")
+@click.option("--bubble-gpus", type=click.IntRange(1), default=None,
+              help="GPU count of the bubble table (default: the largest of --gpus).")
+@click.option("--validate", "measured", type=click.Path(dir_okay=False),
+              help="Project every point of a measured.json (benchmarks/bench_whatif_layouts.py format, with 'gpus' per "
+                   "point) from its baselines and report the errors; RUN and --gpus are then not needed.")
+@_network_options
+@click.option("--json", "json_out", type=click.Path(dir_okay=False), help="Write the tables (or the validation) here.")
+def scaleout(run, gpus_text, sets, ep_text, ep_gpus_text, pp_text, bubble_gpus, measured, json_out, network_path,
+             kernel_table, memory_gib, **kw):
+    """Project a profiled 1-4 GPU run to more GPUs over several nodes: tokens/s/GPU, the step's parts, the exposed
+    all-to-all share, DP scaling efficiency, EP scaling, the bubble per schedule and memory per GPU, with a stated
+    network model (intra-node bandwidth measured from the trace, inter-node from --network or flags). See
+    docs/whatif.md, "Scale-out projection and the planner"."""
+    from .projection import scaleout as SO
+    from .projection.measured import MeasuredError
+    from .projection.whatif import ProfileError, WhatIfError, parse_sets
+
+    flags = _net_flags(kw)
+    try:
+        if measured:
+            res = SO.validate(measured, kernel_table, network_path, **flags)
+            _echo(SO.validation_text(res))
+            if json_out:
+                _write_json(json_out, res, default=str)
+            return
+        if run is None or gpus_text is None:
+            _fail("scaleout: give RUN and --gpus (or --validate MEASURED.json)")
+        gpus = _counts(gpus_text, "--gpus")
+        changes = parse_sets(list(sets))
+        so = SO.ScaleOut.from_run(run, network_path, kernel_table, memory_gib, **flags)
+        for n in gpus:
+            so.target(n, changes)  # a count the layout cannot fill: one line, before any table
+        rep = SO.report(so, gpus, changes, _counts(ep_text, "--ep"), _counts(ep_gpus_text, "--ep-gpus"),
+                        _counts(pp_text, "--pp"), bubble_gpus)
+    except (WhatIfError, ProfileError, MeasuredError) as e:
+        _fail(" ".join(str(e).split()))
+    _echo(rep.to_text())
+    if json_out:
+        _write_json(json_out, rep.to_dict(), default=str)
+
+
+@main.command()
+@click.argument("config")
+@click.option("--gpus", type=click.IntRange(1), required=True, help="GPUs to plan for.")
+@click.option("--global-batch", type=click.IntRange(1), required=True, help="Global batch in sequences per step.")
+@click.option("--from", "run", type=click.Path(), default=None,
+              help="The profiled run dir the speeds are projected from (without it: memory --sweep's order).")
+@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Override a config key (repeatable).")
+@click.option("--mbs", "mbs_text", metavar="N,N,...", default=None,
+              help="Micro-batch sizes to enumerate (default 1,2,4,8,16).")
+@click.option("--device", "device_name", default=None, help="Device name for its memory (H100, H200, ...; default: "
+              "the --from run's GPU).")
+@click.option("--device-memory", default=None, help="Device memory, e.g. 80GiB (overrides --device).")
+@click.option("--headroom", type=click.FloatRange(0, 0.9), default=0.05, show_default=True,
+              help="Share of device memory kept free when deciding what fits.")
+@click.option("--top", type=click.IntRange(1, 10000), default=15, show_default=True, help="Layouts to print.")
+@_network_options
+@click.option("--json", "json_out", type=click.Path(dir_okay=False), help="Write every ranked layout here.")
+def plan(config, gpus, global_batch, run, overrides, mbs_text, device_name, device_memory, headroom, top, json_out,
+         network_path, kernel_table, memory_gib, **kw):
+    """The sharding planner: the DP x EP x PP layouts of CONFIG (a trainer YAML, config name, manifest or run dir) that
+    fit --gpus GPUs at --global-batch (memory --sweep's enumeration), ranked by tokens/s/GPU projected from the --from
+    profile, each with its bubble, all-to-all share, peak memory and the profile it came from. See docs/whatif.md."""
+    from .analysis import memory as M
+    from .projection import planner as PL
+    from .projection import scaleout as SO
+    from .projection.whatif import ProfileError, WhatIfError
+
+    flags = _net_flags(kw)
+    mc = M.load_model_config(config, overrides)
+    for w in mc.warnings:
+        _echo(f"tracelens: warning: {w}", err=True)
+    try:
+        so = SO.ScaleOut.from_run(run, network_path, kernel_table, memory_gib, **flags) if run else None
+        dev = M.capacity(device_memory, device_name)
+        if dev is None and so is not None and so.model.capacity_bytes:
+            dev = int(so.model.capacity_bytes)
+        if dev is None:
+            _fail("plan: give --device or --device-memory (or --from a run whose trace names its GPU)")
+        mbs = tuple(_counts(mbs_text, "--mbs") or PL.DEFAULT_MBS)
+        res = PL.plan(mc, gpus, global_batch, dev, so, mbs=mbs, headroom=headroom, source=config)
+    except (WhatIfError, ProfileError) as e:
+        _fail(" ".join(str(e).split()))
+    _echo(res.to_text(top=top))
+    if json_out:
+        _write_json(json_out, res.to_dict(), default=str)
+
+
 @main.command()
 @click.argument("paths", nargs=-1, required=True, type=click.Path())
 @click.option("--ceilings", type=click.Path(dir_okay=False), help="Measured ceilings JSON (see docs/roofline.md), overriding the datasheet.")

@@ -1083,6 +1083,38 @@ def _phase_totals(rows: list[dict]) -> dict[str, float]:
 # --------------------------------------------------------------------------- communication volume
 
 
+def dp_collectives(c: dict, lay: Layout) -> list[dict]:
+    """The data-parallel collectives of one GPU per optimizer step (the busiest pipeline stage's parameters), one
+    entry per kind and group: ``part`` (dense / experts), ``family`` (all_gather, reduce_scatter, all_reduce),
+    ``group`` (ranks), ``stride`` (rank distance between members: dense parameters over the ``dp*cp`` ranks of a
+    stage, consecutive; experts over the ``edp`` ranks holding the same experts, ``ep`` apart), ``units`` (FSDP units
+    or layers it is issued per), ``buffer_bytes`` (the whole unsharded buffer of all units: gathered parameters,
+    reduced gradients) and ``count`` (times per step). ZeRO-3 all-gathers the parameters in forward and backward per
+    microbatch (working dtype) and reduce-scatters fp32 gradients once; ZeRO-1/2 reduce-scatter fp32 gradients and
+    all-gather the parameters; ZeRO-0 all-reduces fp32 gradients. Groups of one rank send nothing and are left out."""
+    pb = 2 if lay.dtype == "bf16" else 4
+    m = lay.microbatches
+    stage = max(range(lay.pp), key=lambda s: len(_rank_pieces(c, lay, s)[0]))
+    layers = _rank_pieces(c, lay, stage)[0]
+    n_moe = sum(1 for li in layers if li >= c["first_k_dense"])
+    dense_gpu, expert_gpu, _ = _per_gpu_params(c, lay, stage)
+    out = []
+    for part, n_params, group, stride, units in (("dense", dense_gpu, lay.dp * lay.cp, 1, max(len(layers), 1)),
+                                                 ("experts", expert_gpu, lay.edp, lay.ep, max(n_moe, 1))):
+        if group <= 1 or n_params <= 0:
+            continue
+        if lay.zero == 3:
+            kinds = (("all_gather", n_params * pb, 2 * m), ("reduce_scatter", n_params * 4, 1))
+        elif lay.zero in (1, 2):
+            kinds = (("reduce_scatter", n_params * 4, 1), ("all_gather", n_params * pb, 1))
+        else:
+            kinds = (("all_reduce", n_params * 4, 1),)
+        for family, nbytes, count in kinds:
+            out.append({"part": part, "family": family, "group": group, "stride": stride, "units": units,
+                        "buffer_bytes": float(nbytes), "count": count})
+    return out
+
+
 def comm_volume(c: dict, lay: Layout) -> dict[str, float]:
     """Bytes one GPU sends per optimizer step, by kind (ring algorithms; see docs/memory.md):
 
@@ -1112,22 +1144,12 @@ def comm_volume(c: dict, lay: Layout) -> dict[str, float]:
         out["ep_all_to_all"] = 4 * n_moe * m * rows * d * a * (lay.ep - 1) / lay.ep
     else:
         out["ep_all_to_all"] = 0.0
-    dense_gpu, expert_gpu, _ = _per_gpu_params(c, lay, stage)
-    pb = 2 if lay.dtype == "bf16" else 4
 
     def share(n):
         return (n - 1) / n if n > 1 else 0.0
 
-    dp_bytes = 0.0
-    for n_params, group in ((dense_gpu, lay.dp * lay.cp), (expert_gpu, lay.edp)):
-        f = share(group)
-        if lay.zero == 3:
-            dp_bytes += f * n_params * (2 * m * pb + 4)
-        elif lay.zero in (1, 2):
-            dp_bytes += f * n_params * (4 + pb)
-        else:
-            dp_bytes += 2 * f * n_params * 4
-    out["dp"] = dp_bytes
+    out["dp"] = sum(share(x["group"]) * x["buffer_bytes"] * x["count"] * (2 if x["family"] == "all_reduce" else 1)
+                    for x in dp_collectives(c, lay))
     out["pp"] = (2.0 * m * lay.vpp * a * t * d) if lay.pp > 1 else 0.0
     out["tp"] = 8.0 * len(layers) * m * a * t * d * lay.tp * share(lay.tp) if lay.tp > 1 else 0.0
     if lay.cp > 1:

@@ -253,6 +253,13 @@ def pipeline_base(run: str | Path, analysis: P.PipelineAnalysis | None = None, m
                         rest_ns, lam, replay, acc, notes, r2p)
 
 
+def base_of(model) -> PipelineBase:
+    """A what-if model's pipelined run, measured once (`pipeline_base`, kept in ``model.pipe_base``)."""
+    if model.pipe_base is None:
+        model.pipe_base = pipeline_base(model.run, manifest=model.manifest)
+    return model.pipe_base
+
+
 def _costs_for(order: pd.DataFrame, f: list[float], b: list[float], w: list[float]) -> np.ndarray:
     st = order["stage"].to_numpy()
     kind = order["kind"].astype(str).to_numpy()

@@ -195,10 +195,17 @@ class Bandwidth:
     `tracelens.analysis.comm`, end - last arrival)."""
 
     table: pd.DataFrame  # family, group_size, bytes, busbw_gbps, n
+    _memo: dict = field(default_factory=dict, repr=False, compare=False)  # (family, n, bytes) -> lookup's answer
 
     def lookup(self, family: str, n: int, nbytes: float) -> tuple[float, str]:
         """(bus GB/s, where it came from) at the nearest measured message size: the same family and group size,
         else the same group size (another collective on the same links), else the family at another size."""
+        key = (family, n, nbytes)
+        if key not in self._memo:
+            self._memo[key] = self._lookup(family, n, nbytes)
+        return self._memo[key]
+
+    def _lookup(self, family: str, n: int, nbytes: float) -> tuple[float, str]:
         t = self.table
         for sel, how in ((t[(t.family == family) & (t.group_size == n)], f"{family} over {n}"),
                          (t[(t.group_size == n) & t.family.isin(_FAMILIES)], f"the run's collectives over {n}"),

@@ -187,11 +187,9 @@ class PipelineLayout(Mechanism):
         lines = []
         if pp0 > 1:
             try:
-                if model.pipe_base is None:
-                    model.pipe_base = PW.pipeline_base(model.run, manifest=model.manifest)
+                base = PW.base_of(model)
             except PW.PipelineWhatIfError as e:
                 raise WhatIfError(str(e)) from None
-            base = model.pipe_base
             piece_f = {k: v * scale for k, v in base.piece_f.items()}
             piece_bw = {k: v * scale for k, v in base.piece_bw.items()}
             rest0 = base.rest_ns * scale

@@ -1,0 +1,730 @@
+"""Scale-out projection: a 1-4 GPU profile projected to 8, 16, 64 ... 1,024 GPUs over several nodes.
+
+    >>> from tracelens.projection.scaleout import ScaleOut
+    >>> so = ScaleOut.from_run("runs/ep4", network_path="net.yaml")      # or gpus_per_node=8, inter_node_gbps=400
+    >>> p = so.project(64, {"ep": 8})                                      # trainer keys; dp follows: 64 / (pp ep)
+    >>> p.tokens_per_s_per_gpu, p.step_s, p.components, p.a2a_share, p.bubble, p.peak_gib, p.fits
+    >>> so.scaling([8, 16, 64, 1024])                                       # the run's layout at every count
+    >>> so.ep_scaling([8, 64], eps=[1, 2, 4, 8, 16]); so.bubbles(64, pps=[2, 4])
+
+How (docs/whatif.md, "Scale-out projection and the planner"). The per-GPU work of a target layout is built from the
+run's own pieces, each by an existing mechanism:
+
+1. **Anchor**: the what-if model (`whatif.Model`) predicts the target's non-layout keys (micro-batch, backend,
+   sync-free level, dispatch path, ...) on the run's own GPUs, at the expert parallelism nearest the target's that the
+   run's GPUs hold (``ep`` dividing the world size and the experts); a pipelined run keeps its own layout there. That
+   prediction is calibrated to the run's measured step time: projected to the run's own layout, the projection is the
+   what-if's (and so the measurement).
+2. **Per micro-batch work** per piece (``embedding``, ``layer<i>``, ``loss``; forward and full backward): the
+   pipeline-layout mechanism's piece costs (`mechanisms.pp_layout.piece_costs_from_profile`, or a pipelined run's
+   measured stage actions, `pipeline_whatif.pipeline_base`), normalised so that the anchor's step is reproduced.
+   Each MoE layer's expert stage (`mechanisms.layout._stage_units`) scales with the rows the busiest rank of the new
+   EP group computes (`mechanisms.layout.expert_rows`, the run's routing counts averaged over its ranks; capacity and
+   padded buffers by the dispatch path); each MoE layer's token all-to-alls (`layout.send_rows`, 4 per micro-batch and
+   chunk) cost the network model's all-to-all over the new EP group; what the anchor hid of its own all-to-alls stays
+   hidden, the rest of the change is exposed.
+3. **Pipeline**: the new stages by the trainer's layout rules and the schedule replayed by the pipeline what-if's
+   simulator (`pipeline_whatif.schedule_actions` / `_replay`), one hand-off per stage boundary: the activations over
+   the network (across nodes when the world spans nodes), plus a pipelined run's calibrated per-hand-off overhead.
+4. **Rest of the step**: the data-parallel collectives of the new layout (`analysis.memory.dp_collectives`: FSDP
+   gathers / reduce-scatters or DDP's all-reduce, dense over the stage's replicas, experts over the ranks holding the
+   same experts) at the network model's hierarchical cost, exposed beyond the compute they overlap (the last
+   micro-batch's backward under DDP, the window under FSDP), on top of what the anchor's trace exposed; the
+   optimizer x the busiest stage's parameters per GPU (`pp_layout.optimizer_params`); the run's per-step work.
+5. **Memory** per GPU: the memory projection of the target (`analysis.memory.project`), x the run's measured /
+   projected peak.
+
+Every projection names its run and the anchor it was predicted from; projections at more GPUs than the run had are
+unvalidated (nothing measured them), and those over several nodes rest on the network file's (or the assumed)
+inter-node figures.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from moespec.config import DEFAULTS, ConfigError, load_config, resolve_world
+
+from ..errors import TraceError
+from . import network as N
+from . import pipeline_whatif as PW
+from .mechanisms import layout as L
+from .mechanisms import pp_layout as PPL
+from .mechanisms.base import WhatIfError
+
+# trainer keys the scale-out projection sets itself (the rest go to the what-if anchor)
+LAYOUT_KEYS = ("ep", "dp", "pp", "vpp", "pipeline_schedule", "pipeline_layout", "pipeline_layer_costs", "microbatches",
+               "dp_mode")
+_EP_ONLY = ("ep_dispatch", "ep_capacity_factor", "ep_overlap", "ep_overlap_chunks")
+COMPONENTS = ("compute", "expert stage", "all-to-all (exposed)", "pipeline bubble", "dp traffic (exposed)",
+              "optimizer step", "other per-step work")
+GIB = float(1 << 30)
+
+
+class ScaleOutError(WhatIfError):
+    """A projection that cannot be made: one line naming the run, key or flag and why."""
+
+
+@dataclass
+class Projection:
+    """One projected layout on ``gpus`` GPUs (times in seconds)."""
+
+    run: str
+    gpus: int
+    nodes: int
+    layout: dict  # dp, ep, pp, vpp, schedule, microbatches, micro_batch_size
+    changes: dict  # the trainer keys asked for (beyond the run's config)
+    step_s: float
+    tokens_per_s_per_gpu: float
+    components: dict  # COMPONENTS -> s, adding up to step_s
+    a2a_s: float  # modeled all-to-all time per step of the busiest rank (all of it, hidden or not)
+    dp_comm_s: float  # modeled data-parallel collective time per step (all of it)
+    bubble: float  # pipeline bubble / step
+    peak_bytes: float | None
+    capacity_bytes: float | None
+    anchor: dict  # the what-if changes predicted on the run's GPUs
+    anchor_gpus: int
+    validated: bool  # the run's own GPU count or fewer: the what-if's measured accuracy applies
+    notes: list = field(default_factory=list)
+
+    @property
+    def a2a_share(self) -> float:
+        """Exposed all-to-all time / step."""
+        return self.components.get("all-to-all (exposed)", 0.0) / self.step_s if self.step_s > 0 else 0.0
+
+    @property
+    def peak_gib(self) -> float | None:
+        return None if self.peak_bytes is None else self.peak_bytes / GIB
+
+    @property
+    def fits(self) -> bool:
+        return self.peak_bytes is None or self.capacity_bytes is None or self.peak_bytes <= self.capacity_bytes
+
+    @property
+    def status(self) -> str:
+        return "projection" if self.validated else "projection, unvalidated"
+
+    def label(self) -> str:
+        lay = self.layout
+        pp = f" pp{lay['pp']}" + (f" vpp{lay['vpp']}" if lay["vpp"] > 1 else "") + f" {lay['schedule']}" \
+            if lay["pp"] > 1 else ""
+        return f"dp{lay['dp']} ep{lay['ep']}{pp} mbs{lay['micro_batch_size']} m{lay['microbatches']}"
+
+    def as_dict(self) -> dict:
+        return {"run": self.run, "gpus": self.gpus, "nodes": self.nodes, "layout": self.layout, "label": self.label(),
+                "changes": self.changes, "step_s": self.step_s, "tokens_per_s_per_gpu": self.tokens_per_s_per_gpu,
+                "components_ms": {k: 1e3 * v for k, v in self.components.items()}, "a2a_s": self.a2a_s,
+                "a2a_share": self.a2a_share, "dp_comm_s": self.dp_comm_s, "bubble": self.bubble,
+                "peak_gib": self.peak_gib, "capacity_gib": None if self.capacity_bytes is None
+                else self.capacity_bytes / GIB, "fits": self.fits, "anchor": self.anchor,
+                "anchor_gpus": self.anchor_gpus, "status": self.status, "notes": self.notes}
+
+
+@dataclass
+class _Anchor:
+    """The what-if prediction on the run's GPUs a projection starts from, cut into per-micro-batch pieces."""
+
+    changes: dict
+    config: dict
+    step_ns: float
+    pieces: dict  # kind -> (forward {piece: ns}, backward {piece: ns}); kinds compute, expert, a2a
+    microbatches: int
+    opt_ns: float
+    fixed_ns: float  # per-step work outside the pieces (not optimizer, not communication)
+    dp_exposed_ns: float  # the exposed data-parallel traffic the anchor's step holds
+    dp_model_ns: float  # what the network model exposes of the anchor's own data-parallel traffic
+    a2a_hidden: float  # share of the anchor's modeled all-to-all time its step hid
+    handoff_ns: float  # a pipelined run's calibrated overhead per hand-off (0 otherwise)
+    beta: float | None
+    notes: list
+
+
+def _divisors(n: int) -> list[int]:
+    return [i for i in range(1, n + 1) if n % i == 0]
+
+
+def _mem_cfg(cfg: dict) -> dict:
+    """``cfg`` as the memory projection takes it: a V-shaped schedule (zbv: two stages per rank, vpp 2 in the trainer)
+    at vpp 1 with its V placement (the same layers per rank; the projection's layout check takes vpp > 1 for the
+    interleaved schedule only)."""
+    if int(cfg.get("pp") or 1) > 1 and cfg.get("pipeline_schedule") == "zbv" and int(cfg.get("vpp") or 1) == 2:
+        return {**cfg, "vpp": 1}
+    return cfg
+
+
+class ScaleOut:
+    """Projections of one profiled run to other GPU counts and layouts (:meth:`project`)."""
+
+    def __init__(self, model, net: N.Network, routing: L.Routing | None, routing_note: str):
+        self.model = model
+        self.net = net
+        self.run = model.run
+        self.world = L.world_of(model.manifest)
+        self.config = model.config
+        self.routing = routing
+        self.routing_note = routing_note
+        self.padded_l3 = not L.gemms_stop_at_routed_rows(model.manifest)
+        self._anchors: dict = {}
+        self._mean = self._mean_routing()
+
+    # ------------------------------------------------------------------ building
+    @classmethod
+    def from_run(cls, run, network_path: str | Path | None = None, kernel_table: str | Path | None = None,
+                 capacity_gib: float | None = None, **net_flags) -> ScaleOut:
+        """The projection of one profiled run dir (manifest + traces; routing.json when it has one). ``net_flags``:
+        the network fields (`network.FIELDS`) given on the command line, over ``network_path``'s."""
+        import tracelens
+
+        from .whatif import Model
+
+        net = N.network(path=network_path, **net_flags)  # bad network input fails before the trace is read
+        p = Path(run)
+        if not p.is_dir():
+            raise ScaleOutError(f"{p}: not a run dir (expected a directory with manifest.json and traces/)")
+        try:
+            analysis = tracelens.analyze(tracelens.load(p, progress=False))
+        except FileNotFoundError:
+            raise ScaleOutError(f"{p}: no trace files (the projection replays a profiled step)") from None
+        except TraceError as e:
+            raise ScaleOutError(e.one_line()) from None
+        model = Model.from_run(p, kernel_table=kernel_table, capacity_gib=capacity_gib, analysis=analysis)
+        b = model.measured.get("layout")
+        if b is not None:
+            routing, why = b.routing, b.routing_note
+        else:
+            routing, why = L.read_routing(getattr(analysis.trace, "run", None), model.manifest)
+        intra, what = N.measured_intra(model)
+        net = N.Network(**{**{f: getattr(net, f) for f in N.FIELDS}, "intra": intra, "intra_source": what,
+                           "sources": net.sources})
+        return cls(model, net, routing, why)
+
+    def _mean_routing(self) -> dict | None:
+        """Per MoE layer: the run's tokens per global expert per forward, averaged over its ranks."""
+        if self.routing is None:
+            return None
+        out: dict = {}
+        for ly in L.moe_layers(self.config):
+            got = [c[ly] for c in self.routing.counts.values() if ly in c]
+            if got:
+                out[ly] = np.mean(np.stack(got), axis=0)
+        return out or None
+
+    # ------------------------------------------------------------------ the pieces of a layout
+    def busiest_rows(self, cfg: dict, tokens: int) -> float:
+        """Rows the busiest rank of an EP group of ``cfg`` computes per MoE layer and micro-batch of ``tokens``
+        (mean over the MoE layers): `layout.expert_rows` over one EP group, every source rank routing as the run's
+        ranks did on average."""
+        ep = int(cfg["ep"])
+        one = {**cfg, "dp": 1, "pp": 1}
+        routing = None
+        if self._mean is not None:
+            routing = L.Routing({s: self._mean for s in range(ep)}, self.routing.basis if self.routing else "")
+        rows = L.expert_rows(one, ep, tokens, routing, self.padded_l3)
+        per = [max(rows[r][ly] for r in rows) for ly in L.moe_layers(cfg) if ly in rows[0]]
+        return float(np.mean(per)) if per else 0.0
+
+    def a2a_layer_ns(self, cfg: dict, tokens: int) -> tuple[float, float]:
+        """(forward, backward) ns of one MoE layer's token all-to-alls per micro-batch: 2 per pass and chunk of the
+        path's send buffer (`layout.send_rows`) x d_model x the activation bytes, over the EP group (consecutive
+        ranks) on the network model."""
+        ep = int(cfg["ep"])
+        if ep <= 1:
+            return 0.0, 0.0
+        c = L.chunks(cfg)
+        nbytes = L.send_rows(cfg, tokens) / c * int(cfg["d_model"]) * L.act_bytes(cfg)
+        t = 2 * c * self.net.all_to_all(nbytes, ep)
+        return t, t
+
+    @staticmethod
+    def mem_layout(cfg: dict, gpus: int):
+        """The memory projection's layout of ``cfg`` on ``gpus`` GPUs (`analysis.memory.resolve_layout`). A V-shaped
+        schedule (zbv: two stages per rank, vpp 2 in the trainer) is one the projection takes at vpp 1 with its V
+        placement: the same layers per rank."""
+        from ..analysis import memory as M
+
+        return M.resolve_layout(_mem_cfg(cfg), world=gpus)
+
+    def dp_ns(self, cfg: dict, gpus: int) -> float:
+        """ns per step of the data-parallel collectives of ``cfg`` on ``gpus`` GPUs (`memory.dp_collectives`, each
+        issued per unit at the network model's hierarchical cost)."""
+        from ..analysis import memory as M
+
+        lay = self.mem_layout(cfg, gpus)
+        tot = 0.0
+        for x in M.dp_collectives(cfg, lay):
+            units = int(x["units"])
+            tot += x["count"] * units * self.net.collective(x["family"], x["buffer_bytes"] / units, int(x["group"]),
+                                                             int(x["stride"]))
+        return tot
+
+    def _anchor_changes(self, target: dict) -> dict:
+        cfg = self.config
+        ch = {k: v for k, v in target.items() if k in DEFAULTS and k not in LAYOUT_KEYS
+              and cfg.get(k, DEFAULTS[k]) != v}
+        if int(cfg.get("pp") or 1) == 1:
+            E = int(cfg["n_routed_experts"])
+            cands = [e for e in _divisors(self.world) if E % e == 0]
+            ep_t = int(target["ep"])
+            ep_a = ep_t if ep_t in cands else max(e for e in cands if e <= ep_t)
+            if ep_a != int(cfg.get("ep") or 1):
+                ch["ep"] = ep_a
+                if cfg.get("dp") is not None:
+                    ch["dp"] = self.world // ep_a
+            if ep_a == 1:
+                ch = {k: v for k, v in ch.items() if k not in _EP_ONLY}
+        else:
+            ch = {k: v for k, v in ch.items() if k not in _EP_ONLY or int(cfg.get("ep") or 1) > 1}
+        return ch
+
+    def anchor(self, changes: dict) -> _Anchor:
+        key = tuple(sorted((k, repr(v)) for k, v in changes.items()))
+        if key not in self._anchors:
+            self._anchors[key] = self._build_anchor(changes)
+        return self._anchors[key]
+
+    def _build_anchor(self, changes: dict) -> _Anchor:
+        model = self.model
+        pred = model.predict(changes)
+        cfg_a = pred.config
+        scale = pred.step_s / model.base_step_s if model.base_step_s > 0 else 1.0
+        step_a = pred.step_s * 1e9
+        comps = pred.components
+        opt = comps.get("optimizer step", 0.0) * 1e9
+        tokens = int(cfg_a["micro_batch_size"]) * int(cfg_a["seq_len"])
+        notes: list = []
+        slow = int(np.argmax([sum(c.values()) for c in model.base_by_rank])) if model.base_by_rank else 0
+        m = int(cfg_a.get("microbatches") or 1)
+        a2a_f, a2a_b = self.a2a_layer_ns(cfg_a, tokens)
+        moe = L.moe_layers(cfg_a)
+        a2a_tot = m * len(moe) * (a2a_f + a2a_b)
+        # each MoE layer's expert stage per micro-batch: the slowest rank's (the pieces' rank); in a pipeline, each
+        # layer's from the rank that holds it
+        pipelined = int(model.config.get("pp") or 1) > 1
+        ex_f, ex_b = {}, {}
+        for i, (p, ds) in enumerate(zip(model.profiles, model.device_scale)):
+            if not pipelined and i != slow:
+                continue
+            dur = p.work["dur"].to_numpy(float) * ds * scale / m
+            for ly in moe:
+                ex_f[f"layer{ly}"] = max(ex_f.get(f"layer{ly}", 0.0), float(dur[L._stage_units(p.work, ly, False)].sum()))
+                ex_b[f"layer{ly}"] = max(ex_b.get(f"layer{ly}", 0.0), float(dur[L._stage_units(p.work, ly, True)].sum()))
+        if pipelined:
+            try:
+                base = PW.base_of(model)
+            except PW.PipelineWhatIfError as e:
+                raise ScaleOutError(str(e)) from None
+            # the steady steps' median window and rest of the step, scaled to the anchor's step (the run's measured
+            # mean x the what-if's change)
+            scale = step_a / (base.window_ns + base.rest_ns) if base.window_ns + base.rest_ns > 0 else scale
+            pf = {k: v * scale for k, v in base.piece_f.items()}
+            pb = {k: v * scale for k, v in base.piece_bw.items()}
+            hidden, handoff, beta = 0.0, base.handoff_ns, base.beta
+            dp_exp, fixed = None, 0.0  # below: the rest of the step past the replayed window
+            notes.append(f"pieces: the run's stages' measured mean actions over {base.step_basis}, split by piece by "
+                         f"the FLOP model; its calibrated {handoff / 1e6:.3f} ms per hand-off kept")
+            pf = {k: max(v - a2a_f, 0.0) if k in {f"layer{ly}" for ly in moe} else v for k, v in pf.items()}
+            pb = {k: max(v - a2a_b, 0.0) if k in {f"layer{ly}" for ly in moe} else v for k, v in pb.items()}
+            a2a_exposed_f, a2a_exposed_b = a2a_f, a2a_b
+        else:
+            p = model.profiles[slow]
+            # the run's profile, in the run's micro-batches (m: the anchor keeps them)
+            pf, pb, fixed = PPL.piece_costs_from_profile(p, model.config, model.device_scale[slow] * scale)
+            e_comm = comps.get("exposed communication", 0.0) * 1e9
+            e_a2a = min(e_comm, a2a_tot)
+            e_dp = e_comm - e_a2a
+            hidden = 1.0 - e_a2a / a2a_tot if a2a_tot > 0 else 0.0
+            a2a_exposed_f, a2a_exposed_b = (1.0 - hidden) * a2a_f, (1.0 - hidden) * a2a_b
+            # the pieces take what the step holds beyond the optimizer, the per-step work and the exposed traffic
+            work = (step_a - opt - fixed - e_comm) / m
+            tot = sum(pf.values()) + sum(pb.values())
+            f = work / tot if tot > 0 else 0.0
+            pf = {k: v * f for k, v in pf.items()}
+            pb = {k: v * f for k, v in pb.items()}
+            ex_f = {k: v * f for k, v in ex_f.items()}
+            ex_b = {k: v * f for k, v in ex_b.items()}
+            dp_exp, handoff, beta = e_dp, 0.0, None
+            notes.append(f"pieces: rank {p.rank}'s replayed step, each layer's device work by pass (pp_layout), "
+                         f"normalised to the anchor's {step_a / 1e6:.1f} ms step")
+        if moe and not any(ex_f.values()) and not any(ex_b.values()):
+            notes.append("expert stage: no expert-stage kernels per MoE layer in the trace (no layer/<i> ranges): the "
+                         "expert compute is not rescaled with the rows of another EP layout")
+        # split each piece into its expert stage and the rest
+        cf = {k: max(v - ex_f.get(k, 0.0), 0.0) for k, v in pf.items()}
+        cb = {k: max(v - ex_b.get(k, 0.0), 0.0) for k, v in pb.items()}
+        ef = {k: min(ex_f.get(k, 0.0), v) for k, v in pf.items()}
+        eb = {k: min(ex_b.get(k, 0.0), v) for k, v in pb.items()}
+        af = {k: (a2a_exposed_f if k in {f"layer{ly}" for ly in moe} else 0.0) for k in pf}
+        ab = {k: (a2a_exposed_b if k in {f"layer{ly}" for ly in moe} else 0.0) for k in pb}
+        a = _Anchor(changes, cfg_a, step_a, {"compute": (cf, cb), "expert": (ef, eb), "a2a": (af, ab)}, m, opt,
+                    fixed, dp_exp or 0.0, 0.0, hidden, handoff, beta, notes)
+        # the network model's exposure of the anchor's own data-parallel traffic, as a projection computes it
+        w = self._window(cfg_a, self.world, {"compute": (cf, cb), "expert stage": (ef, eb),
+                                             "all-to-all (exposed)": (af, ab)}, a)
+        a.dp_model_ns = self._dp_exposed(cfg_a, self.world, w["last_bwd_ns"], w["window_ns"])
+        if dp_exp is None:  # a pipelined run: the rest of its step holds the exposed traffic the model gives it
+            rest = step_a - w["window_ns"]
+            a.dp_exposed_ns = min(a.dp_model_ns, max(rest - opt, 0.0))
+            a.fixed_ns = max(rest - opt - a.dp_exposed_ns, 0.0)
+        return a
+
+    def _dp_exposed(self, cfg: dict, gpus: int, last_bwd_ns: float, window_ns: float,
+                    total: float | None = None) -> float:
+        """Exposed ns of the data-parallel traffic: beyond the window under FSDP (its gathers are prefetched), beyond
+        the last micro-batch's backward of the busiest stage under DDP / ZeRO-1/2 (pp_layout.dp_seconds's rule)."""
+        tot = self.dp_ns(cfg, gpus) if total is None else total
+        lay = self.mem_layout(cfg, gpus)
+        hide = window_ns if lay.zero == 3 else last_bwd_ns
+        return max(tot - hide, 0.0)
+
+    # ------------------------------------------------------------------ projecting
+    def target(self, gpus: int, changes: dict | None = None) -> tuple[dict, int, int]:
+        """(the full trainer config, dp, ep) of ``changes`` on ``gpus`` GPUs, checked by the trainer's own rules."""
+        changes = dict(changes or {})
+        if isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 1:
+            raise ScaleOutError(f"--gpus: {gpus!r} is not a GPU count")
+        bad = [k for k in changes if k not in DEFAULTS]
+        if bad:
+            raise ScaleOutError(f"unknown trainer key {bad[0]!r} (see docs/trainer.md for the keys)")
+        raw = {**{k: v for k, v in self.config.items() if k in DEFAULTS}, **changes}
+        if "dp" not in changes:
+            raw["dp"] = None
+        if int(raw.get("ep") or 1) == 1:
+            raw.update({k: DEFAULTS[k] for k in _EP_ONLY if k not in changes})
+        try:
+            cfg = load_config(None, raw)
+        except ConfigError as e:
+            raise ScaleOutError(str(e)) from None
+        try:
+            dp, ep = resolve_world(cfg, gpus)
+        except ConfigError as e:
+            raise ScaleOutError(f"--gpus {gpus}: {e}") from None
+        if int(cfg["pp"]) > 1:
+            try:
+                PW.new_layout(cfg)
+            except PW.PipelineWhatIfError as e:
+                raise ScaleOutError(str(e)) from None
+        try:
+            self.mem_layout(cfg, gpus)
+        except TraceError as e:
+            raise ScaleOutError(f"--gpus {gpus}: {e.one_line()}") from None
+        return cfg, dp, ep
+
+    def project(self, gpus: int, changes: dict | None = None) -> Projection:
+        """The projection of the run's config with ``changes`` (trainer keys) on ``gpus`` GPUs."""
+        cfg, dp, ep = self.target(gpus, changes)
+        a = self.anchor(self._anchor_changes(cfg))
+        net = self.net
+        tokens = int(cfg["micro_batch_size"]) * int(cfg["seq_len"])
+        moe = {f"layer{ly}" for ly in L.moe_layers(cfg)}
+        # per micro-batch pieces of the target
+        r_a = self.busiest_rows(a.config, tokens)
+        r_t = self.busiest_rows(cfg, tokens)
+        fx = r_t / r_a if r_a > 0 else 1.0
+        a2a_f_a, a2a_b_a = self.a2a_layer_ns(a.config, tokens)
+        a2a_f_t, a2a_b_t = self.a2a_layer_ns(cfg, tokens)
+        cf, cb = a.pieces["compute"]
+        ef, eb = ({k: v * fx for k, v in d.items()} for d in a.pieces["expert"])
+        af = {k: (max(v + a2a_f_t - a2a_f_a, 0.0) if k in moe else 0.0) for k, v in a.pieces["a2a"][0].items()}
+        ab = {k: (max(v + a2a_b_t - a2a_b_a, 0.0) if k in moe else 0.0) for k, v in a.pieces["a2a"][1].items()}
+        kinds = {"compute": (cf, cb), "expert stage": (ef, eb), "all-to-all (exposed)": (af, ab)}
+        pp, m = int(cfg["pp"]), int(cfg["microbatches"])
+        nodes = math.ceil(gpus / net.gpus_per_node)
+        notes = list(a.notes)
+        w = self._window(cfg, gpus, kinds, a)
+        parts, bubble_ns = w["parts"], w["bubble_ns"]
+        if pp > 1:
+            vpp_text = f" x vpp {cfg['vpp']}" if int(cfg["vpp"]) > 1 else ""
+            notes.append(f"pipeline: {cfg['pipeline_schedule']} pp {pp}{vpp_text}, {m} "
+                         f"micro-batches replayed with {w['handoff_ns'] / 1e6:.3f} ms per hand-off "
+                         f"({w['act_bytes'] / 2**20:.1f} MiB of activations "
+                         f"{'across nodes' if w['cross'] else 'inside a node'})")
+        # the rest of the step: the data-parallel traffic's change on top of what the anchor's step exposed
+        dp_total = self.dp_ns(cfg, gpus)
+        dp_t = self._dp_exposed(cfg, gpus, w["last_bwd_ns"], w["window_ns"], total=dp_total)
+        dp_exp = max(a.dp_exposed_ns + dp_t - a.dp_model_ns, 0.0)
+        p_a, p_t = PPL.optimizer_params(_mem_cfg(a.config), self.world), PPL.optimizer_params(_mem_cfg(cfg), gpus)
+        opt = a.opt_ns * (p_t / p_a if p_a > 0 else 1.0)
+        comps = {"compute": parts["compute"], "expert stage": parts["expert stage"],
+                 "all-to-all (exposed)": parts["all-to-all (exposed)"], "pipeline bubble": bubble_ns,
+                 "dp traffic (exposed)": dp_exp, "optimizer step": opt, "other per-step work": a.fixed_ns}
+        step_ns = sum(comps.values())
+        tps = m * tokens / pp / (step_ns / 1e9)
+        a2a_busy = m * len(moe) / pp * (a2a_f_t + a2a_b_t)  # the busiest rank's share of the layers, all of it
+        peak, note = self._peak(cfg, gpus)
+        if note:
+            notes.append(note)
+        if self.routing is None and ep > 1:
+            notes.append(f"expert rows: uniform T*k/ep per peer ({self.routing_note})")
+        if gpus > self.world:
+            notes.append(f"unvalidated: {gpus} GPUs, the run had {self.world}")
+        if cfg.get("dp_mode") != a.config.get("dp_mode"):
+            notes.append(f"dp_mode {cfg.get('dp_mode')}: its data-parallel traffic, optimizer sharding and memory "
+                         f"modeled; the compute is the run's under {a.config.get('dp_mode')}")
+        lay = {"dp": dp, "ep": ep, "pp": pp, "vpp": int(cfg["vpp"]), "schedule": str(cfg["pipeline_schedule"]),
+               "microbatches": m, "micro_batch_size": int(cfg["micro_batch_size"])}
+        return Projection(self.run, gpus, nodes, lay, dict(changes or {}), step_ns / 1e9, tps,
+                          {k: float(v) / 1e9 for k, v in comps.items()}, a2a_busy / 1e9, dp_total / 1e9,
+                          bubble_ns / step_ns if step_ns > 0 else 0.0, peak, self.model.capacity_bytes,
+                          a.changes, self.world, gpus <= self.world, notes)
+
+    def _window(self, cfg: dict, gpus: int, kinds: dict, a: _Anchor) -> dict:
+        """The per-step window of ``cfg``'s pieces (``kinds``: component -> (forward, backward) ns per piece and
+        micro-batch): the micro-batches back to back at pp 1, else the schedule replayed with one hand-off per stage
+        boundary (the activations over the network, plus a pipelined run's calibrated overhead less its own p2p);
+        the busiest rank's parts, the bubble, the busiest stage's last backward."""
+        net = self.net
+        pp, m = int(cfg["pp"]), int(cfg["microbatches"])
+        stage = {k: tuple(PPL.stage_costs(cfg, f, b, a.beta)[1:]) for k, (f, b) in kinds.items()}
+        n = len(stage["compute"][0])
+        tot = [[sum(stage[k][i][s] for k in kinds) for s in range(n)] for i in range(3)]
+        act = L.act_bytes(cfg) * int(cfg["micro_batch_size"]) * int(cfg["seq_len"]) * int(cfg["d_model"])
+        cross = gpus > net.gpus_per_node
+        out = {"act_bytes": act, "cross": cross, "handoff_ns": 0.0,
+               "last_bwd_ns": max(tot[1][s] + tot[2][s] for s in range(n))}
+        if pp == 1:
+            out["parts"] = {k: m * (stage[k][0][0] + stage[k][1][0] + stage[k][2][0]) for k in kinds}
+            out.update(window_ns=sum(out["parts"].values()), bubble_ns=0.0)
+            return out
+        handoff = a.handoff_ns + net.p2p(act, cross)
+        if a.handoff_ns > 0:  # the run's calibrated overhead carries its own p2p of its activations
+            own = L.act_bytes(a.config) * int(a.config["micro_batch_size"]) * int(a.config["seq_len"]) * \
+                int(a.config["d_model"])
+            handoff = max(handoff - net.p2p(own, False), a.handoff_ns)
+        order = PW.schedule_actions(str(cfg["pipeline_schedule"]), pp, int(cfg["vpp"]), m)
+        try:
+            window, _, _ = PW._replay(order, PW._costs_for(order, *tot), handoff)
+        except PW.PipelineWhatIfError as e:
+            raise ScaleOutError(str(e)) from None
+        ranks = order["rank"].to_numpy()
+        busy = {k: np.bincount(ranks, weights=PW._costs_for(order, *stage[k]), minlength=pp) for k in kinds}
+        total = sum(busy.values())
+        r = int(np.argmax(total))
+        out.update(parts={k: float(busy[k][r]) for k in kinds}, window_ns=window, handoff_ns=handoff,
+                   bubble_ns=max(window - float(total[r]), 0.0))
+        return out
+
+    def _peak(self, cfg: dict, gpus: int) -> tuple[float | None, str]:
+        from ..analysis import memory as M
+
+        try:
+            lay = self.mem_layout(cfg, gpus)
+            proj = max(M.project(cfg, lay, stage=s).peak_bytes for s in range(lay.pp))
+        except TraceError as e:
+            return None, f"memory projection unavailable: {e.one_line()}"
+        return float(proj) * (self.model.mem_ratio or 1.0), ""
+
+    # ------------------------------------------------------------------ the guides' tables
+    def scaling(self, gpus: list[int], changes: dict | None = None) -> list[Projection | str]:
+        """The run's layout (with ``changes``) at every GPU count: dp grows, per-GPU work stays (weak scaling).
+        A count the layout cannot fill is its one-line reason instead."""
+        out: list = []
+        for n in gpus:
+            try:
+                out.append(self.project(n, changes))
+            except WhatIfError as e:
+                out.append(f"{n} GPUs: {e}")
+        return out
+
+    def ep_scaling(self, gpus: list[int], eps: list[int] | None = None, changes: dict | None = None) -> list:
+        """EP 1..N at each GPU count (ep dividing the experts and the GPUs of a stage)."""
+        out: list = []
+        E = int(self.config["n_routed_experts"])
+        pp = int({**self.config, **(changes or {})}.get("pp") or 1)
+        for n in gpus:
+            cands = eps or [e for e in _divisors(E) if (n // pp) % e == 0 and n % pp == 0]
+            for e in cands:
+                try:
+                    out.append(self.project(n, {**(changes or {}), "ep": e}))
+                except WhatIfError as err:
+                    out.append(f"{n} GPUs, ep {e}: {err}")
+        return out
+
+    def bubbles(self, gpus: int, pps: list[int] | None = None, microbatches: int | None = None,
+                changes: dict | None = None) -> list:
+        """The pipeline bubble per schedule (1f1b, interleaved vpp 2, zero-bubble zb1p, zbv) at each pp."""
+        out: list = []
+        L_ = int(self.config["n_layers"])
+        pps = pps or [p for p in (2, 4, 8, 16) if p <= L_ and gpus % p == 0]
+        for p in pps:
+            m = microbatches or max(2 * p, int(self.config.get("microbatches") or 1))
+            for sched, vpp in (("1f1b", 1), ("vpp", 2), ("zb1p", 1), ("zbv", 2)):
+                ch = {**(changes or {}), "pp": p, "pipeline_schedule": sched, "vpp": vpp, "microbatches": m}
+                if sched.startswith("zb"):  # the trainer runs the split-backward schedules under DDP only
+                    ch["dp_mode"] = "ddp"
+                try:
+                    out.append(self.project(gpus, ch))
+                except WhatIfError as err:
+                    out.append(f"pp {p} {sched}{f' vpp {vpp}' if vpp > 1 else ''}: {err}")
+        return out
+
+
+# ------------------------------------------------------------------------------------------ the tables, in text
+def _rows(items: list) -> tuple[list, list]:
+    ps = [x for x in items if isinstance(x, Projection)]
+    return ps, [x for x in items if isinstance(x, str)]
+
+
+def table_text(title: str, items: list, efficiency: bool = False) -> str:
+    """One of the guides' tables: a row per projection (tokens/s/GPU, step time and its parts, all-to-all share, bubble,
+    peak memory, status), then the rows that could not be projected with their reason."""
+    ps, bad = _rows(items)
+    out = [title, f"{'GPUs':>5} {'nodes':>5}  {'layout':<34} {'tokens/s/GPU':>12} {'step ms':>8} {'compute':>8} "
+                  f"{'experts':>8} {'a2a exp':>8} {'bubble':>8} {'dp exp':>7} {'optim':>6} {'a2a %':>6} "
+                  f"{'bubble %':>8} {'peak GiB':>9}" + (f" {'DP eff':>7}" if efficiency else "") + "  status"]
+    ref = ps[0] if ps else None
+    for p in ps:
+        c = {k: 1e3 * v for k, v in p.components.items()}
+        pk = f"{p.peak_gib:.1f}{'' if p.fits else ' OOM'}" if p.peak_gib is not None else "-"
+        eff = f" {100 * p.tokens_per_s_per_gpu / ref.tokens_per_s_per_gpu:>6.1f}%" if efficiency and ref else ""
+        out.append(f"{p.gpus:>5} {p.nodes:>5}  {p.label():<34} {p.tokens_per_s_per_gpu:>12,.0f} {1e3 * p.step_s:>8.1f} "
+                   f"{c['compute']:>8.1f} {c['expert stage']:>8.1f} {c['all-to-all (exposed)']:>8.1f} "
+                   f"{c['pipeline bubble']:>8.1f} {c['dp traffic (exposed)']:>7.1f} {c['optimizer step']:>6.1f} "
+                   f"{100 * p.a2a_share:>5.1f}% {100 * p.bubble:>7.1f}% {pk:>9}{eff}  {p.status}")
+    out.extend(f"  not projected: {b}" for b in bad)
+    if efficiency and ref:
+        out.append(f"  DP eff: tokens/s/GPU against the first row ({ref.gpus} GPUs), the same per-GPU layout")
+    return "\n".join(out)
+
+
+LEGEND = ("ms per step of the busiest rank: compute (outside the expert stage, host idle included), experts (the expert "
+          "stage, x the busiest rank's rows), a2a exp (token all-to-alls not hidden), bubble (pipeline), dp exp "
+          "(data-parallel collectives not hidden), optim (optimizer step); the other per-step work completes the step. "
+          "a2a %: exposed all-to-all / step. Every row is a projection from the run named above; 'unvalidated': more "
+          "GPUs than the run had, nothing measured it")
+
+
+@dataclass
+class Report:
+    """What `tracelens scaleout` prints and writes with --json."""
+
+    scaleout: ScaleOut
+    scaling: list
+    ep: list
+    bubbles: list
+    bubble_gpus: int | None
+
+    def to_text(self) -> str:
+        so = self.scaleout
+        m = so.model
+        head = [(f"scale-out projection from {so.run} ({so.world} GPU(s), measured {m.base_tokens_per_s_per_gpu:,.0f} "
+                f"tokens/s/GPU, step {1e3 * m.base_step_s:.1f} ms)"),
+                "network model:"] + [f"  {x}" for x in so.net.describe()]
+        routing = so.routing.basis if so.routing is not None else f"uniform T*k/ep ({so.routing_note})"
+        head.append(f"expert rows: the busiest rank of each EP group, from {routing}")
+        parts = ["\n".join(head),
+                 table_text("DP scaling (the run's layout, per-GPU work fixed: dp grows):", self.scaling, True)]
+        if self.ep:
+            parts.append(table_text("EP scaling (ep 1..N at each GPU count):", self.ep))
+        if self.bubbles:
+            parts.append(table_text(f"Pipeline bubble per schedule at {self.bubble_gpus} GPUs:", self.bubbles))
+        parts.append(LEGEND)
+        return "\n\n".join(parts)
+
+    def to_dict(self) -> dict:
+        def rows(items):
+            return [x.as_dict() if isinstance(x, Projection) else {"not_projected": x} for x in items]
+
+        so = self.scaleout
+        return {"run": so.run, "run_gpus": so.world, "measured_tokens_per_s_per_gpu": so.model.base_tokens_per_s_per_gpu,
+                "network": {**so.net.as_dict(), "description": so.net.describe()},
+                "routing": so.routing.basis if so.routing is not None else None,
+                "scaling": rows(self.scaling), "ep_scaling": rows(self.ep), "bubbles": rows(self.bubbles),
+                "bubble_gpus": self.bubble_gpus}
+
+
+def report(so: ScaleOut, gpus: list[int], changes: dict | None = None, eps: list[int] | None = None,
+           ep_gpus: list[int] | None = None, pps: list[int] | None = None, bubble_gpus: int | None = None) -> Report:
+    """The guides' tables for one run: DP scaling over ``gpus``, EP scaling at ``ep_gpus`` (default: every count),
+    the bubble per schedule at ``bubble_gpus`` (default: the largest count)."""
+    big = bubble_gpus or max(gpus)
+    return Report(so, so.scaling(gpus, changes), so.ep_scaling(ep_gpus or gpus, eps, changes),
+                  so.bubbles(big, pps, changes=changes), big)
+
+
+# ------------------------------------------------------------------------------------------ validation
+VALIDATION_TARGET = 0.10  # issue 35: the projection from 1 and 2 GPUs to 4 within 10 % of measured
+
+
+def validate(measured: str | Path, kernel_table: str | Path | None = None, network_path: str | Path | None = None,
+             **net_flags) -> dict:
+    """Every measured point projected from every baseline of a ``measured.json`` (`projection.measured`: a point's
+    ``gpus`` is the count it ran on): per point the projected and measured tokens/s/GPU, the error and the memory
+    verdict; per baseline the median and largest |error| over the points at more GPUs than the baseline had
+    (the scale-out ones) and whether every one is within :data:`VALIDATION_TARGET`."""
+    from . import measured as MS
+
+    config, machine, bases, points = MS.load_measured(measured)
+    try:
+        base_cfg = load_config(config)
+    except ConfigError as e:
+        raise ScaleOutError(f"{measured}: config {config!r}: {e}") from None
+    rows, summary = [], {}
+    for b in bases:
+        try:
+            so = ScaleOut.from_run(b.run, network_path, kernel_table, **net_flags)
+        except (WhatIfError, TraceError) as e:
+            raise ScaleOutError(f"{measured}: baseline {b.name}: {e}") from None
+        errs = []
+        for pt in points:
+            gpus = pt.gpus or so.world
+            ch = MS.changes_for(base_cfg, b, pt)
+            row = {"baseline": b.name, "baseline_gpus": so.world, "point": pt.name, "gpus": gpus, "changes": ch,
+                   "measured_tps": pt.tps, "measured_status": pt.status, "measured_peak_gib": pt.peak_gib,
+                   "own": not ch and gpus == so.world, "scale_out": gpus > so.world}
+            try:
+                p = so.project(gpus, ch)
+            except WhatIfError as e:
+                rows.append({**row, "refused": " ".join(str(e).split())})
+                continue
+            row.update(predicted_tps=p.tokens_per_s_per_gpu, predicted_peak_gib=p.peak_gib, predicted_fits=p.fits,
+                       verdict_right=p.fits == (pt.status == "ok"), layout=p.label())
+            row["layout_only"] = all(k in LAYOUT_KEYS or k in _EP_ONLY for k in ch)
+            if pt.status == "ok" and pt.tps:
+                row["error"] = p.tokens_per_s_per_gpu / pt.tps - 1.0
+                if row["scale_out"]:
+                    errs.append((abs(row["error"]), row["layout_only"]))
+            rows.append(row)
+        summary[b.name] = {"gpus": so.world, **_error_summary([e for e, _ in errs]),
+                           "layout_only": _error_summary([e for e, lo in errs if lo])}
+    return {"measured": str(measured), "config": config, "machine": machine, "rows": rows, "summary": summary,
+            "target": VALIDATION_TARGET}
+
+
+def _error_summary(errs: list[float]) -> dict:
+    return {"n": len(errs), "median_abs_error": float(np.median(errs)) if errs else None,
+            "max_abs_error": float(max(errs)) if errs else None,
+            "meets": bool(errs) and float(max(errs)) <= VALIDATION_TARGET}
+
+
+def validation_text(res: dict) -> str:
+    out = [(f"scale-out projection against {res['measured']} ({res['config']}"
+           f"{', ' + res['machine'] if res['machine'] else ''})"),
+           (f"{'baseline':<12} {'GPUs':>4} {'point':<22} {'GPUs':>4} {'projected':>10} {'measured':>10} {'error':>7}  "
+           "verdict")]
+    for r in res["rows"]:
+        head = f"{r['baseline']:<12} {r['baseline_gpus']:>4} {r['point']:<22} {r['gpus']:>4}"
+        if "refused" in r:
+            out.append(f"{head} not projected: {r['refused']}")
+            continue
+        meas = f"{r['measured_tps']:,.0f}" if r["measured_tps"] else r["measured_status"].upper()
+        err = f"{100 * r['error']:+.1f}%" if "error" in r else ""
+        fit = ("fits" if r["predicted_fits"] else "OOM") + (": right" if r["verdict_right"] else ": WRONG")
+        out.append(f"{head} {r['predicted_tps']:>10,.0f} {meas:>10} {err:>7}  {fit}"
+                   + (" (the baseline itself)" if r["own"] else ""))
+    for name, s in res["summary"].items():
+        if not s["n"]:
+            out.append(f"{name}: no point at more GPUs than its {s['gpus']} with a measured tokens/s")
+            continue
+        lo = s["layout_only"]
+        out.append(f"{name} ({s['gpus']} GPU(s)): {s['n']} scale-out point(s), median |error| "
+                   f"{100 * s['median_abs_error']:.1f}%, max {100 * s['max_abs_error']:.1f}% (target: every one within "
+                   f"{100 * res['target']:.0f}%): {'MEETS' if s['meets'] else 'does not meet'} the target"
+                   + (f"; the {lo['n']} that change only the parallel layout (ep, dp, pp, dispatch path): median "
+                      f"{100 * lo['median_abs_error']:.1f}%, max {100 * lo['max_abs_error']:.1f}%"
+                      f"{', within' if lo['meets'] else ', not all within'} {100 * res['target']:.0f}%"
+                      if lo["n"] and lo["n"] < s["n"] else ""))
+    return "\n".join(out)
