@@ -20,6 +20,8 @@
 #   tokens/s of each and, from its trace, `tracelens comm`'s "exposed all-to-all" line (issue 33: <= 25 % of the
 #   all-to-all kernel time on every rank) printed after the row:
 #     ROWS="check dp4 ep4_cap_ovl ep4_cap_pipe_prof ep4_cap_ovl4_prof ep4_cap_pipe4_prof" bash benchmarks/bench_ep.sh
+#   the capacity path fused (the default) against unfused (ep_capacity_fused=false), one call:
+#     ROWS="dp4 ep4_cap ep4_cap_ovl ep4_cap_unfused ep4_cap_ovl_unfused" bash benchmarks/bench_ep.sh
 set -u
 source "$(dirname "$0")/gpu_env.sh"
 OUTDIR=${OUT:-/tmp/tracelens-bench-ep}
@@ -47,6 +49,9 @@ declare -A RUNS=(
   [ep4_nccl_L1_ovl]="4 --set ep=4 --sync-free-level 1 --set ep_overlap=true $STEPS"
   [ep4_cap]="4 --set ep=4 $CAP $PROF"
   [ep4_cap_ovl]="4 --set ep=4 $CAP --set ep_overlap=true $PROF"
+  # the capacity path's row moves unfused (ep_capacity_fused=false): the comparison for the fused default
+  [ep4_cap_unfused]="4 --set ep=4 $CAP --set ep_capacity_fused=false $PROF"
+  [ep4_cap_ovl_unfused]="4 --set ep=4 $CAP --set ep_capacity_fused=false --set ep_overlap=true $PROF"
   [ep4_symm]="4 --set ep=4 $SYMM $PROF"
   [ep4_symm_ovl]="4 --set ep=4 $SYMM --set ep_overlap=true $PROF"
   [ep4_cap_ovl4]="4 --set ep=4 $CAP --set ep_overlap=true --set ep_overlap_chunks=4 $STEPS"

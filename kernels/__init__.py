@@ -12,7 +12,8 @@ Public API (details in docs/kernels.md; the specification of each op is its func
   :mod:`kernels.backends` for the registry, the tuner and its on-disk cache
   (:func:`select_backend`, :func:`tune`, :func:`tune_table`).
 - :func:`permute` / :func:`unpermute`: sync-free expert-sorted token order, device counts and
-  offsets, gather and routing-weighted combine, autograd-capable.
+  offsets, gather and routing-weighted combine, autograd-capable. :func:`gather_rows` builds any
+  buffer of token copies (padding rows: index -1) in one gather whose backward is a gather-reduce.
 - :func:`fused_router`: logits -> softmax/sigmoid -> (group-limited) top-k -> weights + aux-loss
   statistics in one kernel (and one for the backward).
 - :func:`linear_cross_entropy`: ``hidden @ weight.T`` fused with cross-entropy in row chunks,
@@ -32,7 +33,7 @@ from __future__ import annotations
 from ._runtime import HAS_TRITON, INTERPRET, log, triton_ok
 from .backends import PASSES, available_backends, grouped_mm, register_backend, select_backend, tune, tune_table
 from .cross_entropy import linear_cross_entropy
-from .permutation import Permutation, permute, unpermute
+from .permutation import Permutation, gather_rows, permute, unpermute
 from .router import fused_router
 from .activation import swiglu
 
@@ -43,6 +44,6 @@ if not HAS_TRITON:
 
 __all__ = [
     "HAS_TRITON", "INTERPRET", "triton_ok",
-    "grouped_mm", "permute", "unpermute", "Permutation", "fused_router", "linear_cross_entropy", "swiglu",
+    "grouped_mm", "permute", "unpermute", "gather_rows", "Permutation", "fused_router", "linear_cross_entropy", "swiglu",
     "PASSES", "available_backends", "register_backend", "select_backend", "tune", "tune_table",
 ]

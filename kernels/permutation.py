@@ -16,6 +16,14 @@ Given top-k expert ids ``[T, k]`` the assignments ``j = t*k + slot`` are sorted 
 5. ``_combine_kernel``: ``out[t] = sum_s w[t,s] * y_perm[row_map[t*k+s]]`` — a gather-reduce per
    token, so no atomics and a deterministic sum order; it is also the backward of :func:`permute`.
 
+The same two kernels move rows between tokens and any buffer whose rows are (token, slot) copies
+with a negative index marking a row or an assignment that has no counterpart: :func:`gather_rows`
+builds such a buffer straight from the tokens (the capacity path's all-to-all send buffer, whose
+padding rows are zeros and whose dropped assignments own no row), and :func:`unpermute` with a
+``row_map`` holding -1 for dropped assignments combines the rows that came back from it (its
+backward writes zeros into the padding rows). Each one's backward is the other's kernel: the
+transposed gather, never an atomic scatter.
+
 All index tensors are int32.  Expert ids should lie in ``[0, E)`` (the reference assumes so); an id
 outside it is dropped memory-safely: its ``row_map`` entry is -1, it gets no permuted row, and it
 contributes nothing to :func:`unpermute`.
@@ -30,9 +38,9 @@ from typing import NamedTuple
 import torch
 
 from ._runtime import HAS_TRITON, INTERPRET, next_pow2, triton_ok
-from .reference import permute_ref, unpermute_ref
+from .reference import gather_rows_ref, permute_ref, unpermute_ref
 
-__all__ = ["Permutation", "permute", "unpermute", "route_indices"]
+__all__ = ["Permutation", "permute", "unpermute", "gather_rows", "route_indices"]
 
 if HAS_TRITON:
     import triton
@@ -71,8 +79,9 @@ if HAS_TRITON:
                             BR: tl.constexpr, BD: tl.constexpr):
         """out[r] = src[idx[r] // k] * scale[idx[r]];  dot[idx[r]] = <src[idx[r]//k], dot_with[r]>.
 
-        With HAS_NROWS, rows r >= *nrows_ptr (= offs[-1]: rows of dropped assignments) are zeros
-        and contribute no dot product.
+        A row whose index is negative (no source: padding of a capacity buffer) is zeros and contributes
+        no dot product; with HAS_NROWS, so are rows r >= *nrows_ptr (= offs[-1]: rows of dropped
+        assignments).
         """
         pid = tl.program_id(0)
         r = pid * BR + tl.arange(0, BR)
@@ -81,7 +90,8 @@ if HAS_TRITON:
             live = rmask & (r < tl.load(nrows_ptr))
         else:
             live = rmask
-        j = tl.load(idx_ptr + r, mask=live, other=0)
+        j = tl.load(idx_ptr + r, mask=live, other=-1)
+        live = live & (j >= 0)  # a negative index: no source row (a zero row, no dot product)
         t = (j // k).to(tl.int64)
         if HAS_SCALE:
             sc = tl.load(scale_ptr + j, mask=live, other=0.0).to(tl.float32)
@@ -156,11 +166,12 @@ def route_indices(topk_ids: torch.Tensor, num_experts: int):
 
 
 def _gather(src, idx, k, scale=None, dot_with=None, offs=None):
-    """rows: out[r] = src[idx[r]//k] * scale[idx[r]]; optionally dot[idx[r]] = <src[idx[r]//k], dot_with[r]>."""
+    """rows: out[r] = src[idx[r]//k] * scale[idx[r]]; optionally dot[idx[r]] = <src[idx[r]//k], dot_with[r]>
+    (``dot`` has one entry per assignment, ``src.shape[0] * k``, also where ``idx`` has more rows: padding)."""
     R, D = idx.numel(), src.shape[1]
     out = torch.empty(R, D, device=src.device, dtype=src.dtype)
     # dropped assignments own no row, so their weight gradient is 0 unless a live row writes it
-    dot = torch.zeros(R, device=src.device, dtype=torch.float32) if dot_with is not None else None
+    dot = torch.zeros(src.shape[0] * k, device=src.device, dtype=torch.float32) if dot_with is not None else None
     has_n = offs is not None and offs.numel() > 0
     if R == 0:
         return out, dot
@@ -265,3 +276,19 @@ def unpermute(y_perm: torch.Tensor, perm: Permutation | torch.Tensor, topk_weigh
     if offs is None:
         offs = row_map.new_empty(0)
     return _UnpermuteFn.apply(y_perm, row_map, sorted_pos, offs, topk_weights)
+
+
+def gather_rows(x: torch.Tensor, src: torch.Tensor, row_map: torch.Tensor, k: int) -> torch.Tensor:
+    """A buffer of token copies: ``out[b] = x[src[b] // k]``, zeros where ``src[b] < 0``; differentiable in x.
+
+    ``src`` [R] holds the assignment index ``t*k + slot`` that each buffer row copies (-1: a padding row);
+    ``row_map`` [T*k] its inverse, the buffer row of each assignment (-1: the assignment has no row, e.g. a
+    dropped one). The backward is ``dx[t] = sum_s dout[row_map[t*k+s]]`` (a gather-reduce per token, no
+    atomics). Index tensors int32 (int64 accepted). Sync-free.
+    """
+    if x.dim() != 2 or src.dim() != 1 or row_map.numel() != x.shape[0] * k:
+        raise ValueError(f"gather_rows: expected x [T,D], src [R] and row_map [T*{k}]; got {tuple(x.shape)}, "
+                         f"{tuple(src.shape)}, {tuple(row_map.shape)}")
+    if not triton_ok(x):
+        return gather_rows_ref(x, src, k)
+    return _PermuteFn.apply(x, src.contiguous(), row_map.contiguous(), None, k)

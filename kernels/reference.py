@@ -16,6 +16,7 @@ __all__ = [
     "grouped_mm_ref",
     "permute_ref",
     "unpermute_ref",
+    "gather_rows_ref",
     "router_ref",
     "linear_cross_entropy_ref",
     "swiglu_ref",
@@ -76,15 +77,30 @@ def unpermute_ref(y_perm: torch.Tensor, row_map: torch.Tensor, topk_weights: tor
                   top_k: int | None = None) -> torch.Tensor:
     """Inverse of :func:`permute_ref` with routing weights: ``out[t] = sum_s w[t,s] * y_perm[row_map[t*k+s]]``.
 
+    An assignment whose ``row_map`` entry is -1 (no row: dropped) contributes nothing.
     ``topk_weights`` [T, k] (``None``: all ones, then ``top_k`` is required).  Accumulates in fp32,
     returns ``y_perm.dtype``.  Differentiable in ``y_perm`` and ``topk_weights``.
     """
     k = topk_weights.shape[1] if topk_weights is not None else int(top_k)
     T = row_map.numel() // k
-    y = y_perm.float()[row_map.long()].view(T, k, y_perm.shape[1])
+    rows = row_map.long()
+    # an assignment without a row (row_map -1: an out-of-range id, a dropped row) reads an appended zero row
+    y_ext = torch.cat([y_perm.float(), y_perm.new_zeros(1, y_perm.shape[1], dtype=torch.float32)])
+    y = y_ext[torch.where(rows >= 0, rows, y_perm.shape[0])].view(T, k, y_perm.shape[1])
     if topk_weights is not None:
         y = y * topk_weights.float().unsqueeze(-1)
     return y.sum(1).to(y_perm.dtype)
+
+
+def gather_rows_ref(x: torch.Tensor, src: torch.Tensor, top_k: int) -> torch.Tensor:
+    """A buffer of token copies: ``out[b] = x[src[b] // top_k]``, zeros where ``src[b] < 0`` (padding rows).
+
+    ``src`` [R] holds the flat assignment index ``t*k + slot`` each buffer row copies. Differentiable in ``x``
+    (its gradient sums the rows that copied each token).
+    """
+    idx = src.long()
+    x_ext = torch.cat([x, x.new_zeros(1, x.shape[1])])
+    return x_ext[torch.where(idx >= 0, idx // top_k, x.shape[0])]
 
 
 def router_ref(logits: torch.Tensor, top_k: int, score_func: str = "softmax", n_groups: int = 1,

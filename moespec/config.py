@@ -105,6 +105,8 @@ DEFAULTS: dict[str, Any] = {
                                  # (a static per-peer capacity: rows beyond it are dropped and counted) | symm
                                  # (the capacity rule, only routed rows sent over NVSHMEM symmetric memory)
     "ep_capacity_factor": 1.25,  # capacity, symm: rows per peer = ceil(factor * tokens * top_k / ep), per chunk
+    "ep_capacity_fused": True,   # capacity: the send buffer in one gather from the tokens, the return in one
+                                 # gather-reduce into them (false: the unfused row moves, for comparison)
     "ep_overlap": False,         # chunked dispatch: a chunk's rows travel while another chunk's experts (or
                                  # the shared expert) compute
     "ep_overlap_chunks": 2,      # chunks of tokens per micro-batch when ep_overlap is on
@@ -154,7 +156,8 @@ _OPT_INT_KEYS = {"n_kv_heads", "head_dim", "dp", "q_lora_rank"}
 _FLOAT_KEYS = {"routed_scaling_factor", "aux_loss_coef", "router_bias_update_rate", "rms_eps", "rope_theta",
                "init_std", "lr", "min_lr_ratio", "weight_decay", "adam_beta1", "adam_beta2", "grad_clip",
                "ep_capacity_factor"}
-_BOOL_KEYS = {"norm_topk_prob", "tie_embeddings", "loss_fusion", "numa_bind", "use_triton_kernels", "ep_overlap"}
+_BOOL_KEYS = {"norm_topk_prob", "tie_embeddings", "loss_fusion", "numa_bind", "use_triton_kernels", "ep_overlap",
+              "ep_capacity_fused"}
 _CHOICES = {
     "attn_type": ("gqa", "mla"),
     "score_func": ("softmax", "sigmoid"),

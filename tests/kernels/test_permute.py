@@ -94,3 +94,56 @@ def test_out_of_range_ids_are_dropped_safely(needs_triton):
     gw, gy = torch.autograd.grad(out.sum(), (w, y))
     assert gw[0, 1] == 0 and gw[2, 0] == 0  # dropped slots get no weight gradient
     assert torch.allclose(gw[1, 0], x[1].sum()) and torch.all(gy[4:] == 0)
+
+
+def _capacity_maps(T, k, R, drop_share, seed=0):
+    """A capacity-style send buffer: ``row_map`` [T*k] (buffer row of each assignment, -1 dropped) and its
+    inverse ``src`` [R] (assignment of each row, -1 padding), injective on the kept assignments."""
+    g = torch.Generator().manual_seed(seed)
+    row_map = torch.randperm(R, generator=g)[:T * k]
+    row_map[torch.rand(T * k, generator=g) < drop_share] = -1
+    src = torch.full((R,), -1, dtype=torch.int64)
+    kept = row_map >= 0
+    src[row_map[kept]] = torch.arange(T * k)[kept]
+    return row_map.to(torch.int32), src.to(torch.int32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("T, k, R, drop", [(13, 3, 50, 0.3), (40, 2, 80, 0.0), (5, 4, 20, 1.0), (0, 2, 6, 0.0)])
+def test_gather_rows_and_combine_of_a_padded_buffer(needs_triton, T, k, R, drop, dtype):
+    """The fused capacity path's two ops against their references: the send buffer gathered from the tokens
+    (padding rows zero) and its backward; the returned buffer combined into the tokens (dropped assignments add
+    nothing) and its backward (padding rows get a zero gradient, dropped slots no weight gradient)."""
+    from kernels import gather_rows
+    from kernels.reference import gather_rows_ref
+
+    D = 20
+    row_map, src = _capacity_maps(T, k, R, drop)
+    x = torch.randn(T, D).to(dtype)
+    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+    buf, ref = gather_rows(xa, src, row_map, k), gather_rows_ref(xb, src, k)
+    assert torch.equal(buf, ref)
+    assert torch.all(buf[src < 0] == 0)
+    g = torch.randn(R, D).to(dtype)
+    if T:
+        assert_close(torch.autograd.grad(buf, xa, g)[0], torch.autograd.grad(ref, xb, g)[0], dtype, "dx")
+    y, w = torch.randn(R, D).to(dtype), torch.rand(T, k)
+    ya, wa = y.clone().requires_grad_(), w.clone().requires_grad_()
+    yb, wb = y.clone().requires_grad_(), w.clone().requires_grad_()
+    out = unpermute(ya, row_map, wa, sorted_pos=src)
+    want = unpermute_ref(yb, row_map, wb)
+    assert_close(out, want, dtype, "combine")
+    if T:
+        go = torch.randn(T, D).to(dtype)
+        (gy, gw), (ry, rw) = torch.autograd.grad(out, (ya, wa), go), torch.autograd.grad(want, (yb, wb), go)
+        assert_close(gy, ry, dtype, "d buffer")
+        assert_close(gw, rw, dtype, "d weights")
+        assert torch.all(gy[src < 0] == 0)
+        assert torch.all(gw.reshape(-1)[row_map < 0] == 0)
+
+
+def test_unpermute_reference_skips_rows_it_does_not_have():
+    """row_map -1 (a dropped assignment) contributes nothing, also in the reference (it used to read the last row)."""
+    y = torch.arange(12.0).view(3, 4)
+    out = unpermute_ref(y, torch.tensor([2, -1, 0, 1], dtype=torch.int32), torch.ones(2, 2))
+    assert torch.equal(out, torch.stack([y[2], y[0] + y[1]]))

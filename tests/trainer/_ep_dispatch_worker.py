@@ -22,6 +22,12 @@ gradient would show. On GPUs the real ops run.
 Host syncs in the MoE path are counted per path and level (forward + backward; the emulation's own reads
 are hidden from the counter, as the real ops have none).
 
+The capacity path runs fused (``ep_capacity_fused``, the default: the send buffer gathered from the tokens,
+the returned rows combined into them in one gather-reduce) and every capacity case is also run unfused on the
+same inputs (``vs_unfused``: outputs, every gradient and the dropped rows against the fused run), with the
+kernels' PyTorch references and (``kernels`` cases, ``use_triton_kernels``) with their Triton kernels, under
+the interpreter on a CPU.
+
 ``EP_WORKER_DEVICE=cuda`` (benchmarks/bench_ep.sh, on GPUs): NCCL instead of gloo, the same cases on the
 GPU, plus bf16 cases through ``torch._grouped_mm`` (whose rows past the last offset are left unwritten:
 the outputs and gradients must still match and be finite). Rank 0 prints one PASS/FAIL line per case
@@ -35,6 +41,9 @@ import json
 import math
 import os
 import sys
+
+if os.environ.get("EP_WORKER_DEVICE") != "cuda":  # the kernels cases run the Triton kernels interpreted on a CPU
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # (before anything imports triton)
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
@@ -240,9 +249,10 @@ def _recording(ep: MoE):
 
 
 def check(cfg, group, P, me, ranks, *, path, level, overlap, factor, backend="torch", dtype=torch.float32,
-          skew=False, schedule="chunked"):
+          skew=False, schedule="chunked", kernels=False):
     cfg = dict(cfg, sync_free_level=level, grouped_gemm_backend=backend, ep=P, ep_dispatch=path,
-               ep_capacity_factor=factor, ep_overlap=overlap, ep_overlap_chunks=2, ep_overlap_schedule=schedule)
+               ep_capacity_factor=factor, ep_overlap=overlap, ep_overlap_chunks=2, ep_overlap_schedule=schedule,
+               use_triton_kernels=kernels)
     ep = MoE(cfg, group, P, me)
     ref = MoE(dict(cfg, ep=1, ep_dispatch="nccl", ep_overlap=False), None, 1, 0)
     _init(ep, P if skew else 0)
@@ -311,6 +321,13 @@ def check(cfg, group, P, me, ranks, *, path, level, overlap, factor, backend="to
     res = {"err": err, "tol": tol, "finite": finite, "where": where, "syncs": dict(counter.by_stage),
            "moe_syncs": counter.moe_total, "dropped": got_dropped, "want_dropped": want_dropped,
            "routed_rows": ep.dispatcher.routed_rows, "rows_per_expert": per_expert.tolist()}
+    if path == "capacity":  # the fused path against the unfused one, same inputs: the same function and drops
+        other, y_o, xg_o, _ = _run_ep(dict(cfg, ep_capacity_fused=False), group, P, me, xs[me], gs[me], skew, dtype)
+        res["vs_unfused"] = {
+            "y": (y - y_o).abs().max().item(), "x_grad": (x.grad - xg_o).abs().max().item(),
+            **{n: (a.grad - b.grad).abs().max().item()
+               for (n, a), b in zip(ep.named_parameters(), other.parameters(), strict=True)},
+            "dropped": int(other.dispatcher.dropped), "own_dropped": int(ep.dispatcher.dropped)}
     if schedule == "pipelined":  # against the serial path (no overlap) and the chunked schedule, on the same inputs
         res["vs"] = {}
         for name, over in (("serial", {"ep_overlap": False, "ep_overlap_schedule": "chunked"}),
@@ -324,6 +341,13 @@ def check(cfg, group, P, me, ranks, *, path, level, overlap, factor, backend="to
                 "own_dropped": int(ep.dispatcher.dropped) if ep.dispatcher.dropped is not None else 0}
         res["order"] = _run_ep(cfg, group, P, me, xs[me], gs[me], skew, dtype, record=True)[3]
     return res
+
+
+def dispatch_kernels_run() -> bool:
+    """Whether kernels' Triton kernels run here (CUDA, or a CPU under the interpreter set above)."""
+    import kernels
+
+    return kernels.triton_ok(torch.empty(0, device=DEV))
 
 
 def main(out_dir: str) -> None:
@@ -347,6 +371,10 @@ def main(out_dir: str) -> None:
         cases.append({"path": "capacity", "level": 3, "overlap": overlap, "factor": 8.0})   # >= the worst case: no drop
         cases.append({"path": "capacity", "level": 3, "overlap": overlap, "factor": 0.6})   # drops
     cases.append({"path": "capacity", "level": 3, "overlap": True, "factor": 0.6, "backend": "loop"})
+    if dispatch_kernels_run():  # the fused capacity path on kernels' Triton gathers (interpreted on a CPU)
+        for overlap in (False, True):
+            for factor in (8.0, 0.6):
+                cases.append({"path": "capacity", "level": 3, "overlap": overlap, "factor": factor, "kernels": True})
     for overlap in (False, True):  # symm: no drop, drops, a skewed router (one peer receives nothing) with and without
         cases.append({"path": "symm", "level": 3, "overlap": overlap, "factor": 8.0})
         cases.append({"path": "symm", "level": 3, "overlap": overlap, "factor": 0.6})
@@ -376,7 +404,7 @@ def main(out_dir: str) -> None:
             mode = ("pipelined" if c.get("schedule") == "pipelined" else "overlap") if c["overlap"] else "serial"
             key = f"ep{P}/{c['path']}/L{c['level']}/{mode}/f{c['factor']}" \
                   f"/{c.get('backend', 'torch')}" + ("/bf16" if c.get("dtype") == torch.bfloat16 else "") \
-                  + ("/skew" if c.get("skew") else "")
+                  + ("/skew" if c.get("skew") else "") + ("/kernels" if c.get("kernels") else "")
             if any(s and s in key for s in os.environ.get("EP_WORKER_SKIP", "").split(",")):  # e.g. "symm/L3/overlap"
                 if rank == 0:
                     print(f"SKIP {key} (EP_WORKER_SKIP)", flush=True)

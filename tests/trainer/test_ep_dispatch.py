@@ -2,8 +2,9 @@
 ``ep_overlap_schedule`` values) on 4 gloo ranks, EP 4 and EP 2: outputs and gradients equal the reference (the
 EP=1 layer, or, where the capacity drops rows, the capacity rule written out from the weights in
 _ep_dispatch_worker.py), the host syncs per path and level, the dropped-row count; the pipelined schedule also
-equals the serial path and the chunked schedule directly, and runs its shared expert where it says; and the
-knobs' bad values are one line, exit 2.
+equals the serial path and the chunked schedule directly, and runs its shared expert where it says; the fused
+capacity path (``ep_capacity_fused``) is bit-equal to the unfused one; and the knobs' bad values are one line,
+exit 2.
 
 ``symm`` runs here on an emulation of its two NVSHMEM ops (the worker's ``EmulatedSymmOps``), so everything
 of the path but the ops themselves is checked on a CPU: the capacity rule, the packed send layout, the
@@ -32,7 +33,9 @@ def results(tmp_path_factory):
 
 @pytest.mark.slow
 def test_every_path_and_overlap_equals_the_reference(results):
-    assert len(results) == 2 * 27
+    kernel_cases = [k for k in results if k.endswith("/kernels")]
+    assert len(kernel_cases) in (0, 2 * 4)  # 0: no triton here (the references' cases still run the fused path)
+    assert len(results) == 2 * 27 + len(kernel_cases)
     for key, res in results.items():
         assert max(res["err"].values()) < TOL, (key, res["err"])
 
@@ -58,6 +61,32 @@ def test_capacity_drops_exactly_the_rows_the_rule_drops(results):
             assert res["dropped"] == 0, key
         # every rank routes its 32 tokens x top-2 once per forward
         assert res["routed_rows"] == 2 * 16 * 2, key
+
+
+@pytest.mark.slow
+def test_fused_capacity_path_equals_the_unfused_one(results):
+    """``ep_capacity_fused`` (the default) against ``false`` on the same inputs, every capacity case (EP 4 and 2,
+    serial, overlapped and pipelined, with and without drops, on the kernels' PyTorch references and on their
+    Triton kernels): outputs and every gradient bit-equal (the same products summed in the same order; top-2
+    sums are order-free), and the same rows dropped."""
+    cases = {k: r for k, r in results.items() if "/capacity/" in k}
+    assert len(cases) == 2 * 8 + sum(k.endswith("/kernels") for k in results)
+    for key, res in cases.items():
+        vs = res["vs_unfused"]
+        assert vs["dropped"] == vs["own_dropped"], key
+        assert ("/f0.6/" in key) == (vs["dropped"] > 0), key
+        for name, err in vs.items():
+            if "dropped" not in name:
+                assert err == 0.0, (key, name, err)
+    assert any(k.endswith("/kernels") for k in cases) or not _triton_importable()
+
+
+def _triton_importable() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 @pytest.mark.slow

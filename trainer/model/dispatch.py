@@ -78,6 +78,29 @@ then a kernel in which every rank pulls its rows from the peers' ``input``.
   ``offs[-1]`` are never computed; the one padding row of an empty expert lies inside the next expert's
   group and is zeroed, so it adds nothing to any weight gradient and its output goes nowhere.
 
+**The fused capacity path** (``ep_capacity_fused``, on by default). The capacity path's rows move as few times
+as the layout allows. Unfused, a chunk's rows were gathered into expert order (``x_perm``), copied into a
+zeroed send buffer (``index_copy`` into a fresh ``new_zeros`` buffer, which the out-of-place op first clones:
+a fill, a device copy and a scatter of the whole buffer), and on the way back gathered into expert order
+again, masked by ``torch.where`` for the dropped rows and only then combined into the tokens; each step's
+backward moved the rows once more. Fused, :meth:`Dispatcher.plan` turns the capacity rule's positions into
+two int32 maps on the device (``send_src``: the assignment ``t*k + s`` each send-buffer row copies, -1 for
+padding; ``send_row``: the send-buffer row of each assignment, -1 when dropped; one scatter each, no row
+moves), and
+
+* the send buffer is **one gather from the tokens** (``kernels.gather_rows``: padding rows written as zeros,
+  no ``x_perm``); its backward is one gather-reduce per token over ``send_row`` (no atomics);
+* the returned buffer is combined into the tokens by **one gather-reduce** (``kernels.unpermute`` with
+  ``row_map = send_row``: dropped assignments contribute nothing, so no mask pass); its backward writes the
+  buffer's gradient in one gather over ``send_src`` (padding rows zero) with the routing weights' gradient
+  as row dot products.
+
+Both are the Triton kernels of ``kernels.permutation`` where ``use_triton_kernels`` applies, else their
+PyTorch references. The receive-side regroup and the return trip's regroup are one gather each, as before.
+Numerics equal the unfused path: the same products summed in the same order on the kernels (bit-equal), fp32
+rounding on the references (the backward's scatter of the reference gather sums in another order).
+``ep_capacity_fused: false`` keeps the unfused path for comparison.
+
 Padding rows are only ever moved by permutations (the send buffer, the receive-side regroup, the
 combine), never mixed into a routed row, so whatever a grouped GEMM leaves past its last offset
 cannot reach an output or a gradient: the sender reads back only its own routed slots.
@@ -211,12 +234,20 @@ def recomputing() -> bool:
 class Routed:
     """One chunk of tokens after routing and the sender-side permutation."""
 
-    x_perm: torch.Tensor      # [n*k, D] rows sorted by global expert (stable: token order inside an expert)
+    x_perm: torch.Tensor | None  # [n*k, D] rows sorted by global expert (stable: token order inside an
+                                 # expert); None on the fused capacity path, which sends from ``x``
     counts: torch.Tensor      # [E] int64 rows per global expert (device)
     order: torch.Tensor       # [n*k] the (token, slot) index, token-major, of each sorted row
     sorted_exp: torch.Tensor  # [n*k] global expert of each sorted row
     flat_exp: torch.Tensor    # [n*k] global expert of each (token, slot), token-major
     tokens: int
+    x: torch.Tensor | None = None  # fused capacity path: the chunk's tokens [n, D]
+    kernels: bool = False     # fused capacity path: kernels' Triton gathers (else their PyTorch references)
+
+    @property
+    def rows(self) -> int:
+        """Routed rows of the chunk (n*k)."""
+        return self.order.numel()
 
 
 @dataclass
@@ -238,6 +269,10 @@ class Trip:
     src: torch.Tensor | None = None                # receive regroup: grouped row i <- received row src[i]
     dest: torch.Tensor | None = None               # received row r -> grouped row dest[r]
     offs: torch.Tensor | None = None               # int32 [El] end offsets, ending at the routed rows
+    send_src: torch.Tensor | None = None           # fused capacity: int32 [P*cap] assignment t*k+s of each
+                                                   # send-buffer row (-1: padding)
+    send_row: torch.Tensor | None = None           # fused capacity: int32 [n*k] send-buffer row of each
+                                                   # assignment, token-major (-1: dropped)
     route: SymmRoute | None = None                 # symm: the chunk's layout on both sides
     extra: dict = field(default_factory=dict)
 
@@ -305,7 +340,8 @@ def layout_row_mask(layout: torch.Tensor, P: int, El: int, rows: int) -> torch.T
 class Dispatcher:
     """Moves routed rows between the ranks of one EP group (``P`` ranks, ``El`` experts each)."""
 
-    def __init__(self, *, path: str, level: int, k: int, P: int, El: int, group, capacity_factor: float = 1.25):
+    def __init__(self, *, path: str, level: int, k: int, P: int, El: int, group, capacity_factor: float = 1.25,
+                 fused: bool = True):
         if path not in DISPATCH_PATHS:
             raise ValueError(f"ep_dispatch must be one of {', '.join(DISPATCH_PATHS)}, got {path!r}")
         self.path, self.level, self.k, self.P, self.El, self.group = path, level, k, P, El, group
@@ -313,6 +349,9 @@ class Dispatcher:
             raise ValueError(f"ep_dispatch=symm: the NVSHMEM ops take at most {SYMM_MAX_EP} ranks and "
                              f"{SYMM_MAX_LOCAL_EXPERTS} experts per rank, got ep={P} with {El} experts per rank")
         self.capacity_factor = capacity_factor
+        # ep_capacity_fused: the capacity path builds its send buffer from the tokens in one gather and combines
+        # the returned rows into the tokens in one gather-reduce (module docstring, "The fused capacity path")
+        self.fused = fused and path == "capacity"
         self.dropped: torch.Tensor | None = None   # device int64: rows dropped so far (capacity, symm)
         self.routed_rows = 0                        # host: rows routed so far (known without a sync)
 
@@ -342,10 +381,10 @@ class Dispatcher:
                     dest = r.sorted_exp // El
                     rank_counts = r.counts.view(P, El).sum(1)
                     rank_start = rank_counts.cumsum(0) - rank_counts
-                    pos = torch.arange(r.x_perm.shape[0], device=r.x_perm.device) - rank_start.index_select(0, dest)
+                    pos = torch.arange(r.rows, device=r.order.device) - rank_start.index_select(0, dest)
                     t.slot = dest * t.cap + pos
             if not recomputing():
-                self.routed_rows += r.x_perm.shape[0]
+                self.routed_rows += r.rows
         sent = torch.stack([t.send_counts for t in trips])                # [C, E]
         C = len(trips)
         out = torch.empty_like(sent.view(C, P, El).transpose(0, 1).contiguous())   # [P, C, El]
@@ -381,13 +420,19 @@ class Dispatcher:
         krank = kept_counts.view(P, El).sum(1)
         kstart = krank.cumsum(0) - krank
         pos = keep.long().cumsum(0) - 1 - kstart.index_select(0, dest)
-        t.slot = torch.where(keep, dest * t.cap + pos, torch.full_like(pos, P * t.cap))
+        if r.x is not None:  # fused: the two maps of the send buffer, on the device (a scatter each; no row moves)
+            kept_slot = torch.where(keep, dest * t.cap + pos, -1).to(torch.int32)          # sorted order
+            t.send_row = torch.empty_like(kept_slot).scatter_(0, r.order, kept_slot)         # token-major
+            t.send_src = torch.full((P * t.cap + 1,), -1, dtype=torch.int32, device=keep.device).scatter_(
+                0, torch.where(keep, dest * t.cap + pos, P * t.cap), r.order.to(torch.int32))[:P * t.cap]
+        else:
+            t.slot = torch.where(keep, dest * t.cap + pos, torch.full_like(pos, P * t.cap))
         t.keep, t.send_counts = keep, kept_counts
         self._count_drops(r, keep)
 
     def _count_drops(self, r: Routed, keep: torch.Tensor) -> None:
         if not recomputing():  # activation checkpointing runs the forward again inside the backward
-            n_drop = r.x_perm.shape[0] - keep.sum()
+            n_drop = r.rows - keep.sum()
             self.dropped = n_drop if self.dropped is None else self.dropped + n_drop
 
     def _symm_layout(self, t: Trip, chunks: int) -> None:
@@ -399,10 +444,22 @@ class Dispatcher:
         t.route = SymmRoute(bufs, keep, packed_slots(keep, send_rows), kept_counts, send_rows, recv_rows)
         self._count_drops(r, keep)
         if not recomputing():
-            self.routed_rows += r.x_perm.shape[0]
+            self.routed_rows += r.rows
 
     def send(self, t: Trip) -> None:
         """Start the chunk's rows on their way."""
+        if t.send_src is not None:  # fused capacity path: the send buffer in one gather from the tokens
+            r = t.routed
+            if r.kernels:
+                from kernels import gather_rows
+
+                buf = gather_rows(r.x, t.send_src, t.send_row, self.k)
+            else:
+                from kernels.reference import gather_rows_ref
+
+                buf = gather_rows_ref(r.x, t.send_src, self.k)
+            t.fwd = a2a_start(buf, None, None, self.group)
+            return
         x = t.routed.x_perm
         if self.path == "symm":
             t.fwd = symm_start(x, t.route, "dispatch")
@@ -464,17 +521,32 @@ class Dispatcher:
         t.back = a2a_start(y_recv, None, None, self.group)
 
     def combine_receive(self, t: Trip) -> torch.Tensor:
-        """The chunk's expert outputs, in its sorted-row order (dropped rows: zeros)."""
+        """The chunk's expert outputs, in its sorted-row order (dropped rows: zeros); on the fused capacity path
+        the returned send-buffer layout itself, for :meth:`combine_tokens`."""
         if self.path == "symm":
             return symm_wait(t.back)
         y_back = a2a_wait(t.back)
-        if self.exact:
+        if self.exact or t.send_src is not None:
             return y_back
         if t.keep is None:
             return move_rows(y_back, t.slot)
         # dropped rows read a placeholder row forward (zeroed by the where) and scatter to a cut-off row backward
         y = move_rows(y_back, t.slot.clamp(max=y_back.shape[0] - 1), bwd_idx=t.slot)
         return torch.where(t.keep.unsqueeze(1), y, y.new_zeros(()))
+
+
+    def combine_tokens(self, t: Trip, y_back: torch.Tensor, topk_w: torch.Tensor) -> torch.Tensor:
+        """Fused capacity path: the chunk's tokens ``[n, D]`` = the routing-weighted sum of each token's rows in
+        the returned buffer (``y_back``, the send-buffer layout), dropped assignments contributing nothing. One
+        gather-reduce; its backward writes the buffer's gradient in one gather (padding rows zero) and the
+        weights' gradient as row dot products."""
+        if t.routed.kernels:
+            from kernels import unpermute
+
+            return unpermute(y_back, t.send_row, topk_w, sorted_pos=t.send_src)
+        from kernels.reference import unpermute_ref
+
+        return unpermute_ref(y_back, t.send_row, topk_w)
 
 
 def regroup_padded(recv_counts: torch.Tensor, cap: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -165,7 +165,8 @@ class MoE(nn.Module):
         self.schedule = cfg.get("ep_overlap_schedule", "chunked") if self.chunks > 1 else "chunked"
         self.dispatcher = Dispatcher(path=cfg.get("ep_dispatch", "nccl"), level=self.level, k=self.k, P=ep_size,
                                      El=self.E_local, group=ep_group,
-                                     capacity_factor=cfg.get("ep_capacity_factor", 1.25)) if ep_size > 1 else None
+                                     capacity_factor=cfg.get("ep_capacity_factor", 1.25),
+                                     fused=cfg.get("ep_capacity_fused", True)) if ep_size > 1 else None
 
     def init_weights(self, std: float, generator: torch.Generator | None = None):
         """Initialise this rank's slice of the *global* expert weights (same result for any EP size)."""
@@ -273,8 +274,21 @@ class MoE(nn.Module):
         return y.view(B, S, D).to(x.dtype), aux
 
     def _permute(self, xf: torch.Tensor, topk_idx: torch.Tensor, kernel_perm: bool) -> tuple[Routed, object]:
-        """Sender-side permutation of one chunk -> (Routed, what its unpermute needs)."""
+        """Sender-side permutation of one chunk -> (Routed, what its unpermute needs). On the fused capacity path
+        only the expert order and counts: the dispatcher gathers the send buffer straight from ``xf``."""
         k, E = self.k, self.E
+        if self.dispatcher is not None and self.dispatcher.fused:
+            flat = topk_idx.reshape(-1)
+            if kernel_perm:
+                from kernels.permutation import route_indices
+
+                sorted_pos, _, counts, _ = route_indices(topk_idx, E)
+                order, counts = sorted_pos.long(), counts.long()
+                sorted_exp = flat.index_select(0, order)
+            else:
+                order, _, sorted_exp = permutation(topk_idx)
+                counts = expert_counts(topk_idx, E)
+            return Routed(None, counts, order, sorted_exp, flat, xf.shape[0], x=xf, kernels=kernel_perm), None
         if kernel_perm:
             from kernels import permute  # noqa: PLC0415
 
@@ -351,7 +365,10 @@ class MoE(nn.Module):
             with moe_stage("combine"):
                 y_perm = self.dispatcher.combine_receive(t)
             with moe_stage("unpermute"):
-                ys.append(self._unpermute(y_perm, how, topk_w[lo:hi], kernel_perm))
+                if t.send_src is not None:  # fused capacity path: straight from the returned buffer
+                    ys.append(self.dispatcher.combine_tokens(t, y_perm, topk_w[lo:hi]))
+                else:
+                    ys.append(self._unpermute(y_perm, how, topk_w[lo:hi], kernel_perm))
         y = ys[0] if C == 1 else torch.cat(ys)
         if shared:
             y = y + (shared[0] if len(shared) == 1 else torch.cat(shared)).to(y.dtype)

@@ -1,0 +1,40 @@
+"""benchmarks/bench_ep_permute.py on the CPU (Triton's interpreter, small shapes): both capacity paths run, agree
+bit for bit and drop the same rows; the timings themselves are the lead's (GPU)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _bench():
+    spec = importlib.util.spec_from_file_location("bench_ep_permute", REPO / "benchmarks" / "bench_ep_permute.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_both_paths_agree_on_the_interpreter(needs_triton, tmp_path, capsys):
+    out = tmp_path / "r.json"
+    assert _bench().main(["--cpu", "--tokens", "96", "--top-k", "3", "--experts", "8", "--ep", "4", "--d-model", "32",
+                          "--factor", "0.8", "--iters", "1", "--json", str(out)]) == 0
+    r = json.loads(out.read_text())
+    c = r["check"]
+    assert c["y_equal"] and c["x_grad_equal"] and c["w_grad_max_diff"] < 1e-6
+    assert c["dropped"] == c["dropped_fused"] > 0  # capacity 0.8 drops
+    for name in ("forward", "forward+backward"):
+        assert r[name]["unfused_ms"] > 0 and r[name]["fused_ms"] > 0
+    assert "forward+backward" in capsys.readouterr().out
+
+
+def test_without_a_gpu_one_line_exit_2(capsys):
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    assert _bench().main(["--iters", "1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "needs a CUDA GPU" in err
