@@ -97,9 +97,8 @@ def html_table(df: pd.DataFrame, columns: Iterable[tuple[str, str, str]], max_ro
             if hasattr(v, "item"):
                 v = v.item()
             if kind in ("num", "pct", "count"):
-                whole = isinstance(v, float) and math.isfinite(v) and v == int(v)
                 if kind == "count":
-                    digits = 0 if whole else 1
+                    digits = 0 if not isinstance(v, float) or not math.isfinite(v) or v == int(v) else 1
                 else:
                     digits = 1 if kind == "pct" else (3 if isinstance(v, float) and abs(v) < 10 else 1)
                 cells.append(("num", _fmt(v, digits), "" if v is None else str(_clean(v) if _clean(v) is not None else ""), None))
