@@ -115,7 +115,7 @@ def _outcome(gain, fits=True, unc=0.1, peak=20.0, cap=80.0):
 
 def test_actions_rank_predicted_gains_then_fill_with_findings():
     cfg = {"micro_batch_size": 4, "sync_free_level": 0, "optimizer": "adamw"}
-    mk = lambda ch, motive: V.Candidate(ch, motive, f"{motive} evidence", {k: cfg.get(k) for k in ch})  # noqa: E731
+    mk = lambda ch, motive: V.Candidate(ch, motive, f"{motive} evidence", {k: cfg.get(k) for k in ch})
     cands = [mk({"sync_free_level": 1}, "host_sync"), mk({"sync_free_level": 3}, "host_sync"),
              mk({"optimizer": "adamw_fused"}, "optimizer step"), mk({"micro_batch_size": 8}, "micro-batch"),
              mk({"micro_batch_size": 16}, "micro-batch")]

@@ -72,7 +72,7 @@ def test_the_terminal_names_the_bottleneck_and_three_actions_with_gains(analyzed
 
 
 def test_the_report_opens_with_the_same_verdict(analyzed):
-    _, out, summary, page = analyzed
+    _, _, summary, page = analyzed
     main_ = page[page.index("<main>"):]
     first = re.search(r"<section id=\"([\w-]+)\"", main_)
     assert first.group(1) == "verdict"
