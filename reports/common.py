@@ -78,7 +78,8 @@ def _fmt(v: Any, digits: int = 1) -> str:
 
 
 def html_table(df: pd.DataFrame, columns: Iterable[tuple[str, str, str]], max_rows: int = MAX_TABLE_ROWS) -> str:
-    """A sortable table. columns: (dataframe column, header, kind) with kind 'num', 'pct', 'name', 'text',
+    """A sortable table. columns: (dataframe column, header, kind) with kind 'num', 'pct', 'count' (a count,
+    possibly a mean over steps: no decimals when it is whole, "24,576" not "24,576.0"), 'name', 'text',
     or 'kernel' (a kernel name: demangled and shortened for the cell, the full name in its title).
     'name' and 'kernel' cells stay on one line (cut with an ellipsis); hovering shows the whole name."""
     from tracelens.names import display_many
@@ -95,8 +96,11 @@ def html_table(df: pd.DataFrame, columns: Iterable[tuple[str, str, str]], max_ro
             v = rec.get(col)
             if hasattr(v, "item"):
                 v = v.item()
-            if kind in ("num", "pct"):
-                digits = 1 if kind == "pct" else (3 if isinstance(v, float) and abs(v) < 10 else 1)
+            if kind in ("num", "pct", "count"):
+                if kind == "count":
+                    digits = 0 if not isinstance(v, float) or not math.isfinite(v) or v == int(v) else 1
+                else:
+                    digits = 1 if kind == "pct" else (3 if isinstance(v, float) and abs(v) < 10 else 1)
                 cells.append(("num", _fmt(v, digits), "" if v is None else str(_clean(v) if _clean(v) is not None else ""), None))
             elif kind == "kernel" and col in shown and v is not None:
                 text, full = shown[col][i]
@@ -106,7 +110,7 @@ def html_table(df: pd.DataFrame, columns: Iterable[tuple[str, str, str]], max_ro
                 cells.append((kind, text, None, text if kind == "name" and text else None))
         rows.append(cells)
     tmpl = env.from_string(
-        '<table class="data"><thead><tr>{% for c in cols %}<th data-type="{{ "num" if c[2] in ("num","pct") else "text" }}">{{ c[1] }}</th>{% endfor %}</tr></thead>'
+        '<table class="data"><thead><tr>{% for c in cols %}<th data-type="{{ "num" if c[2] in ("num","pct","count") else "text" }}">{{ c[1] }}</th>{% endfor %}</tr></thead>'
         "<tbody>{% for r in rows %}<tr>{% for kind, text, v, title in r %}"
         '<td class="{{ kind }}"{% if v is not none %} data-v="{{ v }}"{% endif %}{% if title %} title="{{ title }}"{% endif %}>{{ text }}</td>'
         "{% endfor %}</tr>{% endfor %}</tbody></table>"

@@ -20,6 +20,7 @@ from .common import COLORS, html_table, plot_text, plotly_js, safe_json, templat
 from .critpath import section_context as critpath_context
 from .decomposition import section_context as decomposition_context
 from .pipeline import section_context as pipeline_context
+from .verdict import section_context as verdict_context
 
 # ----------------------------------------------------------------------------------- figures
 
@@ -167,6 +168,7 @@ def render(analysis: Analysis, title: str | None = None) -> str:
         version=version(),
         plotly_js=plotly_js(),
         warnings=a.warnings,
+        verdict=verdict_context(a),  # never raises: no verdict is its one line
         health=_health_context(a),
         overview=overview,
         has_gpu=has_gpu,
@@ -191,11 +193,11 @@ def render(analysis: Analysis, title: str | None = None) -> str:
 def _deep_sections(a: Analysis) -> dict:
     """Findings, communication and host sections (empty when the trace has nothing for them)."""
     from tracelens.analysis import comm as CM, host as H
-    from tracelens.analysis.findings import _short
+    from tracelens.analysis.verdict import finding_sentence
 
     out: dict = {"roofline_table": "", "roofline_unmodeled": "", "roofline_note": "", "findings": [], "comm_table": "", "straggler_table": "", "comm_note": "", "host_table": "",
                  "idle_table": "", "launch_table": ""}
-    out["findings"] = [dict(f, evidence_text=_short(f["evidence"])) for f in a.findings()]
+    out["findings"] = [dict(f, sentence=finding_sentence(f)) for f in a.findings()]  # evidence in words
     if not a.has_gpu:
         return out
     from . import roofline as RR

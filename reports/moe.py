@@ -118,12 +118,13 @@ def moe_context(rep: MoEReport | None, error: str | None = None) -> dict[str, An
 
     figures = {k: v for k, v in (("plot-moe-pairs", pairs_figure(rep)), ("plot-moe-experts", experts_figure(rep)),
                                   ("plot-moe-gemm", gemm_figure(rep))) if v is not None}
-    layer_cols = [("layer", "layer", "num"), ("rank", "rank", "num"), ("routed_rows", "rows routed (sent)", "num"),
-                  ("received_rows", "rows received", "num"), ("local_expert_imbalance", "local expert imbalance", "num"),
-                  ("gemm_calls", "grouped GEMM calls", "num"), ("rows_per_call", "rows / call", "num"),
-                  ("routed_rows_per_call", "routed / call", "num"), ("padding_pct", "padding %", "pct"),
+    # row and call counts are means over the profiled steps: whole numbers shown without decimals ("count")
+    layer_cols = [("layer", "layer", "num"), ("rank", "rank", "num"), ("routed_rows", "rows routed (sent)", "count"),
+                  ("received_rows", "rows received", "count"), ("local_expert_imbalance", "local expert imbalance", "num"),
+                  ("gemm_calls", "grouped GEMM calls", "count"), ("rows_per_call", "rows / call", "count"),
+                  ("routed_rows_per_call", "routed / call", "count"), ("padding_pct", "padding %", "pct"),
                   ("expert_gemm_us", "expert GEMM µs", "num"), ("padded_gemm_us", "on padding µs", "num")]
-    summary_cols = [("layer", "layer", "num"), ("tokens", "tokens", "num"), ("expert_imbalance", "expert imbalance", "num"),
+    summary_cols = [("layer", "layer", "num"), ("tokens", "tokens", "count"), ("expert_imbalance", "expert imbalance", "num"),
                     ("hottest_expert", "hottest expert", "num"), ("rank_imbalance", "rank imbalance", "num"),
                     ("expert_gemm_us", "expert GEMM µs", "num"), ("padding_pct", "padding %", "pct")]
     headline = []

@@ -157,6 +157,53 @@ def _moe(a: Any, comm_kernels: pd.DataFrame, comm_instances: pd.DataFrame, findi
     return moe_report(a)
 
 
+@DERIVED.entry("verdict", inputs=("trace", "timeline", "manifest", "findings", "health"), keep_errors=True,
+               module="tracelens.analysis.verdict")
+def _verdict(a: Any, findings: list[dict[str, Any]], health: pd.DataFrame) -> Any:
+    """The verdict (tracelens.analysis.verdict): the step in one bar, the bottleneck and the top three actions
+    with the what-if's predicted gains. It also reads the `decomposition` entry's outcome (not an input: a
+    decomposition that failed is a verdict without its bar, not a failed verdict). The what-if (a projection,
+    which the analysis module may not import) runs here: the model calibrated on this run once, each
+    candidate change predicted, a change it refuses one line."""
+    from dataclasses import replace
+
+    from .analysis import verdict as V
+    from .projection.decomposition import reason
+
+    dec = a.derived.outcome("decomposition")
+    dec_df = dec if isinstance(dec, pd.DataFrame) else None
+    step = V.step_of(dec_df, a.timeline if a.has_gpu else None)
+    note = "" if step is not None or dec_df is not None else f"no step decomposition: {reason(dec)}"
+    run = a.trace.run
+    ctx = V.context_of(a.manifest, run.root if run is not None else None)
+    model = None
+    if ctx.config is not None and ctx.why_no_model is None:
+        from .io.run import Run
+        from .projection.whatif import GIB, Model
+
+        src = run if run is not None else Run()
+        if src.manifest != a.manifest:  # a manifest given beside loose traces: the model takes it as given
+            src = src.with_manifest(a.manifest)
+        try:
+            model = Model.from_run(src, analysis=a)
+        except Exception as e:  # noqa: BLE001 - no model is a verdict without predictions, said in one line
+            ctx = replace(ctx, why_no_model=f"the what-if model cannot calibrate on this run ({reason(e)})")
+        else:
+            ctx = replace(ctx, capacity_gib=model.capacity_bytes / GIB if model.capacity_bytes else None)
+    cands = V.candidates(findings, step, ctx, decomposition=dec_df)
+    outcomes: dict[str, dict[str, Any]] = {}
+    for c in cands if model is not None else ():
+        try:
+            p = model.predict(c.changes)
+        except Exception as e:  # noqa: BLE001 - a change the model refuses (invalid layout, no mechanism)
+            outcomes[c.key] = {"error": " ".join(str(e).split())[:200]}
+            continue
+        outcomes[c.key] = {"gain": p.gain, "uncertainty": p.uncertainty, "fits": p.fits, "peak_gib": p.peak_gib,
+                           "capacity_gib": p.capacity_bytes / GIB if p.capacity_bytes else None,
+                           "step_s": p.step_s, "base_step_s": p.base_step_s}
+    return V.verdict(findings, health, step, cands, outcomes, ctx, step_note=note)
+
+
 @dataclass
 class Analysis:
     """The base tables `analyze` builds, and the derived entries (`DERIVED`) computed from them on first
@@ -271,6 +318,12 @@ class Analysis:
         (one line) when there is no profiled step to decompose, again on each call without recomputing."""
         return self.derived["decomposition"]
 
+    def verdict(self) -> Any:
+        """The verdict (tracelens.analysis.verdict.Verdict): the step in one bar, the bottleneck, the top three
+        actions with the what-if's predicted gains, health warnings and findings as sentences. Raises what
+        stopped it, again on each call without recomputing."""
+        return self.derived["verdict"]
+
     def moe(self):
         """The MoE view (tracelens.analysis.moe_view.MoEReport): routing tied to expert-GEMM time and all-to-all
         bytes per rank pair. Raises TraceError (one line naming the file) for a truncated routing file or one
@@ -324,6 +377,7 @@ class Analysis:
             "decomposition": _decomposition_summary(self),
             "critical_path": self.critical_path().summary(),
             "moe": self.moe().summary(),
+            "verdict": _verdict_summary(self),
         }
 
 
@@ -348,7 +402,7 @@ def summary_text(result: Any) -> str:
             lines.append("comm ms: communication kernel time; exposed ms: its transfer not hidden by compute; wait ms: "
                          "waiting in collectives for another rank; pp wait ms: pipeline receives waiting for the "
                          "neighbour stage (the bubble)")
-        return "\n".join(lines)
+        return "\n".join(lines + _verdict_lines(result))
     lines.append("no GPU activity in these traces (CPU-only): GPU timeline unavailable; host time per rank instead")
     hs = steps_mod.host_step_table(result)
     ms = steps_mod.moe_stage_table(result)
@@ -365,9 +419,20 @@ def summary_text(result: Any) -> str:
         if len(t):
             lines.append("  top ops by self time per step: " + ", ".join(
                 f"{r.op} {r.self_us_per_step / 1e3:.3f} ms" for r in t.itertuples(index=False)))
-    for f in result.findings()[:5]:
-        lines.append(f"finding ({f['severity']}): {f['title']}")
-    return "\n".join(lines)
+    return "\n".join(lines + _verdict_lines(result))
+
+
+def _verdict_lines(result: Any) -> list[str]:
+    """The verdict's text (an `Analysis`; the many-rank path's result has none), or the one line that says
+    why there is none."""
+    if not isinstance(result, Analysis):
+        return []
+    from .projection.decomposition import reason
+
+    try:
+        return result.verdict().to_text().split("\n")
+    except Exception as e:  # noqa: BLE001 - the tables above still stand
+        return ["", f"verdict: unavailable ({reason(e)})"]
 
 
 @dataclass
@@ -448,6 +513,16 @@ def _decomposition_summary(a: Analysis) -> dict[str, Any]:
         return to_summary(a.decomposition())
     except Exception as e:  # noqa: BLE001 - summary.json is written whatever the decomposition meets
         return unavailable(reason(e))
+
+
+def _verdict_summary(a: Analysis) -> dict[str, Any]:
+    """summary.json's ``verdict``: the record (docs/summary-json.md), or ``available: false`` with the reason."""
+    from .projection.decomposition import reason
+
+    try:
+        return {"available": True, **a.verdict().to_dict()}
+    except Exception as e:  # noqa: BLE001 - summary.json is written whatever the verdict meets
+        return {"available": False, "reason": " ".join(reason(e).split())[:400]}
 
 
 def _health_summary(a: Analysis) -> dict[str, Any]:

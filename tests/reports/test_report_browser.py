@@ -16,7 +16,7 @@ import pytest
 import tracelens
 from reports.html import write_report
 
-from ..conftest import CPU_ONLY, MOE_LOOP, NCCL_2RANK
+from ..conftest import CPU_ONLY, FIXTURES, MOE_LOOP, NCCL_2RANK
 
 CHROMIUM = os.environ.get("TRACELENS_CHROMIUM", "/usr/bin/chromium")
 FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
@@ -131,4 +131,44 @@ def test_diff_report_renders(browser, tmp_path):
     assert "loop <b>" in page.inner_text("header")  # a label from the command line, shown as text
     assert "aten::_grouped_mm" in page.inner_text("#ops")
     assert errors == []
+    page.close()
+
+
+VERDICT_RUNS = {  # issue 36: a CPU run, the 2-GPU NCCL traces, a pipeline- and an expert-parallel run
+    "cpu_run": FIXTURES / "cpu_whatif_grid" / "rep0" / "base",
+    "nccl_2rank": NCCL_2RANK,
+    "pp4_1f1b": FIXTURES / "h100_4gpu" / "pp4_1f1b",
+    "ep4_cap_ovl": FIXTURES / "h100_4gpu" / "ep4_cap_ovl",
+}
+
+
+@pytest.mark.parametrize("name", list(VERDICT_RUNS))
+def test_the_verdict_is_the_first_screen(browser, tmp_path, shots, name):
+    """At 1400 x 900 the first screen holds the bottleneck, the step's bar and the three actions, each with its
+    gain (what-if prediction or the finding's estimate); a screenshot of it with $TRACELENS_SCREENSHOTS."""
+    a = tracelens.analyze(tracelens.load(VERDICT_RUNS[name], cache=False))
+    report = write_report(a, tmp_path / "report.html")
+    page = browser.new_page(viewport={"width": 1400, "height": 900})
+    errors = []
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    page.goto(report.resolve().as_uri())
+    page.wait_for_load_state("load")
+    assert page.evaluate("document.querySelector('main section').id") == "verdict"
+
+    def bottom(selector):
+        return page.evaluate("s => document.querySelector(s).getBoundingClientRect().bottom", selector)
+
+    assert page.inner_text("#verdict-bottleneck").lower().startswith("bottleneck: ")
+    assert bottom("#verdict-bottleneck") <= 900 and bottom("#verdict-step") <= 900
+    heads = page.locator("#verdict-actions > li .head")
+    assert heads.count() == 3
+    for i in range(3):
+        box = heads.nth(i).bounding_box()
+        assert box["y"] + box["height"] <= 900, (name, i, box)  # inside the first screen, not scrolled to
+        assert heads.nth(i).locator(".gain").inner_text().strip(), (name, i)  # a gain or an estimate beside it
+    widths = page.evaluate("Array.from(document.querySelectorAll('#verdict-step .seg')).map(e => e.getBoundingClientRect().width)")
+    assert widths and sum(widths) == pytest.approx(page.locator("#verdict-step").bounding_box()["width"] - 2, abs=3)
+    if shots is not None:
+        page.screenshot(path=str(shots / f"verdict_{name}.png"))  # the first 1400 x 900 screen
+    assert not errors, errors
     page.close()

@@ -112,7 +112,9 @@ def test_cpu_only_summary_names_host_time_per_step_and_range(tmp_path):
     assert ms == pytest.approx((600 + 1000) / 2 / 1000)  # ms per step, per rank
     assert "(32%)" in line  # 1600 us of 5000 us of steps
     assert "top ops by self time per step: aten::mm 0.400 ms" in r.stdout  # (300 + 500) / 2 us
-    assert any(x.startswith("finding (info):") for x in r.stdout.splitlines())
+    # the verdict and the findings as sentences follow the tables (tracelens.analysis.verdict)
+    assert any(x.startswith("verdict: ") for x in r.stdout.splitlines())
+    assert any(x.startswith("  info   ") for x in r.stdout[r.stdout.index("findings:"):].splitlines())
 
 
 def test_host_prints_info_findings_without_a_recovery_estimate(tmp_path):
