@@ -207,7 +207,8 @@ def corpus_source(path: Path) -> Path:
     alt = _FX / "external" / path.relative_to(_EXT) if _EXT in path.parents else path
     if alt.exists():
         return alt
-    raise SystemExit(f"{path}: corpus trace not found (needs ../shared/fixtures; see ../shared/fixtures/README.md)")
+    raise SystemExit(f"{path}: corpus trace not found (not copied into tests/fixtures/external: set "
+                     "TRACELENS_CORPUS_EXTERNAL to a directory holding it; tests/fixtures/README.md says where it is from)")
 
 
 def _median(runs: list[dict]) -> dict:

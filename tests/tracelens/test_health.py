@@ -314,9 +314,7 @@ def test_swapped_distributed_info_ranks_are_an_error(tmp_path):
 
 
 def test_unlinked_kernels_counted_like_the_raw_json():
-    path = FIXTURES.parent.parent.parent / "shared" / "fixtures" / "external" / "tracelens" / "mi300_resnet_act_checkpoint.json.gz"
-    if not path.exists():
-        pytest.skip("../shared/fixtures not present")
+    path = FIXTURES / "external" / "tracelens" / "mi300_resnet_act_checkpoint.json.gz"
     ev = raw_events(path)
     rt = {e["args"]["correlation"] for e in ev if e.get("cat") in ("cuda_runtime", "cuda_driver") and e.get("ph") == "X"
           and "correlation" in (e.get("args") or {})}

@@ -9,7 +9,7 @@ library (json.load and our own counting), never with the code under test:
 * the same runs recorded with the routing counts: rows received per rank, padding per rank, routed bytes per
   pair; at level 0 the traces' split sizes are the routing counts summed per destination rank;
 * bad routing files (truncated, another run's, a malformed count list): one line naming the file, exit 2;
-* traces from elsewhere (../shared/fixtures/external): what the trace allows, with one line for what is missing.
+* traces from elsewhere (tests/fixtures/external): what the trace allows, with one line for what is missing.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from ..conftest import FIXTURES
 L3 = FIXTURES / "h100_4gpu" / "ep4_L3_torch"
 R_L3 = FIXTURES / "h100_4gpu_routing" / "ep4_L3_torch"
 R_L0 = FIXTURES / "h100_4gpu_routing" / "ep4_L0_loop"
-EXTERNAL = FIXTURES.parent.parent.parent / "shared" / "fixtures" / "external"
+EXTERNAL = FIXTURES / "external"
 
 
 # ------------------------------------------------------------------------------------------ raw-JSON helpers
@@ -398,15 +398,8 @@ def test_no_moe_work_no_moe_block():
 # ----------------------------------------------------------------------------------------- foreign traces
 
 
-def _external(*parts) -> Path:
-    p = EXTERNAL.joinpath(*parts)
-    if not p.exists():
-        pytest.skip("../shared/fixtures/external not present")
-    return p
-
-
 def test_a_foreign_moe_trace_keeps_what_it_has_and_says_what_is_missing_in_one_line():
-    path = _external("tracelens", "b200_eager.json.gz")  # vLLM GPT-OSS on a B200: FusedMoE_<i> modules
+    path = EXTERNAL / "tracelens" / "b200_eager.json.gz"  # vLLM GPT-OSS on a B200: FusedMoE_<i> modules
     with gzip.open(path, "rt") as f:
         ev = json.load(f)["traceEvents"]
     n_moe_calls = sum(1 for e in ev if e.get("name") == "vllm::moe_forward" and e.get("cat") == "cpu_op")
@@ -423,7 +416,7 @@ def test_a_foreign_moe_trace_keeps_what_it_has_and_says_what_is_missing_in_one_l
 
 
 def test_a_foreign_trace_with_all_to_all_but_no_peer_list():
-    path = _external("hta", "trace_diff", "control.json.gz")  # one rank of an 8-rank job, older torch
+    path = EXTERNAL / "hta" / "trace_diff" / "control.json.gz"  # one rank of an 8-rank job, older torch
     rep = tracelens.analyze(tracelens.load(path)).moe()
     assert rep.pairs["dst"].tolist() == [-1] and rep.pairs["split_source"].tolist() == ["no peer list"]
     assert "all-to-all bytes per rank (no peer list)" in rep.missing and "\n" not in rep.missing
