@@ -1,13 +1,11 @@
 """Shared test fixtures: paths to the real traces and an independent raw-JSON reader; the order and the
-machine lock that let `make test` run the suite on two pytest-xdist workers (see `pytest_runtest_protocol`)."""
+thread counts that let `make test` run the suite on two pytest-xdist workers."""
 
 from __future__ import annotations
 
-import fcntl
 import gzip
 import json
 import os
-from contextlib import contextmanager
 from decimal import Decimal
 from pathlib import Path
 
@@ -62,14 +60,15 @@ def _isolated_cache(tmp_path_factory, monkeypatch):
 
 # ------------------------------------------------------------------ two workers (pytest-xdist)
 # `make test` runs `pytest -n 2 --dist loadfile`: a test file runs on one worker, in order, so its module
-# fixtures (a trainer run, a sweep) are built once. Three rules keep that as fast and as deterministic as
+# fixtures (a trainer run, a sweep) are built once. Two rules keep that as fast and as deterministic as
 # one process:
 # * files with a `slow` test start first (xdist would otherwise hand out the files with the most tests
 #   first and leave the few long ones for the end, one worker busy and the other idle);
-# * a test marked `alone` (it measures wall-clock time against a model, e.g. the pipeline bubble, with
-#   a CPU core per rank) runs with no test of the other worker beside it: `_machine_lock`;
 # * each worker runs torch (and OpenMP) on its share of the cores, never one thread per core each:
 #   `pytest_configure`.
+# No test times a real run and judges the time (the other worker, or any other process, may share the
+# cores): figures that are wall-clock times are checked on recorded runs (tests/fixtures/cpu_whatif_grid,
+# tests/fixtures/cpu_pp2_bubble), so no test needs the machine to itself.
 
 
 def pytest_configure(config):
@@ -87,35 +86,6 @@ def pytest_configure(config):
 def pytest_collection_modifyitems(config, items):
     slow_files = {item.path for item in items if item.get_closest_marker("slow")}
     items.sort(key=lambda item: item.path not in slow_files)  # stable: the order within each group stays
-
-
-@contextmanager
-def _machine_lock(directory: Path, alone: bool):
-    """A readers-writer lock between the workers of one run (flock on two files in ``directory``): every
-    test holds ``machine`` shared; an `alone` test holds it exclusively. ``gate`` gives the `alone` test
-    priority: once it waits, the other worker starts no new test, and it runs as soon as the test
-    already running there ends."""
-    with open(directory / "gate.lock", "a") as gate, open(directory / "machine.lock", "a") as machine:
-        if alone:
-            fcntl.flock(gate, fcntl.LOCK_EX)
-            fcntl.flock(machine, fcntl.LOCK_EX)
-        else:
-            fcntl.flock(gate, fcntl.LOCK_SH)
-            fcntl.flock(machine, fcntl.LOCK_SH)
-            fcntl.flock(gate, fcntl.LOCK_UN)
-        yield  # closing the files releases the locks
-
-
-@pytest.hookimpl(wrapper=True)
-def pytest_runtest_protocol(item, nextitem):
-    """Under pytest-xdist, each test (its setup, module fixtures included, call and teardown) holds the
-    machine lock of this run; without xdist there is nothing beside it and no lock."""
-    basetemp = getattr(item.config.option, "basetemp", None)
-    if not hasattr(item.config, "workerinput") or not basetemp:
-        return (yield)
-    # xdist gives each worker the basetemp <the run's basetemp>/popen-<worker>: the parent is the run's
-    with _machine_lock(Path(basetemp).parent, item.get_closest_marker("alone") is not None):
-        return (yield)
 
 
 def merged_length(intervals):

@@ -1,7 +1,7 @@
 """Run under torchrun by test_pipeline.py: pipelined and reference runs, one world per launch.
 
 ``python -m torch.distributed.run --nproc-per-node 4 _pp_worker.py OUT numerics``
-``python -m torch.distributed.run --nproc-per-node 2 _pp_worker.py OUT bubble``
+``python -m torch.distributed.run --nproc-per-node 2 _pp_worker.py OUT bubble`` (records tests/fixtures/cpu_pp2_bubble)
 
 * ``numerics`` (4 gloo ranks): a small MoE config trained 3 steps by non-pipelined references (pp=1,
   dp=4 with 2 or 4 micro-batches) and by pipelined runs over the same global batches (1F1B PP=4 x 8
@@ -10,7 +10,8 @@
 * ``bubble`` (2 gloo ranks, one CPU core and one thread each, like a device per rank): 1F1B PP=2 and
   interleaved PP=2 x VPP=2 on the automatic (balanced) layout, 8 micro-batches, and an interleaved run
   with a deliberately unbalanced layout (smaller layers: only its stages' time ratios are checked); the
-  test reads the run dirs' ``pipeline/rank<N>.jsonl``.
+  run dirs' ``manifest.json`` and ``pipeline/rank<N>.jsonl`` (gzipped) are tests/fixtures/cpu_pp2_bubble, which
+  test_pipeline.py reads: the suite does not run this mode (its figures are wall-clock times).
   The model (:data:`BUBBLE`) is sized so that an action's compute dwarfs the schedule's fixed host
   cost per action (gloo send/recv and torch's runtime, ~0.5-0.8 ms per hand-off on CPU), and its layers
   are dense, so every micro-batch costs the same on every stage (MoE routing would make a stage's cost
@@ -83,7 +84,7 @@ def main(out_dir: str, mode: str) -> None:
     base = SMALL if mode == "numerics" else BUBBLE
     cpus = sorted(os.sched_getaffinity(0))
     world = int(os.environ["WORLD_SIZE"])
-    if mode == "bubble" and len(cpus) >= world:  # a core of its own per rank (the test requires it)
+    if mode == "bubble" and len(cpus) >= world:  # a core of its own per rank (what the recording assumes)
         os.sched_setaffinity(0, {cpus[int(os.environ["RANK"])]})
     old_torch = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) < (2, 13)
     share = {}  # run -> this rank's CPU time / wall time
