@@ -1028,9 +1028,9 @@ def test_a_pipeline_stage_of_2_63_is_refused_not_iterated(tmp_path):
     res = CliRunner().invoke(main, ["ppvis", str(run), "--no-traces", "-o", str(tmp_path / "p.html")], env=env)
     _one_line_exit_2(res, f"{f}:1")
     assert f"at most {MAX_STAGES - 1}" in res.stderr
-    t0 = time.monotonic()
+    t0 = time.process_time()  # CPU time: bounded work whatever else runs on the machine
     res = CliRunner().invoke(main, ["check", str(run), "--json", str(tmp_path / "c.json")], env=env)
-    assert res.exit_code in (0, 1) and time.monotonic() - t0 < 60, res.stderr
+    assert res.exit_code in (0, 1) and time.process_time() - t0 < 60, res.stderr
 
 
 @pytest.mark.parametrize("line", [b"[" * 100_000, b'{"step":' * 100_000], ids=["list", "object"])
