@@ -4,6 +4,10 @@
    EP=1 reference computed on all ranks' tokens with the full expert set.
 2. Host syncs in the MoE path per level under EP (forward + backward of the layer).
 3. Every level x backend trains 2 steps through train() (alternating FSDP2 / DDP).
+4. The 10-step run of ``trainer.launch --config tiny --nproc 4 --set ep=2 --sync-free-level 1
+   --grouped-gemm-backend torch -o OUT/dp2ep2``: its arguments parsed as each rank's ``python -m trainer`` parses
+   them (trainer/cli.py), then train(): in this launch, not a second torchrun of 4 processes (the launcher's own
+   part, starting torchrun and its ranks, is run by the README's commands: tests/test_readme.py).
 """
 
 from __future__ import annotations
@@ -17,10 +21,13 @@ import torch.distributed as dist
 
 from moespec.backends import GROUPED_GEMM_BACKENDS
 from moespec.config import load_config
+from trainer.cli import build_parser, config_from_args
 from trainer.model.moe import MoE
 from trainer.parallel import init_distributed
 from trainer.syncs import HostSyncCounter
 from trainer.train import train
+
+LAUNCHER_RUN = ["--config", "tiny", "--set", "ep=2", "--sync-free-level", "1", "--grouped-gemm-backend", "torch"]
 
 
 def moe_check(cfg, d, level, backend):
@@ -83,6 +90,8 @@ def main(out_dir: str) -> None:
                 results["train"][f"{level}/{backend}"] = {"loss": m["metrics"]["loss"], "dp_mode": mode,
                                                           "grad_norm": m["metrics"]["grad_norm"],
                                                           "mesh": m["mesh"]["shape"]}
+    args = build_parser().parse_args([*LAUNCHER_RUN, "-o", str(out / "dp2ep2")])
+    train(config_from_args(args), args.out)
     if d.rank == 0:
         (out / "results.json").write_text(json.dumps(results, indent=1))
     dist.barrier()

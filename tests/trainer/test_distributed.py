@@ -1,33 +1,31 @@
-"""CI: 4 gloo ranks (dp 2 x ep 2) under torchrun.
+"""CI: 4 gloo ranks (dp 2 x ep 2) under torchrun, one launch of _dist_worker.py for the module:
 
-* the launcher trains 10 steps of tiny.yaml: loss decreases, every rank's trace and the manifest exist;
-* one torchrun of _dist_worker.py checks EP numerics and host syncs for every level x backend and
-  trains 2 steps of each combination (FSDP2 and DDP alternating).
+* 10 steps of tiny.yaml with the launcher's arguments (`--set ep=2 --sync-free-level 1 --grouped-gemm-backend
+  torch`, parsed as each rank parses them): loss decreases, every rank's trace and the manifest exist;
+* EP numerics and host syncs for every level x backend, and 2 trained steps of each combination (FSDP2 and DDP
+  alternating).
 """
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
 from tests.trainer._rundir import check_run_dir
+from tests.trainer._workers import run_worker
 
-REPO = Path(__file__).resolve().parents[2]
 BACKENDS = ("loop", "multistream", "torch", "triton")
 
 
+@pytest.fixture(scope="module")
+def worker(tmp_path_factory):
+    out = tmp_path_factory.mktemp("dist")
+    return out, run_worker("_dist_worker.py", out, timeout=400)
+
+
 @pytest.mark.slow
-def test_four_ranks_dp2_ep2_train_ten_steps(tmp_path):
-    run = tmp_path / "dp2ep2"
-    r = subprocess.run([sys.executable, "-m", "trainer.launch", "--config", "tiny", "--nproc", "4",
-                        "--set", "ep=2", "--sync-free-level", "1", "--grouped-gemm-backend", "torch", "-o", str(run)],
-                       cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-4000:]
-    m = check_run_dir(run, world=4, steps=10, profiled=range(3, 5))
+def test_four_ranks_dp2_ep2_train_ten_steps(worker):
+    out, _ = worker
+    m = check_run_dir(out / "dp2ep2", world=4, steps=10, profiled=range(3, 5))
     assert m["mesh"]["shape"] == [2, 2] and m["mesh"]["ranks"] == [[0, 1], [2, 3]]
     assert m["parallel"]["launched_by_torchrun"] is True
     loss = m["metrics"]["loss"]
@@ -36,13 +34,8 @@ def test_four_ranks_dp2_ep2_train_ten_steps(tmp_path):
 
 
 @pytest.mark.slow
-def test_every_level_and_backend_under_ep(tmp_path):
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
-                        str(REPO / "tests" / "trainer" / "_dist_worker.py"), str(tmp_path)],
-                       cwd=REPO, capture_output=True, text=True, timeout=400,
-                       env={**__import__("os").environ, "PYTHONPATH": str(REPO)})
-    assert r.returncode == 0, r.stderr[-4000:]
-    res = json.loads((tmp_path / "results.json").read_text())
+def test_every_level_and_backend_under_ep(worker):
+    _, res = worker
     n_layers = 1  # moe_check runs one MoE layer
     for level in range(4):
         for backend in BACKENDS:
