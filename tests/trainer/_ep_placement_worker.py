@@ -15,6 +15,10 @@ rank). Compared:
 With drops (capacity 0.6) the two placements drop different rows (the peer of a row is its slot's rank): the
 balanced layer is checked against the capacity rule written out with the slots' peers
 (``_dropping_reference(..., slot=...)``), and drops fewer rows when its placement evens the peers' loads.
+
+Then the trainer end to end on the same 4 ranks (tiny, ep 4, 6 steps), each run's arguments parsed as each rank's
+``python -m trainer`` parses them (trainer/cli.py: the loads file read before training) and trained by train():
+``OUT/contiguous`` writes its routing.json, ``OUT/balanced`` (``ep_placement=balanced``) reads it.
 """
 
 from __future__ import annotations
@@ -41,9 +45,11 @@ from tests.trainer._ep_dispatch_worker import (
     _init,
     _inputs,
 )
+from trainer.cli import build_parser, config_from_args
 from trainer.model import dispatch
 from trainer.model.moe import MoE, route
 from trainer.routing_log import RoutingLog
+from trainer.train import train
 
 
 def _loads(cfg, ref: MoE, xs) -> list[int]:
@@ -122,6 +128,12 @@ def check(cfg, group, P, me, ranks, *, path, level, overlap, factor):
     return res
 
 
+# the trainer end to end: name -> --set overrides ({out}: this launch's output directory)
+E2E = ["ep=4", "steps=6", "profile_step_end=0", "log_every=0"]
+E2E_RUNS = {"contiguous": E2E,
+            "balanced": [*E2E, "ep_placement=balanced", "ep_placement_loads={out}/contiguous/routing.json"]}
+
+
 def main(out_dir: str) -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -143,8 +155,15 @@ def main(out_dir: str) -> None:
                 results[key] = check(cfg, group, P, me, ranks, **c)
             except Exception as err:  # noqa: BLE001 - the test names the case and its error
                 results[key] = {"error": f"{type(err).__name__}: {' '.join(str(err).split())[:400]}"}
+    out = Path(out_dir)
+    for name, sets in E2E_RUNS.items():
+        sets = [x.format(out=out) for x in sets]
+        args = build_parser().parse_args(["--config", "tiny", *[a for x in sets for a in ("--set", x)],
+                                          "-o", str(out / name)])
+        train(config_from_args(args), args.out)
+        dist.barrier()  # the balanced run reads the contiguous run's routing.json
     if rank == 0:
-        (Path(out_dir) / "results.json").write_text(json.dumps(results, indent=1))
+        (out / "results.json").write_text(json.dumps(results, indent=1))
     dist.barrier()
     dist.destroy_process_group()
 

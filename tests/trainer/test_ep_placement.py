@@ -5,8 +5,10 @@
   gradients, expert weight gradients gathered into the logical order) through nccl (levels 0 and 3), capacity
   and symm (emulated) without drops, serial and overlapped; the routing log counts logical experts under
   both; with drops the balanced layer drops exactly the rows the capacity rule drops with the slots' peers.
-* The trainer end to end (4 ranks, ep 4): a contiguous run writes routing.json, a balanced run reads it,
-  trains the same losses, records the placement in its manifest and its routing file.
+* The trainer end to end (4 ranks, ep 4; in the same launch, each run's arguments parsed as the trainer's
+  command line parses them): a contiguous run writes routing.json, a balanced run reads it, trains the same
+  losses, records the placement in its manifest and its routing file. The launcher refuses a bad loads file
+  before any rank starts.
 * Bad input: one line, exit 2.
 """
 
@@ -28,8 +30,14 @@ TOL = 1e-5  # fp32; the drop cases' reference sums in another order (measured <=
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory):
-    return run_worker("_ep_placement_worker.py", tmp_path_factory.mktemp("ep_placement"))
+def launch(tmp_path_factory):
+    out = tmp_path_factory.mktemp("ep_placement")
+    return out, run_worker("_ep_placement_worker.py", out)
+
+
+@pytest.fixture(scope="module")
+def results(launch):
+    return launch[1]
 
 
 @pytest.mark.slow
@@ -69,14 +77,12 @@ def _launch(tmp_path, name, *sets, nproc=4):
 
 
 @pytest.mark.slow
-def test_trainer_balanced_run_from_a_previous_routing_file(tmp_path):
-    r = _launch(tmp_path, "contiguous")
-    assert r.returncode == 0, r.stderr[-3000:]
-    loads = tmp_path / "contiguous" / "routing.json"
-    r = _launch(tmp_path, "balanced", "ep_placement=balanced", f"ep_placement_loads={loads}")
-    assert r.returncode == 0, r.stderr[-3000:]
-    a = json.loads((tmp_path / "contiguous" / "manifest.json").read_text())
-    b = json.loads((tmp_path / "balanced" / "manifest.json").read_text())
+def test_trainer_balanced_run_from_a_previous_routing_file(launch):
+    out, _ = launch
+    loads = out / "contiguous" / "routing.json"
+    a = json.loads((out / "contiguous" / "manifest.json").read_text())
+    b = json.loads((out / "balanced" / "manifest.json").read_text())
+    assert a["status"] == b["status"] == "complete" and a["world_size"] == b["world_size"] == 4
     assert a["ep_placement"] == {"mode": "contiguous"}
     pl = b["ep_placement"]
     assert pl["mode"] == "balanced" and pl["loads_file"] == str(loads) and pl["ep"] == 4
@@ -91,7 +97,7 @@ def test_trainer_balanced_run_from_a_previous_routing_file(tmp_path):
         assert abs(x - y) <= 1e-5 * abs(x), (a["metrics"]["loss"], b["metrics"]["loss"])
     # routing.json: per logical expert (comparable with the contiguous run's), with the placement it ran under
     ra = json.loads(loads.read_text())
-    rb = json.loads((tmp_path / "balanced" / "routing.json").read_text())
+    rb = json.loads((out / "balanced" / "routing.json").read_text())
     assert "placement" not in ra
     assert rb["placement"] == {"mode": "balanced", "layers": [{"layer": ly["layer"], "ranks": ly["ranks"]}
                                                                for ly in pl["layers"]]}
