@@ -201,11 +201,14 @@ def check_against_reference(path: Path, full: bool = True) -> dict:
     return {c: (t_name[r] if r >= 0 else None) for c, r in zip(g["correlation"].tolist(), g["op_row"].tolist())}
 
 
+NOT_TRACES = {"manifest.json", "routing.json", "measured.json"}  # run manifests, routing counts, measured grids
+
+
 def all_fixture_files() -> list[Path]:
     """Every trace in tests/fixtures (run dirs' traces and the external copies), each content once."""
     seen, out = set(), []
     for p in sorted(FIXTURES.rglob("*.json*")):
-        if not p.name.endswith((".json", ".json.gz")) or p.name in ("manifest.json", "routing.json"):
+        if not p.name.endswith((".json", ".json.gz")) or p.name in NOT_TRACES:
             continue
         digest = hashlib.blake2b(p.read_bytes(), digest_size=16).digest()
         if digest not in seen:
