@@ -34,12 +34,12 @@ BILLION = laughs()  # 9**9 = 387,420,489 "lol"s in 342 bytes: GBs once anything 
 def test_billion_laughs_is_rejected_while_composed():
     assert len(BILLION.encode()) < 500
     tracemalloc.start()
-    t0 = time.monotonic()
+    t0 = time.process_time()  # CPU time of this process, whatever else runs
     with pytest.raises(YAMLBoundError) as e:
         safe_load(BILLION)
     peak = tracemalloc.get_traced_memory()[1]
     tracemalloc.stop()
-    assert time.monotonic() - t0 < 2 and peak < 20 * 2**20  # nothing expanded
+    assert time.process_time() - t0 < 2 and peak < 20 * 2**20  # nothing expanded
     assert isinstance(e.value, yaml.YAMLError) and "\n" not in e.value.problem
     assert e.value.problem.startswith(f"aliases (*name) expand this value to 5,380,840 nodes (at most {MAX_NODES:,})")
     assert e.value.problem_mark.line == 6  # the first level past the bound: g (9**7 leaves)
@@ -90,9 +90,9 @@ def test_short_repr_never_builds_the_whole_repr():
     x: list = ["lol"]
     for _ in range(300):  # 2**300 leaves through shared references
         x = [x, x]
-    t0 = time.monotonic()
+    t0 = time.process_time()
     text = short_repr(x)
-    assert time.monotonic() - t0 < 0.1 and len(text) <= 83 and text.startswith("[[[")
+    assert time.process_time() - t0 < 0.1 and len(text) <= 83 and text.startswith("[[[")
     assert short_repr("x" * 10**6).endswith("'") and len(short_repr("x" * 10**6)) <= 83
     assert short_repr(list(range(10**6))) == "[0, 1, 2, 3, 4, 5, 6, 7, ...]"
 
