@@ -253,7 +253,8 @@ class CapacityFused(Mechanism):
                     added += ns
                     n_add += 1
             comp = "copies/casts" if "copies/casts" in set(plan.comp) else plan.comp[int(got["send"][0])]
-            for at, ns, stream in sorted(ins, key=lambda x: -x[0]):
+            # from the last position back (earlier positions stay valid); at one position, in the path's order
+            for _, (at, ns, stream) in sorted(enumerate(ins), key=lambda x: (-x[1][0], -x[0])):
                 plan.add_unit(ns, stream, comp, per_launch, at)
             moved += added
             lines.append(f"ep_capacity_fused true -> false: {n_add} unfused row-move kernels added ({ds * added / 1e6:.2f} "
