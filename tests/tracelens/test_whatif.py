@@ -127,7 +127,9 @@ def _cli(*args):
     (["--set", "no_such_key=1"], "unknown trainer key 'no_such_key'"),
     (["--set", "micro_batch_size=-3"], "micro_batch_size"),
     (["--set", "grouped_gemm_backend=cublas"], "grouped_gemm_backend"),
-    (["--set", "d_model=4"], "d_model: the what-if model has no mechanism for this key"),
+    (["--set", "d_model=4"], "d_model: another model: its kernels' shapes"),
+    (["--set", "router_bias_update_rate=0.001"], "router_bias_update_rate: load balancing changes the routing"),
+    (["--set", "ep_overlap_schedule=pipelined"], "ep_overlap_schedule: the shared expert split around the chunk"),
     (["--set", "micro_batch_size"], "expected KEY=VALUE"),
 ])
 def test_cli_bad_input_is_one_line_exit_2(args, needle):

@@ -356,6 +356,8 @@ class Model:
         model computes with these values) and the trainer's defaults for keys the manifest lacks; keys the
         trainer does not know (an older or newer trainer's) are kept as they are. A value the trainer
         would refuse is one line naming the manifest."""
+        # a key the run's trainer did not have yet: the value that trainer ran with (the mechanisms' ``legacy``)
+        raw = {**{k: v for k, v in MECH.LEGACY.items() if k not in raw}, **raw}
         try:
             known = load_config(None, {k: v for k, v in raw.items() if k in DEFAULTS})
         except ConfigError as e:
@@ -366,6 +368,9 @@ class Model:
         bad = [k for k in changes if k not in DEFAULTS]
         if bad:
             raise WhatIfError(f"unknown trainer key {bad[0]!r} (see docs/trainer.md for the keys)")
+        refused = [k for k, v in changes.items() if k in MECH.REFUSED and self.config.get(k, DEFAULTS[k]) != v]
+        if refused:  # a knob family declared without a prediction: its own one line (mechanisms' ``refuses``)
+            raise WhatIfError(f"{refused[0]}: {MECH.REFUSED[refused[0]]}")
         unmodeled = [k for k, v in changes.items()
                      if k not in MODELED and k not in NEUTRAL and self.config.get(k, DEFAULTS[k]) != v]
         if unmodeled:

@@ -7,6 +7,9 @@ phase. What the model can predict is derived from the registry:
 
 * :data:`MODELED`: the keys of the mechanisms that change the step, in registry order;
 * :data:`NEUTRAL`: the keys declared not to change a step's time;
+* :data:`REFUSED`: key -> the one line a change of it is refused with (a family declared with ``refuses``: the
+  trace cannot support a prediction);
+* :data:`LEGACY`: key -> the value a trainer without the key ran with (a manifest without it is read so);
 * :data:`SIGMA`: every mechanism's uncertainty entries.
 
 Adding a knob family is one new module here (and its test): see docs/whatif.md.
@@ -44,12 +47,28 @@ def _registry() -> tuple[Mechanism, ...]:
 
 REGISTRY: tuple[Mechanism, ...] = _registry()
 # the order the model applies them in: the per-rank edits (units, then end), then the step's
-EDITS: tuple[Mechanism, ...] = tuple(m for ph in ("units", "end") for m in REGISTRY if m.changes_step and m.phase == ph)
-STEPS: tuple[Mechanism, ...] = tuple(m for m in REGISTRY if m.changes_step and m.phase == "step")
-MODELED: tuple[str, ...] = tuple(k for m in REGISTRY if m.changes_step for k in m.keys)
-NEUTRAL: tuple[str, ...] = tuple(k for m in REGISTRY if not m.changes_step for k in m.keys)
+_ACTS = tuple(m for m in REGISTRY if m.changes_step and not m.refuses)
+EDITS: tuple[Mechanism, ...] = tuple(m for ph in ("units", "end") for m in _ACTS if m.phase == ph)
+STEPS: tuple[Mechanism, ...] = tuple(m for m in _ACTS if m.phase == "step")
+MODELED: tuple[str, ...] = tuple(k for m in _ACTS for k in m.keys)
+NEUTRAL: tuple[str, ...] = tuple(k for m in REGISTRY if not m.changes_step and not m.refuses for k in m.keys)
+REFUSED: dict[str, str] = {k: m.refuses for m in REGISTRY if m.refuses for k in m.keys}
+LEGACY: dict = {k: v for m in REGISTRY for k, v in m.legacy.items()}
 SIGMA: dict[str, float] = {s: v for m in REGISTRY for s, v in m.sigma.items()}
 BY_NAME: dict[str, Mechanism] = {m.name: m for m in REGISTRY}
 
-__all__ = ["BY_NAME", "Change", "EDITS", "MODELED", "Mechanism", "NEUTRAL", "REGISTRY", "SIGMA", "STEPS",
-           "WhatIfError", "register"]
+__all__ = [
+    "BY_NAME",
+    "EDITS",
+    "LEGACY",
+    "MODELED",
+    "NEUTRAL",
+    "REFUSED",
+    "REGISTRY",
+    "SIGMA",
+    "STEPS",
+    "Change",
+    "Mechanism",
+    "WhatIfError",
+    "register",
+]

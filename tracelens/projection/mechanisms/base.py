@@ -23,6 +23,11 @@ replaces the plain replay of a rank's edited program (the first mechanism that r
 
 A module in this package defines a subclass and decorates it with :func:`register`; the package finds
 the modules itself (``mechanisms/__init__.py``), so a new knob family is one new module.
+
+A knob family whose effect the trace of a run cannot show (another model, code generation, routing that changes
+over the run) is still declared, with ``refuses`` set: the one line a what-if changing one of its keys is refused
+with (why, and what measurement would answer it). Every trainer key is owned by exactly one mechanism, modeled,
+neutral or refused (``tests/tracelens/test_whatif_mechanisms.py`` fails on a key that is none of them).
 """
 
 from __future__ import annotations
@@ -76,6 +81,11 @@ class Mechanism:
     order: ClassVar[float] = 0.0  # place in the application order (and in the listing of keys)
     changes_step: ClassVar[bool] = True  # False: its keys are accepted and change nothing in the step
     summary: ClassVar[str] = ""  # one line: what is modeled, what is kept from the measurement
+    # a knob family the model names but does not predict: the one line (why the trace cannot support a
+    # prediction, and what measurement would) a what-if that changes one of its keys is refused with
+    refuses: ClassVar[str] = ""
+    # the value each of its keys had in a trainer that did not have the key yet (a manifest without it ran so)
+    legacy: ClassVar[dict] = {}
 
     def applies(self, change: Change) -> bool:
         """Whether this what-if needs this mechanism's edit."""
@@ -116,6 +126,10 @@ def register(cls: type[Mechanism]) -> type[Mechanism]:
         raise ValueError(f"mechanism {cls.__name__}: no name")
     if any(m.name == cls.name for m in _REGISTERED):
         raise ValueError(f"mechanism {cls.name!r} registered twice")
+    if "\n" in cls.refuses:
+        raise ValueError(f"mechanism {cls.name!r}: its refusal must be one line")
+    if set(cls.legacy) - set(cls.keys):
+        raise ValueError(f"mechanism {cls.name!r}: a legacy value for a key it does not own")
     _REGISTERED.append(cls())
     return cls
 

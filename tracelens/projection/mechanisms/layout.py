@@ -124,6 +124,9 @@ class Routing:
 
     counts: dict  # rank -> layer -> np.ndarray [E]
     basis: str
+    # ``ep_placement: balanced`` runs: per MoE layer, the EP rank (index into a group) holding each expert
+    placement: dict = field(default_factory=dict)
+    ep: int = 1  # the run's EP group size
 
 
 def read_routing(run, manifest: dict | None) -> tuple[Routing | None, str]:
@@ -151,16 +154,44 @@ def read_routing(run, manifest: dict | None) -> tuple[Routing | None, str]:
                 out[rank][lid] = np.asarray(lc.total, float) / lc.total_forwards
     basis = (f"routing.json, profiled step(s) {', '.join(map(str, sorted(used)))}" if used
              else f"routing.json, all {rc.steps} steps")
-    return Routing(out, basis), ""
+    ep = max((len(r.ep_group) for r in rc.ranks.values()), default=1)
+    return Routing(out, basis, {int(k): tuple(v) for k, v in (rc.placement or {}).items()}, ep), ""
+
+
+def experts_by_rank(cfg: dict, ep: int, routing: Routing | None, run_cfg: dict) -> dict | None:
+    """Per MoE layer, the experts each EP rank holds under ``cfg``'s placement at ``ep`` ranks: {layer: [[expert,
+    ...] per EP rank]}; None for the contiguous placement (or ep < 2). The run's own balanced placement comes from
+    its ``routing.json`` (``routing.placement``, at the run's EP size, when ``cfg`` asks for the run's loads file);
+    any other from the trainer's plan on ``cfg``'s ``ep_placement_loads``. A loads file that cannot be read here:
+    `WhatIfError`, one line."""
+    if ep < 2 or cfg.get("ep_placement", "contiguous") != "balanced":
+        return None
+    E = int(cfg["n_routed_experts"])
+    if (routing is not None and routing.placement and routing.ep == ep
+            and run_cfg.get("ep_placement") == "balanced"
+            and run_cfg.get("ep_placement_loads") == cfg.get("ep_placement_loads")):
+        return {ly: [[e for e in range(E) if where[e] == p] for p in range(ep)]
+                for ly, where in routing.placement.items()}
+    from moespec.config import ConfigError
+    from moespec.placement import placement_plan
+
+    try:
+        plan = placement_plan({**cfg, "ep": ep})
+    except ConfigError as e:
+        raise WhatIfError(f"ep_placement: {e}") from None
+    return {ly: [list(r) for r in lp.ranks] for ly, lp in plan.layers.items()}
 
 
 def moe_layers(cfg: dict) -> list[int]:
     return list(range(int(cfg.get("first_k_dense") or 0), int(cfg["n_layers"])))
 
 
-def expert_rows(cfg: dict, world: int, tokens: int, routing: Routing | None, padded_l3: bool = False) -> dict:
+def expert_rows(cfg: dict, world: int, tokens: int, routing: Routing | None, padded_l3: bool = False,
+                experts: dict | None = None) -> dict:
     """Rows each rank's experts compute per micro-batch of ``tokens``: {rank: {layer: rows}} (module docstring).
-    ``padded_l3``: the trainer before issue 33 computed the whole worst-case buffer at nccl level 3."""
+    ``padded_l3``: the trainer before issue 33 computed the whole worst-case buffer at nccl level 3. ``experts``:
+    per MoE layer the experts of each EP rank (``ep_placement``: `experts_by_rank`); None or a layer
+    missing from it: contiguous (EP rank ``p`` holds ``[p*E/ep, (p+1)*E/ep)``)."""
     _, ep = dims(cfg, world)
     E, k = int(cfg["n_routed_experts"]), int(cfg["top_k"])
     el = E // ep
@@ -180,7 +211,8 @@ def expert_rows(cfg: dict, world: int, tokens: int, routing: Routing | None, pad
                 if routing is not None and s in routing.counts and ly in routing.counts[s]:
                     cnt = routing.counts[s][ly]
                     scale = tokens / max(float(cnt.sum()) / k, 1.0)  # the run's counts at these tokens
-                    sent = float(cnt[lo:lo + el].sum()) * scale
+                    held = (experts or {}).get(ly)
+                    sent = float((cnt[list(held[r % ep])] if held is not None else cnt[lo:lo + el]).sum()) * scale
                 else:
                     sent = tokens * k / ep
                 tot += c * min(sent / c, cap) if cap is not None else sent
@@ -324,6 +356,56 @@ def _stream_of(w: pd.DataFrame, comm: pd.DataFrame, family: str) -> int | None:
     return int(w["stream"].iloc[idx[0]]) if len(idx) else None
 
 
+def scale_expert_stages(plan, w: pd.DataFrame, r: int, rows0: dict, rows1: dict, t0: int, t1: int, ep0: int, ep1: int,
+                        skip: set, layers: list[int]) -> tuple[float, dict]:
+    """Each MoE layer's expert stage of rank ``r`` x its rows per token ``rows1 / t1`` over ``rows0 / t0`` (the
+    tokens mechanism scaled the tokens; units in ``skip`` are left alone). Returns the device time moved (ns) and,
+    per (layer, backward), the change in the rank's wait for the busiest rank of its EP group: that rank's extra
+    rows at this rank's time per row, new minus the run's (``ep0`` / ``ep1``: the groups' sizes)."""
+    moved = 0.0
+    waits: dict[tuple[int, bool], float] = {}
+    for ly in layers:
+        if r not in rows0 or ly not in rows0[r]:
+            continue
+        f = (rows1[r][ly] / t1) / max(rows0[r][ly] / t0, 1e-9)
+        g0 = range((r // ep0) * ep0, (r // ep0) * ep0 + ep0)
+        g1 = range((r // ep1) * ep1, (r // ep1) * ep1 + ep1)
+        for bwd in (False, True):
+            js = np.asarray([j for j in _stage_units(w, ly, bwd) if int(j) not in skip], dtype=np.int64)
+            if not len(js):
+                continue
+            before = float(sum(plan.dur[j] for j in js))
+            for j in js:
+                plan.dur[j] *= f
+            moved += abs(before * (f - 1.0))
+            # the busiest rank of the group sets the pace: its extra rows, at this rank's time per row
+            per_row = before / max(rows0[r][ly] * t1 / t0, 1e-9)
+            w1 = per_row * (max(rows1[s][ly] for s in g1) - rows1[r][ly]) if ep1 > 1 else 0.0
+            w0 = per_row * (max(rows0[s][ly] * t1 / t0 for s in g0) - rows0[r][ly] * t1 / t0) if ep0 > 1 else 0.0
+            waits[(ly, bwd)] = w1 - w0
+    return moved, waits
+
+
+def wait_for_busiest(plan, w: pd.DataFrame, waits: dict, a2a: np.ndarray, pos: dict, inserted: list) -> float:
+    """Each (layer, pass)'s change in the wait for the busiest rank (`scale_expert_stages`) goes into the first
+    token all-to-all after the stage's last unit (the collective the rank waits in), or, in a run without one, into
+    ``inserted`` as a unit after the stage (where the inserted all-to-alls go). Returns the time added (ns)."""
+    add = 0.0
+    for (ly, bwd), dw in waits.items():
+        if abs(dw) < 1.0:
+            continue
+        js = _stage_units(w, ly, bwd)
+        last = max((pos[int(j)] for j in js if int(j) in pos), default=None)
+        tgt = next((int(j) for j in a2a if pos.get(int(j), -1) > (last or -1)), None) if last is not None else None
+        if tgt is not None and int(w["layer"].iloc[tgt]) == ly:
+            plan.dur[tgt] = max(plan.dur[tgt] + dw, 0.0)
+            add += dw
+        elif last is not None and len(inserted) and dw > 0:
+            inserted.append((last + 1, dw, int(plan.stream[int(js[-1])]), "exposed communication"))
+            add += dw
+    return add
+
+
 def changes_layout(change: Change) -> bool:
     """Whether a what-if changes the expert / data parallel layout (then this mechanism owns the token all-to-alls)."""
     return any(change.old.get(k) != change.target.get(k) for k in LAYOUT_KEYS)
@@ -372,8 +454,8 @@ class Layout(Mechanism):
         ds = change.device_scale
         t0, t1 = change.t0, change.t1
         old_trainer = not gemms_stop_at_routed_rows(model.manifest)
-        rows0 = expert_rows(old, world, t0, b.routing, old_trainer)
-        rows1 = expert_rows(new, world, t1, b.routing, old_trainer)
+        rows0 = expert_rows(old, world, t0, b.routing, old_trainer, experts_by_rank(old, ep0, b.routing, old))
+        rows1 = expert_rows(new, world, t1, b.routing, old_trainer, experts_by_rank(new, ep1, b.routing, old))
         r = p.rank
         var = 0.0
         lines = []
@@ -393,27 +475,7 @@ class Layout(Mechanism):
                          f"{ds * sb * fb / 1e6:.2f} ms, linear in rows")
         skip = set(shaped.tolist())
         # ---- expert rows: each layer's expert stage x rows per token (the tokens mechanism scaled the tokens)
-        moved = 0.0
-        waits: dict[tuple[int, bool], float] = {}
-        for ly in moe_layers(old):
-            if r not in rows0 or ly not in rows0[r]:
-                continue
-            f = (rows1[r][ly] / t1) / max(rows0[r][ly] / t0, 1e-9)
-            g0 = range((r // ep0) * ep0, (r // ep0) * ep0 + ep0)
-            g1 = range((r // ep1) * ep1, (r // ep1) * ep1 + ep1)
-            for bwd in (False, True):
-                js = np.asarray([j for j in _stage_units(w, ly, bwd) if int(j) not in skip], dtype=np.int64)
-                if not len(js):
-                    continue
-                before = float(sum(plan.dur[j] for j in js))
-                for j in js:
-                    plan.dur[j] *= f
-                moved += abs(before * (f - 1.0))
-                # the busiest rank of the group sets the pace: its extra rows, at this rank's time per row
-                per_row = before / max(rows0[r][ly] * t1 / t0, 1e-9)
-                w1 = per_row * (max(rows1[s][ly] for s in g1) - rows1[r][ly]) if ep1 > 1 else 0.0
-                w0 = per_row * (max(rows0[s][ly] * t1 / t0 for s in g0) - rows0[r][ly] * t1 / t0) if ep0 > 1 else 0.0
-                waits[(ly, bwd)] = w1 - w0
+        moved, waits = scale_expert_stages(plan, w, r, rows0, rows1, t0, t1, ep0, ep1, skip, moe_layers(old))
         mean0 = np.mean([rows0[r][ly] for ly in rows0.get(r, {})]) if rows0.get(r) else 0.0
         mean1 = np.mean([rows1[r][ly] for ly in rows1.get(r, {})]) if rows1.get(r) else 0.0
         src = b.routing.basis if b.routing is not None else f"uniform T*k/ep per peer ({b.routing_note})"
@@ -486,19 +548,7 @@ class Layout(Mechanism):
                                 "(not added)")
         # ---- load imbalance: the wait for the busiest rank goes into the all-to-all after the expert stage
         if ep1 > 1:
-            add = 0.0
-            for (ly, bwd), dw in waits.items():
-                if abs(dw) < 1.0:
-                    continue
-                js = _stage_units(w, ly, bwd)
-                last = max((pos[int(j)] for j in js if int(j) in pos), default=None)
-                tgt = next((int(j) for j in a2a if pos.get(int(j), -1) > (last or -1)), None) if last is not None else None
-                if tgt is not None and int(w["layer"].iloc[tgt]) == ly:
-                    plan.dur[tgt] = max(plan.dur[tgt] + dw, 0.0)
-                    add += dw
-                elif last is not None and len(inserted) and dw > 0:
-                    inserted.append((last + 1, dw, int(plan.stream[int(js[-1])]), "exposed communication"))
-                    add += dw
+            add = wait_for_busiest(plan, w, waits, a2a, pos, inserted)
             if abs(add) > 0:
                 lines.append(f"load imbalance: rank {r} waits {ds * add / 1e6:+.2f} ms per step for the busiest rank "
                              "of its EP group (its rows at this rank's time per row), against the run's")
