@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from .space import key_of
+from .runner import timed_steps_of
 
 
 class ModelSearch:
@@ -114,7 +115,9 @@ class ModelSearch:
     def run(self, best: dict) -> str:
         sw, space = self.sw, self.space
         skipped_oom: set[str] = set()
+        explored = 0  # neighbour checks run (guided.explore)
         while sw.budget_left():
+            sw.stop = None
             # anchors: the trials this search has visited (so a resumed sweep replays the same decisions)
             seen = set(sw.visited)
             measured = [t for t in sw.store.trials(finished_only=True)
@@ -152,28 +155,48 @@ class ModelSearch:
             else:
                 cands.sort(key=lambda c: c[0], reverse=space.maximize)
                 obj, point, pr = cands[0]
-                inc = best["objective"]
-                gain = (obj - inc) / abs(inc) if space.maximize else (inc - obj) / abs(inc)
-                se = float((best["metrics"] or {}).get("noise") or 0.0)
-                noise = max(space.min_gain, space.noise_z * se)
+                gain = self._gain(obj, best)
+                noise, source = sw.noise(best)
                 if gain <= noise:
                     stop = (f"no candidate's predicted gain beats the noise (best: {_fmt(point)} predicted "
-                            f"{gain:+.1%} vs noise {noise:.1%})")
+                            f"{gain:+.1%} vs noise {noise:.1%}: {source})")
+                    se = float((best["metrics"] or {}).get("noise") or 0.0)
+                    sw.stop = {"gain": gain, "noise": noise, "point": point, "trial": best["id"],
+                               "se": se if se > 0 else None, "timed_steps": timed_steps_of(best),
+                               "noise_source": source, "explored": explored}
             if stop is not None:
-                if not unexplored:
-                    return stop
-                best = self._explore(unexplored, best)
-                continue
-            why = (f"what-if from trial {pr['anchor']}: predicted {obj:.4g} ({gain:+.1%} +/- "
-                   f"{100 * pr['uncertainty']:.0f}%)" + (f"; {pr['change']}" if pr["change"] else ""))
+                if unexplored:
+                    best = self._explore(unexplored, best)
+                    continue
+                near = [c for c in cands if _distance(c[1], best["knobs"]) == 1]
+                if explored >= space.explore or not near:
+                    return stop + (f"; {explored} neighbour check(s) measured" if explored else "")
+                # guided.explore: no prediction beats the noise, but the space asks for neighbour checks:
+                # measure the best-predicted one-knob neighbour of the incumbent, a test of the model
+                explored += 1
+                obj, point, pr = near[0]
+                why = (f"neighbour check {explored}/{space.explore}: what-if from trial {pr['anchor']} predicted "
+                       f"{obj:.4g} ({self._gain(obj, best):+.1%} +/- {100 * pr['uncertainty']:.0f}%), below the "
+                       f"noise {noise:.1%}: measured to test the prediction")
+                source = "explore"
+            else:
+                why = (f"what-if from trial {pr['anchor']}: predicted {obj:.4g} ({gain:+.1%} +/- "
+                       f"{100 * pr['uncertainty']:.0f}%)" + (f"; {pr['change']}" if pr["change"] else ""))
+                source = "whatif"
             cur = best
-            t = sw.evaluate(point, why, parent=cur, source="whatif",
+            t = sw.evaluate(point, why, parent=cur, source=source,
                             decide=lambda t, cur=cur: "kept" if sw.better(t, cur) else
                             ("failed" if t["status"] != "ok" else "reverted"))
             self._record(t, point, pr, t["decision"])
             if t["decision"] == "kept":
                 best = t
+        sw.stop = None
         return "budget spent"
+
+    def _gain(self, objective: float, best: dict) -> float:
+        """The relative gain of a predicted ``objective`` over the incumbent's measured one."""
+        inc = best["objective"]
+        return (objective - inc) / abs(inc) if self.space.maximize else (inc - objective) / abs(inc)
 
     def _explore(self, unexplored: list[dict], best: dict) -> dict:
         """Measure one point of a context no trial has: the one nearest the incumbent (fewest knobs changed;
@@ -211,6 +234,10 @@ class ModelSearch:
                "components_ms": pr["components_ms"], "base_components_ms": pr["base_components_ms"]}
         self.predictions = [r for r in self.predictions if r["knobs"] != point] + [row]
         self.sw.store.set_meta("predictions", _finite(self.predictions))
+
+
+def _distance(a: dict, b: dict) -> int:
+    return sum(1 for k in a if a.get(k) != b.get(k))
 
 
 def _fmt(point: dict) -> str:

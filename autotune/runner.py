@@ -218,6 +218,13 @@ def _timed_step_times(metrics: dict) -> np.ndarray:
     return np.asarray([x for x in times if isinstance(x, (int, float)) and not isinstance(x, bool)], dtype=float)
 
 
+def timed_steps_of(trial: dict) -> int | None:
+    """How many timed steps a stored trial's objective averages (its manifest's ``timed_steps``: not the
+    warm-up, the profiled steps or the one after them); None where the trial does not say."""
+    timed = (trial.get("metrics") or {}).get("timed_steps")
+    return len(timed) if isinstance(timed, list) else None
+
+
 def step_spread(metrics: dict) -> float:
     """Relative step-to-step spread of the timed steps, (p90 - p10) / median; 0 with fewer than 3.
     A property of the configuration (GC pauses, routing imbalance), read by the policy."""

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Callable
 
 from .policy import Move, explore_moves, propose
-from .runner import TrialResult, reap_orphans, run_trial
+from .runner import TrialResult, reap_orphans, run_trial, timed_steps_of
 from .space import Space, key_of
 from .store import StoreError, open_sweep_store
 from .tpe import missing as tpe_missing, run_tpe
@@ -49,6 +49,9 @@ class SweepResult:
     path: list[dict] = field(default_factory=list)  # the points visited, in order, with their decisions
     ran: int = 0  # trials actually run by this invocation (the rest came from the store)
     top: dict | None = None  # the highest-measured ok trial (= best, except for guided: see Sweep.result)
+    # why the model-driven search stopped, in numbers: the best remaining prediction's gain vs the noise
+    # threshold and where that threshold comes from (autotune.model_search); None for the other strategies
+    stop: dict | None = None
 
 
 Runner = Callable[[Space, dict, Path, Callable[[int], None]], TrialResult]
@@ -88,6 +91,7 @@ class Sweep:
         self.visited: list[str] = []  # keys this invocation's strategy went through (stored or run)
         self.path: list[dict] = []
         self.ran = 0
+        self.stop: dict | None = None  # set by the model-driven search when it stops on the noise
 
     def _check_resume(self, space: Space, strategy: str, resume: bool, seed: int) -> None:
         stored = self.store.get_meta("identity", kind=dict)
@@ -159,6 +163,32 @@ class Sweep:
         self.store.set_meta("path", self.path)
         return t
 
+    def noise(self, *trials: dict) -> tuple[float, str]:
+        """The smallest relative gain over ``trials[0]`` that is not noise, and where the figure comes from
+        (one phrase, for the stop line and the report): the larger of ``guided.min_gain`` and ``noise_z``
+        standard errors of the difference of the trials' objectives, sqrt(sum se^2) (each trial's
+        ``noise``: autotune.runner.step_noise, 0 when it has fewer than 3 timed steps, i.e. unknown)."""
+        ses = [float((t.get("metrics") or {}).get("noise") or 0.0) for t in trials]
+        z = self.space.noise_z
+        se = sum(x * x for x in ses) ** 0.5
+        threshold = max(self.space.min_gain, z * se)
+        unknown = [t["id"] for t, x in zip(trials, ses) if x <= 0]
+        if threshold > self.space.min_gain:
+            if len(trials) == 1:
+                n = timed_steps_of(trials[0])
+                src = (f"{z:g} x the standard error {se:.1%} of trial {trials[0]['id']}'s objective"
+                       + (f", from its {n} timed steps" if n else ""))
+            else:
+                src = f"{z:g} x the standard error {se:.1%} of the difference of trials " + \
+                      " and ".join(str(t["id"]) for t in trials)
+        elif unknown:
+            who = (f"trial {unknown[0]}'s standard error is" if len(unknown) == 1 else
+                   f"the standard errors of trials {' and '.join(map(str, unknown))} are")
+            src = f"guided.min_gain; {who} unknown, fewer than 3 timed steps"
+        else:
+            src = f"guided.min_gain, above {z:g} x the standard error {se:.1%}"
+        return threshold, src
+
     def better(self, new: dict, best: dict | None) -> bool:
         """``new`` beats ``best`` by more than the noise (any ok trial beats a failed or missing best): its
         relative gain must exceed both ``guided.min_gain`` and ``noise_z`` standard errors of the
@@ -167,9 +197,7 @@ class Sweep:
             return False
         if best is None or best["status"] != "ok":
             return True
-        se_new = float((new["metrics"] or {}).get("noise") or 0.0)
-        se_best = float((best["metrics"] or {}).get("noise") or 0.0)
-        noise = max(self.space.min_gain, self.space.noise_z * (se_new ** 2 + se_best ** 2) ** 0.5)
+        noise, _ = self.noise(new, best)
         a, b = new["objective"], best["objective"]
         gain = (a - b) / abs(b) if self.space.maximize else (b - a) / abs(b)
         return gain > noise
@@ -200,7 +228,7 @@ class Sweep:
             held = [p["trial"] for p in self.path if p["decision"] in ("start", "kept") and p["status"] == "ok"]
             best = next((t for t in trials if held and t["id"] == held[-1]), top)
         return SweepResult(self.out, self.strategy, trials, best, self.store.done(key_of(self.space.baseline)),
-                           stopped, self.path, self.ran, top)
+                           stopped, self.path, self.ran, top, self.stop)
 
     def _run_list(self, points: list[dict], why: str) -> str:
         for p in points:

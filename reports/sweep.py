@@ -46,10 +46,10 @@ def trials_frame(trials: list[dict], objective: str, root: Path | None = None) -
                      "reason": t.get("reason") or "",
                      "run_dir": _rel(t.get("run_dir"), root) if root else (t.get("run_dir") or ""),
                      "wall_s": (t.get("metrics") or {}).get("wall_s"),
-                     "se_pct": _se_pct(t),
+                     "se_pct": _se_pct(t), "timed_steps": _timed_steps(t),
                      **{f"knob.{k}": v for k, v in t["knobs"].items()}})
     cols = ["trial", "status", objective, "knobs", "decision", "motivation", "failure", "reason", "run_dir", "wall_s",
-            "se_pct"]
+            "se_pct", "timed_steps"]
     return pd.DataFrame(rows, columns=cols + sorted({c for r in rows for c in r if c.startswith("knob.")}))
 
 
@@ -61,6 +61,40 @@ def _se_pct(t: dict) -> float | None:
     if t.get("status") != "ok" or not isinstance(noise, (int, float)) or noise != noise or noise <= 0:
         return None
     return 100.0 * float(noise)
+
+
+def _timed_steps(t: dict) -> int | None:
+    """How many timed steps the trial's objective averages (the manifest's ``timed_steps``: not the warm-up,
+    the profiled steps or the one after them); None where the trial does not say (a failed one)."""
+    timed = (t.get("metrics") or {}).get("timed_steps")
+    return len(timed) if isinstance(timed, list) else None
+
+
+def stop_note(result, space) -> str | None:
+    """Why the model-driven search stopped, in numbers (``result.stop``, autotune/model_search.py): the best
+    remaining prediction's gain over the incumbent vs the noise threshold, and where that threshold comes
+    from. None when the search did not stop on the noise (budget spent, another strategy)."""
+    st = getattr(result, "stop", None)
+    if not st:
+        return None
+    inc, n, se = st["trial"], st.get("timed_steps"), st.get("se")
+    steps = f"{n} timed step{'s' if n != 1 else ''}" if n is not None else "timed steps"
+    if se is None:
+        few = f"{steps}, fewer than the 3 a standard error needs" if n is not None else "fewer than 3 timed steps"
+        src = (f"guided.min_gain ({100 * space.min_gain:.1f} %), the smallest gain that counts, because trial {inc}'s "
+               f"standard error is unknown: {few}")
+    elif st["noise"] > space.min_gain:
+        src = (f"{space.noise_z:g} × the standard error {100 * se:.2f} % of trial {inc}'s objective (the standard "
+               f"deviation of its {f'{n} ' if n else ''}timed step times / √n / their mean)")
+    else:
+        src = (f"guided.min_gain ({100 * space.min_gain:.1f} %), the smallest gain that counts, above "
+               f"{space.noise_z:g} × the standard error {100 * se:.2f} % of trial {inc}'s objective")
+    k = st.get("explored") or 0
+    checks = (f" after {k} neighbour check{'s' if k != 1 else ''} (guided.explore), each measured to test the model"
+              if k else " (guided.explore is 0: no neighbour checks)")
+    return (f"the best remaining prediction, {_knobs_text(st['point'])}, gains {100 * st['gain']:+.1f} % over trial "
+            f"{inc} (the search's incumbent); the noise threshold is {100 * st['noise']:.1f} %: {src}. No predicted "
+            f"gain could be told from noise, so the search stopped{checks}.")
 
 
 def best_config(best: dict | None) -> dict | None:
@@ -174,7 +208,8 @@ def render(result, space, diff_link: str | None = None, diff_error: str | None =
         "trials": html_table(df, [("trial", "trial", "num"), ("status", "status", "text"), (obj, obj, "num"),
                                   ("knobs", "knobs", "name"), ("decision", "decision", "text"),
                                   ("motivation", "why this point", "text"), ("reason", "failure", "text"),
-                                  ("se_pct", "s.e. %", "num"), ("wall_s", "wall s", "num"),
+                                  ("se_pct", "s.e. %", "num"), ("timed_steps", "timed steps", "count"),
+                                  ("wall_s", "wall s", "num"),
                                   ("run_dir", "run dir", "name")], max_rows=10000),
         "path": html_table(path, [("step", "step", "num"), ("trial", "trial", "num"), ("decision", "decision", "text"),
                                   (obj if obj in path else "objective", obj, "num"),
@@ -193,6 +228,7 @@ def render(result, space, diff_link: str | None = None, diff_error: str | None =
         title=f"tracelens autotune: {space.config} ({result.strategy})", warnings=[], plotly_js=plotly_js(),
         figures_json=safe_json(figures), tables=tables, model=model, best=best, top=getattr(result, "top", None), baseline=base,
         speedup=speedup, objective=obj, stopped=result.stopped, strategy=result.strategy,
+        stop_note=stop_note(result, space), min_gain=space.min_gain,
         best_yaml=best_yaml(space, best), n=len(df), failed=int((df["status"] != "ok").sum()) if len(df) else 0,
         diff_link=diff_link, diff_error=diff_error, has_path=bool(result.path) and result.strategy == "guided",
     )

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import pytest
+
 from autotune.model_search import ModelSearch
 from autotune.space import key_of, parse_space
 from autotune.sweep import run_sweep
@@ -120,3 +122,68 @@ def test_a_knob_without_a_mechanism_is_measured_once_per_value_from_the_incumben
     assert "no mechanism for compile=dense: measured once" in res.path[2]["motivation"]
     assert res.stopped.startswith("no candidate's predicted gain beats the noise")
     assert res.best["objective"] == 480.0
+
+
+# issue 36: the tiny CPU space stopped after its baseline although it asks for `guided.explore: 2`; the
+# model-driven search ignored that key. Here no prediction beats the noise: the search must still measure
+# the best-predicted one-knob neighbours it is allowed to (each a test of the model: predicted vs measured
+# recorded), and its stop line must give the numbers and where the noise figure comes from.
+FLAT = {("loop", 2): 100.0, ("torch", 2): 101.0, ("triton", 2): 100.5, ("loop", 8): 100.2,
+        ("torch", 8): 101.5, ("triton", 8): 100.3}
+
+
+class _FlatModel(_Model):
+    def predict(self, point: dict) -> _Pred:
+        a = (self.anchor["grouped_gemm_backend"], self.anchor["micro_batch_size"])
+        p = (point["grouped_gemm_backend"], point["micro_batch_size"])
+        return _Pred(FLAT[p], FLAT[a])
+
+
+def _flat(tmp_path, monkeypatch, explore: int, noise: float = 0.0, metrics: dict | None = None):
+    space = parse_space({"config": "tiny", "knobs": KNOBS, "baseline": _pt("loop", 2), "budget": {"trials": 6},
+                         "guided": {"explore": explore}}, check_trainer=False)
+    table = {key_of(_pt(b, m)): (v, [], {}, noise) for (b, m), v in FLAT.items()}
+    monkeypatch.setattr(ModelSearch, "model_of", lambda self, t: _FlatModel(t["knobs"], {}, set()))
+    runner = FakeRunner(table)
+    if metrics:
+        def run(space, point, run_dir, on_start, _inner=runner):
+            r = _inner(space, point, run_dir, on_start)
+            r.metrics.update(metrics)
+            return r
+        return run_sweep(space, tmp_path, log=lambda m: None, runner=run)
+    return run_sweep(space, tmp_path, log=lambda m: None, runner=runner)
+
+
+def test_explore_measures_the_best_predicted_neighbours_when_no_prediction_beats_the_noise(tmp_path, monkeypatch):
+    res = _flat(tmp_path, monkeypatch, explore=2)
+    # torch/8 is predicted best (+1.5 %) but is two knobs away; the neighbours, best predicted first:
+    # torch/2 (+1.0 %), triton/2 (+0.5 %); both measured, neither beats the 2 % floor: reverted
+    got = [(p["knobs"], p["decision"], p["source"]) for p in res.path]
+    assert got == [(_pt("loop", 2), "start", ""), (_pt("torch", 2), "reverted", "explore"),
+                   (_pt("triton", 2), "reverted", "explore")]
+    assert res.path[1]["motivation"] == ("neighbour check 1/2: what-if from trial 1 predicted 101 (+1.0% +/- 5%), "
+                                         "below the noise 2.0%: measured to test the prediction")
+    assert res.stopped == ("no candidate's predicted gain beats the noise (best: grouped_gemm_backend=torch, "
+                           "micro_batch_size=8 predicted +1.5% vs noise 2.0%: guided.min_gain; trial 1's standard "
+                           "error is unknown, fewer than 3 timed steps); 2 neighbour check(s) measured")
+    assert res.stop == {"gain": pytest.approx(0.015), "noise": 0.02, "point": _pt("torch", 8), "trial": 1,
+                        "se": None, "timed_steps": None, "noise_source": "guided.min_gain; trial 1's standard "
+                        "error is unknown, fewer than 3 timed steps", "explored": 2}
+    import json
+    import sqlite3
+
+    con = sqlite3.connect(tmp_path / "sweep.sqlite")
+    preds = json.loads(con.execute("SELECT v FROM autotune_meta WHERE k = 'predictions'").fetchone()[0])
+    con.close()  # each check is a prediction tested: predicted and measured both kept
+    assert [(p["knobs"], p["predicted"], p["measured"]) for p in preds] == [
+        (_pt("torch", 2), 101.0, 101.0), (_pt("triton", 2), 100.5, 100.5)]
+
+
+def test_without_explore_the_search_stops_after_the_baseline_and_says_why(tmp_path, monkeypatch):
+    res = _flat(tmp_path, monkeypatch, explore=0, noise=0.02, metrics={"timed_steps": [1, 4, 5]})
+    assert [p["decision"] for p in res.path] == ["start"]
+    # a measured standard error: the floor is noise_z of them, said with the count of timed steps
+    assert res.stopped == ("no candidate's predicted gain beats the noise (best: grouped_gemm_backend=torch, "
+                           "micro_batch_size=8 predicted +1.5% vs noise 4.0%: 2 x the standard error 2.0% of "
+                           "trial 1's objective, from its 3 timed steps)")
+    assert res.stop["noise"] == pytest.approx(0.04) and res.stop["se"] == 0.02 and res.stop["timed_steps"] == 3

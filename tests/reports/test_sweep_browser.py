@@ -174,3 +174,56 @@ def test_model_driven_sweep_decomposition_baseline_vs_kept(browser, model_sweep,
         page.screenshot(path=str(shots / "sweep_full.png"), full_page=True)
     assert errors == []
     page.close()
+
+
+@pytest.fixture(scope="module")
+def noise_stop_sweep(tmp_path_factory):
+    """A model-driven sweep in which no prediction beats the noise (issue 36: the README's tiny CPU space):
+    a stand-in model and runner (tests/autotune/test_model_search_unit.py), trials with 1 timed step each
+    (standard error unknown) and one neighbour check allowed."""
+    from autotune.model_search import ModelSearch
+    from autotune.space import key_of
+    from tests.autotune._fake import FakeRunner
+    from tests.autotune.test_model_search_unit import FLAT, KNOBS, _FlatModel, _pt
+
+    out = tmp_path_factory.mktemp("noise_stop")
+    space = parse_space({"config": "tiny", "knobs": KNOBS, "baseline": _pt("loop", 2), "guided": {"explore": 1}},
+                        "space.yaml", check_trainer=False)
+    fake = FakeRunner({key_of(_pt(b, m)): (v, [], {}, 0.0) for (b, m), v in FLAT.items()})
+
+    def runner(space, point, run_dir, on_start):
+        r = fake(space, point, run_dir, on_start)
+        r.metrics["timed_steps"] = [1]
+        return r
+
+    mp = pytest.MonkeyPatch()
+    mp.setattr(ModelSearch, "model_of", lambda self, t: _FlatModel(t["knobs"], {}, set()))
+    try:
+        res = run_sweep(space, out, log=lambda m: None, runner=runner)
+    finally:
+        mp.undo()
+    return res, space, sweep_report.write(res, space)
+
+
+def test_a_sweep_stopped_on_the_noise_says_why_in_numbers(browser, noise_stop_sweep, shots):  # noqa: F811
+    res, _, paths = noise_stop_sweep
+    assert [p["source"] for p in res.path] == ["", "explore"]
+    page, errors = open_report(browser, paths["sweep.html"])
+    why = page.inner_text("#stop-note")
+    # the numbers: the best remaining prediction's gain vs the threshold, and where the threshold comes from
+    assert ("the best remaining prediction, grouped_gemm_backend=torch, micro_batch_size=8, gains +1.5 % over "
+            "trial 1 (the search's incumbent); the noise threshold is 2.0 %") in why
+    assert "guided.min_gain (2.0 %), the smallest gain that counts" in why
+    assert "trial 1's standard error is unknown: 1 timed step, fewer than the 3 a standard error needs" in why
+    assert "after 1 neighbour check" in why
+    # the trials table: beside each s.e. (unknown here) the count of timed steps that explains it
+    heads = [h.strip() for h in page.locator("#trials table th").all_inner_texts()]
+    assert heads[heads.index("s.e. %") + 1] == "timed steps"
+    cells = page.locator("#trials table tbody tr").first.locator("td").all_inner_texts()
+    assert cells[heads.index("timed steps")] == "1"
+    assert plot_ok(page, "plot-predicted") > 3  # the neighbour check: predicted vs measured, one point
+    if shots:
+        page.locator("#summary").screenshot(path=str(shots / "sweep_noise_stop_summary.png"))
+        page.screenshot(path=str(shots / "sweep_noise_stop.png"), full_page=True)
+    assert errors == []
+    page.close()

@@ -3,6 +3,7 @@ seed's qualitative findings on the 1T/2T proxies at 768 GPUs, the sweep, and the
 
 import json
 
+import pandas as pd
 import pytest
 from click.testing import CliRunner
 
@@ -428,3 +429,55 @@ def test_sweep_shares_each_schedule_shapes_moments():
     M.sweep(cfg, world=64, device_bytes=141 * GIB, global_batch=1536, space=space)
     info = M._distinct_simulated.cache_info()
     assert info.hits > 5 * info.misses  # the layouts of one schedule shape share one computation
+
+
+def test_sweep_computes_each_layer_kind_once_per_config_and_gives_the_same_layouts(monkeypatch):
+    """`memory --sweep` asked `layer_params` and `layer_activations` hundreds of thousands of times for a model
+    whose layers are of two kinds, dense and MoE (issue 36: 27 s of CPU where the README says ~20 s). They are
+    now computed once per (config, kind) and, for the activations, per the layout fields they read; the
+    sweep's layouts and peaks are those computed without sharing anything between layouts."""
+    cfg = load_config("proxy_1t")
+    space = M.SweepSpace(tp=(1, 2), cp=(1, 2), vpp=(1, 2), mbs=(1, 2))
+    calls = {"params": 0, "acts": 0}
+    params, acts = M.layer_params, M.layer_activations
+
+    def count_params(c, li):
+        calls["params"] += 1
+        return params(c, li)
+
+    def count_acts(c, lay, li):
+        calls["acts"] += 1
+        return acts(c, lay, li)
+
+    monkeypatch.setattr(M, "layer_params", count_params)
+    monkeypatch.setattr(M, "layer_activations", count_acts)
+    M._memo_clear()
+    shared = M.sweep(cfg, world=64, device_bytes=1 << 50, global_batch=1536, space=space)
+    assert len(shared) > 100
+    assert calls["params"] == 2  # one dense layer, one MoE layer: the config's two kinds
+    # the activations read the layout's micro-batch, sequence split, dtype and EP fields only: at most one
+    # computation per kind and distinct (mbs, tp, cp, ep) of the space
+    assert calls["acts"] <= 2 * 2 * 2 * 2 * len(M._divisors(cfg["n_routed_experts"]))
+    # a fresh cache for every stage of every layout: nothing shared between layouts, the same answer
+    monkeypatch.setattr(M, "_memo", M._Memo)
+    alone = M.sweep(cfg, world=64, device_bytes=1 << 50, global_batch=1536, space=space)
+    pd.testing.assert_frame_equal(shared, alone)
+    monkeypatch.undo()
+    # the cached parts are the functions' own, layer by layer, on dense and MoE layers and several layouts
+    memo = M._Memo(cfg)
+    for kw in ({"pp": 4, "ep": 8}, {"ep": 16, "tp": 2, "dtype": "fp32"}, {"ep": 8, "zero": 0, "mbs": 2},
+               {"ep": 8, "ep_dispatch": "capacity", "sync_free_level": 2, "cp": 2}):
+        lay = M.resolve_layout(cfg, world=64, **kw)
+        for li in (0, cfg["first_k_dense"], cfg["n_layers"] - 1):
+            assert memo.params(li) == M.layer_params(cfg, li)
+            assert memo.activations(lay, li) == M.layer_activations(cfg, lay, li)
+            assert memo.workspace(lay, li) == M._layer_backward_workspace(cfg, lay, li)
+        assert memo.stages(lay) == M.virtual_stages(cfg, lay)
+
+
+def test_memory_cache_follows_a_config_changed_in_place():
+    cfg = dict(load_config("proxy_1t"))
+    lay = M.resolve_layout(cfg, world=64, ep=8)
+    before = M.project(cfg, lay).peak_bytes
+    cfg["moe_d_ff"] *= 2  # the same dict object, a different model: nothing cached for it may be reused
+    assert M.project(cfg, lay).peak_bytes == M.project(dict(cfg), lay).peak_bytes > before

@@ -38,7 +38,7 @@ from . import steps as S
 from . import waits as W
 from .moe import padding_finding
 from .moe_view import routing_tie
-from .straggler import straggler_finding
+from .straggler import MIN_WAIT_US, straggler_finding
 
 
 def _severity(share: float) -> str:
@@ -154,19 +154,31 @@ def findings(analysis, small_us: float = H.SMALL_KERNEL_US, *, host_syncs: pd.Da
                 lb["title"] += (f"; on rank {late['evidence']['late_rank']} it makes the other ranks wait "
                                 f"{late['recoverable_us'] / 1e3:.3f} ms per rank in collectives")
                 lb["evidence"]["late_rank"] = late["evidence"]["late_rank"]
+        # each wait is counted once: the late_rank finding claims the waits its rank caused (with their cause), and
+        # each family's sync_wait keeps the rest, the waits for the other ranks that arrived last
+        late_rank = late["evidence"]["late_rank"] if late is not None else None
+        claimed = late["evidence"]["wait_caused_us_per_rank_by_family"] if late is not None else {}
         for fam, g in ok.groupby("family"):
             wait = float(g["sync_us"].sum()) / n_ranks
             if wait <= 0 or (fam == "p2p" and bubble is not None):
                 continue
-            strag = g.drop_duplicates(["group", "peers", "seq"])["last_rank"].value_counts()
+            by_late = float(claimed.get(fam, 0.0))
+            left = g[g["last_rank"] != late_rank] if by_late else g  # the instances another rank was last in
+            rest = wait - by_late
+            if by_late and (left.empty or rest < MIN_WAIT_US):
+                continue  # every wait of the family is the late rank's (sub-µs instances aside)
+            strag = left.drop_duplicates(["group", "peers", "seq"])["last_rank"].value_counts()
             out.append({
                 "type": "sync_wait",
-                "title": f"ranks wait {wait / 1e3:.3f} ms per rank in {fam} for the last rank (rank {int(strag.index[0])} "
-                         f"last in {100 * strag.iloc[0] / strag.sum():.0f}%)",
+                "title": f"ranks wait {rest / 1e3:.3f} ms per rank in {fam} for the last rank (rank {int(strag.index[0])} "
+                         f"last in {100 * strag.iloc[0] / strag.sum():.0f}%)"
+                         + (f", besides the {by_late / 1e3:.3f} ms rank {late_rank} causes (its late_rank finding)"
+                            if by_late else ""),
                 "evidence": {"family": fam, "sync_us_per_rank": round(wait, 3),
                              "comm_us_per_rank": round(float(g["comm_us"].sum()) / n_ranks, 3),
-                             "straggler_rank": int(strag.index[0])},
-                "recoverable_us": wait, "ranks": sorted(g["rank"].astype(int).unique().tolist()),
+                             "straggler_rank": int(strag.index[0]),
+                             **({"late_rank": late_rank, "late_rank_us_per_rank": round(by_late, 3)} if by_late else {})},
+                "recoverable_us": rest, "ranks": sorted(left["rank"].astype(int).unique().tolist()),
             })
         # exposed comm over the window: the steady timeline's (start-up steps are not in it), else the whole
         # window's; both count only the transfer part of each communication kernel: a rank spinning in a

@@ -45,6 +45,7 @@ run dirs in tests/fixtures (EP2 FSDP2, PP2 1F1B and interleaved under DDP) 0.993
 
 from __future__ import annotations
 
+import copy
 import functools
 import itertools
 import json
@@ -407,22 +408,24 @@ def rank_stages(lay: Layout, rank: int) -> list[int]:
     return [v for v, r in enumerate(placement(lay)) if r == rank]
 
 
-def _rank_pieces(c: dict, lay: Layout, rank: int) -> tuple[list[int], bool, bool]:
+def _rank_pieces(c: dict, lay: Layout, rank: int, memo: _Memo | None = None) -> tuple[list[int], bool, bool]:
     """(layer ids, holds the embedding, holds the final norm + head) of one pipeline rank."""
-    vs = rank_stages(lay, rank)
-    chunks = virtual_stages(c, lay)
+    memo = memo or _memo(c)
+    vs = memo.rank_stages(lay, rank)
+    chunks = memo.stages(lay)
     layers = [li for v in vs for li in chunks[v]]
     return layers, 0 in vs, lay.pp * lay.vpp - 1 in vs
 
 
-def stage_params(c: dict, lay: Layout, stage: int) -> dict[str, int]:
+def stage_params(c: dict, lay: Layout, stage: int, memo: _Memo | None = None) -> dict[str, int]:
     """Unsharded parameter counts held by one pipeline rank (all its TP/EP ranks together): ``dense``
     (everything but the routed experts; the embedding with virtual stage 0, final norm and head with the last)
     and ``experts``."""
-    layers, has_embed, has_head = _rank_pieces(c, lay, stage)
+    memo = memo or _memo(c)
+    layers, has_embed, has_head = _rank_pieces(c, lay, stage, memo)
     dense = experts = 0
     for li in layers:
-        p = layer_params(c, li)
+        p = memo.params(li)
         experts += p["experts"]
         dense += sum(v for k, v in p.items() if k != "experts")
     V, d = c["vocab_size"], c["d_model"]
@@ -435,16 +438,111 @@ def stage_params(c: dict, lay: Layout, stage: int) -> dict[str, int]:
     return {"dense": dense, "experts": experts}
 
 
-def _per_gpu_params(c: dict, lay: Layout, stage: int) -> tuple[float, float, int]:
+def _per_gpu_params(c: dict, lay: Layout, stage: int, memo: _Memo | None = None) -> tuple[float, float, int]:
     """(dense params on one GPU before data-parallel sharding, expert params on one GPU, norm+router
     params that tensor parallelism replicates) for ``stage``."""
-    layers, _, has_head = _rank_pieces(c, lay, stage)
-    sp = stage_params(c, lay, stage)
-    replicated = sum(layer_params(c, li)["norms"] + layer_params(c, li)["router"] for li in layers)
+    memo = memo or _memo(c)
+    layers, _, has_head = _rank_pieces(c, lay, stage, memo)
+    sp = stage_params(c, lay, stage, memo)
+    replicated = sum(memo.params(li)["norms"] + memo.params(li)["router"] for li in layers)
     if has_head:
         replicated += c["d_model"]
     dense_gpu = replicated + (sp["dense"] - replicated) / lay.tp
     return dense_gpu, sp["experts"] / lay.ep, replicated
+
+
+# ------------------------------------------------------------------------------ per-config caches
+
+# the Layout fields `layer_activations` and `_layer_backward_workspace` read (with autocast, padded_buffer,
+# moe_buffer_rows, moe_worst_rows): two layouts equal on these get the same bytes for a layer of each kind
+_ACT_FIELDS = ("dtype", "zero", "mbs", "seq", "tp", "cp", "ep", "moe_imbalance", "sync_free_level", "ep_dispatch",
+               "ep_capacity", "ep_chunks")
+
+
+class _Memo:
+    """Caches of one config's per-layer arithmetic, for `memory --sweep`'s thousands of layouts (issue 36).
+
+    A model's layers are of two kinds, dense (id < ``first_k_dense``) and MoE, and `layer_params` depends on
+    the kind alone; `layer_activations` and `_layer_backward_workspace` on the kind and the layout's
+    `_ACT_FIELDS`; `virtual_stages` on the pipeline shape and `rank_stages` on it and the schedule's placement.
+    A sweep asked for them hundreds of thousands of times (316K and 93K calls of the first two for
+    proxy_1t on 768 GPUs). The cached values are shared: callers read them and never change them."""
+
+    def __init__(self, c: dict):
+        self.c = c
+        self.snapshot = copy.deepcopy(c)  # `_memo` compares it with the config, to notice a change in place
+        self._dense_below = c["first_k_dense"]
+        self._params: dict[bool, dict[str, int]] = {}
+        self._acts: dict[tuple, dict[str, float]] = {}
+        self._ws: dict[tuple, float] = {}
+        self._stages: dict[tuple, list[list[int]]] = {}
+        self._ranks: dict[tuple, list[int]] = {}
+        self._lay: Layout | None = None  # the last layout asked about and its `_ACT_FIELDS` (one layout at a time)
+        self._lay_key: tuple = ()
+
+    def _key(self, lay: Layout, layer: int) -> tuple:
+        if lay is not self._lay:
+            self._lay, self._lay_key = lay, tuple(getattr(lay, f) for f in _ACT_FIELDS)
+        return (layer < self._dense_below, self._lay_key)
+
+    def params(self, layer: int) -> dict[str, int]:
+        """`layer_params` of ``layer``."""
+        dense = layer < self._dense_below
+        p = self._params.get(dense)
+        if p is None:
+            p = self._params[dense] = layer_params(self.c, layer)
+        return p
+
+    def activations(self, lay: Layout, layer: int) -> dict[str, float]:
+        """`layer_activations` of ``layer`` under ``lay``."""
+        k = self._key(lay, layer)
+        a = self._acts.get(k)
+        if a is None:
+            a = self._acts[k] = layer_activations(self.c, lay, layer)
+        return a
+
+    def workspace(self, lay: Layout, layer: int) -> float:
+        """`_layer_backward_workspace` of ``layer`` under ``lay``."""
+        k = self._key(lay, layer)
+        w = self._ws.get(k)
+        if w is None:
+            w = self._ws[k] = _layer_backward_workspace(self.c, lay, layer)
+        return w
+
+    def stages(self, lay: Layout) -> list[list[int]]:
+        """`virtual_stages` of ``lay``."""
+        k = (lay.pp, lay.vpp, lay.stage_layers)
+        v = self._stages.get(k)
+        if v is None:
+            v = self._stages[k] = virtual_stages(self.c, lay)
+        return v
+
+    def rank_stages(self, lay: Layout, rank: int) -> list[int]:
+        """`rank_stages` of pipeline rank ``rank`` under ``lay``."""
+        k = (lay.pp, lay.vpp, lay.schedule, lay.stage_to_rank, rank)
+        v = self._ranks.get(k)
+        if v is None:
+            v = self._ranks[k] = rank_stages(lay, rank)
+        return v
+
+
+_LAST_MEMO: _Memo | None = None
+
+
+def _memo(c: dict) -> _Memo:
+    """The caches of config ``c``: the last config's when ``c`` is that config (the same object, unchanged),
+    else new ones. One config at a time: a sweep, or a report of several layouts of one model."""
+    global _LAST_MEMO
+    m = _LAST_MEMO
+    if m is None or m.c is not c or m.snapshot != c:
+        m = _LAST_MEMO = _Memo(c)
+    return m
+
+
+def _memo_clear() -> None:
+    """Forget the cached config (tests)."""
+    global _LAST_MEMO
+    _LAST_MEMO = None
 
 
 # ----------------------------------------------------------------------------------- activations
@@ -694,9 +792,11 @@ def _residual_bytes(lay: Layout) -> int:
     return 4 if (autocast(lay) or lay.dtype != "bf16") else 2
 
 
-def _vstage_activations(c: dict, lay: Layout, v: int, layers: list[int]) -> tuple[dict, float, float]:
+def _vstage_activations(c: dict, lay: Layout, v: int, layers: list[int],
+                        memo: _Memo | None = None) -> tuple[dict, float, float]:
     """Per microbatch on one GPU, for virtual stage ``v``: (bytes by part of `ACT_PARTS`, bytes recompute
     saves, bytes of its backward workspace: largest layer's gradient temporaries + a recomputed layer)."""
+    memo = memo or _memo(c)
     a = 2 if lay.dtype == "bf16" else 4
     t = lay.mbs * lay.seq / (lay.tp * lay.cp)
     d, V = c["d_model"], c["vocab_size"]
@@ -706,7 +806,7 @@ def _vstage_activations(c: dict, lay: Layout, v: int, layers: list[int]) -> tupl
     parts = dict.fromkeys(ACT_PARTS, 0.0)
     saved = largest_rc = 0.0
     for li in layers:
-        la = layer_activations(c, lay, li)
+        la = memo.activations(lay, li)
         tot = sum(la.values())
         if li in rc_ids:
             parts["recompute_inputs"] += a * t * d        # the checkpoint keeps the layer input only
@@ -722,16 +822,18 @@ def _vstage_activations(c: dict, lay: Layout, v: int, layers: list[int]) -> tupl
         parts["final"] = _norm_saved(t, d) + head_in + (0.0 if lay.loss_fusion else 4.0 * t * V / lay.tp)
     elif lay.pp > 1:
         parts["stage_output"] = _residual_bytes(lay) * t * d   # kept by the stage for its backward
-    ws = max((_layer_backward_workspace(c, lay, li) for li in layers), default=0.0)
+    ws = max((memo.workspace(lay, li) for li in layers), default=0.0)
     return parts, saved, ws + largest_rc
 
 
-def _fsdp_units(c: dict, lay: Layout, layers: list[int]) -> list[tuple[str, int, float, int]]:
+def _fsdp_units(c: dict, lay: Layout, layers: list[int],
+                memo: _Memo | None = None) -> list[tuple[str, int, float, int]]:
     """FSDP2 units of a rank's layers in forward order, as the trainer wraps them: (kind ``dense`` or
     ``experts``, layer id, params on this GPU before sharding, shard group size)."""
+    memo = memo or _memo(c)
     out = []
     for li in layers:
-        p = layer_params(c, li)
+        p = memo.params(li)
         out.append(("dense", li, p["norms"] + p["router"] + (p["attention"] + p["dense_ffn"] + p["shared"]) / lay.tp,
                     lay.dp * lay.cp))
         if p["experts"]:
@@ -760,11 +862,12 @@ def _rows_for_stage(c: dict, lay: Layout, stage: int) -> list[dict]:
     t = lay.mbs * lay.seq / (lay.tp * lay.cp)
     d, V = c["d_model"], c["vocab_size"]
     ac = autocast(lay)
-    layers, has_embed, has_head = _rank_pieces(c, lay, stage)
-    vs = rank_stages(lay, stage)
-    chunks = virtual_stages(c, lay)
+    memo = _memo(c)
+    layers, has_embed, has_head = _rank_pieces(c, lay, stage, memo)
+    vs = memo.rank_stages(lay, stage)
+    chunks = memo.stages(lay)
     last_v = lay.pp * lay.vpp - 1
-    dense_gpu, expert_gpu, _ = _per_gpu_params(c, lay, stage)
+    dense_gpu, expert_gpu, _ = _per_gpu_params(c, lay, stage, memo)
     ddp_group = lay.dp * lay.cp               # dense parameters are data parallel over dp x cp
     edp = lay.edp
     # FSDP2 without a reduce-scatter per backward: gradient accumulation (set_requires_gradient_sync(False))
@@ -811,16 +914,15 @@ def _rows_for_stage(c: dict, lay: Layout, stage: int) -> list[dict]:
         "foreach AdamW: sqrt(exp_avg_sq) of the whole shard")
 
     # ---- activations: per virtual stage and microbatch, times the microbatches alive at each moment
-    per_v = {v: _vstage_activations(c, lay, v, chunks[v]) for v in vs}
+    per_v = {v: _vstage_activations(c, lay, v, chunks[v], memo) for v in vs}
     size = {v: sum(per_v[v][0].values()) for v in vs}
     moments = _distinct_moments(lay, stage)
+    alive = [sum(n * size[v] for v, n in comp.items()) for _, comp in moments]   # activations alive at each
 
-    def alive(comp):
-        return sum(n * size[v] for v, n in comp.items())
-
-    b_stage, b_comp = max(moments, key=lambda m: alive(m[1]) + per_v[m[0]][2])   # largest layer backward
-    loss_moments = [m for m in moments if m[0] == last_v] if has_head else moments
-    f_stage, f_comp = max(loss_moments, key=lambda m: alive(m[1]))               # loss / forward end
+    # largest layer backward; then the loss / forward end (`max` keeps the first of equal moments)
+    b_stage, b_comp = moments[max(range(len(moments)), key=lambda i: alive[i] + per_v[moments[i][0]][2])]
+    loss = [i for i, m in enumerate(moments) if m[0] == last_v] if has_head else range(len(moments))
+    f_stage, f_comp = moments[max(loss, key=alive.__getitem__)]
     sched = f"{lay.schedule}, " if lay.pp > 1 else ""
     for k, label in ACT_PARTS.items():
         fb = {m: sum(n * per_v[v][0][k] for v, n in comp.items()) for m, comp in (("F", f_comp), ("B", b_comp))}
@@ -866,15 +968,15 @@ def _rows_for_stage(c: dict, lay: Layout, stage: int) -> list[dict]:
                 set() if lay.recompute == "none" else set(lay.recompute))
             freed = {}
             for li in layers:
-                la = layer_activations(c, lay, li)
+                la = memo.activations(lay, li)
                 whole = a * t * d if li in rc_ids else sum(la.values())
                 freed[li] = (whole, 0.0 if li in rc_ids else la["moe"] + la["moe_dispatch"])
             if has_head:  # the loss's saved tensors go first (key -1: before every layer)
                 freed[-1] = (per_v[last_v][0]["final"], 0.0)
-        _fsdp_rows(add, lay, _fsdp_units(c, lay, layers), root, head, pb, fsdp_acc, freed)
+        _fsdp_rows(add, lay, _fsdp_units(c, lay, layers, memo), root, head, pb, fsdp_acc, freed)
     elif ac:
-        cached = head + sum((layer_params(c, li)["attention"] + layer_params(c, li)["dense_ffn"]
-                             + layer_params(c, li)["shared"]) / lay.tp + layer_params(c, li)["router"] for li in layers)
+        cached = head + sum((memo.params(li)["attention"] + memo.params(li)["dense_ffn"]
+                             + memo.params(li)["shared"]) / lay.tp + memo.params(li)["router"] for li in layers)
         add("autocast bf16 weight cache", "working", "FB", 2 * cached,
             "bf16 casts of the fp32 matmul weights (attention, dense FFN, shared experts, router, head), cached "
             "by autocast for the whole forward+backward; the embedding and norms run in fp32")
@@ -1249,7 +1351,7 @@ def sweep(c: dict, world: int, device_bytes: float, global_batch: int, base: Lay
                 check_layout(c, lay)
             except TraceError:
                 continue
-            proj = _peak_only(c, lay)
+            proj = _peak_only(c, lay, limit)
             if proj > limit:
                 continue
             b = _bubble.bubble_ratio(sched, pp, m, vpp) if pp > 1 else 0.0
@@ -1272,9 +1374,18 @@ SWEEP_COLUMNS = ("label", "pp", "vpp", "tp", "cp", "ep", "dp", "mbs", "microbatc
                  "peak_bytes", "peak_gib", "bubble", "comm_bytes", "comm_gib")
 
 
-def _peak_only(c: dict, lay: Layout) -> float:
-    """The projected peak without building tables (the sweep evaluates thousands of layouts)."""
-    return max(max(_phase_totals(_rows_for_stage(c, lay, s)).values()) for s in range(lay.pp))
+def _peak_only(c: dict, lay: Layout, limit: float | None = None) -> float:
+    """The projected peak without building tables (the sweep evaluates thousands of layouts). With ``limit``,
+    the first pipeline rank found over it ends the search: the layout does not fit, whatever the others hold
+    (the value returned is then that rank's peak, above ``limit``). Rank 0 is tried first: it keeps the most
+    microbatches in flight: 4665 of the 4810 layouts of `memory proxy_1t --world 768 --sweep` that do not fit
+    are over on it alone."""
+    peaks = []
+    for s in range(lay.pp):
+        peaks.append(max(_phase_totals(_rows_for_stage(c, lay, s)).values()))
+        if limit is not None and peaks[-1] > limit:
+            break
+    return max(peaks)
 
 
 # ------------------------------------------------------------------------------ the `tracelens memory` view

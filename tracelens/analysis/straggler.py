@@ -195,6 +195,9 @@ def straggler_finding(analysis, n_ranks: int, inst: pd.DataFrame | None = None,
                  f"{_cause_text(cause)} ({cause_us / 1e3:.3f} ms more than the other ranks per instance)",
         "evidence": {"late_rank": late, "instances": n, "families": mine["family"].tolist(), "cause": cause,
                      "excess_us_by_part": parts, "wait_caused_us_per_rank": round(wait, 3),
+                     # the waits this finding claims, per family: the sync_wait findings keep the rest (findings.py)
+                     "wait_caused_us_per_rank_by_family": {r.family: round(float(r.wait_caused_us) / max(n_ranks, 1), 3)
+                                                           for r in mine.itertuples(index=False)},
                      # a late rank with no known cause (its parts undetermined: e.g. its CPU events were dropped)
                      # has cause None (JSON null), never a float NaN
                      "others": [{"family": r.family, "late_rank": int(r.late_rank), "wait_caused_us": r.wait_caused_us,

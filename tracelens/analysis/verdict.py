@@ -124,9 +124,12 @@ def finding_sentence(f: dict) -> str:
             return (f"{pct(ev.get('small_share'))} of the kernels but only {pct(ev.get('small_time_share'))} of kernel "
                     f"time: launch overhead, not work, sets their pace; most from {ops}.")
         if t == "sync_wait":
-            return (f"In {ev.get('family')}, each rank waits {ms(ev.get('sync_us_per_rank'))} for the last rank to "
+            # its amount is the family's waits the late_rank finding does not claim (each wait counted once)
+            late = (f" (of the family's {ms(ev.get('sync_us_per_rank'))} of waiting, {ms(ev.get('late_rank_us_per_rank'))} "
+                    f"is rank {ev.get('late_rank')}'s: its late_rank finding)") if ev.get("late_rank_us_per_rank") else ""
+            return (f"In {ev.get('family')}, each rank waits {ms(f.get('recoverable_us'))} for the last rank to "
                     f"arrive and communicates {ms(ev.get('comm_us_per_rank'))}; rank {ev.get('straggler_rank')} "
-                    "arrives last most often.")
+                    f"arrives last most often{late}.")
         if t == "late_rank":
             # the title names the largest part of the late rank's extra work; the others, when they count
             n = max(int(ev.get("instances") or 1), 1)
