@@ -71,7 +71,9 @@ def test_comm_report_counts_and_comm_time_match_raw(nccl):
     text = rep.to_text()
     line = next(x for x in text.splitlines() if x.split()[:2] == ["0", "allreduce"])
     assert line.split()[4] == f"{row['comm_us'] / 1e3:.3f}"
-    assert text.splitlines()[-1].startswith("exposed communication (transfer not overlapped by compute; waits apart")
+    tail = text.splitlines()[-2:]  # the exposed-communication line, then the exposed all-to-all line
+    assert tail[0].startswith("exposed communication (transfer not overlapped by compute; waits apart")
+    assert tail[1].startswith("exposed all-to-all (transfer no compute hides")
 
 
 def test_comm_report_is_the_cli_output(nccl, tmp_path):
