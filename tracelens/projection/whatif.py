@@ -417,7 +417,8 @@ def _calibrate(prog: R.Program, target_ns: float, prep=None,
     """Host factor h (0.3..1.2: the profiler only slows the host) that makes the replay match the measured
     unprofiled step. A replay that is device-bound at the traced host speed (h = 1 gives the step of the fastest
     host) does not identify h: it stays 1, the traced host (blocked launch calls already out of its gaps,
-    `replay._queue_waits`), and the device factor takes the rest; for a per-expert run still slower at h = 1.2, the factor x >= 1 on its expert stage's
+    `replay._queue_waits`), and the device factor takes the rest (not for a per-expert run: the rule below puts
+    what its timed steps take beyond the replay on its expert stage's host time); for a per-expert run still slower at h = 1.2, the factor x >= 1 on its expert stage's
     host time that makes up the rest (that stage is where such a run's steps differ from one another: device
     drains inside it, new GEMM shapes, the allocator; the H100 proxy's multistream micro-batch 4 timed steps
     ran 415-749 ms around a 378 ms profiled step), so a grouped backend, which replaces the stage, does not
