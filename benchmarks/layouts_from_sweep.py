@@ -76,9 +76,12 @@ def measured_from_sweep(grid: Path, out: Path, baselines: list[tuple[str, dict]]
     db = grid / "sweep.sqlite"
     if not db.is_file():
         raise SweepError(f"{grid}: no sweep.sqlite (not a sweep directory)")
-    store = Store(db)
-    trials = [t for t in store.trials() if t["status"] in ("ok", "failed")]
-    space = store.get_meta("space") or {}
+    store = Store(db, lock=False)  # read only: the writer's lock (and its pid file) stays the sweep's
+    try:
+        trials = [t for t in store.trials() if t["status"] in ("ok", "failed")]
+        space = store.get_meta("space") or {}
+    finally:
+        store.close()
     config = space.get("config") if isinstance(space, dict) else None
     points, skipped = [], []
     for t in trials:

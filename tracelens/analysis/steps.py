@@ -359,6 +359,20 @@ def startup_waits(trace, gpu: pd.DataFrame, instances: Callable[[], pd.DataFrame
                          "wait_start_ns": ts, "wait_end_ns": ts + wait})[cols].reset_index(drop=True)
 
 
+def pre_window_mask(gpu: pd.DataFrame, tree: pd.DataFrame) -> np.ndarray:
+    """Per GPU event (``gpu``'s row order): launched before the trace's first recorded launch call on its rank
+    (no launch linked and a correlation id below every runtime call's: see `pre_window_launches`)."""
+    if gpu.empty or tree.empty:
+        return np.zeros(len(gpu), dtype=bool)
+    rt = (tree["kind"].to_numpy() == KIND_RUNTIME) & (tree["correlation"].to_numpy() >= 0)
+    if not rt.any():
+        return np.zeros(len(gpu), dtype=bool)
+    first = pd.Series(tree["correlation"].to_numpy()[rt]).groupby(tree["rank"].to_numpy()[rt]).min()
+    fr = first.reindex(gpu["rank"].to_numpy()).to_numpy(dtype=float)
+    corr = gpu["correlation"].to_numpy()
+    return (gpu["launch_ts"].to_numpy() < 0) & (corr >= 0) & ~np.isnan(fr) & (corr < fr)
+
+
 def pre_window_launches(gpu: pd.DataFrame, tree: pd.DataFrame) -> pd.DataFrame:
     """GPU events launched before the trace's first recorded launch call on their rank: CUDA/HIP correlation
     ids grow with every launch of a process, so an event whose id is below every runtime call's in the trace
@@ -366,15 +380,7 @@ def pre_window_launches(gpu: pd.DataFrame, tree: pd.DataFrame) -> pd.DataFrame:
     step's window without being that step's work. One row per (rank, step they fall in): count and busy ns."""
     cols = {"rank": pd.Series([], dtype="int64"), "step": pd.Series([], dtype="int64"),
             "events": pd.Series([], dtype="int64"), "busy_ns": pd.Series([], dtype="int64")}
-    if gpu.empty or tree.empty:
-        return pd.DataFrame(cols)
-    rt = (tree["kind"].to_numpy() == KIND_RUNTIME) & (tree["correlation"].to_numpy() >= 0)
-    if not rt.any():
-        return pd.DataFrame(cols)
-    first = pd.Series(tree["correlation"].to_numpy()[rt]).groupby(tree["rank"].to_numpy()[rt]).min()
-    fr = first.reindex(gpu["rank"].to_numpy()).to_numpy(dtype=float)
-    corr = gpu["correlation"].to_numpy()
-    pre = (gpu["launch_ts"].to_numpy() < 0) & (corr >= 0) & ~np.isnan(fr) & (corr < fr)
+    pre = pre_window_mask(gpu, tree)
     if not pre.any():
         return pd.DataFrame(cols)
     g = pd.DataFrame({"rank": gpu["rank"].to_numpy()[pre], "step": gpu["step"].to_numpy()[pre],

@@ -20,6 +20,8 @@ Built from analysis tables (``Analysis.gpu``, ``Analysis.tree``, ``Analysis.step
 
 from __future__ import annotations
 
+import itertools
+import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,6 +32,7 @@ import pandas as pd
 
 from .. import categories as C
 from ..analysis.calltree import KIND_ANNOTATION, KIND_OP, KIND_RUNTIME
+from ..analysis.steps import pre_window_mask
 from ..errors import TraceError
 from ..io.run import Run
 
@@ -226,11 +229,20 @@ def step_profile(analysis, config: dict, rank: int, step: int | None = None) -> 
     g = g_all[g_all["step"] == step] if len(g_all) else g_all
     backlog: dict = {}
     if len(g):
-        before = g_all[(g_all["launch_ts"].where(g_all["launch_ts"] >= 0, g_all["ts"]) < start) & (g_all["end"] > start)]
+        # work queued before the trace began (a host that runs ahead of its device: the previous step's kernels,
+        # their launches not recorded) runs inside the first profiled step's window without being its work: it is
+        # that step's backlog, like the work launched before the step's start
+        pre = pd.Series(pre_window_mask(g_all, tree), index=g_all.index)
+        before = g_all[((g_all["launch_ts"].where(g_all["launch_ts"] >= 0, g_all["ts"]) < start) | pre)
+                       & (g_all["end"] > start)]
         for st_, e_ in before.groupby("stream")["end"].max().items():
             backlog[int(st_)] = int(e_) - start
+        own = ~pre.reindex(g.index).to_numpy()
+        if own.any():
+            g = g[own]
     if len(g):
         work = _attach_waits(_gpu_work(g, tree, analysis.trace.events, fwd_paths, tokens, mbs, seq_len), analysis)
+        _attach_fill(work, g, tree, _device_props(analysis, rank))
         device = "gpu"
     else:
         work = _cpu_work(tree, analysis.trace.events, rank, start, end, fwd_paths, tokens, mbs, seq_len)
@@ -239,6 +251,111 @@ def step_profile(analysis, config: dict, rank: int, step: int | None = None) -> 
     return StepProfile(rank, int(step), device, start, end, work, syncs, tokens, dict(config),
                        _expert_host(tree, analysis.trace.events, rank, start, end, fwd_paths), backlog,
                        _lead(tree, rank, start, end))
+
+
+def _device_props(analysis, rank: int) -> dict:
+    for info in analysis.trace.ranks:
+        if info.rank == rank and info.device_properties:
+            return dict(info.device_properties[0])
+    return {}
+
+
+_GEMM_OPS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::matmul", "aten::linear",
+             "aten::_grouped_mm", "aten::_scaled_mm"}
+_ATTN_RE = re.compile(r"attention|flash|sdpa|_efficient_att", re.IGNORECASE)
+_TILE_RE = re.compile(r"_(\d+)x(\d+)_\d+x\d+")  # cuBLAS / nvjet / CUTLASS names: <tile M>x<tile N>_<K>x<stages>
+_DEFAULT_TILE = (128, 128)
+_ATTN_TILE = 128  # query rows per attention tile (flash attention on sm80/sm90: 64-128)
+
+
+def _shapes(dims: str) -> list[list[int]]:
+    out = []
+    for part in re.findall(r"\[([\d,\s]*)\]", dims or ""):
+        nums = [int(x) for x in re.findall(r"\d+", part)]
+        out.append(nums)
+    return out
+
+
+def _gemm_tiles(op: str, dims: str, name: str) -> float | None:
+    """Output tiles of a GEMM op from its input shapes and the kernel's tile (from its name; 128 x 128 if the
+    name has none): A [.., M, K] x B [.., K, N] -> ceil(M/tm) ceil(N/tn), times the batch (bmm) or the groups of
+    a grouped GEMM whose operands are both 2-D (the weight gradient: one output per group). A GEMM whose reduction
+    K is its longest dimension (a weight gradient: the tokens are K) keeps its tiles whatever the tokens, each
+    tile's work growing with K: infinite (it is as full as it was)."""
+    sh = [d for d in _shapes(dims) if len(d) >= 2]
+    pair = next(((x, y) for x, y in itertools.pairwise(sh) if x[-1] == y[-2]), None)  # addmm's bias comes first
+    if pair is None:
+        return None
+    a, b = pair
+    m_, k_, n_ = a[-2], a[-1], b[-1]
+    if k_ > max(m_, n_):
+        return math.inf
+    mt = _TILE_RE.search(name or "")
+    tm, tn = (int(mt.group(1)), int(mt.group(2))) if mt else _DEFAULT_TILE
+    tiles = math.ceil(m_ / tm) * math.ceil(n_ / tn)
+    if len(a) == 3 and len(b) == 3:
+        tiles *= a[0]
+    return float(tiles)
+
+
+def _attention_tiles(dims: str) -> float | None:
+    sh = [d for d in _shapes(dims) if len(d) == 4]
+    if not sh:
+        return None
+    b, h, sq = sh[0][0], sh[0][1], sh[0][2]
+    return float(b * h * math.ceil(sq / _ATTN_TILE))
+
+
+def _attach_fill(work: pd.DataFrame, g: pd.DataFrame, tree: pd.DataFrame, props: dict) -> None:
+    """Per unit: ``fill``, the waves of work it had on the GPU (NaN where unknown), and ``launch_dur``, the
+    duration (ns) of the host call that launched it (0 where none is linked).
+
+    A kernel's time follows its waves: its independent pieces of work over what the SMs hold at once. A GEMM
+    (and attention) kernel on sm90 is persistent: it launches one block per SM whatever its size and loops over
+    its output tiles, so its fill is its tiles (from the launching op's input shapes and the kernel's tile
+    size) over the SMs; any other kernel's is its blocks (grid) over the SMs x the blocks an SM holds at that
+    block size (an upper bound on residency: registers and shared memory may allow fewer)."""
+    sms = props.get("numSms") or props.get("multiProcessorCount")
+    per_sm_threads = props.get("maxThreadsPerMultiprocessor") or 2048
+    n = len(work)
+    fill = np.full(n, np.nan)
+    launch_dur = np.zeros(n)
+    rows = work["gpu_row"].to_numpy(np.int64)
+    lrow = g["launch"].reindex(rows).to_numpy() if "launch" in g else np.full(n, -1)
+    ok = lrow >= 0
+    if ok.any():
+        launch_dur[ok] = tree["dur"].reindex(lrow[ok]).fillna(0).to_numpy(float)
+    work["launch_dur"] = launch_dur
+    if not sms:
+        work["fill"] = fill
+        return
+    grid = C.strings(g["grid"].reindex(rows)) if "grid" in g else np.full(n, "", dtype=object)
+    block = C.strings(g["block"].reindex(rows)) if "block" in g else np.full(n, "", dtype=object)
+    cat = C.strings(g["category"].reindex(rows)) if "category" in g else np.full(n, "", dtype=object)
+    ops, dims, names = work["op"].to_numpy(), work["dims"].to_numpy(), work["name"].to_numpy()
+    seen: dict = {}
+    for i in range(n):
+        key = (ops[i], dims[i], names[i], grid[i], block[i], cat[i])
+        if key in seen:
+            fill[i] = seen[key]
+            continue
+        f = np.nan
+        tiles = None
+        if ops[i] in _GEMM_OPS or "GEMM" in str(cat[i]):
+            tiles = _gemm_tiles(str(ops[i]), str(dims[i]), str(names[i])) if ops[i] in _GEMM_OPS else None
+        elif _ATTN_RE.search(str(ops[i])) or str(cat[i]) == "attention":
+            tiles = _attention_tiles(str(dims[i]))
+        if tiles is not None:
+            f = tiles / sms
+        else:
+            gd = [int(x) for x in re.findall(r"\d+", str(grid[i]))]
+            bd = [int(x) for x in re.findall(r"\d+", str(block[i]))]
+            if gd and bd and ops[i] not in _GEMM_OPS and not _ATTN_RE.search(str(ops[i])):
+                threads = max(int(np.prod(bd)), 1)
+                resident = max(1, min(32, per_sm_threads // threads))
+                f = float(np.prod(gd)) / (sms * resident)
+        fill[i] = seen[key] = f
+    work["fill"] = fill
 
 
 def _attach_waits(work: pd.DataFrame, analysis) -> pd.DataFrame:

@@ -150,12 +150,51 @@ def prepare(p: StepProfile) -> Program:
     kinds, idx, gap, sts, sen, sync_min, sync_ret, sync_streams = _hidden_syncs(
         kinds, idx, gap, launch, end, stream, sts, sen, sync_min, sync_ret, sync_streams, backlog)
     gx = _gap_overlap(kinds, idx, launch, sts, sen, gap, p)
+    queue = _queue_waits(kinds, idx, launch, start, w)
+    if queue.any():  # the host's time blocked in a launch call on a full queue is the device's, not host work
+        nxt = np.zeros_like(queue)
+        nxt[1:] = queue[:-1]
+        cut = np.minimum(nxt, gap)
+        gap = gap - cut
+        gx = np.minimum(gx, gap)
     lead = 0.0
     if len(gap):
         lead = float(min(max(p.lead, 0), gap[0]))
         gap[0] -= lead
     return Program(p, kinds, idx, gap, tail, stream, dep, wait, sync_min, sync_ret, latency, False, gx, sync_streams,
                    lead)
+
+
+# a launch call that lasted more than _QUEUE_CALL_NS and _QUEUE_CALL_X x the step's median launch call, and
+# returned while its own unit still had _QUEUE_BEHIND_NS or more of queued work ahead of it on the device, blocked
+# on a full launch queue (the CUDA driver holds ~1,000 pending launches; the call returns when the device frees a
+# slot): its time above the median call is a wait for the device, not host work
+_QUEUE_CALL_NS = 50_000
+_QUEUE_CALL_X = 10.0
+_QUEUE_BEHIND_NS = 1_000_000
+
+
+def _queue_waits(kinds, idx, launch, start, w) -> np.ndarray:
+    """Per host item (host order): the part of its launch call spent blocked on a full launch queue (ns, 0 for
+    syncs and for calls that did not block). The host's next item comes after the call returns, so that time is
+    in the next item's gap; a replay without a queue limit lets the host run ahead instead (the device is the
+    bottleneck whenever the queue is full)."""
+    out = np.zeros(len(kinds))
+    if "launch_dur" not in w or not len(w):
+        return out
+    ld = w["launch_dur"].to_numpy(np.float64)
+    linked = w["linked"].to_numpy(bool) if "linked" in w else np.ones(len(w), bool)
+    calls = ld[linked & (ld > 0)]
+    if not len(calls):
+        return out
+    med = float(np.median(calls))
+    kinds, idx = np.asarray(kinds), np.asarray(idx)
+    u = kinds == 0
+    j = idx[u]
+    ret = launch[j] + ld[j]
+    blocked = linked[j] & (ld[j] > max(_QUEUE_CALL_NS, _QUEUE_CALL_X * med)) & (start[j] - ret >= _QUEUE_BEHIND_NS)
+    out[np.flatnonzero(u)[blocked]] = ld[j][blocked] - med
+    return out
 
 
 # a host gap of _HIDDEN_MIN_WAIT_NS or more that ended within max(_HIDDEN_RET_NS, _HIDDEN_RET_SHARE x the

@@ -1,7 +1,9 @@
 """``micro_batch_size``: the tokens of a micro-batch.
 
-Token-proportional units keep their fixed part (the fastest instance of the same kernel in the step)
-and scale their variable part with the tokens; units of a chunked loss (``loss_fusion``) repeat with
+Token-proportional units scale their variable part with the tokens above a fixed part that depends on how
+full the kernel kept the GPU (``fill``, its waves of work: `profile._attach_fill`): a kernel with a wave or
+more scales above the launch floor (the step's shortest unit), never below one wave; an under-filled one
+(or one whose fill is unknown) keeps the fastest instance of the same kernel in the step as its fixed part; units of a chunked loss (``loss_fusion``) repeat with
 the number of chunks, launches included; per-step units (optimizer, gradient reduction) stay; host
 launch costs stay. Expert GEMMs are left to the backend mechanism when a kernel table gives their
 timings at the new rows.
@@ -32,14 +34,22 @@ def chunk_units(w: pd.DataFrame, cfg: dict) -> np.ndarray:
     return out
 
 
+def launch_floor(dur: np.ndarray) -> float:
+    """The cost of a kernel that does (almost) nothing: the step's shortest unit of device work (ns)."""
+    d = np.asarray(dur, dtype=float)
+    d = d[d > 0]
+    return float(d.min()) if len(d) else 0.0
+
+
 @register
 class Tokens(Mechanism):
     name = "tokens"
     keys = ("micro_batch_size",)
     sigma = {"tokens": 0.10}
     order = 20.0
-    summary = ("token-proportional work x tokens above each kernel's fixed part (the fastest instance of its name "
-               "in the step); a chunked loss repeats its chunks; per-step work and launch costs kept")
+    summary = ("token-proportional work x tokens above each kernel's fixed part (a kernel that fills the GPU: the "
+               "launch floor, not below one wave; an under-filled one: the fastest instance of its name in the step); "
+               "a chunked loss repeats its chunks; per-step work and launch costs kept")
 
     def applies(self, change: Change) -> bool:
         return change.s_tok != 1.0
@@ -53,11 +63,19 @@ class Tokens(Mechanism):
         scale = w["scale"].to_numpy()
         expert = w["expert"].to_numpy()
         floors = pd.Series(dur0[: len(w)]).groupby(names).transform("min").to_numpy()
+        fill = w["fill"].to_numpy(float) if "fill" in w else np.full(len(w), np.nan)
+        floor = launch_floor(dur0[: len(w)])
         chunked = chunk_units(w, old)
         tok = (scale == "tokens") & ~chunked & ~(expert & (change.model.table is not None))
+        full = 0
         for j in np.flatnonzero(tok):
-            f = min(floors[j], dur0[j])
-            plan.dur[j] = f + s_tok * (dur0[j] - f)
+            if fill[j] >= 1.0:  # a full GPU: its waves follow the tokens, above the cost of any kernel
+                f = min(floor, dur0[j])
+                plan.dur[j] = f + (dur0[j] - f) * max(s_tok, 1.0 / fill[j])
+                full += 1
+            else:  # under-filled (or fill unknown): the part the fastest instance of its kernel also takes stays
+                f = min(floors[j], dur0[j])
+                plan.dur[j] = f + s_tok * (dur0[j] - f)
         if chunked.any():
             reps = math.ceil(t1 / int(old["loss_chunk_size"])) / math.ceil(t0 / int(old["loss_chunk_size"]))
             pos = unit_positions(plan)
@@ -68,7 +86,9 @@ class Tokens(Mechanism):
                     plan.gap[i] *= reps
         d = float(np.abs(np.asarray(plan.dur[: len(w)]) - dur0[: len(w)]).sum())
         change.modeled.append(f"micro_batch_size {old['micro_batch_size']} -> {new['micro_batch_size']}: token-"
-                              f"proportional work x{s_tok:g} above each kernel's fixed part"
+                              f"proportional work x{s_tok:g} above each kernel's fixed part ({full} of "
+                              f"{int(tok.sum())} kernels fill the GPU: above the launch floor "
+                              f"{floor / 1e3:.1f} µs, not below one wave)"
                               + (f"; chunked loss x{reps:g} launches" if chunked.any() else "")
                               + "; per-step work and host launch costs unchanged")
         return (self.sigma["tokens"] * d / float(p.step_ns)) ** 2
