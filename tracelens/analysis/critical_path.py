@@ -359,7 +359,7 @@ def critical_path(gpu: pd.DataFrame, instances: pd.DataFrame, syncs: pd.DataFram
     if gpu.empty or not steps:
         return unavailable("no GPU activity in the analyzed steps")
     ranks = sorted(int(r) for r in gpu["rank"].unique())
-    have = gpu.groupby("rank")["step"].agg(lambda s: {int(x) for x in s})
+    have = gpu.groupby("rank")["step"].agg(lambda s: {int(x) for x in s}).to_dict()
     for n in steps:
         for r in ranks:
             if n not in have.get(r, set()):
@@ -453,11 +453,23 @@ def critical_path(gpu: pd.DataFrame, instances: pd.DataFrame, syncs: pd.DataFram
     seg_rows: list[tuple] = []
     step_rows: list[dict[str, Any]] = []
     notes: list[str] = []
+    # each step's first start, last end and the row ending last, for every step at once (a trace of many short
+    # steps has tens of thousands)
     step_arr = gpu["step"].to_numpy()
+    order = np.argsort(step_arr, kind="stable")
+    ids, first = np.unique(step_arr[order], return_index=True)
+    t0_of = np.minimum.reduceat(ts_arr[order], first).tolist()
+    ends_in_order = end_arr[order]
+    t1_of = np.maximum.reduceat(ends_in_order, first)
+    # the row ending last: the first such row in table order, as np.argmax over the step's rows gives
+    is_last = ends_in_order == np.repeat(t1_of, np.diff(np.append(first, len(order))))
+    cand = np.flatnonzero(is_last)
+    last_of = order[cand[np.unique(np.searchsorted(first, cand, "right") - 1, return_index=True)[1]]].tolist()
+    where = {int(x): k for k, x in enumerate(ids.tolist())}
+    t1_of = t1_of.tolist()
     for n in steps:
-        in_step = np.flatnonzero(step_arr == n)
-        t0, t1 = int(ts_arr[in_step].min()), int(end_arr[in_step].max())
-        last_i = int(in_step[np.argmax(end_arr[in_step])])
+        k = where[n]
+        t0, t1, last_i = t0_of[k], t1_of[k], last_of[k]
         out: list[tuple] = []  # reversed: latest first
         emit = out.append  # (step, rank, start, end, dur, kind, what, op, stage, to_rank, gpu_row)
         r = rank_all[last_i]
@@ -548,7 +560,8 @@ def critical_path_of(analysis, step: int | None = None, *, instances: pd.DataFra
     else:
         sw = getattr(a, "window", None)
         used = [int(s) for s in getattr(sw, "used", [])] if sw is not None else []
-        steps = [s for s in used if s in known] or known
+        known_set = set(known)
+        steps = [s for s in used if s in known_set] or known
     inst = a.comm_instances() if instances is None else instances
     syncs = a.host_syncs() if syncs is None else syncs
     return critical_path(gpu, inst, syncs, steps, trace=a.trace, pipeline=getattr(a, "pipeline", None),
