@@ -61,5 +61,6 @@ CAT_GROUP: dict[str, str] = {
 
 # raw list args kept unquoted as written (rank lists and split sizes), not as JSON strings
 UNQUOTE_COLS = frozenset({"pg_ranks", "in_split", "out_split"})
-SCHEMA_VERSION = 6  # 2-3: impossible events dropped at load (checks.py), entries sealed (cache.py); 4: call-tree
-# events first (roworder.py); 5: names cut at limits.MAX_NAME_BYTES; 6: ts/dur exact from their text (timestamps.py)
+SCHEMA_VERSION = 7  # 2-3: impossible events dropped at load (checks.py), entries sealed (cache.py); 4: call-tree
+# events first (roworder.py); 5: names cut at limits.MAX_NAME_BYTES; 6: ts/dur exact from their text (timestamps.py);
+# 7: cache entries as Arrow IPC files instead of Parquet (cache.py)
