@@ -346,6 +346,41 @@ def p2p_links(events: pd.DataFrame, gpu: pd.DataFrame) -> dict[int, list[int]]:
     return links
 
 
+_TEXT_COLUMNS = frozenset({"kind", "what", "op", "stage"})
+
+
+class _Segments:
+    """The path's segments, gathered as tuples (one per SEGMENT_COLUMNS row) and turned into columns a chunk at a
+    time: a 2 GB trace's path has millions of segments, and a list of tuples for all of them (~230 bytes each, then
+    the object array pandas builds from it) took ~900 MB on top of the analysis."""
+
+    CHUNK = 1 << 16
+
+    def __init__(self) -> None:
+        self.pending: list[tuple] = []
+        self.chunks: list[list[np.ndarray]] = []
+
+    def extend(self, rows: list[tuple]) -> None:
+        self.pending += rows
+        if len(self.pending) >= self.CHUNK:
+            self._flush()
+
+    def _flush(self) -> None:
+        if self.pending:
+            cols = list(zip(*self.pending))
+            self.chunks.append([np.array(c, dtype=object) if name in _TEXT_COLUMNS else np.array(c, dtype=np.int64)
+                                for name, c in zip(SEGMENT_COLUMNS, cols)])
+            self.pending = []
+
+    def frame(self) -> pd.DataFrame:
+        self._flush()
+        if not self.chunks:
+            return pd.DataFrame(columns=SEGMENT_COLUMNS)
+        data = {name: np.concatenate([c[k] for c in self.chunks]) for k, name in enumerate(SEGMENT_COLUMNS)}
+        self.chunks = []
+        return pd.DataFrame(data)  # text columns typed as pandas infers them from the strings (as from the tuples)
+
+
 def critical_path(gpu: pd.DataFrame, instances: pd.DataFrame, syncs: pd.DataFrame, steps: list[int], *,
                   trace=None, pipeline=None, events: pd.DataFrame | None = None) -> CriticalPath:
     """The critical path of each step in `steps` (see the module docstring).
@@ -450,7 +485,7 @@ def critical_path(gpu: pd.DataFrame, instances: pd.DataFrame, syncs: pd.DataFram
                 return "host sync"
         return "launch-bound" if launch >= 0 and launch > gs else "idle"
 
-    seg_rows: list[tuple] = []
+    seg = _Segments()
     step_rows: list[dict[str, Any]] = []
     notes: list[str] = []
     # each step's first start, last end and the row ending last, for every step at once (a trace of many short
@@ -525,7 +560,7 @@ def critical_path(gpu: pd.DataFrame, instances: pd.DataFrame, syncs: pd.DataFram
                 emit((n, r, ends[k], t, t - ends[k], idle_kind(r, ends[k], t, succ_launch), "", "", "", -1, -1))
             cur = rank_at[r][k]
         out.reverse()
-        seg_rows += out
+        seg.extend(out)
         hops = sum(1 for s in out if s[5] == "wait" and s[4] == 0)
         on = sorted({s[1] for s in out if s[4] > 0})
         step_rows.append({"step": n, "start_ns": t0, "end_ns": t1, "span_ns": t1 - t0, "end_rank": int(rank_all[last_i]),
@@ -533,7 +568,7 @@ def critical_path(gpu: pd.DataFrame, instances: pd.DataFrame, syncs: pd.DataFram
         if unfollowed:
             notes.append(f"step {n}: {unfollowed} wait(s) not followed (the rank waited for had already been passed "
                          "at that time: clocks or overlapping streams); they stay on the path as waits")
-    seg = pd.DataFrame(seg_rows, columns=SEGMENT_COLUMNS)
+    seg = seg.frame()
     return CriticalPath(seg, pd.DataFrame(step_rows, columns=STEP_COLUMNS), notes=notes)
 
 
