@@ -4,7 +4,7 @@
     >>> trace = tracelens.load("runs/demo")          # run dir, trace dir, or a .json/.json.gz file
     >>> trace.events.groupby("cat").dur.sum()
 
-Per-rank files load in parallel processes and each parsed file is cached (Parquet, keyed by content).
+Per-rank files load in parallel processes and each parsed file is cached (Arrow IPC, keyed by content).
 """
 
 from __future__ import annotations
@@ -228,7 +228,7 @@ def load(
     """Load one or more traces into a `Trace`.
 
     paths: a trace file, a directory of per-rank trace files, a run directory, or a list of those.
-    cache: read/write the Parquet cache keyed by file content. jobs: parallel processes for many
+    cache: read/write the cache of parsed files (Arrow IPC) keyed by file content. jobs: parallel processes for many
     files (default: the CPUs this process may use). progress: True/False forces the progress bar; None shows it on a TTY.
     prefetch: a `tracelens.io.prefetch.Prefetch` already reading the file (what `tracelens.load` passes).
     """

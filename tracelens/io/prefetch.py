@@ -3,7 +3,7 @@
 `tracelens.load` is called in a fresh process more often than not (the CLI, CI jobs, notebooks'
 first cell), and importing pandas and the analyses costs ~0.3-0.6 s. The compiled scanner releases
 the GIL, so a thread can read and scan the file meanwhile: `start` does the cheap checks (one file,
-large enough, not already in the Parquet cache) and hands the file to a thread; `trace.load` picks the
+large enough, not already in the cache) and hands the file to a thread; `trace.load` picks the
 scan up with `take`. Anything unexpected in the thread (an unreadable file, a file the scanner does
 not take) is left for the ordinary path, which reads the file again and names the problem: a
 prefetch can only make a load faster, never change what it returns or raises.

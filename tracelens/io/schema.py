@@ -1,5 +1,5 @@
 """What the loader keeps of a Kineto trace: the arg columns, which categories carry which args, and the
-version of the table layout (part of every Parquet cache key).
+version of the table layout (part of every cache key).
 
 Plain data with no imports, shared by the msgspec path (`kineto.py`), the compiled scanner's spec
 (`scanner.py`) and the cache (`cache.py`), so a light module can name them without importing numpy.
