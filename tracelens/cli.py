@@ -20,7 +20,8 @@ from moespec.schedules import MODELED as _MODELED_SCHEDULES
 
 from . import __version__
 from .errors import TraceError
-from .io.scanner import decoder  # (not .io.kineto: pandas and pyarrow load after `analyze` has started the scan)
+# (from io.scanner, not io.kineto: pandas and pyarrow load after `analyze` has started the scan)
+from .io.scanner import decoder
 
 
 def _fail(message: str, code: int = 2) -> None:
