@@ -1,8 +1,14 @@
 #!/usr/bin/env bash
-# Issue 20's corpus benchmark on the device machine's CPU (16 quiet cores; the issue's number of record):
-# benchmarks/bench_load.py --corpus pinned to 2 cores (CPUS, default 2,3) for tracelens and HTA alike, in
-# groups of traces that fit a 10-minute call (ONLY: comma-separated corpus names, default all 14; ~50 s a
-# trace with HTA). Writes corpus.txt / corpus.json into $OUT; tiled traces in WORK (default /tmp/tracelens-corpus).
+# Issues 20 and 37's corpus benchmark on the device machine's CPU (16 quiet cores; the issues' number of record):
+# benchmarks/bench_load.py --corpus pinned to 2 cores (CPUS, default 2,3) for tracelens and HTA alike: per trace
+# `tracelens analyze TRACE -o OUT` as users run it (fresh process, empty cache dir, report + tables + summary.json;
+# the acceptance measure), the API path (load + analyze + summary) and HTA, medians of REPEAT (3), in groups of
+# traces that fit a 10-minute call (ONLY: comma-separated corpus names, default all 20; ~60-70 s a trace with
+# HTA, a100_triton's HTA stops at the 120 s timeout). Writes corpus.txt / corpus.json into $OUT; tiled traces in
+# WORK (default /tmp/tracelens-corpus). The 20 names, in bench_load.py's CORPUS order:
+#   moe_loop moe_grouped ep2_loop_r0 pp2_1f1b_r0 a100_control v100_test a100_alexnet mi250 mi300_resnet
+#   mi300_sglang b200_eager h100_owlv2 h100_timesformer cpu_tiny h100_moe_mbs8 ep4_cap_ovl_r0 pp4_1f1b_r0
+#   ep4_mbs16_r0 dp4_mbs16_r0 a100_triton
 #
 # The device copy of the repository has no ../shared, so carry a copy of the external fixtures and the
 # benchmark wheels (both git-ignored):

@@ -15,14 +15,18 @@ and prints wall seconds, peak RSS (MB, the child's ru_maxrss) and the ratios HTA
     python benchmarks/bench_load.py                      # 200 MB from the A100 trace_diff fixture
     python benchmarks/bench_load.py --target-mb 1000 --src tests/fixtures/h200_moe_1gpu/moe1gpu_loop.json.gz
 
-Corpus mode (issue 20): every trace of CORPUS below tiled to --target-mb, tracelens cold (load + analyze
-+ summary, no cache) and HTA cold, each in a fresh subprocess, median of --repeat runs (default 3), one
-trace after the other; prints a per-trace table and the minimum HTA / tracelens ratio over the corpus:
+Corpus mode (issues 20, 37): every trace of CORPUS below tiled to --target-mb; per trace, each in a fresh
+subprocess, median of --repeat runs (default 3): `tracelens analyze TRACE -o OUT` as users run it (report,
+tables and summary.json written, the cache on in an empty TRACELENS_CACHE_DIR: a first run), the API path
+(load without cache + analyze + summary) and HTA cold (skipped, with one line, where it is not installed),
+one trace after the other; prints a per-trace table (wall and CPU seconds, peak RSS, report size) and the
+minimum HTA / CLI ratio over the corpus (the issue's measure) beside the minimum HTA / API ratio:
     python benchmarks/bench_load.py --corpus --work /tmp/corpus            # all, 200 MB, 3 repeats
     python benchmarks/bench_load.py --corpus --only moe_loop,cpu_tiny --repeat 1 --target-mb 50
     python benchmarks/bench_load.py --corpus --no-hta --json out.json      # tracelens only
+    python benchmarks/bench_load.py --corpus --no-cli                      # the API path and HTA only
     git worktree add --detach /tmp/before main && (cd /tmp/before && python setup.py -q build_ext --inplace)
-    python benchmarks/bench_load.py --corpus --compare-root /tmp/before    # + that checkout's tracelens
+    python benchmarks/bench_load.py --corpus --compare-root /tmp/before    # + that checkout's CLI, alternating
 
 Big mode (issue 20, bounded memory): one trace (default: the H200 MoE loop fixture) tiled to --target-mb
 by every CPU this process may use, then cold load + analyze + summary in fresh processes pinned to --cpus,
@@ -67,7 +71,26 @@ t2 = time.perf_counter()
 r0 = s["ranks"][0]["all_steps"] if s.get("ranks") else {}  # the whole profiled window, as HTA reads it
 print(json.dumps({"load_s": t1 - t0, "analyze_s": t2 - t1, "busy_us": r0.get("gpu_busy_us"),
                   "kernels": int((a.gpu["kind"] == "kernel").sum()), "events": int(len(tr.events)),
+                  "steps": int(a.steps["step"].nunique()) if len(a.steps) else 0,
                   "peak_load_mb": m1, "peak_analyze_mb": m2}))
+"""
+
+# `tracelens analyze TRACE -o OUT` as users run it: the console script's entry point in a fresh interpreter (what the
+# `tracelens` script does), report, tables and summary.json written, the cache at its default (on) in an empty
+# TRACELENS_CACHE_DIR (a user's first run: the trace parsed and its cache entry written, plotly.js packed)
+CLI = """
+import json, os, sys, time
+t0 = time.perf_counter()
+from tracelens.cli import main
+try:
+    main(["analyze", sys.argv[1], "-o", sys.argv[2], "-q"], prog_name="tracelens")
+except SystemExit as e:
+    if e.code:
+        raise
+out = sys.argv[2]
+print(json.dumps({"cli_s": time.perf_counter() - t0,
+                  "report_mb": os.path.getsize(os.path.join(out, "report.html")) / 1e6,
+                  "summary_mb": os.path.getsize(os.path.join(out, "summary.json")) / 1e6}))
 """
 
 HTA = """
@@ -116,7 +139,8 @@ th.join(1)
 if p.returncode:
     sys.stderr.write(err.decode()); sys.exit(p.returncode)
 r = json.loads(out.decode().strip().splitlines()[-1])
-r.update(wall_s=wall, peak_mb=resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024,
+ru = resource.getrusage(resource.RUSAGE_CHILDREN)
+r.update(wall_s=wall, peak_mb=ru.ru_maxrss / 1024, cpu_s=ru.ru_utime + ru.ru_stime,
          tree_peak_mb=(tree_peak[0] / 2**20) or None)
 print(json.dumps(r))
 """
@@ -198,6 +222,21 @@ CORPUS = [
     ("h100_owlv2", _EXT / "tracelens" / "h100_owlv2_inference.json.gz", "H100 inference, Python stacks"),
     ("h100_timesformer", _EXT / "tracelens" / "h100_timesformer.json.gz", "H100 TimeSformer inference"),
     ("cpu_tiny", _FX / "cpu_tiny" / "rank0.json.gz", "CPU only, trainer tiny, record_shapes, deep op stacks"),
+    # the kinds our trainer makes on GPUs (issue 37): one profiled step or two per source, so a 200 MB tile holds
+    # 16-50 steps of a few thousand GPU events each
+    ("h100_moe_mbs8", _FX / "h100_proxy_loop_mbs8" / "traces" / "rank0.json.gz",
+     "H100 MoE 1 GPU, proxy model, per-expert loop, mbs 8 (12 MB a step)"),
+    ("ep4_cap_ovl_r0", _FX / "h100_4gpu" / "ep4_cap_ovl" / "traces" / "rank0.json.gz",
+     "4 x H100 EP=4 run, rank 0: capacity all-to-all overlapped, NCCL"),
+    ("pp4_1f1b_r0", _FX / "h100_4gpu" / "pp4_1f1b" / "traces" / "rank0.json.gz",
+     "4 x H100 PP=4 1F1B run, rank 0: send/recv, NCCL"),
+    ("ep4_mbs16_r0", _FX / "h100_4gpu_layouts" / "ep4_cap_mbs16" / "traces" / "rank0.json.gz",
+     "4 x H100 layout run EP=4, mbs 16, rank 0 (4.8 MB a step)"),
+    ("dp4_mbs16_r0", _FX / "h100_4gpu_layouts" / "dp4_mbs16" / "traces" / "rank0.json.gz",
+     "4 x H100 layout run DP=4, mbs 16, rank 0: all-reduce (4.0 MB a step)"),
+    # a foreign kind not in the corpus before: one Triton kernel per profiled step (16 KB), so a 200 MB tile is
+    # ~80,000 steps of a dozen events: per-step work that grows with the number of steps shows here first
+    ("a100_triton", _EXT / "hta" / "triton_example.json.gz", "A100, one Triton kernel per step (HTA data)"),
 ]
 
 
@@ -232,13 +271,36 @@ def tile(src: Path, work: Path, name: str, target_mb: float) -> Path:
     return trace
 
 
+def run_cli(trace: Path, work: Path, cwd: Path = ROOT) -> dict:
+    """One `tracelens analyze TRACE -o OUT` in a fresh process (the CLI child above) with an empty cache directory
+    and output directory of its own under `work`, both removed after: wall and CPU seconds, peak RSS, report size."""
+    d = Path(tempfile.mkdtemp(prefix="cli-", dir=work))
+    try:
+        return run_isolated(CLI, str(trace), str(d / "out"), env={"TRACELENS_CACHE_DIR": str(d / "cache")}, pss=False,
+                            cwd=cwd)
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def hta_available() -> bool:
+    """Whether HolisticTraceAnalysis can be imported here (looked up without importing it: nothing is fetched)."""
+    import importlib.util
+
+    return importlib.util.find_spec("hta") is not None
+
+
 def run_corpus(names: list[str] | None, target_mb: float, work: Path, repeat: int = 3, hta: bool = True,
-               log=None, compare_root: Path | None = None, hta_timeout: float | None = None) -> list[dict]:
-    """Each corpus trace (or those named) tiled to `target_mb`; tracelens cold and, with `hta`, HTA cold,
-    `repeat` fresh processes each, medians. One dict per trace. compare_root: another checkout of the
-    project (e.g. `git worktree add --detach DIR main`, with the compiled scanner copied or built there)
-    whose tracelens runs the same way, in the same minutes ("before"). hta_timeout: an HTA run stopped
-    after this many seconds counts as that long (the ratio is then a lower bound) and is not repeated."""
+               log=None, compare_root: Path | None = None, hta_timeout: float | None = None,
+               cli: bool = True) -> list[dict]:
+    """Each corpus trace (or those named) tiled to `target_mb`, then per trace, `repeat` fresh processes each and
+    their medians: `tracelens analyze TRACE -o OUT` as users run it (`cli`: report, tables and summary.json
+    written, cold cache), the API path (`tracelens`: load without cache + analyze + summary), and with `hta`
+    HolisticTraceAnalysis cold (load + temporal and kernel breakdowns) in the same minutes. One dict per trace;
+    `ratio` is HTA / the CLI (the issue's measure; HTA / the API path without the CLI: `ratio_api`).
+    compare_root: another checkout of the project (e.g. `git worktree add --detach DIR main`, with the compiled
+    scanner copied or built there) whose CLI runs the same way, alternating with this one's ("before").
+    hta_timeout: an HTA run stopped after this many seconds counts as that long (the ratio is then a lower
+    bound) and is not repeated."""
     known = {n for n, _, _ in CORPUS}
     bad = [n for n in (names or []) if n not in known]
     if bad:
@@ -249,11 +311,17 @@ def run_corpus(names: list[str] | None, target_mb: float, work: Path, repeat: in
             continue
         trace = tile(corpus_source(src), work, name, target_mb)
         cache = work / "cache-unused"
+        clis, befores = [], []
+        for _ in range(repeat if (cli or compare_root) else 0):  # alternating, so both see the same minutes
+            if cli:
+                clis.append(run_cli(trace, work))
+            if compare_root:
+                befores.append(run_cli(trace, work, cwd=compare_root))
         tl = _median([run_isolated(TRACELENS, str(trace), "0", str(cache), pss=False) for _ in range(repeat)])
-        row = {"name": name, "what": what, "size_mb": trace.stat().st_size / 1e6, "tracelens": tl, "hta": None}
-        if compare_root:
-            row["before"] = _median([run_isolated(TRACELENS, str(trace), "0", str(cache), pss=False,
-                                                  cwd=compare_root) for _ in range(repeat)])
+        row = {"name": name, "what": what, "size_mb": trace.stat().st_size / 1e6, "tracelens": tl,
+               "cli": _median(clis) if clis else None, "hta": None}
+        if befores:
+            row["before"] = _median(befores)
         if hta:
             try:
                 runs = []
@@ -265,52 +333,70 @@ def run_corpus(names: list[str] | None, target_mb: float, work: Path, repeat: in
             except SystemExit as err:  # HTA fails on some traces: say so, leave it out of the ratio
                 row["hta_error"] = str(err).strip().splitlines()[-1][:200]
         if row["hta"]:
-            row["ratio"] = row["hta"]["wall_s"] / tl["wall_s"]
+            h = row["hta"]["wall_s"]
+            row["ratio_api"] = h / tl["wall_s"]
+            if row["cli"]:
+                row["ratio"] = h / row["cli"]["wall_s"]
             if row.get("before"):
-                row["ratio_before"] = row["hta"]["wall_s"] / row["before"]["wall_s"]
+                row["ratio_before"] = h / row["before"]["wall_s"]
         rows.append(row)
         if log:
             log(format_corpus([row], header=not rows[:-1], footer=False))
     return rows
 
 
+def _ratio(row: dict, key: str) -> str:
+    """A ratio cell: '12.3x', '>=12.3x' when HTA was stopped at the timeout, blank when there is none."""
+    if not row.get(key):
+        return f"{'':>7}"
+    return f"{'>=' + format(row[key], '.1f') + 'x':>7}" if row["hta"].get("timed_out") else f"{row[key]:>6.1f}x"
+
+
 def format_corpus(rows: list[dict], header: bool = True, footer: bool = True) -> str:
     out = []
     before = any(r.get("before") for r in rows)
     if header:
-        out.append(f"{'trace':<17} {'MB':>5} {'events':>9} {'tl wall s':>9} {'load s':>6} {'anal s':>6} "
-                   f"{'tl RSS MB':>9} {'HTA wall s':>10} {'HTA RSS MB':>10} {'HTA/tl':>7} {'GPU busy ms':>11}"
-                   + (f" {'before s':>8} {'before MB':>9} {'HTA/before':>10}" if before else ""))
+        out.append(f"{'trace':<17} {'MB':>5} {'events':>9} {'steps':>6} {'CLI s':>6} {'CLI cpu':>7} {'CLI MB':>6} "
+                   f"{'page MB':>7} {'API s':>6} {'API MB':>6} {'HTA s':>7} {'HTA MB':>6} {'HTA/CLI':>7} {'HTA/API':>7} "
+                   f"{'GPU busy ms':>11}" + (f" {'before s':>8} {'before cpu':>10} {'before MB':>9} {'HTA/before':>10}" if before else ""))
     for r in rows:
-        t, h = r["tracelens"], r.get("hta")
+        t, h, c = r["tracelens"], r.get("hta"), r.get("cli")
         busy = f"{t['busy_us'] / 1e3:>11.1f}" if t.get("busy_us") is not None else f"{'(no GPU)':>11}"
-        hs = (f"{'>' + format(h['wall_s'], '.0f'):>10} {'':>10} {'>=' + format(r['ratio'], '.1f') + 'x':>7}"
+        cs = (f"{c['wall_s']:>6.2f} {c['cpu_s']:>7.2f} {c['peak_mb']:>6.0f} {c['report_mb']:>7.2f}" if c else
+              f"{'-':>6} {'-':>7} {'-':>6} {'-':>7}")
+
+        hs = (f"{'>' + format(h['wall_s'], '.0f'):>7} {'':>6} {_ratio(r, 'ratio')} {_ratio(r, 'ratio_api')}"
               if h and h.get("timed_out") else
-              f"{h['wall_s']:>10.2f} {h['peak_mb']:>10.0f} {r['ratio']:>6.1f}x" if h else
-              f"{'failed' if r.get('hta_error') else 'n/a':>10} {'':>10} {'':>7}")
+              f"{h['wall_s']:>7.2f} {h['peak_mb']:>6.0f} {_ratio(r, 'ratio')} {_ratio(r, 'ratio_api')}" if h else
+              f"{'failed' if r.get('hta_error') else 'n/a':>7} {'':>6} {'':>7} {'':>7}")
         b = r.get("before")
         bs = ""
         if b:
-            rb = (f"{r['ratio_before']:>9.1f}x" if r.get("ratio_before") else f"{'':>10}")
-            if h and h.get("timed_out"):
-                rb = f"{'>=' + format(r['ratio_before'], '.1f') + 'x':>10}"
-            bs = f" {b['wall_s']:>8.2f} {b['peak_mb']:>9.0f} {rb}"
-        out.append(f"{r['name']:<17} {r['size_mb']:>5.0f} {t['events']:>9,} {t['wall_s']:>9.2f} {t['load_s']:>6.2f} "
-                   f"{t['analyze_s']:>6.2f} {t['peak_mb']:>9.0f} {hs} {busy}{bs}")
+            rb = f"{'':>10}"
+            if r.get("ratio_before"):
+                rb = (f"{'>=' + format(r['ratio_before'], '.1f') + 'x':>10}" if h and h.get("timed_out")
+                      else f"{r['ratio_before']:>9.1f}x")
+            bs = f" {b['wall_s']:>8.2f} {b['cpu_s']:>10.2f} {b['peak_mb']:>9.0f} {rb}"
+        out.append(f"{r['name']:<17} {r['size_mb']:>5.0f} {t['events']:>9,} {t.get('steps', 0):>6,} {cs} "
+                   f"{t['wall_s']:>6.2f} {t['peak_mb']:>6.0f} {hs} {busy}{bs}")
     if footer:
-        rat = [r for r in rows if r.get("ratio")]
-        if rat:
-            lo = min(rat, key=lambda r: r["ratio"])
-            out.append(f"minimum HTA / tracelens ratio: {lo['ratio']:.1f}x ({lo['name']}) over {len(rat)} traces"
-                       + (" (HTA stopped at the timeout on " + ", ".join(r["name"] for r in rat if r["hta"].get("timed_out"))
-                          + ": lower bounds)" if any(r["hta"].get("timed_out") for r in rat) else ""))
-            rb = [r for r in rat if r.get("ratio_before")]
-            if rb:
-                lb = min(rb, key=lambda r: r["ratio_before"])
-                out.append(f"minimum HTA / before ratio: {lb['ratio_before']:.1f}x ({lb['name']})")
-        worst = max(rows, key=lambda r: r["tracelens"]["peak_mb"]) if rows else None
+        out.append("CLI: `tracelens analyze TRACE -o OUT` (report, tables, summary.json; empty cache dir), fresh process; "
+                   "API: load (no cache) + analyze + summary; HTA: TraceAnalysis + temporal + kernel breakdown; "
+                   "wall s, medians; CLI cpu: user + sys s; MB: peak RSS")
+        for key, what in (("ratio", "HTA / CLI"), ("ratio_api", "HTA / API")):
+            rat = [r for r in rows if r.get(key)]
+            if rat:
+                lo = min(rat, key=lambda r: r[key])
+                out.append(f"minimum {what} ratio: {lo[key]:.1f}x ({lo['name']}) over {len(rat)} traces"
+                           + (" (HTA stopped at the timeout on " + ", ".join(r["name"] for r in rat if r["hta"].get("timed_out"))
+                              + ": lower bounds)" if any(r["hta"].get("timed_out") for r in rat) else ""))
+        rb = [r for r in rows if r.get("ratio_before")]
+        if rb:
+            lb = min(rb, key=lambda r: r["ratio_before"])
+            out.append(f"minimum HTA / before (CLI) ratio: {lb['ratio_before']:.1f}x ({lb['name']})")
+        worst = max(rows, key=lambda r: max(r["tracelens"]["peak_mb"], (r.get("cli") or {}).get("peak_mb", 0))) if rows else None
         if worst:
-            out.append(f"maximum tracelens peak RSS: {worst['tracelens']['peak_mb']:.0f} MB ({worst['name']})")
+            out.append(f"maximum tracelens peak RSS: {max(worst['tracelens']['peak_mb'], (worst.get('cli') or {}).get('peak_mb', 0)):.0f} MB ({worst['name']})")
         for r in rows:
             if r.get("hta_error"):
                 out.append(f"HTA failed on {r['name']}: {r['hta_error']}")
@@ -321,19 +407,17 @@ def main_corpus(a) -> None:
     work = Path(a.work or tempfile.mkdtemp(prefix="tracelens-corpus-"))
     names = [n for n in (a.only or "").split(",") if n] or None
     hta = not a.no_hta
-    if hta:
-        try:
-            import hta as _  # noqa: F401
-        except ImportError:
-            print("HolisticTraceAnalysis not installed (pip install --no-deps HolisticTraceAnalysis==0.5.0 "
-                  "psutil networkx pydot): tracelens only", file=sys.stderr)
-            hta = False
+    if hta and not hta_available():
+        print("HolisticTraceAnalysis not installed (pip install --no-deps HolisticTraceAnalysis==0.5.0 "
+              "psutil networkx pydot): tracelens only", file=sys.stderr)
+        hta = False
     from tracelens.io.kineto import decoder
 
     print(f"corpus at {a.target_mb:g} MB, median of {a.repeat}; CPUs usable: {len(os.sched_getaffinity(0))} of "
           f"{os.cpu_count()}; decoder: {decoder()}; work dir {work}", flush=True)
     rows = run_corpus(names, a.target_mb, work, repeat=a.repeat, hta=hta, log=lambda s: print(s, flush=True),
-                      compare_root=Path(a.compare_root) if a.compare_root else None, hta_timeout=a.hta_timeout)
+                      compare_root=Path(a.compare_root) if a.compare_root else None, hta_timeout=a.hta_timeout,
+                      cli=not a.no_cli)
     print(format_corpus(rows, header=True, footer=True))
     if a.json:
         Path(a.json).write_text(json.dumps({"target_mb": a.target_mb, "repeat": a.repeat, "rows": rows}, indent=1))
@@ -409,6 +493,8 @@ def main() -> None:
     ap.add_argument("--target-mb", type=float, default=200.0)
     ap.add_argument("--work", default=None, help="work directory (default: a temporary one)")
     ap.add_argument("--no-hta", action="store_true", help="skip HolisticTraceAnalysis")
+    ap.add_argument("--no-cli", action="store_true",
+                    help="with --corpus: leave out the `tracelens analyze` runs (the API path and HTA only)")
     ap.add_argument("--repeat", type=int, default=None,
                     help="repeat each measurement, report the median (default 1; 3 with --corpus)")
     ap.add_argument("--decoders", action="store_true", help="also time JSON decoders on the trace")

@@ -12,7 +12,7 @@ import pandas as pd
 
 from tracelens.analysis.diff import MIN_SAMPLES, DiffResult
 
-from .common import html_table, plot_text, plotly_js, safe_json, template_env, write_text_atomic
+from .common import html_table, plot_text, plotly_js_packed, safe_json, template_env, write_text_atomic
 
 DIFF_SCHEMA = 1
 
@@ -295,7 +295,7 @@ def render_html(r: DiffResult, rules: list[dict] | None = None) -> str:
     return template_env().get_template("diff.html").render(
         title=f"tracelens diff: {r.base_label} → {r.new_label}", info=r.info, warnings=r.warnings,
         rules=[{**x, "evaluated": describe_rule(x)} for x in rules or []],
-        plotly_js=plotly_js(), figures_json=safe_json(figures), tables=tables,
+        plotly_packed=plotly_js_packed(), figures_json=safe_json(figures), tables=tables,
     )
 
 

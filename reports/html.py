@@ -16,7 +16,7 @@ import pandas as pd
 
 from tracelens.analyzer import Analysis
 
-from .common import COLORS, html_table, plot_text, plotly_js, safe_json, template_env, version, write_text_atomic
+from .common import COLORS, html_table, plot_text, plotly_js_packed, safe_json, template_env, version, write_text_atomic
 from .critpath import section_context as critpath_context
 from .decomposition import section_context as decomposition_context
 from .pipeline import section_context as pipeline_context
@@ -166,7 +166,7 @@ def render(analysis: Analysis, title: str | None = None) -> str:
         title=title,
         subtitle=f"{len(trace.ranks)} rank(s) · {', '.join(devices) or 'no GPU'}",
         version=version(),
-        plotly_js=plotly_js(),
+        plotly_packed=plotly_js_packed(),
         warnings=a.warnings,
         verdict=verdict_context(a),  # never raises: no verdict is its one line
         health=_health_context(a),

@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Sequence
 
-from .common import html_table, plot_text, plotly_js, safe_json, template_env, write_text_atomic
+from .common import html_table, plot_text, plotly_js_packed, safe_json, template_env, write_text_atomic
 
 GIB = 1 << 30
 # the parts of a configuration label such as "pp4 vpp2 tp1 cp1 ep8 dp2 mbs1 rc=none 1f1b L3" (Layout.label)
@@ -72,7 +72,7 @@ def render(projections: Sequence, title: str = "tracelens memory", device_bytes:
 
     return template_env().get_template("memory.html").render(
         moments=[(k, v) for k, v in MOMENTS.items()], layout_legend=LAYOUT_LEGEND,
-        title=title, warnings=[], plotly_js=plotly_js(), figures_json=safe_json(figures), configs=configs,
+        title=title, warnings=[], plotly_packed=plotly_js_packed(), figures_json=safe_json(figures), configs=configs,
         n=len(configs), device_gib=device_bytes / GIB if device_bytes else None,
         measured_gib=measured_bytes / GIB if measured_bytes else None)
 

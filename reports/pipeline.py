@@ -24,7 +24,7 @@ from typing import Any
 
 from tracelens.analysis.pipeline import ACCOUNT_LABELS, ACCOUNT_PARTS, PipelineAnalysis, _ranges, fmt_ns
 
-from .common import html_table, plotly_js, safe_json, template_env, version, write_text_atomic
+from .common import html_table, plotly_js_packed, safe_json, template_env, version, write_text_atomic
 
 KIND_COLORS = {"F": "#3b7dd8", "B": "#e4572e", "W": "#8e5ad6", "bubble": "#c9ced8"}
 ACCOUNT_COLORS = {"theory": "#9aa6b8", "imbalance": "#e8a33d", "comm": "#3b7dd8", "host": "#c0392b", "other": "#4a5263"}
@@ -252,7 +252,7 @@ def render_ppvis(res: PipelineAnalysis, title: str | None = None) -> str:
     return template_env().get_template("ppvis.html").render(
         title=title or "tracelens ppvis", subtitle=f"pipeline {m.schedule}, pp {m.pp}, vpp {m.vpp}, "
                                                    f"{m.microbatches} microbatches · tracelens {version()}",
-        plotly_js=plotly_js(), warnings=ctx["warnings"], pipeline=ctx, figures_json=safe_json(figures))
+        plotly_packed=plotly_js_packed(), warnings=ctx["warnings"], pipeline=ctx, figures_json=safe_json(figures))
 
 
 def write_ppvis(res: PipelineAnalysis, path: str | os.PathLike, title: str | None = None) -> Path:

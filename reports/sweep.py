@@ -18,7 +18,7 @@ from typing import Any
 
 import pandas as pd
 
-from .common import html_table, plot_text, plotly_js, safe_json, template_env, write_text_atomic
+from .common import html_table, plot_text, plotly_js_packed, safe_json, template_env, write_text_atomic
 
 OK, FAILED, KEPT = "#3b7dd8", "#c0392b", "#2e9d5b"
 
@@ -225,7 +225,7 @@ def render(result, space, diff_link: str | None = None, diff_error: str | None =
     model = model_context(result, space)
     figures = {**_figures(df, result.path, space), **model.pop("figures")}
     return template_env().get_template("sweep.html").render(
-        title=f"tracelens autotune: {space.config} ({result.strategy})", warnings=[], plotly_js=plotly_js(),
+        title=f"tracelens autotune: {space.config} ({result.strategy})", warnings=[], plotly_packed=plotly_js_packed(),
         figures_json=safe_json(figures), tables=tables, model=model, best=best, top=getattr(result, "top", None), baseline=base,
         speedup=speedup, objective=obj, stopped=result.stopped, strategy=result.strategy,
         stop_note=stop_note(result, space), min_gain=space.min_gain,

@@ -42,7 +42,7 @@ def load(
     """Load one or more traces into a `Trace` (see `tracelens.trace.load`).
 
     paths: a trace file, a directory of per-rank trace files, a run directory, or a list of those.
-    cache: read/write the Parquet cache keyed by file content. jobs: parallel processes for many
+    cache: read/write the cache of parsed files (Arrow IPC) keyed by file content. jobs: parallel processes for many
     files (default: the CPUs this process may use). progress: True/False forces the progress bar;
     None shows it on a TTY.
     """

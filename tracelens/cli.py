@@ -20,7 +20,8 @@ from moespec.schedules import MODELED as _MODELED_SCHEDULES
 
 from . import __version__
 from .errors import TraceError
-from .io.kineto import decoder
+# (from io.scanner, not io.kineto: pandas and pyarrow load after `analyze` has started the scan)
+from .io.scanner import decoder
 
 
 def _fail(message: str, code: int = 2) -> None:
@@ -139,15 +140,19 @@ def analyze(paths, out, open_browser, no_cache, no_report, no_tables, jobs, quie
     per-rank tables meet on this machine: summary.json then holds the per-rank figures, the window, the
     communication and pipeline analyses (not findings, roofline, health or the decomposition).
     """
-    from . import analyze as run_analysis, load
-    from reports.artifacts import write_all
+    from . import load
 
     t0 = time.perf_counter()
     if workers is not None or scheduler is not None:
         _analyze_ranks(paths, out, no_cache, no_tables, quiet, ceilings, all_steps, workers, scheduler,
                        memory_limit, t0)
         return
+    # `load` first: it starts reading and scanning a large trace in a thread, then imports pandas and the
+    # analyses while the scan runs (tracelens/io/prefetch.py); importing them here first would serialize the two
     trace = load(list(paths), cache=not no_cache, jobs=jobs, progress=None if not quiet else False)
+    from . import analyze as run_analysis
+    from reports.artifacts import write_all
+
     result = run_analysis(trace, window="all" if all_steps else "steady")
     if ceilings and result.has_gpu:
         try:

@@ -4,7 +4,7 @@
     >>> trace = tracelens.load("runs/demo")          # run dir, trace dir, or a .json/.json.gz file
     >>> trace.events.groupby("cat").dur.sum()
 
-Per-rank files load in parallel processes and each parsed file is cached (Parquet, keyed by content).
+Per-rank files load in parallel processes and each parsed file is cached (Arrow IPC, keyed by content).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from .io.kineto import ParsedTrace, parse_file, parse_flows, usable_cpus
 from .io.roworder import tree_rows_first
 from .io.narrow import narrow_args  # noqa: F401 - re-exported (the loader applies it per file and after the concat)
 from .io.run import Run
-from .io.scanner import gunzip, read_raw
+from .io.scanner import fast_enabled, gunzip, map_file, read_raw
 from .io.schema import ARG_FIELDS
 
 MAX_RANK = 2**31  # ranks are int32 in the tables
@@ -157,7 +157,10 @@ def _parse_one(path: str, use_cache: bool, cache_root: str | None, progress=None
     else:
         try:
             ident = ident or _cache.identity(path)  # taken before the read: a write during it is seen
-            raw = read_raw(path)
+            # a large uncompressed file memory-mapped (hashed and scanned from the map, never held whole), else read
+            raw = map_file(path) if fast_enabled() else None
+            if raw is None:
+                raw = read_raw(path)
             new_key = _cache.key_of(path, root, raw=raw, ident=ident)
         except OSError as e:
             raise TraceError(path, f"cannot read: {e.strerror or e}") from None
@@ -225,7 +228,7 @@ def load(
     """Load one or more traces into a `Trace`.
 
     paths: a trace file, a directory of per-rank trace files, a run directory, or a list of those.
-    cache: read/write the Parquet cache keyed by file content. jobs: parallel processes for many
+    cache: read/write the cache of parsed files (Arrow IPC) keyed by file content. jobs: parallel processes for many
     files (default: the CPUs this process may use). progress: True/False forces the progress bar; None shows it on a TTY.
     prefetch: a `tracelens.io.prefetch.Prefetch` already reading the file (what `tracelens.load` passes).
     """

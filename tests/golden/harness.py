@@ -18,7 +18,8 @@ Normalization (nothing else is changed; all comparisons are byte for byte after 
 * tracelens' version -> `<VERSION>` where it is printed as the tool's version (summary.json
   `tool.version`, "tracelens X.Y.Z" in pages);
 * `_cli.txt`: the elapsed time `analyze` prints ("in 1.23s") -> "in <T>s";
-* HTML: the embedded plotly.js library (plotly's own bytes) -> `<PLOTLY_JS>`; the figures' JSON payload
+* HTML: the embedded plotly.js library (plotly's own bytes, or the gzip + base64 text of them that the pages
+  embed: its bytes depend on the zlib build) -> `<PLOTLY_JS>`; the figures' JSON payload
   -> its SHA-256 (so its exact bytes, escapes included, are still compared) with the data compared as
   JSON in `NAME.html.figures.json`. Figure div ids are fixed names in tracelens (`plot-timeline`, ...):
   nothing random to mask.
@@ -50,6 +51,7 @@ GZIP_OVER = 32 * 1024
 BLOCK_ROWS = 25  # rows per hashed block of a Parquet column: a difference is located to 25 rows
 MAX_SHOWN = 6  # differences listed per file
 
+_PLOTLY_PACKED = re.compile(r'(<script id="plotly-js" [^>]*>)([A-Za-z0-9+/=]*)(</script>)')
 _FIGURES = re.compile(r'(<script id="figures" type="application/json">)(.*?)(</script>)', re.DOTALL)
 _ELAPSED = re.compile(r"\bin \d+(?:\.\d+)?s\b")
 
@@ -133,6 +135,7 @@ def _plotly_js() -> str:
 def split_html(text: str) -> tuple[str, Any]:
     """(the page with plotly.js and the figures' payload replaced, the figures as parsed JSON or None)."""
     text = text.replace(_plotly_js(), "<PLOTLY_JS>")
+    text = _PLOTLY_PACKED.sub(lambda m: m.group(1) + "<PLOTLY_JS>" + m.group(3), text)
     m = _FIGURES.search(text)
     if m is None:
         return text, None

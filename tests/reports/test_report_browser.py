@@ -46,7 +46,14 @@ def open_report(browser, path):
     page.on("request", lambda r: errors.append(f"network request: {r.url}") if not r.url.startswith(("file:", "data:", "blob:")) else None)
     page.goto(path.resolve().as_uri())
     page.wait_for_load_state("load")
+    wait_drawn(page)
     return page, errors
+
+
+def wait_drawn(page):
+    """Until the page has unpacked its plotly.js and drawn every figure (base.html marks <html data-figures>)."""
+    page.wait_for_function("document.documentElement.dataset.figures !== undefined", timeout=20000)
+    assert page.evaluate("document.documentElement.dataset.figures") == "drawn"
 
 
 def plot_ok(page, div_id):
@@ -153,6 +160,7 @@ def test_the_verdict_is_the_first_screen(browser, tmp_path, shots, name):
     page.on("pageerror", lambda e: errors.append(str(e)))
     page.goto(report.resolve().as_uri())
     page.wait_for_load_state("load")
+    wait_drawn(page)
     assert page.evaluate("document.querySelector('main section').id") == "verdict"
 
     def bottom(selector):

@@ -20,7 +20,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 import bench_load  # noqa: E402
 
 GPU_CATS = {"kernel", "gpu_memcpy", "gpu_memset"}
-NAMES = ["moe_grouped", "mi250", "cpu_tiny"]
+NAMES = ["moe_grouped", "mi250", "cpu_tiny", "a100_triton"]
 
 
 def _raw_truth(path: Path) -> tuple[float | None, int]:
@@ -46,10 +46,31 @@ def test_corpus_table_matches_the_raw_json(tmp_path):
         else:
             assert t["busy_us"] == pytest.approx(busy, rel=1e-9, abs=1e-3), r["name"]
         assert t["wall_s"] > 0 and t["peak_mb"] > 0 and r["hta"] is None and "ratio" not in r
+        raw_steps = len({e["name"] for e in json.loads(trace.read_text())["traceEvents"]
+                         if str(e.get("name", "")).startswith("ProfilerStep#")})
+        assert t["steps"] == raw_steps, r["name"]  # a100_triton: one profiler step per tiled copy
+        c = r["cli"]  # `tracelens analyze` as users run it: a fresh process that wrote the report
+        assert c["wall_s"] > 0 and c["cpu_s"] > 0 and c["peak_mb"] > 0 and c["report_mb"] > 1 and c["summary_mb"] > 0
+    assert not list(tmp_path.glob("cli-*"))  # each CLI run's cache and output directories are removed
     table = bench_load.format_corpus(rows)
     for n in NAMES:
         assert n in table
     assert "(no GPU)" in table and "maximum tracelens peak RSS" in table and "minimum HTA" not in table
+    assert "tracelens analyze TRACE -o OUT" in table  # the legend says what the CLI column times
+
+
+def test_every_corpus_trace_is_there():
+    """Each corpus entry's source resolves (the project's fixtures, or ../shared/fixtures' external traces with
+    tests/fixtures/external as the fallback), so `--corpus` runs whole; names are unique."""
+    names = [n for n, _, _ in bench_load.CORPUS]
+    assert len(names) == len(set(names))
+    for name, src, _ in bench_load.CORPUS:
+        if not bench_load._EXT.is_dir() and bench_load._EXT in src.parents and not (
+                bench_load._FX / "external" / src.relative_to(bench_load._EXT)).exists():
+            continue  # only in ../shared/fixtures, which is not beside this checkout
+        assert bench_load.corpus_source(src).is_file(), name
+    for kind in ("h100_moe_mbs8", "ep4_cap_ovl_r0", "pp4_1f1b_r0", "ep4_mbs16_r0", "dp4_mbs16_r0", "a100_triton"):
+        assert kind in names  # the trainer's GPU kinds and the foreign one issue 37 added
 
 
 def test_corpus_cli_subset(tmp_path):

@@ -125,7 +125,7 @@ def test_entry_holding_another_traces_tables_is_rejected(two_cached):
 def test_entry_with_swapped_tables_but_its_own_meta_is_rejected(two_cached):
     a, b, cache = two_cached
     ea, eb = _entry_dir(cache, a), _entry_dir(cache, b)
-    shutil.copy(eb / "events.parquet", ea / "events.parquet")
+    shutil.copy(eb / "events.arrow", ea / "events.arrow")
     _assert_rejected_then_replaced(a, cache, N_LOOP)
 
 
@@ -152,7 +152,7 @@ def test_remembered_key_pointing_at_another_files_entry_is_rejected(two_cached):
 
 def test_unreadable_entry_is_rejected_and_replaced(two_cached):
     a, _, cache = two_cached
-    (_entry_dir(cache, a) / "events.parquet").write_bytes(b"not parquet")
+    (_entry_dir(cache, a) / "events.arrow").write_bytes(b"not an Arrow file")
     _assert_rejected_then_replaced(a, cache, N_LOOP)
 
 

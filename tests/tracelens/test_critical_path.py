@@ -279,3 +279,20 @@ def test_cli_reads_a_single_trace_file(tmp_path):
     shutil.copy(MI250, f)
     p = _cli(f, "--no-cache")
     assert p.returncode == 0 and "critical path" in p.stdout
+
+
+def test_segments_gathered_in_chunks_are_one_table(monkeypatch):
+    """The walk turns its segments into columns a chunk at a time (bounded memory on a trace of millions of
+    segments): chunks of 7 rows, cutting through steps, give the very table of one chunk."""
+    import pandas as pd
+
+    from tracelens.analysis import critical_path as CP
+
+    a = _analysis(H100 / "pp4_1f1b")
+    whole = critical_path_of(a)
+    monkeypatch.setattr(CP._Segments, "CHUNK", 7)
+    chunked = critical_path_of(a)
+    assert len(whole.segments) > 7 * 10
+    pd.testing.assert_frame_equal(whole.segments, chunked.segments)
+    pd.testing.assert_frame_equal(whole.steps, chunked.steps)
+    assert whole.summary() == chunked.summary()

@@ -130,3 +130,37 @@ def test_a_file_the_scanner_does_not_take_goes_the_msgspec_way(tmp_path, small_m
     with pytest.raises(TraceError) as ei:
         K.parse_file(cut, flows=False)
     assert "cut.json" in str(ei.value) and "\n" not in str(ei.value)
+
+
+@needs_scanner
+@pytest.mark.parametrize("prefetch", [True, False], ids=["prefetch", "no_prefetch"])
+def test_cached_load_hashes_and_scans_the_map(tmp_path, small_map, monkeypatch, prefetch):
+    """With the cache on (the CLI's default) a large uncompressed file is hashed and scanned from its map, never
+    read into memory whole: the key is the file's content key, the pages are given back behind the hash, and the
+    first (stored) and second (served from the entry) loads equal a plain load from bytes."""
+    from tracelens.io import cache as CA
+
+    if prefetch:
+        monkeypatch.setattr(P, "MIN_BYTES", 0)
+    else:
+        monkeypatch.setenv("TRACELENS_NO_PREFETCH", "1")
+    p = _plain(tmp_path, DIFF_CONTROL)
+    hashed = []
+    real_key = CA.content_key
+    monkeypatch.setattr(CA, "content_key", lambda path, raw=None: hashed.append(
+        (type(raw), _mapped_rss_kb(raw) if isinstance(raw, mmap.mmap) else None, real_key(path, raw))) or hashed[-1][2])
+    import tracelens.trace as T
+
+    for mod in (S, T):
+        monkeypatch.setattr(mod, "read_raw", lambda path: pytest.fail("a mapped file must not be read whole"))
+    first = tracelens.load(p, cache=True, cache_dir=tmp_path / "cache")
+    assert len(hashed) == 1 and issubclass(hashed[0][0], mmap.mmap) and hashed[0][1] == 0  # (nothing touched before)
+    assert hashed[0][2] == real_key(str(p))  # the key of the file's bytes, as a plain read hashes them
+    assert not first.ranks[0].from_cache
+    again = tracelens.load(p, cache=True, cache_dir=tmp_path / "cache")
+    assert again.ranks[0].from_cache
+    monkeypatch.undo()  # read_raw, content_key and MAP_MIN back: the 28 MB file is read into memory, not mapped
+    plain = tracelens.load(p, cache=False)
+    for got in (first, again):
+        pd.testing.assert_frame_equal(got.events, plain.events)
+        pd.testing.assert_frame_equal(got.threads, plain.threads)

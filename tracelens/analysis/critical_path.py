@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import json
 import re
+from bisect import bisect_left, bisect_right
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -61,6 +62,16 @@ class CriticalPath:
     steps: pd.DataFrame  # STEP_COLUMNS, one row per step
     problem: str = ""
     notes: list[str] = field(default_factory=list)
+    # the segments with a duration and their cause, and the per-rank table: what by_cause, by_rank, rank_cause and
+    # summary read (summary.json, the findings and the report each ask), built once
+    _timed: pd.DataFrame | None = field(default=None, init=False, repr=False, compare=False)
+    _by_rank: pd.DataFrame | None = field(default=None, init=False, repr=False, compare=False)
+
+    def _caused(self) -> pd.DataFrame:
+        if self._timed is None:
+            seg = self.segments[self.segments["dur_ns"] > 0]
+            self._timed = seg.assign(cause=_cause(seg)) if len(seg) else seg
+        return self._timed
 
     @property
     def available(self) -> bool:
@@ -74,10 +85,10 @@ class CriticalPath:
         """Time on the path by cause over the steps: compute per kernel category, transfer per collective family,
         idle per cause; ``share`` of the summed spans."""
         cols = ["cause", "ns", "share", "segments"]
-        seg = self.segments[self.segments["dur_ns"] > 0]
+        seg = self._caused()
         if seg.empty:
             return pd.DataFrame(columns=cols)
-        out = seg.assign(cause=_cause(seg)).groupby("cause", sort=False).agg(ns=("dur_ns", "sum"), segments=("dur_ns", "size"))
+        out = seg.groupby("cause", sort=False).agg(ns=("dur_ns", "sum"), segments=("dur_ns", "size"))
         out = out.reset_index().sort_values("ns", ascending=False, kind="stable", ignore_index=True)
         out["share"] = out["ns"] / max(self.span_ns, 1)
         return out[cols]
@@ -85,17 +96,19 @@ class CriticalPath:
     def by_rank(self) -> pd.DataFrame:
         """Per rank: time on the path, its share, and the cause holding most of that rank's segments."""
         cols = ["rank", "ns", "share", "cause", "cause_ns"]
-        seg = self.segments[self.segments["dur_ns"] > 0]
+        if self._by_rank is not None:
+            return self._by_rank.copy()
+        seg = self._caused()
         if seg.empty:
             return pd.DataFrame(columns=cols)
-        seg = seg.assign(cause=_cause(seg))
         rows = []
         for r, g in seg.groupby("rank"):
             c = g.groupby("cause")["dur_ns"].sum().sort_values(ascending=False, kind="stable")
             rows.append({"rank": int(r), "ns": int(g["dur_ns"].sum()), "cause": str(c.index[0]), "cause_ns": int(c.iloc[0])})
         out = pd.DataFrame(rows, columns=cols)
         out["share"] = out["ns"] / max(self.span_ns, 1)
-        return out.sort_values("ns", ascending=False, kind="stable", ignore_index=True)[cols]
+        self._by_rank = out.sort_values("ns", ascending=False, kind="stable", ignore_index=True)[cols]
+        return self._by_rank.copy()
 
     def hops(self) -> pd.DataFrame:
         """The hand-offs the path follows: per (from_rank, to_rank), how many."""
@@ -225,15 +238,6 @@ def _stage_label(path: str, top_op: str) -> str:
     return ""
 
 
-@dataclass
-class _Rank:
-    """One rank's GPU events with a positive duration, sorted by (end, start)."""
-
-    end: np.ndarray
-    at: np.ndarray  # positions in the GPU table
-    sync_end: np.ndarray  # sorted ends of the rank's blocking host syncs
-
-
 def _action_offsets(actions: pd.DataFrame, gpu: pd.DataFrame, trace) -> dict[int, int]:
     """Per rank, the clock offset (actions' clock - trace ts) under which most of its pipeline actions fall inside
     its GPU span: 0, or the trace's baseTimeNanoseconds (jsonl times are epoch ns; see pipeline.trace_activity)."""
@@ -342,6 +346,41 @@ def p2p_links(events: pd.DataFrame, gpu: pd.DataFrame) -> dict[int, list[int]]:
     return links
 
 
+_TEXT_COLUMNS = frozenset({"kind", "what", "op", "stage"})
+
+
+class _Segments:
+    """The path's segments, gathered as tuples (one per SEGMENT_COLUMNS row) and turned into columns a chunk at a
+    time: a 2 GB trace's path has millions of segments, and a list of tuples for all of them (~230 bytes each, then
+    the object array pandas builds from it) took ~900 MB on top of the analysis."""
+
+    CHUNK = 1 << 16
+
+    def __init__(self) -> None:
+        self.pending: list[tuple] = []
+        self.chunks: list[list[np.ndarray]] = []
+
+    def extend(self, rows: list[tuple]) -> None:
+        self.pending += rows
+        if len(self.pending) >= self.CHUNK:
+            self._flush()
+
+    def _flush(self) -> None:
+        if self.pending:
+            cols = list(zip(*self.pending))
+            self.chunks.append([np.array(c, dtype=object) if name in _TEXT_COLUMNS else np.array(c, dtype=np.int64)
+                                for name, c in zip(SEGMENT_COLUMNS, cols)])
+            self.pending = []
+
+    def frame(self) -> pd.DataFrame:
+        self._flush()
+        if not self.chunks:
+            return pd.DataFrame(columns=SEGMENT_COLUMNS)
+        data = {name: np.concatenate([c[k] for c in self.chunks]) for k, name in enumerate(SEGMENT_COLUMNS)}
+        self.chunks = []
+        return pd.DataFrame(data)  # text columns typed as pandas infers them from the strings (as from the tuples)
+
+
 def critical_path(gpu: pd.DataFrame, instances: pd.DataFrame, syncs: pd.DataFrame, steps: list[int], *,
                   trace=None, pipeline=None, events: pd.DataFrame | None = None) -> CriticalPath:
     """The critical path of each step in `steps` (see the module docstring).
@@ -355,7 +394,7 @@ def critical_path(gpu: pd.DataFrame, instances: pd.DataFrame, syncs: pd.DataFram
     if gpu.empty or not steps:
         return unavailable("no GPU activity in the analyzed steps")
     ranks = sorted(int(r) for r in gpu["rank"].unique())
-    have = gpu.groupby("rank")["step"].agg(lambda s: {int(x) for x in s})
+    have = gpu.groupby("rank")["step"].agg(lambda s: {int(x) for x in s}).to_dict()
     for n in steps:
         for r in ranks:
             if n not in have.get(r, set()):
@@ -392,101 +431,136 @@ def critical_path(gpu: pd.DataFrame, instances: pd.DataFrame, syncs: pd.DataFram
         for row, peers in links.items():
             j = max((row, *peers), key=lambda x, row=row: (k_ts[x], x == row))
             arrival[row] = (k_ts[j], int(k_rank[j]), "p2p", j)
-    per: dict[int, _Rank] = {}
-    pos = gpu.index
-    ts_all, end_all = gpu["ts"].to_numpy(np.int64), gpu["end"].to_numpy(np.int64)
-    launch_all = gpu["launch_ts"].to_numpy(np.int64) if "launch_ts" in gpu else np.full(len(gpu), -1, np.int64)
-    rank_all = gpu["rank"].to_numpy()
+    # The walk visits about one GPU event per segment (hundreds of thousands on a trace of many steps), so its
+    # loop reads Python lists and dicts, never numpy scalars: each event's latest-finishing predecessor on its rank
+    # (the common step back) is found for every event at once, bisect finds the others (after a hop).
+    ts_arr, end_arr = gpu["ts"].to_numpy(np.int64), gpu["end"].to_numpy(np.int64)
+    rank_arr = gpu["rank"].to_numpy()
     s_rank = syncs["rank"].to_numpy() if len(syncs) else np.empty(0)
     s_end = ((syncs["ts"] + (syncs["host_blocked_us"] * 1e3).astype(np.int64)).to_numpy(np.int64)
              if len(syncs) else np.empty(0, np.int64))
+    pred_k = np.full(len(gpu), -1, np.int64)  # per GPU row: position in its rank's sorted ends of the event ending
+    rank_ends: dict[int, list[int]] = {}  # last at or before the row's start; the ends themselves, as lists
+    rank_at: dict[int, list[int]] = {}
+    rank_sync: dict[int, list[int]] = {}
     for r in ranks:
-        at = np.flatnonzero((rank_all == r) & (end_all > ts_all))
-        at = at[np.lexsort((ts_all[at], end_all[at]))]
-        per[r] = _Rank(end_all[at], at, np.sort(s_end[s_rank == r]))
-    is_comm = gpu["is_comm"].to_numpy()
-    labels = pos.to_numpy()
-    category = C.strings(gpu["category"])
-    top_op = C.strings(gpu["top_op"]) if "top_op" in gpu else np.full(len(gpu), "", dtype=object)
-    paths = C.strings(gpu["path"]) if "path" in gpu else np.full(len(gpu), "", dtype=object)
-    stages = _pipeline_stages(pipeline, gpu, trace) if pipeline is not None else {}
+        mine = np.flatnonzero(rank_arr == r)
+        at = mine[end_arr[mine] > ts_arr[mine]]
+        at = at[np.lexsort((ts_arr[at], end_arr[at]))]  # the rank's events with a positive duration, by (end, start)
+        ends = end_arr[at]
+        pred_k[mine] = ends.searchsorted(ts_arr[mine], "right") - 1
+        rank_ends[r], rank_at[r] = ends.tolist(), at.tolist()
+        rank_sync[r] = np.sort(s_end[s_rank == r]).tolist()  # sorted ends of the rank's blocking host syncs
+    pos = gpu.index
+    ts_all, end_all, pred_all = ts_arr.tolist(), end_arr.tolist(), pred_k.tolist()
+    launch_all = gpu["launch_ts"].to_numpy(np.int64).tolist() if "launch_ts" in gpu else [-1] * len(gpu)
+    rank_all = rank_arr.tolist()
+    is_comm = gpu["is_comm"].to_numpy().tolist()
+    labels = pos.to_numpy().tolist()
+    category = C.strings(gpu["category"]).tolist()
+    top_op = C.strings(gpu["top_op"]).tolist() if "top_op" in gpu else [""] * len(gpu)
+    paths = C.strings(gpu["path"]).tolist() if "path" in gpu else [""] * len(gpu)
+    stages = {r: (s.tolist(), e.tolist(), lab) for r, (s, e, lab) in
+              (_pipeline_stages(pipeline, gpu, trace) if pipeline is not None else {}).items()}
+    labels_memo: dict[tuple[str, str], str] = {}
 
     def stage_of(r: int, i: int, lo: int, hi: int) -> str:
         if r in stages:
             s, e, lab = stages[r]
             mid = (lo + hi) // 2
-            k = int(s.searchsorted(mid, "right")) - 1
+            k = bisect_right(s, mid) - 1
             if k >= 0 and e[k] > mid:
                 return lab[k]
-        return _stage_label(paths[i], top_op[i])
+        key = (paths[i], top_op[i])
+        got = labels_memo.get(key)
+        if got is None:
+            got = labels_memo[key] = _stage_label(*key)
+        return got
 
-    def idle_kind(rk: _Rank, gs: int, ge: int, launch: int) -> str:
-        if len(rk.sync_end):
-            k = int(rk.sync_end.searchsorted(ge, "left")) - 1
-            if k >= 0 and rk.sync_end[k] >= gs - SYNC_TOLERANCE_NS:
+    def idle_kind(r: int, gs: int, ge: int, launch: int) -> str:
+        se = rank_sync[r]
+        if se:
+            k = bisect_left(se, ge) - 1
+            if k >= 0 and se[k] >= gs - SYNC_TOLERANCE_NS:
                 return "host sync"
         return "launch-bound" if launch >= 0 and launch > gs else "idle"
 
-    seg_rows: list[tuple] = []
+    seg = _Segments()
     step_rows: list[dict[str, Any]] = []
     notes: list[str] = []
-    step_all = gpu["step"].to_numpy()
+    # each step's first start, last end and the row ending last, for every step at once (a trace of many short
+    # steps has tens of thousands)
+    step_arr = gpu["step"].to_numpy()
+    order = np.argsort(step_arr, kind="stable")
+    ids, first = np.unique(step_arr[order], return_index=True)
+    t0_of = np.minimum.reduceat(ts_arr[order], first).tolist()
+    ends_in_order = end_arr[order]
+    t1_of = np.maximum.reduceat(ends_in_order, first)
+    # the row ending last: the first such row in table order, as np.argmax over the step's rows gives
+    is_last = ends_in_order == np.repeat(t1_of, np.diff(np.append(first, len(order))))
+    cand = np.flatnonzero(is_last)
+    last_of = order[cand[np.unique(np.searchsorted(first, cand, "right") - 1, return_index=True)[1]]].tolist()
+    where = {int(x): k for k, x in enumerate(ids.tolist())}
+    t1_of = t1_of.tolist()
     for n in steps:
-        in_step = step_all == n
-        t0, t1 = int(ts_all[in_step].min()), int(end_all[in_step].max())
-        last_i = int(np.flatnonzero(in_step)[np.argmax(end_all[in_step])])
+        k = where[n]
+        t0, t1, last_i = t0_of[k], t1_of[k], last_of[k]
         out: list[tuple] = []  # reversed: latest first
-
-        def emit(r, lo, hi, kind, what="", op="", stage="", to_rank=-1, row=-1, out=out, n=n):
-            out.append((n, r, lo, hi, hi - lo, kind, what, op, stage, to_rank, row))
-
-        r = int(rank_all[last_i])
+        emit = out.append  # (step, rank, start, end, dur, kind, what, op, stage, to_rank, gpu_row)
+        r = rank_all[last_i]
         cur = last_i  # position in the GPU table of the event being put on the path
         visited: set[tuple[int, int]] = set()
         unfollowed = 0
         while True:
-            lo_e, hi_e = int(ts_all[cur]), int(end_all[cur])
-            lbl = int(labels[cur])
+            lo_e, hi_e = ts_all[cur], end_all[cur]
+            lbl = labels[cur]
             t = lo_e  # where the walk goes on from, on rank r
-            succ_launch = int(launch_all[cur])
-            if lbl in arrival:
-                a, last, fam, last_row = arrival[lbl]
+            succ_launch = launch_all[cur]
+            hit = arrival.get(lbl)
+            if hit is not None:
+                a, last, fam, last_row = hit
                 if last != r and a > lo_e:  # r waited for `last` until a: the transfer, then the hop
                     a = min(a, hi_e)  # (a kernel ending before its last peer began: clocks apart; hop at its end)
                     if a < hi_e:
-                        emit(r, max(a, t0), hi_e, "transfer", fam, top_op[cur], row=lbl)
+                        lo = max(a, t0)
+                        emit((n, r, lo, hi_e, hi_e - lo, "transfer", fam, top_op[cur], "", -1, lbl))
                     if a <= t0:
                         break
                     if (last, a) not in visited:
                         visited.update({(r, a), (last, a)})
-                        emit(r, a, a, "wait", fam, top_op[cur], to_rank=last, row=lbl)
+                        emit((n, r, a, a, 0, "wait", fam, top_op[cur], "", last, lbl))
                         r, t = last, a
-                        succ_launch = int(launch_all[pos.get_loc(last_row)])
+                        succ_launch = launch_all[pos.get_loc(last_row)]
                     else:
                         unfollowed += 1
-                        emit(r, max(lo_e, t0), a, "wait", fam, top_op[cur], to_rank=last, row=lbl)
+                        lo = max(lo_e, t0)
+                        emit((n, r, lo, a, a - lo, "wait", fam, top_op[cur], "", last, lbl))
                 else:
-                    emit(r, max(lo_e, t0), hi_e, "transfer", fam, top_op[cur], row=lbl)
+                    lo = max(lo_e, t0)
+                    emit((n, r, lo, hi_e, hi_e - lo, "transfer", fam, top_op[cur], "", -1, lbl))
             elif is_comm[cur]:
-                emit(r, max(lo_e, t0), hi_e, "comm", category[cur], top_op[cur], row=lbl)
+                lo = max(lo_e, t0)
+                emit((n, r, lo, hi_e, hi_e - lo, "comm", category[cur], top_op[cur], "", -1, lbl))
             else:
                 lo = max(lo_e, t0)
-                emit(r, lo, hi_e, "compute", category[cur], top_op[cur], stage_of(r, cur, lo, hi_e), row=lbl)
+                emit((n, r, lo, hi_e, hi_e - lo, "compute", category[cur], top_op[cur], stage_of(r, cur, lo, hi_e), -1, lbl))
             if t <= t0:
                 break
-            rk = per[r]
-            k = int(rk.end.searchsorted(t, "right")) - 1  # the event that ended last at or before t
-            if k < 0 or rk.end[k] <= t0:
+            ends = rank_ends[r]
+            # the event that ended last at or before t
+            k = pred_all[cur] if t == lo_e and rank_all[cur] == r else bisect_right(ends, t) - 1
+            if k < 0 or ends[k] <= t0:
                 if k < 0:
-                    emit(r, t0, t, "idle", "before its first traced GPU work (the rank began the step late)")
+                    emit((n, r, t0, t, t - t0, "idle", "before its first traced GPU work (the rank began the step late)",
+                          "", "", -1, -1))
                 else:
-                    emit(r, t0, t, idle_kind(rk, int(rk.end[k]), t, succ_launch))
+                    emit((n, r, t0, t, t - t0, idle_kind(r, ends[k], t, succ_launch), "", "", "", -1, -1))
                 break
-            if rk.end[k] < t:
-                emit(r, int(rk.end[k]), t, idle_kind(rk, int(rk.end[k]), t, succ_launch))
-            cur = int(rk.at[k])
+            if ends[k] < t:
+                emit((n, r, ends[k], t, t - ends[k], idle_kind(r, ends[k], t, succ_launch), "", "", "", -1, -1))
+            cur = rank_at[r][k]
         out.reverse()
-        seg_rows += out
+        seg.extend(out)
         hops = sum(1 for s in out if s[5] == "wait" and s[4] == 0)
         on = sorted({s[1] for s in out if s[4] > 0})
         step_rows.append({"step": n, "start_ns": t0, "end_ns": t1, "span_ns": t1 - t0, "end_rank": int(rank_all[last_i]),
@@ -494,7 +568,7 @@ def critical_path(gpu: pd.DataFrame, instances: pd.DataFrame, syncs: pd.DataFram
         if unfollowed:
             notes.append(f"step {n}: {unfollowed} wait(s) not followed (the rank waited for had already been passed "
                          "at that time: clocks or overlapping streams); they stay on the path as waits")
-    seg = pd.DataFrame(seg_rows, columns=SEGMENT_COLUMNS)
+    seg = seg.frame()
     return CriticalPath(seg, pd.DataFrame(step_rows, columns=STEP_COLUMNS), notes=notes)
 
 
@@ -521,7 +595,8 @@ def critical_path_of(analysis, step: int | None = None, *, instances: pd.DataFra
     else:
         sw = getattr(a, "window", None)
         used = [int(s) for s in getattr(sw, "used", [])] if sw is not None else []
-        steps = [s for s in used if s in known] or known
+        known_set = set(known)
+        steps = [s for s in used if s in known_set] or known
     inst = a.comm_instances() if instances is None else instances
     syncs = a.host_syncs() if syncs is None else syncs
     return critical_path(gpu, inst, syncs, steps, trace=a.trace, pipeline=getattr(a, "pipeline", None),

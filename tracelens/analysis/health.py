@@ -371,7 +371,10 @@ def _partial_steps(analysis, add) -> None:
     if steps.empty:
         return
     ranks = sorted(int(r) for r in steps["rank"].unique())
-    for step, g in steps.groupby("step"):
+    # only the steps some rank lacks (a trace of many short steps has tens of thousands, nearly all whole)
+    seen = steps.groupby("step")["rank"].nunique()
+    short = set(seen.index[seen.to_numpy() < len(ranks)].tolist())
+    for step, g in (steps[steps["step"].isin(short)].groupby("step") if short else ()):
         missing = sorted(set(ranks) - set(int(r) for r in g["rank"]))
         if missing:
             add("partial_steps", "warning", missing, f"step {step} is not marked on rank(s) {_list(missing)}",

@@ -438,12 +438,17 @@ def classify_steps(sw: StepWindow, steps: pd.DataFrame, waits: pd.DataFrame, ops
         add(step, "startup_wait", [rank], f"rank {rank}'s {w['collective']} #{int(w['instance'])} waited "
                                           f"{g['sync_us'].sum() / 1e3:.3f} ms for ranks that had not started profiling")
     ranks_with_steps = sorted(int(r) for r in steps["rank"].unique())
-    for step, g in steps.groupby("step"):
+    # per step, then per (rank, step): read as whole columns, not a pandas lookup per step (a trace of many short
+    # steps has tens of thousands)
+    seen = steps.groupby("step")["rank"].nunique()
+    short = set(seen.index[seen.to_numpy() < len(ranks_with_steps)].tolist())
+    for step, g in (steps[steps["step"].isin(short)].groupby("step") if short else ()):
         missing = sorted(set(ranks_with_steps) - set(int(r) for r in g["rank"]))
         if missing:
             add(step, "missing_ranks", missing, f"not marked on rank(s) {', '.join(map(str, missing))}")
+    n_ops = {(int(r), int(s)): int(n) for (r, s), n in ops_per.items()}
     for r, g in steps.groupby("rank"):
-        counts = {int(s): int(ops_per.get((r, s), 0)) for s in g["step"]}
+        counts = {s: n_ops.get((int(r), s), 0) for s in g["step"].astype(np.int64).tolist()}
         if any(counts.values()):
             for s, n in counts.items():
                 if n == 0:

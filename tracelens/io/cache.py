@@ -1,4 +1,4 @@
-"""Parquet cache of parsed traces, keyed by the content of the trace file.
+"""Cache of parsed traces (Arrow IPC files, zstd), keyed by the content of the trace file.
 
 Key = SHA-256 (first 128 bits) of the file's bytes (as stored on disk, so a gzip file is hashed
 compressed) plus the loader's schema version: editing or replacing the file changes the key, so a stale entry is never
@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import mmap
 import os
 import re
 import socket
@@ -45,6 +46,11 @@ from .schema import SCHEMA_VERSION
 if TYPE_CHECKING:  # pragma: no cover
     from .kineto import ParsedTrace
 
+# An entry's tables: Arrow IPC files (Feather v2), zstd-compressed, one record batch each. Parquet (zstd) took
+# ~0.5 s of CPU to write the events of a 200 MB trace and 0.15 s to read them; these take ~0.07 s and ~0.04 s, at
+# ~2/3 of the size (docs/performance.md). The format is part of the key (SCHEMA_VERSION 7).
+TABLE_SUFFIX = ".arrow"
+
 # pyarrow is imported by `load` and `store` only: computing a key and asking whether an entry exists
 # stay light, so `prefetch.py` can do both before pyarrow and pandas are imported.
 
@@ -57,10 +63,28 @@ def cache_dir() -> Path:
     return Path(base) / "tracelens"
 
 
-def content_key(path: str, raw: bytes | None = None) -> str:
-    """The cache key of the file's content; `raw`: its bytes as stored, when already read."""
+_HASH_CHUNK = 16 << 20  # bytes of a memory-mapped file hashed at a time (then its pages are given back)
+
+
+def _hash_mapped(h, mm: mmap.mmap) -> None:
+    """Hash a memory-mapped file a chunk at a time, dropping each chunk's pages once hashed (MADV_DONTNEED: the
+    scan that follows reads them again from the page cache), so the file never sits in the process whole."""
+    with memoryview(mm) as view:
+        for lo in range(0, len(mm), _HASH_CHUNK):
+            hi = min(lo + _HASH_CHUNK, len(mm))
+            h.update(view[lo:hi])
+            end = hi - hi % mmap.PAGESIZE
+            if end > lo:
+                mm.madvise(mmap.MADV_DONTNEED, lo, end - lo)
+
+
+def content_key(path: str, raw: bytes | mmap.mmap | None = None) -> str:
+    """The cache key of the file's content; `raw`: its bytes as stored, when already read, or the file
+    memory-mapped (`scanner.map_file`), which is hashed a chunk at a time."""
     h = hashlib.sha256()
-    if raw is not None:
+    if isinstance(raw, mmap.mmap):
+        _hash_mapped(h, raw)
+    elif raw is not None:
         h.update(raw)
     else:
         with open(path, "rb") as f:
@@ -121,7 +145,7 @@ def identity(path: str) -> str:
             f"{_edge_digest(head, tail)}")
 
 
-def source_of(raw: bytes) -> dict:
+def source_of(raw: bytes | mmap.mmap) -> dict:
     """Size and head/tail digest of a file's bytes as stored: what `identity` sees of the same file
     (recorded in a cache entry, compared with the file being loaded before the entry is served)."""
     tail = raw[-_EDGE:] if len(raw) > 2 * _EDGE else b""
@@ -157,10 +181,12 @@ def remembered(path: str, root: Path | None = None) -> tuple[str | None, str]:
     return None, ident
 
 
-def key_of(path: str, root: Path | None = None, raw: bytes | None = None, ident: str | None = None) -> str:
+def key_of(path: str, root: Path | None = None, raw: bytes | mmap.mmap | None = None, ident: str | None = None) -> str:
     """content_key(path), reusing the key remembered for this exact file version when there is one.
-    raw: the file's bytes as stored, when the caller has read them (hashed instead of reading again);
-    then ident must be `identity(path)` taken before they were read, so a write during the read is seen."""
+    raw: the file's bytes as stored, when the caller has read them (hashed instead of reading again), or
+    the file memory-mapped (the scan that follows checks that it did not change since it was mapped:
+    `scanner.Mapped.check`); then ident must be `identity(path)` taken before they were read (mapped), so a
+    write during the read is seen."""
     if raw is not None and ident is None:
         raise ValueError("key_of: raw bytes need the identity taken before they were read")
     ident = ident or identity(path)
@@ -197,7 +223,7 @@ def exists(key: str, root: Path | None = None) -> bool:
 
 
 def _fingerprint(events, flows, threads) -> dict:
-    """What the tables of an entry are, cheaply and whatever their chunking (a Parquet read gives one
+    """What the tables of an entry are, cheaply and whatever their chunking (a file read gives one
     chunk per row group): row counts, the ts range and the dur sum of the events (tables of another
     trace differ in these). pyarrow.compute over the memory-mapped columns, no copies: ~2 ms for
     500K events."""
@@ -224,16 +250,16 @@ def fetch(path: str, key: str, root: Path | None = None, source: dict | None = N
     when there is none; (None, why) when it cannot be read or disagrees with its key or with the file
     being loaded (source: `source_of` its bytes, or `source_of_identity` of its identity)."""
     import pyarrow as pa
-    import pyarrow.parquet as pq
+    from pyarrow import feather
 
     from .kineto import ParsedTrace
 
     d = _entry(root or cache_dir(), key)
     try:
         meta = json.loads((d / "meta.json").read_text())
-        tables = {name: pq.read_table(d / f"{name}.parquet", memory_map=True) for name in ("events", "threads")}
-        flows = d / "flows.parquet"  # absent when the parse left flow events for later
-        tables["flows"] = pq.read_table(flows, memory_map=True) if flows.exists() else None
+        tables = {name: feather.read_table(d / f"{name}{TABLE_SUFFIX}", memory_map=True) for name in ("events", "threads")}
+        flows = d / f"flows{TABLE_SUFFIX}"  # absent when the parse left flow events for later
+        tables["flows"] = feather.read_table(flows, memory_map=True) if flows.exists() else None
     except FileNotFoundError:
         return None, None
     except (OSError, ValueError, pa.ArrowException) as e:
@@ -267,7 +293,7 @@ def store(parsed: ParsedTrace, key: str, root: Path | None = None, source: dict 
     the analysis."""
     import shutil
 
-    import pyarrow.parquet as pq
+    from pyarrow import feather
 
     root = root or cache_dir()
     final = _entry(root, key)
@@ -280,7 +306,9 @@ def store(parsed: ParsedTrace, key: str, root: Path | None = None, source: dict 
         tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".tmp-{_owner()}-"))
         for name in ("events", "flows", "threads"):
             if getattr(parsed, name) is not None:
-                pq.write_table(getattr(parsed, name), tmp / f"{name}.parquet", compression="zstd")
+                table = getattr(parsed, name)
+                feather.write_feather(table, tmp / f"{name}{TABLE_SUFFIX}", compression="zstd",
+                                      chunksize=max(table.num_rows, 1))
         meta = json.loads(json.dumps({k: v for k, v in parsed.meta.items() if k not in _TRANSIENT}, default=str))
         fp = _fingerprint(parsed.events, parsed.flows, parsed.threads)
         meta["cache"] = {"key": key, "source": source, "seal": _seal(key, meta, fp)}

@@ -3,7 +3,7 @@
 `tracelens.load` is called in a fresh process more often than not (the CLI, CI jobs, notebooks'
 first cell), and importing pandas and the analyses costs ~0.3-0.6 s. The compiled scanner releases
 the GIL, so a thread can read and scan the file meanwhile: `start` does the cheap checks (one file,
-large enough, not already in the Parquet cache) and hands the file to a thread; `trace.load` picks the
+large enough, not already in the cache) and hands the file to a thread; `trace.load` picks the
 scan up with `take`. Anything unexpected in the thread (an unreadable file, a file the scanner does
 not take) is left for the ordinary path, which reads the file again and names the problem: a
 prefetch can only make a load faster, never change what it returns or raises.
@@ -52,14 +52,17 @@ class Prefetch:
                     # a cached file needs no scan (the load checks the entry against this identity)
                     self._key, self._source = key, _cache.source_of_identity(ident)
                     return
-            mapped = None if use_cache else scanner.map_file(self.path)  # (a cached load hashes the bytes it scans)
-            if mapped is not None:
-                scan = self._active = scanner.Scan(mapped)
-                del mapped
+            # a large uncompressed file is scanned from a memory map (its bytes never sit in the process whole);
+            # a cached load hashes the map first, a chunk at a time (the key of exactly the bytes scanned: the
+            # load checks that the file did not change since it was mapped)
+            raw = scanner.map_file(self.path)
+            if raw is not None and not use_cache:
+                scan = self._active = scanner.Scan(raw)
+                del raw
                 scan.run()
                 self.scan = scan
                 return
-            raw = scanner.read_raw(self.path)
+            raw = raw if raw is not None else scanner.read_raw(self.path)
             if use_cache:  # the key of exactly these bytes (no second read, no second hash)
                 self._key = _cache.key_of(self.path, cache_root, raw=raw, ident=ident)
                 self._source = _cache.source_of(raw)

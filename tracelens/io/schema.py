@@ -1,5 +1,5 @@
 """What the loader keeps of a Kineto trace: the arg columns, which categories carry which args, and the
-version of the table layout (part of every Parquet cache key).
+version of the table layout (part of every cache key).
 
 Plain data with no imports, shared by the msgspec path (`kineto.py`), the compiled scanner's spec
 (`scanner.py`) and the cache (`cache.py`), so a light module can name them without importing numpy.
@@ -61,5 +61,6 @@ CAT_GROUP: dict[str, str] = {
 
 # raw list args kept unquoted as written (rank lists and split sizes), not as JSON strings
 UNQUOTE_COLS = frozenset({"pg_ranks", "in_split", "out_split"})
-SCHEMA_VERSION = 6  # 2-3: impossible events dropped at load (checks.py), entries sealed (cache.py); 4: call-tree
-# events first (roworder.py); 5: names cut at limits.MAX_NAME_BYTES; 6: ts/dur exact from their text (timestamps.py)
+SCHEMA_VERSION = 7  # 2-3: impossible events dropped at load (checks.py), entries sealed (cache.py); 4: call-tree
+# events first (roworder.py); 5: names cut at limits.MAX_NAME_BYTES; 6: ts/dur exact from their text (timestamps.py);
+# 7: cache entries as Arrow IPC files instead of Parquet (cache.py)
