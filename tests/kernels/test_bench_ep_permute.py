@@ -3,18 +3,16 @@ bit for bit and drop the same rows; the timings themselves are the lead's (GPU).
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
+
+from tests._benchmarks import load_benchmark
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 def _bench():
-    spec = importlib.util.spec_from_file_location("bench_ep_permute", REPO / "benchmarks" / "bench_ep_permute.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_benchmark("bench_ep_permute")
 
 
 def test_both_paths_agree_on_the_interpreter(needs_triton, tmp_path, capsys):

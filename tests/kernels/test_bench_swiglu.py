@@ -3,20 +3,18 @@ the trainer summary and table from given rows (the GPU runs themselves are the l
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 
+from tests._benchmarks import load_benchmark
+
 REPO = Path(__file__).resolve().parents[2]
 
 
 def _bench():
-    spec = importlib.util.spec_from_file_location("bench_swiglu", REPO / "benchmarks" / "bench_swiglu.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_benchmark("bench_swiglu")
 
 
 def test_kernel_part_on_the_interpreter(needs_triton, tmp_path, monkeypatch):

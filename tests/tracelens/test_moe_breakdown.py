@@ -4,22 +4,20 @@ MoE stage totals and the forward SwiGLU subtotal against the raw Kineto JSON, re
 from __future__ import annotations
 
 import gzip
-import importlib.util
 import json
 from collections import defaultdict
 from pathlib import Path
 
 import pytest
 
+from tests._benchmarks import load_benchmark
+
 REPO = Path(__file__).resolve().parents[2]
 RUN = REPO / "tests" / "fixtures" / "h100_proxy_loop_mbs8"
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("moe_breakdown", REPO / "benchmarks" / "moe_breakdown.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_benchmark("moe_breakdown")
 
 
 def _raw_forward(step: int) -> tuple[dict, float]:

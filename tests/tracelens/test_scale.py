@@ -9,7 +9,6 @@ leaves step 0 out of the steady-state window)."""
 from __future__ import annotations
 
 import gzip
-import importlib.util
 import json
 import re
 import subprocess
@@ -19,6 +18,7 @@ from pathlib import Path
 import pytest
 
 import tracelens
+from tests._benchmarks import load_benchmark
 from tracelens import scale
 from tracelens.analysis import comm as C
 from tracelens.errors import TraceError
@@ -32,10 +32,7 @@ distributed = pytest.importorskip("distributed")
 
 
 def _tiler():
-    spec = importlib.util.spec_from_file_location("tile_ranks", ROOT / "benchmarks" / "tile_ranks.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod.tile_ranks
+    return load_benchmark("tile_ranks").tile_ranks
 
 
 @pytest.fixture(scope="module")
@@ -55,9 +52,8 @@ def nccl8(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def client():
-    from distributed import Client, LocalCluster
-
     import dask
+    from distributed import Client, LocalCluster
 
     with dask.config.set({"distributed.scheduler.allowed-failures": 0}):  # a dead worker fails its task at once
         cluster = LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0",

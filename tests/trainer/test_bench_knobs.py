@@ -5,7 +5,6 @@ rows end to end on a CPU with the loss check and, from the same runs, their trac
 
 from __future__ import annotations
 
-import importlib.util
 import itertools
 import json
 import math
@@ -15,14 +14,13 @@ from pathlib import Path
 
 import pytest
 
+from tests._benchmarks import load_benchmark
+
 REPO = Path(__file__).resolve().parents[2]
 
 
 def _bench():
-    spec = importlib.util.spec_from_file_location("bench_trainer_knobs", REPO / "benchmarks" / "bench_trainer_knobs.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_benchmark("bench_trainer_knobs")
 
 
 def test_loss_diff_is_the_largest_relative_step_difference():
