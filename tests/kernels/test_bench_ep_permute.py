@@ -15,7 +15,8 @@ def _bench():
     return load_benchmark("bench_ep_permute")
 
 
-def test_both_paths_agree_on_the_interpreter(needs_triton, tmp_path, capsys):
+def test_both_paths_agree_on_the_interpreter(needs_triton, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # what --cpu sets for its own process, taken back after the test
     out = tmp_path / "r.json"
     assert _bench().main(["--cpu", "--tokens", "96", "--top-k", "3", "--experts", "8", "--ep", "4", "--d-model", "32",
                           "--factor", "0.8", "--iters", "1", "--json", str(out)]) == 0

@@ -48,6 +48,7 @@ from pathlib import Path
 import numpy as np
 
 from moespec.config import DEFAULTS, ConfigError, load_config, resolve_world
+from moespec.schedules import MODELED, V_SHAPED
 
 from ..errors import TraceError
 from . import network as N
@@ -55,6 +56,10 @@ from . import pipeline_whatif as PW
 from .mechanisms import layout as L
 from .mechanisms import pp_layout as PPL
 from .mechanisms.base import WhatIfError
+
+#: the bubble table's schedules (every modeled one but GPipe, which holds every micro-batch's activations) and the
+#: vpp each runs at: 2 for the interleaved and the V-shaped ones, 1 for the others
+_BUBBLE_SCHEDULES = tuple((s, 2 if s == "vpp" or s in V_SHAPED else 1) for s in MODELED if s != "gpipe")
 
 # trainer keys the scale-out projection sets itself (the rest go to the what-if anchor)
 LAYOUT_KEYS = ("ep", "dp", "pp", "vpp", "pipeline_schedule", "pipeline_layout", "pipeline_layer_costs", "microbatches",
@@ -551,7 +556,7 @@ class ScaleOut:
         pps = pps or [p for p in (2, 4, 8, 16) if p <= L_ and gpus % p == 0]
         for p in pps:
             m = microbatches or max(2 * p, int(self.config.get("microbatches") or 1))
-            for sched, vpp in (("1f1b", 1), ("vpp", 2), ("zb1p", 1), ("zbv", 2)):
+            for sched, vpp in _BUBBLE_SCHEDULES:
                 ch = {**(changes or {}), "pp": p, "pipeline_schedule": sched, "vpp": vpp, "microbatches": m}
                 if sched.startswith("zb"):  # the trainer runs the split-backward schedules under DDP only
                     ch["dp_mode"] = "ddp"
