@@ -42,8 +42,11 @@ import math
 import os
 import sys
 
-if os.environ.get("EP_WORKER_DEVICE") != "cuda":  # the kernels cases run the Triton kernels interpreted on a CPU
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # (before anything imports triton)
+if __name__ == "__main__" and os.environ.get("EP_WORKER_DEVICE") != "cuda":
+    # the kernels cases run the Triton kernels interpreted on a CPU (set before anything imports triton;
+    # only when run as the worker: a test that imports this module's helpers must not hand the variable
+    # to the trainer subprocesses it starts later)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
 

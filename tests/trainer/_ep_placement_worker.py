@@ -24,7 +24,11 @@ Then the trainer end to end on the same 4 ranks (tiny, ep 4, 6 steps), each run'
 from __future__ import annotations
 
 import json
+import os
 import sys
+
+if os.environ.get("EP_WORKER_DEVICE") != "cuda":  # the fused capacity path runs its Triton kernels
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # interpreted on a CPU (set before triton is imported)
 from pathlib import Path
 from types import SimpleNamespace
 
