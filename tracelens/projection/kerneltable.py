@@ -28,6 +28,7 @@ import numpy as np
 class KernelTable:
     def __init__(self, rows: list[dict], source: str):
         self.source = source
+        self.rows = rows
         self._pts: dict[tuple, list[tuple[int, float]]] = defaultdict(list)
         for r in rows:
             try:
@@ -43,6 +44,18 @@ class KernelTable:
 
     def __len__(self) -> int:
         return sum(len(v) for v in self._pts.values())
+
+    def for_device(self, device: str | None, dtype: str | None) -> tuple[KernelTable | None, int]:
+        """The rows timed on ``device`` (a run's device name, e.g. ``NVIDIA H100 80GB HBM3``, or ``cpu``) in
+        ``dtype`` (``bfloat16``; ``bf16``/``fp32`` accepted), and how many rows of other devices or dtypes were
+        left out. A row that does not say its device or dtype is kept (a file the user named for this run). None
+        when no row is left: another machine's timings never stand in for this run's kernels."""
+        dt = {"bf16": "bfloat16", "fp32": "float32", "fp16": "float16"}.get(str(dtype), dtype)
+        keep = [r for r in self.rows
+                if (device is None or r.get("device") in (None, device))
+                and (dt is None or r.get("dtype") in (None, dt))]
+        table = KernelTable(keep, self.source) if keep else None
+        return (table if table is not None and len(table) else None), len(self.rows) - len(keep)
 
     def backends(self) -> set[str]:
         return {k[4] for k in self._pts}
@@ -85,7 +98,8 @@ def _rows_from_doc(doc) -> list[dict]:
                 except (IndexError, ValueError):
                     continue
                 for b, ms in (e.get("times_ms") or {}).items():
-                    rows.append({"pass": pass_, "T": T, "K": K, "N": N, "E": E, "backend": b, "ms": ms})
+                    rows.append({"pass": pass_, "T": T, "K": K, "N": N, "E": E, "backend": b, "ms": ms,
+                                 "device": parts[0], "dtype": parts[1]})
             return rows
     return []
 

@@ -228,9 +228,19 @@ class Model:
             table = KT.load(kernel_table)
         except ValueError as e:
             raise WhatIfError(str(e)) from None
+        pending_notes = []
+        if table is not None:  # only this run's device and dtype: a CPU tuning run must not stand in for an H100's
+            device = man.get("device") if isinstance(man.get("device"), dict) else {}
+            dev = device.get("name") or device.get("type")
+            source = table.source
+            table, other = table.for_device(dev, cfg.get("dtype"))
+            if other:
+                pending_notes.append(f"kernel table ({source}): {other} timing(s) of other devices or dtypes left "
+                                     f"out (this run: {dev or 'device unknown'}, {cfg.get('dtype')})")
         m = cls(str(run), cfg, man, profs, progs, hs, ds, float(mean), float(tps), comps_all[slow], noise, jitter,
                 table)
         m.base_by_rank = comps_all
+        m.notes.extend(pending_notes)
         m.expert_host = xs
         if any(x > 1.0 for x in xs):
             m.notes.append(f"the run's timed steps were slower than its profiled step replays at any profiler factor: "
