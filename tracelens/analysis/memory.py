@@ -565,7 +565,11 @@ def layer_activations(c: dict, lay: Layout, layer: int) -> dict[str, float]:
     t = lay.mbs * lay.seq / (lay.tp * lay.cp)   # tokens per GPU: sequence parallel (tp) and context parallel (cp)
     d, H = c["d_model"], c["n_heads"]
     ac = autocast(lay)
-    out = {"norms": 2 * _norm_saved(t, d), "attention": 0.0, "dense_ffn": 0.0, "moe": 0.0, "moe_dispatch": 0.0,
+    cd = compiled_dense(c, lay)
+    # compile=dense: the compiled region keeps its bf16 input and the residual after attention and recomputes each
+    # norm in the backward from them and its fp32 rstd (Inductor's min-cut partitioner)
+    norms = 2 * a * t * d + 2 * 4.0 * t if cd else 2 * _norm_saved(t, d)
+    out = {"norms": norms, "attention": 0.0, "dense_ffn": 0.0, "moe": 0.0, "moe_dispatch": 0.0,
            "moe_weight_copies": 0.0}
     # ---- attention: tensors of shape [tokens/cp, heads/tp, dim] have t*H*dim elements
     if c["attn_type"] == "mla":
@@ -573,9 +577,12 @@ def layer_activations(c: dict, lay: Layout, layer: int) -> dict[str, float]:
         vd, kvr, qr = c["v_head_dim"], c["kv_lora_rank"], c["q_lora_rank"]
         att = a * t * d * (2 if ac else 1)                     # normed input, saved by wq/wq_a and wkv_a
         #                                                        (autocast: each linear keeps its own bf16 cast)
-        if qr:
-            att += _norm_saved(t, qr) + a * t * qr             # q_norm + wq_b's input
-        att += _norm_saved(t, kvr) + a * t * kvr               # kv_norm + wkv_b's input
+        if qr:                                                 # q_norm (compiled: wq_a's output and the rstd)
+            att += (a * t * qr + 4.0 * t if cd else _norm_saved(t, qr)) + a * t * qr  # + wq_b's input
+        #                                                        kv_norm (compiled: wkv_a's whole output, the
+        #                                                        latent and the rope part, and the rstd)
+        att += (a * t * (kvr + c["qk_rope_head_dim"]) + 4.0 * t if cd else _norm_saved(t, kvr))
+        att += a * t * kvr                                     # wkv_b's input
         att += 2 * a * t * H * qd                              # q, k after cat (SDPA inputs)
         att += a * t * H * (c["qk_nope_head_dim"] + vd)        # kv: v is a view of it, keeps it alive
         att += 2 * a * t * H * vd                              # SDPA output + wo's input (reshape copy)
@@ -586,8 +593,9 @@ def layer_activations(c: dict, lay: Layout, layer: int) -> dict[str, float]:
         #                                                        q, k, v (GQA: repeated), out, wo input; lse
     out["attention"] = att
     if layer < c["first_k_dense"]:
-        out["dense_ffn"] = a * t * d * (2 if ac else 1) + 4 * a * t * c["d_ff"]  # input (autocast: w1's and w3's
-        #                                                        casts); w1 out, silu out, w3 out, product
+        out["dense_ffn"] = a * t * d * (2 if ac else 1) + (3 if cd else 4) * a * t * c["d_ff"]  # input (autocast:
+        #                                                        w1's and w3's casts); w1 out, silu out, w3 out,
+        #                                                        product (compiled: one of the last two recomputed)
         return out
     E, k, ff, ns = c["n_routed_experts"], c["top_k"], c["moe_d_ff"], c["n_shared_experts"]
     tk = t * k
@@ -602,13 +610,15 @@ def layer_activations(c: dict, lay: Layout, layer: int) -> dict[str, float]:
     moe += 8.0 * tk + 4.0 * tk + 4.0 * t + a * tk              # gather index, top-k weights, their sum, bf16 copy
     moe += 8.0 * tk * 2                                        # permutation index (order // k) and inverse
     rows = tk * (lay.moe_imbalance if lay.ep > 1 else 1.0)
-    expert = a * (d + 4 * ff)                                  # per row: input, w13 out [2F], silu out, product
+    # per row: input, w13 out [2F], silu out, product; expert_swiglu=triton (kernels.swiglu) keeps only its input
+    # [2F] and recomputes the SiLU in its backward kernel
+    expert = a * (d + (3 if c.get("expert_swiglu") == "triton" else 4) * ff)
     moe += rows * (expert + (8.0 if lay.ep > 1 else 0.0))      # + receive-side order index under EP
     if lay.ep > 1 and (lay.sync_free_level >= 2 or lay.ep_dispatch == "capacity"):
         moe += 8.0 * tk                                        # slot index of the padded send buffer
     moe += a * tk * d                                          # top-k output copies kept by the weighted sum
     if ns:
-        moe += 4 * a * t * ff * ns                             # shared expert SwiGLU
+        moe += (3 if cd else 4) * a * t * ff * ns              # shared expert SwiGLU (compiled: one recomputed)
     out["moe"] = moe
     if ac:  # GroupedExperts.forward: w13.to(bf16), w2.to(bf16) -- fresh copies per forward, saved by the GEMMs
         out["moe_weight_copies"] = 2.0 * E / lay.ep * 3 * d * ff
@@ -616,6 +626,13 @@ def layer_activations(c: dict, lay: Layout, layer: int) -> dict[str, float]:
         worst = moe_buffer_rows(c, lay)
         out["moe_dispatch"] = max(0.0, worst - rows) * (expert + 8.0)
     return out
+
+
+def compiled_dense(c: dict, lay: Layout) -> bool:
+    """``compile: dense`` (trainer/compiling.py): each block's attention half, the dense blocks and the shared
+    experts run compiled, and keep what Inductor's min-cut partitioner saves (checked against the trainer's model by
+    benchmarks/activation_census.py). Under autocast (DDP) the regions' casts are not modeled: the eager figures."""
+    return c.get("compile") == "dense" and not autocast(lay)
 
 
 def autocast(lay: Layout) -> bool:
