@@ -13,13 +13,13 @@ import tracelens
 from reports.html import write_report
 
 from ..conftest import FIXTURES, NCCL_2RANK
-from .test_report_browser import browser, open_report, plot_ok  # noqa: F401 - `browser` is the shared fixture
+from ._browser import open_report, plot_ok
 
 pytestmark = pytest.mark.browser
 EP4 = FIXTURES / "h100_4gpu" / "ep4_L0_loop"
 
 
-def test_critpath_section_renders(browser, shots, tmp_path):  # noqa: F811 - the fixture imported above
+def test_critpath_section_renders(browser, shots, tmp_path):
     a = tracelens.analyze(tracelens.load(EP4, cache=False, progress=False))
     report = write_report(a, tmp_path / "report.html")
     page, errors = open_report(browser, report)
@@ -39,7 +39,7 @@ def test_critpath_section_renders(browser, shots, tmp_path):  # noqa: F811 - the
     page.close()
 
 
-def test_critpath_unavailable_is_one_line(browser, tmp_path):  # noqa: F811
+def test_critpath_unavailable_is_one_line(browser, tmp_path):
     src = tmp_path / "run"
     src.mkdir()
     for f in sorted(NCCL_2RANK.glob("rank*.json.gz")):

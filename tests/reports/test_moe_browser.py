@@ -11,7 +11,7 @@ import pytest
 import tracelens
 from reports.html import write_report
 
-from .test_report_browser import browser, open_report, plot_ok  # noqa: F401  (fixture)
+from ._browser import open_report, plot_ok
 
 pytestmark = pytest.mark.browser
 
@@ -21,10 +21,10 @@ L3 = FIX / "h100_4gpu" / "ep4_L3_torch"
 
 
 
-def test_moe_section_heatmaps_and_tables(browser, shots, tmp_path):  # noqa: F811
-    a = tracelens.analyze(tracelens.load(R_L3, cache=False))
+def test_moe_section_heatmaps_and_tables(site, shown, shots):
+    a = site.analysis("ep4_L3_routing")  # R_L3 (test_tables.py reads the same analysis: conftest.py `site`)
     rep = a.moe()
-    page, errors = open_report(browser, write_report(a, tmp_path / "report.html"))
+    page, errors = shown(site.report("ep4_L3_routing"))
     for div in ("plot-moe-pairs", "plot-moe-experts", "plot-moe-gemm"):
         assert plot_ok(page, div) > 3, div
     # bytes per rank pair: 4 x 4 cells in MB per step, as the view computed them
@@ -56,10 +56,9 @@ def test_moe_section_heatmaps_and_tables(browser, shots, tmp_path):  # noqa: F81
     if shots:
         page.locator("#moe").screenshot(path=str(shots / "moe_section.png"))
     assert errors == []
-    page.close()
 
 
-def test_moe_section_without_routing_counts_says_what_is_missing(browser, shots, tmp_path):  # noqa: F811
+def test_moe_section_without_routing_counts_says_what_is_missing(browser, shots, tmp_path):
     a = tracelens.analyze(tracelens.load(L3, cache=False))
     page, errors = open_report(browser, write_report(a, tmp_path / "report.html"))
     assert plot_ok(page, "plot-moe-pairs") > 3

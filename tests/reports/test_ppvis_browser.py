@@ -1,8 +1,7 @@
-"""`ppvis.html` and the pipeline section of report.html in headless Chromium (see test_report_browser.py)."""
+"""`ppvis.html` and the pipeline section of report.html in headless Chromium (see test_report_browser.py), and the
+colour of each ppvis page's verdict (test_layout_browser.py's check, on the pages this file opens)."""
 
 from __future__ import annotations
-
-from pathlib import Path
 
 import pytest
 
@@ -11,13 +10,14 @@ from reports.html import write_report
 from reports.pipeline import write_ppvis
 from tracelens.analysis.pipeline import load_pipeline
 
+from ..conftest import FIXTURES
 from ..tracelens import _pipeline_sim as S
-from .test_report_browser import browser, open_report, plot_ok  # noqa: F401  (fixture)
+from ._browser import every_plot_drawn, legends_clear, open_report, plot_ok, save_shots
 
 pytestmark = pytest.mark.browser
 
 U = 1000
-VPP2 = Path(__file__).resolve().parents[1] / "fixtures" / "h200_pp2_run" / "vpp2"
+PP2 = FIXTURES / "h200_pp2_run"  # the 2 x H200 pipeline runs: 1f1b, vpp2 (interleaved), zb1p (zero bubble)
 PARTS = ["schedule theory", "stage imbalance", "p2p / comm wait", "host / launch overhead", "other"]
 EVIL = "</script><img src=x onerror=\"window.__pwned=1\">"
 
@@ -38,9 +38,17 @@ def make_run(tmp_path, traces=False):
     return run
 
 
-def test_ppvis_page(browser, tmp_path):  # noqa: F811
-    run = make_run(tmp_path)
-    page, errors = open_report(browser, write_ppvis(load_pipeline(run), tmp_path / "ppvis.html"))
+@pytest.fixture(scope="module")
+def ppvis_pages(tmp_path_factory) -> dict:
+    """ppvis.html of the synthetic run (make_run, no traces) and of each 2 x H200 run, with their analyses."""
+    out = tmp_path_factory.mktemp("ppvis")
+    runs = {"synthetic": make_run(out), **{r: PP2 / r for r in ("1f1b", "vpp2", "zb1p")}}
+    res = {name: load_pipeline(run, cache=False) for name, run in runs.items()}
+    return {name: (r, write_ppvis(r, out / f"ppvis_{name}.html")) for name, r in res.items()}
+
+
+def test_ppvis_page(ppvis_pages, shown):
+    page, errors = shown(ppvis_pages["synthetic"][1])
     for div in ("plot-pp-lanes", "plot-pp-bubble", "plot-pp-stages"):
         assert plot_ok(page, div) > 3, div
     # lanes: one trace per kind and one for bubbles; 4 ranks x 8 microbatches of F and of B in the shown step
@@ -80,10 +88,9 @@ def test_ppvis_page(browser, tmp_path):  # noqa: F811
     header.click()
     assert table.locator("tbody tr td:nth-child(1)").first.inner_text() == "3"
     assert errors == []
-    page.close()
 
 
-def test_main_report_pipeline_section(browser, tmp_path):  # noqa: F811
+def test_main_report_pipeline_section(browser, tmp_path):
     run = make_run(tmp_path, traces=True)
     a = tracelens.analyze(tracelens.load(run, cache=False))
     page, errors = open_report(browser, write_report(a, tmp_path / "report.html"))
@@ -94,12 +101,12 @@ def test_main_report_pipeline_section(browser, tmp_path):  # noqa: F811
     page.close()
 
 
-def test_account_on_a_real_run(browser, shots, tmp_path):  # noqa: F811
+def test_account_on_a_real_run(ppvis_pages, site, shown, shots):
     """The interleaved 2 x H200 run: ppvis.html and report.html show each rank's idle split into the five
     parts; the bars add up to the measured idle, and the page's numbers are the analysis's."""
-    res = load_pipeline(VPP2)
+    res, ppvis = ppvis_pages["vpp2"]
     pr = res.account.per_rank.sort_values("rank")
-    page, errors = open_report(browser, write_ppvis(res, tmp_path / "ppvis.html"))
+    page, errors = shown(ppvis)
     assert plot_ok(page, "plot-pp-account") > 3
     data = page.evaluate("document.getElementById('plot-pp-account').data.map(t => [t.name, t.x, t.y])")
     assert [d[0] for d in data] == PARTS and data[0][1] == ["rank 0 · pp 0", "rank 1 · pp 1"]
@@ -120,12 +127,32 @@ def test_account_on_a_real_run(browser, shots, tmp_path):  # noqa: F811
         page.locator("#plot-pp-account").scroll_into_view_if_needed()
         page.screenshot(path=str(shots / "account.png"), full_page=False)
     assert errors == []
-    page.close()
-    # the main report's pipeline section has the same account
-    a = tracelens.analyze(tracelens.load(VPP2))
-    page, errors = open_report(browser, write_report(a, tmp_path / "report.html"))
+    # the main report's pipeline section has the same account (its report is test_report_browser.py's too)
+    page, errors = shown(site.report("pp2_vpp2"))
     assert plot_ok(page, "plot-pp-account") > 3
     data = page.evaluate("document.getElementById('plot-pp-account').data.map(t => t.y)")
     assert [sum(col) for col in zip(*data)] == pytest.approx((pr["idle_ns"] / 1e6).tolist(), abs=1e-5)
     assert errors == []
-    page.close()
+
+
+def test_ppvis_verdict_colours(ppvis_pages, shown, shots):
+    """At 1400 px (test_layout_browser.py's checks): the verdict's colour matches its words, no legend over a
+    figure's toolbar."""
+    red, green = "rgb(138, 31, 20)", "rgb(29, 91, 47)"
+    # synthetic: stage 2 holds 3 layers, a move that lowers it (make_run); vpp2: stage 3 holds one layer and the
+    # loss head: no layer can leave it (issue 34), so not red
+    for run, cls in (("synthetic", "flagged"), ("zb1p", "ok"), ("1f1b", "neutral"), ("vpp2", "neutral")):
+        page, errors = shown(ppvis_pages[run][1])
+        every_plot_drawn(page)
+        save_shots(page, shots, f"ppvis_{run}")
+        legends_clear(page)
+        st = page.locator("p.statement")
+        text, colour = st.inner_text(), st.evaluate("e => getComputedStyle(e).color")
+        assert st.get_attribute("class") == f"statement {cls}", (run, text)
+        if cls == "flagged":  # red: a layer move that lowers the bottleneck
+            assert "move 1 layer to stage" in text and colour == red
+        elif cls == "ok":
+            assert text.startswith("stages are balanced") and colour == green
+        else:  # uneven, but no whole-layer move helps: neither alarm nor all-clear
+            assert ("would not lower" in text or "no layer move can lower" in text) and colour not in (red, green)
+        assert errors == []

@@ -1,72 +1,46 @@
 """The HTML report in a real browser: Debian's Chromium driven by Playwright.
 
 Checks what a user sees: no JavaScript errors, every chart drawn (plotly's SVG present and non-empty),
-tables sortable, and strings from a hostile trace shown as text, never executed.
+tables sortable, and strings from a hostile trace shown as text, never executed; the verdict on the first
+screen; the 2-rank report's and the diff page's layout (test_layout_browser.py's checks, here where the page is
+open anyway: conftest.py `shown`).
 """
 
 from __future__ import annotations
 
 import gzip
 import json
-import os
-import shutil
 
 import pytest
 
 import tracelens
 from reports.html import write_report
 
-from ..conftest import CPU_ONLY, FIXTURES, MOE_LOOP, NCCL_2RANK
-
-CHROMIUM = os.environ.get("TRACELENS_CHROMIUM", "/usr/bin/chromium")
-FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
-         "--disable-component-update", "--disable-sync"]
+from ..conftest import MOE_LOOP
+from ._browser import (
+    every_plot_drawn,
+    legends_clear,
+    one_line,
+    open_report,
+    plot_ok,
+    save_shots,
+)
 
 pytestmark = pytest.mark.browser
 
 
 @pytest.fixture(scope="module")
-def browser():
-    if not shutil.which(CHROMIUM) and not os.path.exists(CHROMIUM):
-        if os.environ.get("CI"):
-            pytest.fail(f"{CHROMIUM} not installed: CI must run the browser test (apt-get install chromium)")
-        pytest.skip(f"{CHROMIUM} not installed (apt-get install chromium)")
-    sync_api = pytest.importorskip("playwright.sync_api")
-    with sync_api.sync_playwright() as p:
-        b = p.chromium.launch(executable_path=CHROMIUM, args=FLAGS, headless=True)
-        yield b
-        b.close()
+def diff_page(site, tmp_path_factory):
+    """The loop -> grouped-GEMM diff of the 1-GPU MoE traces, its base labelled with markup from the command line."""
+    from reports.diff import write_all
+    from tracelens.analysis.diff import check_rules, diff, parse_rule
+
+    r = diff(site.analysis("moe_loop"), site.analysis("moe_grouped"), base_label="loop <b>", new_label="grouped")
+    return write_all(r, tmp_path_factory.mktemp("diff"), check_rules(r, [parse_rule("step_time>+5%")]))["diff.html"]
 
 
-def open_report(browser, path):
-    page = browser.new_page(viewport={"width": 1400, "height": 1000})
-    errors = []
-    page.on("pageerror", lambda e: errors.append(str(e)))
-    page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
-    page.on("request", lambda r: errors.append(f"network request: {r.url}") if not r.url.startswith(("file:", "data:", "blob:")) else None)
-    page.goto(path.resolve().as_uri())
-    page.wait_for_load_state("load")
-    wait_drawn(page)
-    return page, errors
-
-
-def wait_drawn(page):
-    """Until the page has unpacked its plotly.js and drawn every figure (base.html marks <html data-figures>)."""
-    page.wait_for_function("document.documentElement.dataset.figures !== undefined", timeout=20000)
-    assert page.evaluate("document.documentElement.dataset.figures") == "drawn"
-
-
-def plot_ok(page, div_id):
-    page.wait_for_selector(f"#{div_id} .main-svg", timeout=20000)
-    return page.evaluate(
-        """id => { const el = document.getElementById(id);
-                  return el.querySelectorAll('path, rect').length; }""", div_id)
-
-
-def test_report_renders_charts_and_sorts(browser, tmp_path):
-    a = tracelens.analyze(tracelens.load(NCCL_2RANK, cache=False))
-    report = write_report(a, tmp_path / "report.html")
-    page, errors = open_report(browser, report)
+def test_report_renders_charts_and_sorts(site, shown):
+    page, errors = shown(site.report("nccl_2rank"))
     for div in ("plot-timeline", "plot-categories", "plot-breakdown", "plot-roofline"):
         assert plot_ok(page, div) > 3, div
     assert page.locator("#findings li").count() >= 3  # ranked findings rendered
@@ -86,17 +60,24 @@ def test_report_renders_charts_and_sorts(browser, tmp_path):
     desc = [float(v) for v in table.locator("tbody tr td:nth-child(4)").evaluate_all("els => els.map(e => e.dataset.v)")]
     assert desc == sorted(desc, reverse=True)
     assert errors == []
-    page.close()
 
 
-def test_cpu_only_report(browser, tmp_path):
-    a = tracelens.analyze(tracelens.load(CPU_ONLY, cache=False))
-    report = write_report(a, tmp_path / "cpu.html")
-    page, errors = open_report(browser, report)
+def test_report_page_multi_rank(site, shown, shots):
+    """The 2-rank report at 1400 px (the checks of test_layout_browser.py): no legend over a figure's toolbar,
+    op names on one line."""
+    page, errors = shown(site.report("nccl_2rank"))
+    every_plot_drawn(page)
+    legends_clear(page)
+    one_line(page, "#ops td.name")
+    save_shots(page, shots, "report_nccl")
+    assert errors == []
+
+
+def test_cpu_only_report(site, shown):
+    page, errors = shown(site.report("cpu_only"))
     assert "GPU sections unavailable" in page.inner_text("#timeline")
     assert plot_ok(page, "plot-breakdown") > 0
     assert errors == []
-    page.close()
 
 
 def test_hostile_strings_are_escaped(browser, tmp_path):
@@ -122,45 +103,38 @@ def test_hostile_strings_are_escaped(browser, tmp_path):
     page.close()
 
 
-def test_diff_report_renders(browser, tmp_path):
-    from reports.diff import write_all
-    from tracelens.analysis.diff import check_rules, diff, parse_rule
-
-    from ..conftest import MOE_GROUPED
-
-    b = tracelens.analyze(tracelens.load(MOE_LOOP, cache=False))
-    n = tracelens.analyze(tracelens.load(MOE_GROUPED, cache=False))
-    r = diff(b, n, base_label="loop <b>", new_label="grouped")
-    paths = write_all(r, tmp_path / "d", check_rules(r, [parse_rule("step_time>+5%")]))
-    page, errors = open_report(browser, paths["diff.html"])
+def test_diff_report_renders(diff_page, shown):
+    page, errors = shown(diff_page)
     assert plot_ok(page, "plot-bars") > 3 and plot_ok(page, "plot-waterfall") > 3
     assert page.locator("#waterfall .waterfall").count() >= 1 or page.locator("#plot-waterfall path").count() > 3
     assert "loop <b>" in page.inner_text("header")  # a label from the command line, shown as text
     assert "aten::_grouped_mm" in page.inner_text("#ops")
     assert errors == []
-    page.close()
 
 
-VERDICT_RUNS = {  # issue 36: a CPU run, the 2-GPU NCCL traces, a pipeline- and an expert-parallel run
-    "cpu_run": FIXTURES / "cpu_whatif_grid" / "rep0" / "base",
-    "nccl_2rank": NCCL_2RANK,
-    "pp4_1f1b": FIXTURES / "h100_4gpu" / "pp4_1f1b",
-    "ep4_cap_ovl": FIXTURES / "h100_4gpu" / "ep4_cap_ovl",
-}
+def test_diff_page(diff_page, shown, shots):
+    """The diff page at 1400 px (the checks of test_layout_browser.py): the base-vs-new legend clear of the toolbar,
+    op names on one line."""
+    page, errors = shown(diff_page)
+    every_plot_drawn(page)
+    boxes = legends_clear(page)
+    assert "plot-bars" in {b["id"] for b in boxes}  # base vs new: a legend, clear of the toolbar
+    one_line(page, "#ops td.name")
+    save_shots(page, shots, "diff")
+    assert errors == []
 
 
-@pytest.mark.parametrize("name", list(VERDICT_RUNS))
-def test_the_verdict_is_the_first_screen(browser, tmp_path, shots, name):
+# issue 36: a CPU run, the 2-GPU NCCL traces, a pipeline- and an expert-parallel run. The pipeline run is the
+# interleaved 2 x H200 one (its report is test_ppvis_browser.py's too: written once per worker, conftest.py `site`)
+VERDICT_RUNS = ["cpu_run", "nccl_2rank", "pp2_vpp2", "ep4_cap_ovl"]
+
+
+@pytest.mark.parametrize("name", VERDICT_RUNS)
+def test_the_verdict_is_the_first_screen(site, shown, shots, name):
     """At 1400 x 900 the first screen holds the bottleneck, the step's bar and the three actions, each with its
     gain (what-if prediction or the finding's estimate); a screenshot of it with $TRACELENS_SCREENSHOTS."""
-    a = tracelens.analyze(tracelens.load(VERDICT_RUNS[name], cache=False))
-    report = write_report(a, tmp_path / "report.html")
-    page = browser.new_page(viewport={"width": 1400, "height": 900})
-    errors = []
-    page.on("pageerror", lambda e: errors.append(str(e)))
-    page.goto(report.resolve().as_uri())
-    page.wait_for_load_state("load")
-    wait_drawn(page)
+    page, errors = shown(site.report(name))  # a 1400 x 900 window (_browser.VIEWPORT), scrolled to the top
+    assert page.viewport_size == {"width": 1400, "height": 900} and page.evaluate("window.scrollY") == 0
     assert page.evaluate("document.querySelector('main section').id") == "verdict"
 
     def bottom(selector):
@@ -179,4 +153,3 @@ def test_the_verdict_is_the_first_screen(browser, tmp_path, shots, name):
     if shots is not None:
         page.screenshot(path=str(shots / f"verdict_{name}.png"))  # the first 1400 x 900 screen
     assert not errors, errors
-    page.close()

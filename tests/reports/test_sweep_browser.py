@@ -22,7 +22,7 @@ from autotune.space import parse_space
 from autotune.sweep import run_sweep
 from reports import sweep as sweep_report
 
-from .test_report_browser import browser, open_report, plot_ok  # noqa: F401 - the browser fixture
+from ._browser import every_plot_drawn, legends_clear, plot_ok, save_shots, wait_drawn
 
 pytestmark = pytest.mark.browser
 
@@ -51,9 +51,9 @@ def test_sweep_path_is_the_findings(sweep):
     assert paths["diff.html"].exists()
 
 
-def test_sweep_report_renders(browser, sweep):  # noqa: F811
-    res, _, paths = sweep
-    page, errors = open_report(browser, paths["sweep.html"])
+def test_sweep_report_renders(sweep, shown):
+    _, _, paths = sweep
+    page, errors = shown(paths["sweep.html"])
     for div in ("plot-trials", "plot-path", "plot-knobs"):
         assert plot_ok(page, div) > 3, div
     assert page.evaluate("document.getElementById('plot-trials').data[0].y.length") == 4
@@ -65,25 +65,64 @@ def test_sweep_report_renders(browser, sweep):  # noqa: F811
     assert "reverted" in path_text and "kept" in path_text
     assert "1.65× the baseline" in page.inner_text("#summary")
     assert errors == []
-    page.click("#diff-link")
-    page.wait_for_load_state("load")
-    assert page.url.endswith("diff_best_vs_baseline/diff.html")
-    assert plot_ok(page, "plot-bars") > 3
-    assert "best (trial 3)" in page.inner_text("header")
-    assert errors == []
-    page.close()
+    # the link to the best-vs-baseline diff, clicked (with Ctrl: in a new tab, so the sweep page stays for the
+    # other tests that read it); the tab's errors from its first moment on, through its context
+    ctx, diff_errors = page.context, []
+
+    def on_error(e):
+        diff_errors.append(str(e.error))
+
+    ctx.on("weberror", on_error)
+    with ctx.expect_page() as opened:
+        page.click("#diff-link", modifiers=["ControlOrMeta"])
+    diff = opened.value
+    diff.wait_for_load_state("load")
+    assert diff.url.endswith("diff_best_vs_baseline/diff.html")
+    wait_drawn(diff)
+    assert plot_ok(diff, "plot-bars") > 3
+    assert "best (trial 3)" in diff.inner_text("header")
+    diff.close()
+    ctx.remove_listener("weberror", on_error)
+    assert diff_errors == [] and errors == []
 
 
-def test_rule_driven_sweep_says_there_is_no_model_section(browser, sweep):  # noqa: F811
+def test_rule_driven_sweep_says_there_is_no_model_section(sweep, shown):
     """The replayed traces hold no profiled step: no model, no decomposition; each section says so in one line."""
     _, _, paths = sweep
-    page, errors = open_report(browser, paths["sweep.html"])
+    page, errors = shown(paths["sweep.html"])
     assert "No model-driven trial in this sweep" in page.inner_text("#predicted-none")
     text = page.inner_text("#decomp-compare")
     assert "No decomposition to compare" in text and "no profiled step with device work" in text
     assert page.locator("#plot-predicted .main-svg").count() == 0
     assert errors == []
-    page.close()
+
+
+def test_sweep_page(sweep, shown, shots):
+    """At 1400 px (test_layout_browser.py's checks): the chart first and best.yaml collapsed below it, the knobs'
+    tick labels apart, each trial's noise (s.e. column, whiskers); no legend over a figure's toolbar."""
+    page, errors = shown(sweep[2]["sweep.html"])
+    every_plot_drawn(page)
+    save_shots(page, shots, "sweep")
+    legends_clear(page)
+    # the chart comes before the best.yaml, which is collapsed
+    chart_top = page.locator("#plot-trials").bounding_box()["y"]
+    details = page.locator("#best-yaml-details")
+    assert details.bounding_box()["y"] > chart_top
+    assert details.evaluate("e => e.open") is False
+    assert not page.locator("#best-yaml").is_visible()
+    assert "grouped_gemm_backend: torch" in page.locator("#best-yaml").text_content()
+    # per-knob panels: each knob on its own x axis; no two tick labels overlap
+    labels = page.evaluate("""() => Array.from(document.querySelectorAll('#plot-knobs .xaxislayer-above text')).map(t => {
+        const b = t.getBoundingClientRect(); return [b.left, b.right, b.top, b.bottom, t.textContent]; })""")
+    assert len(labels) == 4
+    for i, a in enumerate(labels):
+        for b in labels[i + 1:]:
+            assert a[1] <= b[0] or b[1] <= a[0] or a[3] <= b[2] or b[3] <= a[2], (a, b)
+    # repeat noise per trial: the s.e. column and the whiskers' data
+    headers = page.locator("#trials table.data th").all_inner_texts()
+    assert "s.e. %" in headers
+    assert page.evaluate("document.getElementById('plot-trials').data[0].error_y.array.length") == 4
+    assert errors == []
 
 
 MODEL_SPACE = {
@@ -113,14 +152,14 @@ def _manifest(run_dir) -> dict:
     return json.loads((Path(run_dir) / "manifest.json").read_text())
 
 
-def test_model_driven_sweep_predicted_vs_measured(browser, model_sweep, shots):  # noqa: F811
-    res, space, paths, preds = model_sweep
+def test_model_driven_sweep_predicted_vs_measured(model_sweep, shown, shots):
+    res, _, paths, preds = model_sweep
     ran = [p for p in preds if p["trial"] is not None and p["measured"] is not None]
     oom = [p for p in preds if p["trial"] is None]
     assert ran, preds  # the baseline predicts a larger micro-batch / grouped backend: at least one trial ran
     assert oom and all(p["knobs"]["micro_batch_size"] == 4096 for p in oom)
     assert all(t["knobs"]["micro_batch_size"] != 4096 for t in res.trials)  # never run
-    page, errors = open_report(browser, paths["sweep.html"])
+    page, errors = shown(paths["sweep.html"])
     assert plot_ok(page, "plot-predicted") > 3
     traces = page.evaluate("document.getElementById('plot-predicted').data")
     line, points = traces[0], traces[1:]
@@ -143,13 +182,12 @@ def test_model_driven_sweep_predicted_vs_measured(browser, model_sweep, shots): 
     if shots:  # $TRACELENS_SCREENSHOTS (tests/reports/conftest.py)
         page.locator("#predicted").screenshot(path=str(shots / "predicted.png"))
     assert errors == []
-    page.close()
 
 
-def test_model_driven_sweep_decomposition_baseline_vs_kept(browser, model_sweep, shots):  # noqa: F811
-    res, space, paths, preds = model_sweep
+def test_model_driven_sweep_decomposition_baseline_vs_kept(model_sweep, shown, shots):
+    res, _, paths, _ = model_sweep
     kept = [p["trial"] for p in res.path if p["decision"] == "kept"]
-    page, errors = open_report(browser, paths["sweep.html"])
+    page, errors = shown(paths["sweep.html"])
     assert plot_ok(page, "plot-decomp-compare") > 3
     traces = page.evaluate("document.getElementById('plot-decomp-compare').data")
     names = [t["name"] for t in traces]
@@ -173,7 +211,6 @@ def test_model_driven_sweep_decomposition_baseline_vs_kept(browser, model_sweep,
         page.locator("#decomp-compare").screenshot(path=str(shots / "decomp.png"))
         page.screenshot(path=str(shots / "sweep_full.png"), full_page=True)
     assert errors == []
-    page.close()
 
 
 @pytest.fixture(scope="module")
@@ -205,10 +242,10 @@ def noise_stop_sweep(tmp_path_factory):
     return res, space, sweep_report.write(res, space)
 
 
-def test_a_sweep_stopped_on_the_noise_says_why_in_numbers(browser, noise_stop_sweep, shots):  # noqa: F811
+def test_a_sweep_stopped_on_the_noise_says_why_in_numbers(noise_stop_sweep, shown, shots):
     res, _, paths = noise_stop_sweep
     assert [p["source"] for p in res.path] == ["", "explore"]
-    page, errors = open_report(browser, paths["sweep.html"])
+    page, errors = shown(paths["sweep.html"])
     why = page.inner_text("#stop-note")
     # the numbers: the best remaining prediction's gain vs the threshold, and where the threshold comes from
     assert ("the best remaining prediction, grouped_gemm_backend=torch, micro_batch_size=8, gains +1.5 % over "
@@ -226,4 +263,3 @@ def test_a_sweep_stopped_on_the_noise_says_why_in_numbers(browser, noise_stop_sw
         page.locator("#summary").screenshot(path=str(shots / "sweep_noise_stop_summary.png"))
         page.screenshot(path=str(shots / "sweep_noise_stop.png"), full_page=True)
     assert errors == []
-    page.close()

@@ -22,13 +22,10 @@ def test_counts_are_whole_numbers_and_means_keep_one_decimal():
     assert 'data-v="24576.0"' in page  # the value behind the cell is unchanged
 
 
-def test_the_moe_tables_show_counts_without_decimals():
-    import tracelens
+def test_the_moe_tables_show_counts_without_decimals(site):
     from reports.moe import moe_context
 
-    from ..conftest import FIXTURES
-
-    a = tracelens.analyze(tracelens.load(FIXTURES / "h100_4gpu_routing" / "ep4_L3_torch", cache=False))
-    ctx = moe_context(a.moe())
+    # the 4-GPU level-3 run with its routing counts; test_moe_browser.py shows the same analysis (conftest.py `site`)
+    ctx = moe_context(site.analysis("ep4_L3_routing").moe())
     assert "24,576.0" not in ctx["layers_table"] and ">24,576<" in ctx["layers_table"]  # rows per grouped-GEMM call
     assert "24,576.0" not in ctx["summary_table"]  # tokens per layer
