@@ -26,7 +26,7 @@ The capacity path runs fused (``ep_capacity_fused``, the default: the send buffe
 the returned rows combined into them in one gather-reduce) and every capacity case is also run unfused on the
 same inputs (``vs_unfused``: outputs, every gradient and the dropped rows against the fused run), with the
 kernels' PyTorch references and (``kernels`` cases, ``use_triton_kernels``) with their Triton kernels, under
-the interpreter on a CPU.
+the interpreter on a CPU (there on a model of d_model 16: the interpreter's time grows with the column blocks).
 
 ``EP_WORKER_DEVICE=cuda`` (benchmarks/bench_ep.sh, on GPUs): NCCL instead of gloo, the same cases on the
 GPU, plus bf16 cases through ``torch._grouped_mm`` (whose rows past the last offset are left unwritten:
@@ -363,6 +363,11 @@ def main(out_dir: str) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     assert world == 4
     cfg = load_config("tiny", {"ep": 1})
+    # the kernels cases on a CPU run each Triton program in Triton's interpreter (Python, a fraction of a second per
+    # program and op): d_model 16 there, one column block per row block of the gathers and combines instead of four
+    # (their column loop and its mask are checked at several blocks in tests/kernels/test_permute.py), which halves
+    # the worker's time; on GPUs the compiled kernels run on the model's own width
+    kernels_cfg = cfg if cuda else load_config("tiny", {"ep": 1, "d_model": 16})
     ep2_groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     layouts = {4: (dist.group.WORLD, rank, [0, 1, 2, 3]),
                2: (ep2_groups[rank // 2], rank % 2, [2 * (rank // 2), 2 * (rank // 2) + 1])}
@@ -413,7 +418,7 @@ def main(out_dir: str) -> None:
                     print(f"SKIP {key} (EP_WORKER_SKIP)", flush=True)
                 continue
             try:
-                res = check(cfg, group, P, me, ranks, **c)
+                res = check(kernels_cfg if c.get("kernels") else cfg, group, P, me, ranks, **c)
             except Exception as err:  # noqa: BLE001 - one FAIL line per case; every rank fails alike on a bad op call
                 res = {"error": f"{type(err).__name__}: {' '.join(str(err).split())[:400]}"}
             results[key] = res

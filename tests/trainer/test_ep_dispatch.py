@@ -123,9 +123,6 @@ def test_pipelined_schedule_puts_the_shared_expert_at_both_ends(results):
             assert res["order"] == want, (key, res["order"])
 
 
-def _trainer(args, tmp_path):
-    return subprocess.run([sys.executable, "-m", "trainer", "--config", "tiny", *args, "-o", str(tmp_path / "run")],
-                          cwd=REPO, capture_output=True, text=True, timeout=120)
 
 
 @pytest.mark.slow
@@ -159,9 +156,25 @@ def test_symm_skewed_router_leaves_a_peer_without_rows(results):
     (["--set", "ep=2", "--set", "ep_dispatch=symm", "--set", "device=cuda", "--set", "n_routed_experts=64"],
      "ep_dispatch: symm: the NVSHMEM dispatch op takes at most 16 experts per rank, got n_routed_experts/ep = 32"),
 ])
-def test_bad_ep_knobs_are_one_line(tmp_path, args, needle):
-    r = _trainer(args, tmp_path)
+def test_bad_ep_knobs_are_one_line(tmp_path, capsys, args, needle):
+    """The trainer's command line (``trainer.cli.main``, what ``python -m trainer`` runs) in this process: every
+    refusal is decided from the config, before any training; the command itself is run once below."""
+    from trainer.cli import main
+
+    rc = main(["--config", "tiny", *args, "-o", str(tmp_path / "run")])
+    err = capsys.readouterr().err
+    assert rc == 2, (rc, err[-2000:])
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert len(lines) == 1 and needle in lines[0], err
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_bad_ep_knob_is_one_line_exit_2_from_the_command(tmp_path):
+    """``python -m trainer`` itself: exit status 2 and one line on stderr, no traceback."""
+    r = subprocess.run([sys.executable, "-m", "trainer", "--config", "tiny", "--set", "ep=2", "--set",
+                        "ep_overlap_chunks=1", "-o", str(tmp_path / "run")],
+                       cwd=REPO, capture_output=True, text=True, timeout=120, check=False)
     assert r.returncode == 2, (r.returncode, r.stderr[-2000:])
-    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
-    assert len(lines) == 1 and needle in lines[0], r.stderr
-    assert "Traceback" not in r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("config error: ep_overlap_chunks: must be >= 2"), r.stderr
+    assert "Traceback" not in r.stderr and not (tmp_path / "run").exists()

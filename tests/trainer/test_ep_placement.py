@@ -138,14 +138,30 @@ def _bad_files(tmp_path):
     (["ep=2", "ep_placement=balanced", "ep_placement_loads={idle}"],
      "ep_placement_loads: {idle}: MoE layer 2 routed no token in that run"),
 ])
-def test_bad_placement_input_is_one_line_exit_2(tmp_path, sets, needle):
+def test_bad_placement_input_is_one_line_exit_2(tmp_path, capsys, sets, needle):
+    """The trainer's command line (``trainer.cli.main``, what ``python -m trainer`` runs) in this process: the loads
+    file is read with the config, before any training; the command itself is run by the next test."""
+    from trainer.cli import main
+
     files = {**_bad_files(tmp_path), "missing": tmp_path / "nope" / "routing.json"}
     sets = [s.format(**files) for s in sets]
-    r = _trainer(tmp_path, *sets)
+    rc = main(["--config", "tiny", *_sets(sets), "-o", str(tmp_path / "run")])
+    err = capsys.readouterr().err
+    assert rc == 2, (rc, err[-2000:])
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert len(lines) == 1 and needle.format(**files) in lines[0], err
+    assert lines[0].startswith("config error: ")
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_bad_loads_file_is_one_line_exit_2_from_the_command(tmp_path):
+    """``python -m trainer`` itself: exit status 2, one line, no traceback."""
+    r = _trainer(tmp_path, "ep=2", "ep_placement=balanced", f"ep_placement_loads={tmp_path / 'none.json'}")
     assert r.returncode == 2, (r.returncode, r.stderr[-2000:])
     lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
-    assert len(lines) == 1 and needle.format(**files) in lines[0], r.stderr
-    assert lines[0].startswith("config error: ") and "Traceback" not in r.stderr
+    assert len(lines) == 1 and lines[0].startswith(f"config error: ep_placement_loads: {tmp_path / 'none.json'}: "
+                                                   "no such file"), r.stderr
+    assert "Traceback" not in r.stderr and not (tmp_path / "run").exists()
 
 
 def test_the_launcher_refuses_a_bad_loads_file_before_any_rank_starts(tmp_path):

@@ -82,21 +82,34 @@ def test_knobs_have_cli_flags():
      "config error: compile: dense needs a C++ compiler for inductor's CPU code ('/nonexistent/g++', from $CXX or "
      "torch's default), and none is on PATH (install g++ or set CXX), or use compile=none"),
 ])
-def test_cli_refuses_knobs_the_machine_cannot_run(tmp_path, sets, msg):
+def test_cli_refuses_knobs_the_machine_cannot_run(tmp_path, capsys, sets, msg):
+    """The trainer's command line (``trainer.cli.main``, what ``python -m trainer`` runs) in this process: the
+    refusals decided from the config and those decided at the start of train(), once the device is resolved
+    (``python -m trainer`` itself, its exit status and stderr, is run by the next test)."""
     if "device=auto" in sets and torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
+    from trainer.cli import main
+
     argv = ["--config", "tiny", "-o", str(tmp_path / "run")]
     for s in sets:
         argv += ["--set", s]
-    r = _trainer(argv, timeout=120)
-    assert r.returncode == 2, r.stderr[-2000:]
-    assert r.stderr.strip().splitlines() == [msg] and "Traceback" not in r.stderr
+    env = dict(os.environ)
+    try:
+        rc = main(argv)
+    finally:  # train() sets the config's env knobs (CXX here) in this process: taken back
+        for k in set(os.environ) - set(env):
+            del os.environ[k]
+        os.environ.update(env)
+    err = capsys.readouterr().err
+    assert rc == 2, err[-2000:]
+    assert err.strip().splitlines() == [msg]
     assert not (tmp_path / "run").exists()
 
 
 def test_cli_refuses_expert_swiglu_triton_without_triton_on_the_device(tmp_path):
-    """expert_swiglu=triton on a CPU without Triton's interpreter: one line, exit 2, no run dir (the
-    fused kernel itself is tested under the interpreter in tests/kernels/test_swiglu.py)."""
+    """expert_swiglu=triton on a CPU without Triton's interpreter: one line, exit 2, no traceback, no run dir,
+    from ``python -m trainer`` itself (a fresh process: this one may hold the interpreter; the fused kernel itself
+    is tested under the interpreter in tests/kernels/test_swiglu.py)."""
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -184,15 +197,25 @@ def test_deferred_loss_watch_names_the_first_bad_step():
 
 
 @pytest.mark.parametrize("mode", ["sync", "events"])
-def test_manifest_step_times_are_consistent(tmp_path, mode):
+def test_manifest_step_times_are_consistent(tmp_path, capsys, mode):
     """The manifest's step times (what tracelens and autotune read) in both modes: every step timed, the
-    mean over the timed steps, the sum within the loop's wall time, which is within the process's."""
+    mean over the timed steps, the sum within the loop's wall time, which is within the command's. ``events``
+    runs ``python -m trainer`` (its stderr says the note once); ``sync``, which has no note, the same command line
+    in this process (``trainer.cli.main``: a process start and a torch import fewer)."""
     run = tmp_path / mode
+    argv = ["--config", "tiny", "-o", str(run), "--set", "steps=5", "--set", "log_every=2",
+            "--set", "profile_step_start=2", "--set", "profile_step_end=3", "--set", f"step_timing={mode}"]
     t0 = time.perf_counter()
-    r = _trainer(["--config", "tiny", "-o", str(run), "--set", "steps=5", "--set", "log_every=2",
-                  "--set", "profile_step_start=2", "--set", "profile_step_end=3", "--set", f"step_timing={mode}"])
+    if mode == "events":
+        r = _trainer(argv)
+        rc, stderr = r.returncode, r.stderr
+    else:
+        from trainer.cli import main
+
+        rc = main(argv)
+        stderr = capsys.readouterr().err
     wall = time.perf_counter() - t0
-    assert r.returncode == 0, r.stderr[-3000:]
+    assert rc == 0, stderr[-3000:]
     m = json.loads((run / "manifest.json").read_text())
     mt = m["metrics"]
     assert m["toggles"]["step_timing"] == mode
@@ -206,7 +229,7 @@ def test_manifest_step_times_are_consistent(tmp_path, mode):
     notes = [n for n in m["notes"] if n.startswith("step_timing=events")]
     assert notes == (["step_timing=events: no CUDA events on cpu, steps are timed by the wall clock (no sync "
                       "either)"] if mode == "events" else [])
-    assert r.stderr.count("no CUDA events on cpu") == (mode == "events")  # said once
+    assert stderr.count("no CUDA events on cpu") == (mode == "events")  # said once
 
 
 # ------------------------------------------------------------------ compile
@@ -216,13 +239,20 @@ def test_compiled_dense_matches_eager_on_cpu(tmp_path):
     inductor's CPU code: float reassociation only), and the trace keeps the layer/ and moe/ ranges."""
     import gzip
 
+    from trainer.cli import main
+
     runs = {}
     for mode in ("none", "dense"):
         run = tmp_path / mode
-        r = _trainer(["--config", "tiny", "-o", str(run), "--set", "steps=3", "--set", "n_layers=2",
-                      "--set", "profile_step_start=2", "--set", "profile_step_end=3", "--set", f"compile={mode}"],
-                     timeout=600)
-        assert r.returncode == 0, r.stderr[-3000:]
+        argv = ["--config", "tiny", "-o", str(run), "--set", "steps=3", "--set", "n_layers=2",
+                "--set", "profile_step_start=2", "--set", "profile_step_end=3", "--set", f"compile={mode}"]
+        if mode == "none":  # eager: the same command line in this process (a process start and a torch import fewer)
+            assert main(argv) == 0
+        else:  # compiled in a process of its own (dynamo's and inductor's state stay out of the test process);
+            # inductor compiles in that process (COMPILE_THREADS=1), not in a pool of workers that each import torch
+            r = subprocess.run([sys.executable, "-m", "trainer", *argv], cwd=REPO, capture_output=True, text=True,
+                               timeout=600, env={**os.environ, "TORCHINDUCTOR_COMPILE_THREADS": "1"}, check=False)
+            assert r.returncode == 0, r.stderr[-3000:]
         runs[mode] = json.loads((run / "manifest.json").read_text())
     eager, comp = (runs[k]["metrics"]["loss"] for k in ("none", "dense"))
     assert len(eager) == len(comp) == 3

@@ -145,26 +145,43 @@ def test_a_killed_rank_ends_the_job_in_one_line_and_analyze_warns(tmp_path, peer
     assert any("incomplete run" in w for w in summary["warnings"])
 
 
+def _launch_here(run: Path, nproc: int, capsys, *sets: str) -> tuple[int, str, str]:
+    """``python -m trainer.launch`` with ``nproc`` 1 in this process (``trainer.launch.main``: world size 1 trains
+    in the launcher's own process, so only a process start and a torch import are left out) -> (status, stdout,
+    stderr)."""
+    from trainer.launch import main
+
+    rc = main(_launch(run, nproc, *sets)[3:])
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("nproc", [1, 2])
-def test_a_non_finite_loss_stops_the_run(tmp_path, nproc):
+def test_a_non_finite_loss_stops_the_run(tmp_path, capsys, nproc):
+    """2 ranks: the launcher's command (torchrun, the failed rank's one line); 1: the launcher in this process."""
     run = tmp_path / "run"
-    r = subprocess.run(_launch(run, nproc, "steps=8", "lr=1e30", "profile_step_end=0"), cwd=REPO,
-                       capture_output=True, text=True, timeout=180)
-    assert r.returncode not in (0, 2), r.stderr
-    lines = r.stderr.strip().splitlines()
-    assert len(lines) == 1, r.stderr
+    sets = ("steps=8", "lr=1e30", "profile_step_end=0")
+    if nproc == 1:
+        rc, stdout, stderr = _launch_here(run, nproc, capsys, *sets)
+    else:
+        r = subprocess.run(_launch(run, nproc, *sets), cwd=REPO, capture_output=True, text=True, timeout=180,
+                           check=False)
+        rc, stdout, stderr = r.returncode, r.stdout, r.stderr
+    assert rc not in (0, 2), stderr
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1, stderr
     assert lines[0].startswith("[trainer] error: rank ") and "step " in lines[0] and "non-finite" in lines[0]
-    assert "Traceback" not in r.stderr
+    assert "Traceback" not in stderr
     step = int(lines[0].split("step ")[1].split(":")[0])
     assert 1 <= step < 8  # the loss is finite at step 0 (the update with lr 1e30 comes after it)
-    assert f"[trainer] step {step} " not in r.stdout  # stopped before logging it
+    assert f"[trainer] step {step} " not in stdout  # stopped before logging it
     m = _manifest(run)
     assert m["status"] == "failed" and f"step {step}" in m["reason"]
 
 
 @pytest.mark.slow
-def test_a_complete_run_says_so_and_a_rerun_replaces_the_previous_run(tmp_path):
+def test_a_complete_run_says_so_and_a_rerun_replaces_the_previous_run(tmp_path, capsys):
     run = tmp_path / "run"
     # the previous run: 4 ranks, pipeline files, an analysis; plus a file of the user's
     (run / "traces").mkdir(parents=True)
@@ -178,11 +195,10 @@ def test_a_complete_run_says_so_and_a_rerun_replaces_the_previous_run(tmp_path):
     (run / "tables").mkdir()
     (run / "tables" / "ops.csv").write_text("old")
     (run / "notes.txt").write_text("mine")
-    r = subprocess.run(_launch(run, 1, "steps=4", "profile_step_start=1", "profile_step_end=2"), cwd=REPO,
-                       capture_output=True, text=True, timeout=180)
-    assert r.returncode == 0, r.stderr
+    rc, stdout, stderr = _launch_here(run, 1, capsys, "steps=4", "profile_step_start=1", "profile_step_end=2")
+    assert rc == 0, stderr
     assert f"[trainer] {run}: replaced the previous run (manifest.json, traces, pipeline, routing.json, report.html, " \
-           "summary.json, tables)" in r.stdout
+           "summary.json, tables)" in stdout
     assert sorted(p.name for p in (run / "traces").iterdir()) == ["rank0.json.gz"]
     assert sorted(p.name for p in run.iterdir()) == ["manifest.json", "notes.txt", "routing.json", "traces"]
     assert json.loads((run / "routing.json").read_text())["run"]["run_id"] == _manifest(run)["run_id"]  # the new one
