@@ -28,6 +28,7 @@ from tracelens.analysis.pipeline import critical_path as ppvis_path
 from tracelens.errors import TraceError
 
 from ..conftest import MI250, MOE_LOOP, NCCL_2RANK
+from ._cli import run_cli
 
 FIX = Path(__file__).resolve().parents[1] / "fixtures"
 H100 = FIX / "h100_4gpu"
@@ -208,9 +209,12 @@ def _copy_ranks(src: Path, dst: Path, mutate) -> Path:
     return dst
 
 
-def _cli(*args) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "tracelens", "critpath", *map(str, args)], check=False, capture_output=True,
-                          text=True, cwd=Path(__file__).resolve().parents[2], timeout=300)
+def _cli(*args, real: bool = False):
+    """`tracelens critpath ARGS`: in this process, or as a real process (the entry point's exit status and stderr)."""
+    if real:
+        return subprocess.run([sys.executable, "-m", "tracelens", "critpath", *map(str, args)], check=False,
+                              capture_output=True, text=True, cwd=Path(__file__).resolve().parents[2], timeout=300)
+    return run_cli("critpath", *args)
 
 
 def test_a_step_missing_on_one_rank_is_one_line(tmp_path):
@@ -222,7 +226,7 @@ def test_a_step_missing_on_one_rank_is_one_line(tmp_path):
         doc["traceEvents"] = [e for e in doc["traceEvents"] if "ts" not in e or not lo <= float(e["ts"]) <= hi]
 
     d = _copy_ranks(NCCL_2RANK, tmp_path / "run", drop_step2)
-    p = _cli(d, "--step", 2, "--no-cache")
+    p = _cli(d, "--step", 2, "--no-cache", real=True)
     assert p.returncode == 2 and "Traceback" not in p.stderr
     assert p.stderr.count("\n") == 1 and "rank1.json.gz" in p.stderr and "rank 1 has no GPU work in step 2" in p.stderr
     # analyze keeps going: summary.json says whether there is a path, in one line when not

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import gzip
 import json
-import subprocess
-import sys
 from decimal import Decimal
 
 import pytest
@@ -14,7 +12,15 @@ import tracelens
 from tracelens.analysis.diff import check_rules, diff, parse_rule
 from tracelens.errors import TraceError
 
-from ..conftest import DIFF_CONTROL, DIFF_TEST, MOE_GROUPED, MOE_LOOP, NCCL_2RANK, raw_events
+from ..conftest import (
+    DIFF_CONTROL,
+    DIFF_TEST,
+    MOE_GROUPED,
+    MOE_LOOP,
+    NCCL_2RANK,
+    raw_events,
+)
+from ._cli import run_cli, subprocess_cli
 
 GPU = {"kernel", "gpu_memcpy", "gpu_memset"}
 
@@ -34,6 +40,12 @@ def raw_syncs_per_step(path, steps):
     syncs = [e for e in ev if e.get("cat") == "cuda_runtime" and e["name"] == "cudaStreamSynchronize"]
     inside = [s for s in syncs if any(a <= Decimal(s["ts"]) < b for a, b in ops)]
     return len(inside) / steps
+
+
+def _analysis(path, cache={}):  # noqa: B006 - one analysis per fixture for the module (diff only reads them)
+    if path not in cache:
+        cache[path] = tracelens.analyze(tracelens.load(path, cache=False))
+    return cache[path]
 
 
 @pytest.fixture(scope="module")
@@ -89,7 +101,7 @@ def test_delta_attributed_to_expert_computation(moe):
 
 
 def test_self_diff_no_change_any_rule_passes():
-    a = tracelens.analyze(tracelens.load(NCCL_2RANK, cache=False))
+    a = _analysis(NCCL_2RANK)
     r = diff(a, a)
     assert (r.metrics["delta"].fillna(0) == 0).all()
     assert set(r.ops["status"]) <= {"same"} and set(r.kernels["status"]) <= {"changed"}
@@ -99,14 +111,14 @@ def test_self_diff_no_change_any_rule_passes():
 
 
 def test_noise_from_several_steps(tmp_path):
-    a = tracelens.analyze(tracelens.load(NCCL_2RANK, cache=False))
+    a = _analysis(NCCL_2RANK)
     st = diff(a, a).metric("step_time")
     # steady state: steps 1-2 (step 0 holds rank 1's profiler start-up wait and is left out): a spread, but
     # too few samples for a p-value (diff.MIN_SAMPLES)
     assert st["steps_base"] == 2 and st["spread"] > 0 and st["p_value"] != st["p_value"]
     # six steps a side (ProfilerStep#1009..1014): a p-value; 10 ns more on every kernel is within noise, no
     # rule trips
-    c = tracelens.analyze(tracelens.load(DIFF_CONTROL, cache=False))
+    c = _analysis(DIFF_CONTROL)
     st = diff(c, c).metric("step_time")
     assert st["steps_base"] == 6 and st["spread"] > 0 and st["p_value"] == 1.0
     doc = json.loads(gzip.decompress(DIFF_CONTROL.read_bytes()))
@@ -121,9 +133,7 @@ def test_noise_from_several_steps(tmp_path):
 
 
 def test_cross_device_diff_warns():
-    a = tracelens.analyze(tracelens.load(DIFF_CONTROL, cache=False))
-    b = tracelens.analyze(tracelens.load(DIFF_TEST, cache=False))
-    r = diff(a, b)
+    r = diff(_analysis(DIFF_CONTROL), _analysis(DIFF_TEST))
     assert any("different devices" in w for w in r.warnings)
     assert any("different world sizes" in w for w in r.warnings)
     assert r.info["base"]["steps"] == r.info["new"]["steps"] == 6  # ProfilerStep#1009..1014
@@ -138,12 +148,8 @@ def test_bad_rules():
     assert parse_rule("category.grouped_gemm > -2.5").value == -2.5
 
 
-def run(*args):
-    return subprocess.run([sys.executable, "-m", "tracelens", *map(str, args)], capture_output=True, text=True)
-
-
 def test_cli_exit_codes_and_outputs(tmp_path):
-    p = run("diff", MOE_LOOP, MOE_GROUPED, "-o", tmp_path / "d", "--fail-on", "step_time>+5%", "--fail-on",
+    p = run_cli("diff", MOE_LOOP, MOE_GROUPED, "-o", tmp_path / "d", "--fail-on", "step_time>+5%", "--fail-on",
             "delta(host_syncs)>0")
     assert p.returncode == 0, p.stderr
     j = json.loads((tmp_path / "d" / "diff.json").read_text())
@@ -151,13 +157,14 @@ def test_cli_exit_codes_and_outputs(tmp_path):
     md = (tmp_path / "d" / "diff.md").read_text()
     assert "performance gate passed" in md and "| step_time (ms) |" in md
     assert "<script" in (tmp_path / "d" / "diff.html").read_text()
-    p = run("diff", MOE_GROUPED, MOE_LOOP, "--fail-on", "step_time>+5%", "-q")
+    # the gate's exit statuses from a real process (the entry point CI calls): 1 on a tripped rule, 2 on bad input
+    p = subprocess_cli("diff", MOE_GROUPED, MOE_LOOP, "--fail-on", "step_time>+5%", "-q")
     assert p.returncode == 1 and "FAIL" in p.stdout
-    p = run("diff", MOE_LOOP, MOE_LOOP, "--fail-on", "step_time>+5%", "--fail-on", "delta(host_syncs)>0", "-q")
+    p = run_cli("diff", MOE_LOOP, MOE_LOOP, "--fail-on", "step_time>+5%", "--fail-on", "delta(host_syncs)>0", "-q")
     assert p.returncode == 0
-    p = run("diff", MOE_LOOP, tmp_path / "missing.json", "--fail-on", "step_time>+5%")
+    p = run_cli("diff", MOE_LOOP, tmp_path / "missing.json", "--fail-on", "step_time>+5%")
     assert p.returncode == 2 and "no such file" in p.stderr
-    p = run("diff", MOE_LOOP, MOE_GROUPED, "--fail-on", "step_time>>5")
+    p = subprocess_cli("diff", MOE_LOOP, MOE_GROUPED, "--fail-on", "step_time>>5")
     assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1
 
 
@@ -169,10 +176,8 @@ def test_run_dirs_compare_manifest_metrics(tmp_path):
             (run / "traces" / f).write_bytes((NCCL_2RANK / f).read_bytes())
         (run / "manifest.json").write_text(json.dumps({"schema_version": 1, "metrics": {
             "tokens_per_s": tps, "mfu": 0.4, "loss": loss, "peak_memory_bytes": [2**30, 3 * 2**30]}}))
-    p = run_cli = subprocess.run([sys.executable, "-m", "tracelens", "diff", str(tmp_path / "base"), str(tmp_path / "new"),
-                                  "-o", str(tmp_path / "d"), "--fail-on", "run.tokens_per_s<-5%"],
-                                 capture_output=True, text=True)
-    assert run_cli.returncode == 1, p.stderr  # throughput dropped 10 %
+    p = run_cli("diff", tmp_path / "base", tmp_path / "new", "-o", tmp_path / "d", "--fail-on", "run.tokens_per_s<-5%")
+    assert p.returncode == 1, p.stderr  # throughput dropped 10 %
     j = json.loads((tmp_path / "d" / "diff.json").read_text())
     m = {x["metric"]: x for x in j["metrics"]}
     assert m["run.tokens_per_s"]["rel_pct"] == pytest.approx(-10.0)
@@ -207,8 +212,7 @@ def test_cpu_only_diff_uses_host_step_time(tmp_path):
     assert m.loc["step_time", "steps_base"] == 2
     assert all(m.loc[k, "base"] != m.loc[k, "base"] for k in ("gpu.busy", "gpu.idle"))  # NaN: unavailable
     out = tmp_path / "out"
-    res = subprocess.run([sys.executable, "-m", "tracelens", "diff", str(base), str(new), "-o", str(out),
-                          "--fail-on", "step_time>+5%"], capture_output=True, text=True)
+    res = run_cli("diff", base, new, "-o", out, "--fail-on", "step_time>+5%")
     assert res.returncode == 0, res.stderr
     assert (out / "diff.html").stat().st_size > 0 and "Traceback" not in res.stderr
 
@@ -239,7 +243,7 @@ def test_rule_forms_absolute_and_change(moe):
 
 
 def test_rule_output_names_the_form_and_numbers(tmp_path):
-    p = run("diff", MOE_LOOP, MOE_GROUPED, "--fail-on", "host_syncs>0", "--fail-on", "delta(host_syncs)>0",
+    p = run_cli("diff", MOE_LOOP, MOE_GROUPED, "--fail-on", "host_syncs>0", "--fail-on", "delta(host_syncs)>0",
             "-o", tmp_path / "d")
     assert p.returncode == 1, p.stdout + p.stderr  # the new run has host syncs
     lines = {ln.split(":", 1)[0]: ln for ln in p.stdout.splitlines() if ln.startswith("rule ")}
@@ -249,7 +253,7 @@ def test_rule_output_names_the_form_and_numbers(tmp_path):
     assert lines["rule 'delta(host_syncs)>0'"].startswith(
         f"rule 'delta(host_syncs)>0': ok (change new - base: host_syncs {base:.2f} -> {new:.2f} count per step = "
         f"{new - base:+.2f} count, not > 0")
-    q = run("diff", MOE_LOOP, MOE_GROUPED, "--fail-on", "host_syncs>0", "-q")
+    q = run_cli("diff", MOE_LOOP, MOE_GROUPED, "--fail-on", "host_syncs>0", "-q")
     assert q.returncode == 1 and q.stdout.strip() == lines["rule 'host_syncs>0'"]  # -q: the same verdict line
     j = json.loads((tmp_path / "d" / "diff.json").read_text())
     assert [x["form"] for x in j["rules"]] == ["absolute", "change"]
@@ -272,7 +276,7 @@ def test_too_few_samples_give_no_p_value(tmp_path):
             if e.get("cat") == "kernel":
                 e["dur"] = e["dur"] * 1.2
         (new / f).write_bytes(gzip.compress(json.dumps(doc).encode()))
-    p = run("diff", NCCL_2RANK, new, "--fail-on", "category.gemm>+10%", "-o", tmp_path / "d")
+    p = run_cli("diff", NCCL_2RANK, new, "--fail-on", "category.gemm>+10%", "-o", tmp_path / "d")
     assert p.returncode == 1, p.stdout + p.stderr  # +20 % > +10 %: decided on the change
     assert "p=0.000" not in p.stdout and "p = 0.000" not in p.stdout
     assert ("warning: too few samples: base has 2 per-step samples, new 2 (profiler steps / profiler steps); "
@@ -287,6 +291,6 @@ def test_too_few_samples_give_no_p_value(tmp_path):
 
 def test_p_value_never_printed_as_zero():
     """Six steps a side, a deterministic change (zero variance): p is 0 in the JSON, '< 0.001' on screen."""
-    p = run("diff", DIFF_CONTROL, DIFF_TEST)
+    p = run_cli("diff", DIFF_CONTROL, DIFF_TEST)
     assert p.returncode == 0, p.stderr
     assert "p=0.000" not in p.stdout and "(p < 0.001)" in p.stdout

@@ -8,8 +8,6 @@ from __future__ import annotations
 import gzip
 import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -19,6 +17,7 @@ from tracelens.analysis import comm as CM
 from tracelens.analysis.health import exit_status, health_checks, run_context
 
 from ..conftest import FIXTURES, MOE_LOOP, NCCL_2RANK, raw_events
+from ._cli import run_cli
 
 EP2_L0 = FIXTURES / "h200_ep2_run" / "L0_loop"
 EP2_L3 = FIXTURES / "h200_ep2_run" / "L3_torch"
@@ -96,8 +95,7 @@ def test_one_of_two_ranks_is_flagged_and_comm_says_partial(src, keep):
 
 def test_comm_cli_on_a_partial_set_says_so(tmp_path):
     out = tmp_path / "comm.json"
-    p = subprocess.run([sys.executable, "-m", "tracelens", "comm", str(NCCL_2RANK / "rank1.json.gz"), "--no-cache",
-                        "--json", str(out)], capture_output=True, text=True)
+    p = run_cli("comm", NCCL_2RANK / "rank1.json.gz", "--no-cache", "--json", out)
     assert p.returncode == 0, p.stderr
     assert "partial rank set: 1 of 2 ranks loaded" in p.stdout
     assert "arrives last" not in p.stdout  # no straggler claim
@@ -105,8 +103,7 @@ def test_comm_cli_on_a_partial_set_says_so(tmp_path):
     assert doc["partial"].startswith("partial rank set") and all(r["sync_us"] is None for r in doc["records"])
     assert doc["stragglers"] == [] and all(g["complete"] is False for g in doc["groups"])
     # the whole set is not partial
-    p = subprocess.run([sys.executable, "-m", "tracelens", "comm", str(NCCL_2RANK), "--no-cache"], capture_output=True,
-                       text=True)
+    p = run_cli("comm", NCCL_2RANK, "--no-cache")
     assert p.returncode == 0 and "partial" not in p.stdout and "arrives last" in p.stdout
 
 

@@ -14,6 +14,7 @@ from tracelens.analysis import host as H
 from tracelens.analysis.findings import findings
 
 from ..conftest import CPU_ONLY, MOE_GROUPED, MOE_LOOP, NCCL_2RANK, raw_events
+from ._cli import run_cli
 
 
 @pytest.fixture(scope="module")
@@ -236,8 +237,7 @@ def test_recoverable_amounts_are_disjoint(loop):
 
 
 def test_host_text_lists_each_sync_once(tmp_path):
-    p = subprocess.run([sys.executable, "-m", "tracelens", "host", str(MOE_LOOP), "--no-cache"],
-                       capture_output=True, text=True, check=False)
+    p = run_cli("host", MOE_LOOP, "--no-cache")
     assert p.returncode == 0, p.stderr
     lines = p.stdout.splitlines()
     for op, via in (("aten::to", "aten::copy_"), ("aten::bincount", "aten::copy_"),

@@ -24,6 +24,7 @@ from tracelens.analysis import comm as C
 from tracelens.errors import TraceError
 
 from ..conftest import FIXTURES, NCCL_2RANK
+from ._cli import run_cli
 
 ROOT = Path(__file__).resolve().parents[2]
 SHARED_KEYS = ("schema_version", "tool", "world_size", "window", "ranks", "categories", "warnings")
@@ -62,8 +63,14 @@ def client():
         yield c
 
 
+def _full(path, cache={}):  # noqa: B006 - each corpus's all-in-memory analysis, once for the module (read only)
+    if path not in cache:
+        cache[path] = tracelens.analyze(tracelens.load(path, cache=False))
+    return cache[path]
+
+
 def _check_equal(path, client):
-    full = tracelens.analyze(tracelens.load(path, cache=False))
+    full = _full(path)
     want = full.summary()
     inst = C.collective_instances(full)
     local = scale.analyze_ranks(path, cache=False)
@@ -161,16 +168,15 @@ def test_cli_workers_writes_summary(nccl8, tmp_path):
     assert p.returncode == 0, p.stderr
     assert "LocalCluster (2 worker processes), 8 ranks" in p.stdout
     s = json.loads((out / "summary.json").read_text())
-    want = tracelens.analyze(tracelens.load(nccl8)).summary()
+    want = _full(nccl8).summary()
     for k in SHARED_KEYS:
         assert s[k] == json.loads(json.dumps(want[k])), k
     assert (out / "tables" / "comm_summary.parquet").is_file() and not (out / "report.html").exists()
 
 
-def test_without_dask_one_line_exit_2(tmp_path):
-    code = ("import sys; sys.modules['distributed'] = None; from tracelens.cli import main; "
-            f"sys.argv = ['tracelens', 'analyze', {str(NCCL_2RANK)!r}, '--workers', '2', '-o', {str(tmp_path)!r}]; main()")
-    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+def test_without_dask_one_line_exit_2(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "distributed", None)  # `import distributed` raises ImportError
+    p = run_cli("analyze", NCCL_2RANK, "--workers", "2", "-o", tmp_path)
     assert p.returncode == 2
     assert p.stderr.strip() == ("tracelens: error: the distributed path needs Dask distributed: "
                                 "pip install 'tracelens[distributed]'")

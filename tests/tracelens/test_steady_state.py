@@ -10,8 +10,6 @@ from __future__ import annotations
 import gzip
 import json
 import math
-import subprocess
-import sys
 from decimal import Decimal
 from pathlib import Path
 
@@ -22,6 +20,7 @@ from tracelens.analysis import steps as S
 from tracelens.analysis.diff import check_rules, diff, parse_rule, student_t_two_sided, welch_test
 
 from ..conftest import FIXTURES, MI250, MOE_LOOP, NCCL_2RANK, merged_length, raw_events
+from ._cli import run_cli
 
 PP_1F1B = FIXTURES / "h200_pp2_run" / "1f1b"
 GPU = {"kernel", "gpu_memcpy", "gpu_memset"}
@@ -106,13 +105,11 @@ def test_all_steps_window_keeps_whole_window_figures():
 
 
 def test_cli_all_steps_flag(tmp_path):
-    p = subprocess.run([sys.executable, "-m", "tracelens", "analyze", str(NCCL_2RANK), "-o", str(tmp_path / "s")],
-                       capture_output=True, text=True)
+    p = run_cli("analyze", NCCL_2RANK, "-o", tmp_path / "s")
     assert p.returncode == 0, p.stderr
     assert "window: steady-state steps 1-2 of 0-2; excluded step 0 (profiler start-up wait" in p.stdout
     assert " 99.9 " not in p.stdout
-    p = subprocess.run([sys.executable, "-m", "tracelens", "analyze", str(NCCL_2RANK), "-o", str(tmp_path / "a"),
-                        "--all-steps"], capture_output=True, text=True)
+    p = run_cli("analyze", NCCL_2RANK, "-o", tmp_path / "a", "--all-steps")
     assert p.returncode == 0 and " 99.9 " in p.stdout
     assert json.loads((tmp_path / "a" / "summary.json").read_text())["window"]["mode"] == "all"
     assert "steady-state steps 1-2" in (tmp_path / "s" / "report.html").read_text()
@@ -291,7 +288,7 @@ def test_profiler_overhead_needs_more_than_chance():
 
 def test_roofline_on_cpu_run_explains_instead_of_crashing(tmp_path):
     run = _cpu_run(tmp_path / "cpu", [0.01] * 10)
-    p = subprocess.run([sys.executable, "-m", "tracelens", "roofline", str(run)], capture_output=True, text=True)
+    p = run_cli("roofline", run)
     assert p.returncode == 0, p.stderr
     assert "no GPU kernels" in p.stdout and "Traceback" not in p.stderr
 
@@ -320,10 +317,6 @@ def _stretched_copy(src, dst, factor):
     return dst
 
 
-def run_cli(*args):
-    return subprocess.run([sys.executable, "-m", "tracelens", *map(str, args)], capture_output=True, text=True)
-
-
 def test_diff_gate_identical_one_sample_and_regression(tmp_path, nccl):
     # identical traces: exit 0, nothing significant
     p = run_cli("diff", NCCL_2RANK, NCCL_2RANK, "--fail-on", "step_time>+5%", "--fail-on", "category.gemm>+10%")
@@ -350,7 +343,7 @@ def test_diff_gate_identical_one_sample_and_regression(tmp_path, nccl):
     assert g["p_value"] is None and d["rules"][0]["tripped"] and d["rules"][0]["noise"] == "unknown"
 
 
-def test_diff_lists_added_and_removed_host_ops(tmp_path):
+def test_diff_lists_added_and_removed_host_ops(tmp_path, nccl):
     new = tmp_path / "new"
     new.mkdir()
     for f in ("rank0.json.gz", "rank1.json.gz"):
@@ -361,8 +354,7 @@ def test_diff_lists_added_and_removed_host_ops(tmp_path):
                                        "tid": 9, "ts": float(lo) + 1.0, "dur": 3.0})
         doc["traceEvents"] = [e for e in doc["traceEvents"] if e.get("name") != "aten::zeros"]
         (new / f).write_bytes(gzip.compress(json.dumps(doc).encode()))
-    base = tracelens.analyze(tracelens.load(NCCL_2RANK, cache=False))
-    r = diff(base, tracelens.analyze(tracelens.load(new, cache=False)))
+    r = diff(nccl, tracelens.analyze(tracelens.load(new, cache=False)))
     co = r.cpu_ops.set_index("op")
     assert co.loc["aten::_local_scalar_dense_new", "status"] == "added"
     assert co.loc["aten::_local_scalar_dense_new", "new_calls"] == 1.0  # per step, per rank

@@ -11,8 +11,6 @@ from __future__ import annotations
 import gzip
 import json
 import statistics
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -24,6 +22,8 @@ from tracelens.projection import whatif as W
 from tracelens.projection.mechanisms import shapes as MS
 from tracelens.projection.mechanisms import step_timing as MT
 from tracelens.projection.mechanisms import swiglu as MW
+
+from ._cli import run_cli, subprocess_cli
 
 REPO = Path(__file__).resolve().parents[2]
 FIX = REPO / "tests" / "fixtures"
@@ -118,9 +118,11 @@ def test_a_config_over_the_capacity_is_predicted_oom():
     assert not big.fits and big.peak_gib > 11.0
 
 
-def _cli(*args):
-    return subprocess.run([sys.executable, "-m", "tracelens.cli", "whatif", *args], cwd=REPO, capture_output=True,
-                          text=True, timeout=300)
+def _cli(*args, real: bool = False):
+    """`tracelens whatif ARGS`: in this process, or as a real process (the entry point's exit status and stderr)."""
+    if real:
+        return subprocess_cli("whatif", *args, cwd=REPO, timeout=300)
+    return run_cli("whatif", *args)
 
 
 @pytest.mark.parametrize("args,needle", [
@@ -133,7 +135,7 @@ def _cli(*args):
     (["--set", "micro_batch_size"], "expected KEY=VALUE"),
 ])
 def test_cli_bad_input_is_one_line_exit_2(args, needle):
-    r = _cli(str(EP2[0]), *args)
+    r = _cli(str(EP2[0]), *args, real=args == ["--set", "no_such_key=1"])  # one case from a real process
     assert r.returncode == 2, r.stderr
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and needle in lines[0], r.stderr

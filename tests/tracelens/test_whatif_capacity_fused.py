@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import gzip
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -23,6 +21,8 @@ from tracelens.projection import whatif as W
 from tracelens.projection.mechanisms import capacity_fused as CF
 from tracelens.projection.mechanisms.base import Change
 from tracelens.projection.profile import StepProfile
+
+from ._cli import run_cli
 
 ROOT = Path(__file__).resolve().parents[2]
 CAP = ROOT / "tests" / "fixtures" / "h100_4gpu_layouts" / "ep4_cap_mbs16"  # unfused, no overlap, micro-batch 16
@@ -200,8 +200,7 @@ def test_off_the_capacity_path_it_changes_nothing_and_a_trace_without_the_moves_
     (run / "manifest.json").write_text(json.dumps(man))
     (run / "traces").symlink_to(CAP / "traces")
     (run / "routing.json").symlink_to(CAP / "routing.json")
-    r = subprocess.run([sys.executable, "-m", "tracelens", "whatif", str(run), "--set", "ep_capacity_fused=false"],
-                       capture_output=True, text=True, cwd=ROOT, timeout=600, check=False)
+    r = run_cli("whatif", run, "--set", "ep_capacity_fused=false")
     assert r.returncode == 2, r.stderr
     lines = [x for x in r.stderr.splitlines() if x.strip()]
     assert len(lines) == 1 and "does not show the fused capacity path's row moves" in lines[0]

@@ -8,8 +8,6 @@ pace (each rank's layer moves by the busiest rank's change) on a synthetic step,
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -22,6 +20,8 @@ from tracelens.projection import whatif as W
 from tracelens.projection.mechanisms import ep_placement as EPP
 from tracelens.projection.mechanisms import layout as L
 from tracelens.projection.profile import StepProfile
+
+from ._cli import run_cli
 
 ROOT = Path(__file__).resolve().parents[2]
 CAP = ROOT / "tests" / "fixtures" / "h100_4gpu_layouts" / "ep4_cap_mbs16"  # EP 4, capacity 1.25, routing.json
@@ -117,9 +117,7 @@ def test_refusals_are_one_line(model, tmp_path):
 
 
 def test_cli_without_routing_is_one_line_exit_2():
-    r = subprocess.run([sys.executable, "-m", "tracelens", "whatif", str(CAP_OVL), "--set", "ep_placement=balanced",
-                        "--set", f"ep_placement_loads={LOADS}"], capture_output=True, text=True, cwd=ROOT, timeout=600,
-                       check=False)
+    r = run_cli("whatif", CAP_OVL, "--set", "ep_placement=balanced", "--set", f"ep_placement_loads={LOADS}")
     assert r.returncode == 2
     lines = [x for x in r.stderr.splitlines() if x.strip()]
     assert len(lines) == 1 and "routing.json" in lines[0] and "Traceback" not in r.stderr

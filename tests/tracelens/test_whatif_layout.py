@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
 import sys
 from pathlib import Path
 
@@ -18,6 +17,8 @@ import pytest
 from moespec.config import load_config
 from tracelens.projection import whatif as W
 from tracelens.projection.mechanisms import layout as L
+
+from ._cli import run_cli
 
 FIX = Path(__file__).resolve().parents[1] / "fixtures"
 CAP_OVL = FIX / "h100_4gpu" / "ep4_cap_ovl"
@@ -143,10 +144,10 @@ def test_refusals_are_one_line(cap_model):
 @pytest.mark.parametrize("sets,needle", [(["ep=3"], "ep=3"), (["ep=2", "dp=4"], "world size 4"),
                                          (["pp=3", "microbatches=8"], "world size 4")])
 def test_cli_refuses_a_layout_in_one_line(sets, needle):
-    args = [sys.executable, "-m", "tracelens", "whatif", str(CAP_OVL)]
+    args = ["whatif", CAP_OVL]
     for s in sets:
         args += ["--set", s]
-    r = subprocess.run(args, capture_output=True, text=True, cwd=ROOT, timeout=600, check=False)
+    r = run_cli(*args)
     assert r.returncode == 2
     lines = [x for x in r.stderr.splitlines() if x.strip()]
     assert len(lines) == 1 and needle in lines[0] and "Traceback" not in r.stderr

@@ -11,8 +11,6 @@ from __future__ import annotations
 import gzip
 import json
 import math
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -23,6 +21,8 @@ from tracelens.analysis import pipeline as P
 from tracelens.analysis.bubble import bubble_ratio
 from tracelens.projection import pipeline_whatif as PW
 from tracelens.projection import whatif as W
+
+from ._cli import run_cli
 
 FIX = Path(__file__).resolve().parents[1] / "fixtures" / "h200_pp2_run"
 RUNS = ("1f1b", "vpp2", "zb1p")
@@ -209,17 +209,14 @@ def test_bad_pipeline_inputs_are_one_line(models):
 
 
 def test_cli_whatif_pipeline(tmp_path):
-    exe = [sys.executable, "-m", "tracelens"]
-    run = str(FIX / "1f1b")
+    run = FIX / "1f1b"
     out = tmp_path / "p.json"
-    r = subprocess.run(exe + ["whatif", run, "--set", "pipeline_schedule=vpp", "--set", "vpp=2", "--json", str(out)],
-                       capture_output=True, text=True, timeout=300)
+    r = run_cli("whatif", run, "--set", "pipeline_schedule=vpp", "--set", "vpp=2", "--json", out)
     assert r.returncode == 0, r.stderr
     assert "pipeline 1f1b" in r.stdout and "-> vpp vpp 2" in r.stdout
     doc = json.loads(out.read_text())
     assert doc["step_s"] > 0 and math.isfinite(doc["tokens_per_s_per_gpu"])
     assert sum(doc["components_ms"].values()) == pytest.approx(1e3 * doc["step_s"], rel=1e-6)
-    r = subprocess.run(exe + ["whatif", run, "--set", "pipeline_layout=Et|ttL"], capture_output=True, text=True,
-                       timeout=300)
+    r = run_cli("whatif", run, "--set", "pipeline_layout=Et|ttL")
     assert r.returncode == 2
     assert len(r.stderr.strip().splitlines()) == 1 and "pipeline_layout" in r.stderr

@@ -8,14 +8,14 @@ from __future__ import annotations
 
 import gzip
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from tracelens.projection import whatif as W
+
+from ._cli import run_cli
 
 FIX = Path(__file__).resolve().parents[1] / "fixtures"
 PP4 = FIX / "h100_4gpu" / "pp4_1f1b"
@@ -77,7 +77,6 @@ def test_layouts_the_world_cannot_hold_are_one_line(sets, needle):
 
 
 def test_cli_refuses_pp3_in_one_line():
-    r = subprocess.run([sys.executable, "-m", "tracelens", "whatif", str(PP4), "--set", "pp=3"], capture_output=True,
-                       text=True, cwd=ROOT, timeout=600, check=False)
+    r = run_cli("whatif", PP4, "--set", "pp=3")
     lines = [x for x in r.stderr.splitlines() if x.strip()]
     assert r.returncode == 2 and len(lines) == 1 and "world size 4" in lines[0]
