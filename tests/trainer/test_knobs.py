@@ -90,6 +90,11 @@ def test_cli_refuses_knobs_the_machine_cannot_run(tmp_path, capsys, sets, msg):
         pytest.skip("this machine has CUDA")
     from trainer.cli import main
 
+    import torch._inductor.config as inductor_config  # noqa: PLC0415
+
+    # Inductor reads $CXX once, when its config is first imported: imported here, before the run sets CXX, so the
+    # compiler it keeps for the rest of this process is the machine's (a later compile=dense test in this worker)
+    cxx = inductor_config.cpp.cxx
     argv = ["--config", "tiny", "-o", str(tmp_path / "run")]
     for s in sets:
         argv += ["--set", s]
@@ -100,6 +105,7 @@ def test_cli_refuses_knobs_the_machine_cannot_run(tmp_path, capsys, sets, msg):
         for k in set(os.environ) - set(env):
             del os.environ[k]
         os.environ.update(env)
+    assert inductor_config.cpp.cxx == cxx and os.environ.get("CXX") == env.get("CXX")
     err = capsys.readouterr().err
     assert rc == 2, err[-2000:]
     assert err.strip().splitlines() == [msg]
