@@ -10,6 +10,7 @@
 #   check:  the dispatch paths' numerics on NCCL and NVSHMEM (tests/trainer/_ep_dispatch_worker.py on the GPUs, fp32 +
 #           bf16, symm included): one PASS/FAIL line per case, the count at the end, exit 1 if any case failed
 #     ROWS=check bash benchmarks/bench_ep.sh          # 4 GPUs; the lines in $OUT/check.log
+#     CHECK_NPROC=2 ROWS=check bash benchmarks/bench_ep.sh   # a 2-GPU machine: EP 2 over the world only
 #   1-/2-GPU rows (the scaling table): gpu1, dp2, ep2_*; NPROC is taken from the row's name.
 #   expert placement by load (ep_placement: balanced): ep4_loads first (a short profiled run: its routing.json
 #   holds the loads), then the *_place rows, which read $WORK/ep4_loads/routing.json; the same rows without
@@ -45,6 +46,12 @@ declare -A RUNS=(
   [ep2_nccl]="2 --set ep=2 $STEPS"
   [ep2_cap]="2 --set ep=2 $CAP $STEPS"
   [ep2_cap_ovl]="2 --set ep=2 $CAP --set ep_overlap=true $STEPS"
+  # the 2-GPU counterparts of the 4-GPU rows below (where only 2-GPU machines are lent)
+  [ep2_cap_unfused]="2 --set ep=2 $CAP --set ep_capacity_fused=false $STEPS"
+  [ep2_cap_pipe]="2 --set ep=2 $CAP --set ep_overlap=true --set ep_overlap_schedule=pipelined $STEPS"
+  [ep2_cap_ovl_prof]="2 --set ep=2 $CAP --set ep_overlap=true $PROF"
+  [ep2_cap_pipe_prof]="2 --set ep=2 $CAP --set ep_overlap=true --set ep_overlap_schedule=pipelined $PROF"
+  [ep2_symm]="2 --set ep=2 $SYMM $STEPS"
   [ep4_nccl]="4 --set ep=4 $STEPS"
   [ep4_nccl_L1_ovl]="4 --set ep=4 --sync-free-level 1 --set ep_overlap=true $STEPS"
   [ep4_cap]="4 --set ep=4 $CAP $PROF"
@@ -102,7 +109,7 @@ for name in ${ROWS:-check dp4 ep4_nccl ep4_cap ep4_cap_ovl ep4_symm ep4_symm_ovl
   t0=$(date +%s)
   if [ "$name" = check ]; then
     echo "=== check: the dispatch paths on NCCL and NVSHMEM"
-    EP_WORKER_DEVICE=cuda timeout 420 python3 -m torch.distributed.run --standalone --nproc-per-node 4 \
+    EP_WORKER_DEVICE=cuda timeout 420 python3 -m torch.distributed.run --standalone --nproc-per-node "${CHECK_NPROC:-4}" \
       tests/trainer/_ep_dispatch_worker.py "$OUTDIR" > "$OUTDIR/check.log" 2>&1
     echo "check: exit $? in $(( $(date +%s) - t0 )) s"
     grep -E "^(PASS|FAIL) |cases PASS" "$OUTDIR/check.log" || tail -20 "$OUTDIR/check.log"
