@@ -122,8 +122,15 @@ def test_the_pipelined_schedule_is_refused_in_one_line(tmp_path):
     man["config"]["ep_overlap_schedule"] = "pipelined"
     (run / "manifest.json").write_text(json.dumps(man))
     (run / "traces").symlink_to(CAP_OVL / "traces")
-    with pytest.raises(W.WhatIfError) as err:
-        W.Model.from_run(run).predict({"ep_overlap_chunks": 4})
-    assert str(err.value).startswith("ep_overlap_chunks with ep_overlap_schedule=pipelined: the overlap mechanism "
-                                      "rebuilds the chunked schedule only")
-    assert "\n" not in str(err.value)
+    pipelined = W.Model.from_run(run)
+    for change in ({"ep_overlap_chunks": 4}, {"ep_overlap": False}):  # overlap off: the mechanism's line, not the
+        with pytest.raises(W.WhatIfError) as err:                    # trainer's "pipelined needs ep_overlap"
+            pipelined.predict(change)
+        assert str(err.value).startswith("ep_overlap / ep_overlap_chunks with ep_overlap_schedule=pipelined: the "
+                                          "overlap mechanism rebuilds the chunked schedule only"), change
+        assert "\n" not in str(err.value)
+    # ep 1 has no chunks to schedule: the schedule goes back to its default with the other EP-only keys (it was a
+    # config error, "'pipelined' schedules the chunks of ep_overlap, which is off"), and the layout is predicted
+    p = pipelined.predict({"ep": 1})
+    assert p.config["ep_overlap_schedule"] == "chunked" and p.config["ep"] == 1
+    assert p.tokens_per_s_per_gpu > 0

@@ -387,7 +387,9 @@ class Model:
             raise WhatIfError(f"{unmodeled[0]}: the what-if model has no mechanism for this key yet (it models "
                               f"{', '.join(MODELED)})")
         if changes.get("ep") == 1:  # the EP-only keys have no meaning at ep 1: back at their defaults unless given
-            changes = {**{k: DEFAULTS[k] for k in ("ep_dispatch", "ep_overlap")}, **changes}
+            changes = {**{k: DEFAULTS[k] for k in ("ep_dispatch", "ep_overlap", "ep_overlap_schedule")}, **changes}
+        elif changes.get("ep_overlap") is False:  # the schedule orders the overlap's chunks: none left to order
+            changes = {"ep_overlap_schedule": DEFAULTS["ep_overlap_schedule"], **changes}
         try:
             new = load_config(None, {**self.config, **changes})
         except ConfigError as e:

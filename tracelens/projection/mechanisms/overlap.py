@@ -147,8 +147,8 @@ class Overlap(Mechanism):
     def edit(self, plan, p, change: Change) -> float:
         model, old, target = change.model, change.old, change.target
         if "pipelined" in (old.get("ep_overlap_schedule"), target.get("ep_overlap_schedule")):
-            raise WhatIfError("ep_overlap_chunks with ep_overlap_schedule=pipelined: the overlap mechanism rebuilds the "
-                              "chunked schedule only (the shared expert before the chunks); measure it instead "
+            raise WhatIfError("ep_overlap / ep_overlap_chunks with ep_overlap_schedule=pipelined: the overlap mechanism "
+                              "rebuilds the chunked schedule only (the shared expert before the chunks); measure it instead "
                               "(benchmarks/bench_ep.sh, ep4_cap_pipe* rows)")
         b = model.measured.get("layout")
         if b is None:
