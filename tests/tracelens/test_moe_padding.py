@@ -50,6 +50,7 @@ def test_level3_ep4_padding_is_three_quarters():
     assert p["routed_rows_per_call"] == routed and p["rows_per_call"] == round(sum(rows) / len(rows))
     f = next(f for f in a.findings() if f["type"] == "moe_padding")
     assert f["title"].startswith("75% of expert-GEMM rows and all-to-all bytes are padding")
+    assert p["buffers"] == "worst-case"  # the nccl path at level 3
     assert 0 < f["recoverable_us"] <= p["grouped_gemm_us_per_rank"] + 1e6
 
 
@@ -95,3 +96,9 @@ def test_capacity_overlap_run_buffers_padded_gemms_not():
     f = next(f for f in a.findings() if f["type"] == "moe_padding")
     assert "the GEMMs stop at the routed rows" in f["title"] and "buffer rows" in f["title"]
     assert "per chunk of 2" in f["title"] and "dropped" in f["title"]
+    # the comm table's note names the buffers for what they are: the capacity path's, not worst-case ones
+    assert p["buffers"] == "capacity"
+    from tracelens.analysis.comm import comm_report
+
+    note = comm_report(a).padding_note()
+    assert "(capacity buffers, finding moe_padding)" in note and "worst-case" not in note

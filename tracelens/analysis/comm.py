@@ -877,7 +877,7 @@ class CommReport:
         if not p or self.summary.empty or not self.summary["useful_busbw_gbps"].notna().any():
             return ""
         return (f"useful GB/s: bus bandwidth of the routed bytes only: {100 * p['a2a_padding_share_bytes']:.0f}% of the "
-                f"token all-to-all bytes are padding (worst-case buffers, finding moe_padding): "
+                f"token all-to-all bytes are padding ({p.get('buffers', 'worst-case')} buffers, finding moe_padding): "
                 f"{p['a2a_routed_bytes_per_call']:,} routed of {p['a2a_bytes_per_call']:,} bytes sent per call")
 
     def to_text(self) -> str:

@@ -123,6 +123,9 @@ def _gemm_part(analysis) -> tuple[dict[str, Any], pd.DataFrame, dict] | None:
         "padded_gemm_us_per_rank": round(padded_gemm_us, 3), "grouped_gemm_calls": int(calls.sum()),
         "gemm_computes_padding": computes_padding, "chunks_per_microbatch": chunks,
         "dropped_share": round(dropped, 6),
+        # what the padding is: the capacity path's static buffers (ep_capacity_factor x the balanced rows) or the
+        # nccl path's worst-case buffers (every peer may send min(top_k, local experts) copies of each token)
+        "buffers": "capacity" if cfg.get("ep_dispatch") == "capacity" else "worst-case",
     }
     return out, g, cfg
 

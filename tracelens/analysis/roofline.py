@@ -110,8 +110,8 @@ class RooflineResult:
             sec = float(u["gpu_us"].sum()) / 1e6
             roof = float((u["roof_tflops"] * u["gpu_us"]).sum() / u["gpu_us"].sum())
             comp, use = float(u["total_flops"].sum()) / sec / 1e12, float(u["useful_total_flops"].sum()) / sec / 1e12
-            out.append(f"Useful: {100 * p['padding_share_rows']:.0f}% of expert-GEMM rows are padding (worst-case "
-                       f"buffers, finding moe_padding): {p['routed_rows_per_call']:,} routed of {p['rows_per_call']:,} "
+            out.append(f"Useful: {100 * p['padding_share_rows']:.0f}% of expert-GEMM rows are padding "
+                       f"({p.get('buffers', 'worst-case')} buffers, finding moe_padding): {p['routed_rows_per_call']:,} routed of {p['rows_per_call']:,} "
                        f"computed rows per call; the grouped GEMMs run {comp:.1f} TFLOP/s ({100 * comp / roof:.1f}% of "
                        f"roof) on computed rows, {use:.1f} ({100 * use / roof:.1f}%) on routed rows (the useful columns).")
         return out
