@@ -13,11 +13,16 @@ parameters excluded), then prints the projection's figure for the same config be
 * Attention: the CPU's SDPA is the math path, which saves the attention matrix; the GPU's flash / memory-efficient
   kernels save their inputs, output and the fp32 log-sum-exp. The census runs a stand-in with the GPU kernels'
   saved set (`_FlashLike`), so its figure is the GPU's.
+* Expert parallelism (``--set ep=2``): one gloo process per rank (spawned), the census of every rank, the largest
+  per layer; the dispatch paths' buffers (`tracelens.analysis.memory.index_copy_send`, `combine_saved`) are counted
+  as the ranks keep them.
 * ``--small``: the config's structure (layers, experts, top-k, attention type, knobs) at small widths, so a check
   runs in seconds; the projection is per token and per width, so the comparison holds at any size.
 
     python benchmarks/activation_census.py --small --set expert_swiglu=torch --set use_triton_kernels=false
     TRITON_INTERPRET=1 python benchmarks/activation_census.py --small      # the Triton kernels, interpreted (minutes)
+    python benchmarks/activation_census.py --small --compile-backend aot_eager_decomp_partition \
+        --set expert_swiglu=torch --set use_triton_kernels=false --set ep=2 --set ep_dispatch=capacity
 """
 
 from __future__ import annotations
@@ -99,9 +104,10 @@ def _flash_like():
     return sdpa
 
 
-def census(cfg: dict, compile_backend: str = "inductor") -> dict:
+def census(cfg: dict, compile_backend: str = "inductor", ep_group=None, ep_rank: int = 0) -> dict:
     """Saved bytes per layer (``layer<i>``), before the layers (``embed``) and after them (``head``) for one
-    micro-batch of ``cfg`` on the CPU, and the tokens of that micro-batch."""
+    micro-batch of ``cfg`` on the CPU, and the tokens of that micro-batch. Under expert parallelism (``cfg["ep"]``
+    > 1) this is one rank of an initialised gloo group (`ep_census` runs them all); each rank's tokens differ."""
     import torch
 
     from trainer.model import layers as L
@@ -111,7 +117,8 @@ def census(cfg: dict, compile_backend: str = "inductor") -> dict:
     real_sdpa = L.F.scaled_dot_product_attention  # torch.nn.functional's: put back below
     L.F.scaled_dot_product_attention = _flash_like()  # trainer.model.layers calls it through F
     try:
-        model = Transformer(cfg, None, 1, 0, None)
+        ep = int(cfg.get("ep") or 1)
+        model = Transformer(cfg, ep_group, ep, ep_rank, None)
         model.init_weights(cfg["seed"])
         if cfg["compile"] == "dense":
             import torch._dynamo
@@ -146,7 +153,7 @@ def census(cfg: dict, compile_backend: str = "inductor") -> dict:
             return t
 
         B, S = cfg["micro_batch_size"], cfg["seq_len"]
-        tokens = torch.randint(0, cfg["vocab_size"], (B, S), generator=torch.Generator().manual_seed(0))
+        tokens = torch.randint(0, cfg["vocab_size"], (B, S), generator=torch.Generator().manual_seed(ep_rank))
         for _ in range(2):  # the first forward compiles (compile=dense); count the second
             saved.clear()
             where[0] = "embed"
@@ -162,16 +169,75 @@ def census(cfg: dict, compile_backend: str = "inductor") -> dict:
         L.F.scaled_dot_product_attention = real_sdpa
 
 
+def _ep_rank(rank: int, world: int, port: int, cfgs: list[dict], compile_backend: str, out_dir: str) -> None:
+    """One rank of `ep_census` (a spawned process): a gloo group over the world, the census of each config in turn,
+    the bytes to a file."""
+    import torch.distributed as dist
+
+    os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        res = [census(cfg, compile_backend, dist.group.WORLD, rank) for cfg in cfgs]
+        Path(out_dir, f"rank{rank}.json").write_text(json.dumps(res))
+    finally:
+        dist.destroy_process_group()
+
+
+def ep_census(cfgs: list[dict], compile_backend: str = "inductor") -> list[list[dict]]:
+    """`census` on every rank of an ``ep``-rank gloo group (spawned processes, the world = the configs' ``ep``): the
+    trainer's EP dispatch paths keep their buffers on each rank. Several configs of one ``ep`` share the processes
+    (one start-up). Per config, one result per rank."""
+    import socket
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    world = int(cfgs[0]["ep"])
+    if any(int(c["ep"]) != world for c in cfgs):
+        raise ValueError("ep_census: the configs must share one ep (the world size)")
+    with socket.socket() as sock:  # a free port for the group's rendezvous
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    # the spawned ranks unpickle `_ep_rank` by its module's name: this file as a module of benchmarks/ there, and
+    # here the module this code runs in, registered under that name when it was loaded from its path (the tests)
+    if __name__ not in sys.modules:
+        import types
+
+        mod = types.ModuleType(__name__)
+        mod.__dict__.update(globals())
+        sys.modules[__name__] = mod
+    here = str(Path(__file__).resolve().parent)
+    added = here not in sys.path
+    if added:  # a spawned process starts from this one's sys.path
+        sys.path.insert(0, here)
+    try:
+        with tempfile.TemporaryDirectory(prefix="census-ep-") as d:
+            mp.start_processes(_ep_rank, args=(world, port, cfgs, compile_backend, d), nprocs=world, join=True,
+                               start_method="spawn")
+            ranks = [json.loads(Path(d, f"rank{r}.json").read_text()) for r in range(world)]
+    finally:
+        if added:
+            sys.path.remove(here)
+    return [[ranks[r][i] for r in range(world)] for i in range(len(cfgs))]
+
+
 def projection(cfg: dict) -> dict[str, float]:
-    """The memory projection's saved bytes per layer for one micro-batch of ``cfg`` on one GPU."""
+    """The memory projection's saved bytes per layer for one micro-batch of ``cfg`` on one GPU of ``cfg["ep"]``
+    (expert parallelism over the whole world: ``world = ep``)."""
     from tracelens.analysis import memory as M
 
-    lay = M.resolve_layout(cfg, world=1)
+    lay = M.resolve_layout(cfg, world=int(cfg.get("ep") or 1))
     return {f"layer{i}": float(sum(M.layer_activations(cfg, lay, i).values())) for i in range(cfg["n_layers"])}
 
 
-def compare(cfg: dict, compile_backend: str = "inductor") -> list[dict]:
-    c = census(cfg, compile_backend)
+def compare(cfg: dict, compile_backend: str = "inductor", ep_ranks: list[dict] | None = None) -> list[dict]:
+    """Per layer: the census (under EP the largest over the ranks; ``ep_ranks``: `ep_census`' results for ``cfg``,
+    else it is run) against the projection."""
+    if int(cfg.get("ep") or 1) > 1:
+        ranks = ep_ranks or ep_census([cfg], compile_backend)[0]
+        c = {"bytes": {k: max(r["bytes"].get(k, 0.0) for r in ranks) for k in ranks[0]["bytes"]}}
+    else:
+        c = census(cfg, compile_backend)
     proj = projection(cfg)
     return [{"layer": k, "census_bytes": c["bytes"].get(k, 0.0), "projected_bytes": v,
              "ratio": v / c["bytes"][k] if c["bytes"].get(k) else float("nan")} for k, v in proj.items()]

@@ -125,6 +125,8 @@ def load_model_config(src: str | os.PathLike, overrides: Iterable[str] = ()) -> 
 
             man = read_manifest(p, need_config=True)  # fields of the trainer's types, else one line
             ovr = dict(man["config"])
+            if "ep_capacity_fused" not in ovr:  # the key came with the fused path: a run without it ran unfused
+                ovr["ep_capacity_fused"] = False
             for o in overrides:
                 k, v = parse_override(o)
                 ovr[k] = v
@@ -203,6 +205,11 @@ class Layout:
     ep_dispatch: str = "nccl"
     ep_capacity: float = 1.25
     ep_chunks: int = 1
+    # ep_capacity_fused (trainer/model/dispatch.py "The fused capacity path"): the capacity path's send buffer is one
+    # gather from the tokens and the returned buffer is combined by one gather-reduce; a manifest without the key ran
+    # the unfused path. triton_kernels: kernels' Triton permutation (use_triton_kernels), else their PyTorch references
+    ep_capacity_fused: bool = True
+    triton_kernels: bool = False
     # The trainer's pipeline layout (a manifest's "pipeline" record): layer ids per virtual stage (pp*vpp of
     # them, in model order) and the pipeline rank of each. None = even contiguous chunks, placed s % pp (V for zbv).
     stage_layers: tuple[tuple[int, ...], ...] | None = None
@@ -306,6 +313,8 @@ def resolve_layout(cfg: dict, world: int | None = None, source: str | None = Non
         ep_dispatch=kw.get("ep_dispatch", cfg.get("ep_dispatch") or "nccl"),
         ep_capacity=float(kw.get("ep_capacity", cfg.get("ep_capacity_factor") or 1.25)),
         ep_chunks=int(kw.get("ep_chunks", (cfg.get("ep_overlap_chunks") or 2) if cfg.get("ep_overlap") else 1)),
+        ep_capacity_fused=bool(kw.get("ep_capacity_fused", cfg.get("ep_capacity_fused", True))),
+        triton_kernels=bool(kw.get("triton_kernels", cfg.get("use_triton_kernels", False))),
         stage_layers=kw.get("stage_layers"), stage_to_rank=kw.get("stage_to_rank"),
     )
     check_layout(cfg, lay, source)
@@ -616,7 +625,9 @@ def layer_activations(c: dict, lay: Layout, layer: int) -> dict[str, float]:
     moe += rows * (expert + (8.0 if lay.ep > 1 else 0.0))      # + receive-side order index under EP
     if lay.ep > 1 and (lay.sync_free_level >= 2 or lay.ep_dispatch == "capacity"):
         moe += 8.0 * tk                                        # slot index of the padded send buffer
-    moe += a * tk * d                                          # top-k output copies kept by the weighted sum
+    if index_copy_send(lay):                                   # the expert-ordered rows: the send buffer's
+        moe += a * tk * d                                      # out-of-place index_copy keeps its source
+    moe += combine_saved(c, lay)                               # what the combine keeps (the top-k output rows)
     if ns:
         moe += (3 if cd else 4) * a * t * ff * ns              # shared expert SwiGLU (compiled: one recomputed)
     out["moe"] = moe
@@ -639,6 +650,34 @@ def autocast(lay: Layout) -> bool:
     """The trainer runs bf16 DDP (``dp_mode=ddp``, zero 0) under ``torch.autocast`` with fp32 weights and
     an fp32 residual stream; FSDP2 (zero 3) casts the parameters instead (``MixedPrecisionPolicy``)."""
     return lay.zero == 0 and lay.dtype == "bf16"
+
+
+def combine_saved(c: dict, lay: Layout) -> float:
+    """Bytes the MoE combine (the routing-weighted sum of each token's expert outputs) keeps for its backward, per
+    layer and micro-batch (checked against the trainer's model by benchmarks/activation_census.py): the top-k output
+    rows ``a * T * k * D``; on the fused capacity path the returned buffer itself (``kernels.unpermute``, the
+    Triton kernels) or, on the kernels' PyTorch reference, its fp32 ``[T, k, D]`` gather and fp32 weights. Freed
+    first in the layer's backward, before its experts' (`_layer_backward_workspace`)."""
+    a = 2 if lay.dtype == "bf16" else 4
+    tk = lay.mbs * lay.seq / (lay.tp * lay.cp) * c["top_k"]
+    if fused_capacity(lay):
+        if lay.triton_kernels:
+            return a * moe_buffer_rows(c, lay) * c["d_model"]
+        return 4.0 * tk * c["d_model"] + (4.0 - a) * tk  # (the weights' fp32 instead of the bf16 copy counted apart)
+    return a * tk * c["d_model"]
+
+
+def index_copy_send(lay: Layout) -> bool:
+    """Whether the EP send buffer is built by an out-of-place ``index_copy`` of the expert-ordered rows
+    (trainer/model/dispatch.py ``send``): the worst-case buffer (nccl, levels 2-3) and the unfused capacity path.
+    Autograd's ``index_copy`` keeps its source, ``a * T * k * D`` bytes per MoE layer (activation census)."""
+    return lay.ep > 1 and ((lay.ep_dispatch == "capacity" and not lay.ep_capacity_fused)
+                           or (lay.ep_dispatch == "nccl" and lay.sync_free_level >= 2))
+
+
+def fused_capacity(lay: Layout) -> bool:
+    """Whether the run takes the fused capacity path (``ep_capacity_fused`` on the capacity dispatch)."""
+    return lay.ep > 1 and lay.ep_dispatch == "capacity" and lay.ep_capacity_fused
 
 
 def padded_buffer(lay: Layout) -> bool:
@@ -1015,15 +1054,17 @@ def _rows_for_stage(c: dict, lay: Layout, stage: int) -> list[dict]:
                                                              if lay.recompute != "none" else "")
         + ("; autocast: a weight gradient in bf16 and its fp32 cast" if ac else ""))
     if lay.ep > 1 and any(li >= c["first_k_dense"] for li in layers):
+        # while the experts run backward: their outputs' gradient, received and regrouped into expert order (the
+        # regroup frees the received copy); the experts' own gradients are the workspace
         if lay.ep_dispatch == "capacity":
-            add("transient: MoE dispatch/combine buffers", "transient", "B", 2 * a * moe_buffer_rows(c, lay) * d,
-                "capacity: static send + receive buffers of ep*ceil(f*T*k/ep) rows per chunk")
+            add("transient: MoE dispatch/combine buffers", "transient", "B", a * moe_buffer_rows(c, lay) * d,
+                "capacity: the expert outputs' gradient in a static buffer of ep*ceil(f*T*k/ep) rows per chunk")
         elif lay.sync_free_level >= 2:
-            add("transient: MoE dispatch/combine buffers", "transient", "B", 2 * a * moe_worst_rows(c, lay) * d,
-                "level >= 2: padded send + receive buffers of ep*T*min(k, E/ep) rows")
+            add("transient: MoE dispatch/combine buffers", "transient", "B", a * moe_worst_rows(c, lay) * d,
+                "level >= 2: the expert outputs' gradient in a padded buffer of ep*T*min(k, E/ep) rows")
         else:
-            add("transient: MoE dispatch/combine buffers", "transient", "B", 2 * a * t * c["top_k"] * lay.moe_imbalance * d,
-                "all-to-all send/receive buffers")
+            add("transient: MoE dispatch/combine buffers", "transient", "B", a * t * c["top_k"] * lay.moe_imbalance * d,
+                "the expert outputs' gradient as received")
     return rows
 
 
@@ -1126,7 +1167,9 @@ def _layer_backward_workspace(c: dict, lay: Layout, layer: int) -> float:
         # the w13 copy's bf16 gradient, its fp32 cast and w2's pending bf16 gradient, after both copies
         # (counted in the activations) were freed: net 4 bytes per element of this rank's w13
         wgrad = max(wgrad, 4.0 * c["n_routed_experts"] / lay.ep * 2 * c["moe_d_ff"] * d)
-    return max(attn, a * rows * (d + 3 * c["moe_d_ff"]), wgrad)  # d(w13 out) [2F] + d(product) [F] + d(input)
+    # d(w13 out) [2F] + d(product) [F] + d(input), while the combine's saved rows (freed when the layer's backward
+    # began, before its experts') are gone
+    return max(attn, a * rows * (d + 3 * c["moe_d_ff"]) - combine_saved(c, lay), wgrad)
 
 
 def _attention_matrices(c: dict) -> list[int]:
