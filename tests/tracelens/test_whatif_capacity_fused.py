@@ -185,7 +185,10 @@ def test_unfused_to_fused_against_the_measured_pair(model):
     assert 0.02 <= gain <= measured + 0.02, gain
     line = next(x for x in p.modeled if x.startswith("ep_capacity_fused false -> true"))
     assert "6 copy, 9 fill, 6 gather_rows, 6 index_copy, 6 where" in line
-    assert any("peak memory is not modeled" in n for n in p.notes)
+    # memory: the projection reads the key (the unfused index_copy's kept source gone, the combine keeps the returned
+    # buffer): 32.5 GiB predicted from this fixture's 34.15 measured, against 31.71 measured for the fused run
+    assert not any("peak memory is not modeled" in n for n in p.notes)
+    assert p.peak_gib < model.predict({}).peak_gib and abs(p.peak_gib / 31.71 - 1) <= 0.05, p.peak_gib
 
 
 def test_off_the_capacity_path_it_changes_nothing_and_a_trace_without_the_moves_is_refused(tmp_path):

@@ -41,9 +41,11 @@ slot math).
   ep4_cap_mbs16`` (4 x H100, 12 instances each: :data:`UNFUSED_EFFICIENCY`); one launch each at the host's cost per
   launch when it does not wait (the step's 10th-percentile host gap before a launch).
 
-Memory is not modeled here (the memory projection does not read the key: the fused path frees the clone and the
-sorted-order copies, 2.4 GiB of 34.2 measured at micro-batch 16, EP 4); the prediction says so. A run whose manifest
-has no ``ep_capacity_fused`` ran the unfused path (the key came with the fused one): ``legacy``.
+Memory: the memory projection reads the key (`tracelens.analysis.memory.index_copy_send`, `combine_saved`: the
+unfused send buffer's ``index_copy`` keeps the expert-ordered rows, the fused combine the returned buffer; checked on
+the trainer's model by benchmarks/activation_census.py). From ``ep4_cap_mbs16`` (unfused, 34.15 GiB measured) the
+fused path is predicted at 32.5 GiB against 31.71 measured in another call. A run whose manifest has no
+``ep_capacity_fused`` ran the unfused path (the key came with the fused one): ``legacy``.
 
 Measured (docs/performance.md, "The fused capacity path", 4 x H100, one call): unfused 98,117 -> fused 107,029
 tokens/s/GPU (+9.1 %); predicted from ``ep4_cap_mbs16`` (unfused, another call): see docs/whatif.md.
@@ -267,6 +269,4 @@ class CapacityFused(Mechanism):
         if not math.isclose(change.t0, change.t1):
             change.notes.append("ep_capacity_fused: the row moves were found at the run's shapes and scaled with the "
                                 "tokens by the token mechanism before this edit")
-        change.notes.append("ep_capacity_fused: peak memory is not modeled (the memory projection does not read the key; "
-                            "measured, the fused path took 2.4 GiB less at EP 4, micro-batch 16)")
         return (self.sigma["capacity_fused"] * moved / max(float(p.step_ns), 1.0)) ** 2
