@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import json
 import re
+from array import array
 from bisect import bisect_left, bisect_right
 from dataclasses import dataclass, field
 from typing import Any
@@ -346,39 +347,36 @@ def p2p_links(events: pd.DataFrame, gpu: pd.DataFrame) -> dict[int, list[int]]:
     return links
 
 
-_TEXT_COLUMNS = frozenset({"kind", "what", "op", "stage"})
+# what the walk records per segment: (rank, start, end, kind, what, row, to_rank), seven int64 in one flat array
+# (~56 bytes a segment; a 2 GB trace's path has millions of segments, which as tuples of Python objects and then
+# object columns took ~900 MB and a third of the analysis' CPU time); the text columns are built from the codes
+_K = {k: i for i, k in enumerate(KINDS)}
+_W_NONE, _W_BEFORE, _W_CATEGORY = 0, 1, -1  # `what`: "", the late-start text, the row's category; >= 2: a family
+_BEFORE = "before its first traced GPU work (the rank began the step late)"
+_WIDTH = 7
 
 
-class _Segments:
-    """The path's segments, gathered as tuples (one per SEGMENT_COLUMNS row) and turned into columns a chunk at a
-    time: a 2 GB trace's path has millions of segments, and a list of tuples for all of them (~230 bytes each, then
-    the object array pandas builds from it) took ~900 MB on top of the analysis."""
+def _codes(col: pd.Series) -> tuple[np.ndarray, list[str]]:
+    """A (categorical) string column as (int64 codes, their strings); a missing value is "" (the last string)."""
+    if isinstance(col.dtype, pd.CategoricalDtype):
+        cats = [str(c) for c in col.cat.categories]
+        codes = col.cat.codes.to_numpy().astype(np.int64)
+    else:
+        codes, uniq = pd.factorize(C.strings(col))
+        codes, cats = codes.astype(np.int64), [str(c) for c in uniq]
+    return np.where(codes < 0, len(cats), codes), cats + [""]
 
-    CHUNK = 1 << 16
 
-    def __init__(self) -> None:
-        self.pending: list[tuple] = []
-        self.chunks: list[list[np.ndarray]] = []
+def _text_column(codes: np.ndarray, strings: list[str]) -> Any:
+    """The column of `strings[codes]`, typed as pandas types a column of those Python strings (its default string
+    dtype), built from the codes without a Python string per row."""
+    dtype = pd.Series(np.array([""], dtype=object)).dtype
+    if isinstance(dtype, pd.StringDtype) and dtype.storage == "pyarrow":
+        import pyarrow as pa
 
-    def extend(self, rows: list[tuple]) -> None:
-        self.pending += rows
-        if len(self.pending) >= self.CHUNK:
-            self._flush()
-
-    def _flush(self) -> None:
-        if self.pending:
-            cols = list(zip(*self.pending))
-            self.chunks.append([np.array(c, dtype=object) if name in _TEXT_COLUMNS else np.array(c, dtype=np.int64)
-                                for name, c in zip(SEGMENT_COLUMNS, cols)])
-            self.pending = []
-
-    def frame(self) -> pd.DataFrame:
-        self._flush()
-        if not self.chunks:
-            return pd.DataFrame(columns=SEGMENT_COLUMNS)
-        data = {name: np.concatenate([c[k] for c in self.chunks]) for k, name in enumerate(SEGMENT_COLUMNS)}
-        self.chunks = []
-        return pd.DataFrame(data)  # text columns typed as pandas infers them from the strings (as from the tuples)
+        values = pa.DictionaryArray.from_arrays(pa.array(codes, pa.int32()), pa.array(strings, pa.large_string()))
+        return pd.array(values.cast(pa.large_string()), dtype=dtype)
+    return np.array(strings, dtype=object)[codes]
 
 
 def critical_path(gpu: pd.DataFrame, instances: pd.DataFrame, syncs: pd.DataFrame, steps: list[int], *,
@@ -457,36 +455,24 @@ def critical_path(gpu: pd.DataFrame, instances: pd.DataFrame, syncs: pd.DataFram
     rank_all = rank_arr.tolist()
     is_comm = gpu["is_comm"].to_numpy().tolist()
     labels = pos.to_numpy().tolist()
-    category = C.strings(gpu["category"]).tolist()
-    top_op = C.strings(gpu["top_op"]).tolist() if "top_op" in gpu else [""] * len(gpu)
-    paths = C.strings(gpu["path"]).tolist() if "path" in gpu else [""] * len(gpu)
-    stages = {r: (s.tolist(), e.tolist(), lab) for r, (s, e, lab) in
-              (_pipeline_stages(pipeline, gpu, trace) if pipeline is not None else {}).items()}
-    labels_memo: dict[tuple[str, str], str] = {}
+    stages = _pipeline_stages(pipeline, gpu, trace) if pipeline is not None else {}
+    families: dict[str, int] = {}  # `what` codes of the collective families (from 2)
+    arrival = {row: (a, last, families.setdefault(fam, 2 + len(families)), last_row)
+               for row, (a, last, fam, last_row) in arrival.items()}
+    K_COMPUTE, K_LAUNCH, K_SYNC, K_IDLE = _K["compute"], _K["launch-bound"], _K["host sync"], _K["idle"]
+    K_TRANSFER, K_COMM, K_WAIT = _K["transfer"], _K["comm"], _K["wait"]
 
-    def stage_of(r: int, i: int, lo: int, hi: int) -> str:
-        if r in stages:
-            s, e, lab = stages[r]
-            mid = (lo + hi) // 2
-            k = bisect_right(s, mid) - 1
-            if k >= 0 and e[k] > mid:
-                return lab[k]
-        key = (paths[i], top_op[i])
-        got = labels_memo.get(key)
-        if got is None:
-            got = labels_memo[key] = _stage_label(*key)
-        return got
-
-    def idle_kind(r: int, gs: int, ge: int, launch: int) -> str:
+    def idle_kind(r: int, gs: int, ge: int, launch: int) -> int:
         se = rank_sync[r]
         if se:
             k = bisect_left(se, ge) - 1
             if k >= 0 and se[k] >= gs - SYNC_TOLERANCE_NS:
-                return "host sync"
-        return "launch-bound" if launch >= 0 and launch > gs else "idle"
+                return K_SYNC
+        return K_LAUNCH if launch >= 0 and launch > gs else K_IDLE
 
-    seg = _Segments()
-    step_rows: list[dict[str, Any]] = []
+    buf = array("q")
+    emit = buf.extend  # (rank, start, end, kind, what, row, to_rank): the row's position in the GPU table, or -1
+    blocks: list[int] = []  # where each step's segments begin in `buf` (in segments); the walk emits them latest first
     notes: list[str] = []
     # each step's first start, last end and the row ending last, for every step at once (a trace of many short
     # steps has tens of thousands)
@@ -504,46 +490,37 @@ def critical_path(gpu: pd.DataFrame, instances: pd.DataFrame, syncs: pd.DataFram
     t1_of = t1_of.tolist()
     for n in steps:
         k = where[n]
-        t0, t1, last_i = t0_of[k], t1_of[k], last_of[k]
-        out: list[tuple] = []  # reversed: latest first
-        emit = out.append  # (step, rank, start, end, dur, kind, what, op, stage, to_rank, gpu_row)
+        t0, last_i = t0_of[k], last_of[k]
+        blocks.append(len(buf) // _WIDTH)
         r = rank_all[last_i]
         cur = last_i  # position in the GPU table of the event being put on the path
         visited: set[tuple[int, int]] = set()
         unfollowed = 0
         while True:
             lo_e, hi_e = ts_all[cur], end_all[cur]
-            lbl = labels[cur]
             t = lo_e  # where the walk goes on from, on rank r
             succ_launch = launch_all[cur]
-            hit = arrival.get(lbl)
+            hit = arrival.get(labels[cur])
             if hit is not None:
                 a, last, fam, last_row = hit
                 if last != r and a > lo_e:  # r waited for `last` until a: the transfer, then the hop
                     a = min(a, hi_e)  # (a kernel ending before its last peer began: clocks apart; hop at its end)
                     if a < hi_e:
-                        lo = max(a, t0)
-                        emit((n, r, lo, hi_e, hi_e - lo, "transfer", fam, top_op[cur], "", -1, lbl))
+                        emit((r, max(a, t0), hi_e, K_TRANSFER, fam, cur, -1))
                     if a <= t0:
                         break
                     if (last, a) not in visited:
                         visited.update({(r, a), (last, a)})
-                        emit((n, r, a, a, 0, "wait", fam, top_op[cur], "", last, lbl))
+                        emit((r, a, a, K_WAIT, fam, cur, last))
                         r, t = last, a
                         succ_launch = launch_all[pos.get_loc(last_row)]
                     else:
                         unfollowed += 1
-                        lo = max(lo_e, t0)
-                        emit((n, r, lo, a, a - lo, "wait", fam, top_op[cur], "", last, lbl))
+                        emit((r, max(lo_e, t0), a, K_WAIT, fam, cur, last))
                 else:
-                    lo = max(lo_e, t0)
-                    emit((n, r, lo, hi_e, hi_e - lo, "transfer", fam, top_op[cur], "", -1, lbl))
-            elif is_comm[cur]:
-                lo = max(lo_e, t0)
-                emit((n, r, lo, hi_e, hi_e - lo, "comm", category[cur], top_op[cur], "", -1, lbl))
+                    emit((r, max(lo_e, t0), hi_e, K_TRANSFER, fam, cur, -1))
             else:
-                lo = max(lo_e, t0)
-                emit((n, r, lo, hi_e, hi_e - lo, "compute", category[cur], top_op[cur], stage_of(r, cur, lo, hi_e), -1, lbl))
+                emit((r, max(lo_e, t0), hi_e, K_COMM if is_comm[cur] else K_COMPUTE, _W_CATEGORY, cur, -1))
             if t <= t0:
                 break
             ends = rank_ends[r]
@@ -551,25 +528,80 @@ def critical_path(gpu: pd.DataFrame, instances: pd.DataFrame, syncs: pd.DataFram
             k = pred_all[cur] if t == lo_e and rank_all[cur] == r else bisect_right(ends, t) - 1
             if k < 0 or ends[k] <= t0:
                 if k < 0:
-                    emit((n, r, t0, t, t - t0, "idle", "before its first traced GPU work (the rank began the step late)",
-                          "", "", -1, -1))
+                    emit((r, t0, t, K_IDLE, _W_BEFORE, -1, -1))
                 else:
-                    emit((n, r, t0, t, t - t0, idle_kind(r, ends[k], t, succ_launch), "", "", "", -1, -1))
+                    emit((r, t0, t, idle_kind(r, ends[k], t, succ_launch), _W_NONE, -1, -1))
                 break
             if ends[k] < t:
-                emit((n, r, ends[k], t, t - ends[k], idle_kind(r, ends[k], t, succ_launch), "", "", "", -1, -1))
+                emit((r, ends[k], t, idle_kind(r, ends[k], t, succ_launch), _W_NONE, -1, -1))
             cur = rank_at[r][k]
-        out.reverse()
-        seg.extend(out)
-        hops = sum(1 for s in out if s[5] == "wait" and s[4] == 0)
-        on = sorted({s[1] for s in out if s[4] > 0})
-        step_rows.append({"step": n, "start_ns": t0, "end_ns": t1, "span_ns": t1 - t0, "end_rank": int(rank_all[last_i]),
-                          "segments": len(out), "hops": hops, "ranks": on})
         if unfollowed:
             notes.append(f"step {n}: {unfollowed} wait(s) not followed (the rank waited for had already been passed "
                          "at that time: clocks or overlapping streams); they stay on the path as waits")
-    seg = seg.frame()
+    rec = np.frombuffer(buf, dtype=np.int64).reshape(-1, _WIDTH) if len(buf) else np.empty((0, _WIDTH), np.int64)
+    start = np.asarray(blocks, dtype=np.int64)
+    size = np.diff(np.append(start, len(rec)))
+    blk = np.repeat(np.arange(len(start)), size)
+    rec = rec[start[blk] + (start[blk] + size[blk] - 1 - np.arange(len(rec)))]  # each step's segments in time order
+    del buf
+    seg = _segment_frame(rec, blk, np.asarray(steps, dtype=np.int64), gpu, families, stages)
+    # per step: the hand-offs followed (zero-length waits) and the ranks with time on the path
+    r_col, dur = rec[:, 0], rec[:, 2] - rec[:, 1]
+    hops = np.bincount(blk[(rec[:, 3] == K_WAIT) & (dur == 0)], minlength=len(start))
+    rank_ids = np.unique(r_col)
+    on = np.unique(blk[dur > 0] * len(rank_ids) + np.searchsorted(rank_ids, r_col[dur > 0]))
+    on_at = np.searchsorted(on // max(len(rank_ids), 1), np.arange(len(start) + 1))
+    on_rank = rank_ids[on % max(len(rank_ids), 1)].tolist() if len(on) else []
+    step_rows = [{"step": n, "start_ns": t0_of[where[n]], "end_ns": t1_of[where[n]],
+                  "span_ns": t1_of[where[n]] - t0_of[where[n]], "end_rank": int(rank_all[last_of[where[n]]]),
+                  "segments": int(size[j]), "hops": int(hops[j]), "ranks": [int(x) for x in on_rank[on_at[j]:on_at[j + 1]]]}
+                 for j, n in enumerate(steps)]
     return CriticalPath(seg, pd.DataFrame(step_rows, columns=STEP_COLUMNS), notes=notes)
+
+
+def _segment_frame(rec: np.ndarray, blk: np.ndarray, steps: np.ndarray, gpu: pd.DataFrame, families: dict[str, int],
+                   stages: dict[int, tuple[np.ndarray, np.ndarray, list[str]]]) -> pd.DataFrame:
+    """SEGMENT_COLUMNS from the walk's records (`rec`: rank, start, end, kind, what, row, to_rank; `blk`: each
+    record's index in `steps`): the text columns from codes, each compute segment's stage (`_stage_label`, or the
+    pipeline action running at its midpoint on its rank) computed once per distinct value."""
+    r_col, lo, hi, kind, what, row, to_rank = (rec[:, i] for i in range(_WIDTH))
+    has_row = row >= 0
+    at = np.where(has_row, row, 0)
+    cat_codes, cats = _codes(gpu["category"])
+    top_codes, tops = (_codes(gpu["top_op"]) if "top_op" in gpu
+                       else (np.full(len(gpu), 0, np.int64), [""]))
+    path_codes, paths = _codes(gpu["path"]) if "path" in gpu else (np.full(len(gpu), 0, np.int64), [""])
+    what_strings = ["", _BEFORE, *families, *cats]  # (families in their code order: 2, 3, ...)
+    what_codes = np.where(what == _W_CATEGORY, 2 + len(families) + cat_codes[at], what)
+    op_codes = np.where(has_row, top_codes[at], len(tops) - 1)  # (the last string is "")
+    stage_strings: list[str] = [""]
+    intern: dict[str, int] = {"": 0}
+    stage_codes = np.zeros(len(rec), np.int64)
+    comp = np.flatnonzero(kind == _K["compute"])
+    if len(comp):
+        pair = path_codes[at[comp]] * len(tops) + top_codes[at[comp]]
+        uniq, inv = np.unique(pair, return_inverse=True)
+        lut = np.array([intern.setdefault(_stage_label(paths[u // len(tops)], tops[u % len(tops)]), len(intern))
+                        for u in uniq.tolist()], dtype=np.int64)
+        stage_codes[comp] = lut[inv.reshape(-1)]
+        mid = (lo[comp] + hi[comp]) // 2
+        for r, (s, e, lab) in stages.items():
+            mine = np.flatnonzero(r_col[comp] == r)
+            if not len(mine):
+                continue
+            k = np.searchsorted(s, mid[mine], "right") - 1
+            ok = k >= 0
+            ok[ok] = e[k[ok]] > mid[mine][ok]
+            lab_codes = np.array([intern.setdefault(x, len(intern)) for x in lab], dtype=np.int64)
+            stage_codes[comp[mine[ok]]] = lab_codes[k[ok]]
+        stage_strings = list(intern)
+    lab_arr = gpu.index.to_numpy().astype(np.int64)
+    return pd.DataFrame({
+        "step": steps[blk], "rank": r_col, "start_ns": lo, "end_ns": hi, "dur_ns": hi - lo,
+        "kind": _text_column(kind, list(KINDS)), "what": _text_column(what_codes, what_strings),
+        "op": _text_column(op_codes, tops), "stage": _text_column(stage_codes, stage_strings),
+        "to_rank": to_rank, "gpu_row": np.where(has_row, lab_arr[at] if len(lab_arr) else -1, -1),
+    })
 
 
 def critical_path_of(analysis, step: int | None = None, *, instances: pd.DataFrame | None = None,
