@@ -430,16 +430,17 @@ def critical_path(gpu: pd.DataFrame, instances: pd.DataFrame, syncs: pd.DataFram
             j = max((row, *peers), key=lambda x, row=row: (k_ts[x], x == row))
             arrival[row] = (k_ts[j], int(k_rank[j]), "p2p", j)
     # The walk visits about one GPU event per segment (hundreds of thousands on a trace of many steps), so its
-    # loop reads Python lists and dicts, never numpy scalars: each event's latest-finishing predecessor on its rank
-    # (the common step back) is found for every event at once, bisect finds the others (after a hop).
+    # loop reads Python sequences and dicts, never numpy scalars: each event's latest-finishing predecessor on its
+    # rank (the common step back) is found for every event at once, bisect finds the others (after a hop). The
+    # per-row sequences are array('q') (8 bytes a row; lists of Python ints took 40, +670 MB at 2 GB)
     ts_arr, end_arr = gpu["ts"].to_numpy(np.int64), gpu["end"].to_numpy(np.int64)
     rank_arr = gpu["rank"].to_numpy()
     s_rank = syncs["rank"].to_numpy() if len(syncs) else np.empty(0)
     s_end = ((syncs["ts"] + (syncs["host_blocked_us"] * 1e3).astype(np.int64)).to_numpy(np.int64)
              if len(syncs) else np.empty(0, np.int64))
     pred_k = np.full(len(gpu), -1, np.int64)  # per GPU row: position in its rank's sorted ends of the event ending
-    rank_ends: dict[int, list[int]] = {}  # last at or before the row's start; the ends themselves, as lists
-    rank_at: dict[int, list[int]] = {}
+    rank_ends: dict[int, array] = {}  # last at or before the row's start; the ends themselves
+    rank_at: dict[int, array] = {}
     rank_sync: dict[int, list[int]] = {}
     for r in ranks:
         mine = np.flatnonzero(rank_arr == r)
@@ -447,14 +448,15 @@ def critical_path(gpu: pd.DataFrame, instances: pd.DataFrame, syncs: pd.DataFram
         at = at[np.lexsort((ts_arr[at], end_arr[at]))]  # the rank's events with a positive duration, by (end, start)
         ends = end_arr[at]
         pred_k[mine] = ends.searchsorted(ts_arr[mine], "right") - 1
-        rank_ends[r], rank_at[r] = ends.tolist(), at.tolist()
+        rank_ends[r], rank_at[r] = _ints(ends), _ints(at)
         rank_sync[r] = np.sort(s_end[s_rank == r]).tolist()  # sorted ends of the rank's blocking host syncs
     pos = gpu.index
-    ts_all, end_all, pred_all = ts_arr.tolist(), end_arr.tolist(), pred_k.tolist()
-    launch_all = gpu["launch_ts"].to_numpy(np.int64).tolist() if "launch_ts" in gpu else [-1] * len(gpu)
-    rank_all = rank_arr.tolist()
-    is_comm = gpu["is_comm"].to_numpy().tolist()
-    labels = pos.to_numpy().tolist()
+    ts_all, end_all, pred_all = _ints(ts_arr), _ints(end_arr), _ints(pred_k)
+    del pred_k
+    launch_all = _ints(gpu["launch_ts"].to_numpy(np.int64) if "launch_ts" in gpu else np.full(len(gpu), -1))
+    rank_all = _ints(rank_arr)
+    is_comm = _ints(gpu["is_comm"].to_numpy())
+    labels = _ints(pos.to_numpy())
     stages = _pipeline_stages(pipeline, gpu, trace) if pipeline is not None else {}
     families: dict[str, int] = {}  # `what` codes of the collective families (from 2)
     arrival = {row: (a, last, families.setdefault(fam, 2 + len(families)), last_row)
@@ -538,33 +540,45 @@ def critical_path(gpu: pd.DataFrame, instances: pd.DataFrame, syncs: pd.DataFram
         if unfollowed:
             notes.append(f"step {n}: {unfollowed} wait(s) not followed (the rank waited for had already been passed "
                          "at that time: clocks or overlapping streams); they stay on the path as waits")
+    end_rank = [rank_all[last_of[where[n]]] for n in steps]
+    del ts_all, end_all, pred_all, launch_all, rank_all, is_comm, labels, rank_ends, rank_at, arrival
     rec = np.frombuffer(buf, dtype=np.int64).reshape(-1, _WIDTH) if len(buf) else np.empty((0, _WIDTH), np.int64)
     start = np.asarray(blocks, dtype=np.int64)
     size = np.diff(np.append(start, len(rec)))
     blk = np.repeat(np.arange(len(start)), size)
-    rec = rec[start[blk] + (start[blk] + size[blk] - 1 - np.arange(len(rec)))]  # each step's segments in time order
-    del buf
-    seg = _segment_frame(rec, blk, np.asarray(steps, dtype=np.int64), gpu, families, stages)
+    order = start[blk]
+    order += order + size[blk] - 1 - np.arange(len(rec))  # each step's segments in time order (the walk: latest first)
+    cols = [rec[:, i][order] for i in range(_WIDTH)]
+    del rec, buf, order
+    seg = _segment_frame(cols, blk, np.asarray(steps, dtype=np.int64), gpu, families, stages)
     # per step: the hand-offs followed (zero-length waits) and the ranks with time on the path
-    r_col, dur = rec[:, 0], rec[:, 2] - rec[:, 1]
-    hops = np.bincount(blk[(rec[:, 3] == K_WAIT) & (dur == 0)], minlength=len(start))
+    r_col, kind, dur = cols[0], cols[3], seg["dur_ns"].to_numpy()
+    del cols
+    hops = np.bincount(blk[(kind == K_WAIT) & (dur == 0)], minlength=len(start))
     rank_ids = np.unique(r_col)
     on = np.unique(blk[dur > 0] * len(rank_ids) + np.searchsorted(rank_ids, r_col[dur > 0]))
     on_at = np.searchsorted(on // max(len(rank_ids), 1), np.arange(len(start) + 1))
     on_rank = rank_ids[on % max(len(rank_ids), 1)].tolist() if len(on) else []
     step_rows = [{"step": n, "start_ns": t0_of[where[n]], "end_ns": t1_of[where[n]],
-                  "span_ns": t1_of[where[n]] - t0_of[where[n]], "end_rank": int(rank_all[last_of[where[n]]]),
+                  "span_ns": t1_of[where[n]] - t0_of[where[n]], "end_rank": int(end_rank[j]),
                   "segments": int(size[j]), "hops": int(hops[j]), "ranks": [int(x) for x in on_rank[on_at[j]:on_at[j + 1]]]}
                  for j, n in enumerate(steps)]
     return CriticalPath(seg, pd.DataFrame(step_rows, columns=STEP_COLUMNS), notes=notes)
 
 
-def _segment_frame(rec: np.ndarray, blk: np.ndarray, steps: np.ndarray, gpu: pd.DataFrame, families: dict[str, int],
-                   stages: dict[int, tuple[np.ndarray, np.ndarray, list[str]]]) -> pd.DataFrame:
-    """SEGMENT_COLUMNS from the walk's records (`rec`: rank, start, end, kind, what, row, to_rank; `blk`: each
+def _ints(x: np.ndarray) -> array:
+    """An integer array as array('q'): indexed from Python as fast as a list, 8 bytes an element."""
+    out = array("q")
+    out.frombytes(np.ascontiguousarray(x, dtype=np.int64).tobytes())
+    return out
+
+
+def _segment_frame(cols: list[np.ndarray], blk: np.ndarray, steps: np.ndarray, gpu: pd.DataFrame,
+                   families: dict[str, int], stages: dict[int, tuple[np.ndarray, np.ndarray, list[str]]]) -> pd.DataFrame:
+    """SEGMENT_COLUMNS from the walk's records (`cols`: rank, start, end, kind, what, row, to_rank; `blk`: each
     record's index in `steps`): the text columns from codes, each compute segment's stage (`_stage_label`, or the
     pipeline action running at its midpoint on its rank) computed once per distinct value."""
-    r_col, lo, hi, kind, what, row, to_rank = (rec[:, i] for i in range(_WIDTH))
+    r_col, lo, hi, kind, what, row, to_rank = cols
     has_row = row >= 0
     at = np.where(has_row, row, 0)
     cat_codes, cats = _codes(gpu["category"])
@@ -576,7 +590,7 @@ def _segment_frame(rec: np.ndarray, blk: np.ndarray, steps: np.ndarray, gpu: pd.
     op_codes = np.where(has_row, top_codes[at], len(tops) - 1)  # (the last string is "")
     stage_strings: list[str] = [""]
     intern: dict[str, int] = {"": 0}
-    stage_codes = np.zeros(len(rec), np.int64)
+    stage_codes = np.zeros(len(kind), np.int64)
     comp = np.flatnonzero(kind == _K["compute"])
     if len(comp):
         pair = path_codes[at[comp]] * len(tops) + top_codes[at[comp]]
@@ -596,12 +610,18 @@ def _segment_frame(rec: np.ndarray, blk: np.ndarray, steps: np.ndarray, gpu: pd.
             stage_codes[comp[mine[ok]]] = lab_codes[k[ok]]
         stage_strings = list(intern)
     lab_arr = gpu.index.to_numpy().astype(np.int64)
-    return pd.DataFrame({
-        "step": steps[blk], "rank": r_col, "start_ns": lo, "end_ns": hi, "dur_ns": hi - lo,
-        "kind": _text_column(kind, list(KINDS)), "what": _text_column(what_codes, what_strings),
-        "op": _text_column(op_codes, tops), "stage": _text_column(stage_codes, stage_strings),
-        "to_rank": to_rank, "gpu_row": np.where(has_row, lab_arr[at] if len(lab_arr) else -1, -1),
-    })
+    gpu_row = np.where(has_row, lab_arr[at] if len(lab_arr) else -1, -1)
+    del at, has_row
+    text = {"kind": _text_column(kind, list(KINDS))}
+    text["what"] = _text_column(what_codes, what_strings)
+    del what_codes
+    text["op"] = _text_column(op_codes, tops)
+    del op_codes
+    text["stage"] = _text_column(stage_codes, stage_strings)
+    del stage_codes
+    # copy=False: the columns are this frame's own (no second, consolidated copy of the int columns)
+    return pd.DataFrame({"step": steps[blk], "rank": r_col, "start_ns": lo, "end_ns": hi, "dur_ns": hi - lo,
+                         **text, "to_rank": to_rank, "gpu_row": gpu_row}, columns=SEGMENT_COLUMNS, copy=False)
 
 
 def critical_path_of(analysis, step: int | None = None, *, instances: pd.DataFrame | None = None,
