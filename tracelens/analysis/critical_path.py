@@ -67,11 +67,14 @@ class CriticalPath:
     # summary read (summary.json, the findings and the report each ask), built once
     _timed: pd.DataFrame | None = field(default=None, init=False, repr=False, compare=False)
     _by_rank: pd.DataFrame | None = field(default=None, init=False, repr=False, compare=False)
+    _by_cause: pd.DataFrame | None = field(default=None, init=False, repr=False, compare=False)
 
     def _caused(self) -> pd.DataFrame:
+        """The segments with a duration: their rank, duration and cause (the columns by_cause and by_rank read)."""
         if self._timed is None:
-            seg = self.segments[self.segments["dur_ns"] > 0]
-            self._timed = seg.assign(cause=_cause(seg)) if len(seg) else seg
+            seg = self.segments.loc[self.segments["dur_ns"].to_numpy() > 0, ["rank", "dur_ns", "kind", "what"]]
+            self._timed = (seg.assign(cause=_cause(seg)) if len(seg) else seg.assign(cause=seg["kind"]))[
+                ["rank", "dur_ns", "cause"]]
         return self._timed
 
     @property
@@ -86,13 +89,16 @@ class CriticalPath:
         """Time on the path by cause over the steps: compute per kernel category, transfer per collective family,
         idle per cause; ``share`` of the summed spans."""
         cols = ["cause", "ns", "share", "segments"]
+        if self._by_cause is not None:
+            return self._by_cause.copy()
         seg = self._caused()
         if seg.empty:
             return pd.DataFrame(columns=cols)
         out = seg.groupby("cause", sort=False).agg(ns=("dur_ns", "sum"), segments=("dur_ns", "size"))
         out = out.reset_index().sort_values("ns", ascending=False, kind="stable", ignore_index=True)
         out["share"] = out["ns"] / max(self.span_ns, 1)
-        return out[cols]
+        self._by_cause = out[cols]
+        return self._by_cause.copy()
 
     def by_rank(self) -> pd.DataFrame:
         """Per rank: time on the path, its share, and the cause holding most of that rank's segments."""
