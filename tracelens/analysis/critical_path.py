@@ -119,7 +119,8 @@ class CriticalPath:
 
     def hops(self) -> pd.DataFrame:
         """The hand-offs the path follows: per (from_rank, to_rank), how many."""
-        w = self.segments[(self.segments["kind"] == "wait") & (self.segments["dur_ns"] == 0)]
+        seg = self.segments
+        w = seg.loc[((seg["kind"] == "wait") & (seg["dur_ns"] == 0)).to_numpy(), ["rank", "to_rank"]]
         if w.empty:
             return pd.DataFrame(columns=["from_rank", "to_rank", "count"])
         out = w.groupby(["rank", "to_rank"]).size().reset_index(name="count")
@@ -127,7 +128,8 @@ class CriticalPath:
 
     def top_ops(self, n: int = 8) -> pd.DataFrame:
         """The launching ops with the most compute on the path (with their stage)."""
-        c = self.segments[(self.segments["kind"] == "compute") & (self.segments["dur_ns"] > 0)]
+        seg = self.segments
+        c = seg.loc[((seg["kind"] == "compute") & (seg["dur_ns"] > 0)).to_numpy(), ["op", "stage", "dur_ns"]]
         if c.empty:
             return pd.DataFrame(columns=["op", "stage", "ns", "share"])
         out = c.groupby(["op", "stage"], sort=False)["dur_ns"].sum().sort_values(ascending=False, kind="stable").head(n)
@@ -145,7 +147,7 @@ class CriticalPath:
         if row.empty:
             return None
         r = row.iloc[0]
-        seg = self.segments[self.segments["rank"] == rank]
+        seg = self.segments.loc[(self.segments["rank"] == rank).to_numpy(), ["kind", "dur_ns", "op", "stage", "to_rank"]]
         comp = seg[(seg["kind"] == "compute") & (seg["dur_ns"] > 0)]
         top = comp.groupby(["op", "stage"], sort=False)["dur_ns"].sum().sort_values(ascending=False, kind="stable").head(3)
         waited = seg[(seg["kind"] == "wait") & (seg["dur_ns"] == 0)]["to_rank"].value_counts()
@@ -221,10 +223,14 @@ class CriticalPath:
 
 
 def _cause(seg: pd.DataFrame) -> pd.Series:
-    """A segment's cause label: 'compute: GEMM', 'transfer: all_to_all', 'launch-bound', ..."""
-    kind = seg["kind"].astype(str)
-    what = seg["what"].astype(str)
-    return kind.where(~kind.isin(["compute", "transfer", "comm"]), kind + ": " + what)
+    """A segment's cause label: 'compute: GEMM', 'transfer: all_to_all', 'launch-bound', ... (made once per distinct
+    (kind, what) pair: a 2 GB trace's path has millions of segments and a few dozen pairs)."""
+    kind, kinds = pd.factorize(seg["kind"].astype(str))
+    what, whats = pd.factorize(seg["what"].astype(str))
+    pair, inv = np.unique(kind.astype(np.int64) * len(whats) + what, return_inverse=True)
+    labels = [k if k not in ("compute", "transfer", "comm") else f"{k}: {whats[p % len(whats)]}"
+              for k, p in ((str(kinds[p // len(whats)]), p) for p in pair.tolist())]
+    return pd.Series(_text_column(inv.reshape(-1), labels), index=seg.index)
 
 
 def unavailable(problem: str) -> CriticalPath:
@@ -381,7 +387,10 @@ def _text_column(codes: np.ndarray, strings: list[str]) -> Any:
         import pyarrow as pa
 
         values = pa.DictionaryArray.from_arrays(pa.array(codes, pa.int32()), pa.array(strings, pa.large_string()))
-        return pd.array(values.cast(pa.large_string()), dtype=dtype)
+        out = pd.array(values.cast(pa.large_string()), dtype=dtype)
+        del values
+        pa.default_memory_pool().release_unused()  # the codes' and the dictionary's buffers, kept by Arrow's pool
+        return out
     return np.array(strings, dtype=object)[codes]
 
 
@@ -555,7 +564,7 @@ def critical_path(gpu: pd.DataFrame, instances: pd.DataFrame, syncs: pd.DataFram
     order = start[blk]
     order += order + size[blk] - 1 - np.arange(len(rec))  # each step's segments in time order (the walk: latest first)
     cols = [rec[:, i][order] for i in range(_WIDTH)]
-    del rec, buf, order
+    del rec, buf, emit, order  # (`emit`, bound to the buffer, would keep it)
     seg = _segment_frame(cols, blk, np.asarray(steps, dtype=np.int64), gpu, families, stages)
     # per step: the hand-offs followed (zero-length waits) and the ranks with time on the path
     r_col, kind, dur = cols[0], cols[3], seg["dur_ns"].to_numpy()
