@@ -13,35 +13,46 @@ traceback, never a half-written report beside a fresh summary.json.
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import shutil
 import tempfile
+from functools import partial
 from pathlib import Path
+from typing import Any
 
 import pandas as pd
 
 from tracelens.analyzer import Analysis
 from tracelens.errors import TraceError
 
-from .html import render
+from .html import page_parts, render
 
 
 def write_tables(analysis: Analysis, out: Path, formats: tuple[str, ...] = ("parquet", "csv")) -> list[Path]:
     tables_dir = out / "tables"
     tables_dir.mkdir(parents=True, exist_ok=True)
     written = []
+    for name, data in table_files(analysis, formats).items():
+        p = tables_dir / name
+        p.write_bytes(data)
+        written.append(p)
+    return written
+
+
+def table_files(analysis: Analysis, formats: tuple[str, ...] = ("parquet", "csv")) -> dict[str, bytes]:
+    """Every analysis table as the bytes of its files (NAME.parquet, NAME.csv), in the order they are written."""
+    files: dict[str, bytes] = {}
     for name, df in analysis.tables().items():
         df = _plain(df)
         if "parquet" in formats:
-            p = tables_dir / f"{name}.parquet"
-            df.to_parquet(p, index=False)
-            written.append(p)
+            buf = io.BytesIO()
+            df.to_parquet(buf, index=False)
+            files[f"{name}.parquet"] = buf.getvalue()
         if "csv" in formats:
-            p = tables_dir / f"{name}.csv"
-            df.to_csv(p, index=False)
-            written.append(p)
-    return written
+            files[f"{name}.csv"] = df.to_csv(index=False).encode("utf-8")
+    return files
 
 
 def _plain(df: pd.DataFrame) -> pd.DataFrame:
@@ -53,6 +64,12 @@ def _plain(df: pd.DataFrame) -> pd.DataFrame:
     return out
 
 
+def _outputs(analysis: Analysis, report: bool, tables: bool) -> tuple[dict[str, Any] | None, dict[str, bytes] | None]:
+    """What `write_all` has built beside the summary (`Analysis.summary_with`): the page's parts that read only
+    the base tables and the offloaded entries, and the tables' files."""
+    return (page_parts(analysis) if report else None), (table_files(analysis) if tables else None)
+
+
 def _write_error(out: Path, e: OSError) -> TraceError:
     where = f" ({e.filename})" if getattr(e, "filename", None) else ""
     return TraceError(out, f"cannot write the output: {e.strerror or e}{where}; nothing was written")
@@ -61,9 +78,15 @@ def _write_error(out: Path, e: OSError) -> TraceError:
 def write_all(analysis: Analysis, out: str | os.PathLike, *, report: bool = True, tables: bool = True,
               title: str | None = None) -> dict[str, Path]:
     out = Path(out)
-    # everything that can fail (the analysis' own summary, the HTML, the tables) runs before any write
-    summary_text = json.dumps(analysis.summary(), indent=2)
-    html = render(analysis, title) if report else None
+    # everything that can fail (the analysis' own summary, the HTML, the tables) runs before any write. The
+    # tables' files and the parts of the page that do not wait for the summary's longest chain (the critical path,
+    # the findings, the MoE view) are built beside it, on a second CPU where there is one (tracelens.offload)
+    if isinstance(analysis, Analysis):
+        summary, (parts, files) = analysis.summary_with(partial(_outputs, report=report, tables=tables))
+    else:  # the many-rank path's result (tracelens.scale): its own summary, no report
+        summary, parts, files = analysis.summary(), None, None
+    summary_text = json.dumps(summary, indent=2)
+    html = render(analysis, title, parts) if report else None
     try:
         out.mkdir(parents=True, exist_ok=True)
         stage = Path(tempfile.mkdtemp(dir=out, prefix=".tracelens-staging-"))
@@ -72,7 +95,9 @@ def write_all(analysis: Analysis, out: str | os.PathLike, *, report: bool = True
     try:
         (stage / "summary.json").write_text(summary_text, encoding="utf-8")
         if tables:
-            write_tables(analysis, stage)
+            (stage / "tables").mkdir()
+            for name, data in (files if files is not None else table_files(analysis)).items():
+                (stage / "tables" / name).write_bytes(data)
         if html is not None:
             (stage / "report.html").write_text(html, encoding="utf-8")
         # commit: the tables first, summary.json and report.html last (a reader polling for

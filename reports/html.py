@@ -96,58 +96,51 @@ def _run_name(trace) -> str:
     return os.path.basename(common) or "trace"
 
 
-def render(analysis: Analysis, title: str | None = None) -> str:
+_TL_COLS = [("rank", "rank", "num"), ("span_us", "span µs", "num"), ("gpu_busy_us", "busy µs", "num"),
+            ("gpu_idle_us", "idle µs", "num"), ("compute_us", "compute µs", "num"), ("comm_us", "comm µs", "num"),
+            ("exposed_comm_us", "exposed comm µs", "num"), ("comm_wait_us", "comm wait µs", "num"),
+            ("pipeline_wait_us", "pipeline wait µs", "num"), ("memcpy_us", "memcpy µs", "num"),
+            ("memset_us", "memset µs", "num"), ("kernel_count", "kernels", "num")]
+
+
+def page_parts(analysis: Analysis) -> dict[str, Any]:
+    """The parts of the page that read only the analysis' base tables and its entries declared `offload` (the
+    roofline, the step decomposition): the timeline, category and breakdown figures, the tables of ops, kernels,
+    top-level ops and annotations, the roofline, decomposition and pipeline sections, and plotly.js packed.
+    `render` builds them when not given them; `reports.artifacts.write_all` has them built beside the summary's
+    other entries (`Analysis.summary_with`, in a forked child on a second CPU). Plain data (strings, dicts,
+    lists): the same wherever it is built."""
     a = analysis
-    trace = a.trace
     has_gpu = a.has_gpu
-    devices = sorted({r.device_name for r in trace.ranks if r.device_name})
-    title = title or f"tracelens report: {_run_name(trace)}"
-    overview = [
-        ("ranks", ", ".join(str(r) for r in trace.rank_ids)),
-        ("devices", ", ".join(devices) or "–"),
-        ("files", "; ".join(r.path for r in trace.ranks[:8]) + (" …" if len(trace.ranks) > 8 else "")),
-        ("events", f"{len(trace.events):,} timed, {len(a.gpu):,} on GPU"),
-        ("profiler steps", ", ".join(str(s) for s in sorted(a.steps["step"].unique().tolist())) or "not marked"),
-        ("figures over", a.window.describe() if getattr(a, "window", None) is not None else "whole profiled window"),
-    ]
-    figures: dict[str, Any] = {}
-    timeline_table = step_table = ""
-    tl_cols = [("rank", "rank", "num"), ("span_us", "span µs", "num"), ("gpu_busy_us", "busy µs", "num"),
-               ("gpu_idle_us", "idle µs", "num"), ("compute_us", "compute µs", "num"), ("comm_us", "comm µs", "num"),
-               ("exposed_comm_us", "exposed comm µs", "num"), ("comm_wait_us", "comm wait µs", "num"),
-               ("pipeline_wait_us", "pipeline wait µs", "num"), ("memcpy_us", "memcpy µs", "num"),
-               ("memset_us", "memset µs", "num"), ("kernel_count", "kernels", "num")]
+    head: dict[str, Any] = {}  # the figures before the MoE view's, in page order
+    out: dict[str, Any] = {"timeline_table": "", "step_table": ""}
     if has_gpu:
-        figures["plot-timeline"] = timeline_figure(a.timeline)
-        figures["plot-categories"] = category_figure(a.categories)
-        timeline_table = html_table(a.timeline, tl_cols)
+        head["plot-timeline"] = timeline_figure(a.timeline)
+        head["plot-categories"] = category_figure(a.categories)
+        out["timeline_table"] = html_table(a.timeline, _TL_COLS)
         if not a.step_timeline.empty:
-            step_table = html_table(a.step_timeline, [tl_cols[0], ("step", "step", "num")] + tl_cols[1:]
-                                    + [("startup_wait_us", "start-up wait µs", "num"), ("steady", "steady state", "text")])
+            out["step_table"] = html_table(a.step_timeline, [_TL_COLS[0], ("step", "step", "num")] + _TL_COLS[1:]
+                                           + [("startup_wait_us", "start-up wait µs", "num"),
+                                              ("steady", "steady state", "text")])
     if not a.breakdown.empty:
-        figures["plot-breakdown"] = breakdown_figure(a.breakdown)
-    extra = _deep_sections(a)
+        head["plot-breakdown"] = breakdown_figure(a.breakdown)
+    out["roofline"] = _roofline_section(a) if has_gpu else {}
     decomp = decomposition_context(a)  # never raises: a failure is one line
     if decomp.get("decomp_figure"):
-        figures["plot-decomposition"] = decomp["decomp_figure"]
-    if extra.get("roofline_figure"):
-        figures["plot-roofline"] = extra.pop("roofline_figure")
-    moe = _moe_section(a)
-    if moe is not None:
-        figures.update(moe.pop("figures"))
-    pipeline = None
+        head["plot-decomposition"] = decomp["decomp_figure"]
+    out["decomposition"] = {k: v for k, v in decomp.items() if k != "decomp_figure"}
+    if out["roofline"].get("roofline_figure"):
+        head["plot-roofline"] = out["roofline"].pop("roofline_figure")
+    out["figures"] = head
+    out["pipeline"] = None
     if getattr(a, "pipeline", None) is not None:  # run dir with pipeline data: reports/pipeline.py
-        pipeline = pipeline_context(a.pipeline)
-        figures.update(pipeline.pop("figures"))
-    critpath = critpath_context(a)  # never raises: bad input is its one-line problem
-    if critpath and critpath.get("figure"):
-        figures["plot-critpath"] = critpath.pop("figure")
+        out["pipeline"] = pipeline_context(a.pipeline)
     ops_cols = [("op", "op", "name"), ("input_dims", "input dims", "name"), ("count", "count", "num"),
                 ("gpu_total_us", "GPU µs", "num"), ("gpu_mean_us", "GPU mean µs", "num"),
                 ("pct_gpu_busy", "% GPU busy", "pct"), ("kernels", "kernels", "num"),
                 ("cpu_total_us", "CPU µs", "num"), ("cpu_self_us", "CPU self µs", "num")]
     ops = a.ops if has_gpu else a.ops.sort_values("cpu_self_us", ascending=False)
-    host_tables = {} if has_gpu else _host_sections(a)
+    out["host_tables"] = {} if has_gpu else _host_sections(a)
     if not has_gpu:  # GPU columns are all zero on a CPU-only trace: leave them out
         ops_cols = [c for c in ops_cols if not c[0].startswith(("gpu_", "pct_gpu")) and c[0] != "kernels"]
     kern_cols = [("kernel", "kernel", "kernel"), ("op", "launched by", "name"), ("category", "category", "text"),
@@ -160,29 +153,65 @@ def render(analysis: Analysis, title: str | None = None) -> str:
     if not has_gpu:
         top_cols = [c for c in top_cols if c[0] not in ("gpu_total_us", "kernels")]
         ann_cols = [c for c in ann_cols if c[0] not in ("gpu_total_us", "kernels")]
+    out["ops_table"] = html_table(ops, ops_cols)
+    out["annotations_table"] = html_table(a.annotations, ann_cols) if not a.annotations.empty else ""
+    out["kernels_table"] = html_table(a.kernels, kern_cols) if has_gpu else ""
+    out["top_ops_table"] = html_table(a.top_ops, top_cols)
+    out["plotly_packed"] = plotly_js_packed()
+    return out
+
+
+def render(analysis: Analysis, title: str | None = None, parts: dict[str, Any] | None = None) -> str:
+    """report.html's text. parts: `page_parts(analysis)` built elsewhere (built here when None)."""
+    a = analysis
+    p = page_parts(a) if parts is None else parts
+    trace = a.trace
+    has_gpu = a.has_gpu
+    devices = sorted({r.device_name for r in trace.ranks if r.device_name})
+    title = title or f"tracelens report: {_run_name(trace)}"
+    overview = [
+        ("ranks", ", ".join(str(r) for r in trace.rank_ids)),
+        ("devices", ", ".join(devices) or "–"),
+        ("files", "; ".join(r.path for r in trace.ranks[:8]) + (" …" if len(trace.ranks) > 8 else "")),
+        ("events", f"{len(trace.events):,} timed, {len(a.gpu):,} on GPU"),
+        ("profiler steps", ", ".join(str(s) for s in sorted(a.steps["step"].unique().tolist())) or "not marked"),
+        ("figures over", a.window.describe() if getattr(a, "window", None) is not None else "whole profiled window"),
+    ]
+    figures: dict[str, Any] = dict(p["figures"])
+    extra = {**_deep_sections(a), **p["roofline"]}
+    moe = _moe_section(a)
+    if moe is not None:
+        figures.update(moe.pop("figures"))
+    pipeline = None
+    if p["pipeline"] is not None:
+        pipeline = dict(p["pipeline"])
+        figures.update(pipeline.pop("figures"))
+    critpath = critpath_context(a)  # never raises: bad input is its one-line problem
+    if critpath and critpath.get("figure"):
+        figures["plot-critpath"] = critpath.pop("figure")
     return template_env().get_template("report.html").render(
         **extra,
-        **{k: v for k, v in decomp.items() if k != "decomp_figure"},
+        **p["decomposition"],
         title=title,
         subtitle=f"{len(trace.ranks)} rank(s) · {', '.join(devices) or 'no GPU'}",
         version=version(),
-        plotly_packed=plotly_js_packed(),
+        plotly_packed=p["plotly_packed"],
         warnings=a.warnings,
         verdict=verdict_context(a),  # never raises: no verdict is its one line
         health=_health_context(a),
         overview=overview,
         has_gpu=has_gpu,
-        timeline_table=timeline_table,
-        step_table=step_table,
+        timeline_table=p["timeline_table"],
+        step_table=p["step_table"],
         breakdown_note=("GPU time by record_function / module path, top-level op, op and kernel." if has_gpu
                         else "CPU self time of ops by record_function / module path and top-level op (no GPU events)."),
         ops_note="" if has_gpu else "No GPU events: sorted by CPU self time.",
         kernels_note="",
-        ops_table=html_table(ops, ops_cols),
-        annotations_table=html_table(a.annotations, ann_cols) if not a.annotations.empty else "",
-        **host_tables,
-        kernels_table=html_table(a.kernels, kern_cols) if has_gpu else "",
-        top_ops_table=html_table(a.top_ops, top_cols),
+        ops_table=p["ops_table"],
+        annotations_table=p["annotations_table"],
+        **p["host_tables"],
+        kernels_table=p["kernels_table"],
+        top_ops_table=p["top_ops_table"],
         pipeline=pipeline,
         critpath=critpath,
         moe=moe,
@@ -200,19 +229,6 @@ def _deep_sections(a: Analysis) -> dict:
     out["findings"] = [dict(f, sentence=finding_sentence(f)) for f in a.findings()]  # evidence in words
     if not a.has_gpu:
         return out
-    from . import roofline as RR
-
-    r = a.roofline()
-    if not r.table.empty:
-        out["roofline_figure"] = RR.roofline_figure(r.table, r.ceilings)
-        out["roofline_table"] = html_table(r.table, RR.roofline_table_columns(r.table))
-        s = r.summary()
-        share = s.get("modeled_share")  # None when there is no non-communication GPU time (all durations 0)
-        out["roofline_note"] = ((f"{100 * share:.0f}% of non-communication GPU time is in modeled ops. "
-                                 if share is not None else "No non-communication GPU time to model. ")
-                                + " ".join(r.notes() + r.warnings))
-    if not r.unmodeled.empty:
-        out["roofline_unmodeled"] = html_table(r.unmodeled, RR.unmodeled_table_columns())
     comm = CM.comm_report(a)  # what `tracelens comm` shows
     if not comm.empty:
         out["comm_table"] = html_table(comm.summary, [("rank", "rank", "num"), ("collective", "collective", "text"),
@@ -246,6 +262,25 @@ def _deep_sections(a: Analysis) -> dict:
         ("rank", "rank", "num"), ("kernels", "kernels", "num"), ("launch_p50_us", "launch latency p50 µs", "num"),
         ("launch_p90_us", "p90 µs", "num"), ("small_kernels", "small kernels", "num"), ("small_share", "small share", "num"),
         ("small_time_share", "small time share", "num")])
+    return out
+
+
+def _roofline_section(a: Analysis) -> dict:
+    """The roofline section: its figure (when an op group is modeled), tables and note."""
+    from . import roofline as RR
+
+    out: dict = {}
+    r = a.roofline()
+    if not r.table.empty:
+        out["roofline_figure"] = RR.roofline_figure(r.table, r.ceilings)
+        out["roofline_table"] = html_table(r.table, RR.roofline_table_columns(r.table))
+        s = r.summary()
+        share = s.get("modeled_share")  # None when there is no non-communication GPU time (all durations 0)
+        out["roofline_note"] = ((f"{100 * share:.0f}% of non-communication GPU time is in modeled ops. "
+                                 if share is not None else "No non-communication GPU time to model. ")
+                                + " ".join(r.notes() + r.warnings))
+    if not r.unmodeled.empty:
+        out["roofline_unmodeled"] = html_table(r.unmodeled, RR.unmodeled_table_columns())
     return out
 
 

@@ -14,8 +14,9 @@ window="all")` gives the whole profiled window, and `a.timeline_all` always hold
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import InitVar, dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 import pandas as pd
@@ -32,6 +33,7 @@ if TYPE_CHECKING:
     from .analysis.steps import StepWindow
 
 SUMMARY_SCHEMA = 2
+T = TypeVar("T")
 
 
 _BASE = ("trace", "tree", "gpu", "steps", "timeline", "step_timeline", "ops", "kernels", "categories", "top_ops",
@@ -351,12 +353,21 @@ class Analysis:
 
     def summary(self) -> dict[str, Any]:
         """The documented machine interface (docs/summary-json.md)."""
+        return self.summary_with(None)[0]
+
+    def summary_with(self, beside: Callable[[Analysis], T] | None) -> tuple[dict[str, Any], T | None]:
+        """The summary, and ``beside(self)``: work that reads only the base tables and the entries declared
+        `offload` (the report's tables and figures, the tables' files: `reports.artifacts.write_all`). Both run
+        in one forked child on a second CPU while this process computes the summary's other entries (the
+        collective instances, the critical path, the findings, the MoE view: the longest chain), with the values
+        they would have here (tracelens.offload); without a child, `beside` runs here after them."""
         # the entries declared `offload` (independent of findings and health, which share the collective
         # instances): on a second CPU they run beside them (tracelens.offload), with the values they
         # would have here
         wanted = ["roofline", "decomposition"] if self.has_gpu else ["decomposition"]
         away = [n for n in wanted if DERIVED[n].offload and n not in self.derived]
-        task = offload.submit(self.derived.compute, away, events=len(self.trace.events)) if away else None
+        task = (offload.submit(_away, self, away, beside, events=len(self.trace.events))
+                if away or beside is not None else None)
         core = summary_core(self.trace, self.window, self.timeline,
                             self.timeline_all if self.timeline_all is not None else self.timeline,
                             self.step_timeline, self.categories)
@@ -364,8 +375,12 @@ class Analysis:
         add_comm_kernel_waits(core["ranks"], self.comm_waits() if cross else None, self.window)
         findings = self.findings()
         health = _health_summary(self)
-        if task is not None:
-            for name, value in task.result().items():
+        critical_path = self.critical_path().summary()
+        moe = self.moe().summary()
+        extra = None
+        if task is not None:  # the verdict reads the decomposition
+            values, extra = task.result()
+            for name, value in values.items():
                 if name not in self.derived:
                     self.derived.put(name, value)
         return {
@@ -375,10 +390,17 @@ class Analysis:
             "warnings": list(self.warnings),
             "health": health,
             "decomposition": _decomposition_summary(self),
-            "critical_path": self.critical_path().summary(),
-            "moe": self.moe().summary(),
+            "critical_path": critical_path,
+            "moe": moe,
             "verdict": _verdict_summary(self),
-        }
+        }, extra
+
+
+def _away(a: Analysis, names: list[str], beside: Callable[[Analysis], Any] | None) -> tuple[dict[str, Any], Any]:
+    """What `Analysis.summary_with` offloads: the outcomes of the entries `names`, then `beside(a)` (which may
+    read them)."""
+    values = a.derived.compute(names)
+    return values, beside(a) if beside is not None else None
 
 
 def summary_text(result: Any) -> str:

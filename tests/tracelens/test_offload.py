@@ -254,6 +254,32 @@ def test_summary_and_tables_equal_with_the_child(path, monkeypatch):
     assert (a1.pipeline is None) == (a0.pipeline is None)
 
 
+@linux
+@pytest.mark.parametrize("path", [
+    FX / "h200_pp2_run" / "1f1b",  # the pipeline section among the parts built in the child
+    FX / "h200_ep2_run" / "L0_loop",  # two ranks: communication sections in the parent
+    FX / "cpu_tiny",  # no GPU: the host tables among the parts
+])
+def test_outputs_byte_identical_with_the_child(path, monkeypatch, tmp_path):
+    """`tracelens analyze`'s outputs: the tables' files and the page parts built in the summary's child
+    (`Analysis.summary_with`) give the very bytes the parent alone writes."""
+    from reports.artifacts import write_all
+
+    if not path.exists():
+        pytest.skip(f"{path} missing")
+    out = {}
+    for mode in ("0", "1"):
+        monkeypatch.setenv("TRACELENS_OFFLOAD", mode)
+        a = tracelens.analyze(tracelens.load(path, cache=False, progress=False))
+        written = write_all(a, tmp_path / mode)
+        assert "report" in written and "tables" in written
+        out[mode] = {str(f.relative_to(tmp_path / mode)): f.read_bytes()
+                     for f in sorted((tmp_path / mode).rglob("*")) if f.is_file()}
+    assert out["1"].keys() == out["0"].keys() and len(out["0"]) > 3
+    for name, data in out["0"].items():
+        assert out["1"][name] == data, name
+
+
 def test_has_pipeline_data_decides_like_the_analysis(tmp_path):
     """The cheap test `analyze` uses to decide whether the pipeline account is worth a child agrees with
     the account itself: data found exactly when `pipeline_for_trace` returns one."""

@@ -39,6 +39,7 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import pandas as pd
@@ -397,19 +398,28 @@ def align(ref_fam, ref_size, ref_end, q_fam, q_size, q_end) -> list[tuple[int, i
     return pairs[::-1]
 
 
-def _match_chunk(items: dict[int, pd.DataFrame]) -> list[dict[int, int]]:
+class _Seq(NamedTuple):
+    """One rank's comm kernels of a chunk, in (ts, row) order: row labels, family codes, size keys, ends."""
+
+    labels: np.ndarray
+    fam: np.ndarray
+    key: np.ndarray
+    end: np.ndarray
+
+
+def _match_chunk(items: dict[int, _Seq]) -> list[dict[int, int]]:
     """Progressive alignment of several ranks' sequences (one process group, one step): the rank with
     the most instances first, every other rank aligned to the instances gathered so far. Returns the
     instances in order, each as {rank: row label in the comm-kernel table}."""
-    order = sorted(items, key=lambda r: (-len(items[r]), r))
+    order = sorted(items, key=lambda r: (-len(items[r].labels), r))
     first = items[order[0]]
-    members = [{order[0]: lbl} for lbl in first.index]
-    fam = first["fam"].to_numpy().copy()
-    size = first["key"].to_numpy().copy()
-    end = first["end"].to_numpy().copy()
+    members = [{order[0]: lbl} for lbl in first.labels.tolist()]
+    fam = first.fam.copy()
+    size = first.key.copy()
+    end = first.end.copy()
     for r in order[1:]:
         q = items[r]
-        qf, qs, qe = q["fam"].to_numpy(), q["key"].to_numpy(), q["end"].to_numpy()
+        qf, qs, qe = q.fam, q.key, q.end
         if len(fam) == len(qf) and (fam == qf).all() and ((size < 0) | (qs < 0) | (size == qs)).all():
             pairs = [(i, i) for i in range(len(qf))]  # the common case: the same sequence on every rank
         elif len(fam) * len(qf) > _MAX_DP_CELLS:
@@ -419,7 +429,7 @@ def _match_chunk(items: dict[int, pd.DataFrame]) -> list[dict[int, int]]:
         # merge: consensus entries and q's unmatched ones, in sequence order
         new_members, nf, ns, ne = [], [], [], []
         ci = qj = 0
-        labels = q.index.to_numpy()
+        labels = q.labels.tolist()
         for a, b in pairs + [(len(fam), len(qf))]:
             while ci < a:
                 new_members.append(members[ci]); nf.append(fam[ci]); ns.append(size[ci]); ne.append(end[ci]); ci += 1
@@ -518,9 +528,23 @@ def match_instances(kern: pd.DataFrame, window_start: pd.Series, trace) -> pd.Da
     kern["key"] = np.where(kern["variable"].to_numpy() | (kern["bytes"].to_numpy() <= 0), -1, kern["bytes"].to_numpy())
     expected = expected_ranks(kern, trace)
     entries = []  # (group, peers, chunk start, position, members)
-    for (group, peers, step), chunk in kern.groupby(["group", "peers", "step"], sort=False):
-        items = {int(r): g.sort_values(["ts", "row"]) for r, g in chunk.groupby("rank")}
-        t0 = int(chunk["ts"].min())
+    # the chunks, each (group, peers, step) in order of appearance, and in each its ranks' kernels by (ts, row): one
+    # sort of the table, then slices (a trace of many steps has thousands of chunks)
+    chunk = kern.groupby(["group", "peers", "step"], sort=False).ngroup().to_numpy()
+    keep = np.flatnonzero(chunk >= 0)  # (a missing key is in no chunk, as groupby leaves it out)
+    rank_col = kern["rank"].to_numpy().astype(np.int64)
+    ts_col = kern["ts"].to_numpy()
+    order = keep[np.lexsort((kern["row"].to_numpy()[keep], ts_col[keep], rank_col[keep], chunk[keep]))]
+    labels, fam, key, end = kern.index.to_numpy()[order], *(kern[c].to_numpy()[order] for c in ("fam", "key", "end"))
+    c_sorted, r_sorted = chunk[order], rank_col[order]
+    bounds = np.flatnonzero(np.diff(c_sorted) != 0) + 1
+    c_start, c_end = np.append(0, bounds), np.append(bounds, len(order))
+    names = kern[["group", "peers"]].to_numpy()[order]
+    for a, b in zip(c_start.tolist(), c_end.tolist()):
+        rb = (np.flatnonzero(np.diff(r_sorted[a:b]) != 0) + 1 + a).tolist()
+        items = {int(r_sorted[i]): _Seq(labels[i:j], fam[i:j], key[i:j], end[i:j]) for i, j in zip([a, *rb], [*rb, b])}
+        t0 = int(ts_col[order[a:b]].min())
+        group, peers = names[a]
         for pos, mem in enumerate(_match_chunk(items)):
             entries.append((group, peers, t0, pos, mem))
     entries.sort(key=lambda e: (e[0], e[1], e[2], e[3]))

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import json
 import re
+from array import array
 from bisect import bisect_left, bisect_right
 from dataclasses import dataclass, field
 from typing import Any
@@ -66,11 +67,14 @@ class CriticalPath:
     # summary read (summary.json, the findings and the report each ask), built once
     _timed: pd.DataFrame | None = field(default=None, init=False, repr=False, compare=False)
     _by_rank: pd.DataFrame | None = field(default=None, init=False, repr=False, compare=False)
+    _by_cause: pd.DataFrame | None = field(default=None, init=False, repr=False, compare=False)
 
     def _caused(self) -> pd.DataFrame:
+        """The segments with a duration: their rank, duration and cause (the columns by_cause and by_rank read)."""
         if self._timed is None:
-            seg = self.segments[self.segments["dur_ns"] > 0]
-            self._timed = seg.assign(cause=_cause(seg)) if len(seg) else seg
+            seg = self.segments.loc[self.segments["dur_ns"].to_numpy() > 0, ["rank", "dur_ns", "kind", "what"]]
+            self._timed = (seg.assign(cause=_cause(seg)) if len(seg) else seg.assign(cause=seg["kind"]))[
+                ["rank", "dur_ns", "cause"]]
         return self._timed
 
     @property
@@ -85,13 +89,16 @@ class CriticalPath:
         """Time on the path by cause over the steps: compute per kernel category, transfer per collective family,
         idle per cause; ``share`` of the summed spans."""
         cols = ["cause", "ns", "share", "segments"]
+        if self._by_cause is not None:
+            return self._by_cause.copy()
         seg = self._caused()
         if seg.empty:
             return pd.DataFrame(columns=cols)
         out = seg.groupby("cause", sort=False).agg(ns=("dur_ns", "sum"), segments=("dur_ns", "size"))
         out = out.reset_index().sort_values("ns", ascending=False, kind="stable", ignore_index=True)
         out["share"] = out["ns"] / max(self.span_ns, 1)
-        return out[cols]
+        self._by_cause = out[cols]
+        return self._by_cause.copy()
 
     def by_rank(self) -> pd.DataFrame:
         """Per rank: time on the path, its share, and the cause holding most of that rank's segments."""
@@ -112,7 +119,8 @@ class CriticalPath:
 
     def hops(self) -> pd.DataFrame:
         """The hand-offs the path follows: per (from_rank, to_rank), how many."""
-        w = self.segments[(self.segments["kind"] == "wait") & (self.segments["dur_ns"] == 0)]
+        seg = self.segments
+        w = seg.loc[((seg["kind"] == "wait") & (seg["dur_ns"] == 0)).to_numpy(), ["rank", "to_rank"]]
         if w.empty:
             return pd.DataFrame(columns=["from_rank", "to_rank", "count"])
         out = w.groupby(["rank", "to_rank"]).size().reset_index(name="count")
@@ -120,7 +128,8 @@ class CriticalPath:
 
     def top_ops(self, n: int = 8) -> pd.DataFrame:
         """The launching ops with the most compute on the path (with their stage)."""
-        c = self.segments[(self.segments["kind"] == "compute") & (self.segments["dur_ns"] > 0)]
+        seg = self.segments
+        c = seg.loc[((seg["kind"] == "compute") & (seg["dur_ns"] > 0)).to_numpy(), ["op", "stage", "dur_ns"]]
         if c.empty:
             return pd.DataFrame(columns=["op", "stage", "ns", "share"])
         out = c.groupby(["op", "stage"], sort=False)["dur_ns"].sum().sort_values(ascending=False, kind="stable").head(n)
@@ -138,7 +147,7 @@ class CriticalPath:
         if row.empty:
             return None
         r = row.iloc[0]
-        seg = self.segments[self.segments["rank"] == rank]
+        seg = self.segments.loc[(self.segments["rank"] == rank).to_numpy(), ["kind", "dur_ns", "op", "stage", "to_rank"]]
         comp = seg[(seg["kind"] == "compute") & (seg["dur_ns"] > 0)]
         top = comp.groupby(["op", "stage"], sort=False)["dur_ns"].sum().sort_values(ascending=False, kind="stable").head(3)
         waited = seg[(seg["kind"] == "wait") & (seg["dur_ns"] == 0)]["to_rank"].value_counts()
@@ -214,10 +223,14 @@ class CriticalPath:
 
 
 def _cause(seg: pd.DataFrame) -> pd.Series:
-    """A segment's cause label: 'compute: GEMM', 'transfer: all_to_all', 'launch-bound', ..."""
-    kind = seg["kind"].astype(str)
-    what = seg["what"].astype(str)
-    return kind.where(~kind.isin(["compute", "transfer", "comm"]), kind + ": " + what)
+    """A segment's cause label: 'compute: GEMM', 'transfer: all_to_all', 'launch-bound', ... (made once per distinct
+    (kind, what) pair: a 2 GB trace's path has millions of segments and a few dozen pairs)."""
+    kind, kinds = pd.factorize(seg["kind"].astype(str))
+    what, whats = pd.factorize(seg["what"].astype(str))
+    pair, inv = np.unique(kind.astype(np.int64) * len(whats) + what, return_inverse=True)
+    labels = [k if k not in ("compute", "transfer", "comm") else f"{k}: {whats[p % len(whats)]}"
+              for k, p in ((str(kinds[p // len(whats)]), p) for p in pair.tolist())]
+    return pd.Series(_text_column(inv.reshape(-1), labels), index=seg.index)
 
 
 def unavailable(problem: str) -> CriticalPath:
@@ -346,39 +359,39 @@ def p2p_links(events: pd.DataFrame, gpu: pd.DataFrame) -> dict[int, list[int]]:
     return links
 
 
-_TEXT_COLUMNS = frozenset({"kind", "what", "op", "stage"})
+# what the walk records per segment: (rank, start, end, kind, what, row, to_rank), seven int64 in one flat array
+# (~56 bytes a segment; a 2 GB trace's path has millions of segments, which as tuples of Python objects and then
+# object columns took ~900 MB and a third of the analysis' CPU time); the text columns are built from the codes
+_K = {k: i for i, k in enumerate(KINDS)}
+_W_NONE, _W_BEFORE, _W_CATEGORY = 0, 1, -1  # `what`: "", the late-start text, the row's category; >= 2: a family
+_BEFORE = "before its first traced GPU work (the rank began the step late)"
+_WIDTH = 7
 
 
-class _Segments:
-    """The path's segments, gathered as tuples (one per SEGMENT_COLUMNS row) and turned into columns a chunk at a
-    time: a 2 GB trace's path has millions of segments, and a list of tuples for all of them (~230 bytes each, then
-    the object array pandas builds from it) took ~900 MB on top of the analysis."""
+def _codes(col: pd.Series) -> tuple[np.ndarray, list[str]]:
+    """A (categorical) string column as (int64 codes, their strings); a missing value is "" (the last string)."""
+    if isinstance(col.dtype, pd.CategoricalDtype):
+        cats = [str(c) for c in col.cat.categories]
+        codes = col.cat.codes.to_numpy().astype(np.int64)
+    else:
+        codes, uniq = pd.factorize(C.strings(col))
+        codes, cats = codes.astype(np.int64), [str(c) for c in uniq]
+    return np.where(codes < 0, len(cats), codes), cats + [""]
 
-    CHUNK = 1 << 16
 
-    def __init__(self) -> None:
-        self.pending: list[tuple] = []
-        self.chunks: list[list[np.ndarray]] = []
+def _text_column(codes: np.ndarray, strings: list[str]) -> Any:
+    """The column of `strings[codes]`, typed as pandas types a column of those Python strings (its default string
+    dtype), built from the codes without a Python string per row."""
+    dtype = pd.Series(np.array([""], dtype=object)).dtype
+    if isinstance(dtype, pd.StringDtype) and dtype.storage == "pyarrow":
+        import pyarrow as pa
 
-    def extend(self, rows: list[tuple]) -> None:
-        self.pending += rows
-        if len(self.pending) >= self.CHUNK:
-            self._flush()
-
-    def _flush(self) -> None:
-        if self.pending:
-            cols = list(zip(*self.pending))
-            self.chunks.append([np.array(c, dtype=object) if name in _TEXT_COLUMNS else np.array(c, dtype=np.int64)
-                                for name, c in zip(SEGMENT_COLUMNS, cols)])
-            self.pending = []
-
-    def frame(self) -> pd.DataFrame:
-        self._flush()
-        if not self.chunks:
-            return pd.DataFrame(columns=SEGMENT_COLUMNS)
-        data = {name: np.concatenate([c[k] for c in self.chunks]) for k, name in enumerate(SEGMENT_COLUMNS)}
-        self.chunks = []
-        return pd.DataFrame(data)  # text columns typed as pandas infers them from the strings (as from the tuples)
+        values = pa.DictionaryArray.from_arrays(pa.array(codes, pa.int32()), pa.array(strings, pa.large_string()))
+        out = pd.array(values.cast(pa.large_string()), dtype=dtype)
+        del values
+        pa.default_memory_pool().release_unused()  # the codes' and the dictionary's buffers, kept by Arrow's pool
+        return out
+    return np.array(strings, dtype=object)[codes]
 
 
 def critical_path(gpu: pd.DataFrame, instances: pd.DataFrame, syncs: pd.DataFrame, steps: list[int], *,
@@ -432,16 +445,17 @@ def critical_path(gpu: pd.DataFrame, instances: pd.DataFrame, syncs: pd.DataFram
             j = max((row, *peers), key=lambda x, row=row: (k_ts[x], x == row))
             arrival[row] = (k_ts[j], int(k_rank[j]), "p2p", j)
     # The walk visits about one GPU event per segment (hundreds of thousands on a trace of many steps), so its
-    # loop reads Python lists and dicts, never numpy scalars: each event's latest-finishing predecessor on its rank
-    # (the common step back) is found for every event at once, bisect finds the others (after a hop).
+    # loop reads Python sequences and dicts, never numpy scalars: each event's latest-finishing predecessor on its
+    # rank (the common step back) is found for every event at once, bisect finds the others (after a hop). The
+    # per-row sequences are array('q') (8 bytes a row; lists of Python ints took 40, +670 MB at 2 GB)
     ts_arr, end_arr = gpu["ts"].to_numpy(np.int64), gpu["end"].to_numpy(np.int64)
     rank_arr = gpu["rank"].to_numpy()
     s_rank = syncs["rank"].to_numpy() if len(syncs) else np.empty(0)
     s_end = ((syncs["ts"] + (syncs["host_blocked_us"] * 1e3).astype(np.int64)).to_numpy(np.int64)
              if len(syncs) else np.empty(0, np.int64))
     pred_k = np.full(len(gpu), -1, np.int64)  # per GPU row: position in its rank's sorted ends of the event ending
-    rank_ends: dict[int, list[int]] = {}  # last at or before the row's start; the ends themselves, as lists
-    rank_at: dict[int, list[int]] = {}
+    rank_ends: dict[int, array] = {}  # last at or before the row's start; the ends themselves
+    rank_at: dict[int, array] = {}
     rank_sync: dict[int, list[int]] = {}
     for r in ranks:
         mine = np.flatnonzero(rank_arr == r)
@@ -449,44 +463,33 @@ def critical_path(gpu: pd.DataFrame, instances: pd.DataFrame, syncs: pd.DataFram
         at = at[np.lexsort((ts_arr[at], end_arr[at]))]  # the rank's events with a positive duration, by (end, start)
         ends = end_arr[at]
         pred_k[mine] = ends.searchsorted(ts_arr[mine], "right") - 1
-        rank_ends[r], rank_at[r] = ends.tolist(), at.tolist()
+        rank_ends[r], rank_at[r] = _ints(ends), _ints(at)
         rank_sync[r] = np.sort(s_end[s_rank == r]).tolist()  # sorted ends of the rank's blocking host syncs
     pos = gpu.index
-    ts_all, end_all, pred_all = ts_arr.tolist(), end_arr.tolist(), pred_k.tolist()
-    launch_all = gpu["launch_ts"].to_numpy(np.int64).tolist() if "launch_ts" in gpu else [-1] * len(gpu)
-    rank_all = rank_arr.tolist()
-    is_comm = gpu["is_comm"].to_numpy().tolist()
-    labels = pos.to_numpy().tolist()
-    category = C.strings(gpu["category"]).tolist()
-    top_op = C.strings(gpu["top_op"]).tolist() if "top_op" in gpu else [""] * len(gpu)
-    paths = C.strings(gpu["path"]).tolist() if "path" in gpu else [""] * len(gpu)
-    stages = {r: (s.tolist(), e.tolist(), lab) for r, (s, e, lab) in
-              (_pipeline_stages(pipeline, gpu, trace) if pipeline is not None else {}).items()}
-    labels_memo: dict[tuple[str, str], str] = {}
+    ts_all, end_all, pred_all = _ints(ts_arr), _ints(end_arr), _ints(pred_k)
+    del pred_k
+    launch_all = _ints(gpu["launch_ts"].to_numpy(np.int64) if "launch_ts" in gpu else np.full(len(gpu), -1))
+    rank_all = _ints(rank_arr)
+    is_comm = _ints(gpu["is_comm"].to_numpy())
+    labels = _ints(pos.to_numpy())
+    stages = _pipeline_stages(pipeline, gpu, trace) if pipeline is not None else {}
+    families: dict[str, int] = {}  # `what` codes of the collective families (from 2)
+    arrival = {row: (a, last, families.setdefault(fam, 2 + len(families)), last_row)
+               for row, (a, last, fam, last_row) in arrival.items()}
+    K_COMPUTE, K_LAUNCH, K_SYNC, K_IDLE = _K["compute"], _K["launch-bound"], _K["host sync"], _K["idle"]
+    K_TRANSFER, K_COMM, K_WAIT = _K["transfer"], _K["comm"], _K["wait"]
 
-    def stage_of(r: int, i: int, lo: int, hi: int) -> str:
-        if r in stages:
-            s, e, lab = stages[r]
-            mid = (lo + hi) // 2
-            k = bisect_right(s, mid) - 1
-            if k >= 0 and e[k] > mid:
-                return lab[k]
-        key = (paths[i], top_op[i])
-        got = labels_memo.get(key)
-        if got is None:
-            got = labels_memo[key] = _stage_label(*key)
-        return got
-
-    def idle_kind(r: int, gs: int, ge: int, launch: int) -> str:
+    def idle_kind(r: int, gs: int, ge: int, launch: int) -> int:
         se = rank_sync[r]
         if se:
             k = bisect_left(se, ge) - 1
             if k >= 0 and se[k] >= gs - SYNC_TOLERANCE_NS:
-                return "host sync"
-        return "launch-bound" if launch >= 0 and launch > gs else "idle"
+                return K_SYNC
+        return K_LAUNCH if launch >= 0 and launch > gs else K_IDLE
 
-    seg = _Segments()
-    step_rows: list[dict[str, Any]] = []
+    buf = array("q")
+    emit = buf.extend  # (rank, start, end, kind, what, row, to_rank): the row's position in the GPU table, or -1
+    blocks: list[int] = []  # where each step's segments begin in `buf` (in segments); the walk emits them latest first
     notes: list[str] = []
     # each step's first start, last end and the row ending last, for every step at once (a trace of many short
     # steps has tens of thousands)
@@ -504,46 +507,37 @@ def critical_path(gpu: pd.DataFrame, instances: pd.DataFrame, syncs: pd.DataFram
     t1_of = t1_of.tolist()
     for n in steps:
         k = where[n]
-        t0, t1, last_i = t0_of[k], t1_of[k], last_of[k]
-        out: list[tuple] = []  # reversed: latest first
-        emit = out.append  # (step, rank, start, end, dur, kind, what, op, stage, to_rank, gpu_row)
+        t0, last_i = t0_of[k], last_of[k]
+        blocks.append(len(buf) // _WIDTH)
         r = rank_all[last_i]
         cur = last_i  # position in the GPU table of the event being put on the path
         visited: set[tuple[int, int]] = set()
         unfollowed = 0
         while True:
             lo_e, hi_e = ts_all[cur], end_all[cur]
-            lbl = labels[cur]
             t = lo_e  # where the walk goes on from, on rank r
             succ_launch = launch_all[cur]
-            hit = arrival.get(lbl)
+            hit = arrival.get(labels[cur])
             if hit is not None:
                 a, last, fam, last_row = hit
                 if last != r and a > lo_e:  # r waited for `last` until a: the transfer, then the hop
                     a = min(a, hi_e)  # (a kernel ending before its last peer began: clocks apart; hop at its end)
                     if a < hi_e:
-                        lo = max(a, t0)
-                        emit((n, r, lo, hi_e, hi_e - lo, "transfer", fam, top_op[cur], "", -1, lbl))
+                        emit((r, max(a, t0), hi_e, K_TRANSFER, fam, cur, -1))
                     if a <= t0:
                         break
                     if (last, a) not in visited:
                         visited.update({(r, a), (last, a)})
-                        emit((n, r, a, a, 0, "wait", fam, top_op[cur], "", last, lbl))
+                        emit((r, a, a, K_WAIT, fam, cur, last))
                         r, t = last, a
                         succ_launch = launch_all[pos.get_loc(last_row)]
                     else:
                         unfollowed += 1
-                        lo = max(lo_e, t0)
-                        emit((n, r, lo, a, a - lo, "wait", fam, top_op[cur], "", last, lbl))
+                        emit((r, max(lo_e, t0), a, K_WAIT, fam, cur, last))
                 else:
-                    lo = max(lo_e, t0)
-                    emit((n, r, lo, hi_e, hi_e - lo, "transfer", fam, top_op[cur], "", -1, lbl))
-            elif is_comm[cur]:
-                lo = max(lo_e, t0)
-                emit((n, r, lo, hi_e, hi_e - lo, "comm", category[cur], top_op[cur], "", -1, lbl))
+                    emit((r, max(lo_e, t0), hi_e, K_TRANSFER, fam, cur, -1))
             else:
-                lo = max(lo_e, t0)
-                emit((n, r, lo, hi_e, hi_e - lo, "compute", category[cur], top_op[cur], stage_of(r, cur, lo, hi_e), -1, lbl))
+                emit((r, max(lo_e, t0), hi_e, K_COMM if is_comm[cur] else K_COMPUTE, _W_CATEGORY, cur, -1))
             if t <= t0:
                 break
             ends = rank_ends[r]
@@ -551,25 +545,98 @@ def critical_path(gpu: pd.DataFrame, instances: pd.DataFrame, syncs: pd.DataFram
             k = pred_all[cur] if t == lo_e and rank_all[cur] == r else bisect_right(ends, t) - 1
             if k < 0 or ends[k] <= t0:
                 if k < 0:
-                    emit((n, r, t0, t, t - t0, "idle", "before its first traced GPU work (the rank began the step late)",
-                          "", "", -1, -1))
+                    emit((r, t0, t, K_IDLE, _W_BEFORE, -1, -1))
                 else:
-                    emit((n, r, t0, t, t - t0, idle_kind(r, ends[k], t, succ_launch), "", "", "", -1, -1))
+                    emit((r, t0, t, idle_kind(r, ends[k], t, succ_launch), _W_NONE, -1, -1))
                 break
             if ends[k] < t:
-                emit((n, r, ends[k], t, t - ends[k], idle_kind(r, ends[k], t, succ_launch), "", "", "", -1, -1))
+                emit((r, ends[k], t, idle_kind(r, ends[k], t, succ_launch), _W_NONE, -1, -1))
             cur = rank_at[r][k]
-        out.reverse()
-        seg.extend(out)
-        hops = sum(1 for s in out if s[5] == "wait" and s[4] == 0)
-        on = sorted({s[1] for s in out if s[4] > 0})
-        step_rows.append({"step": n, "start_ns": t0, "end_ns": t1, "span_ns": t1 - t0, "end_rank": int(rank_all[last_i]),
-                          "segments": len(out), "hops": hops, "ranks": on})
         if unfollowed:
             notes.append(f"step {n}: {unfollowed} wait(s) not followed (the rank waited for had already been passed "
                          "at that time: clocks or overlapping streams); they stay on the path as waits")
-    seg = seg.frame()
+    end_rank = [rank_all[last_of[where[n]]] for n in steps]
+    del ts_all, end_all, pred_all, launch_all, rank_all, is_comm, labels, rank_ends, rank_at, arrival
+    rec = np.frombuffer(buf, dtype=np.int64).reshape(-1, _WIDTH) if len(buf) else np.empty((0, _WIDTH), np.int64)
+    start = np.asarray(blocks, dtype=np.int64)
+    size = np.diff(np.append(start, len(rec)))
+    blk = np.repeat(np.arange(len(start)), size)
+    order = start[blk]
+    order += order + size[blk] - 1 - np.arange(len(rec))  # each step's segments in time order (the walk: latest first)
+    cols = [rec[:, i][order] for i in range(_WIDTH)]
+    del rec, buf, emit, order  # (`emit`, bound to the buffer, would keep it)
+    seg = _segment_frame(cols, blk, np.asarray(steps, dtype=np.int64), gpu, families, stages)
+    # per step: the hand-offs followed (zero-length waits) and the ranks with time on the path
+    r_col, kind, dur = cols[0], cols[3], seg["dur_ns"].to_numpy()
+    del cols
+    hops = np.bincount(blk[(kind == K_WAIT) & (dur == 0)], minlength=len(start))
+    rank_ids = np.unique(r_col)
+    on = np.unique(blk[dur > 0] * len(rank_ids) + np.searchsorted(rank_ids, r_col[dur > 0]))
+    on_at = np.searchsorted(on // max(len(rank_ids), 1), np.arange(len(start) + 1))
+    on_rank = rank_ids[on % max(len(rank_ids), 1)].tolist() if len(on) else []
+    step_rows = [{"step": n, "start_ns": t0_of[where[n]], "end_ns": t1_of[where[n]],
+                  "span_ns": t1_of[where[n]] - t0_of[where[n]], "end_rank": int(end_rank[j]),
+                  "segments": int(size[j]), "hops": int(hops[j]), "ranks": [int(x) for x in on_rank[on_at[j]:on_at[j + 1]]]}
+                 for j, n in enumerate(steps)]
     return CriticalPath(seg, pd.DataFrame(step_rows, columns=STEP_COLUMNS), notes=notes)
+
+
+def _ints(x: np.ndarray) -> array:
+    """An integer array as array('q'): indexed from Python as fast as a list, 8 bytes an element."""
+    out = array("q")
+    out.frombytes(np.ascontiguousarray(x, dtype=np.int64).tobytes())
+    return out
+
+
+def _segment_frame(cols: list[np.ndarray], blk: np.ndarray, steps: np.ndarray, gpu: pd.DataFrame,
+                   families: dict[str, int], stages: dict[int, tuple[np.ndarray, np.ndarray, list[str]]]) -> pd.DataFrame:
+    """SEGMENT_COLUMNS from the walk's records (`cols`: rank, start, end, kind, what, row, to_rank; `blk`: each
+    record's index in `steps`): the text columns from codes, each compute segment's stage (`_stage_label`, or the
+    pipeline action running at its midpoint on its rank) computed once per distinct value."""
+    r_col, lo, hi, kind, what, row, to_rank = cols
+    has_row = row >= 0
+    at = np.where(has_row, row, 0)
+    cat_codes, cats = _codes(gpu["category"])
+    top_codes, tops = (_codes(gpu["top_op"]) if "top_op" in gpu
+                       else (np.full(len(gpu), 0, np.int64), [""]))
+    path_codes, paths = _codes(gpu["path"]) if "path" in gpu else (np.full(len(gpu), 0, np.int64), [""])
+    what_strings = ["", _BEFORE, *families, *cats]  # (families in their code order: 2, 3, ...)
+    what_codes = np.where(what == _W_CATEGORY, 2 + len(families) + cat_codes[at], what)
+    op_codes = np.where(has_row, top_codes[at], len(tops) - 1)  # (the last string is "")
+    stage_strings: list[str] = [""]
+    intern: dict[str, int] = {"": 0}
+    stage_codes = np.zeros(len(kind), np.int64)
+    comp = np.flatnonzero(kind == _K["compute"])
+    if len(comp):
+        pair = path_codes[at[comp]] * len(tops) + top_codes[at[comp]]
+        uniq, inv = np.unique(pair, return_inverse=True)
+        lut = np.array([intern.setdefault(_stage_label(paths[u // len(tops)], tops[u % len(tops)]), len(intern))
+                        for u in uniq.tolist()], dtype=np.int64)
+        stage_codes[comp] = lut[inv.reshape(-1)]
+        mid = (lo[comp] + hi[comp]) // 2
+        for r, (s, e, lab) in stages.items():
+            mine = np.flatnonzero(r_col[comp] == r)
+            if not len(mine):
+                continue
+            k = np.searchsorted(s, mid[mine], "right") - 1
+            ok = k >= 0
+            ok[ok] = e[k[ok]] > mid[mine][ok]
+            lab_codes = np.array([intern.setdefault(x, len(intern)) for x in lab], dtype=np.int64)
+            stage_codes[comp[mine[ok]]] = lab_codes[k[ok]]
+        stage_strings = list(intern)
+    lab_arr = gpu.index.to_numpy().astype(np.int64)
+    gpu_row = np.where(has_row, lab_arr[at] if len(lab_arr) else -1, -1)
+    del at, has_row
+    text = {"kind": _text_column(kind, list(KINDS))}
+    text["what"] = _text_column(what_codes, what_strings)
+    del what_codes
+    text["op"] = _text_column(op_codes, tops)
+    del op_codes
+    text["stage"] = _text_column(stage_codes, stage_strings)
+    del stage_codes
+    # copy=False: the columns are this frame's own (no second, consolidated copy of the int columns)
+    return pd.DataFrame({"step": steps[blk], "rank": r_col, "start_ns": lo, "end_ns": hi, "dur_ns": hi - lo,
+                         **text, "to_rank": to_rank, "gpu_row": gpu_row}, columns=SEGMENT_COLUMNS, copy=False)
 
 
 def critical_path_of(analysis, step: int | None = None, *, instances: pd.DataFrame | None = None,

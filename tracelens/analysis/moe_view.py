@@ -123,7 +123,7 @@ def _backward_forward_paths(a, op_rows: np.ndarray, ranks: np.ndarray) -> np.nda
     if not need.any():
         return out
     # the forward op of each (rank, seq): an op with that number, not a backward node, on the forward thread
-    ops = tree[tree["kind"].to_numpy() == KIND_OP]
+    ops = tree.loc[tree["kind"].to_numpy() == KIND_OP, ["name", "rank", "path"]]  # (only the columns read)
     oseq = seq_np[C.positions(ev.index, ops.index.to_numpy())]
     cand = np.isin(oseq, np.unique(found[need])) & ~C.map_strings(ops["name"], lambda n: n.startswith("autograd::")
                                                          or n.endswith(("Backward0", "Backward1")))
@@ -157,7 +157,7 @@ def expert_gemm_kernels(a) -> pd.DataFrame:
         keep &= C.map_strings(gpu["category"], lambda c: c in ("GEMM", "grouped GEMM"))
     if used is not None:
         keep &= gpu["step"].isin(used).to_numpy()
-    g = gpu[keep]
+    g = gpu.loc[keep, ["rank", "step", "path", "op", "op_row", "op_input_dims", "dur"]]  # (only the columns read)
     if g.empty:
         return pd.DataFrame(columns=cols)
     own = C.strings(g["path"]).astype(object)

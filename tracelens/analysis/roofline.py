@@ -259,21 +259,21 @@ def roofline_result(analysis, ceilings: Any = None) -> RooflineResult:
         return RooflineResult(_empty(TABLE_COLUMNS), _empty(UNMODELED_COLUMNS), _empty(FAMILY_COLUMNS), ceil, warnings)
     n_ranks = max(int(g["rank"].nunique()), 1) if "rank" in g else 1
     is_comm = g["is_comm"].to_numpy() if "is_comm" in g else np.zeros(len(g), bool)
-    g = g.loc[~is_comm]
-    op_row = g["op_row"].to_numpy()
+    # the two columns read, not copies of the GPU table
+    op_row, dur = g["op_row"].to_numpy()[~is_comm], g["dur"].to_numpy()[~is_comm]
     linked = op_row >= 0
-    unattributed_us = float(g["dur"].to_numpy()[~linked].sum()) / 1e3
+    unattributed_us = float(dur[~linked].sum()) / 1e3
     if unattributed_us > 0:
         warnings.append(f"{unattributed_us:.1f} us of GPU time launched outside any op (not in the roofline)")
-    g = g.loc[linked]
-    if g.empty:
+    op_row, dur = op_row[linked], dur[linked]
+    if not len(op_row):
         warnings.append("no GPU event is linked to an op: roofline unavailable")
         return RooflineResult(_empty(TABLE_COLUMNS), _empty(UNMODELED_COLUMNS), _empty(FAMILY_COLUMNS), ceil,
                               warnings, unattributed_gpu_us=unattributed_us, ranks=n_ranks)
-    uniq, inv = np.unique(g["op_row"].to_numpy(), return_inverse=True)
+    uniq, inv = np.unique(op_row, return_inverse=True)
     owner_u, nested_u = _owner_rows(tree, uniq)
     owner = owner_u[inv.reshape(-1)]
-    per = pd.DataFrame({"owner": owner, "dur": g["dur"].to_numpy()}).groupby("owner")["dur"].agg(["sum", "size"])
+    per = pd.DataFrame({"owner": owner, "dur": dur}).groupby("owner")["dur"].agg(["sum", "size"])
     rows = per.index.to_numpy()
     ev = analysis.trace.events
     at = C.positions(tree.index, rows)  # owners are tree rows: one lookup for every column
