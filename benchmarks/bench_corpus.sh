@@ -16,6 +16,9 @@
 #   pip download --no-deps -d .whl/bench HolisticTraceAnalysis==0.5.0 networkx pydot pyparsing psutil \
 #       --python-version 3.12 --only-binary=:all: --platform manylinux2014_x86_64
 #   run: ONLY=moe_loop,moe_grouped,... bash benchmarks/bench_corpus.sh      carry: [".whl", "bench_data/external"]
+# EXTRA: more bench_load.py arguments, e.g. EXTRA="--compare-root bench_data/before" with an older checkout's
+# tracelens, reports and moespec there (`git archive REV tracelens reports moespec setup.py pyproject.toml`, its
+# scanner built in place): its CLI runs alternately with this one's, as "before"
 set -u
 CPUS=${CPUS:-2,3}
 ONLY=${ONLY:-}
@@ -39,4 +42,4 @@ python3 -c "import tracelens.io._kineto_fast" 2>/dev/null || python3 setup.py -q
 [ -d bench_data/external ] && export TRACELENS_CORPUS_EXTERNAL=${TRACELENS_CORPUS_EXTERNAL:-$PWD/bench_data/external}
 { echo "== $(date -u) host=$(hostname) cpus=$CPUS only=${ONLY:-all}"; nproc; python3 -c "import sys, pandas, numpy; print(sys.version.split()[0], 'pandas', pandas.__version__, 'numpy', numpy.__version__)"; } | tee "$OUTDIR/env.txt"
 taskset -c "$CPUS" python3 benchmarks/bench_load.py --corpus ${ONLY:+--only "$ONLY"} --repeat "$REPEAT" \
-  --work "$WORK" --hta-timeout 120 --json "$OUTDIR/corpus.json" 2>&1 | tee "$OUTDIR/corpus.txt"
+  --work "$WORK" --hta-timeout 120 --json "$OUTDIR/corpus.json" ${EXTRA:-} 2>&1 | tee "$OUTDIR/corpus.txt"
