@@ -1,7 +1,8 @@
 """Launching a test worker script on several gloo processes and reading the JSON it writes.
 
-``run_worker`` starts ``python tests/trainer/_workers.py NPROC SCRIPT ARGS...``: a launcher that imports torch
-once, then forks one process per rank, each running SCRIPT as ``__main__`` with the environment torchrun gives
+``run_worker`` starts ``python tests/trainer/_workers.py NPROC SCRIPT ARGS...`` (``launch_module``: ``... NPROC -m
+MODULE ARGS...``): a launcher that imports torch once, then forks one process per rank, each running SCRIPT (or
+MODULE, as ``python -m`` does) as ``__main__`` with the environment torchrun gives
 its ranks (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``/``MASTER_PORT`` of a TCPStore the launcher
 hosts, as torchrun's agent does). The workers' claims are about what the ranks compute, not about torchrun: a
 torchrun launch of 4 ranks is 5 Python processes that each import torch (~3 s of CPU apiece), this is one. The
@@ -46,6 +47,21 @@ def run_worker(script: str, out: Path, nproc: int = 4, timeout: int = 600, args:
     return json.loads((out / result).read_text())
 
 
+def launch_module(module: str, args: list[str], nproc: int, timeout: int = 300) -> subprocess.CompletedProcess:
+    """``python -m MODULE *args`` on ``nproc`` gloo ranks (the forking launcher below, from the checkout's root), e.g.
+    the trainer's ranks without ``trainer.launch``'s torchrun; the completed process, whatever its status."""
+    cmd = [sys.executable, str(Path(__file__).resolve()), str(nproc), "-m", module, *args]
+    p = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         env={**os.environ, "PYTHONPATH": str(REPO)}, start_new_session=True)
+    try:
+        stdout, stderr = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        _, stderr = p.communicate()
+        raise AssertionError(f"python -m {module} on {nproc} ranks: no exit after {timeout} s\n{stderr[-4000:]}") from None
+    return subprocess.CompletedProcess(cmd, p.returncode, stdout, stderr)
+
+
 def _launch(nproc: int, script: str, argv: list[str]) -> int:
     """Fork ``nproc`` ranks of ``script`` (see the module's docstring); the first failing rank's exit status."""
     import ctypes
@@ -81,16 +97,25 @@ def _launch(nproc: int, script: str, argv: list[str]) -> int:
 
 
 def _rank_main(script: str, argv: list[str], env: dict[str, str]) -> int:
-    """One rank: the script as ``__main__``; its exit status (a traceback on stderr if it raised)."""
+    """One rank: the script (``-m MODULE``: the module) as ``__main__``; its exit status (a traceback on stderr if it
+    raised)."""
     import runpy
     import traceback
 
     os.environ.update(env)
-    sys.argv = [script, *argv]
-    sys.path[0] = str(Path(script).parent)  # as `python SCRIPT` sets it
+    module = argv[0] if script == "-m" else None
+    if module:
+        argv = argv[1:]
     code = 0
     try:
-        runpy.run_path(script, run_name="__main__")
+        if module:  # as `python -m MODULE` runs it: the working directory first on the path
+            sys.argv = [module, *argv]
+            sys.path[0] = os.getcwd()
+            runpy.run_module(module, run_name="__main__", alter_sys=True)
+        else:  # as `python SCRIPT` runs it: the script's directory first on the path
+            sys.argv = [script, *argv]
+            sys.path[0] = str(Path(script).parent)
+            runpy.run_path(script, run_name="__main__")
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
         if e.code is not None and not isinstance(e.code, int):
