@@ -69,21 +69,36 @@ def _launch(nproc: int, script: str, argv: list[str]) -> int:
     import torch  # noqa: F401 - imported once here, inherited by every rank
     from torch.distributed import TCPStore
 
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pids, pipes = {}, []
+    for rank in range(nproc):  # forked before the store below starts its thread: no thread is ever forked
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            os.close(w)
+            for fd in pipes:  # the earlier ranks' pipes
+                os.close(fd)
+            prctl = getattr(ctypes.CDLL(None), "prctl", None)  # Linux: the rank ends with its launcher
+            if prctl is not None:
+                prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+            with os.fdopen(r) as f:
+                port = f.readline().strip()
+            if not port:  # the launcher failed before it had a store
+                os._exit(1)
+            os._exit(_rank_main(script, argv, {
+                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "WORLD_SIZE": str(nproc),
+                "LOCAL_WORLD_SIZE": str(nproc), "GROUP_RANK": "0", "TORCHELASTIC_USE_AGENT_STORE": "True",
+                "TORCHELASTIC_RESTART_COUNT": "0", "RANK": str(rank), "LOCAL_RANK": str(rank)}))
+        os.close(r)
+        pipes.append(w)
+        pids[pid] = rank
     # the rendezvous store, hosted here as torchrun's agent hosts it: every rank connects as a client
     # (TORCHELASTIC_USE_AGENT_STORE), and port 0 lets the kernel pick a free port with no race for it
     store = TCPStore("127.0.0.1", 0, nproc, is_master=True, wait_for_workers=False)
-    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port), "WORLD_SIZE": str(nproc),
-           "LOCAL_WORLD_SIZE": str(nproc), "GROUP_RANK": "0", "TORCHELASTIC_USE_AGENT_STORE": "True",
-           "TORCHELASTIC_RESTART_COUNT": "0"}
-    sys.stdout.flush()
-    sys.stderr.flush()
-    pids = {}
-    for rank in range(nproc):
-        pid = os.fork()
-        if pid == 0:
-            ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: the rank ends with its launcher
-            os._exit(_rank_main(script, argv, {**env, "RANK": str(rank), "LOCAL_RANK": str(rank)}))
-        pids[pid] = rank
+    for w in pipes:
+        os.write(w, f"{store.port}\n".encode())
+        os.close(w)
     status = 0
     while pids:
         pid, wait = os.wait()
