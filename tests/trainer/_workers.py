@@ -66,6 +66,9 @@ def _launch(nproc: int, script: str, argv: list[str]) -> int:
     """Fork ``nproc`` ranks of ``script`` (see the module's docstring); the first failing rank's exit status."""
     import ctypes
 
+    # one OpenMP thread per rank unless the caller chose (what torchrun sets for its ranks); set before torch loads
+    # its OpenMP runtime, which reads it once
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch  # noqa: F401 - imported once here, inherited by every rank
     from torch.distributed import TCPStore
 
