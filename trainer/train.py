@@ -206,6 +206,13 @@ def train(cfg: dict, out_dir: str | Path) -> dict | None:
     out = Path(out_dir)
     notes = _Notes(echo=int(os.environ.get("RANK", 0)) == 0)
     logging.getLogger("trainer").addHandler(notes)
+    try:  # the handler goes with the run, a refusal before the first step included (in-process callers call again)
+        return _start(cfg, out, notes)
+    finally:
+        logging.getLogger("trainer").removeHandler(notes)
+
+
+def _start(cfg: dict, out: Path, notes: _Notes) -> dict | None:
     env_knobs = runtime.apply_env(cfg["env"])
     d = init_distributed(cfg)
     _check_device_knobs(cfg, d.device)  # before the run dir is touched, like the config's own checks
@@ -226,8 +233,6 @@ def train(cfg: dict, out_dir: str | Path) -> dict | None:
             why = "interrupted" if isinstance(err, KeyboardInterrupt) else one_line(err)
             runtime.mark_failed(out, f"rank 0: {why}")
         raise
-    finally:
-        logging.getLogger("trainer").removeHandler(notes)
 
 
 def _check_device_knobs(cfg: dict, device: torch.device) -> None:

@@ -1,4 +1,5 @@
-"""Run under torchrun (4 gloo ranks, dp 2 x ep 2) by test_distributed.py; writes rank-0 results as JSON.
+"""Run on 4 gloo ranks (dp 2 x ep 2) by test_distributed.py (forked by tests/trainer/_workers.py, with the environment
+torchrun gives its ranks); writes rank-0 results as JSON.
 
 1. EP numerics: for every sync-free level and backend, an EP MoE layer's output and gradients equal an
    EP=1 reference computed on all ranks' tokens with the full expert set.

@@ -1,4 +1,5 @@
-"""Run under torchrun (4 gloo ranks) by test_ep_dispatch.py; rank 0 writes the results as JSON.
+"""Run on 4 gloo ranks by test_ep_dispatch.py (forked by tests/trainer/_workers.py; on GPUs under torchrun, by
+benchmarks/bench_ep.sh); rank 0 writes the results as JSON.
 
 For EP 4 (one group of 4) and EP 2 (two groups of 2), every dispatch path (``ep_dispatch`` nccl at
 every sync-free level; capacity with a factor that drops nothing and with one that drops), overlap

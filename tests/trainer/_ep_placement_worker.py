@@ -1,4 +1,5 @@
-"""Run under torchrun (4 gloo ranks) by test_ep_placement.py; rank 0 writes the results as JSON.
+"""Run on 4 gloo ranks by test_ep_placement.py (forked by tests/trainer/_workers.py, with the environment torchrun
+gives its ranks); rank 0 writes the results as JSON.
 
 ``ep_placement: balanced`` against the contiguous placement, at EP 4 (one group of 4) and EP 2 (two groups
 of 2), through the dispatch paths (nccl at levels 0 and 3, capacity without drops, symm on the emulated

@@ -1,4 +1,5 @@
-"""Run under torchrun by test_pipeline.py: pipelined and reference runs, one world per launch.
+"""Pipelined and reference runs, one world per launch: ``numerics`` by test_pipeline.py (4 ranks forked by
+tests/trainer/_workers.py, with the environment torchrun gives its ranks), or by hand under torchrun:
 
 ``python -m torch.distributed.run --nproc-per-node 4 _pp_worker.py OUT numerics``
 ``python -m torch.distributed.run --nproc-per-node 2 _pp_worker.py OUT bubble`` (records tests/fixtures/cpu_pp2_bubble)

@@ -1,4 +1,5 @@
-"""CI: 4 gloo ranks (dp 2 x ep 2) under torchrun, one launch of _dist_worker.py for the module:
+"""CI: 4 gloo ranks (dp 2 x ep 2), one launch of _dist_worker.py for the module (forked by tests/trainer/_workers.py
+with the environment torchrun gives its ranks, which is what the manifest's ``launched_by_torchrun`` reads):
 
 * 10 steps of tiny.yaml with the launcher's arguments (`--set ep=2 --sync-free-level 1 --grouped-gemm-backend
   torch`, parsed as each rank parses them): loss decreases, every rank's trace and the manifest exist;

@@ -1,4 +1,5 @@
-"""CI for pipeline parallelism: one torchrun launch of _pp_worker.py (4 gloo ranks), and the recorded bubble runs.
+"""CI for pipeline parallelism: one launch of _pp_worker.py (4 gloo ranks, tests/trainer/_workers.py), and the recorded
+bubble runs.
 
 * Numerics: pipelined runs (1F1B PP=4 x 8 micro-batches; interleaved PP=2 x VPP=2 x DP=2 x 8; GPipe,
   PP+EP with DDP, the zero-bubble schedules) reproduce the losses, aux losses and global grad norms of
@@ -23,33 +24,22 @@ from __future__ import annotations
 
 import gzip
 import json
-import os
-import subprocess
-import sys
 from collections import Counter, defaultdict
 from pathlib import Path
 
 import pytest
 
+from tests.trainer._workers import run_worker
 from tracelens.analysis.pipeline import load_pipeline
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
 
 
-def _launch(out: Path, mode: str, nproc: int) -> dict:
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-                        str(REPO / "tests" / "trainer" / "_pp_worker.py"), str(out), mode],
-                       cwd=REPO, capture_output=True, text=True, timeout=400, check=False,
-                       env={**os.environ, "PYTHONPATH": str(REPO)})
-    assert r.returncode == 0, r.stderr[-4000:]
-    return json.loads((out / f"{mode}.json").read_text())
-
-
 @pytest.fixture(scope="module")
 def numerics(tmp_path_factory):
     out = tmp_path_factory.mktemp("pp_numerics")
-    return out, _launch(out, "numerics", 4)
+    return out, run_worker("_pp_worker.py", out, nproc=4, timeout=400, args=("numerics",), result="numerics.json")
 
 
 RECORDED = REPO / "tests" / "fixtures" / "cpu_pp2_bubble"

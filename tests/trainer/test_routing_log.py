@@ -3,29 +3,26 @@
 * in process: the log's per-step and total counts equal the tokens per expert counted independently from
   each MoE forward's own router logits (plain Python top-k with the group limit), over micro-batches, with
   a recomputed layer counted once; and it adds no host sync to a step (level 3: none at all);
-* 2 gloo ranks at EP 2 through the launcher: routing.json holds both ranks, tied to the manifest's run_id,
-  and each rank's dispatch split sizes in its own trace (`c10d::alltoall_base_`'s concrete inputs, read as
-  raw JSON) are its counts summed per destination rank.
+* 2 gloo ranks at EP 2 (``python -m trainer`` forked per rank, tests/trainer/_workers.py): routing.json holds
+  both ranks, tied to the manifest's run_id, and each rank's dispatch split sizes in its own trace
+  (`c10d::alltoall_base_`'s concrete inputs, read as raw JSON) are its counts summed per destination rank.
 """
 
 from __future__ import annotations
 
 import gzip
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from moespec.config import load_config
+from tests.trainer._workers import launch_module
 from trainer.model import Transformer
 from trainer.routing_log import RoutingLog, record_routing
 from trainer.syncs import HostSyncCounter
 from trainer.train import forward_backward
-
-REPO = Path(__file__).resolve().parents[2]
 
 
 def _reference_counts(x: torch.Tensor, gate_w: torch.Tensor, cfg: dict) -> list[int]:
@@ -145,10 +142,10 @@ def _raw_input_splits(trace: Path, step: int) -> list[list[int]]:
 @pytest.mark.slow
 def test_two_gloo_ranks_write_a_routing_file_their_traces_agree_with(tmp_path):
     run = tmp_path / "ep2"
-    r = subprocess.run([sys.executable, "-m", "trainer.launch", "--config", "tiny", "--nproc", "2", "--set", "ep=2",
-                        "--set", "steps=5", "--set", "profile_step_start=2", "--set", "profile_step_end=4",
-                        "--sync-free-level", "0", "-o", str(run)],
-                       cwd=REPO, capture_output=True, text=True, timeout=300, check=False)
+    # the trainer's 2 ranks forked from one process (tests/trainer/_workers.py): what is checked is what the ranks
+    # write, not torchrun (trainer.launch's torchrun runs in test_readme's and test_bench_knobs's commands)
+    r = launch_module("trainer", ["--config", "tiny", "--set", "ep=2", "--set", "steps=5", "--set", "profile_step_start=2",
+                                  "--set", "profile_step_end=4", "--sync-free-level", "0", "-o", str(run)], nproc=2)
     assert r.returncode == 0, r.stderr[-4000:]
     m = json.loads((run / "manifest.json").read_text())
     doc = json.loads((run / "routing.json").read_text())
