@@ -34,23 +34,14 @@ def run_worker(script: str, out: Path, nproc: int = 4, timeout: int = 600, args:
     checkout on the path; asserts a clean exit (stderr's tail on failure) and returns ``OUT/<result>``."""
     cmd = [sys.executable, str(Path(__file__).resolve()), str(nproc), str(REPO / "tests" / "trainer" / script),
            str(out), *args]
-    # a session of its own, so a timeout stops the ranks with the launcher
-    p = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                         env={**os.environ, "PYTHONPATH": str(REPO)}, start_new_session=True)
-    try:
-        _, stderr = p.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(p.pid, signal.SIGKILL)
-        _, stderr = p.communicate()
-        raise AssertionError(f"{script} on {nproc} ranks: no result after {timeout} s\n{stderr[-4000:]}") from None
-    assert p.returncode == 0, stderr[-4000:]
+    p = _run_launcher(cmd, timeout, f"{script} on {nproc} ranks: no result")
+    assert p.returncode == 0, p.stderr[-4000:]
     return json.loads((out / result).read_text())
 
 
-def launch_module(module: str, args: list[str], nproc: int, timeout: int = 300) -> subprocess.CompletedProcess:
-    """``python -m MODULE *args`` on ``nproc`` gloo ranks (the forking launcher below, from the checkout's root), e.g.
-    the trainer's ranks without ``trainer.launch``'s torchrun; the completed process, whatever its status."""
-    cmd = [sys.executable, str(Path(__file__).resolve()), str(nproc), "-m", module, *args]
+def _run_launcher(cmd: list[str], timeout: int, what: str) -> subprocess.CompletedProcess:
+    """Run the launcher ``cmd`` in a session of its own (a timeout stops the ranks with it: AssertionError naming
+    ``what`` and stderr's tail); the completed process, whatever its status."""
     p = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                          env={**os.environ, "PYTHONPATH": str(REPO)}, start_new_session=True)
     try:
@@ -58,8 +49,15 @@ def launch_module(module: str, args: list[str], nproc: int, timeout: int = 300) 
     except subprocess.TimeoutExpired:
         os.killpg(p.pid, signal.SIGKILL)
         _, stderr = p.communicate()
-        raise AssertionError(f"python -m {module} on {nproc} ranks: no exit after {timeout} s\n{stderr[-4000:]}") from None
+        raise AssertionError(f"{what} after {timeout} s\n{stderr[-4000:]}") from None
     return subprocess.CompletedProcess(cmd, p.returncode, stdout, stderr)
+
+
+def launch_module(module: str, args: list[str], nproc: int, timeout: int = 300) -> subprocess.CompletedProcess:
+    """``python -m MODULE *args`` on ``nproc`` gloo ranks (the forking launcher below, from the checkout's root), e.g.
+    the trainer's ranks without ``trainer.launch``'s torchrun; the completed process, whatever its status."""
+    cmd = [sys.executable, str(Path(__file__).resolve()), str(nproc), "-m", module, *args]
+    return _run_launcher(cmd, timeout, f"python -m {module} on {nproc} ranks: no exit")
 
 
 def _launch(nproc: int, script: str, argv: list[str]) -> int:
