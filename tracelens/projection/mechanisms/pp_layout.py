@@ -77,6 +77,62 @@ def piece_costs_from_profile(p, cfg: dict, device_scale: float) -> tuple[dict, d
     return f, bw, float(dur[work & (lay < 0) & ~tok].sum())
 
 
+def piece_costs_from_replay(rep, cfg: dict) -> tuple[dict, dict, dict, dict]:
+    """Per piece and micro-batch (``embedding``, ``layer<i>``, ``loss``), forward and full backward: the device work
+    and the host's launch time of one rank's replayed step of the changed config at the run's pp (``rep``:
+    `base.Replayed`, every unit edit applied), in calibrated ns: (device F, device B, host F, host B).
+
+    Device: the piece's units' durations as edited (each layer's ``layer/<i>`` units, the token-shaped work outside
+    the layers and the chunked loss's units as ``loss``; not communication, not the optimizer). Host: the host time
+    before each of the piece's launches (communication included: the host launches it in the piece), a sync's
+    going with the launch after it, x the rank's host factor. Everything else (the optimizer, parameter gathers and
+    reductions, per-step work) is the rest of the step."""
+    from .tokens import chunk_units
+
+    p, plan, ds, hs = rep.profile, rep.plan, rep.device_scale, rep.host_scale
+    w = p.work
+    n = len(w)
+    m = int(cfg.get("microbatches") or 1)
+    comm = w["is_comm"].to_numpy().astype(bool)
+    lay = w["layer"].to_numpy()
+    bwd = w["backward"].to_numpy() | (w["recompute"].to_numpy() if "recompute" in w else False)
+    opt = w["component"].to_numpy() == "optimizer step"
+    loss = (lay < 0) & ((w["scale"].to_numpy() == "tokens") | chunk_units(w, cfg)) & ~comm & ~opt
+    piece = np.full(n, "", dtype=object)
+    for i in range(int(cfg["n_layers"])):
+        piece[lay == i] = f"layer{i}"
+    piece[loss] = "loss"
+    dur = np.asarray(plan.dur[:n], float) * ds
+    names = ["embedding"] + [f"layer{i}" for i in range(int(cfg["n_layers"]))] + ["loss"]
+    df = {k: 0.0 for k in names}
+    db = dict(df)
+    hf, hb = dict(df), dict(df)
+    for j in np.flatnonzero((piece != "") & ~comm & ~opt):
+        (db if bwd[j] else df)[piece[j]] += dur[j] / m
+    pend = 0.0
+    for kd, j, g in zip(plan.kind, plan.ref, plan.gap):
+        g = g * hs * ds
+        if kd != 0:
+            pend += g
+            continue
+        if j < n and piece[j] != "":
+            (hb if bwd[j] else hf)[piece[j]] += (g + pend) / m
+        pend = 0.0
+    return df, db, hf, hb
+
+
+def _serial_window(m: int, f: float, b: float, hf: float, hb: float) -> float:
+    """The micro-batches' forward and backward back to back on one rank (pp 1), the host launching each action after
+    the previous one and the device running it once launched (`analysis.pipeline.simulate_step`'s rule with ``host``):
+    ns."""
+    hc = dc = 0.0
+    for _ in range(m):
+        for d, h in ((f, hf), (b, hb)):
+            dc = max(max(dc, hc) + d, hc + h)
+            hc += h
+    return dc
+
+
 def p2p_bandwidth(analysis, cfg: dict) -> tuple[float, str] | None:
     """(GB/s, source) of a pipelined run's p2p hand-offs: one micro-batch's activations (``micro_batch_size x
     seq_len x d_model`` x the activation bytes: the trace records no p2p size) over the 5th percentile of the p2p
@@ -185,6 +241,7 @@ class PipelineLayout(Mechanism):
         if world < 2:
             raise WhatIfError(f"{model.run}: pp needs a multi-GPU run")
         lines = []
+        host_f = host_bw = None
         if pp0 > 1:
             try:
                 base = PW.base_of(model)
@@ -201,16 +258,22 @@ class PipelineLayout(Mechanism):
         else:
             slow = int(np.argmax([sum(c.values()) for c in model.base_by_rank])) if model.base_by_rank else 0
             p = model.profiles[slow]
-            piece_f, piece_bw, _ = piece_costs_from_profile(p, old, model.device_scale[slow] * scale)
             step0 = step_s * 1e9
-            window0 = m0 * sum(piece_f[k] + piece_bw[k] for k in piece_f)
+            # the changed config's own pieces: each one's device work and host launch time in the replayed step
+            piece_f, piece_bw, host_f, host_bw = piece_costs_from_replay(change.replayed, old)
+            p = change.replayed.profile
+            window0 = _serial_window(m0, sum(piece_f.values()), sum(piece_bw.values()), sum(host_f.values()),
+                                     sum(host_bw.values()))
+            busy0 = m0 * sum(piece_f[k] + piece_bw[k] for k in piece_f)
             rest0 = max(step0 - window0, 0.0)
             beta = None
             ab = L.act_bytes(new) * int(new["micro_batch_size"]) * int(new["seq_len"]) * int(new["d_model"])
             gbps, bsrc = link_bandwidth(model, "all_to_all", world, ab)
             handoff = ab / (gbps * 1e9) * 1e9
-            src = (f"rank {p.rank}'s replayed step: each layer's device work by pass, the token-shaped work outside the "
-                   f"layers as the loss piece, / {m0} micro-batch(es)")
+            src = (f"rank {p.rank}'s replayed step of the changed config at pp {pp0}: each layer's device work and host "
+                   f"launch time by pass, the token-shaped work outside the layers and the chunked loss as the loss "
+                   f"piece, / {m0} micro-batch(es); {m0 * sum(host_f.values()) / 1e6:.1f} ms of launches and "
+                   f"{busy0 / 1e6:.1f} ms of device work in a {window0 / 1e6:.1f} ms window")
             ho_src = (f"the activations ({ab / 2**20:.1f} MiB per micro-batch) at {gbps:.0f} GB/s ({bsrc}; the run has "
                       f"no p2p: its collective at the nearest size): {handoff / 1e6:.3f} ms per hand-off")
         mods, f, bb, ww = stage_costs(new, piece_f, piece_bw, beta)
@@ -218,8 +281,12 @@ class PipelineLayout(Mechanism):
             sched, vpp = str(new.get("pipeline_schedule") or "1f1b"), int(new.get("vpp") or 1)
             order = PW.schedule_actions(sched, pp1, vpp, m1)
             costs = PW._costs_for(order, f, bb, ww)
+            hcost = None
+            if host_f is not None:
+                _, hf_, hb_, hw_ = stage_costs(new, host_f, host_bw, beta)
+                hcost = PW._costs_for(order, hf_, hb_, hw_)
             try:
-                window, _, _ = PW._replay(order, costs, handoff)
+                window, _, _ = PW._replay(order, costs, handoff, hcost)
             except PW.PipelineWhatIfError as e:
                 raise WhatIfError(str(e)) from None
             busy = np.bincount(order["rank"].to_numpy(), weights=costs, minlength=pp1)
@@ -260,8 +327,6 @@ class PipelineLayout(Mechanism):
             per = np.bincount(place, weights=[base.stage_f[s] + base.stage_b[s] + base.stage_w[s]
                                               for s in range(len(place))], minlength=base.meta.pp)
             busy0 = float(per.max()) * base.meta.microbatches * scale
-        else:
-            busy0 = window0
         fw = (float(busy.max()) / busy0) if busy0 > 0 else 1.0
         if tot > 0:
             for c in work_c:
