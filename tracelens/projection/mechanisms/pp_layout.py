@@ -6,16 +6,23 @@ count and the pipeline knobs there) and their ratio to the base step scales what
 
 * **Piece costs** (ns per micro-batch, forward and full backward, per piece ``embedding``, ``layer<i>``, ``loss``):
   from a pipelined run, the pipeline what-if's (each stage's measured mean action time over the steady steps,
-  split over its pieces by the FLOP model); from a run without a pipeline, the slowest rank's replayed step:
-  each layer's device work (its ``layer/<i>`` units, forward and backward; recomputation goes with the backward),
-  the token-shaped work outside the layers (embedding, head, loss) as the ``loss`` piece, divided by the run's
-  micro-batches (the embedding lookup is in that piece: the FLOP model gives it no cost).
+  split over its pieces by the FLOP model); from a run without a pipeline, the slowest rank's replay of the changed
+  config at the run's pp (`piece_costs_from_replay`: every unit edit applied): each layer's device work and the
+  host's launch time before its units (forward and backward; recomputation goes with the backward), the
+  token-shaped work outside the layers and the chunked loss as the ``loss`` piece, divided by the run's
+  micro-batches (the embedding lookup is in that piece: the FLOP model gives it no cost). Before, these were the
+  run's per-layer device work x (the changed config's step / the run's step): a host-bound step's whole host time
+  became device time of the pieces, and the layout's edits reached them only through that ratio.
 * **Stages and schedule**: the new layout by the trainer's rules (``moespec.layout.resolve_layout`` with the new
   pp x vpp); the schedule's action order replayed by the pipeline what-if's simulator (`simulate_step`), one
   overhead per hand-off between ranks: a pipelined run's calibrated one (it carries the p2p of the same
   activations), else the activations' transfer, ``micro_batch_size x seq_len x d_model`` x the activation bytes, at
   the run's measured bus bandwidth at the nearest message size (`layout.Bandwidth`: a run without a pipeline has no
-  p2p; its collectives on the same links, stated). At pp 1 the window is the micro-batches' work back to back.
+  p2p; its collectives on the same links, stated). From a run without a pipeline each rank's host is replayed beside
+  its device (``simulate_step(..., host=...)``: it launches its actions back to back without waiting for their
+  data; an action starts no earlier than its launch and ends no earlier than its last launch), and the rest of the
+  step is the replayed step less the same replay of its own micro-batches. At pp 1 the window is the micro-batches'
+  work back to back.
 * **The rest of the step** (optimizer, gradient reduction, what the window does not hold): the run's, with its
   data-parallel traffic changed: the bytes one GPU sends per step for the old and the new layout
   (`tracelens.analysis.memory.comm_volume`, ``dp``: FSDP gathers / reduce-scatters or DDP's all-reduce of the
@@ -25,8 +32,8 @@ count and the pipeline knobs there) and their ratio to the base step scales what
 * **Tokens** per GPU follow the replicas (``dp x ep``) and the micro-batches (whatif.Model); memory is the memory
   projection of the new layout (every stage; the busiest decides).
 
-Not modeled (said in the prediction): a pipeline's host time per action beyond the hand-off (from a run without a
-pipeline), the p2p's SM contention, a changed layout of experts (``ep`` with ``pp``: the layout mechanism replays
+Not modeled (said in the prediction): the pipeline schedule's own host time per action beyond the layers' launches
+(from a run without a pipeline), the p2p's SM contention, a changed layout of experts (``ep`` with ``pp``: the layout mechanism replays
 the new ep at pp 1 first, then this one splits the step).
 """
 
@@ -342,7 +349,7 @@ class PipelineLayout(Mechanism):
             t = sum(out.values())
             out = {c: v * step / t for c, v in out.items()} if t > 0 else out
         change.modeled.extend(lines)
-        change.notes.append("pp: a layout with another pp has no measurement on this machine yet (docs/whatif.md)"
+        change.notes.append("pp from a run without a pipeline: measured on two points of the 4 x H100 grid only (docs/whatif.md)"
                             if pp0 == 1 else "pp: the run's per-hand-off overhead is kept for the new stages' hand-offs")
         var = (self.sigma["pp_window"] * window / max(step_ns, 1.0)) ** 2 + (
             self.sigma["pp_rest"] * abs(rest1 - rest0) / max(step_ns, 1.0)) ** 2
