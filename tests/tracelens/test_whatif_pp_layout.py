@@ -68,6 +68,42 @@ def test_pp_from_a_run_without_a_pipeline():
     assert p.fits and p.step_s > 0
 
 
+def test_simulate_step_with_host_launches():
+    """The host-aware schedule replay (`simulate_step(..., host=...)`), against hand-computed windows: 1f1b, pp 2,
+    2 micro-batches. Device-bound (host 0) it is the plain replay; host-bound, each rank's host launches its actions
+    back to back without waiting for their data, an action starts no earlier than its launch and ends no earlier
+    than its last launch."""
+    from tracelens.analysis.pipeline import simulate_step
+    from tracelens.projection import pipeline_whatif as PW
+
+    order = PW.schedule_actions("1f1b", 2, 1, 2)
+    dev = PW._costs_for(order, [10, 10], [20, 20], [0, 0]).astype(np.int64)
+    s0, e0, _ = simulate_step(order, dev, 0)
+    s1, e1, _ = simulate_step(order, dev, 0, host=np.zeros(len(order), np.int64))
+    assert (s0 == s1).all() and (e0 == e1).all() and e0.max() == 90  # F0 F1 | (F0 B0 F1 B1) | B0 B1
+    # host 30 per action. Rank 1 (F0 B0 F1 B1): F0 after rank 0's F0 (30) ends at 40, B0 at max(40 + 20, its launch
+    # 60) = 60, F1 after rank 0's F1 (60) ends at its launch 90, B1 at its launch 120. Rank 0 (F0 F1 B0 B1): F0 and
+    # F1 end at their launches 30 and 60, B0 after rank 1's B0 (60) at max(80, 90) = 90, B1 after rank 1's B1 (120)
+    # at 120 + 20 = 140
+    host = np.full(len(order), 30, np.int64)
+    _, e2, _ = simulate_step(order, dev, 0, host=host)
+    assert sorted(e2.tolist()) == [30, 40, 60, 60, 90, 90, 120, 140]
+    # the host never makes a step shorter, and a host-bound rank ends no earlier than its last launch
+    assert (e2 >= e0).all() and e2.max() >= 4 * 30
+
+
+def test_pp_pieces_from_the_changed_config_replay():
+    """From a run without a pipeline, the pieces are the changed config's (the layout's unit edits reach them): pp 2 x
+    ep 2 and pp 2 x ep 1 from the EP 4 baseline differ, and the modeled line gives their host launches and device
+    work."""
+    m = W.Model.from_run(FIX / "h100_4gpu_layouts" / "ep4_cap_mbs16")
+    a = m.predict({"pp": 2, "ep": 2, "microbatches": 4, "micro_batch_size": 4})
+    b = m.predict({"pp": 2, "ep": 1, "ep_dispatch": "nccl", "microbatches": 4, "micro_batch_size": 4})
+    assert a.step_s != b.step_s
+    line = next(x for x in a.modeled if x.startswith("pp 1 -> 2"))
+    assert "ms of launches and" in line and "ms of device work" in line
+
+
 @pytest.mark.parametrize("sets,needle", [({"pp": 3}, "world size 4"), ({"pp": 2, "ep": 4, "microbatches": 8}, "world size 4")])
 def test_layouts_the_world_cannot_hold_are_one_line(sets, needle):
     m = W.Model.from_run(CAP_OVL) if "ep" in sets else W.Model.from_run(PP4)

@@ -999,7 +999,8 @@ def _step_graph(a: pd.DataFrame) -> tuple[list[list[int]], list[list[int]]]:
 
 
 def simulate_step(a: pd.DataFrame, durations, t0: int | None = None, handoff_ns: int = 0,
-                  graph: tuple[list[list[int]], list[list[int]]] | None = None) -> tuple[np.ndarray, np.ndarray, int]:
+                  graph: tuple[list[list[int]], list[list[int]]] | None = None,
+                  host=None) -> tuple[np.ndarray, np.ndarray, int]:
     """Replay one step's schedule with the given action durations and no communication or host time
     (or, with ``handoff_ns``, that much more before an action whose data dependency ran on another rank:
     the what-if model's per-hand-off overhead).
@@ -1009,10 +1010,14 @@ def simulate_step(a: pd.DataFrame, durations, t0: int | None = None, handoff_ns:
     first measured start). Returns (start_ns, end_ns, forced) aligned with `a`'s rows; `forced` counts
     actions started without an unmet dependency to break a deadlock, which only inconsistent records
     (a dependency that ends after its consumer starts, e.g. skewed clocks) can produce. ``graph``: `_step_graph(a)`
-    when the caller replays the same step several times.
+    when the caller replays the same step several times. ``host``: per action, the host time its launches take (the
+    what-if's pipeline from a run without one): each rank's host launches its actions one after another without
+    waiting for their data (a p2p receive makes the stream wait, not the host); an action starts no earlier than its
+    host gets to it and ends no earlier than its last launch.
     """
     n = len(a)
     dur = np.asarray(durations, dtype=np.int64).tolist()
+    hdur = np.asarray(host, dtype=np.int64).tolist() if host is not None else None
     if n == 0:
         return np.empty(0, np.int64), np.empty(0, np.int64), 0
     preds, order = _step_graph(a) if graph is None else graph
@@ -1021,10 +1026,16 @@ def simulate_step(a: pd.DataFrame, durations, t0: int | None = None, handoff_ns:
     rank_of, handoff = a["rank"].tolist(), int(handoff_ns)
     start, end = [-1] * n, [-1] * n
     pos, free = [0] * len(order), [t0] * len(order)
+    hfree = [t0] * len(order)  # each rank's host: when it has launched its actions so far
     left, forced = n, 0
 
     def run(k: int, i: int, ready: int) -> None:
+        if hdur is not None:
+            ready = max(ready, hfree[k])  # its first kernel is not launched before the host gets to it
+            hfree[k] += hdur[i]
         start[i], end[i] = ready, ready + dur[i]
+        if hdur is not None:
+            end[i] = max(end[i], hfree[k])
         free[k] = end[i]
         pos[k] += 1
 

@@ -267,8 +267,12 @@ def _costs_for(order: pd.DataFrame, f: list[float], b: list[float], w: list[floa
     return np.where(kind == "F", fa[st], np.where(kind == "B", ba[st], wa[st]))
 
 
-def _replay(order: pd.DataFrame, costs: np.ndarray, handoff: float) -> tuple[float, np.ndarray, np.ndarray]:
-    s, e, forced = P.simulate_step(order, np.round(costs).astype(np.int64), 0, int(round(handoff)))
+def _replay(order: pd.DataFrame, costs: np.ndarray, handoff: float,
+            host: np.ndarray | None = None) -> tuple[float, np.ndarray, np.ndarray]:
+    """(window, starts, ends) of the schedule ``order`` with each action's device time ``costs`` (ns) and, optionally,
+    its host launch time ``host`` (`analysis.pipeline.simulate_step`)."""
+    s, e, forced = P.simulate_step(order, np.round(costs).astype(np.int64), 0, int(round(handoff)),
+                                   host=None if host is None else np.round(host).astype(np.int64))
     if forced:
         raise PipelineWhatIfError("the schedule's action order deadlocks under its data dependencies (a bug in the "
                                   "modeled order)")

@@ -289,7 +289,7 @@ class Model:
         ch.modeled, ch.notes = modeled, notes
         edits = [m for m in MECH.EDITS if m.applies(ch)]
         sig2 = 0.0
-        steps, comps_list, said = [], [], []
+        steps, comps_list, said, replayed = [], [], [], []
         xs = self.expert_host or [1.0] * len(self.programs)
         for prog, hs, ds, x in zip(self.programs, self.host_scale, self.device_scale, xs):
             plan = _Plan.of(prog, profiler_lead=False)
@@ -310,12 +310,14 @@ class Model:
             if res is None:
                 res = plan.replay(hs)
             steps.append(res.step_ns * ds / 1e9)
+            replayed.append(MECH.base.Replayed(plan, prog.profile, res, ds, hs))
             comps_list.append({k: v * ds / 1e9 for k, v in res.components.items()})
             sig2 = max(sig2, var)
         slow = int(np.argmax(steps))
         step = steps[slow]
         comps = comps_list[slow]
         modeled.extend(said[slow])
+        ch.replayed, ch.replayed_all = replayed[slow], replayed
         for m in MECH.STEPS:
             if m.applies(ch):
                 step, comps, var = m.finish(ch, step, comps, self.profiles[slow].rank)

@@ -54,6 +54,10 @@ class Change:
     modeled: list = field(default_factory=list)  # one line per modeled change (the shown rank's replay's)
     notes: list = field(default_factory=list)  # what could not be modeled, caveats
     device_scale: float = 1.0  # the rank's profiled -> calibrated time factor: what a line about times multiplies by
+    # phase ``step``: the slowest rank's edited program, its replay (unit start / end times) and its device scale
+    # (``Replayed``), for a mechanism that cuts the replayed timeline (pp_layout)
+    replayed: Any = None
+    replayed_all: list = field(default_factory=list)  # every rank's, in the model's profile order
 
     @property
     def t0(self) -> int:
@@ -68,6 +72,17 @@ class Change:
     @property
     def s_tok(self) -> float:
         return self.t1 / self.t0
+
+
+@dataclass
+class Replayed:
+    """One rank's edited replay program and its replay, as the ``step`` phase sees the slowest rank's."""
+
+    plan: Any  # replay.Plan after every ``units`` / ``end`` edit
+    profile: Any  # its profile.StepProfile
+    result: Any  # replay.Result (``start`` / ``end`` per unit, ns in the step's frame; None for a chained replay)
+    device_scale: float  # profiled -> calibrated time
+    host_scale: float  # the rank's calibrated host factor (a host gap's replayed time is gap x host_scale)
 
 
 class Mechanism:

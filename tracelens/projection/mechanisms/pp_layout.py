@@ -6,16 +6,23 @@ count and the pipeline knobs there) and their ratio to the base step scales what
 
 * **Piece costs** (ns per micro-batch, forward and full backward, per piece ``embedding``, ``layer<i>``, ``loss``):
   from a pipelined run, the pipeline what-if's (each stage's measured mean action time over the steady steps,
-  split over its pieces by the FLOP model); from a run without a pipeline, the slowest rank's replayed step:
-  each layer's device work (its ``layer/<i>`` units, forward and backward; recomputation goes with the backward),
-  the token-shaped work outside the layers (embedding, head, loss) as the ``loss`` piece, divided by the run's
-  micro-batches (the embedding lookup is in that piece: the FLOP model gives it no cost).
+  split over its pieces by the FLOP model); from a run without a pipeline, the slowest rank's replay of the changed
+  config at the run's pp (`piece_costs_from_replay`: every unit edit applied): each layer's device work and the
+  host's launch time before its units (forward and backward; recomputation goes with the backward), the
+  token-shaped work outside the layers and the chunked loss as the ``loss`` piece, divided by the run's
+  micro-batches (the embedding lookup is in that piece: the FLOP model gives it no cost). Before, these were the
+  run's per-layer device work x (the changed config's step / the run's step): a host-bound step's whole host time
+  became device time of the pieces, and the layout's edits reached them only through that ratio.
 * **Stages and schedule**: the new layout by the trainer's rules (``moespec.layout.resolve_layout`` with the new
   pp x vpp); the schedule's action order replayed by the pipeline what-if's simulator (`simulate_step`), one
   overhead per hand-off between ranks: a pipelined run's calibrated one (it carries the p2p of the same
   activations), else the activations' transfer, ``micro_batch_size x seq_len x d_model`` x the activation bytes, at
   the run's measured bus bandwidth at the nearest message size (`layout.Bandwidth`: a run without a pipeline has no
-  p2p; its collectives on the same links, stated). At pp 1 the window is the micro-batches' work back to back.
+  p2p; its collectives on the same links, stated). From a run without a pipeline each rank's host is replayed beside
+  its device (``simulate_step(..., host=...)``: it launches its actions back to back without waiting for their
+  data; an action starts no earlier than its launch and ends no earlier than its last launch), and the rest of the
+  step is the replayed step less the same replay of its own micro-batches. At pp 1 the window is the micro-batches'
+  work back to back.
 * **The rest of the step** (optimizer, gradient reduction, what the window does not hold): the run's, with its
   data-parallel traffic changed: the bytes one GPU sends per step for the old and the new layout
   (`tracelens.analysis.memory.comm_volume`, ``dp``: FSDP gathers / reduce-scatters or DDP's all-reduce of the
@@ -25,8 +32,8 @@ count and the pipeline knobs there) and their ratio to the base step scales what
 * **Tokens** per GPU follow the replicas (``dp x ep``) and the micro-batches (whatif.Model); memory is the memory
   projection of the new layout (every stage; the busiest decides).
 
-Not modeled (said in the prediction): a pipeline's host time per action beyond the hand-off (from a run without a
-pipeline), the p2p's SM contention, a changed layout of experts (``ep`` with ``pp``: the layout mechanism replays
+Not modeled (said in the prediction): the pipeline schedule's own host time per action beyond the layers' launches
+(from a run without a pipeline), the p2p's SM contention, a changed layout of experts (``ep`` with ``pp``: the layout mechanism replays
 the new ep at pp 1 first, then this one splits the step).
 """
 
@@ -75,6 +82,62 @@ def piece_costs_from_profile(p, cfg: dict, device_scale: float) -> tuple[dict, d
     f["loss"] = float(dur[out & ~bwd].sum()) / m
     bw["loss"] = float(dur[out & bwd].sum()) / m
     return f, bw, float(dur[work & (lay < 0) & ~tok].sum())
+
+
+def piece_costs_from_replay(rep, cfg: dict) -> tuple[dict, dict, dict, dict]:
+    """Per piece and micro-batch (``embedding``, ``layer<i>``, ``loss``), forward and full backward: the device work
+    and the host's launch time of one rank's replayed step of the changed config at the run's pp (``rep``:
+    `base.Replayed`, every unit edit applied), in calibrated ns: (device F, device B, host F, host B).
+
+    Device: the piece's units' durations as edited (each layer's ``layer/<i>`` units, the token-shaped work outside
+    the layers and the chunked loss's units as ``loss``; not communication, not the optimizer). Host: the host time
+    before each of the piece's launches (communication included: the host launches it in the piece), a sync's
+    going with the launch after it, x the rank's host factor. Everything else (the optimizer, parameter gathers and
+    reductions, per-step work) is the rest of the step."""
+    from .tokens import chunk_units
+
+    p, plan, ds, hs = rep.profile, rep.plan, rep.device_scale, rep.host_scale
+    w = p.work
+    n = len(w)
+    m = int(cfg.get("microbatches") or 1)
+    comm = w["is_comm"].to_numpy().astype(bool)
+    lay = w["layer"].to_numpy()
+    bwd = w["backward"].to_numpy() | (w["recompute"].to_numpy() if "recompute" in w else False)
+    opt = w["component"].to_numpy() == "optimizer step"
+    loss = (lay < 0) & ((w["scale"].to_numpy() == "tokens") | chunk_units(w, cfg)) & ~comm & ~opt
+    piece = np.full(n, "", dtype=object)
+    for i in range(int(cfg["n_layers"])):
+        piece[lay == i] = f"layer{i}"
+    piece[loss] = "loss"
+    dur = np.asarray(plan.dur[:n], float) * ds
+    names = ["embedding"] + [f"layer{i}" for i in range(int(cfg["n_layers"]))] + ["loss"]
+    df = {k: 0.0 for k in names}
+    db = dict(df)
+    hf, hb = dict(df), dict(df)
+    for j in np.flatnonzero((piece != "") & ~comm & ~opt):
+        (db if bwd[j] else df)[piece[j]] += dur[j] / m
+    pend = 0.0
+    for kd, j, g in zip(plan.kind, plan.ref, plan.gap):
+        g = g * hs * ds
+        if kd != 0:
+            pend += g
+            continue
+        if j < n and piece[j] != "":
+            (hb if bwd[j] else hf)[piece[j]] += (g + pend) / m
+        pend = 0.0
+    return df, db, hf, hb
+
+
+def _serial_window(m: int, f: float, b: float, hf: float, hb: float) -> float:
+    """The micro-batches' forward and backward back to back on one rank (pp 1), the host launching each action after
+    the previous one and the device running it once launched (`analysis.pipeline.simulate_step`'s rule with ``host``):
+    ns."""
+    hc = dc = 0.0
+    for _ in range(m):
+        for d, h in ((f, hf), (b, hb)):
+            dc = max(max(dc, hc) + d, hc + h)
+            hc += h
+    return dc
 
 
 def p2p_bandwidth(analysis, cfg: dict) -> tuple[float, str] | None:
@@ -185,6 +248,7 @@ class PipelineLayout(Mechanism):
         if world < 2:
             raise WhatIfError(f"{model.run}: pp needs a multi-GPU run")
         lines = []
+        host_f = host_bw = None
         if pp0 > 1:
             try:
                 base = PW.base_of(model)
@@ -201,16 +265,22 @@ class PipelineLayout(Mechanism):
         else:
             slow = int(np.argmax([sum(c.values()) for c in model.base_by_rank])) if model.base_by_rank else 0
             p = model.profiles[slow]
-            piece_f, piece_bw, _ = piece_costs_from_profile(p, old, model.device_scale[slow] * scale)
             step0 = step_s * 1e9
-            window0 = m0 * sum(piece_f[k] + piece_bw[k] for k in piece_f)
+            # the changed config's own pieces: each one's device work and host launch time in the replayed step
+            piece_f, piece_bw, host_f, host_bw = piece_costs_from_replay(change.replayed, old)
+            p = change.replayed.profile
+            window0 = _serial_window(m0, sum(piece_f.values()), sum(piece_bw.values()), sum(host_f.values()),
+                                     sum(host_bw.values()))
+            busy0 = m0 * sum(piece_f[k] + piece_bw[k] for k in piece_f)
             rest0 = max(step0 - window0, 0.0)
             beta = None
             ab = L.act_bytes(new) * int(new["micro_batch_size"]) * int(new["seq_len"]) * int(new["d_model"])
             gbps, bsrc = link_bandwidth(model, "all_to_all", world, ab)
             handoff = ab / (gbps * 1e9) * 1e9
-            src = (f"rank {p.rank}'s replayed step: each layer's device work by pass, the token-shaped work outside the "
-                   f"layers as the loss piece, / {m0} micro-batch(es)")
+            src = (f"rank {p.rank}'s replayed step of the changed config at pp {pp0}: each layer's device work and host "
+                   f"launch time by pass, the token-shaped work outside the layers and the chunked loss as the loss "
+                   f"piece, / {m0} micro-batch(es); {m0 * sum(host_f.values()) / 1e6:.1f} ms of launches and "
+                   f"{busy0 / 1e6:.1f} ms of device work in a {window0 / 1e6:.1f} ms window")
             ho_src = (f"the activations ({ab / 2**20:.1f} MiB per micro-batch) at {gbps:.0f} GB/s ({bsrc}; the run has "
                       f"no p2p: its collective at the nearest size): {handoff / 1e6:.3f} ms per hand-off")
         mods, f, bb, ww = stage_costs(new, piece_f, piece_bw, beta)
@@ -218,8 +288,12 @@ class PipelineLayout(Mechanism):
             sched, vpp = str(new.get("pipeline_schedule") or "1f1b"), int(new.get("vpp") or 1)
             order = PW.schedule_actions(sched, pp1, vpp, m1)
             costs = PW._costs_for(order, f, bb, ww)
+            hcost = None
+            if host_f is not None:
+                _, hf_, hb_, hw_ = stage_costs(new, host_f, host_bw, beta)
+                hcost = PW._costs_for(order, hf_, hb_, hw_)
             try:
-                window, _, _ = PW._replay(order, costs, handoff)
+                window, _, _ = PW._replay(order, costs, handoff, hcost)
             except PW.PipelineWhatIfError as e:
                 raise WhatIfError(str(e)) from None
             busy = np.bincount(order["rank"].to_numpy(), weights=costs, minlength=pp1)
@@ -260,8 +334,6 @@ class PipelineLayout(Mechanism):
             per = np.bincount(place, weights=[base.stage_f[s] + base.stage_b[s] + base.stage_w[s]
                                               for s in range(len(place))], minlength=base.meta.pp)
             busy0 = float(per.max()) * base.meta.microbatches * scale
-        else:
-            busy0 = window0
         fw = (float(busy.max()) / busy0) if busy0 > 0 else 1.0
         if tot > 0:
             for c in work_c:
@@ -277,7 +349,7 @@ class PipelineLayout(Mechanism):
             t = sum(out.values())
             out = {c: v * step / t for c, v in out.items()} if t > 0 else out
         change.modeled.extend(lines)
-        change.notes.append("pp: a layout with another pp has no measurement on this machine yet (docs/whatif.md)"
+        change.notes.append("pp from a run without a pipeline: measured on two points of the 4 x H100 grid only (docs/whatif.md)"
                             if pp0 == 1 else "pp: the run's per-hand-off overhead is kept for the new stages' hand-offs")
         var = (self.sigma["pp_window"] * window / max(step_ns, 1.0)) ** 2 + (
             self.sigma["pp_rest"] * abs(rest1 - rest0) / max(step_ns, 1.0)) ** 2
