@@ -464,6 +464,14 @@ class ScaleOut:
             notes.append(note)
         if self.routing is None and ep > 1:
             notes.append(f"expert rows: uniform T*k/ep per peer ({self.routing_note})")
+        elif ep > 1 and gpus != self.world:
+            notes.append(f"expert rows: the busiest rank's from this run's {self.routing.basis}; a run on {gpus} GPUs "
+                         "routes otherwise (its data per rank differs), so its imbalance between EP ranks is not "
+                         "known here")
+        if ep > 1 and int(self.config.get("ep") or 1) == 1:
+            notes.append("EP dispatch path: its own kernels (send-buffer fills and copies, the receive-side regroup, "
+                         "the combine's gathers and their backward) are not in a run at ep 1 and are not added: their "
+                         "time is missing from the step (docs/whatif.md, \"Validation\")")
         if gpus > self.world:
             notes.append(f"unvalidated: {gpus} GPUs, the run had {self.world}")
         if cfg.get("dp_mode") != a.config.get("dp_mode"):
