@@ -8,7 +8,6 @@ import gzip
 import mmap
 
 import numpy as np
-import pandas as pd
 import pytest
 
 import tracelens
@@ -17,7 +16,7 @@ from tracelens.io import kineto as K
 from tracelens.io import prefetch as P
 from tracelens.io import scanner as S
 
-from ..conftest import DIFF_CONTROL, MI250, MOE_LOOP
+from ..conftest import DIFF_CONTROL, MI250, MOE_LOOP, assert_frames_identical
 
 needs_scanner = pytest.mark.skipif(K._kineto_fast is None, reason="compiled scanner not built")
 
@@ -90,8 +89,8 @@ def test_mapped_load_equals_a_load_from_bytes(tmp_path, small_map, monkeypatch, 
     plain = K.parse_file(p, flows=False)
     assert mapped.meta["decoder"] == plain.meta["decoder"] == "compiled"
     # (compared as pandas frames: Arrow's Table.equals holds NaN != NaN in the flops column)
-    pd.testing.assert_frame_equal(mapped.events.to_pandas(), plain.events.to_pandas())
-    pd.testing.assert_frame_equal(mapped.threads.to_pandas(), plain.threads.to_pandas())
+    assert_frames_identical(mapped.events.to_pandas(), plain.events.to_pandas())
+    assert_frames_identical(mapped.threads.to_pandas(), plain.threads.to_pandas())
     assert mapped.meta == plain.meta
 
 
@@ -108,8 +107,8 @@ def test_prefetched_mapped_load_equals_a_plain_one(tmp_path, small_map, monkeypa
     monkeypatch.setenv("TRACELENS_NO_PREFETCH", "1")
     monkeypatch.setenv("TRACELENS_NO_MMAP", "1")
     plain = tracelens.load(p, cache=False)
-    pd.testing.assert_frame_equal(got.events, plain.events)
-    pd.testing.assert_frame_equal(got.threads, plain.threads)
+    assert_frames_identical(got.events, plain.events)
+    assert_frames_identical(got.threads, plain.threads)
 
 
 @needs_scanner
@@ -162,5 +161,5 @@ def test_cached_load_hashes_and_scans_the_map(tmp_path, small_map, monkeypatch, 
     monkeypatch.undo()  # read_raw, content_key and MAP_MIN back: the 28 MB file is read into memory, not mapped
     plain = tracelens.load(p, cache=False)
     for got in (first, again):
-        pd.testing.assert_frame_equal(got.events, plain.events)
-        pd.testing.assert_frame_equal(got.threads, plain.threads)
+        assert_frames_identical(got.events, plain.events)
+        assert_frames_identical(got.threads, plain.threads)
