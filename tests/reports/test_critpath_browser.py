@@ -12,7 +12,7 @@ import pytest
 import tracelens
 from reports.html import write_report
 
-from ..conftest import FIXTURES, NCCL_2RANK
+from ..conftest import FIXTURES, NCCL_2RANK, write_json_gz
 from ._browser import open_report, plot_ok
 
 pytestmark = pytest.mark.browser
@@ -51,8 +51,7 @@ def test_critpath_unavailable_is_one_line(browser, tmp_path):
                     e["args"]["Collective name"] = "broadcast"
                 if e.get("name") in ("c10d::send", "c10d::recv_"):
                     e["name"] = "c10d::barrier"
-        with gzip.open(src / f.name, "wt") as out:
-            json.dump(doc, out)
+        write_json_gz(doc, src / f.name)
     a = tracelens.analyze(tracelens.load(src, cache=False, progress=False))
     page, errors = open_report(browser, write_report(a, tmp_path / "report.html"))
     note = page.inner_text("#critpath-unavailable")

@@ -8,9 +8,10 @@ out by hand for these schedules, not with this simulator's output.
 
 from __future__ import annotations
 
-import gzip
 import json
 from pathlib import Path
+
+from ..conftest import write_json_gz
 
 
 def one_f_one_b_order(p: int, m: int, r: int) -> list[tuple[str, int]]:
@@ -88,5 +89,4 @@ def write_kineto(path: Path, rank: int, world: int, recs: list[dict], step_marke
     ev.append({"ph": "X", "cat": "cpu_op", "name": "aten::mm", "pid": 1, "tid": 1, "ts": 0.5, "dur": 0.1})
     doc = {"traceEvents": ev, "distributedInfo": {"rank": rank, "world_size": world}}
     path.parent.mkdir(parents=True, exist_ok=True)
-    with gzip.open(path, "wt") as f:
-        json.dump(doc, f)
+    write_json_gz(doc, path)

@@ -27,7 +27,7 @@ from tracelens.analysis.critical_path import (
 from tracelens.analysis.pipeline import critical_path as ppvis_path
 from tracelens.errors import TraceError
 
-from ..conftest import MI250, MOE_LOOP, NCCL_2RANK
+from ..conftest import MI250, MOE_LOOP, NCCL_2RANK, write_json_gz
 from ._cli import run_cli
 
 FIX = Path(__file__).resolve().parents[1] / "fixtures"
@@ -204,8 +204,7 @@ def _copy_ranks(src: Path, dst: Path, mutate) -> Path:
         r = int(f.name.split(".")[0].removeprefix("rank"))
         doc = _read(f)
         mutate(r, doc)
-        with gzip.open(dst / f.name, "wt") as out:
-            json.dump(doc, out)
+        write_json_gz(doc, dst / f.name)
     return dst
 
 

@@ -16,7 +16,7 @@ import tracelens
 from tracelens.analysis import comm as CM
 from tracelens.analysis.health import exit_status, health_checks, run_context
 
-from ..conftest import FIXTURES, MOE_LOOP, NCCL_2RANK, raw_events
+from ..conftest import FIXTURES, MOE_LOOP, NCCL_2RANK, raw_events, write_json_gz
 from ._cli import run_cli
 
 EP2_L0 = FIXTURES / "h200_ep2_run" / "L0_loop"
@@ -31,8 +31,7 @@ def _read(path: Path) -> dict:
 
 def _write(doc: dict, path: Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
-    with gzip.open(path, "wt") as f:
-        json.dump(doc, f)
+    write_json_gz(doc, path)
     return path
 
 

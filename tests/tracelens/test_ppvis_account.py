@@ -27,6 +27,7 @@ import tracelens
 from tracelens.analysis import pipeline as P
 from tracelens.cli import main
 
+from ..conftest import write_json_gz
 from . import _pipeline_sim as S
 
 FIX = Path(__file__).resolve().parents[1] / "fixtures" / "h200_pp2_run"
@@ -49,8 +50,7 @@ def kineto(path: Path, rank: int, events: list[dict]) -> None:
     doc = {"traceEvents": events, "baseTimeNanoseconds": BASE,
            "distributedInfo": {"rank": rank, "world_size": 2, "backend": "nccl"}}
     path.parent.mkdir(parents=True, exist_ok=True)
-    with gzip.open(path, "wt") as f:
-        json.dump(doc, f)
+    write_json_gz(doc, path)
 
 
 def ev(cat, name, start_ns, end_ns, tid=1, pid=1, **args):

@@ -25,6 +25,8 @@ import tracelens
 from tracelens import replay as R
 from tracelens.cli import main
 
+from ..conftest import write_json_gz
+
 FIX = Path(__file__).resolve().parents[1] / "fixtures"
 MOE = FIX / "h200_moe_1gpu" / "moe1gpu_grouped.json.gz"
 
@@ -42,8 +44,7 @@ def _rename_first_mm(src: Path, dst: Path, new_name: str) -> None:
     assert mm, "the fixture has aten::mm calls"
     mm[0]["name"] = new_name
     dst.parent.mkdir(parents=True, exist_ok=True)
-    with gzip.open(dst, "wt") as f:
-        json.dump(doc, f)
+    write_json_gz(doc, dst)
 
 
 def _skeleton(path: Path) -> str:

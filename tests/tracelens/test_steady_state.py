@@ -17,9 +17,9 @@ import pytest
 
 import tracelens
 from tracelens.analysis import steps as S
-from tracelens.analysis.diff import check_rules, diff, parse_rule, student_t_two_sided, welch_test
+from tracelens.analysis.diff import diff, student_t_two_sided, welch_test
 
-from ..conftest import FIXTURES, MI250, MOE_LOOP, NCCL_2RANK, merged_length, raw_events
+from ..conftest import FIXTURES, MI250, MOE_LOOP, NCCL_2RANK, merged_length, raw_events, write_json_gz
 from ._cli import run_cli
 
 PP_1F1B = FIXTURES / "h200_pp2_run" / "1f1b"
@@ -127,8 +127,7 @@ def _first_step_only(src: Path, dst: Path) -> Path:
                     key=lambda e: e["ts"])
         end = first["ts"] + first["dur"]
         doc["traceEvents"] = [e for e in ev if "ts" not in e or e["ts"] < end]
-        with gzip.open(dst / f.name, "wt") as fh:
-            json.dump(doc, fh)
+        write_json_gz(doc, dst / f.name)
     return dst
 
 
