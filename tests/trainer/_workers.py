@@ -9,11 +9,13 @@ torchrun launch of 4 ranks is 5 Python processes that each import torch (~3 s of
 real torchrun path (``trainer.launch``'s elastic agent, its log handling and failure line) is run end to end by
 tests/test_readme.py, tests/trainer/test_bench_knobs.py and the ``trainer.launch --nproc 2`` tests.
 
-The launcher imports torch and nothing else before forking (no torch op has run, so no OpenMP or intra-op
-thread pool exists to be inherited half-alive); everything the script imports beyond torch it imports in each
-rank, after the fork, so environment a worker sets before its imports (``TRITON_INTERPRET``) acts as under
-torchrun. A rank that fails stops the others (as torchrun's agent does: a peer blocked in a collective would
-wait for its timeout); the launcher exits with the first failing rank's status.
+The launcher imports torch (and the parts of it every trainer rank imports: FSDP2, DTensor, torch._dynamo) and
+nothing else before forking (no torch op has run, so no OpenMP or intra-op thread pool exists to be inherited
+half-alive; no thread has started); everything else the script imports it imports in each rank, after the fork,
+so environment a worker sets before its imports acts as under torchrun, except ``TRITON_INTERPRET``: triton is
+imported in the launcher (by torch._dynamo), so a worker that runs Triton interpreted gets it from ``run_worker(...,
+env=)`` (the two that do check it and stop, saying so). A rank that fails
+stops the others (as torchrun's agent does: a peer blocked in a collective would wait for its timeout); the launcher exits with the first failing rank's status.
 """
 
 from __future__ import annotations
@@ -29,21 +31,24 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def run_worker(script: str, out: Path, nproc: int = 4, timeout: int = 600, args: tuple[str, ...] = (),
-               result: str = "results.json") -> dict:
+               result: str = "results.json", env: dict[str, str] | None = None) -> dict:
     """Run ``tests/trainer/<script> OUT *args`` on ``nproc`` gloo ranks (the forking launcher below) with this
-    checkout on the path; asserts a clean exit (stderr's tail on failure) and returns ``OUT/<result>``."""
+    checkout on the path; asserts a clean exit (stderr's tail on failure) and returns ``OUT/<result>``. ``env``: set
+    in the launcher before it imports torch (``TRITON_INTERPRET``: torch._dynamo, imported there, imports triton,
+    which reads it at import)."""
     cmd = [sys.executable, str(Path(__file__).resolve()), str(nproc), str(REPO / "tests" / "trainer" / script),
            str(out), *args]
-    p = _run_launcher(cmd, timeout, f"{script} on {nproc} ranks: no result")
+    p = _run_launcher(cmd, timeout, f"{script} on {nproc} ranks: no result", env)
     assert p.returncode == 0, p.stderr[-4000:]
     return json.loads((out / result).read_text())
 
 
-def _run_launcher(cmd: list[str], timeout: int, what: str) -> subprocess.CompletedProcess:
+def _run_launcher(cmd: list[str], timeout: int, what: str,
+                  env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """Run the launcher ``cmd`` in a session of its own (a timeout stops the ranks with it: AssertionError naming
     ``what`` and stderr's tail); the completed process, whatever its status."""
     p = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                         env={**os.environ, "PYTHONPATH": str(REPO)}, start_new_session=True)
+                         env={**os.environ, **(env or {}), "PYTHONPATH": str(REPO)}, start_new_session=True)
     try:
         stdout, stderr = p.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -68,7 +73,17 @@ def _launch(nproc: int, script: str, argv: list[str]) -> int:
     # its OpenMP runtime, which reads it once
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch  # noqa: F401 - imported once here, inherited by every rank
+    # and what every trainer rank imports after it (FSDP2's DTensor ops, and torch._dynamo, which FSDP's
+    # `_disable_dynamo`-wrapped functions import on their first call): ~3 s of CPU per rank otherwise. Importing
+    # them registers ops and classes; it starts no thread (checked below) and runs no op
+    import torch._dynamo  # noqa: F401
+    import torch.distributed.fsdp  # noqa: F401
+    import torch.distributed.tensor  # noqa: F401
     from torch.distributed import TCPStore
+
+    import threading
+
+    assert threading.active_count() == 1, "a thread started before the ranks fork"
 
     sys.stdout.flush()
     sys.stderr.flush()

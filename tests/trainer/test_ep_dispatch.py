@@ -28,7 +28,7 @@ TOL = 1e-5  # fp32, tiny.yaml: outputs and gradients differ only by summation or
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    return run_worker("_ep_dispatch_worker.py", tmp_path_factory.mktemp("ep_dispatch"))
+    return run_worker("_ep_dispatch_worker.py", tmp_path_factory.mktemp("ep_dispatch"), env={"TRITON_INTERPRET": "1"})
 
 
 @pytest.mark.slow
