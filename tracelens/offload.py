@@ -191,6 +191,9 @@ def submit(fn: Callable[..., Any], *args: Any, events: int, worth: bool = True) 
     go = worth and plan(events)[0]
     if not go:
         return Task(fn, args)
+    from .io.cache import wait_stores
+
+    wait_stores()  # a cache entry written beside the analysis (Arrow inside) is not forked mid-write
     r, w = os.pipe()
     for stream in (sys.stdout, sys.stderr):  # buffered output must not be written twice
         try:
