@@ -254,9 +254,11 @@ def load(
     files (default: the CPUs this process may use). progress: True/False forces the progress bar; None shows it on a TTY.
     prefetch: a `tracelens.io.prefetch.Prefetch` already reading the file (what `tracelens.load` passes).
     """
+    global _largest_load
     files = discover(paths)
     cache_root = os.fspath(cache_dir) if cache_dir else None
     total_bytes = sum(os.path.getsize(f) for f in files)
+    _largest_load = max(_largest_load, total_bytes)
     jobs = jobs or usable_cpus()
     parsed: list[ParsedTrace] = []
     sizes = {f: os.path.getsize(f) for f in files}
@@ -307,13 +309,21 @@ def load(
 
 
 LEAN_MALLOC_BYTES = 1 << 30  # traces this large (in all) fix glibc's mmap threshold (`fix_mmap_threshold`)
+OFFLOAD_MAX_BYTES = 4 << 30  # from traces this large (in all) on, no analysis part is forked (`tracelens.offload`)
+_largest_load = 0  # the most bytes of trace one `load` of this process read (`largest_load`)
+
+
+def largest_load() -> int:
+    """The most bytes of trace files one `load` in this process has read (what `tracelens.offload` decides by)."""
+    return _largest_load
 _MMAP_THRESHOLD = 4 << 20  # arrays over 4 MiB: their own mappings (see fix_mmap_threshold)
 _mmap_threshold_fixed = False
 
 
 def lean_memory() -> bool:
     """Whether this process analyzes a large input (LEAN_MALLOC_BYTES or more: `fix_mmap_threshold` ran),
-    where memory comes before speed (tracelens.offload then keeps every analysis in this process)."""
+    where memory comes before speed (from OFFLOAD_MAX_BYTES on, tracelens.offload keeps every analysis in this
+    process)."""
     return _mmap_threshold_fixed
 
 

@@ -375,10 +375,11 @@ _TRANSIENT = frozenset({"from_cache", "cache_warning"})  # per-load facts, never
 # the analysis does (one CPU of two is idle then: the analysis is one thread until `summary` forks). The entry is
 # the same as a store in line would write; the key is still the hash of the very bytes parsed: the map is
 # hashed, and the entry is written only when the file is what it was when mapped (`Mapped.check`, after the
-# hash). A later load in this process, a fork (`tracelens.offload`) and the interpreter's exit wait for it.
+# hash). A later load in this process and the interpreter's exit wait for it, a fork (`tracelens.offload`) for its
+# tables to be written (the tables are written first, then the map is hashed).
 STAGING = "st"  # the directory of root/traces where `store_later` stages entries before their key is known (not hex:
 # never an entry's; `sweep_stale` looks into it as into the others)
-_stores: list[threading.Thread] = []
+_stores: list[tuple[threading.Thread, threading.Event]] = []  # (the thread, set once its tables are written)
 _stores_lock = threading.Lock()
 
 
@@ -390,16 +391,20 @@ def store_later(parsed: ParsedTrace, key_of_bytes, root: Path | None = None, sou
     root = root or cache_dir()
     tables, meta = _tables_of(parsed), _meta_of(parsed)
     del parsed
+    written = threading.Event()
 
     def run() -> None:
         staged = None
-        with contextlib.suppress(Exception):  # best effort: the analysis never depends on the entry
-            staged = _stage(tables, meta, root, root / "traces" / STAGING)
-        tables.clear()
-        with contextlib.suppress(Exception):
-            import pyarrow as pa
+        try:
+            with contextlib.suppress(Exception):  # best effort: the analysis never depends on the entry
+                staged = _stage(tables, meta, root, root / "traces" / STAGING)
+            tables.clear()
+            with contextlib.suppress(Exception):
+                import pyarrow as pa
 
-            pa.default_memory_pool().release_unused()  # Arrow's buffers of the tables just written
+                pa.default_memory_pool().release_unused()  # Arrow's buffers of the tables just written
+        finally:
+            written.set()  # what follows (the hash, the rename) uses no Arrow: a fork may happen meanwhile
         if staged is None:
             return
         key = None
@@ -414,17 +419,25 @@ def store_later(parsed: ParsedTrace, key_of_bytes, root: Path | None = None, sou
 
     t = threading.Thread(target=run, name="tracelens-cache-store")  # not a daemon: the exit waits for it
     with _stores_lock:
-        _stores.append(t)
+        _stores.append((t, written))
     t.start()
 
 
-def wait_stores() -> None:
-    """Wait for the stores `store_later` started (before a load reads the cache, before a fork)."""
+def wait_stores(tables_only: bool = False) -> None:
+    """Wait for the stores `store_later` started (before a load reads the cache); tables_only: only until they
+    have written their tables (before a fork: `tracelens.offload`; Arrow, whose writers and memory pool a fork
+    must not catch mid-work, is done then, and the hash that follows may run on beside the child)."""
+    if tables_only:
+        with _stores_lock:
+            pending = list(_stores)
+        for _, written in pending:
+            written.wait()
+        return
     while True:
         with _stores_lock:
             if not _stores:
                 return
-            t = _stores.pop()
+            t, _ = _stores.pop()
         t.join()
 
 
