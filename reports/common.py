@@ -14,6 +14,7 @@ import html
 import json
 import math
 import os
+import threading
 from functools import lru_cache
 from pathlib import Path
 from typing import Any, Iterable
@@ -40,13 +41,51 @@ def plotly_js() -> str:
     return get_plotlyjs()
 
 
-@lru_cache(maxsize=1)
 def plotly_js_packed() -> str:
     """plotly.js gzip-compressed and base64-encoded, as every page embeds it (base.html unpacks it in the browser
     with DecompressionStream): ~1.96 MB of page instead of 4.8 MB. Compressing takes ~0.2 s of CPU, so the gzip
     bytes are kept in tracelens's cache directory ($TRACELENS_CACHE_DIR, ...; `tracelens.io.cache.cache_dir`)
     under a digest of the very plotly.js they compress (another plotly version, or an edited bundle, is another
-    file). Best effort, like the trace cache: an unwritable cache directory only means compressing every time."""
+    file). Best effort, like the trace cache: an unwritable cache directory only means compressing every time.
+    When `pack_plotly_beside` started packing it in a thread of this process, waits for that thread."""
+    packer = _packer
+    if packer is not None and packer[1] == os.getpid() and packer[0] is not threading.current_thread():
+        packer[0].join()
+    return _plotly_js_packed()
+
+
+_packer: tuple[threading.Thread, int] | None = None  # (the thread packing plotly.js, the process that started it)
+
+
+def pack_plotly_beside() -> None:
+    """Pack plotly.js (`plotly_js_packed`) in a thread while this process analyzes a trace (`tracelens analyze`:
+    the analysis runs on one CPU until its summary forks, and a first run compresses plotly.js). zlib releases
+    the GIL. The page's parts built in a forked child then leave it out (`packing_beside`), and the page, rendered
+    in this process, waits for the thread. Everything the thread runs is imported here first (a fork while a
+    thread holds an import lock would leave the child waiting on it)."""
+    global _packer
+    if _packer is not None or _plotly_js_packed.cache_info().currsize:
+        return
+    import base64  # noqa: F401 - for the thread (above)
+    import gzip  # noqa: F401
+    import hashlib  # noqa: F401
+
+    from tracelens.io.cache import cache_dir  # noqa: F401
+
+    plotly_js()  # read here (plotly's own loader)
+    thread = threading.Thread(target=_plotly_js_packed, name="tracelens-plotly-pack", daemon=True)
+    _packer = (thread, os.getpid())
+    thread.start()
+
+
+def packing_beside() -> bool:
+    """Whether `pack_plotly_beside` packs plotly.js in a thread of this process or of the one this process was
+    forked from (whose page then embeds it)."""
+    return _packer is not None
+
+
+@lru_cache(maxsize=1)
+def _plotly_js_packed() -> str:
     import base64
     import gzip
     import hashlib

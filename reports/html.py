@@ -16,7 +16,8 @@ import pandas as pd
 
 from tracelens.analyzer import Analysis
 
-from .common import COLORS, html_table, plot_text, plotly_js_packed, safe_json, template_env, version, write_text_atomic
+from .common import (COLORS, html_table, packing_beside, plot_text, plotly_js_packed, safe_json, template_env, version,
+                     write_text_atomic)
 from .critpath import section_context as critpath_context
 from .decomposition import section_context as decomposition_context
 from .pipeline import section_context as pipeline_context
@@ -157,7 +158,8 @@ def page_parts(analysis: Analysis) -> dict[str, Any]:
     out["annotations_table"] = html_table(a.annotations, ann_cols) if not a.annotations.empty else ""
     out["kernels_table"] = html_table(a.kernels, kern_cols) if has_gpu else ""
     out["top_ops_table"] = html_table(a.top_ops, top_cols)
-    out["plotly_packed"] = plotly_js_packed()
+    # plotly.js packed, unless a thread of the process rendering the page packs it (`tracelens analyze`)
+    out["plotly_packed"] = None if packing_beside() else plotly_js_packed()
     return out
 
 
@@ -195,7 +197,7 @@ def render(analysis: Analysis, title: str | None = None, parts: dict[str, Any] |
         title=title,
         subtitle=f"{len(trace.ranks)} rank(s) · {', '.join(devices) or 'no GPU'}",
         version=version(),
-        plotly_packed=p["plotly_packed"],
+        plotly_packed=p["plotly_packed"] if p["plotly_packed"] is not None else plotly_js_packed(),
         warnings=a.warnings,
         verdict=verdict_context(a),  # never raises: no verdict is its one line
         health=_health_context(a),

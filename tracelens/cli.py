@@ -153,6 +153,11 @@ def analyze(paths, out, open_browser, no_cache, no_report, no_tables, jobs, quie
     from . import analyze as run_analysis
     from reports.artifacts import write_all
 
+    if not no_report:  # a first run compresses plotly.js for the page: beside the analysis, on the idle CPU
+        from reports.common import pack_plotly_beside
+
+        pack_plotly_beside()
+
     result = run_analysis(trace, window="all" if all_steps else "steady")
     if ceilings and result.has_gpu:
         try:

@@ -15,9 +15,9 @@ so errors surface as they would without the child, with their own traceback.
 
 When it forks (`plan`): Linux (fork is not safe on macOS and absent on Windows), at least 2 usable CPUs
 (affinity mask and cgroup quota), a trace large enough that the fork's ~6 ms pays off (MIN_EVENTS), not
-an input of 1 GiB or more (`trace.lean_memory`: the bounded-memory case, where the child's temporaries and
-copy-on-write copies would raise the peak), and memory to spare for the child (MemAvailable at least
-the parent's resident size).
+an input of 4 GiB or more (`trace.OFFLOAD_MAX_BYTES`: the bounded-memory case of the 8 GB traces, where the
+child's temporaries and copy-on-write copies would raise the peak), and memory to spare for the child
+(MemAvailable at least the parent's resident size).
 TRACELENS_OFFLOAD=0 never forks, =1 forks whenever fork is possible (tests), unset decides as above.
 Nothing is forked from inside a child.
 """
@@ -87,13 +87,14 @@ def plan(events: int) -> tuple[bool, str]:
         return False, f"one usable CPU (affinity {cpus}, cgroup quota {quota})"
     if events < MIN_EVENTS:
         return False, f"{events:,} events: below {MIN_EVENTS:,}, forking costs more than it saves"
-    from .trace import lean_memory
+    from .trace import OFFLOAD_MAX_BYTES, largest_load
 
-    if lean_memory():
+    if largest_load() >= OFFLOAD_MAX_BYTES:
         # a child's temporaries and the copy-on-write copies of pages the parent rewrites meanwhile add to
         # the run's memory (measured on the process tree's PSS: +12 % at 2 GB, +10 % at 8 GB, over the
-        # 4 GB bound there), and a large input is the bounded-memory case
-        return False, "a large input (1 GiB or more): memory before speed"
+        # 4 GB bound there), and a very large input is the bounded-memory case. (At 2 GB the largest process
+        # stays the parent: 1.61-1.64 GB peak RSS with or without the children, issue 37's third pass.)
+        return False, "a large input (4 GiB or more): memory before speed"
     avail = _mem_available()
     if avail is not None and avail < _rss():
         return False, "not enough available memory for a second process"
@@ -191,6 +192,9 @@ def submit(fn: Callable[..., Any], *args: Any, events: int, worth: bool = True) 
     go = worth and plan(events)[0]
     if not go:
         return Task(fn, args)
+    from .io.cache import wait_stores
+
+    wait_stores(tables_only=True)  # a cache entry written beside the analysis: not forked mid-write (Arrow)
     r, w = os.pipe()
     for stream in (sys.stdout, sys.stderr):  # buffered output must not be written twice
         try:

@@ -9,11 +9,13 @@ Per-rank files load in parallel processes and each parsed file is cached (Arrow 
 
 from __future__ import annotations
 
+import mmap
 import os
 import re
 import sys
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
+from functools import partial
 from multiprocessing import get_context
 from pathlib import Path
 from typing import Any, Iterable, Sequence
@@ -29,7 +31,7 @@ from .io.kineto import ParsedTrace, parse_file, parse_flows, usable_cpus
 from .io.roworder import tree_rows_first
 from .io.narrow import narrow_args  # noqa: F401 - re-exported (the loader applies it per file and after the concat)
 from .io.run import Run
-from .io.scanner import fast_enabled, gunzip, map_file, read_raw
+from .io.scanner import Mapped, fast_enabled, gunzip, map_file, read_raw
 from .io.schema import ARG_FIELDS
 
 MAX_RANK = 2**31  # ranks are int32 in the tables
@@ -136,10 +138,14 @@ def _parse_one(path: str, use_cache: bool, cache_root: str | None, progress=None
         return parse_file(path, progress=progress, flows=False, scan=scan, threads=threads), False
     root = Path(cache_root) if cache_root else None
     warning = ident = None
+    _cache.wait_stores()  # an entry this process is still writing (`cache.store_later`) is served once written
     try:
         settled = prefetch.settled(path) if prefetch is not None else None
+        later = prefetch.later(path) if prefetch is not None and settled is None else None
         if settled is not None:
             key, source = settled
+        elif later is not None:  # a first load of a large uncompressed file: hashed after the scan
+            key, source = None, later[2]
         else:
             key, ident = _cache.remembered(path, root)
             source = _cache.source_of_identity(ident)
@@ -152,6 +158,10 @@ def _parse_one(path: str, use_cache: bool, cache_root: str | None, progress=None
         if why:
             warning = why
     scan = prefetch.take(path, progress) if prefetch is not None else None
+    if scan is not None and later is not None:  # the thread scanned the map: hashed beside the analysis
+        parsed = parse_file(path, progress=progress, flows=False, scan=scan)
+        _cache.store_later(parsed, partial(_key_of_map, path, root, later[0], later[1]), root, source)
+        return parsed, False
     if scan is not None:  # the thread scanned the very bytes it hashed for `key`
         parsed = parse_file(path, progress=progress, flows=False, scan=scan)
     else:
@@ -179,6 +189,18 @@ def _parse_one(path: str, use_cache: bool, cache_root: str | None, progress=None
         parsed.meta["cache_warning"] = (f"{path}: cache entry {key} rejected ({warning}); "
                                         f"the file was parsed again and the entry replaced")
     return parsed, False
+
+
+def _key_of_map(path: str, root: Path | None, mapped: Mapped, ident: str) -> str | None:
+    """The content key of a file scanned from its map (`cache.store_later`): the hash of the same map, None when
+    the file is no longer what was mapped (its stamps moved: the bytes hashed may not be those parsed)."""
+    mapped.madvise(mmap.MADV_DONTNEED)  # what the parse read of it since the scan (the hash drops its own pages)
+    key = _cache.key_of(path, root, raw=mapped, ident=ident)
+    try:
+        mapped.check()
+    except TraceError:
+        return None
+    return key
 
 
 def _worker(args: tuple[str, bool, str | None]) -> tuple[str, Any]:
@@ -232,9 +254,11 @@ def load(
     files (default: the CPUs this process may use). progress: True/False forces the progress bar; None shows it on a TTY.
     prefetch: a `tracelens.io.prefetch.Prefetch` already reading the file (what `tracelens.load` passes).
     """
+    global _largest_load
     files = discover(paths)
     cache_root = os.fspath(cache_dir) if cache_dir else None
     total_bytes = sum(os.path.getsize(f) for f in files)
+    _largest_load = max(_largest_load, total_bytes)
     jobs = jobs or usable_cpus()
     parsed: list[ParsedTrace] = []
     sizes = {f: os.path.getsize(f) for f in files}
@@ -285,13 +309,21 @@ def load(
 
 
 LEAN_MALLOC_BYTES = 1 << 30  # traces this large (in all) fix glibc's mmap threshold (`fix_mmap_threshold`)
+OFFLOAD_MAX_BYTES = 4 << 30  # from traces this large (in all) on, no analysis part is forked (`tracelens.offload`)
+_largest_load = 0  # the most bytes of trace one `load` of this process read (`largest_load`)
+
+
+def largest_load() -> int:
+    """The most bytes of trace files one `load` in this process has read (what `tracelens.offload` decides by)."""
+    return _largest_load
 _MMAP_THRESHOLD = 4 << 20  # arrays over 4 MiB: their own mappings (see fix_mmap_threshold)
 _mmap_threshold_fixed = False
 
 
 def lean_memory() -> bool:
     """Whether this process analyzes a large input (LEAN_MALLOC_BYTES or more: `fix_mmap_threshold` ran),
-    where memory comes before speed (tracelens.offload then keeps every analysis in this process)."""
+    where memory comes before speed (from OFFLOAD_MAX_BYTES on, tracelens.offload keeps every analysis in this
+    process)."""
     return _mmap_threshold_fixed
 
 

@@ -136,7 +136,9 @@ def test_a_file_the_scanner_does_not_take_goes_the_msgspec_way(tmp_path, small_m
 def test_cached_load_hashes_and_scans_the_map(tmp_path, small_map, monkeypatch, prefetch):
     """With the cache on (the CLI's default) a large uncompressed file is hashed and scanned from its map, never
     read into memory whole: the key is the file's content key, the pages are given back behind the hash, and the
-    first (stored) and second (served from the entry) loads equal a plain load from bytes."""
+    first (stored) and second (served from the entry) loads equal a plain load from bytes. (With the prefetch
+    thread, a first load scans first and hashes the map after, in a thread beside the analysis:
+    `cache.store_later`.)"""
     from tracelens.io import cache as CA
 
     if prefetch:
@@ -153,6 +155,7 @@ def test_cached_load_hashes_and_scans_the_map(tmp_path, small_map, monkeypatch, 
     for mod in (S, T):
         monkeypatch.setattr(mod, "read_raw", lambda path: pytest.fail("a mapped file must not be read whole"))
     first = tracelens.load(p, cache=True, cache_dir=tmp_path / "cache")
+    CA.wait_stores()  # a first prefetched load hashes the map after the scan, beside the analysis
     assert len(hashed) == 1 and issubclass(hashed[0][0], mmap.mmap) and hashed[0][1] == 0  # (nothing touched before)
     assert hashed[0][2] == real_key(str(p))  # the key of the file's bytes, as a plain read hashes them
     assert not first.ranks[0].from_cache

@@ -89,10 +89,12 @@ def test_plan_auto_needs_cpus_size_and_memory(monkeypatch):
     assert not go and "below" in why
     import tracelens.trace as T
 
-    monkeypatch.setattr(T, "_mmap_threshold_fixed", True)  # a 1 GiB+ input was loaded: bounded memory first
+    monkeypatch.setattr(T, "_largest_load", T.OFFLOAD_MAX_BYTES)  # a 4 GiB+ input was loaded: bounded memory first
     go, why = offload.plan(10**9)
     assert not go and "large input" in why
-    monkeypatch.setattr(T, "_mmap_threshold_fixed", False)
+    monkeypatch.setattr(T, "_largest_load", T.OFFLOAD_MAX_BYTES - 1)  # 2 GB: still forks
+    assert offload.plan(10**9) == (True, "idle CPU")
+    monkeypatch.setattr(T, "_largest_load", 0)
     monkeypatch.setattr(sc, "usable_cpus", lambda: 1)
     assert not offload.plan(10**9)[0]
     monkeypatch.setattr(sc, "usable_cpus", lambda: 8)

@@ -14,7 +14,9 @@ system with whole-second stamps) nothing is remembered and the bytes are hashed 
 
 The key is always the hash of the very bytes that are parsed: a load reads the file once, hashes that
 buffer and parses it (`key_of(..., raw=...)`), so a file replaced between hashing and parsing cannot
-leave one version's tables under the other's key. An entry records its key, the size and head/tail
+leave one version's tables under the other's key (a large uncompressed file is scanned from its memory map
+first and the same map hashed after, in a thread beside the analysis: `store_later`, written only when the
+file's stamps are still those it had when mapped). An entry records its key, the size and head/tail
 digest of the file it was made from, and a seal (SHA-256 over the key, its meta and a fingerprint of
 its tables: row counts, ts range, dur sum); `fetch` checks all three against the key and the file
 being loaded before serving it, so an entry whose content disagrees with its key (meta of another
@@ -29,6 +31,7 @@ Location: $TRACELENS_CACHE_DIR, else $XDG_CACHE_HOME/tracelens, else ~/.cache/tr
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import mmap
@@ -36,6 +39,7 @@ import os
 import re
 import socket
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -291,28 +295,64 @@ def store(parsed: ParsedTrace, key: str, root: Path | None = None, source: dict 
     """Write the entry for `key` (source: `source_of(raw)` of the bytes parsed). replace: an entry
     that failed its check is swapped for this one. Best effort: a read-only or full disk must not fail
     the analysis."""
+    root = root or cache_dir()
+    if _entry(root, key).exists() and not replace:
+        return
+    staged = _stage(_tables_of(parsed), _meta_of(parsed), root, _entry(root, key).parent)
+    if staged is not None:
+        _commit(staged, key, root, source, replace)
+
+
+def _tables_of(parsed: ParsedTrace) -> dict:
+    return {name: getattr(parsed, name) for name in ("events", "flows", "threads")}
+
+
+def _meta_of(parsed: ParsedTrace) -> dict:
+    return json.loads(json.dumps({k: v for k, v in parsed.meta.items() if k not in _TRANSIENT}, default=str))
+
+
+def _stage(tables: dict, meta: dict, root: Path, where: Path) -> tuple[Path, dict, dict] | None:
+    """The entry's tables written into a new staging directory under `where` (a directory of `root/traces`):
+    (that directory, meta, the tables' fingerprint); None when it could not be written (best effort). `tables`
+    is emptied as they are written."""
     import shutil
 
     from pyarrow import feather
 
-    root = root or cache_dir()
-    final = _entry(root, key)
-    if final.exists() and not replace:
-        return
     sweep_stale(root)
     tmp = None
     try:
-        final.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".tmp-{_owner()}-"))
+        where.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=where, prefix=f".tmp-{_owner()}-"))
+        fp = _fingerprint(tables["events"], tables["flows"], tables["threads"])
         for name in ("events", "flows", "threads"):
-            if getattr(parsed, name) is not None:
-                table = getattr(parsed, name)
+            table = tables.pop(name)
+            if table is not None:
                 feather.write_feather(table, tmp / f"{name}{TABLE_SUFFIX}", compression="zstd",
                                       chunksize=max(table.num_rows, 1))
-        meta = json.loads(json.dumps({k: v for k, v in parsed.meta.items() if k not in _TRANSIENT}, default=str))
-        fp = _fingerprint(parsed.events, parsed.flows, parsed.threads)
+            del table
+        staged, tmp = (tmp, meta, fp), None
+        return staged
+    except OSError:
+        return None
+    finally:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _commit(staged: tuple[Path, dict, dict], key: str, root: Path, source: dict | None, replace: bool) -> None:
+    """Seal a staged entry (`_stage`) for `key` and rename it into place (or remove it, when an entry for `key`
+    exists and is not to be replaced)."""
+    import shutil
+
+    tmp, meta, fp = staged
+    final = _entry(root, key)
+    try:
+        if final.exists() and not replace:
+            return
         meta["cache"] = {"key": key, "source": source, "seal": _seal(key, meta, fp)}
         (tmp / "meta.json").write_text(json.dumps(meta, default=str))
+        final.parent.mkdir(parents=True, exist_ok=True)
         if final.exists():  # replacing a rejected entry: move it aside, then rename the new one in
             old = final.with_name(f".old-{_owner()}-{final.name}")
             os.rename(final, old)
@@ -327,6 +367,78 @@ def store(parsed: ParsedTrace, key: str, root: Path | None = None, source: dict 
 
 
 _TRANSIENT = frozenset({"from_cache", "cache_warning"})  # per-load facts, never stored in an entry
+
+
+# ------------------------------------------------------------------ stores beside the analysis
+# A first load of a large uncompressed file (memory-mapped: `scanner.map_file`) scans it at once and leaves its
+# key (the hash of the same map, `key_of(..., raw=mapped)`) and the entry's write to a thread that runs while
+# the analysis does (one CPU of two is idle then: the analysis is one thread until `summary` forks). The entry is
+# the same as a store in line would write; the key is still the hash of the very bytes parsed: the map is
+# hashed, and the entry is written only when the file is what it was when mapped (`Mapped.check`, after the
+# hash). A later load in this process and the interpreter's exit wait for it, a fork (`tracelens.offload`) for its
+# tables to be written (the tables are written first, then the map is hashed).
+STAGING = "st"  # the directory of root/traces where `store_later` stages entries before their key is known (not hex:
+# never an entry's; `sweep_stale` looks into it as into the others)
+_stores: list[tuple[threading.Thread, threading.Event]] = []  # (the thread, set once its tables are written)
+_stores_lock = threading.Lock()
+
+
+def store_later(parsed: ParsedTrace, key_of_bytes, root: Path | None = None, source: dict | None = None) -> None:
+    """`store(parsed, key_of_bytes(), root, source)` in a thread (best effort, like `store`: nothing is written
+    when key_of_bytes() returns None or raises). The thread takes the tables' references now (the caller may
+    let `parsed` go: `trace.assemble` frees the Arrow columns as pandas takes them), writes them first, then
+    lets them go and hashes (key_of_bytes), then seals the entry and renames it into place."""
+    root = root or cache_dir()
+    tables, meta = _tables_of(parsed), _meta_of(parsed)
+    del parsed
+    written = threading.Event()
+
+    def run() -> None:
+        staged = None
+        try:
+            with contextlib.suppress(Exception):  # best effort: the analysis never depends on the entry
+                staged = _stage(tables, meta, root, root / "traces" / STAGING)
+            tables.clear()
+            with contextlib.suppress(Exception):
+                import pyarrow as pa
+
+                pa.default_memory_pool().release_unused()  # Arrow's buffers of the tables just written
+        finally:
+            written.set()  # what follows (the hash, the rename) uses no Arrow: a fork may happen meanwhile
+        if staged is None:
+            return
+        key = None
+        with contextlib.suppress(Exception):
+            key = key_of_bytes()
+        if key is None:
+            import shutil
+
+            shutil.rmtree(staged[0], ignore_errors=True)
+            return
+        _commit(staged, key, root, source, replace=False)
+
+    t = threading.Thread(target=run, name="tracelens-cache-store")  # not a daemon: the exit waits for it
+    with _stores_lock:
+        _stores.append((t, written))
+    t.start()
+
+
+def wait_stores(tables_only: bool = False) -> None:
+    """Wait for the stores `store_later` started (before a load reads the cache); tables_only: only until they
+    have written their tables (before a fork: `tracelens.offload`; Arrow, whose writers and memory pool a fork
+    must not catch mid-work, is done then, and the hash that follows may run on beside the child)."""
+    if tables_only:
+        with _stores_lock:
+            pending = list(_stores)
+        for _, written in pending:
+            written.wait()
+        return
+    while True:
+        with _stores_lock:
+            if not _stores:
+                return
+            t, _ = _stores.pop()
+        t.join()
 
 
 # ------------------------------------------------------------------ leftovers of killed stores

@@ -39,12 +39,14 @@ class Prefetch:
         self._active: scanner.Scan | None = None  # the scan under way, for progress
         self._key: str | None = None
         self._source: dict | None = None
+        self._later: tuple | None = None  # (the map, its identity): the key is hashed after the scan
         self._key_ready = threading.Event()  # set when the key is known, or will not be (no cache, failure)
         self._thread = threading.Thread(target=self._run, args=(cache_root, use_cache), daemon=True,
                                         name="tracelens-prefetch")
         self._thread.start()
 
     def _run(self, cache_root: Path | None, use_cache: bool) -> None:
+        key = None
         try:
             if use_cache:
                 key, ident = _cache.remembered(self.path, cache_root)
@@ -53,8 +55,9 @@ class Prefetch:
                     self._key, self._source = key, _cache.source_of_identity(ident)
                     return
             # a large uncompressed file is scanned from a memory map (its bytes never sit in the process whole);
-            # a cached load hashes the map first, a chunk at a time (the key of exactly the bytes scanned: the
-            # load checks that the file did not change since it was mapped)
+            # a cached load hashes the map a chunk at a time (the key of exactly the bytes scanned: the load
+            # checks that the file did not change since it was mapped): first when its key is remembered, after
+            # the scan and beside the analysis when it is not (a first load: `later`)
             raw = scanner.map_file(self.path)
             if raw is not None and not use_cache:
                 scan = self._active = scanner.Scan(raw)
@@ -63,7 +66,12 @@ class Prefetch:
                 self.scan = scan
                 return
             raw = raw if raw is not None else scanner.read_raw(self.path)
-            if use_cache:  # the key of exactly these bytes (no second read, no second hash)
+            if use_cache and key is None and isinstance(raw, scanner.Mapped):
+                # a first load of a large uncompressed file: scanned at once, its map hashed after the scan, in
+                # a thread beside the analysis (`cache.store_later`; `later`)
+                self._source = _cache.source_of(raw)
+                self._later = (raw, ident)
+            elif use_cache:  # the key of exactly these bytes (no second read, no second hash)
                 self._key = _cache.key_of(self.path, cache_root, raw=raw, ident=ident)
                 self._source = _cache.source_of(raw)
             self._key_ready.set()
@@ -91,6 +99,17 @@ class Prefetch:
             return None
         self._key_ready.wait()
         return (self._key, self._source) if self._key is not None and self._source is not None else None
+
+    def later(self, path: str) -> tuple[scanner.Mapped, str, dict] | None:
+        """(the map, the identity taken before it was mapped, source) when the thread scanned a large
+        uncompressed file without hashing it first (a first load: its key is hashed from the same map after
+        the scan, `cache.store_later`); None otherwise (waiting for the thread to settle that)."""
+        if path != self.path:
+            return None
+        self._key_ready.wait()
+        if self._later is None or self._source is None:
+            return None
+        return (*self._later, self._source)
 
     @property
     def busy(self) -> bool:
