@@ -70,6 +70,12 @@ shows the trainer's one-line refusal, and so do the expert_swiglu row and the ro
 expert_swiglu=triton is refused on a CPU without Triton's interpreter). About 1-2 minutes on 2 cores: a test of this script, not a
 measurement. ``--cpu --nproc 2 --only ep`` runs the EP rows on 2 gloo processes (tiny has 8 experts: N in 2, 4, 8).
 
+``--rows A,B``: run only these knob rows (by name, with or without the ``+ ``: ``--rows ep,ep_overlap_schedule``),
+e.g. to measure again the ones a change touched. Rows stay cumulative (a row left out still adds its knobs to
+the rows after it, so ``+ ep_overlap_schedule`` is the same run with or without the rows before it); the
+baseline (its eager runs) and, with ``--check-loss``, the control always run: they are what a row is judged
+against. ``--diff`` then diffs the rows that ran in turn. An unknown name: one line naming the rows, exit 2.
+
 Writes ``OUT/bench_trainer_knobs.json`` and ``.md`` (``check_loss.json`` / ``.md`` with
 ``--check-loss``).
 """
@@ -375,6 +381,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=int, default=300, help="seconds per row")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="extra trainer overrides for every row")
+    p.add_argument("--rows", default=None, metavar="A,B",
+                   help="run only these knob rows (names, '+ ' optional; still cumulative); the baseline and the "
+                        "control always run")
     args = p.parse_args(argv)
     if args.eager_runs < 1 or (args.check_loss and args.eager_runs < 2):
         p.error("--eager-runs must be at least 1, and at least 2 with --check-loss (one eager run cannot show "
@@ -413,6 +422,13 @@ def main(argv: list[str] | None = None) -> int:
     plan = [(sec, name, knob) for sec in sections
             for name, knob in section_rows(sec, args.nproc, args.check_loss, args.eager_runs,
                                            base if sec == "knobs" else ep_base)]
+    wanted = None
+    if args.rows is not None:
+        knob_rows = [name for sec, name, _ in plan if not _reference_row(name, plan, sec)]
+        wanted = {w.strip().removeprefix("+ ").strip() for w in args.rows.split(",") if w.strip()}
+        if unknown := sorted(wanted - {n.removeprefix("+ ") for n in knob_rows}):
+            p.error(f"--rows: no row named {', '.join(unknown)} in the rows of {' and '.join(sections)} "
+                    f"({', '.join(n.removeprefix('+ ') for n in knob_rows)})")
     rows: list[dict] = []
     acc: dict = {}
     t_start = time.time()
@@ -420,6 +436,8 @@ def main(argv: list[str] | None = None) -> int:
         if i == 0 or plan[i - 1][0] != sec:
             acc = {}  # every section starts from its own baseline
         acc = {**acc, **knob} if name != CONTROL[0] else {**knob}
+        if wanted is not None and not _reference_row(name, plan, sec) and name.removeprefix("+ ") not in wanted:
+            continue  # left out by --rows (its knobs stay in `acc`: the rows after it are the same runs)
         if time.time() - t_start > args.budget_s:
             rows.append({"name": name, "section": sec, "adds": knob, "skipped": True, "rc": None,
                          "error": f"budget of {args.budget_s:.0f} s spent before this row"})
@@ -513,6 +531,13 @@ def verdict(rows: list[dict], cpu: bool) -> bool:
                   "it cannot tell a change of that size apart from eager's own drift", file=sys.stderr)
             ok = False
     return ok
+
+
+def _reference_row(name: str, plan: list, sec: str) -> bool:
+    """The section's baseline (its first row and the repeated eager runs) or the control: what the knob rows are
+    judged against, run whatever ``--rows`` selects."""
+    first = next(n for s_, n, _ in plan if s_ == sec)
+    return name == first or _repeat_or_control(name)
 
 
 def _repeat_or_control(name: str) -> bool:

@@ -237,6 +237,9 @@ def test_ep_rows_are_judged_against_their_own_baseline_and_a_capacity_row_out_of
     (["--cpu", "--only", "ep"], "--only ep needs --nproc N > 1"),
     (["--cpu", "--nproc", "3", "--only", "ep"], "--nproc 3: the EP rows (ep=3 on tiny) cannot run: config error: ep: "),
     (["--cpu", "--nproc", "0"], "--nproc must be at least 1, got 0"),
+    (["--cpu", "--nproc", "2", "--only", "ep", "--rows", "ep,ep_overlapp"],
+     "--rows: no row named ep_overlapp in the rows of ep (ep, ep_dispatch, ep_overlap, ep_overlap_chunks, "
+     "ep_overlap_schedule)"),
 ])
 def test_ep_rows_bad_world_is_one_line_exit_2(argv, msg):
     r = subprocess.run([sys.executable, "benchmarks/bench_trainer_knobs.py", *argv], cwd=REPO, capture_output=True,
@@ -246,29 +249,32 @@ def test_ep_rows_bad_world_is_one_line_exit_2(argv, msg):
 
 @pytest.mark.slow
 def test_cpu_ep_rows_on_two_gloo_processes(tmp_path):
-    """``--cpu --nproc 2 --only ep --check-loss --diff``: the EP rows through trainer.launch on 2 gloo ranks, a few
-    steps each, with the loss check and its control and, from the same runs (one step of each profiled), the trace
-    diff of every knob row against the one before."""
+    """``--cpu --nproc 2 --only ep --check-loss --diff --rows ...``: EP rows through trainer.launch on 2 gloo ranks, a
+    few steps each, with the loss check and its control and, from the same runs (one step of each profiled), the
+    trace diff of every knob row that ran against the one before. Three of the five knob rows (each row is a
+    torchrun job of ~12 s of CPU here): the nccl path, the capacity path and the last row, which must still carry
+    the knobs of the two rows ``--rows`` left out (overlap on, 4 chunks)."""
     # 6 steps: by step 5 the control (lr x1.25, after tiny's 2 warm-up steps) is 2e-2 off the DP runs, twice the
     # tolerance; at 4 steps it is still inside it
     r = subprocess.run([sys.executable, "benchmarks/bench_trainer_knobs.py", "--cpu", "--nproc", "2", "--only", "ep",
-                        "--out", str(tmp_path), "--check-loss", "--diff", "--eager-runs", "2", "--steps", "6"],
+                        "--out", str(tmp_path), "--check-loss", "--diff", "--eager-runs", "2", "--steps", "6",
+                        "--rows", "ep,+ ep_dispatch,ep_overlap_schedule"],
                        cwd=REPO, capture_output=True, text=True, timeout=900, check=False)
     out = tmp_path / "check_loss"
     doc = json.loads((out / "check_loss.json").read_text())
     rows = {row["name"]: row for row in doc["rows"]}
     assert doc["nproc"] == 2 and doc["sections"] == ["ep"], r.stderr[-3000:]
-    assert list(rows) == ["baseline ep=1", "baseline ep=1 (run 2)", "+ ep", "+ ep_dispatch", "+ ep_overlap",
-                          "+ ep_overlap_chunks", "+ ep_overlap_schedule", "control: lr x1.25"], r.stderr[-3000:]
+    assert list(rows) == ["baseline ep=1", "baseline ep=1 (run 2)", "+ ep", "+ ep_dispatch", "+ ep_overlap_schedule",
+                          "control: lr x1.25"], r.stderr[-3000:]
     assert all(row["rc"] == 0 and row["nproc"] == 2 for row in rows.values()), r.stderr[-3000:]
     assert [row["ep_dispatch"] for row in rows.values() if row["name"].startswith(("baseline", "control"))] == \
         [None] * 3  # the DP runs (2 with --eager-runs 2) and the control
     assert rows["+ ep"]["ep_dispatch"]["path"] == "nccl" and rows["+ ep"]["ep_dispatch"]["dropped_rows"] == 0
     cap = rows["+ ep_dispatch"]["ep_dispatch"]
     assert (cap["path"], cap["capacity_factor"], cap["overlap"]) == ("capacity", 1.25, False)
-    assert rows["+ ep_overlap_chunks"]["ep_dispatch"]["overlap_chunks"] == 4
-    assert rows["+ ep_overlap_chunks"]["ep_dispatch"]["overlap_schedule"] == "chunked"
-    assert rows["+ ep_overlap_schedule"]["ep_dispatch"]["overlap_schedule"] == "pipelined"
+    last = rows["+ ep_overlap_schedule"]["ep_dispatch"]  # the left-out rows' knobs carried (cumulative rows)
+    assert (last["path"], last["overlap"], last["overlap_chunks"], last["overlap_schedule"]) == (
+        "capacity", True, 4, "pipelined")
     assert 0 < cap["routed_rows"] and cap["dropped_share"] == cap["dropped_rows"] / cap["routed_rows"]
     md = (out / "check_loss.md").read_text()
     assert f"capacity 1.25: {100 * cap['dropped_share']:.2f} % dropped" in md
@@ -281,7 +287,7 @@ def test_cpu_ep_rows_on_two_gloo_processes(tmp_path):
     # the control left out of the chain
     for row in rows.values():
         assert len(list((Path(row["run_dir"]) / "traces").glob("rank*.json.gz"))) == 2, row["name"]
-    chain = ["0_baseline_ep-1", "2_ep", "3_ep_dispatch", "4_ep_overlap", "5_ep_overlap_chunks", "6_ep_overlap_schedule"]
+    chain = ["0_baseline_ep-1", "2_ep", "3_ep_dispatch", "6_ep_overlap_schedule"]  # run dirs keep their plan index
     want = {f"diff_{a}__{b}" for a, b in itertools.pairwise(chain)}
     assert {d.name for d in out.glob("diff_*")} == want, md
     for d in want:
