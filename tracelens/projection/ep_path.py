@@ -145,8 +145,8 @@ def path_name(cfg: dict) -> str:
 def kernels(path: str, T: int, R: int, B: int, D: int, e: int) -> list[Kernel]:
     """One chunk's EP path kernels (module docstring's table): ``T`` tokens, ``R`` routed rows, ``B`` buffer rows."""
     row = D * e
-    V = lambda name, bwd, where, rows: Kernel(name, bwd, where, float(rows * row), False)  # noqa: E731
-    G = lambda name, bwd, where, rows: Kernel(name, bwd, where, float(rows * D), True, e)  # noqa: E731
+    V = lambda name, bwd, where, rows: Kernel(name, bwd, where, float(rows * row), False)
+    G = lambda name, bwd, where, rows: Kernel(name, bwd, where, float(rows * D), True, e)
     if path == "capacity":
         return [V("fill", False, "send", B + 1), V("copy", False, "send", 2 * (B + 1)), G("index_copy", False, "send", R),
                 V("gather", False, "recv", 2 * B), V("gather", False, "ret", 2 * B),
