@@ -359,12 +359,17 @@ class ScaleOut:
             e_dp = e_comm - e_a2a
             hidden = 1.0 - e_a2a / a2a_tot if a2a_tot > 0 else 0.0
             a2a_exposed_f, a2a_exposed_b = (1.0 - hidden) * a2a_f, (1.0 - hidden) * a2a_b
+            # the EP dispatch path's kernels the what-if added to a run at ep 1 (not in its profile's pieces): out of
+            # the work the pieces share, back on the MoE layers
+            epf, epb = 0.0, 0.0
+            if int(model.config.get("ep") or 1) == 1 and int(cfg_a.get("ep") or 1) > 1:
+                epf, epb, _ = self.ep_path_ns(cfg_a, tokens)
             # the pieces take what the step holds beyond the optimizer, the per-step work and the exposed traffic
-            work = (step_a - opt - fixed - e_comm) / m
+            work = (step_a - opt - fixed - e_comm) / m - len(moe) * (epf + epb)
             tot = sum(pf.values()) + sum(pb.values())
             f = work / tot if tot > 0 else 0.0
-            pf = {k: v * f for k, v in pf.items()}
-            pb = {k: v * f for k, v in pb.items()}
+            pf = {k: v * f + (epf if k in {f"layer{ly}" for ly in moe} else 0.0) for k, v in pf.items()}
+            pb = {k: v * f + (epb if k in {f"layer{ly}" for ly in moe} else 0.0) for k, v in pb.items()}
             ex_f = {k: v * f for k, v in ex_f.items()}
             ex_b = {k: v * f for k, v in ex_b.items()}
             dp_exp, handoff, beta = e_dp, 0.0, None
