@@ -35,7 +35,6 @@ the host time of the added collectives' launches, a pipelined run's layout (pp >
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -609,9 +608,8 @@ def scale_fsdp_expert_copies(plan, w: pd.DataFrame, old: dict, new: dict, world:
     only; its copy-in (``_foreach_copy_``) the rank's shard ``E/(ep dp)``, at dp > 1 only. Each x its new / old
     size (0 at dp 1). On the 4 x H100 grid's runs, per step: 5.58 / 2.74 / 1.34 ms of ``_chunk_cat`` at ep 1 / 2 /
     4, 4.69 / 2.33 / 0 of copy-out at dp 4 / 2 / 1, 7.51 / 7.94 / 0.32 of copy-in at a shard of 16 / 16 experts / dp
-    1. The parameter copy FSDP makes at dp 1 (``copy_`` of the experts' parameters, 4.0 ms a step at ep 4) goes from
-    a run at dp 1 to dp > 1, and is not added from a run at dp > 1; the copies a run at dp 1 lacks (copy-out,
-    copy-in) are not added to it. Returns the line to say, or ""."""
+    1. The parameter copy FSDP makes at dp 1 (4.0 ms a step at ep 4) is not added from a run at dp > 1 (nor taken
+    from a run at dp 1). Returns the line to say, or ""."""
     dp0, ep0 = dims(old, world)
     dp1, ep1 = dims(new, world)
     paths = w["path"].astype(str).to_numpy()
@@ -620,18 +618,11 @@ def scale_fsdp_expert_copies(plan, w: pd.DataFrame, old: dict, new: dict, world:
     f = {"aten::_chunk_cat": ep0 / ep1,
          "aten::split_with_sizes_copy": (ep0 / ep1) if dp1 > 1 else 0.0,
          "aten::_foreach_copy_": (ep0 * dp0) / (ep1 * dp1) if dp1 > 1 else 0.0}
-    if dp0 == 1 and dp1 > 1:
-        f["aten::copy_"] = 0.0  # FSDP's parameter copy at dp 1 (of at least 2^20 elements)
-    dims_ = w["dims"].astype(str).to_numpy()
     before = after = 0.0
     n = 0
     for j in range(len(w)):
         if comm[j] or ops[j] not in f or "FSDP::" not in paths[j] or "experts" not in paths[j]:
             continue
-        if ops[j] == "aten::copy_":
-            m = re.match(r"\[\[(\d+)\]", dims_[j])
-            if not m or int(m.group(1)) < 1 << 20:
-                continue
         before += plan.dur[j]
         plan.dur[j] *= f[ops[j]]
         after += plan.dur[j]
@@ -641,7 +632,7 @@ def scale_fsdp_expert_copies(plan, w: pd.DataFrame, old: dict, new: dict, world:
     what = ", ".join(f"{k.split('::')[-1]} x{v:.2f}" for k, v in f.items())
     return (f"FSDP of the experts, copies: {n} copy-in / copy-out kernels ({what}"
             f" by the experts' size per rank and shard): {ds * before / 1e6:.2f} -> {ds * after / 1e6:.2f} ms; FSDP's "
-            "parameter copy at dp 1 not added, nor a dp > 1 run's copies to a run at dp 1")
+            "parameter copy at dp 1 not added")
 
 
 def changes_layout(change: Change) -> bool:
