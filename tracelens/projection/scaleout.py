@@ -260,6 +260,23 @@ class ScaleOut:
         ds = float(np.median(self.model.device_scale)) if len(self.model.device_scale) else 1.0
         return f * ds, b * ds, n
 
+    def fsdp_copies_ns(self, cfg: dict, gpus: int) -> float:
+        """ns per step of the experts' FSDP copy kernels under ``cfg`` on ``gpus`` GPUs: the run's own (its slowest
+        rank's, calibrated) x their size under the new (ep, dp) (`layout.fsdp_copy_factors`); 0 for a pipelined run."""
+        model = self.model
+        if int(self.config.get("pp") or 1) > 1 or int(cfg.get("pp") or 1) > 1 or not model.profiles:
+            return 0.0
+        slow = int(np.argmax([sum(c.values()) for c in model.base_by_rank])) if model.base_by_rank else 0
+        p = model.profiles[slow]
+        dur = p.work["dur"].to_numpy(float) * model.device_scale[slow]
+        dp0, ep0 = L.dims(self.config, self.world)
+        try:
+            dp1, ep1 = resolve_world(cfg, gpus)
+        except ConfigError:
+            return 0.0
+        f = L.fsdp_copy_factors(dp0, ep0, dp1, ep1)
+        return float(sum(dur[js].sum() * f[op] for op, js in L.fsdp_expert_copies(p.work).items()))
+
     @staticmethod
     def mem_layout(cfg: dict, gpus: int):
         """The memory projection's layout of ``cfg`` on ``gpus`` GPUs (`analysis.memory.resolve_layout`). A V-shaped
@@ -480,9 +497,11 @@ class ScaleOut:
         dp_exp = max(a.dp_exposed_ns + dp_t - a.dp_model_ns, 0.0)
         p_a, p_t = PPL.optimizer_params(_mem_cfg(a.config), self.world), PPL.optimizer_params(_mem_cfg(cfg), gpus)
         opt = a.opt_ns * (p_t / p_a if p_a > 0 else 1.0)
+        copies = self.fsdp_copies_ns(cfg, gpus) - self.fsdp_copies_ns(a.config, self.world)
         comps = {"compute": parts["compute"], "expert stage": parts["expert stage"],
                  "all-to-all (exposed)": parts["all-to-all (exposed)"], "pipeline bubble": bubble_ns,
-                 "dp traffic (exposed)": dp_exp, "optimizer step": opt, "other per-step work": a.fixed_ns}
+                 "dp traffic (exposed)": dp_exp, "optimizer step": opt,
+                 "other per-step work": max(a.fixed_ns + copies, 0.0)}
         step_ns = sum(comps.values())
         tps = m * tokens / pp / (step_ns / 1e9)
         a2a_busy = m * len(moe) / pp * (a2a_f_t + a2a_b_t)  # the busiest rank's share of the layers, all of it

@@ -601,6 +601,23 @@ def _insert_block(plan, at: int, units: list) -> None:
         made.append(j)
 
 
+def fsdp_copy_factors(dp0: int, ep0: int, dp1: int, ep1: int) -> dict[str, float]:
+    """Each FSDP copy kernel of the experts (by op) x its new / old size under (ep0, dp0) -> (ep1, dp1)
+    (`scale_fsdp_expert_copies`)."""
+    return {"aten::_chunk_cat": ep0 / ep1,
+            "aten::split_with_sizes_copy": (ep0 / ep1) if dp1 > 1 else 0.0,
+            "aten::_foreach_copy_": (ep0 * dp0) / (ep1 * dp1) if dp1 > 1 else 0.0}
+
+
+def fsdp_expert_copies(w: pd.DataFrame) -> dict[str, np.ndarray]:
+    """The experts' FSDP copy units of a step profile by op (`fsdp_copy_factors`' ops)."""
+    paths = w["path"].astype(str).to_numpy()
+    ops = w["op"].astype(str).to_numpy()
+    comm = w["is_comm"].to_numpy()
+    ok = ~comm & np.array(["FSDP::" in p and "experts" in p for p in paths], dtype=bool)
+    return {op: np.flatnonzero(ok & (ops == op)) for op in fsdp_copy_factors(1, 1, 1, 1)}
+
+
 def scale_fsdp_expert_copies(plan, w: pd.DataFrame, old: dict, new: dict, world: int, ds: float) -> str:
     """The experts' FSDP copy kernels (FSDP2's, trainer/parallel/dist.py: the units under an ``FSDP::`` range of an
     ``experts`` module) under another (ep, dp): the reduce-scatter's copy-in of the gradients (``_chunk_cat``) covers
@@ -612,21 +629,15 @@ def scale_fsdp_expert_copies(plan, w: pd.DataFrame, old: dict, new: dict, world:
     from a run at dp 1). Returns the line to say, or ""."""
     dp0, ep0 = dims(old, world)
     dp1, ep1 = dims(new, world)
-    paths = w["path"].astype(str).to_numpy()
-    ops = w["op"].astype(str).to_numpy()
-    comm = w["is_comm"].to_numpy()
-    f = {"aten::_chunk_cat": ep0 / ep1,
-         "aten::split_with_sizes_copy": (ep0 / ep1) if dp1 > 1 else 0.0,
-         "aten::_foreach_copy_": (ep0 * dp0) / (ep1 * dp1) if dp1 > 1 else 0.0}
+    f = fsdp_copy_factors(dp0, ep0, dp1, ep1)
     before = after = 0.0
     n = 0
-    for j in range(len(w)):
-        if comm[j] or ops[j] not in f or "FSDP::" not in paths[j] or "experts" not in paths[j]:
-            continue
-        before += plan.dur[j]
-        plan.dur[j] *= f[ops[j]]
-        after += plan.dur[j]
-        n += 1
+    for op, js in fsdp_expert_copies(w).items():
+        for j in js:
+            before += plan.dur[j]
+            plan.dur[j] *= f[op]
+            after += plan.dur[j]
+            n += 1
     if not n:
         return ""
     what = ", ".join(f"{k.split('::')[-1]} x{v:.2f}" for k, v in f.items())
