@@ -240,7 +240,7 @@ class Bandwidth:
 
     def _lookup(self, family: str, n: int, nbytes: float) -> tuple[float, str]:
         t = self.table
-        if family == "all_to_all" and not (t.family == "all_to_all").any():
+        if family == "all_to_all" and not ((t.family == "all_to_all") & (t.group_size == n)).any():
             return self.link(n)
         for sel, how in ((t[(t.family == family) & (t.group_size == n)], f"{family} over {n}"),
                          (t[(t.group_size == n) & t.family.isin(_FAMILIES)], f"the run's collectives over {n}"),
@@ -254,7 +254,8 @@ class Bandwidth:
         raise WhatIfError("layout: the run has no measured collective to take a bandwidth from")
 
     def link(self, n: int) -> tuple[float, str]:
-        """(bus GB/s, source) of the intra-node link for a run without an all-to-all: the fastest of its collectives
+        """(bus GB/s, source) of the intra-node link for an all-to-all over ``n`` ranks in a run without one over
+        ``n`` (a DP run, or an EP run of another group size): the fastest of its collectives
         of at least 64 MiB over ``n`` ranks (else over any group size). An FSDP collective runs beside compute and
         below the link's rate, the fastest one the least disturbed; an EP step's all-to-alls run half alone, half
         beside the shared expert's GEMMs (4 x H100: the dp 4 run's fastest, a 1,600 MiB reduce-scatter, 324 GB/s;
