@@ -406,15 +406,18 @@ def test_one_and_two_gpus_to_four_against_the_recorded_grid():
     assert {r["point"] for r in rows if not r["predicted_fits"]} == {"ep4_nccl_mbs24"}
 
 
-def test_a_projection_from_ep_1_says_what_it_cannot_know():
+def test_a_projection_from_ep_1_adds_the_ep_path_and_says_what_it_cannot_know():
     """Issue 35's gap from 1 GPU (docs/whatif.md, "Validation"): a run at ep 1 has none of the EP dispatch path's own
-    kernels, and another world size routes otherwise; a projection to ep > 1 from it says both, one from a run at
-    ep 2 says neither of the first."""
+    kernels; the projection adds them at the run's own rates (`ep_path`) and says so, and says that another world
+    size routes otherwise. From a run at ep 2 (capacity) only a path whose kernels differ (nccl's worst-case buffer)
+    adds the difference."""
     one = SO.ScaleOut.from_run(FIX / "h100_scaling" / "gpu1_prof")
     p = one.project(4, {"ep": 2, "ep_dispatch": "capacity", "micro_batch_size": 16})
-    assert any(n.startswith("EP dispatch path:") for n in p.notes)
+    assert any(n.startswith("EP dispatch path (capacity): its own kernels, 15 per MoE layer") for n in p.notes)
     assert any(n.startswith("expert rows: the busiest rank's from this run's routing.json") for n in p.notes)
-    assert not any(n.startswith("EP dispatch path:") for n in one.project(4, {"ep": 1}).notes)
+    assert not any(n.startswith("EP dispatch path") for n in one.project(4, {"ep": 1}).notes)
     two = SO.ScaleOut.from_run(FIX / "h100_scaling" / "ep2_cap_prof")
     q = two.project(4, {"ep": 4, "ep_dispatch": "capacity", "micro_batch_size": 16})
-    assert not any(n.startswith("EP dispatch path:") for n in q.notes)
+    assert not any(n.startswith("EP dispatch path") for n in q.notes)
+    r = two.project(4, {"ep": 4, "ep_dispatch": "nccl", "micro_batch_size": 16})
+    assert any(n.startswith("EP dispatch path (nccl_l3)") for n in r.notes)

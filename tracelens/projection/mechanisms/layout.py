@@ -604,7 +604,11 @@ def _insert_block(plan, at: int, units: list) -> None:
 
 def fsdp_copy_factors(dp0: int, ep0: int, dp1: int, ep1: int) -> dict[str, float]:
     """Each FSDP copy kernel of the experts (by op) x its new / old size under (ep0, dp0) -> (ep1, dp1)
-    (`scale_fsdp_expert_copies`)."""
+    (`scale_fsdp_expert_copies`). From a run at dp 1 (no copy-in, no copy-out; a parameter copy of its own) all
+    stay: its gradients' copy-in alone x ep0/ep1 without the copies dp > 1 adds moved the grid's ep 4 baselines
+    further from their ep 1 / ep 2 points (up to 1 point)."""
+    if dp0 == 1:
+        return {"aten::_chunk_cat": 1.0, "aten::split_with_sizes_copy": 1.0, "aten::_foreach_copy_": 1.0}
     return {"aten::_chunk_cat": ep0 / ep1,
             "aten::split_with_sizes_copy": (ep0 / ep1) if dp1 > 1 else 0.0,
             "aten::_foreach_copy_": (ep0 * dp0) / (ep1 * dp1) if dp1 > 1 else 0.0}
@@ -626,11 +630,13 @@ def scale_fsdp_expert_copies(plan, w: pd.DataFrame, old: dict, new: dict, world:
     only; its copy-in (``_foreach_copy_``) the rank's shard ``E/(ep dp)``, at dp > 1 only. Each x its new / old
     size (0 at dp 1). On the 4 x H100 grid's runs, per step: 5.58 / 2.74 / 1.34 ms of ``_chunk_cat`` at ep 1 / 2 /
     4, 4.69 / 2.33 / 0 of copy-out at dp 4 / 2 / 1, 7.51 / 7.94 / 0.32 of copy-in at a shard of 16 / 16 experts / dp
-    1. The parameter copy FSDP makes at dp 1 (4.0 ms a step at ep 4) is not added from a run at dp > 1 (nor taken
-    from a run at dp 1). Returns the line to say, or ""."""
+    1. The parameter copy FSDP makes at dp 1 (4.0 ms a step at ep 4) is not added from a run at dp > 1; a run at dp 1
+    keeps its copies as they are (`fsdp_copy_factors`). Returns the line to say, or ""."""
     dp0, ep0 = dims(old, world)
     dp1, ep1 = dims(new, world)
     f = fsdp_copy_factors(dp0, ep0, dp1, ep1)
+    if dp0 == 1:
+        return ""
     before = after = 0.0
     n = 0
     for op, js in fsdp_expert_copies(w).items():
