@@ -387,34 +387,39 @@ def test_one_and_two_gpus_to_four_against_the_recorded_grid():
     """Issue 35: gpu_proxy_train profiled at 1 GPU and at 2 (dp 2; ep 2 capacity), projected to the held-out 4-GPU
     grid recorded on the same machine and day (tests/fixtures/h100_scaling/measured.json: the points of
     h100_4gpu_layouts/measured.json at 4 GPUs), every memory verdict right (ep4 nccl at micro-batch 24 ran out of
-    memory and is projected to). Regression bounds: the measured errors rounded up. Since the what-if's fill-based
-    token scaling and device-bound host factor (docs/whatif.md), the points that also change the micro-batch are held
-    too (all 17 per baseline: median 7.7 / 3.2 / 3.7 %, max 20.7 / 10.9 / 15.3 % from 1 GPU / dp 2 / ep 2; before
-    28.4 / 29.4 / 26.2 % and 37.5 / 41.5 / 38.4 %). The points that change only the parallel layout at micro-batch 16:
-    max 12.7 / 8.5 / 8.2 %, median 8.1 / 3.5 / 2.1 % (before 9.1 / 10.5 / 5.7 % and 4.8 / 3.9 / 1.8 %): from 1 GPU
-    every one of them is now about 3.5 points higher (over-predicted), the host factor of that device-bound baseline
-    being 1 instead of the slowest consistent 1.2."""
+    memory and is projected to). Regression bounds: the measured errors rounded up. Since the EP dispatch path's own
+    kernels are added to a run at ep 1 (`ep_path`), the all-to-alls from a run without one take the link's rate and run
+    beside the shared expert, and the experts' FSDP copies follow the layout (docs/whatif.md, "Validation"): the points
+    that change only the parallel layout at micro-batch 16, max 4.6 / 3.7 / 8.2 %, median 2.1 / 2.7 / 2.8 % from
+    1 GPU / dp 2 / ep 2 (before 12.7 / 8.5 / 8.2 % and 8.1 / 3.5 / 2.1 %); all 17 per baseline, median 2.4 / 2.8 /
+    3.7 %, max 9.2 / 8.5 / 15.3 % (before 7.7 / 3.2 / 3.7 % and 20.7 / 10.9 / 15.3 %): every point from 1 GPU and
+    from dp 2 within issue 35's 10 %."""
     res = SO.validate(FIX / "h100_scaling" / "measured.json")
     for name, s in res["summary"].items():
         lo = s["layout_only"]
         assert lo["n"] == 6, name
-        assert lo["max_abs_error"] <= 0.13 and lo["median_abs_error"] <= 0.085, (name, lo)
-        assert s["n"] == 17 and s["max_abs_error"] <= 0.21 and s["median_abs_error"] <= 0.08, (name, s)
+        assert lo["max_abs_error"] <= 0.085 and lo["median_abs_error"] <= 0.03, (name, lo)
+        assert s["n"] == 17 and s["max_abs_error"] <= 0.16 and s["median_abs_error"] <= 0.04, (name, s)
+    for name in ("gpu1", "dp2"):  # issue 35's target: every scale-out point within 10 %
+        assert res["summary"][name]["max_abs_error"] <= 0.10, name
     rows = [r for r in res["rows"] if "refused" not in r]
     assert len(rows) == 3 * 18
     assert all(r["verdict_right"] for r in rows)
     assert {r["point"] for r in rows if not r["predicted_fits"]} == {"ep4_nccl_mbs24"}
 
 
-def test_a_projection_from_ep_1_says_what_it_cannot_know():
+def test_a_projection_from_ep_1_adds_the_ep_path_and_says_what_it_cannot_know():
     """Issue 35's gap from 1 GPU (docs/whatif.md, "Validation"): a run at ep 1 has none of the EP dispatch path's own
-    kernels, and another world size routes otherwise; a projection to ep > 1 from it says both, one from a run at
-    ep 2 says neither of the first."""
+    kernels; the projection adds them at the run's own rates (`ep_path`) and says so, and says that another world
+    size routes otherwise. From a run at ep 2 (capacity) only a path whose kernels differ (nccl's worst-case buffer)
+    adds the difference."""
     one = SO.ScaleOut.from_run(FIX / "h100_scaling" / "gpu1_prof")
     p = one.project(4, {"ep": 2, "ep_dispatch": "capacity", "micro_batch_size": 16})
-    assert any(n.startswith("EP dispatch path:") for n in p.notes)
+    assert any(n.startswith("EP dispatch path (capacity): its own kernels, 15 per MoE layer") for n in p.notes)
     assert any(n.startswith("expert rows: the busiest rank's from this run's routing.json") for n in p.notes)
-    assert not any(n.startswith("EP dispatch path:") for n in one.project(4, {"ep": 1}).notes)
+    assert not any(n.startswith("EP dispatch path") for n in one.project(4, {"ep": 1}).notes)
     two = SO.ScaleOut.from_run(FIX / "h100_scaling" / "ep2_cap_prof")
     q = two.project(4, {"ep": 4, "ep_dispatch": "capacity", "micro_batch_size": 16})
-    assert not any(n.startswith("EP dispatch path:") for n in q.notes)
+    assert not any(n.startswith("EP dispatch path") for n in q.notes)
+    r = two.project(4, {"ep": 4, "ep_dispatch": "nccl", "micro_batch_size": 16})
+    assert any(n.startswith("EP dispatch path (nccl_l3)") for n in r.notes)

@@ -104,9 +104,25 @@ def test_bandwidth_lookup_takes_the_nearest_size_of_the_same_collective_and_grou
     ns, src = bw.seconds("all_to_all", 4, 1 << 29)
     assert ns == pytest.approx((1 << 29) * 3 / 4 / 200e9 * 1e9)
     assert "all_to_all over 4" in src
-    ns2, src2 = bw.seconds("all_to_all", 2, 1 << 29)  # no all-to-all over 2: the group's other collective
-    assert ns2 == pytest.approx((1 << 29) / 2 / 300e9 * 1e9) and "all_gather over 2" in src2
+    ns2, src2 = bw.seconds("all_to_all", 2, 1 << 29)  # no all-to-all over 2: the link over 2 (its fastest collective)
+    assert ns2 == pytest.approx((1 << 29) / 2 / 300e9 * 1e9) and "all_gather of 1,024 MiB over 2: the link" in src2
     assert bw.seconds("all_to_all", 1, 1 << 29)[0] == 0.0
+    # other families keep the nearest size of the same collective and group
+    assert "all_gather over 2" in bw.seconds("all_gather", 2, 1 << 29)[1]
+
+
+def test_an_all_to_all_without_one_measured_takes_the_fastest_large_collective_of_the_group():
+    """A DP run has no all-to-all: the link's rate over the group is its fastest collective of >= 64 MiB over it (the
+    4 x H100 dp 4 run: a 1,600 MiB reduce-scatter at 324 GB/s, not the nearest size's 2,112 MiB one at 251), else over
+    any group size; a smaller collective does not count (latency-bound)."""
+    t = pd.DataFrame({"family": ["all_gather", "reduce_scatter", "reduce_scatter", "all_gather"],
+                      "group_size": [4, 4, 4, 2], "bytes": [1 << 20, 1600 << 20, 2112 << 20, 1 << 30],
+                      "busbw_gbps": [400.0, 324.0, 251.0, 287.0], "n": [4, 4, 4, 2]})
+    bw = L.Bandwidth(t)
+    assert bw.lookup("all_to_all", 4, 3 << 30)[0] == 324.0
+    assert bw.lookup("all_to_all", 2, 1 << 30)[0] == 287.0
+    assert bw.lookup("all_to_all", 8, 1 << 30)[0] == 324.0  # no collective over 8: the fastest of any group
+    assert bw.lookup("reduce_scatter", 4, 3 << 30)[0] == 251.0  # the nearest size for the others
 
 
 @pytest.fixture(scope="module")

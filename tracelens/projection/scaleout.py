@@ -51,6 +51,7 @@ from moespec.config import DEFAULTS, ConfigError, load_config, resolve_world
 from moespec.schedules import MODELED, V_SHAPED
 
 from ..errors import TraceError
+from . import ep_path as EP
 from . import network as N
 from . import pipeline_whatif as PW
 from .mechanisms import layout as L
@@ -175,6 +176,8 @@ class ScaleOut:
         self.padded_l3 = not L.gemms_stop_at_routed_rows(model.manifest)
         self._anchors: dict = {}
         self._mean = self._mean_routing()
+        b = model.measured.get("layout")
+        self.ep_rates = b.ep_rates if b is not None else EP.measure_rates(model.profiles, L.act_bytes(model.config))
 
     # ------------------------------------------------------------------ building
     @classmethod
@@ -243,6 +246,36 @@ class ScaleOut:
         nbytes = L.send_rows(cfg, tokens) / c * int(cfg["d_model"]) * L.act_bytes(cfg)
         t = 2 * c * self.net.all_to_all(nbytes, ep)
         return t, t
+
+    def ep_path_ns(self, cfg: dict, tokens: int) -> tuple[float, float, int]:
+        """(forward, backward) ns per MoE layer and micro-batch of the EP dispatch path's own kernels of ``cfg``
+        (`ep_path`: each path's row moves at this run's measured rates, calibrated like the run's step), and how many
+        kernels; zeros at ep 1 or without the run's rates."""
+        ep = int(cfg.get("ep") or 1)
+        if ep <= 1 or self.ep_rates is None:
+            return 0.0, 0.0, 0
+        T, R, B = L.ep_chunk_shape(cfg, tokens)
+        f, b, n = EP.layer_ns(EP.path_name(cfg), T, R, B, int(cfg["d_model"]), L.act_bytes(cfg), L.chunks(cfg),
+                              self.ep_rates)
+        ds = float(np.median(self.model.device_scale)) if len(self.model.device_scale) else 1.0
+        return f * ds, b * ds, n
+
+    def fsdp_copies_ns(self, cfg: dict, gpus: int) -> float:
+        """ns per step of the experts' FSDP copy kernels under ``cfg`` on ``gpus`` GPUs: the run's own (its slowest
+        rank's, calibrated) x their size under the new (ep, dp) (`layout.fsdp_copy_factors`); 0 for a pipelined run."""
+        model = self.model
+        if int(self.config.get("pp") or 1) > 1 or int(cfg.get("pp") or 1) > 1 or not model.profiles:
+            return 0.0
+        slow = int(np.argmax([sum(c.values()) for c in model.base_by_rank])) if model.base_by_rank else 0
+        p = model.profiles[slow]
+        dur = p.work["dur"].to_numpy(float) * model.device_scale[slow]
+        dp0, ep0 = L.dims(self.config, self.world)
+        try:
+            dp1, ep1 = resolve_world(cfg, gpus)
+        except ConfigError:
+            return 0.0
+        f = L.fsdp_copy_factors(dp0, ep0, dp1, ep1)
+        return float(sum(dur[js].sum() * f[op] for op, js in L.fsdp_expert_copies(p.work).items()))
 
     @staticmethod
     def mem_layout(cfg: dict, gpus: int):
@@ -343,12 +376,17 @@ class ScaleOut:
             e_dp = e_comm - e_a2a
             hidden = 1.0 - e_a2a / a2a_tot if a2a_tot > 0 else 0.0
             a2a_exposed_f, a2a_exposed_b = (1.0 - hidden) * a2a_f, (1.0 - hidden) * a2a_b
+            # the EP dispatch path's kernels the what-if added to a run at ep 1 (not in its profile's pieces): out of
+            # the work the pieces share, back on the MoE layers
+            epf, epb = 0.0, 0.0
+            if int(model.config.get("ep") or 1) == 1 and int(cfg_a.get("ep") or 1) > 1:
+                epf, epb, _ = self.ep_path_ns(cfg_a, tokens)
             # the pieces take what the step holds beyond the optimizer, the per-step work and the exposed traffic
-            work = (step_a - opt - fixed - e_comm) / m
+            work = (step_a - opt - fixed - e_comm) / m - len(moe) * (epf + epb)
             tot = sum(pf.values()) + sum(pb.values())
             f = work / tot if tot > 0 else 0.0
-            pf = {k: v * f for k, v in pf.items()}
-            pb = {k: v * f for k, v in pb.items()}
+            pf = {k: v * f + (epf if k in {f"layer{ly}" for ly in moe} else 0.0) for k, v in pf.items()}
+            pb = {k: v * f + (epb if k in {f"layer{ly}" for ly in moe} else 0.0) for k, v in pb.items()}
             ex_f = {k: v * f for k, v in ex_f.items()}
             ex_b = {k: v * f for k, v in ex_b.items()}
             dp_exp, handoff, beta = e_dp, 0.0, None
@@ -432,6 +470,12 @@ class ScaleOut:
         a2a_f_a, a2a_b_a = self.a2a_layer_ns(a.config, tokens)
         a2a_f_t, a2a_b_t = self.a2a_layer_ns(cfg, tokens)
         cf, cb = a.pieces["compute"]
+        # the EP dispatch path's own kernels: the target's less the anchor's (the anchor's replay holds its own)
+        pf_t, pb_t, n_ep = self.ep_path_ns(cfg, tokens)
+        pf_a, pb_a, _ = self.ep_path_ns(a.config, tokens)
+        if (pf_t, pb_t) != (pf_a, pb_a) and int(cfg["pp"]) == 1:
+            cf = {k: (v + pf_t - pf_a if k in moe else v) for k, v in cf.items()}
+            cb = {k: (v + pb_t - pb_a if k in moe else v) for k, v in cb.items()}
         ef, eb = ({k: v * fx for k, v in d.items()} for d in a.pieces["expert"])
         af = {k: (max(v + a2a_f_t - a2a_f_a, 0.0) if k in moe else 0.0) for k, v in a.pieces["a2a"][0].items()}
         ab = {k: (max(v + a2a_b_t - a2a_b_a, 0.0) if k in moe else 0.0) for k, v in a.pieces["a2a"][1].items()}
@@ -453,9 +497,11 @@ class ScaleOut:
         dp_exp = max(a.dp_exposed_ns + dp_t - a.dp_model_ns, 0.0)
         p_a, p_t = PPL.optimizer_params(_mem_cfg(a.config), self.world), PPL.optimizer_params(_mem_cfg(cfg), gpus)
         opt = a.opt_ns * (p_t / p_a if p_a > 0 else 1.0)
+        copies = self.fsdp_copies_ns(cfg, gpus) - self.fsdp_copies_ns(a.config, self.world)
         comps = {"compute": parts["compute"], "expert stage": parts["expert stage"],
                  "all-to-all (exposed)": parts["all-to-all (exposed)"], "pipeline bubble": bubble_ns,
-                 "dp traffic (exposed)": dp_exp, "optimizer step": opt, "other per-step work": a.fixed_ns}
+                 "dp traffic (exposed)": dp_exp, "optimizer step": opt,
+                 "other per-step work": max(a.fixed_ns + copies, 0.0)}
         step_ns = sum(comps.values())
         tps = m * tokens / pp / (step_ns / 1e9)
         a2a_busy = m * len(moe) / pp * (a2a_f_t + a2a_b_t)  # the busiest rank's share of the layers, all of it
@@ -468,10 +514,14 @@ class ScaleOut:
             notes.append(f"expert rows: the busiest rank's from this run's {self.routing.basis}; a run on {gpus} GPUs "
                          "routes otherwise (its data per rank differs), so its imbalance between EP ranks is not "
                          "known here")
-        if ep > 1 and int(self.config.get("ep") or 1) == 1:
-            notes.append("EP dispatch path: its own kernels (send-buffer fills and copies, the receive-side regroup, "
-                         "the combine's gathers and their backward) are not in a run at ep 1 and are not added: their "
-                         "time is missing from the step (docs/whatif.md, \"Validation\")")
+        if ep > 1 and (pf_t, pb_t) != (pf_a, pb_a) and int(cfg["pp"]) == 1:
+            notes.append(f"EP dispatch path ({EP.path_name(cfg)}): its own kernels, {n_ep} per MoE layer and "
+                         f"micro-batch, {(pf_t + pb_t) / 1e6:.2f} ms per layer and micro-batch against the anchor's "
+                         f"{(pf_a + pb_a) / 1e6:.2f} (row moves at {self.ep_rates.bytes_src}; where / index_copy at "
+                         f"{self.ep_rates.elems_src})")
+        elif ep > 1 and self.ep_rates is None and int(self.config.get("ep") or 1) == 1:
+            notes.append("EP dispatch path: the run has no permute gather to take a row-move rate from: its own "
+                         "kernels are not added (docs/whatif.md, \"Validation\")")
         if gpus > self.world:
             notes.append(f"unvalidated: {gpus} GPUs, the run had {self.world}")
         if cfg.get("dp_mode") != a.config.get("dp_mode"):

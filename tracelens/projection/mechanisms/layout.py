@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import pandas as pd
 
+from .. import ep_path as EP
 from .base import Change, Mechanism, WhatIfError, register
 from .gemm_backend import _row_shaped, gemms_stop_at_routed_rows
 
@@ -239,6 +240,8 @@ class Bandwidth:
 
     def _lookup(self, family: str, n: int, nbytes: float) -> tuple[float, str]:
         t = self.table
+        if family == "all_to_all" and not ((t.family == "all_to_all") & (t.group_size == n)).any():
+            return self.link(n)
         for sel, how in ((t[(t.family == family) & (t.group_size == n)], f"{family} over {n}"),
                          (t[(t.group_size == n) & t.family.isin(_FAMILIES)], f"the run's collectives over {n}"),
                          (t[t.family == family], f"{family} over another group size"),
@@ -248,6 +251,28 @@ class Bandwidth:
                 row = sel.iloc[int(np.argmin(d))]
                 src = f"{row.family} over {int(row.group_size)} at {row.bytes / 2**20:,.0f} MiB"
                 return float(row.busbw_gbps), src + ("" if how.startswith(family) else f" ({how})")
+        raise WhatIfError("layout: the run has no measured collective to take a bandwidth from")
+
+    def link(self, n: int) -> tuple[float, str]:
+        """(bus GB/s, source) of the intra-node link for an all-to-all over ``n`` ranks in a run without one over
+        ``n`` (a DP run, or an EP run of another group size): the fastest of its collectives
+        of at least 64 MiB over ``n`` ranks (else over any group size). An FSDP collective runs beside compute and
+        below the link's rate, the fastest one the least disturbed; an EP step's all-to-alls run half alone, half
+        beside the shared expert's GEMMs (4 x H100: the dp 4 run's fastest, a 1,600 MiB reduce-scatter, 324 GB/s;
+        the ep 4 nccl run's all-to-alls 360 alone, 290 beside the GEMMs). The nearest size (the other families'
+        rule) took the experts' 2,112 MiB reduce-scatter there, 251 GB/s, the slowest: 9.64 ms per all-to-all
+        against 7.56 measured."""
+        t = self.table
+        big = t[t.family.isin(_FAMILIES) & (t["bytes"] >= 64 * 2**20)]
+        for sel, how in ((big[big.group_size == n], f"over {n}"), (big, "over another group size")):
+            if len(sel):
+                row = sel.iloc[int(np.argmax(sel["busbw_gbps"].to_numpy(float)))]
+                return float(row.busbw_gbps), (f"the fastest of the run's collectives {how}, {row.family} of "
+                                               f"{row.bytes / 2**20:,.0f} MiB over {int(row.group_size)}: the link")
+        sel = t[t.family.isin(_FAMILIES)]
+        if len(sel):
+            row = sel.iloc[int(np.argmax(sel["busbw_gbps"].to_numpy(float)))]
+            return float(row.busbw_gbps), f"the fastest of the run's collectives, {row.family} over {int(row.group_size)}"
         raise WhatIfError("layout: the run has no measured collective to take a bandwidth from")
 
     def seconds(self, family: str, n: int, nbytes: float) -> tuple[float, str]:
@@ -280,6 +305,7 @@ class LayoutBase:
     routing_note: str
     latency_ns: float  # the run's smallest collective transfer (a counts exchange costs about that)
     notes: list = field(default_factory=list)
+    ep_rates: EP.Rates | None = None  # the run's row-move and elementwise rates (the EP path's kernels from ep 1)
 
 
 def measure(model, analysis) -> LayoutBase | None:
@@ -308,7 +334,8 @@ def measure(model, analysis) -> LayoutBase | None:
     run = getattr(analysis.trace, "run", None)
     routing, why = read_routing(run, model.manifest)
     lat = [float(p.work["dur"].to_numpy()[df.index.to_numpy()].min()) for p, df in zip(model.profiles, per) if len(df)]
-    return LayoutBase(world, bw, per, routing, why, min(lat) if lat else 10_000.0)
+    rates = EP.measure_rates(model.profiles, act_bytes(model.config))
+    return LayoutBase(world, bw, per, routing, why, min(lat) if lat else 10_000.0, ep_rates=rates)
 
 
 # ------------------------------------------------------------------------------------------ editing a rank's step
@@ -406,6 +433,226 @@ def wait_for_busiest(plan, w: pd.DataFrame, waits: dict, a2a: np.ndarray, pos: d
     return add
 
 
+_EP_COMP = {"fill": "copies/casts", "copy": "copies/casts", "index_copy": "copies/casts", "gather": "norms/activations",
+            "where": "norms/activations"}  # the component each family's kernels fall in (profile._component)
+
+
+def ep_chunk_shape(cfg: dict, tokens: int) -> tuple[int, int, int]:
+    """(T, R, B) of one chunk of a micro-batch of ``tokens`` at ``cfg``'s ep > 1: tokens, routed rows, buffer rows
+    (the send / receive buffer of the capacity and padded nccl paths, else the routed rows)."""
+    c = chunks(cfg)
+    t = tokens // c
+    r = t * int(cfg["top_k"])
+    return t, r, recv_buffer_rows(cfg, tokens) or r
+
+
+_MOE_STAGES = ("moe/router", "moe/permute", "moe/dispatch", "moe/experts", "moe/combine", "moe/unpermute")
+
+
+def shared_expert_units(plan, w: pd.DataFrame, pos: dict, layer: int, backward: bool) -> list[int]:
+    """The layer's shared-expert units of one pass in a run at ep 1, in launch order: the block of units of one
+    program range (``path``: the shared expert's compiled graph or module) launched right after the layer's last
+    unpermute unit (forward), or right before its first unpermute-backward unit (backward), outside the MoE stages
+    (trainer/model/moe.py: at ep 1 the shared expert runs after the unpermute; under EP it runs while the rows
+    travel, ``_ep_forward``). Empty when there is no such block."""
+    lay, stg, bk = w["layer"].to_numpy(), w["moe_stage"].astype(str).to_numpy(), w["backward"].to_numpy()
+    paths = w["path"].astype(str).to_numpy()
+    comm = w["is_comm"].to_numpy()
+    order = [j for kd, j in zip(plan.kind, plan.ref) if kd == 0 and j < len(w)]
+    at = {j: k for k, j in enumerate(order)}
+    unp = [at[int(j)] for j in np.flatnonzero((lay == layer) & (stg == "moe/unpermute") & (bk == backward))
+           if int(j) in at]
+    if not unp:
+        return []
+    step = -1 if backward else 1
+    k = min(unp) - 1 if backward else max(unp) + 1
+    out: list[int] = []
+    want = None
+    while 0 <= k < len(order):
+        j = order[k]
+        if comm[j] or lay[j] != layer or bool(bk[j]) != backward or stg[j] in _MOE_STAGES:
+            break
+        if want is None:
+            want = paths[j]
+            if want in ("", "nan", f"layer/{layer}"):
+                return []
+        elif paths[j] != want:
+            break
+        out.append(j)
+        k += step
+    return out[::step] if len(out) <= 64 else []
+
+
+def insert_ep_path(plan, w: pd.DataFrame, new: dict, b: LayoutBase, pos: dict, t1: int, ep1: int, waits: dict,
+                   layers: list[int], inserted: list) -> tuple[float, list[str]]:
+    """A run at ep 1 -> ep > 1: each MoE layer's EP path as the trainer runs it (trainer/model/moe.py ``_ep_forward``,
+    trainer/model/dispatch.py). Per pass and chunk, around the layer's expert stage on its stream: before it the
+    send-side kernels, the token all-to-all on a communication stream of its own (waiting for them), the receive-side
+    kernels (waiting for it); after it the return regroup, the second all-to-all and the combine's kernels
+    (`ep_path`: each kernel at the run's measured rates). The shared expert's units move to where the EP step runs
+    them, beside an all-to-all: forward after the dispatch is sent, backward after the dispatch's gradient is sent
+    (on the 4-GPU ep 4 nccl run t013 17.6 of the busiest rank's 83.5 ms of all-to-all ran under compute; those
+    all-to-alls run slower beside the GEMMs, 8.3 against 6.7 ms alone, which the link's rate, `Bandwidth.link`,
+    averages over). The change in this rank's wait for the busiest rank of its group (``waits``) goes on the all-to-all after the
+    expert stage. The entries go into ``inserted`` as blocks (`_insert_block`). Returns the all-to-all time added
+    (ns) and the lines to say."""
+    n_c = chunks(new)
+    ab = act_bytes(new) * int(new["d_model"])
+    rows_s1 = send_rows(new, t1)
+    b_new = rows_s1 / n_c * ab
+    t_a2a, srcs = b.bw.seconds("all_to_all", ep1, b_new)
+    T, R, B = ep_chunk_shape(new, t1)
+    path = EP.path_name(new)
+    rates = b.ep_rates
+    ks = EP.kernels(path, T, R, B, int(new["d_model"]), act_bytes(new)) if rates is not None else []
+    sc = max(plan.stream) + 1 if plan.stream else 1  # the all-to-alls' stream
+    shared = int(new.get("n_shared_experts") or 0) > 0
+    moved = 0
+    lines: list[str] = []
+    a2a_added = 0.0
+    ep_dev = 0.0
+    wait_added = 0.0
+    for ly in layers:
+        for bwd in (False, True):
+            js = _stage_units(w, ly, bwd)
+            ps = [pos[int(j)] for j in js if int(j) in pos]
+            if not ps:
+                continue
+            s0 = int(plan.stream[int(js[0])])
+            first, last = min(ps), max(ps)
+            sh = shared_expert_units(plan, w, pos, ly, bwd) if shared else []
+            sh_units = [("unit", plan.dur[j], s0, plan.comp[j], None) for j in sh]
+            for j in sh:
+                plan.dur[j] = 0.0
+            moved += len(sh)
+
+            dw = float(waits.get((ly, bwd), 0.0))
+            before: list = []
+            if not bwd:
+                before.append(("unit", b.latency_ns, s0, "exposed communication", None))  # the counts exchange
+            for c in range(n_c):
+                before += _chunk_units(ks, rates, bwd, "send", s0)
+                before.append(("unit", 0.0, s0, "other", None))  # the rows are ready
+                before.append(("unit", t_a2a, sc, "exposed communication", "prev"))
+            if not bwd:
+                before += sh_units
+            for c in range(n_c):
+                before.append(("unit", 0.0, s0, "other", ("a2a", c)))  # the rows have arrived
+                before += _chunk_units(ks, rates, bwd, "recv", s0)
+            after: list = []
+            for c in range(n_c):
+                after += _chunk_units(ks, rates, bwd, "ret", s0)
+                after.append(("unit", 0.0, s0, "other", None))
+                after.append(("unit", t_a2a + (max(dw, 0.0) if c == 0 else 0.0), sc, "exposed communication", "prev"))
+            wait_added += max(dw, 0.0)
+            if bwd:
+                after += sh_units
+            for c in range(n_c):
+                after.append(("unit", 0.0, s0, "other", ("a2a", c)))
+                after += _chunk_units(ks, rates, bwd, "comb", s0)
+            inserted.append((first, 0.0, s0, ("block", before)))
+            inserted.append((last + 1, 0.0, s0, ("block", after)))
+            a2a_added += 2 * n_c * t_a2a + max(dw, 0.0) + (0.0 if bwd else b.latency_ns)
+            ep_dev += sum(u[1] for u in before + after if u[3] != "exposed communication") - sum(
+                u[1] for u in sh_units)
+    lines.append(f"token all-to-alls: the run has none; {4 * n_c} per MoE layer and micro-batch added on a stream of "
+                 f"their own, {rows_s1 // n_c:,} rows ({b_new / 2**20:,.1f} MiB) each over {ep1} ranks at "
+                 f"{t_a2a / 1e6:.2f} ms (the bus bandwidth of {srcs}: no all-to-all measured, stated as such), and one "
+                 f"counts exchange per layer forward at the run's smallest collective ({b.latency_ns / 1e3:.0f} us)")
+    if rates is None:
+        lines.append("EP dispatch path: the run has no permute gather of token rows to take a row-move bandwidth "
+                     "from: its kernels are not added")
+    elif ks:
+        lines.append(f"EP dispatch path ({path}, {T:,} tokens, {R:,} routed rows, a {B:,}-row buffer per chunk): "
+                     f"{len(ks) * n_c} kernels per MoE layer and micro-batch, {ep_dev / 1e6:.2f} ms per step as "
+                     f"profiled (row moves by bytes at {rates.bytes_src}; where / index_copy by elements at "
+                     f"{rates.elems_src}); the small index kernels not added")
+    else:
+        lines.append(f"EP dispatch path ({path}): none of its kernels modeled (the symm path's copies), not added")
+    if moved:
+        lines.append(f"the shared expert's {moved} units moved beside the all-to-alls (forward: while the rows travel; "
+                     "backward: while the dispatch's gradient does), as the EP step runs them")
+    if wait_added:
+        lines.append(f"load imbalance: {wait_added / 1e6:.2f} ms per step of waiting for the busiest rank of the EP "
+                     "group (its rows at this rank's time per row) on the all-to-all after each expert stage")
+    return a2a_added, lines
+
+
+def _chunk_units(ks: list, rates, bwd: bool, where: str, stream: int) -> list:
+    """One chunk's EP path kernels of one pass at one place, as block units (`_insert_block`)."""
+    return [("unit", EP.seconds(k, rates), stream, _EP_COMP.get(k.name, "other"), None)
+            for k in ks if k.backward == bwd and k.where == where]
+
+
+def _insert_block(plan, at: int, units: list) -> None:
+    """Insert a block of new units launched at item position ``at``, in order. Each unit: ``("unit", ns, stream,
+    comp, dep)``; ``dep``: None, ``"prev"`` (the unit before it in the block) or ``("a2a", c)`` (the block's c-th
+    unit on another stream than its first unit's: its c-th all-to-all)."""
+    made: list[int] = []
+    s0 = units[0][2] if units else 0
+    a2a_new: list[int] = []
+    for k, (_, ns, stream, comp, dep) in enumerate(units):
+        j = plan.add_unit(float(ns), int(stream), comp, 0.0, at + k)
+        if dep == "prev" and made:
+            plan.dep[j] = made[-1]
+        elif isinstance(dep, tuple) and dep[1] < len(a2a_new):
+            plan.dep[j] = a2a_new[dep[1]]
+        if stream != s0:
+            a2a_new.append(j)
+        made.append(j)
+
+
+def fsdp_copy_factors(dp0: int, ep0: int, dp1: int, ep1: int) -> dict[str, float]:
+    """Each FSDP copy kernel of the experts (by op) x its new / old size under (ep0, dp0) -> (ep1, dp1)
+    (`scale_fsdp_expert_copies`). From a run at dp 1 (no copy-in, no copy-out; a parameter copy of its own) all
+    stay: its gradients' copy-in alone x ep0/ep1 without the copies dp > 1 adds moved the grid's ep 4 baselines
+    further from their ep 1 / ep 2 points (up to 1 point)."""
+    if dp0 == 1:
+        return {"aten::_chunk_cat": 1.0, "aten::split_with_sizes_copy": 1.0, "aten::_foreach_copy_": 1.0}
+    return {"aten::_chunk_cat": ep0 / ep1,
+            "aten::split_with_sizes_copy": (ep0 / ep1) if dp1 > 1 else 0.0,
+            "aten::_foreach_copy_": (ep0 * dp0) / (ep1 * dp1) if dp1 > 1 else 0.0}
+
+
+def fsdp_expert_copies(w: pd.DataFrame) -> dict[str, np.ndarray]:
+    """The experts' FSDP copy units of a step profile by op (`fsdp_copy_factors`' ops)."""
+    paths = w["path"].astype(str).to_numpy()
+    ops = w["op"].astype(str).to_numpy()
+    comm = w["is_comm"].to_numpy()
+    ok = ~comm & np.array(["FSDP::" in p and "experts" in p for p in paths], dtype=bool)
+    return {op: np.flatnonzero(ok & (ops == op)) for op in fsdp_copy_factors(1, 1, 1, 1)}
+
+
+def scale_fsdp_expert_copies(plan, w: pd.DataFrame, old: dict, new: dict, world: int, ds: float) -> str:
+    """The experts' FSDP copy kernels (FSDP2's, trainer/parallel/dist.py: the units under an ``FSDP::`` range of an
+    ``experts`` module) under another (ep, dp): the reduce-scatter's copy-in of the gradients (``_chunk_cat``) covers
+    the rank's ``E/ep`` experts at any dp; the all-gather's copy-out (``split_with_sizes_copy``) the same, at dp > 1
+    only; its copy-in (``_foreach_copy_``) the rank's shard ``E/(ep dp)``, at dp > 1 only. Each x its new / old
+    size (0 at dp 1). On the 4 x H100 grid's runs, per step: 5.58 / 2.74 / 1.34 ms of ``_chunk_cat`` at ep 1 / 2 /
+    4, 4.69 / 2.33 / 0 of copy-out at dp 4 / 2 / 1, 7.51 / 7.94 / 0.32 of copy-in at a shard of 16 / 16 experts / dp
+    1. The parameter copy FSDP makes at dp 1 (4.0 ms a step at ep 4) is not added from a run at dp > 1; a run at dp 1
+    keeps its copies as they are (`fsdp_copy_factors`). Returns the line to say, or ""."""
+    dp0, ep0 = dims(old, world)
+    dp1, ep1 = dims(new, world)
+    f = fsdp_copy_factors(dp0, ep0, dp1, ep1)
+    if dp0 == 1:
+        return ""
+    before = after = 0.0
+    n = 0
+    for op, js in fsdp_expert_copies(w).items():
+        for j in js:
+            before += plan.dur[j]
+            plan.dur[j] *= f[op]
+            after += plan.dur[j]
+            n += 1
+    if not n:
+        return ""
+    what = ", ".join(f"{k.split('::')[-1]} x{v:.2f}" for k, v in f.items())
+    return (f"FSDP of the experts, copies: {n} copy-in / copy-out kernels ({what}"
+            f" by the experts' size per rank and shard): {ds * before / 1e6:.2f} -> {ds * after / 1e6:.2f} ms; FSDP's "
+            "parameter copy at dp 1 not added")
+
+
 def changes_layout(change: Change) -> bool:
     """Whether a what-if changes the expert / data parallel layout (then this mechanism owns the token all-to-alls)."""
     return any(change.old.get(k) != change.target.get(k) for k in LAYOUT_KEYS)
@@ -489,6 +736,7 @@ class Layout(Mechanism):
         ab = act_bytes(new) * int(new["d_model"])
         a2a_before = float(sum(plan.dur[j] for j in _all_a2a(comm)))
         inserted: list[tuple[int, float, int, str]] = []  # (position, ns, stream, comp)
+        dp_to_ep, a2a_added = False, 0.0
         if ep1 == 1:
             # the dispatch and combine stages (and the receive-side regroup) run only under EP: their kernels and
             # the host time before each of their launches go
@@ -521,33 +769,12 @@ class Layout(Mechanism):
                          f"({'capacity' if new.get('ep_dispatch') == 'capacity' else 'nccl'}), "
                          f"{b_new / 2**20:,.1f} MiB each over {ep1} ranks at the bus bandwidth of {srcs}")
         else:
-            # a run without token all-to-alls (ep 1): inserted on the experts' stream around each expert stage
-            n_c = chunks(new)
-            b_new = rows_s1 / n_c * ab
-            t_new, srcs = b.bw.seconds("all_to_all", ep1, b_new)
-            for ly in moe_layers(old):
-                for bwd in (False, True):
-                    js = _stage_units(w, ly, bwd)
-                    if not len(js):
-                        continue
-                    ps = [pos[int(j)] for j in js if int(j) in pos]
-                    if not ps:
-                        continue
-                    stream = int(plan.stream[int(js[0])])
-                    first, last = min(ps), max(ps)
-                    for _ in range(n_c):
-                        inserted.append((first, t_new, stream, "exposed communication"))
-                        inserted.append((last + 1, t_new, stream, "exposed communication"))
-                    if not bwd:
-                        inserted.append((first, b.latency_ns, stream, "exposed communication"))
-            lines.append(f"token all-to-alls: the run has none; {4 * n_c} per MoE layer and micro-batch added, "
-                         f"{rows_s1:,} rows ({b_new / 2**20:,.1f} MiB) each over {ep1} ranks at {t_new / 1e6:.2f} ms "
-                         f"(the bus bandwidth of {srcs}: no all-to-all measured, stated as such), and one counts "
-                         f"exchange per layer forward at the run's smallest collective ({b.latency_ns / 1e3:.0f} us)")
-            change.notes.append("layout: the receive-side regroup kernels of an EP run are not in a DP run's trace "
-                                "(not added)")
+            # a run without token all-to-alls (ep 1): the EP path as the trainer runs it (`insert_ep_path`)
+            a2a_added, ep_lines = insert_ep_path(plan, w, new, b, pos, t1, ep1, waits, moe_layers(old), inserted)
+            lines.extend(ep_lines)
+            dp_to_ep = True
         # ---- load imbalance: the wait for the busiest rank goes into the all-to-all after the expert stage
-        if ep1 > 1:
+        if ep1 > 1 and not dp_to_ep:
             add = wait_for_busiest(plan, w, waits, a2a, pos, inserted)
             if abs(add) > 0:
                 lines.append(f"load imbalance: rank {r} waits {ds * add / 1e6:+.2f} ms per step for the busiest rank "
@@ -555,6 +782,10 @@ class Layout(Mechanism):
         # ---- FSDP of the experts
         ag0, rs0, n0 = fsdp_expert_bytes(old, world)
         ag1, rs1, n1 = fsdp_expert_bytes(new, world)
+        if (ep0, dp0) != (ep1, dp1):
+            line = scale_fsdp_expert_copies(plan, w, old, new, world, ds)
+            if line:
+                lines.append(line)
         if (ag0, rs0, n0) != (ag1, rs1, n1):
             u_ag, u_rs = _fsdp_expert_units(comm, ag0, rs0)
             f_before = float(sum(plan.dur[j] for j in np.concatenate([u_ag, u_rs])))
@@ -594,7 +825,9 @@ class Layout(Mechanism):
                     / max(float(p.step_ns), 1.0)) ** 2
         # ---- insert the new units, from the last position back (earlier positions stay valid)
         for at, ns, stream, comp in sorted(inserted, key=lambda x: -x[0]):
-            if isinstance(comp, tuple):
+            if isinstance(comp, tuple) and comp[0] == "block":
+                _insert_block(plan, at, comp[1])
+            elif isinstance(comp, tuple):
                 _, anchor, how = comp
                 j = plan.add_unit(ns, stream, "exposed communication", 0.0, at)
                 if how == "wait":
@@ -603,8 +836,8 @@ class Layout(Mechanism):
                     plan.dep[j] = anchor
             else:
                 plan.add_unit(ns, stream, comp, 0.0, at)
-        a2a_after = float(sum(plan.dur[j] for j in _all_a2a(comm))) + sum(x[1] for x in inserted
-                                                                            if not isinstance(x[3], tuple))
+        a2a_after = float(sum(plan.dur[j] for j in _all_a2a(comm))) + a2a_added + sum(
+            x[1] for x in inserted if not isinstance(x[3], tuple))
         var += (self.sigma["layout_a2a"] * abs(a2a_after - a2a_before) / max(float(p.step_ns), 1.0)) ** 2
         change.modeled.extend(lines)
         return var
