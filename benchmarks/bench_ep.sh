@@ -102,6 +102,11 @@ declare -A RUNS=(
   [pp2_mbs4]="4 --set pp=2 --set microbatches=4 --set micro_batch_size=4 $STEPS"
   [pp2_ep2_cap_mbs4]="4 --set pp=2 --set ep=2 $CAP --set microbatches=4 --set micro_batch_size=4 $STEPS"
   [pp4_mbs2]="4 --set pp=4 --set microbatches=8 --set micro_batch_size=2 $STEPS"
+  # the sharding planner's layouts for 4 GPUs at a global batch of 96 (issue 35: `tracelens plan gpu_proxy_train
+  # --gpus 4 --global-batch 96 --from tests/fixtures/h100_scaling/gpu1_prof --mbs 8,24`), beside the grid's best
+  [dp4_mbs8_m3]="4 --set micro_batch_size=8 --set microbatches=3 $STEPS"
+  [dp4_mbs24]="4 --set micro_batch_size=24 $STEPS"
+  [pp2_mbs8_m6]="4 --set pp=2 --set microbatches=6 --set micro_batch_size=8 $STEPS"
   # the committed fixture (tests/fixtures/h100_4gpu/ep4_cap_ovl): two profiled steps
   [ep4_cap_ovl_fixture]="4 --set ep=4 $CAP --set ep_overlap=true --set steps=10 --set timing_warmup_steps=3 --set log_every=5 --set profile_step_start=7 --set profile_step_end=9"
 )
