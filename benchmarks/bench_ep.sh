@@ -107,6 +107,10 @@ declare -A RUNS=(
   [dp4_mbs8_m3]="4 --set micro_batch_size=8 --set microbatches=3 $STEPS"
   [dp4_mbs24]="4 --set micro_batch_size=24 $STEPS"
   [pp2_mbs8_m6]="4 --set pp=2 --set microbatches=6 --set micro_batch_size=8 $STEPS"
+  # profiled (step 8): gradient accumulation under FSDP against one micro-batch of the same size (the what-if's
+  # microbatches mechanism)
+  [dp4_mbs8_m3_prof]="4 --set micro_batch_size=8 --set microbatches=3 $PROF"
+  [dp4_mbs8_prof]="4 --set micro_batch_size=8 $PROF"
   # the committed fixture (tests/fixtures/h100_4gpu/ep4_cap_ovl): two profiled steps
   [ep4_cap_ovl_fixture]="4 --set ep=4 $CAP --set ep_overlap=true --set steps=10 --set timing_warmup_steps=3 --set log_every=5 --set profile_step_start=7 --set profile_step_end=9"
 )
