@@ -111,6 +111,17 @@ declare -A RUNS=(
   # microbatches mechanism)
   [dp4_mbs8_m3_prof]="4 --set micro_batch_size=8 --set microbatches=3 $PROF"
   [dp4_mbs8_prof]="4 --set micro_batch_size=8 $PROF"
+  # eight GPUs (issue 38; an 8-GPU kind is lent only at times): EP 8 against FSDP over 8, every dispatch path and
+  # the overlap, and PP 4 x EP 2 over 16 layers on the interleaved schedule
+  #   ROWS="dp8 ep8_nccl ep8_cap ep8_cap_ovl ep8_cap_pipe ep8_symm ep8_cap_unfused pp4_ep2_vpp2" bash benchmarks/bench_ep.sh
+  [dp8]="8 $PROF"
+  [ep8_nccl]="8 --set ep=8 $STEPS"
+  [ep8_cap]="8 --set ep=8 $CAP $PROF"
+  [ep8_cap_ovl]="8 --set ep=8 $CAP --set ep_overlap=true $PROF"
+  [ep8_cap_pipe]="8 --set ep=8 $CAP --set ep_overlap=true --set ep_overlap_schedule=pipelined $PROF"
+  [ep8_cap_unfused]="8 --set ep=8 $CAP --set ep_capacity_fused=false $STEPS"
+  [ep8_symm]="8 --set ep=8 $SYMM $STEPS"
+  [pp4_ep2_vpp2]="8 --set pp=4 --set ep=2 $CAP --set n_layers=16 --set pipeline_schedule=vpp --set vpp=2 --set microbatches=8 --set micro_batch_size=4 $PROF"
   # the committed fixture (tests/fixtures/h100_4gpu/ep4_cap_ovl): two profiled steps
   [ep4_cap_ovl_fixture]="4 --set ep=4 $CAP --set ep_overlap=true --set steps=10 --set timing_warmup_steps=3 --set log_every=5 --set profile_step_start=7 --set profile_step_end=9"
 )
