@@ -63,7 +63,10 @@ def _lay(cfg: dict, world: int):
 def piece_costs_from_profile(p, cfg: dict, device_scale: float) -> tuple[dict, dict, float]:
     """(forward ns, full backward ns) per piece per micro-batch from one rank's profiled step of a run without a
     pipeline, and the per-step work left out of them (ns): each layer's non-communication device work, the
-    token-shaped work outside the layers as ``loss``, ``embedding`` 0."""
+    token-shaped work outside the layers and the chunked loss's units (`tokens.chunk_units`: their number follows the
+    tokens, not their shapes) as ``loss``, ``embedding`` 0."""
+    from .tokens import chunk_units
+
     w = p.work
     m = int(cfg.get("microbatches") or 1)
     comm = w["is_comm"].to_numpy()
@@ -71,7 +74,7 @@ def piece_costs_from_profile(p, cfg: dict, device_scale: float) -> tuple[dict, d
     lay = w["layer"].to_numpy()
     bwd = w["backward"].to_numpy() | (w["recompute"].to_numpy() if "recompute" in w else False)
     dur = w["dur"].to_numpy(float) * device_scale
-    tok = w["scale"].to_numpy() == "tokens"
+    tok = (w["scale"].to_numpy() == "tokens") | chunk_units(w, cfg)
     work = ~comm & (comp != "optimizer step")
     f, bw = {"embedding": 0.0}, {"embedding": 0.0}
     for i in range(int(cfg["n_layers"])):
