@@ -408,6 +408,53 @@ def test_one_and_two_gpus_to_four_against_the_recorded_grid():
     assert {r["point"] for r in rows if not r["predicted_fits"]} == {"ep4_nccl_mbs24"}
 
 
+@pytest.mark.parametrize("baseline", ["gpu1_prof", "dp2_prof", "ep2_cap_prof"])
+def test_the_planners_top_4gpu_layout_is_within_5_percent_of_the_best_measured(baseline):
+    """Issue 35 for the planner: `tracelens plan gpu_proxy_train --gpus 4 --global-batch 96 --mbs 8,24 --from RUN`
+    from each 1- and 2-GPU profile puts first a layout whose measured throughput is within 5 % of the best measured
+    (tests/fixtures/h100_4gpu_accum/measured.json: dp 4 at micro-batch 24, 121,739-123,985 tokens/s/GPU, median
+    123,180). Before the chunked loss's units were per-micro-batch work in the scale-out's pieces, the planner put
+    dp 4 x micro-batch 8 x 3 accumulation first (projected 138,840-146,271; measured 102,015-105,737: 0.83-0.86x of
+    the best) and pp 2 x 6 micro-batches second (129,621; measured 88,431)."""
+    from tracelens.projection.measured import load_measured
+
+    _, _, _, points = load_measured(FIX / "h100_4gpu_accum" / "measured.json")
+    meas: dict = {}
+    for pt in points:
+        s = pt.sets
+        pp, ep = int(s.get("pp", 1)), int(s.get("ep", 1))
+        key = (4 // (pp * ep), ep, pp, int(s["micro_batch_size"]), int(s.get("microbatches", 1)))
+        meas.setdefault(key, []).append(pt.tps)
+    med = {k: sorted(v)[len(v) // 2] for k, v in meas.items()}
+    best = max(med.values())
+    so = SO.ScaleOut.from_run(FIX / "h100_scaling" / baseline)
+    p = PL.plan(M.load_model_config("gpu_proxy_train", []), 4, 96, M.device_memory("H100"), so, mbs=(8, 24))
+    top = p.rows[0]
+    key = (top["dp"], top["ep"], top["pp"], top["mbs"], top["microbatches"])
+    assert top["recompute"] == "none" and key in med, top
+    assert med[key] >= 0.95 * best, (key, med[key], best)
+    # the measured layouts, in the planner's order, keep the measured order of the two dp 4 micro-batch-8 points
+    order = [(r["dp"], r["ep"], r["pp"], r["mbs"], r["microbatches"]) for r in p.rows if r["recompute"] == "none"]
+    assert order.index((4, 1, 1, 8, 3)) < order.index((2, 1, 2, 8, 6))
+
+
+def test_gradient_accumulation_at_4_gpus_against_the_planners_measured_layouts():
+    """The planner's 4-GPU layouts at a global batch of 96, measured (tests/fixtures/h100_4gpu_accum/measured.json),
+    projected from the 1- and 2-GPU profiles and from the profiled dp 4 micro-batch 8 run. The chunked loss's units and
+    FSDP's all-gather copies repeat per micro-batch (`pp_layout.piece_costs_from_profile`,
+    `pp_layout.fsdp_per_microbatch_ns`): dp 4 x micro-batch 8 x 3 micro-batches from 1 GPU / dp 2 / ep 2 +7.0-11.0 /
+    +9.1-13.1 / +8.1-12.0 % (before +38-43 %: the loss head counted once a step), about the error of the same layout
+    at one micro-batch (+8.3-9.5 / +6.4-7.5 / +7.9-9.0 %); from the dp 4 run itself +3.8-7.6 %. Regression bounds:
+    the measured errors rounded up."""
+    res = SO.validate(FIX / "h100_4gpu_accum" / "measured.json")
+    for name in ("gpu1", "dp2", "ep2_cap"):
+        s = res["summary"][name]
+        assert s["n"] == 9 and s["max_abs_error"] <= 0.14 and s["median_abs_error"] <= 0.08, (name, s)
+    m3 = [r for r in res["rows"] if r["baseline"] == "dp4_mbs8" and r["point"].startswith("dp4_mbs8_m3")]
+    assert len(m3) == 3 and all(abs(r["error"]) <= 0.08 for r in m3), m3
+    assert all(r["verdict_right"] for r in res["rows"] if "refused" not in r)
+
+
 def test_a_projection_from_ep_1_adds_the_ep_path_and_says_what_it_cannot_know():
     """Issue 35's gap from 1 GPU (docs/whatif.md, "Validation"): a run at ep 1 has none of the EP dispatch path's own
     kernels; the projection adds them at the run's own rates (`ep_path`) and says so, and says that another world

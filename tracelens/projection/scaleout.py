@@ -140,13 +140,14 @@ class _Anchor:
     pieces: dict  # kind -> (forward {piece: ns}, backward {piece: ns}); kinds compute, expert, a2a
     microbatches: int
     opt_ns: float
-    fixed_ns: float  # per-step work outside the pieces (not optimizer, not communication)
+    fixed_ns: float  # per-step work outside the pieces (not optimizer, not communication), at the anchor's micro-batches
     dp_exposed_ns: float  # the exposed data-parallel traffic the anchor's step holds
     dp_model_ns: float  # what the network model exposes of the anchor's own data-parallel traffic
     a2a_hidden: float  # share of the anchor's modeled all-to-all time its step hid
     handoff_ns: float  # a pipelined run's calibrated overhead per hand-off (0 otherwise)
     beta: float | None
     notes: list
+    fsdp_mb_ns: float = 0.0  # of fixed_ns: FSDP's all-gather copies and casts per micro-batch (they repeat with them)
 
 
 def _divisors(n: int) -> list[int]:
@@ -260,12 +261,14 @@ class ScaleOut:
         ds = float(np.median(self.model.device_scale)) if len(self.model.device_scale) else 1.0
         return f * ds, b * ds, n
 
-    def fsdp_copies_ns(self, cfg: dict, gpus: int) -> float:
-        """ns per step of the experts' FSDP copy kernels under ``cfg`` on ``gpus`` GPUs: the run's own (its slowest
-        rank's, calibrated) x their size under the new (ep, dp) (`layout.fsdp_copy_factors`); 0 for a pipelined run."""
+    def fsdp_copies_ns(self, cfg: dict, gpus: int) -> tuple[float, float]:
+        """ns per step, at the run's micro-batches, of the experts' FSDP copy kernels under ``cfg`` on ``gpus`` GPUs:
+        (the all-gathers' copy-in / copy-out, `layout.FSDP_GATHER_COPY_OPS`, which repeat per micro-batch; the
+        reduce-scatter's copy-in, once per step): the run's own (its slowest rank's, calibrated) x their size under
+        the new (ep, dp) (`layout.fsdp_copy_factors`); 0 for a pipelined run."""
         model = self.model
         if int(self.config.get("pp") or 1) > 1 or int(cfg.get("pp") or 1) > 1 or not model.profiles:
-            return 0.0
+            return 0.0, 0.0
         slow = int(np.argmax([sum(c.values()) for c in model.base_by_rank])) if model.base_by_rank else 0
         p = model.profiles[slow]
         dur = p.work["dur"].to_numpy(float) * model.device_scale[slow]
@@ -273,9 +276,11 @@ class ScaleOut:
         try:
             dp1, ep1 = resolve_world(cfg, gpus)
         except ConfigError:
-            return 0.0
+            return 0.0, 0.0
         f = L.fsdp_copy_factors(dp0, ep0, dp1, ep1)
-        return float(sum(dur[js].sum() * f[op] for op, js in L.fsdp_expert_copies(p.work).items()))
+        ns = {op: float(dur[js].sum() * f[op]) for op, js in L.fsdp_expert_copies(p.work).items()}
+        gather = sum(v for op, v in ns.items() if op in L.FSDP_GATHER_COPY_OPS)
+        return gather, sum(ns.values()) - gather
 
     @staticmethod
     def mem_layout(cfg: dict, gpus: int):
@@ -371,6 +376,7 @@ class ScaleOut:
             p = model.profiles[slow]
             # the run's profile, in the run's micro-batches (m: the anchor keeps them)
             pf, pb, fixed = PPL.piece_costs_from_profile(p, model.config, model.device_scale[slow] * scale)
+            fsdp_mb = PPL.fsdp_per_microbatch_ns(p, model.config, model.device_scale[slow] * scale)
             e_comm = comps.get("exposed communication", 0.0) * 1e9
             e_a2a = min(e_comm, a2a_tot)
             e_dp = e_comm - e_a2a
@@ -403,7 +409,7 @@ class ScaleOut:
         af = {k: (a2a_exposed_f if k in {f"layer{ly}" for ly in moe} else 0.0) for k in pf}
         ab = {k: (a2a_exposed_b if k in {f"layer{ly}" for ly in moe} else 0.0) for k in pb}
         a = _Anchor(changes, cfg_a, step_a, {"compute": (cf, cb), "expert": (ef, eb), "a2a": (af, ab)}, m, opt,
-                    fixed, dp_exp or 0.0, 0.0, hidden, handoff, beta, notes)
+                    fixed, dp_exp or 0.0, 0.0, hidden, handoff, beta, notes, 0.0 if pipelined else fsdp_mb)
         # the network model's exposure of the anchor's own data-parallel traffic, as a projection computes it
         w = self._window(cfg_a, self.world, {"compute": (cf, cb), "expert stage": (ef, eb),
                                              "all-to-all (exposed)": (af, ab)}, a)
@@ -497,7 +503,14 @@ class ScaleOut:
         dp_exp = max(a.dp_exposed_ns + dp_t - a.dp_model_ns, 0.0)
         p_a, p_t = PPL.optimizer_params(_mem_cfg(a.config), self.world), PPL.optimizer_params(_mem_cfg(cfg), gpus)
         opt = a.opt_ns * (p_t / p_a if p_a > 0 else 1.0)
-        copies = self.fsdp_copies_ns(cfg, gpus) - self.fsdp_copies_ns(a.config, self.world)
+        # the experts' FSDP copies under the new (ep, dp) (the all-gathers' per micro-batch, the reduce-scatter's once)
+        # and the run's other FSDP all-gather copies, both x the new micro-batches
+        (g_t, r_t), (g_a, r_a) = self.fsdp_copies_ns(cfg, gpus), self.fsdp_copies_ns(a.config, self.world)
+        f_m = m / a.microbatches if int(cfg["pp"]) == 1 else 1.0
+        copies = (g_t - g_a) * f_m + (r_t - r_a) + a.fsdp_mb_ns * a.microbatches * (f_m - 1.0)
+        if f_m != 1.0 and a.fsdp_mb_ns > 0:
+            notes.append(f"FSDP: the all-gathers' copies and casts outside the layers ({a.fsdp_mb_ns / 1e6:.2f} ms per "
+                         f"micro-batch in the run) repeat with the {m} micro-batches; the reduce-scatter's once")
         comps = {"compute": parts["compute"], "expert stage": parts["expert stage"],
                  "all-to-all (exposed)": parts["all-to-all (exposed)"], "pipeline bubble": bubble_ns,
                  "dp traffic (exposed)": dp_exp, "optimizer step": opt,

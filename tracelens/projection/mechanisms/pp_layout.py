@@ -60,10 +60,26 @@ def _lay(cfg: dict, world: int):
     return M.resolve_layout(cfg, world=world)
 
 
+def fsdp_per_microbatch_ns(p, cfg: dict, device_scale: float) -> float:
+    """ns per micro-batch of a run's FSDP work outside the pieces that repeats with the micro-batches
+    (`layout.fsdp_gather_units`: the all-gathers' copies and casts), out of ``piece_costs_from_profile``'s per-step
+    work."""
+    from .tokens import chunk_units
+
+    w = p.work
+    m = int(cfg.get("microbatches") or 1)
+    tok = (w["scale"].to_numpy() == "tokens") | chunk_units(w, cfg)
+    sel = L.fsdp_gather_units(w) & (w["component"].to_numpy() != "optimizer step") & (w["layer"].to_numpy() < 0) & ~tok
+    return float(w["dur"].to_numpy(float)[sel].sum()) * device_scale / m
+
+
 def piece_costs_from_profile(p, cfg: dict, device_scale: float) -> tuple[dict, dict, float]:
     """(forward ns, full backward ns) per piece per micro-batch from one rank's profiled step of a run without a
     pipeline, and the per-step work left out of them (ns): each layer's non-communication device work, the
-    token-shaped work outside the layers as ``loss``, ``embedding`` 0."""
+    token-shaped work outside the layers and the chunked loss's units (`tokens.chunk_units`: their number follows the
+    tokens, not their shapes) as ``loss``, ``embedding`` 0."""
+    from .tokens import chunk_units
+
     w = p.work
     m = int(cfg.get("microbatches") or 1)
     comm = w["is_comm"].to_numpy()
@@ -71,7 +87,7 @@ def piece_costs_from_profile(p, cfg: dict, device_scale: float) -> tuple[dict, d
     lay = w["layer"].to_numpy()
     bwd = w["backward"].to_numpy() | (w["recompute"].to_numpy() if "recompute" in w else False)
     dur = w["dur"].to_numpy(float) * device_scale
-    tok = w["scale"].to_numpy() == "tokens"
+    tok = (w["scale"].to_numpy() == "tokens") | chunk_units(w, cfg)
     work = ~comm & (comp != "optimizer step")
     f, bw = {"embedding": 0.0}, {"embedding": 0.0}
     for i in range(int(cfg["n_layers"])):
