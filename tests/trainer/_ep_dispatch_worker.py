@@ -43,19 +43,10 @@ import math
 import os
 import sys
 
-
-def _interpreter_or_stop() -> None:
-    """On a CPU the Triton kernels run only interpreted, and triton reads TRITON_INTERPRET when it is imported: a
-    launcher that imported it first (tests/trainer/_workers.py imports torch._dynamo, which imports triton) must
-    have set it (``run_worker(..., env={"TRITON_INTERPRET": "1"})``)."""
-    if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1" and os.environ.get(
-            "EP_WORKER_DEVICE") != "cuda":
-        raise SystemExit("triton was imported before this worker set TRITON_INTERPRET=1: launch it with "
-                         "run_worker(..., env={'TRITON_INTERPRET': '1'})")
-
+from tests.trainer._workers import interpreter_or_stop
 
 if __name__ == "__main__":
-    _interpreter_or_stop()
+    interpreter_or_stop()
 if __name__ == "__main__" and os.environ.get("EP_WORKER_DEVICE") != "cuda":
     # the kernels cases run the Triton kernels interpreted on a CPU (set before anything imports triton;
     # only when run as the worker: a test that imports this module's helpers must not hand the variable

@@ -28,18 +28,9 @@ import json
 import os
 import sys
 
+from tests.trainer._workers import interpreter_or_stop
 
-def _interpreter_or_stop() -> None:
-    """On a CPU the Triton kernels run only interpreted, and triton reads TRITON_INTERPRET when it is imported: a
-    launcher that imported it first (tests/trainer/_workers.py imports torch._dynamo, which imports triton) must
-    have set it (``run_worker(..., env={"TRITON_INTERPRET": "1"})``)."""
-    if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1" and os.environ.get(
-            "EP_WORKER_DEVICE") != "cuda":
-        raise SystemExit("triton was imported before this worker set TRITON_INTERPRET=1: launch it with "
-                         "run_worker(..., env={'TRITON_INTERPRET': '1'})")
-
-
-_interpreter_or_stop()
+interpreter_or_stop()
 if os.environ.get("EP_WORKER_DEVICE") != "cuda":  # the fused capacity path runs its Triton kernels
     os.environ.setdefault("TRITON_INTERPRET", "1")  # interpreted on a CPU (set before triton is imported)
 from pathlib import Path

@@ -25,6 +25,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -65,6 +66,17 @@ def launch_module(module: str, args: list[str], nproc: int, timeout: int = 300) 
     return _run_launcher(cmd, timeout, f"python -m {module} on {nproc} ranks: no exit")
 
 
+def interpreter_or_stop() -> None:
+    """For a worker that runs Triton interpreted on a CPU (the EP dispatch and placement workers), before it sets
+    TRITON_INTERPRET: triton reads it when it is imported, and a launcher that imported triton first (this one imports
+    torch._dynamo, which imports it) must have set it (``run_worker(..., env={"TRITON_INTERPRET": "1"})``); else the
+    worker stops, saying so (its Triton cases would fail far from the cause)."""
+    if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1" and os.environ.get(
+            "EP_WORKER_DEVICE") != "cuda":
+        raise SystemExit("triton was imported before this worker set TRITON_INTERPRET=1: launch it with "
+                         "run_worker(..., env={'TRITON_INTERPRET': '1'})")
+
+
 def _launch(nproc: int, script: str, argv: list[str]) -> int:
     """Fork ``nproc`` ranks of ``script`` (see the module's docstring); the first failing rank's exit status."""
     import ctypes
@@ -80,8 +92,6 @@ def _launch(nproc: int, script: str, argv: list[str]) -> int:
     import torch.distributed.fsdp  # noqa: F401
     import torch.distributed.tensor  # noqa: F401
     from torch.distributed import TCPStore
-
-    import threading
 
     assert threading.active_count() == 1, "a thread started before the ranks fork"
 
