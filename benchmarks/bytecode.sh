@@ -10,5 +10,8 @@ for m in ('numpy', 'pandas', 'pyarrow', 'msgspec', 'hta', 'plotly', 'networkx', 
     s = importlib.util.find_spec(m)
     if s and s.submodule_search_locations: print(list(s.submodule_search_locations)[0])
 " 2>/dev/null)
-python3 -m compileall -q -j 0 tracelens reports $_bc_dirs >/dev/null 2>&1 || true
-unset _bc_dirs
+# and the "before" checkout a benchmark compares with (EXTRA="--compare-root DIR"), so both sides read bytecode
+_bc_cmp=$(printf '%s' "${EXTRA:-}" | sed -n 's/.*--compare-root[= ]\([^ ]*\).*/\1/p')
+python3 -m compileall -q -j 0 tracelens reports moespec ${_bc_cmp:+$_bc_cmp/tracelens $_bc_cmp/reports $_bc_cmp/moespec} \
+  $_bc_dirs >/dev/null 2>&1 || true
+unset _bc_dirs _bc_cmp

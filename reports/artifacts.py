@@ -27,7 +27,7 @@ import pandas as pd
 from tracelens.analyzer import Analysis
 from tracelens.errors import TraceError
 
-from .html import page_parts, render
+from .html import chain_parts, page_parts, render
 
 
 def write_tables(analysis: Analysis, out: Path, formats: tuple[str, ...] = ("parquet", "csv")) -> list[Path]:
@@ -82,11 +82,13 @@ def write_all(analysis: Analysis, out: str | os.PathLike, *, report: bool = True
     # tables' files and the parts of the page that do not wait for the summary's longest chain (the critical path,
     # the findings, the MoE view) are built beside it, on a second CPU where there is one (tracelens.offload)
     if isinstance(analysis, Analysis):
-        summary, (parts, files) = analysis.summary_with(partial(_outputs, report=report, tables=tables))
+        # the page's sections of the chain's results are built after the chain, before waiting for the child
+        summary, (parts, files), chain = analysis.summary_with(partial(_outputs, report=report, tables=tables),
+                                                               chain_parts if report else None)
     else:  # the many-rank path's result (tracelens.scale): its own summary, no report
-        summary, parts, files = analysis.summary(), None, None
+        summary, parts, files, chain = analysis.summary(), None, None, None
     summary_text = json.dumps(summary, indent=2)
-    html = render(analysis, title, parts) if report else None
+    html = render(analysis, title, parts, chain) if report else None
     try:
         out.mkdir(parents=True, exist_ok=True)
         stage = Path(tempfile.mkdtemp(dir=out, prefix=".tracelens-staging-"))

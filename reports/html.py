@@ -163,10 +163,21 @@ def page_parts(analysis: Analysis) -> dict[str, Any]:
     return out
 
 
-def render(analysis: Analysis, title: str | None = None, parts: dict[str, Any] | None = None) -> str:
-    """report.html's text. parts: `page_parts(analysis)` built elsewhere (built here when None)."""
+def chain_parts(a: Analysis) -> dict[str, Any]:
+    """The page's sections that read the summary's chain (findings, communication, host, MoE, critical path,
+    health) and none of the offloaded entries (roofline, decomposition): `Analysis.summary_with` builds them in
+    the parent before it waits for the child that builds `page_parts`."""
+    return {"deep": _deep_sections(a), "moe": _moe_section(a), "critpath": critpath_context(a),
+            "health": _health_context(a)}
+
+
+def render(analysis: Analysis, title: str | None = None, parts: dict[str, Any] | None = None,
+           chain: dict[str, Any] | None = None) -> str:
+    """report.html's text. parts: `page_parts(analysis)` built elsewhere (built here when None); chain:
+    `chain_parts(analysis)` built earlier (built here when None)."""
     a = analysis
     p = page_parts(a) if parts is None else parts
+    c = chain_parts(a) if chain is None else chain
     trace = a.trace
     has_gpu = a.has_gpu
     devices = sorted({r.device_name for r in trace.ranks if r.device_name})
@@ -180,15 +191,15 @@ def render(analysis: Analysis, title: str | None = None, parts: dict[str, Any] |
         ("figures over", a.window.describe() if getattr(a, "window", None) is not None else "whole profiled window"),
     ]
     figures: dict[str, Any] = dict(p["figures"])
-    extra = {**_deep_sections(a), **p["roofline"]}
-    moe = _moe_section(a)
+    extra = {**c["deep"], **p["roofline"]}
+    moe = c["moe"]
     if moe is not None:
         figures.update(moe.pop("figures"))
     pipeline = None
     if p["pipeline"] is not None:
         pipeline = dict(p["pipeline"])
         figures.update(pipeline.pop("figures"))
-    critpath = critpath_context(a)  # never raises: bad input is its one-line problem
+    critpath = c["critpath"]  # never raises: bad input is its one-line problem
     if critpath and critpath.get("figure"):
         figures["plot-critpath"] = critpath.pop("figure")
     return template_env().get_template("report.html").render(
@@ -200,7 +211,7 @@ def render(analysis: Analysis, title: str | None = None, parts: dict[str, Any] |
         plotly_packed=p["plotly_packed"] if p["plotly_packed"] is not None else plotly_js_packed(),
         warnings=a.warnings,
         verdict=verdict_context(a),  # never raises: no verdict is its one line
-        health=_health_context(a),
+        health=c["health"],
         overview=overview,
         has_gpu=has_gpu,
         timeline_table=p["timeline_table"],

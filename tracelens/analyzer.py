@@ -355,12 +355,16 @@ class Analysis:
         """The documented machine interface (docs/summary-json.md)."""
         return self.summary_with(None)[0]
 
-    def summary_with(self, beside: Callable[[Analysis], T] | None) -> tuple[dict[str, Any], T | None]:
-        """The summary, and ``beside(self)``: work that reads only the base tables and the entries declared
-        `offload` (the report's tables and figures, the tables' files: `reports.artifacts.write_all`). Both run
-        in one forked child on a second CPU while this process computes the summary's other entries (the
+    def summary_with(self, beside: Callable[[Analysis], T] | None,
+                     here: Callable[[Analysis], Any] | None = None) -> tuple[dict[str, Any], T | None, Any]:
+        """The summary, ``beside(self)`` and ``here(self)``. ``beside``: work that reads only the base tables and the
+        entries declared `offload` (the report's tables and figures, the tables' files: `reports.artifacts.write_all`).
+        Both run in one forked child on a second CPU while this process computes the summary's other entries (the
         collective instances, the critical path, the findings, the MoE view: the longest chain), with the values
-        they would have here (tracelens.offload); without a child, `beside` runs here after them."""
+        they would have here (tracelens.offload); without a child, `beside` runs here after them. ``here``: work
+        that reads those entries and none of the offloaded ones (the page's sections of the chain's results), run
+        in this process after the chain and before it waits for the child (where the child is the longer side,
+        instead of after it)."""
         # the entries declared `offload` (independent of findings and health, which share the collective
         # instances): on a second CPU they run beside them (tracelens.offload), with the values they
         # would have here
@@ -377,6 +381,7 @@ class Analysis:
         health = _health_summary(self)
         critical_path = self.critical_path().summary()
         moe = self.moe().summary()
+        mine = here(self) if here is not None else None
         extra = None
         if task is not None:  # the verdict reads the decomposition
             values, extra = task.result()
@@ -393,7 +398,7 @@ class Analysis:
             "critical_path": critical_path,
             "moe": moe,
             "verdict": _verdict_summary(self),
-        }, extra
+        }, extra, mine
 
 
 def _away(a: Analysis, names: list[str], beside: Callable[[Analysis], Any] | None) -> tuple[dict[str, Any], Any]:

@@ -282,6 +282,21 @@ def test_outputs_byte_identical_with_the_child(path, monkeypatch, tmp_path):
         assert out["1"][name] == data, name
 
 
+@linux
+def test_summary_with_runs_here_in_the_parent_before_the_join(monkeypatch):
+    """`Analysis.summary_with(beside, here)`: `here` runs in this process (the page's sections of the chain's
+    results, `reports.html.chain_parts`) while `beside` runs in the child; the summary is `summary()`'s."""
+    path = FX / "h200_ep2_run" / "L0_loop"
+    if not path.exists():
+        pytest.skip(f"{path} missing")
+    monkeypatch.setenv("TRACELENS_OFFLOAD", "1")
+    a = tracelens.analyze(tracelens.load(path, cache=False, progress=False))
+    summary, beside, here = a.summary_with(lambda _: os.getpid(), lambda _: os.getpid())
+    assert here == os.getpid() and beside != os.getpid()
+    b = tracelens.analyze(tracelens.load(path, cache=False, progress=False))
+    assert summary == b.summary()
+
+
 def test_has_pipeline_data_decides_like_the_analysis(tmp_path):
     """The cheap test `analyze` uses to decide whether the pipeline account is worth a child agrees with
     the account itself: data found exactly when `pipeline_for_trace` returns one."""

@@ -548,15 +548,17 @@ def match_instances(kern: pd.DataFrame, window_start: pd.Series, trace) -> pd.Da
         for pos, mem in enumerate(_match_chunk(items)):
             entries.append((group, peers, t0, pos, mem))
     entries.sort(key=lambda e: (e[0], e[1], e[2], e[3]))
-    rows, ent_id, seq = [], [], []
+    rows, ent_id, seq, mem_of = [], [], [], []  # mem_of: each row's entry's ranks
     last_key, s = None, 0
     for e_i, (group, peers, _, _, mem) in enumerate(entries):
         s = s + 1 if (group, peers) == last_key else 0
         last_key = (group, peers)
-        for r, lbl in mem.items():
+        ranks_of = frozenset(mem)
+        for lbl in mem.values():
             rows.append(lbl)
             ent_id.append(e_i)
             seq.append(s)
+            mem_of.append(ranks_of)
     df = kern.loc[rows].reset_index(drop=True)
     df["entry"] = ent_id
     df["seq"] = seq
@@ -568,8 +570,6 @@ def match_instances(kern: pd.DataFrame, window_start: pd.Series, trace) -> pd.Da
     df["ranks_matched"] = grp["rank"].transform("nunique")
     exp = [expected[(g, p)] for g, p in zip(df["group"], df["peers"])]
     df["ranks_expected"] = [n for _, n in exp]
-    members = grp["rank"].agg(lambda x: frozenset(int(v) for v in x))
-    mem_of = df["entry"].map(members)
     df["cross_rank"] = [len(m) >= n and (ranks is None or set(ranks) <= m) for m, (ranks, n) in zip(mem_of, exp)]
     df["group_size"] = np.where(df["group_size"] > 0, df["group_size"], df["ranks_expected"])
     last_arrival = grp["ts"].transform("max")

@@ -386,9 +386,8 @@ def _text_column(codes: np.ndarray, strings: list[str]) -> Any:
     if isinstance(dtype, pd.StringDtype) and dtype.storage == "pyarrow":
         import pyarrow as pa
 
-        values = pa.DictionaryArray.from_arrays(pa.array(codes, pa.int32()), pa.array(strings, pa.large_string()))
-        out = pd.array(values.cast(pa.large_string()), dtype=dtype)
-        del values
+        # a take of the strings by the codes (a third of the time of a dictionary array cast to strings)
+        out = pd.array(pa.array(strings, pa.large_string()).take(pa.array(codes, pa.int32())), dtype=dtype)
         pa.default_memory_pool().release_unused()  # the codes' and the dictionary's buffers, kept by Arrow's pool
         return out
     return np.array(strings, dtype=object)[codes]
