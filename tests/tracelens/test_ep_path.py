@@ -40,8 +40,10 @@ def dp4():
 
 def test_rates_come_from_the_runs_own_kernels_and_predict_the_ep_runs_kernels(dp4):
     """The dp 4 run's permute gather (2.9 TB/s) and generic elementwise kernels (~294 G elements/s) give the EP path's
-    kernels of the ep 4 capacity run within 10 % per family (measured: the fixture's own kernels of the same
-    families, summed over its step)."""
+    kernels of the ep 4 capacity run: each family within 25 % (the half-size and small kernels run a little off the
+    rate), all of them within 10 % (measured: the ep 4 fixture's own kernels of the same ops in its dispatch, permute
+    and combine ranges, over 50 µs, summed over its step; the loader's durations, which test_loader holds to the raw
+    JSON)."""
     r = EP.measure_rates(dp4.profiles, 2)
     assert r is not None and 2500 < r.bytes_per_ns < 3300 and 250 < r.elems_per_ns < 340
     T, R, B = L.ep_chunk_shape(CFG, 32768)
