@@ -392,14 +392,17 @@ def test_one_and_two_gpus_to_four_against_the_recorded_grid():
     beside the shared expert, and the experts' FSDP copies follow the layout (docs/whatif.md, "Validation"): the points
     that change only the parallel layout at micro-batch 16, max 4.6 / 3.7 / 8.2 %, median 2.1 / 2.7 / 2.8 % from
     1 GPU / dp 2 / ep 2 (before 12.7 / 8.5 / 8.2 % and 8.1 / 3.5 / 2.1 %); all 17 per baseline, median 2.4 / 2.8 /
-    3.7 %, max 9.2 / 8.5 / 15.3 % (before 7.7 / 3.2 / 3.7 % and 20.7 / 10.9 / 15.3 %): every point from 1 GPU and
-    from dp 2 within issue 35's 10 %."""
+    3.7 %, max 9.2 / 8.5 / 15.3 % (before 7.7 / 3.2 / 3.7 % and 20.7 / 10.9 / 15.3 %). Since FSDP2's gathers are
+    placed per unit in the anchor's replayed step (`fsdp_overlap`) instead of hidden under the whole window: layout
+    only max 5.6 / 4.2 / 7.7 %, median 3.0 / 2.7 / 2.3 %; all 17 max 8.7 / 7.6 / 14.3 %, median 4.2 / 3.2 / 3.0 %
+    (the 14.3 %: ep 2 capacity with the chunked overlap at micro-batch 8, which measured 8 % slower than without
+    it): every point from 1 GPU and from dp 2 within issue 35's 10 %."""
     res = SO.validate(FIX / "h100_scaling" / "measured.json")
     for name, s in res["summary"].items():
         lo = s["layout_only"]
         assert lo["n"] == 6, name
-        assert lo["max_abs_error"] <= 0.085 and lo["median_abs_error"] <= 0.03, (name, lo)
-        assert s["n"] == 17 and s["max_abs_error"] <= 0.16 and s["median_abs_error"] <= 0.04, (name, s)
+        assert lo["max_abs_error"] <= 0.08 and lo["median_abs_error"] <= 0.031, (name, lo)
+        assert s["n"] == 17 and s["max_abs_error"] <= 0.15 and s["median_abs_error"] <= 0.043, (name, s)
     for name in ("gpu1", "dp2"):  # issue 35's target: every scale-out point within 10 %
         assert res["summary"][name]["max_abs_error"] <= 0.10, name
     rows = [r for r in res["rows"] if "refused" not in r]
@@ -444,14 +447,17 @@ def test_gradient_accumulation_at_4_gpus_against_the_planners_measured_layouts()
     FSDP's all-gather copies repeat per micro-batch (`pp_layout.piece_costs_from_profile`,
     `pp_layout.fsdp_per_microbatch_ns`): dp 4 x micro-batch 8 x 3 micro-batches from 1 GPU / dp 2 / ep 2 +7.0-11.0 /
     +9.1-13.1 / +8.1-12.0 % (before +38-43 %: the loss head counted once a step), about the error of the same layout
-    at one micro-batch (+8.3-9.5 / +6.4-7.5 / +7.9-9.0 %); from the dp 4 run itself +3.8-7.6 %. Regression bounds:
-    the measured errors rounded up."""
+    at one micro-batch (+8.3-9.5 / +6.4-7.5 / +7.9-9.0 %); from the dp 4 run itself +3.8-7.6 %. With FSDP2's
+    gathers placed per unit (`fsdp_overlap`): every point max 9.9 / 10.0 / 11.6 %, median 5.8 / 3.7 / 6.8 % from
+    1 GPU / dp 2 / ep 2 (the maxima: the slower of two measured calls at micro-batch 3); the three micro-batch-3
+    points from the dp 4 run +3.2-7.0 %. Regression bounds: the
+    measured errors rounded up."""
     res = SO.validate(FIX / "h100_4gpu_accum" / "measured.json")
     for name in ("gpu1", "dp2", "ep2_cap"):
         s = res["summary"][name]
-        assert s["n"] == 9 and s["max_abs_error"] <= 0.14 and s["median_abs_error"] <= 0.08, (name, s)
+        assert s["n"] == 9 and s["max_abs_error"] <= 0.12 and s["median_abs_error"] <= 0.07, (name, s)
     m3 = [r for r in res["rows"] if r["baseline"] == "dp4_mbs8" and r["point"].startswith("dp4_mbs8_m3")]
-    assert len(m3) == 3 and all(abs(r["error"]) <= 0.08 for r in m3), m3
+    assert len(m3) == 3 and all(abs(r["error"]) <= 0.075 for r in m3), m3
     assert all(r["verdict_right"] for r in res["rows"] if "refused" not in r)
 
 

@@ -897,6 +897,19 @@ def _fsdp_units(c: dict, lay: Layout, layers: list[int],
     return out
 
 
+def fsdp_units(c: dict, lay: Layout, stage: int = 0) -> list[tuple[str, int, float, int]]:
+    """FSDP2 units of one pipeline stage's rank in forward order, as the trainer wraps them (trainer/parallel/dist.py):
+    the root first (``root``, layer -1: embedding / final norm / head, when the stage holds them), then per layer its
+    ``dense`` unit and its ``experts``. Each: (kind, layer id, params on this GPU before sharding, shard group size)."""
+    memo = _memo(c)
+    layers, has_embed, has_head = _rank_pieces(c, lay, stage, memo)
+    V, d = c["vocab_size"], c["d_model"]
+    root = (V * d / lay.tp if has_embed else 0.0) + (
+        d + (0 if c["tie_embeddings"] and lay.pp == 1 else V * d / lay.tp) if has_head else 0.0)
+    out = [("root", -1, float(root), lay.dp * lay.cp)] if root else []
+    return out + _fsdp_units(c, lay, layers, memo)
+
+
 def _describe(comp: dict[int, float], lay: Layout) -> str:
     if lay.pp == 1:
         n = next(iter(comp.values()))

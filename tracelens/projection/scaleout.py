@@ -28,9 +28,11 @@ run's own pieces, each by an existing mechanism:
    the network (across nodes when the world spans nodes), plus a pipelined run's calibrated per-hand-off overhead.
 4. **Rest of the step**: the data-parallel collectives of the new layout (`analysis.memory.dp_collectives`: FSDP
    gathers / reduce-scatters or DDP's all-reduce, dense over the stage's replicas, experts over the ranks holding the
-   same experts) at the network model's hierarchical cost, exposed beyond the compute they overlap (the last
-   micro-batch's backward under DDP, the window under FSDP), on top of what the anchor's trace exposed; the
-   optimizer x the busiest stage's parameters per GPU (`pp_layout.optimizer_params`); the run's per-step work.
+   same experts) at the network model's hierarchical cost, exposed beyond the compute they overlap, on top of what
+   the anchor's trace exposed: under FSDP (pp 1) placed per unit in the anchor's replayed step by FSDP2's rules
+   (`fsdp_overlap`: no forward prefetch, one unit ahead in backward, one gather ahead of its use), under DDP beyond
+   the last micro-batch's backward, under a pipelined FSDP beyond the window; the optimizer x the busiest stage's
+   parameters per GPU (`pp_layout.optimizer_params`); the run's per-step work.
 5. **Memory** per GPU: the memory projection of the target (`analysis.memory.project`), x the run's measured /
    projected peak.
 
@@ -52,6 +54,7 @@ from moespec.schedules import MODELED, V_SHAPED
 
 from ..errors import TraceError
 from . import ep_path as EP
+from . import fsdp_overlap as FO
 from . import network as N
 from . import pipeline_whatif as PW
 from .mechanisms import layout as L
@@ -148,6 +151,8 @@ class _Anchor:
     beta: float | None
     notes: list
     fsdp_mb_ns: float = 0.0  # of fixed_ns: FSDP's all-gather copies and casts per micro-batch (they repeat with them)
+    fsdp_rep: object = None  # the slowest rank's replay of the anchor (`fsdp_overlap`), None for a pipelined run
+    fsdp_model_ns: float | None = None  # what `fsdp_overlap` exposes of the anchor's own FSDP traffic
 
 
 def _divisors(n: int) -> list[int]:
@@ -176,6 +181,7 @@ class ScaleOut:
         self.routing_note = routing_note
         self.padded_l3 = not L.gemms_stop_at_routed_rows(model.manifest)
         self._anchors: dict = {}
+        self._fsdp: dict = {}
         self._mean = self._mean_routing()
         b = model.measured.get("layout")
         self.ep_rates = b.ep_rates if b is not None else EP.measure_rates(model.profiles, L.act_bytes(model.config))
@@ -410,6 +416,9 @@ class ScaleOut:
         ab = {k: (a2a_exposed_b if k in {f"layer{ly}" for ly in moe} else 0.0) for k in pb}
         a = _Anchor(changes, cfg_a, step_a, {"compute": (cf, cb), "expert": (ef, eb), "a2a": (af, ab)}, m, opt,
                     fixed, dp_exp or 0.0, 0.0, hidden, handoff, beta, notes, 0.0 if pipelined else fsdp_mb)
+        if not pipelined and len(pred.replayed_all) > slow:
+            a.fsdp_rep = pred.replayed_all[slow]
+            a.fsdp_model_ns = self._fsdp_exposed(cfg_a, self.world, a)
         # the network model's exposure of the anchor's own data-parallel traffic, as a projection computes it
         w = self._window(cfg_a, self.world, {"compute": (cf, cb), "expert stage": (ef, eb),
                                              "all-to-all (exposed)": (af, ab)}, a)
@@ -420,10 +429,36 @@ class ScaleOut:
             a.fixed_ns = max(rest - opt - a.dp_exposed_ns, 0.0)
         return a
 
+    def _fsdp_exposed(self, cfg: dict, gpus: int, a: _Anchor) -> float | None:
+        """ns per step that FSDP2's all-gathers and reduce-scatters of ``cfg`` on ``gpus`` GPUs expose, placed by its
+        rules (`fsdp_overlap`) in the anchor's replayed step at the network model's time per unit; None where that
+        does not apply (no ZeRO-3, a pipeline, no replay)."""
+        from ..analysis import memory as M
+
+        if a.fsdp_rep is None or int(cfg.get("pp") or 1) > 1:
+            return None
+        lay = self.mem_layout(cfg, gpus)
+        if lay.zero != 3:
+            return None
+        pb = 2 if lay.dtype == "bf16" else 4
+        ds = a.fsdp_rep.device_scale or 1.0
+        gather, reduce = {}, {}
+        for kind, li, params, group in M.fsdp_units(cfg, lay):
+            if group <= 1 or params <= 0:
+                continue
+            stride = lay.ep if kind == "experts" else 1
+            gather[(kind, li)] = self.net.collective("all_gather", pb * params, int(group), stride) / ds
+            reduce[(kind, li)] = self.net.collective("reduce_scatter", 4 * params, int(group), stride) / ds
+        key = (id(a), tuple(sorted(gather.items())), tuple(sorted(reduce.items())))
+        if key not in self._fsdp:
+            self._fsdp[key] = FO.exposure(a.fsdp_rep, a.fsdp_rep.profile.work, gather, reduce, a.microbatches)
+        return self._fsdp[key].per_step(int(cfg.get("microbatches") or 1))
+
     def _dp_exposed(self, cfg: dict, gpus: int, last_bwd_ns: float, window_ns: float,
                     total: float | None = None) -> float:
-        """Exposed ns of the data-parallel traffic: beyond the window under FSDP (its gathers are prefetched), beyond
-        the last micro-batch's backward of the busiest stage under DDP / ZeRO-1/2 (pp_layout.dp_seconds's rule)."""
+        """Exposed ns of the data-parallel traffic where `_fsdp_exposed` does not apply: beyond the window under FSDP
+        (a pipeline's stages), beyond the last micro-batch's backward of the busiest stage under DDP / ZeRO-1/2
+        (pp_layout.dp_seconds's rule)."""
         tot = self.dp_ns(cfg, gpus) if total is None else total
         lay = self.mem_layout(cfg, gpus)
         hide = window_ns if lay.zero == 3 else last_bwd_ns
@@ -499,8 +534,13 @@ class ScaleOut:
                          f"{'across nodes' if w['cross'] else 'inside a node'})")
         # the rest of the step: the data-parallel traffic's change on top of what the anchor's step exposed
         dp_total = self.dp_ns(cfg, gpus)
-        dp_t = self._dp_exposed(cfg, gpus, w["last_bwd_ns"], w["window_ns"], total=dp_total)
-        dp_exp = max(a.dp_exposed_ns + dp_t - a.dp_model_ns, 0.0)
+        fsdp_t = self._fsdp_exposed(cfg, gpus, a) if a.fsdp_model_ns is not None else None
+        if fsdp_t is not None:
+            # FSDP2's gathers placed in the anchor's replayed step: the run's own exposure + the change in the model's
+            dp_exp = max(a.dp_exposed_ns + fsdp_t - a.fsdp_model_ns, 0.0)
+        else:
+            dp_t = self._dp_exposed(cfg, gpus, w["last_bwd_ns"], w["window_ns"], total=dp_total)
+            dp_exp = max(a.dp_exposed_ns + dp_t - a.dp_model_ns, 0.0)
         p_a, p_t = PPL.optimizer_params(_mem_cfg(a.config), self.world), PPL.optimizer_params(_mem_cfg(cfg), gpus)
         opt = a.opt_ns * (p_t / p_a if p_a > 0 else 1.0)
         # the experts' FSDP copies under the new (ep, dp) (the all-gathers' per micro-batch, the reduce-scatter's once)

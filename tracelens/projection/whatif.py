@@ -67,6 +67,8 @@ class Prediction:
     measured: list = field(default_factory=list)  # what came from the measurement unchanged
     modeled: list = field(default_factory=list)  # one line per modeled change
     notes: list = field(default_factory=list)
+    #: every rank's edited replay (`mechanisms.base.Replayed`), for the scale-out's FSDP overlap (not part of the result)
+    replayed_all: list = field(default_factory=list, repr=False, compare=False)
 
     @property
     def fits(self) -> bool:
@@ -339,7 +341,7 @@ class Model:
             modeled = ["no change: the calibrated replay of the measured run"]
         return Prediction(new, diff, step, tps, peak, self.capacity_bytes, self.base_step_s,
                           self.base_tokens_per_s_per_gpu, comps, base_comps, unc, measured, modeled,
-                          list(dict.fromkeys(notes + list(self.notes))))
+                          list(dict.fromkeys(notes + list(self.notes))), replayed)
 
     def _tokens_per_gpu(self, cfg: dict) -> float:
         m = self.manifest.get("metrics") or {}

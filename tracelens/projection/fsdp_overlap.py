@@ -1,0 +1,226 @@
+"""FSDP2's parameter all-gathers and gradient reduce-scatters placed in a replayed step: how much of them it exposes.
+
+The scale-out projection (`scaleout`) used to hide a ZeRO-3 run's data-parallel traffic under the whole step's
+window. FSDP2 does not: measured on 4 x H100 at micro-batch 8 (tests/fixtures/h100_4gpu_accum/dp4_mbs8_prof,
+rank 0), 17 of the experts' 21 ms of all-gathers ran with no computation beside them, while at micro-batch 16
+(h100_4gpu_layouts/dp4_mbs16) 6 of 32 ms did. What hides a gather is the work queued in front of it, and FSDP2 lets
+little queue there:
+
+* **Forward: no prefetch.** A unit's all-gather is issued by its pre-forward hook, just before the host launches
+  the unit's first kernel (the trainer sets no explicit forward prefetch). It overlaps only the device's backlog at
+  that moment: the step's earlier work that the host launched ahead of the device. A host-bound forward (micro-batch
+  8 on an H100: the host launches the layers about as fast as the device runs them) exposes it whole.
+* **Backward: one unit ahead.** A unit's pre-backward hook prefetches the next unit in backward order; the root's
+  prefetches the first. The root (embedding, final norm, head) stays gathered from its forward to its
+  post-backward.
+* **One gather ahead of its use.** A unit's all-gather copy-in waits until the previous all-gather's output was
+  copied out, which the compute stream does when the previous unit starts. So in backward a layer's experts are
+  gathered only while the rest of their layer's backward that precedes them runs (the shared expert's), not while
+  the layer before.
+* **Reduce-scatters** follow each unit's last backward kernel, one at a time on their own stream, once per step
+  (gradient sync is off for the earlier micro-batches); the step's end (the optimizer) waits for the last.
+
+:func:`exposure` inserts these collectives, with the times of the projected layout, into a replayed step of the
+changed config (`whatif`'s replay: host launches, streams, dependencies) and replays it; what the step grows by is
+what they expose. The run's own FSDP collectives (a run at dp > 1) are taken out first, so the same rules price the
+run's layout and the target's; the projection keeps the run's measured exposure and adds the difference.
+
+Units are found in the step's kernels: layer ``l``'s experts are its expert-stage kernels (``moe/experts``), layer
+``l`` its other kernels (attention, router, dispatch, shared expert), the root the kernels outside the layers.
+Not modeled: the copy-in / copy-out kernels' own time (`scaleout.fsdp_copies_ns` counts it apart); the hooks' host
+time at dp > 1 that a run at dp 1 did not record (FSDP2 skips the all-gather there; on the dp 4 micro-batch 8 run
+its ``FSDP::all_gather`` and ``all_gather_copy_out`` ranges took 17 ms of the profiled host's step); a pipelined
+stage's gathers (pp > 1 keeps the window rule).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+_FSDP_FAMILIES = ("allgather", "all_gather", "reducescatter", "reduce_scatter", "_reduce_scatter_base",
+                  "_allgather_base")
+
+
+@dataclass(frozen=True)
+class Exposure:
+    """What FSDP's collectives add to one replayed step (calibrated ns): ``gathers`` with the all-gathers alone
+    (they repeat with each micro-batch), ``total`` with the reduce-scatters too (once a step)."""
+
+    gathers_ns: float
+    total_ns: float
+    microbatches: int
+    units: int
+
+    @property
+    def reduces_ns(self) -> float:
+        return max(self.total_ns - self.gathers_ns, 0.0)
+
+    def per_step(self, microbatches: int) -> float:
+        """The step's exposure at ``microbatches`` micro-batches of the same size: the gathers' per micro-batch x
+        them, the reduce-scatters' once."""
+        m0 = max(self.microbatches, 1)
+        return max(self.gathers_ns / m0 * microbatches + self.reduces_ns, 0.0)
+
+
+def _clone(plan):
+    """A copy of a replay plan whose lists can be edited without touching ``plan``."""
+    return replace(plan, **{k: list(getattr(plan, k)) for k in ("kind", "ref", "gap", "dur", "stream", "dep", "wait",
+                                                               "comp", "sync_min", "sync_ret", "gap_x",
+                                                               "sync_streams")},
+                   backlog=dict(plan.backlog))
+
+
+def fsdp_collective_units(w) -> np.ndarray:
+    """Indices of a step profile's FSDP collectives (all-gathers and reduce-scatters, by kernel name)."""
+    names = w["name"].astype(str).str.lower().to_numpy()
+    comm = w["is_comm"].to_numpy().astype(bool)
+    hit = np.array([any(f in s for f in _FSDP_FAMILIES) for s in names], dtype=bool)
+    return np.flatnonzero(comm & hit)
+
+
+def _unit_keys(w) -> list:
+    """Per unit of the profile: the FSDP unit its kernel belongs to, ``("experts", l)``, ``("dense", l)``,
+    ``("root", -1)``, or None (communication, the optimizer)."""
+    layer = w["layer"].to_numpy()
+    stage = w["moe_stage"].astype(str).to_numpy()
+    comm = w["is_comm"].to_numpy().astype(bool)
+    comp = w["component"].astype(str).to_numpy()
+    out: list = []
+    for j in range(len(w)):
+        if comm[j] or comp[j] == "optimizer step":
+            out.append(None)
+        elif layer[j] >= 0:
+            out.append(("experts" if stage[j] == "moe/experts" else "dense", int(layer[j])))
+        else:
+            out.append(("root", -1))
+    return out
+
+
+def _microbatches(plan, keys, bwd) -> list[tuple[list[int], list[int]]]:
+    """The step's micro-batches in host order: per micro-batch (forward unit indices, backward unit indices). A new
+    micro-batch starts where the first layer's forward starts again after some backward work (forward-flagged
+    kernels inside a backward, and the step's work after the last backward, stay with their micro-batch)."""
+    n = len(keys)
+    layers = [k[1] for k in keys if k is not None and k[1] >= 0]
+    first = ("dense", min(layers)) if layers else None
+    out: list[tuple[list[int], list[int]]] = []
+    cur_f: list[int] = []
+    cur_b: list[int] = []
+    for kd, j in zip(plan.kind, plan.ref):
+        if kd != 0 or j >= n or keys[j] is None:
+            continue
+        if bwd[j]:
+            cur_b.append(j)
+            continue
+        if cur_b and keys[j] == first:
+            out.append((cur_f, cur_b))
+            cur_f, cur_b = [], []
+        cur_f.append(j)
+    if cur_f or cur_b:
+        out.append((cur_f, cur_b))
+    return out
+
+
+def insert(plan, w, gather: dict, reduce: dict, with_reduces: bool = True) -> int:
+    """Insert FSDP2's collectives into ``plan`` (the module's rules), ``gather`` / ``reduce``: ns per unit key
+    (units missing from them send nothing: a group of one), launched with no host time of their own. Returns how
+    many collectives were inserted."""
+    keys = _unit_keys(w)
+    bwd = (w["backward"].to_numpy() | (w["recompute"].to_numpy() if "recompute" in w else False)).astype(bool)
+    mbs = _microbatches(plan, keys, bwd)
+    if not mbs:
+        return 0
+    pos = {j: i for i, (kd, j) in enumerate(zip(plan.kind, plan.ref)) if kd == 0}
+    s_ag = max(plan.stream) + 1 if plan.stream else 1
+    s_rs = s_ag + 1
+    # (host position, order at that position, spec); a spec: (name, dur, stream, dep-name or kernel index)
+    specs: list[tuple[int, int, tuple]] = []
+    chain = None  # the last copy-out marker: the next gather's copy-in waits for it
+
+    def first_of(js):
+        got: dict = {}
+        for j in js:
+            got.setdefault(keys[j], j)
+        return got
+
+    for mi, (fw, bw) in enumerate(mbs):
+        # forward: each unit gathered at its own first launch, gated on the previous unit's copy-out
+        for key, j in sorted(first_of(fw).items(), key=lambda kv: pos[kv[1]]):
+            if key not in gather:
+                continue
+            ag, mk = ("ag", mi, "f", key), ("mk", mi, "f", key)
+            specs.append((pos[j], 0, (ag, gather[key], s_ag, chain)))
+            specs.append((pos[j], 1, (mk, 0.0, plan.stream[j], ag)))
+            chain = mk
+        # backward: units in backward order; each one's pre-backward prefetches the next (the root stays gathered)
+        firsts = sorted(first_of(bw).items(), key=lambda kv: pos[kv[1]])
+        for k, (key, j) in enumerate(firsts):
+            if key != ("root", -1) and key in gather and not any(
+                    s[2][0] == ("ag", mi, "b", key) for s in specs):  # not prefetched: gathered at its own launch
+                ag = ("ag", mi, "b", key)
+                specs.append((pos[j], 0, (ag, gather[key], s_ag, chain)))
+            if key != ("root", -1) and key in gather:
+                mk = ("mk", mi, "b", key)
+                specs.append((pos[j], 1, (mk, 0.0, plan.stream[j], ("ag", mi, "b", key))))
+                chain = mk
+            if k + 1 < len(firsts):
+                nxt = firsts[k + 1][0]
+                if nxt != ("root", -1) and nxt in gather:
+                    specs.append((pos[j], 2, (("ag", mi, "b", nxt), gather[nxt], s_ag, chain)))
+        if with_reduces and mi == len(mbs) - 1 and bw:
+            lasts: dict = {}
+            for j in bw:
+                lasts[keys[j]] = j
+            last_rs = None
+            for key, j in sorted(lasts.items(), key=lambda kv: pos[kv[1]]):
+                if key in reduce:
+                    rs = ("rs", key)
+                    specs.append((pos[j] + 1, 0, (rs, reduce[key], s_rs, int(j))))
+                    last_rs = (rs, pos[j] + 1)
+            if last_rs is not None:
+                # the step's end waits for the last reduce-scatter: the first launch after the backward's last
+                after = [i for i in range(max(pos[j] for j in bw) + 1, len(plan.kind)) if plan.kind[i] == 0]
+                if after:
+                    i = after[0]
+                    specs.append((i, 9, (("end",), 0.0, plan.stream[plan.ref[i]], last_rs[0])))
+    made: dict = {}
+    deps: list = []
+    for at, _, (name, dur, stream, dep) in sorted(specs, key=lambda s: (s[0], s[1]), reverse=True):
+        # launched by the hook that runs just before the item at ``at``: that item's host time comes before it
+        gap = plan.gap[at] if at < len(plan.gap) else 0.0
+        gx = plan.gap_x[at] if at < len(plan.gap_x) else 0.0
+        j = plan.add_unit(float(dur), int(stream), "exposed communication", gap, at)
+        plan.gap_x[at] = gx
+        if at + 1 < len(plan.gap):
+            plan.gap[at + 1] = 0.0
+            plan.gap_x[at + 1] = 0.0
+        made[name] = j
+        deps.append((j, dep))
+    for j, dep in deps:
+        if dep is None:
+            continue
+        plan.dep[j] = int(dep) if isinstance(dep, (int, np.integer)) else made.get(dep, -1)
+    return sum(1 for n in made if n[0] in ("ag", "rs"))
+
+
+def exposure(rep, w, gather: dict, reduce: dict, microbatches: int) -> Exposure:
+    """What FSDP2's collectives (``gather`` / ``reduce``: ns per unit key, in profiled time) add to the replayed step
+    ``rep`` (`mechanisms.base.Replayed`; its ``plan`` is left as it is), with the run's own FSDP collectives taken
+    out, in calibrated ns."""
+    hs, ds = rep.host_scale, rep.device_scale
+    base = _clone(rep.plan)
+    for j in fsdp_collective_units(w):
+        base.dur[int(j)] = 0.0
+    t0 = base.replay(hs).step_ns
+    ag = _clone(base)
+    insert(ag, w, gather, {}, with_reduces=False)
+    t_ag = ag.replay(hs).step_ns
+    both = _clone(base)
+    n = insert(both, w, gather, reduce, with_reduces=True)
+    t_all = both.replay(hs).step_ns
+    return Exposure(max(t_ag - t0, 0.0) * ds, max(t_all - t0, 0.0) * ds, microbatches, n)
+
+
+__all__ = ["Exposure", "exposure", "fsdp_collective_units", "insert"]
