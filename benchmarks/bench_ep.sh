@@ -111,6 +111,15 @@ declare -A RUNS=(
   # microbatches mechanism)
   [dp4_mbs8_m3_prof]="4 --set micro_batch_size=8 --set microbatches=3 $PROF"
   [dp4_mbs8_prof]="4 --set micro_batch_size=8 $PROF"
+  # held out from issue 35's scale-out (predicted before measured: benchmarks/results/issue35_heldout_predictions.json):
+  # micro-batches and accumulation the 4-GPU grid never ran, FSDP over 4 and over the experts' dp 2 groups
+  #   ROWS="dp4_mbs4 dp4_mbs12 dp4_mbs8_m2 dp4_mbs16_m2 ep2x2_cap_mbs12 ep4_cap_mbs12" bash benchmarks/bench_ep.sh
+  [dp4_mbs4]="4 --set micro_batch_size=4 $STEPS"
+  [dp4_mbs12]="4 --set micro_batch_size=12 $STEPS"
+  [dp4_mbs8_m2]="4 --set micro_batch_size=8 --set microbatches=2 $STEPS"
+  [dp4_mbs16_m2]="4 --set microbatches=2 $STEPS"
+  [ep2x2_cap_mbs12]="4 --set ep=2 $CAP --set micro_batch_size=12 $STEPS"
+  [ep4_cap_mbs12]="4 --set ep=4 $CAP --set micro_batch_size=12 $STEPS"
   # eight GPUs (issue 38; an 8-GPU kind is lent only at times): EP 8 against FSDP over 8, every dispatch path and
   # the overlap, and PP 4 x EP 2 over 16 layers on the interleaved schedule
   #   ROWS="dp8 ep8_nccl ep8_cap ep8_cap_ovl ep8_cap_pipe ep8_symm ep8_cap_unfused pp4_ep2_vpp2" bash benchmarks/bench_ep.sh
