@@ -120,6 +120,9 @@ declare -A RUNS=(
   [dp4_mbs16_m2]="4 --set microbatches=2 $STEPS"
   [ep2x2_cap_mbs12]="4 --set ep=2 $CAP --set micro_batch_size=12 $STEPS"
   [ep4_cap_mbs12]="4 --set ep=4 $CAP --set micro_batch_size=12 $STEPS"
+  # the same trainer's micro-batch 16 beside them (the grid's EP points ran before issue 33's fused capacity path)
+  [ep2x2_cap_mbs16]="4 --set ep=2 $CAP $STEPS"
+  [ep4_cap_mbs16]="4 --set ep=4 $CAP $STEPS"
   # eight GPUs (issue 38; an 8-GPU kind is lent only at times): EP 8 against FSDP over 8, every dispatch path and
   # the overlap, and PP 4 x EP 2 over 16 layers on the interleaved schedule
   #   ROWS="dp8 ep8_nccl ep8_cap ep8_cap_ovl ep8_cap_pipe ep8_symm ep8_cap_unfused pp4_ep2_vpp2" bash benchmarks/bench_ep.sh
