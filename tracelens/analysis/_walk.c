@@ -6,14 +6,14 @@
    for statement: `_walk_python` in critical_path.py is the reference and the fallback where this module is not
    built, and tests/tracelens/test_critical_path.py compares the two on every fixture.
 
-   walk(ts, end, pred, launch, rank, is_comm, hit_a, hit_last, hit_fam, hit_pos, rank_val, ends, at, rank_off,
+   walk(ts, end, pred, launch, rank, is_comm, hit, hit_a, hit_last, hit_fam, hit_pos, rank_val, ends, at, rank_off,
         sync_end, sync_off, step_t0, step_last, consts) -> (records: bytearray, blocks: bytes, unfollowed: bytes)
 
    Every argument but `consts` is a C-contiguous int64 buffer. Per GPU row (its position in the GPU table): ts,
    end, pred (position in its rank's `ends` of the event ending last at or before ts), launch (ns, or -1), rank
-   (the rank's index), is_comm (0/1) and its matched collective's arrival, if any: hit_fam (the `what` code, -1
-   where none), hit_a (the last arrival, ns), hit_last (the last rank's index) and hit_pos (the last rank's kernel,
-   a row position). Per rank index: rank_val (the rank), and slices [rank_off[i], rank_off[i + 1]) of `ends` (its
+   (the rank's index), is_comm (0/1) and hit: its index in the tables of matched comm kernels (-1: none), which
+   give per matched kernel hit_a (its instance's last arrival, ns), hit_last (the last rank's index), hit_fam (the
+   `what` code) and hit_pos (the last rank's kernel, a row position). Per rank index: rank_val (the rank), and slices [rank_off[i], rank_off[i + 1]) of `ends` (its
    events' ends, sorted) / `at` (their rows) and [sync_off[i], sync_off[i + 1]) of `sync_end` (sorted ends of its
    blocking host syncs). Per step walked: its first start and the row ending it last. consts: (K_COMPUTE,
    K_LAUNCH, K_SYNC, K_IDLE, K_TRANSFER, K_COMM, K_WAIT, W_CATEGORY, W_BEFORE, W_NONE, SYNC_TOLERANCE_NS).
@@ -29,7 +29,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define N_IN 18
+#define N_IN 19
 #define WIDTH 7
 
 typedef struct {
@@ -158,7 +158,7 @@ static PyObject *walk(PyObject *self, PyObject *args) {
     PyObject *blocks = NULL, *unfollowed = NULL, *result = NULL;
     if (!PyArg_UnpackTuple(args, "walk", N_IN + 1, N_IN + 1, &objs[0], &objs[1], &objs[2], &objs[3], &objs[4],
                            &objs[5], &objs[6], &objs[7], &objs[8], &objs[9], &objs[10], &objs[11], &objs[12],
-                           &objs[13], &objs[14], &objs[15], &objs[16], &objs[17], &objs[18]))
+                           &objs[13], &objs[14], &objs[15], &objs[16], &objs[17], &objs[18], &objs[19]))
         return NULL;
     int64_t K_COMPUTE, K_LAUNCH, K_SYNC, K_IDLE, K_TRANSFER, K_COMM, K_WAIT, W_CATEGORY, W_BEFORE, W_NONE, TOL;
     if (!PyArg_ParseTuple(objs[N_IN], "LLLLLLLLLLL", &K_COMPUTE, &K_LAUNCH, &K_SYNC, &K_IDLE, &K_TRANSFER, &K_COMM,
@@ -177,17 +177,18 @@ static PyObject *walk(PyObject *self, PyObject *args) {
         c[got].n = views[got].len / 8;
     }
     const int64_t *ts = c[0].p, *end = c[1].p, *pred = c[2].p, *launch = c[3].p, *rank = c[4].p, *is_comm = c[5].p,
-                  *hit_a = c[6].p, *hit_last = c[7].p, *hit_fam = c[8].p, *hit_pos = c[9].p, *rank_val = c[10].p,
-                  *ends_all = c[11].p, *at_all = c[12].p, *rank_off = c[13].p, *sync_end = c[14].p,
-                  *sync_off = c[15].p, *step_t0 = c[16].p, *step_last = c[17].p;
-    Py_ssize_t n_rows = c[0].n, n_ranks = c[10].n, n_steps = c[16].n;
-    for (int i = 1; i < 10; i++)
+                  *hit = c[6].p, *hit_a = c[7].p, *hit_last = c[8].p, *hit_fam = c[9].p, *hit_pos = c[10].p,
+                  *rank_val = c[11].p, *ends_all = c[12].p, *at_all = c[13].p, *rank_off = c[14].p,
+                  *sync_end = c[15].p, *sync_off = c[16].p, *step_t0 = c[17].p, *step_last = c[18].p;
+    Py_ssize_t n_rows = c[0].n, n_hits = c[7].n, n_ranks = c[11].n, n_steps = c[17].n;
+    for (int i = 1; i < 7; i++)
         if (c[i].n != n_rows) {
             PyErr_SetString(PyExc_ValueError, "walk: per-row arrays of different lengths");
             goto fail;
         }
-    if (c[13].n != n_ranks + 1 || c[15].n != n_ranks + 1 || c[17].n != n_steps) {
-        PyErr_SetString(PyExc_ValueError, "walk: per-rank or per-step arrays of the wrong length");
+    if (c[8].n != n_hits || c[9].n != n_hits || c[10].n != n_hits || c[14].n != n_ranks + 1 ||
+        c[16].n != n_ranks + 1 || c[18].n != n_steps) {
+        PyErr_SetString(PyExc_ValueError, "walk: per-hit, per-rank or per-step arrays of the wrong length");
         goto fail;
     }
     rec.out = PyByteArray_FromStringAndSize(NULL, 0);
@@ -209,9 +210,10 @@ static PyObject *walk(PyObject *self, PyObject *args) {
             int64_t lo_e = ts[cur], hi_e = end[cur];
             int64_t t = lo_e; /* where the walk goes on from, on rank r */
             int64_t succ_launch = launch[cur];
-            int64_t fam = hit_fam[cur];
-            if (fam >= 0) {
-                int64_t a = hit_a[cur], last = hit_last[cur];
+            int64_t h = hit[cur];
+            if (h >= n_hits) goto bad_index;
+            if (h >= 0) {
+                int64_t fam = hit_fam[h], a = hit_a[h], last = hit_last[h];
                 if (!RANK_OK(last)) goto bad_index;
                 if (last != r && a > lo_e) { /* r waited for `last` until a: the transfer, then the hop */
                     if (a > hi_e) a = hi_e;
@@ -224,8 +226,8 @@ static PyObject *walk(PyObject *self, PyObject *args) {
                         }
                         EMIT(rank_val[r], a, a, K_WAIT, fam, cur, rank_val[last]);
                         r = last, t = a;
-                        if (!ROW_OK(hit_pos[cur])) goto bad_index;
-                        succ_launch = launch[hit_pos[cur]];
+                        if (!ROW_OK(hit_pos[h])) goto bad_index;
+                        succ_launch = launch[hit_pos[h]];
                     } else {
                         unf[s]++;
                         EMIT(rank_val[r], lo_e > t0 ? lo_e : t0, a, K_WAIT, fam, cur, rank_val[last]);

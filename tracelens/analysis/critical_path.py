@@ -469,18 +469,19 @@ def critical_path(gpu: pd.DataFrame, instances: pd.DataFrame, syncs: pd.DataFram
         rank_ends.append(ends)
         rank_at.append(at.astype(np.int64))
         rank_sync.append(np.sort(s_end[s_rank == r]))  # sorted ends of the rank's blocking host syncs
-    # each matched comm kernel's row: its instance's last arrival, the last rank, the family's `what` code (from
-    # 2; -1: none) and the last rank's kernel (where a hop lands)
+    # the matched comm kernels: per GPU row its index in the arrival tables (-1: none); per matched kernel its
+    # instance's last arrival, the last rank, the family's `what` code (from 2) and the last rank's kernel (where a
+    # hop lands). (Tables of the matched kernels only: per-row arrays of each would touch 3 x 8 bytes a GPU row.)
     families: dict[str, int] = {}
-    hit_fam = np.full(len(gpu), -1, np.int64)
-    hit_a, hit_last, hit_pos = np.zeros(len(gpu), np.int64), np.zeros(len(gpu), np.int64), np.zeros(len(gpu), np.int64)
+    hit = np.full(len(gpu), -1, np.int64)
+    hit_a, hit_last, hit_fam, hit_pos = (np.empty(0, np.int64),) * 4
     if arrival:
-        rows = gpu.index.get_indexer(np.fromiter(arrival, dtype=np.int64, count=len(arrival)))
+        hit[gpu.index.get_indexer(np.fromiter(arrival, dtype=np.int64, count=len(arrival)))] = np.arange(len(arrival))
         a_, last_, fam_, last_row_ = zip(*arrival.values())
-        hit_a[rows] = a_
-        hit_last[rows] = np.searchsorted(np.asarray(ranks, dtype=np.int64), np.asarray(last_, dtype=np.int64))
-        hit_fam[rows] = [families.setdefault(f, 2 + len(families)) for f in fam_]
-        hit_pos[rows] = gpu.index.get_indexer(np.asarray(last_row_, dtype=np.int64))
+        hit_a = np.asarray(a_, dtype=np.int64)
+        hit_last = np.searchsorted(np.asarray(ranks, dtype=np.int64), np.asarray(last_, dtype=np.int64))
+        hit_fam = np.asarray([families.setdefault(f, 2 + len(families)) for f in fam_], dtype=np.int64)
+        hit_pos = gpu.index.get_indexer(np.asarray(last_row_, dtype=np.int64))
     del arrival
     stages = _pipeline_stages(pipeline, gpu, trace) if pipeline is not None else {}
     offsets = lambda parts: np.cumsum([0, *map(len, parts)], dtype=np.int64)
@@ -499,11 +500,11 @@ def critical_path(gpu: pd.DataFrame, instances: pd.DataFrame, syncs: pd.DataFram
     last_of = order[cand[np.unique(np.searchsorted(first, cand, "right") - 1, return_index=True)[1]]]
     at_step = np.searchsorted(ids, np.asarray(steps, dtype=ids.dtype))  # each walked step's position in `ids`
     launch = gpu["launch_ts"].to_numpy(np.int64) if "launch_ts" in gpu else np.full(len(gpu), -1, np.int64)
-    walk_args = (ts_arr, end_arr, pred_k, launch, rank_idx.astype(np.int64), gpu["is_comm"].to_numpy().astype(np.int64),
+    walk_args = (ts_arr, end_arr, pred_k, launch, rank_idx, gpu["is_comm"].to_numpy().astype(np.int64), hit,
                  hit_a, hit_last, hit_fam, hit_pos, np.asarray(ranks, dtype=np.int64),
                  cat(rank_ends), cat(rank_at), offsets(rank_ends), cat(rank_sync), offsets(rank_sync),
                  t0_of[at_step].astype(np.int64), last_of[at_step].astype(np.int64))
-    del pred_k, rank_ends, rank_at, rank_sync, hit_a, hit_last, hit_fam, hit_pos
+    del pred_k, rank_ends, rank_at, rank_sync, hit, hit_a, hit_last, hit_fam, hit_pos
     walk_args = tuple(np.ascontiguousarray(x, dtype=np.int64) for x in walk_args)
     consts = (_K["compute"], _K["launch-bound"], _K["host sync"], _K["idle"], _K["transfer"], _K["comm"], _K["wait"],
               _W_CATEGORY, _W_BEFORE, _W_NONE, int(SYNC_TOLERANCE_NS))
@@ -541,7 +542,7 @@ def critical_path(gpu: pd.DataFrame, instances: pd.DataFrame, syncs: pd.DataFram
 
 
 def _walk_python(ts: np.ndarray, end: np.ndarray, pred: np.ndarray, launch: np.ndarray, rank: np.ndarray,
-                 is_comm: np.ndarray, hit_a: np.ndarray, hit_last: np.ndarray, hit_fam: np.ndarray, hit_pos: np.ndarray,
+                 is_comm: np.ndarray, hit: np.ndarray, hit_a: np.ndarray, hit_last: np.ndarray, hit_fam: np.ndarray, hit_pos: np.ndarray,
                  rank_val: np.ndarray, ends_all: np.ndarray, at_all: np.ndarray, rank_off: np.ndarray,
                  sync_end: np.ndarray, sync_off: np.ndarray, step_t0: np.ndarray, step_last: np.ndarray,
                  consts: tuple[int, ...]) -> tuple[array, bytes, bytes]:
@@ -553,7 +554,8 @@ def _walk_python(ts: np.ndarray, end: np.ndarray, pred: np.ndarray, launch: np.n
     K_COMPUTE, K_LAUNCH, K_SYNC, K_IDLE, K_TRANSFER, K_COMM, K_WAIT, W_CATEGORY, W_BEFORE, W_NONE, tol = consts
     ts_all, end_all, pred_all, launch_all = _ints(ts), _ints(end), _ints(pred), _ints(launch)
     rank_all, comm_all, rank_of = _ints(rank), _ints(is_comm), rank_val.tolist()
-    fam_all, a_all, last_all, pos_all = _ints(hit_fam), _ints(hit_a), _ints(hit_last), _ints(hit_pos)
+    hit_all = _ints(hit)
+    fam_of, a_of, last_of, pos_of = hit_fam.tolist(), hit_a.tolist(), hit_last.tolist(), hit_pos.tolist()
     off, soff = rank_off.tolist(), sync_off.tolist()
     rank_ends = [_ints(ends_all[off[i]:off[i + 1]]) for i in range(len(rank_of))]
     rank_at = [_ints(at_all[off[i]:off[i + 1]]) for i in range(len(rank_of))]
@@ -578,9 +580,9 @@ def _walk_python(ts: np.ndarray, end: np.ndarray, pred: np.ndarray, launch: np.n
             lo_e, hi_e = ts_all[cur], end_all[cur]
             t = lo_e  # where the walk goes on from, on rank r
             succ_launch = launch_all[cur]
-            fam = fam_all[cur]
-            if fam >= 0:
-                a, last = a_all[cur], last_all[cur]
+            h = hit_all[cur]
+            if h >= 0:
+                fam, a, last = fam_of[h], a_of[h], last_of[h]
                 if last != r and a > lo_e:  # r waited for `last` until a: the transfer, then the hop
                     a = min(a, hi_e)  # (a kernel ending before its last peer began: clocks apart; hop at its end)
                     if a < hi_e:
@@ -591,7 +593,7 @@ def _walk_python(ts: np.ndarray, end: np.ndarray, pred: np.ndarray, launch: np.n
                         visited.update({(r, a), (last, a)})
                         buf.extend((rank_of[r], a, a, K_WAIT, fam, cur, rank_of[last]))
                         r, t = last, a
-                        succ_launch = launch_all[pos_all[cur]]
+                        succ_launch = launch_all[pos_of[h]]
                     else:
                         n_unfollowed += 1
                         buf.extend((rank_of[r], max(lo_e, t0), a, K_WAIT, fam, cur, rank_of[last]))
