@@ -1,8 +1,10 @@
-"""Build of the one compiled module, the loader's fast path (`tracelens/io/_kineto_fast.c`).
+"""Build of the compiled modules: the loader's fast path (`tracelens/io/_kineto_fast.c`) and the critical path's
+walk (`tracelens/analysis/_walk.c`).
 
-Everything else is declared in pyproject.toml. The extension is optional: where no C compiler is
-available the install still succeeds and the loader uses its msgspec path (same tables, ~2x slower
-cold loads); `tracelens --version` says which one is in use.
+Everything else is declared in pyproject.toml. Both extensions are optional: where no C compiler is
+available the install still succeeds, the loader uses its msgspec path (same tables, ~2x slower
+cold loads; `tracelens --version` says which one is in use) and the critical path its Python walk
+(the same segments, ~1.7 us a segment instead of ~0.05).
 """
 
 from setuptools import Extension, setup
@@ -15,6 +17,12 @@ setup(
             extra_compile_args=["-O2", "-std=c99", "-Wall", "-Wextra", "-Wno-missing-field-initializers",
                                 "-Wno-cast-function-type", "-Wno-unused-parameter"],
             optional=True,
-        )
+        ),
+        Extension(
+            "tracelens.analysis._walk",
+            ["tracelens/analysis/_walk.c"],
+            extra_compile_args=["-O2", "-std=c99", "-Wall", "-Wextra", "-Wno-unused-parameter"],
+            optional=True,
+        ),
     ]
 )

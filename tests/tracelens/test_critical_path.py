@@ -304,3 +304,22 @@ def test_segment_text_columns_are_the_strings_pandas_would_type():
     assert [strings[c] for c in codes] == ["b", "", "a", "b"]
     codes, strings = CP._codes(pd.Series(["b", None, "a", "b"], dtype=object))
     assert [strings[c] for c in codes] == ["b", "", "a", "b"]
+
+
+@pytest.mark.parametrize("path", RUNS, ids=lambda p: "/".join(p.parts[-2:]))
+def test_compiled_walk_is_the_python_walk(path, monkeypatch):
+    """The compiled walk (tracelens/analysis/_walk.c) and `_walk_python`, its reference and fallback, give the same
+    segments, steps and notes: hops, unfollowed waits, syncs and launch-bound stretches included."""
+    import pandas as pd
+
+    from tracelens.analysis import critical_path as CP
+
+    if CP._walk is None:
+        pytest.skip("the compiled walk is not built (setup.py build_ext --inplace)")
+    a = _analysis(path)
+    compiled = critical_path_of(a)
+    monkeypatch.setattr(CP, "_walk", None)
+    python = critical_path_of(a)
+    pd.testing.assert_frame_equal(compiled.segments, python.segments)
+    pd.testing.assert_frame_equal(compiled.steps, python.steps)
+    assert compiled.notes == python.notes and compiled.problem == python.problem

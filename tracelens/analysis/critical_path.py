@@ -45,6 +45,11 @@ from .. import categories as C
 from ..errors import TraceError
 from .host import SYNC_TOLERANCE_NS
 
+try:  # the walk compiled (setup.py builds it where a C compiler exists); else `_walk_python`, the same walk
+    from . import _walk
+except ImportError:
+    _walk = None
+
 KINDS = ("compute", "launch-bound", "host sync", "idle", "transfer", "comm", "wait")
 SEGMENT_COLUMNS = ["step", "rank", "start_ns", "end_ns", "dur_ns", "kind", "what", "op", "stage", "to_rank", "gpu_row"]
 STEP_COLUMNS = ["step", "start_ns", "end_ns", "span_ns", "end_rank", "segments", "hops", "ranks"]
@@ -443,132 +448,88 @@ def critical_path(gpu: pd.DataFrame, instances: pd.DataFrame, syncs: pd.DataFram
         for row, peers in links.items():
             j = max((row, *peers), key=lambda x, row=row: (k_ts[x], x == row))
             arrival[row] = (k_ts[j], int(k_rank[j]), "p2p", j)
-    # The walk visits about one GPU event per segment (hundreds of thousands on a trace of many steps), so its
-    # loop reads Python sequences and dicts, never numpy scalars: each event's latest-finishing predecessor on its
-    # rank (the common step back) is found for every event at once, bisect finds the others (after a hop). The
-    # per-row sequences are array('q') (8 bytes a row; lists of Python ints took 40, +670 MB at 2 GB)
+    # The walk visits about one GPU event per segment (hundreds of thousands on a trace of many steps); everything
+    # it reads is built here for every row, rank and step at once: each event's latest-finishing predecessor on
+    # its rank (the common step back) by one searchsorted per rank, bisect finds the others (after a hop). Rows
+    # are positions in the GPU table, ranks indices into `ranks`, all int64 arrays (`_walk`).
     ts_arr, end_arr = gpu["ts"].to_numpy(np.int64), gpu["end"].to_numpy(np.int64)
     rank_arr = gpu["rank"].to_numpy()
+    rank_idx = np.searchsorted(np.asarray(ranks, dtype=np.int64), rank_arr.astype(np.int64))
     s_rank = syncs["rank"].to_numpy() if len(syncs) else np.empty(0)
     s_end = ((syncs["ts"] + (syncs["host_blocked_us"] * 1e3).astype(np.int64)).to_numpy(np.int64)
              if len(syncs) else np.empty(0, np.int64))
     pred_k = np.full(len(gpu), -1, np.int64)  # per GPU row: position in its rank's sorted ends of the event ending
-    rank_ends: dict[int, array] = {}  # last at or before the row's start; the ends themselves
-    rank_at: dict[int, array] = {}
-    rank_sync: dict[int, list[int]] = {}
+    rank_ends, rank_at, rank_sync = [], [], []  # last at or before the row's start; per rank: the ends, their rows
     for r in ranks:
         mine = np.flatnonzero(rank_arr == r)
         at = mine[end_arr[mine] > ts_arr[mine]]
         at = at[np.lexsort((ts_arr[at], end_arr[at]))]  # the rank's events with a positive duration, by (end, start)
         ends = end_arr[at]
         pred_k[mine] = ends.searchsorted(ts_arr[mine], "right") - 1
-        rank_ends[r], rank_at[r] = _ints(ends), _ints(at)
-        rank_sync[r] = np.sort(s_end[s_rank == r]).tolist()  # sorted ends of the rank's blocking host syncs
-    pos = gpu.index
-    ts_all, end_all, pred_all = _ints(ts_arr), _ints(end_arr), _ints(pred_k)
-    del pred_k
-    launch_all = _ints(gpu["launch_ts"].to_numpy(np.int64) if "launch_ts" in gpu else np.full(len(gpu), -1))
-    rank_all = _ints(rank_arr)
-    is_comm = _ints(gpu["is_comm"].to_numpy())
-    labels = _ints(pos.to_numpy())
+        rank_ends.append(ends)
+        rank_at.append(at.astype(np.int64))
+        rank_sync.append(np.sort(s_end[s_rank == r]))  # sorted ends of the rank's blocking host syncs
+    # the matched comm kernels: per GPU row its index in the arrival tables (-1: none); per matched kernel its
+    # instance's last arrival, the last rank, the family's `what` code (from 2) and the last rank's kernel (where a
+    # hop lands). (Tables of the matched kernels only: per-row arrays of each would touch 3 x 8 bytes a GPU row.)
+    families: dict[str, int] = {}
+    hit = np.full(len(gpu), -1, np.int64)
+    hit_a, hit_last, hit_fam, hit_pos = (np.empty(0, np.int64),) * 4
+    if arrival:
+        hit[gpu.index.get_indexer(np.fromiter(arrival, dtype=np.int64, count=len(arrival)))] = np.arange(len(arrival))
+        a_, last_, fam_, last_row_ = zip(*arrival.values())
+        hit_a = np.asarray(a_, dtype=np.int64)
+        hit_last = np.searchsorted(np.asarray(ranks, dtype=np.int64), np.asarray(last_, dtype=np.int64))
+        hit_fam = np.asarray([families.setdefault(f, 2 + len(families)) for f in fam_], dtype=np.int64)
+        hit_pos = gpu.index.get_indexer(np.asarray(last_row_, dtype=np.int64))
+    del arrival
     stages = _pipeline_stages(pipeline, gpu, trace) if pipeline is not None else {}
-    families: dict[str, int] = {}  # `what` codes of the collective families (from 2)
-    arrival = {row: (a, last, families.setdefault(fam, 2 + len(families)), last_row)
-               for row, (a, last, fam, last_row) in arrival.items()}
-    K_COMPUTE, K_LAUNCH, K_SYNC, K_IDLE = _K["compute"], _K["launch-bound"], _K["host sync"], _K["idle"]
-    K_TRANSFER, K_COMM, K_WAIT = _K["transfer"], _K["comm"], _K["wait"]
-
-    def idle_kind(r: int, gs: int, ge: int, launch: int) -> int:
-        se = rank_sync[r]
-        if se:
-            k = bisect_left(se, ge) - 1
-            if k >= 0 and se[k] >= gs - SYNC_TOLERANCE_NS:
-                return K_SYNC
-        return K_LAUNCH if launch >= 0 and launch > gs else K_IDLE
-
-    buf = array("q")
-    emit = buf.extend  # (rank, start, end, kind, what, row, to_rank): the row's position in the GPU table, or -1
-    blocks: list[int] = []  # where each step's segments begin in `buf` (in segments); the walk emits them latest first
-    notes: list[str] = []
+    offsets = lambda parts: np.cumsum([0, *map(len, parts)], dtype=np.int64)
+    cat = lambda parts: np.concatenate(parts).astype(np.int64) if parts else np.empty(0, np.int64)
     # each step's first start, last end and the row ending last, for every step at once (a trace of many short
     # steps has tens of thousands)
     step_arr = gpu["step"].to_numpy()
     order = np.argsort(step_arr, kind="stable")
     ids, first = np.unique(step_arr[order], return_index=True)
-    t0_of = np.minimum.reduceat(ts_arr[order], first).tolist()
+    t0_of = np.minimum.reduceat(ts_arr[order], first)
     ends_in_order = end_arr[order]
     t1_of = np.maximum.reduceat(ends_in_order, first)
     # the row ending last: the first such row in table order, as np.argmax over the step's rows gives
     is_last = ends_in_order == np.repeat(t1_of, np.diff(np.append(first, len(order))))
     cand = np.flatnonzero(is_last)
-    last_of = order[cand[np.unique(np.searchsorted(first, cand, "right") - 1, return_index=True)[1]]].tolist()
+    last_of = order[cand[np.unique(np.searchsorted(first, cand, "right") - 1, return_index=True)[1]]]
+    at_step = np.searchsorted(ids, np.asarray(steps, dtype=ids.dtype))  # each walked step's position in `ids`
+    launch = gpu["launch_ts"].to_numpy(np.int64) if "launch_ts" in gpu else np.full(len(gpu), -1, np.int64)
+    walk_args = (ts_arr, end_arr, pred_k, launch, rank_idx, gpu["is_comm"].to_numpy().astype(np.int64), hit,
+                 hit_a, hit_last, hit_fam, hit_pos, np.asarray(ranks, dtype=np.int64),
+                 cat(rank_ends), cat(rank_at), offsets(rank_ends), cat(rank_sync), offsets(rank_sync),
+                 t0_of[at_step].astype(np.int64), last_of[at_step].astype(np.int64))
+    del pred_k, rank_ends, rank_at, rank_sync, hit, hit_a, hit_last, hit_fam, hit_pos
+    walk_args = tuple(np.ascontiguousarray(x, dtype=np.int64) for x in walk_args)
+    consts = (_K["compute"], _K["launch-bound"], _K["host sync"], _K["idle"], _K["transfer"], _K["comm"], _K["wait"],
+              _W_CATEGORY, _W_BEFORE, _W_NONE, int(SYNC_TOLERANCE_NS))
+    walk = _walk.walk if _walk is not None else _walk_python
+    buf, blocks_b, unfollowed_b = walk(*walk_args, consts)
+    end_rank = rank_arr[walk_args[-1]].tolist()
+    del walk_args
+    notes = [f"step {n}: {u} wait(s) not followed (the rank waited for had already been passed at that time: clocks "
+             "or overlapping streams); they stay on the path as waits"
+             for n, u in zip(steps, np.frombuffer(unfollowed_b, dtype=np.int64).tolist()) if u]
+    t0_of, t1_of = t0_of.tolist(), t1_of.tolist()
     where = {int(x): k for k, x in enumerate(ids.tolist())}
-    t1_of = t1_of.tolist()
-    for n in steps:
-        k = where[n]
-        t0, last_i = t0_of[k], last_of[k]
-        blocks.append(len(buf) // _WIDTH)
-        r = rank_all[last_i]
-        cur = last_i  # position in the GPU table of the event being put on the path
-        visited: set[tuple[int, int]] = set()
-        unfollowed = 0
-        while True:
-            lo_e, hi_e = ts_all[cur], end_all[cur]
-            t = lo_e  # where the walk goes on from, on rank r
-            succ_launch = launch_all[cur]
-            hit = arrival.get(labels[cur])
-            if hit is not None:
-                a, last, fam, last_row = hit
-                if last != r and a > lo_e:  # r waited for `last` until a: the transfer, then the hop
-                    a = min(a, hi_e)  # (a kernel ending before its last peer began: clocks apart; hop at its end)
-                    if a < hi_e:
-                        emit((r, max(a, t0), hi_e, K_TRANSFER, fam, cur, -1))
-                    if a <= t0:
-                        break
-                    if (last, a) not in visited:
-                        visited.update({(r, a), (last, a)})
-                        emit((r, a, a, K_WAIT, fam, cur, last))
-                        r, t = last, a
-                        succ_launch = launch_all[pos.get_loc(last_row)]
-                    else:
-                        unfollowed += 1
-                        emit((r, max(lo_e, t0), a, K_WAIT, fam, cur, last))
-                else:
-                    emit((r, max(lo_e, t0), hi_e, K_TRANSFER, fam, cur, -1))
-            else:
-                emit((r, max(lo_e, t0), hi_e, K_COMM if is_comm[cur] else K_COMPUTE, _W_CATEGORY, cur, -1))
-            if t <= t0:
-                break
-            ends = rank_ends[r]
-            # the event that ended last at or before t
-            k = pred_all[cur] if t == lo_e and rank_all[cur] == r else bisect_right(ends, t) - 1
-            if k < 0 or ends[k] <= t0:
-                if k < 0:
-                    emit((r, t0, t, K_IDLE, _W_BEFORE, -1, -1))
-                else:
-                    emit((r, t0, t, idle_kind(r, ends[k], t, succ_launch), _W_NONE, -1, -1))
-                break
-            if ends[k] < t:
-                emit((r, ends[k], t, idle_kind(r, ends[k], t, succ_launch), _W_NONE, -1, -1))
-            cur = rank_at[r][k]
-        if unfollowed:
-            notes.append(f"step {n}: {unfollowed} wait(s) not followed (the rank waited for had already been passed "
-                         "at that time: clocks or overlapping streams); they stay on the path as waits")
-    end_rank = [rank_all[last_of[where[n]]] for n in steps]
-    del ts_all, end_all, pred_all, launch_all, rank_all, is_comm, labels, rank_ends, rank_at, arrival
     rec = np.frombuffer(buf, dtype=np.int64).reshape(-1, _WIDTH) if len(buf) else np.empty((0, _WIDTH), np.int64)
-    start = np.asarray(blocks, dtype=np.int64)
+    start = np.frombuffer(blocks_b, dtype=np.int64)  # where each step's records begin
     size = np.diff(np.append(start, len(rec)))
     blk = np.repeat(np.arange(len(start)), size)
     order = start[blk]
     order += order + size[blk] - 1 - np.arange(len(rec))  # each step's segments in time order (the walk: latest first)
     cols = [rec[:, i][order] for i in range(_WIDTH)]
-    del rec, buf, emit, order  # (`emit`, bound to the buffer, would keep it)
+    del rec, buf, order
     seg = _segment_frame(cols, blk, np.asarray(steps, dtype=np.int64), gpu, families, stages)
     # per step: the hand-offs followed (zero-length waits) and the ranks with time on the path
     r_col, kind, dur = cols[0], cols[3], seg["dur_ns"].to_numpy()
     del cols
-    hops = np.bincount(blk[(kind == K_WAIT) & (dur == 0)], minlength=len(start))
+    hops = np.bincount(blk[(kind == _K["wait"]) & (dur == 0)], minlength=len(start))
     rank_ids = np.unique(r_col)
     on = np.unique(blk[dur > 0] * len(rank_ids) + np.searchsorted(rank_ids, r_col[dur > 0]))
     on_at = np.searchsorted(on // max(len(rank_ids), 1), np.arange(len(start) + 1))
@@ -578,6 +539,84 @@ def critical_path(gpu: pd.DataFrame, instances: pd.DataFrame, syncs: pd.DataFram
                   "segments": int(size[j]), "hops": int(hops[j]), "ranks": [int(x) for x in on_rank[on_at[j]:on_at[j + 1]]]}
                  for j, n in enumerate(steps)]
     return CriticalPath(seg, pd.DataFrame(step_rows, columns=STEP_COLUMNS), notes=notes)
+
+
+def _walk_python(ts: np.ndarray, end: np.ndarray, pred: np.ndarray, launch: np.ndarray, rank: np.ndarray,
+                 is_comm: np.ndarray, hit: np.ndarray, hit_a: np.ndarray, hit_last: np.ndarray, hit_fam: np.ndarray, hit_pos: np.ndarray,
+                 rank_val: np.ndarray, ends_all: np.ndarray, at_all: np.ndarray, rank_off: np.ndarray,
+                 sync_end: np.ndarray, sync_off: np.ndarray, step_t0: np.ndarray, step_last: np.ndarray,
+                 consts: tuple[int, ...]) -> tuple[array, bytes, bytes]:
+    """The walk of every step (the module docstring), as `_walk.walk` (tracelens/analysis/_walk.c, whose comment
+    says what each argument is) does it: the reference, and the walk where that module is not built. The loop
+    reads array('q') and lists, never numpy scalars (8 bytes a row; lists of Python ints took 40, +670 MB at 2 GB).
+    Returns the records (7 int64 a segment: rank, start, end, kind, what, row, to_rank; each step's latest first)
+    and, per step, where its records begin and its waits not followed (int64 bytes)."""
+    K_COMPUTE, K_LAUNCH, K_SYNC, K_IDLE, K_TRANSFER, K_COMM, K_WAIT, W_CATEGORY, W_BEFORE, W_NONE, tol = consts
+    ts_all, end_all, pred_all, launch_all = _ints(ts), _ints(end), _ints(pred), _ints(launch)
+    rank_all, comm_all, rank_of = _ints(rank), _ints(is_comm), rank_val.tolist()
+    hit_all = _ints(hit)
+    fam_of, a_of, last_of, pos_of = hit_fam.tolist(), hit_a.tolist(), hit_last.tolist(), hit_pos.tolist()
+    off, soff = rank_off.tolist(), sync_off.tolist()
+    rank_ends = [_ints(ends_all[off[i]:off[i + 1]]) for i in range(len(rank_of))]
+    rank_at = [_ints(at_all[off[i]:off[i + 1]]) for i in range(len(rank_of))]
+    rank_sync = [sync_end[soff[i]:soff[i + 1]].tolist() for i in range(len(rank_of))]
+
+    def idle_kind(r: int, gs: int, ge: int, launch: int) -> int:
+        se = rank_sync[r]
+        if se:
+            k = bisect_left(se, ge) - 1
+            if k >= 0 and se[k] >= gs - tol:
+                return K_SYNC
+        return K_LAUNCH if launch >= 0 and launch > gs else K_IDLE
+
+    buf = array("q")
+    blocks, unfollowed = array("q"), array("q")
+    for t0, cur in zip(step_t0.tolist(), step_last.tolist()):  # cur: the row of the event being put on the path
+        blocks.append(len(buf) // _WIDTH)
+        r = rank_all[cur]
+        visited: set[tuple[int, int]] = set()
+        n_unfollowed = 0
+        while True:
+            lo_e, hi_e = ts_all[cur], end_all[cur]
+            t = lo_e  # where the walk goes on from, on rank r
+            succ_launch = launch_all[cur]
+            h = hit_all[cur]
+            if h >= 0:
+                fam, a, last = fam_of[h], a_of[h], last_of[h]
+                if last != r and a > lo_e:  # r waited for `last` until a: the transfer, then the hop
+                    a = min(a, hi_e)  # (a kernel ending before its last peer began: clocks apart; hop at its end)
+                    if a < hi_e:
+                        buf.extend((rank_of[r], max(a, t0), hi_e, K_TRANSFER, fam, cur, -1))
+                    if a <= t0:
+                        break
+                    if (last, a) not in visited:
+                        visited.update({(r, a), (last, a)})
+                        buf.extend((rank_of[r], a, a, K_WAIT, fam, cur, rank_of[last]))
+                        r, t = last, a
+                        succ_launch = launch_all[pos_of[h]]
+                    else:
+                        n_unfollowed += 1
+                        buf.extend((rank_of[r], max(lo_e, t0), a, K_WAIT, fam, cur, rank_of[last]))
+                else:
+                    buf.extend((rank_of[r], max(lo_e, t0), hi_e, K_TRANSFER, fam, cur, -1))
+            else:
+                buf.extend((rank_of[r], max(lo_e, t0), hi_e, K_COMM if comm_all[cur] else K_COMPUTE, W_CATEGORY, cur, -1))
+            if t <= t0:
+                break
+            ends = rank_ends[r]
+            # the event that ended last at or before t
+            k = pred_all[cur] if t == lo_e and rank_all[cur] == r else bisect_right(ends, t) - 1
+            if k < 0 or ends[k] <= t0:
+                if k < 0:
+                    buf.extend((rank_of[r], t0, t, K_IDLE, W_BEFORE, -1, -1))
+                else:
+                    buf.extend((rank_of[r], t0, t, idle_kind(r, ends[k], t, succ_launch), W_NONE, -1, -1))
+                break
+            if ends[k] < t:
+                buf.extend((rank_of[r], ends[k], t, idle_kind(r, ends[k], t, succ_launch), W_NONE, -1, -1))
+            cur = rank_at[r][k]
+        unfollowed.append(n_unfollowed)
+    return buf, blocks.tobytes(), unfollowed.tobytes()
 
 
 def _ints(x: np.ndarray) -> array:
