@@ -128,3 +128,27 @@ def test_a_real_step_splits_into_its_micro_batches():
     names = p.work["name"].astype(str)
     fs = FO.fsdp_collective_units(p.work)
     assert len(fs) == int(names.str.contains("AllGather|ReduceScatter").sum()) > 0
+
+
+def test_the_hooks_host_time_is_the_median_of_the_committed_runs():
+    """`HOOK_HOST_NS`, the host time FSDP2's hooks add per all-gather at dp > 1 (assumed for a run at dp 1, which
+    records none), recomputed from the raw JSON of the runs it names: per rank, the ``FSDP::all_gather`` and
+    ``FSDP::all_gather_copy_out`` ranges' time over the number of all-gathers; the median over every rank."""
+    import gzip
+    import json
+    import statistics
+
+    per_rank = []
+    for run in FO.HOOK_HOST_SOURCES:
+        traces = sorted((FIX / run / "traces").glob("rank*.json.gz"))
+        assert traces, run
+        for f in traces:
+            with gzip.open(f, "rt") as fh:
+                ev = json.load(fh)["traceEvents"]
+            host = [e for e in ev if e.get("ph") == "X" and e.get("cat") in ("user_annotation", "cpu_op")]
+            ag = [e for e in host if e["name"] == "FSDP::all_gather" or e["name"].startswith("FSDP::all_gather (")]
+            out = [e for e in host if e["name"].startswith("FSDP::all_gather_copy_out")]
+            assert ag, f
+            per_rank.append((sum(e["dur"] for e in ag) + sum(e["dur"] for e in out)) / len(ag) * 1e3)  # us -> ns
+    assert len(per_rank) == 20
+    assert FO.HOOK_HOST_NS == pytest.approx(statistics.median(per_rank), rel=0.01)

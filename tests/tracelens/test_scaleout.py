@@ -394,7 +394,8 @@ def test_one_and_two_gpus_to_four_against_the_recorded_grid():
     1 GPU / dp 2 / ep 2 (before 12.7 / 8.5 / 8.2 % and 8.1 / 3.5 / 2.1 %); all 17 per baseline, median 2.4 / 2.8 /
     3.7 %, max 9.2 / 8.5 / 15.3 % (before 7.7 / 3.2 / 3.7 % and 20.7 / 10.9 / 15.3 %). Since FSDP2's gathers are
     placed per unit in the anchor's replayed step (`fsdp_overlap`) instead of hidden under the whole window: layout
-    only max 5.6 / 4.2 / 7.7 %, median 3.0 / 2.7 / 2.3 %; all 17 max 8.7 / 7.6 / 14.3 %, median 4.2 / 3.2 / 3.0 %
+    only max 5.6 / 4.2 / 7.7 %, median 3.0 / 2.7 / 2.3 %; all 17 max 8.7 / 7.6 / 14.3 %, median 3.3 / 3.2 / 3.0 %
+    with the hooks' host time a run at dp 1 lacks (`fsdp_overlap.HOOK_HOST_NS`; 4.2 % median from 1 GPU without it)
     (the 14.3 %: ep 2 capacity with the chunked overlap at micro-batch 8, which measured 8 % slower than without
     it): every point from 1 GPU and from dp 2 within issue 35's 10 %."""
     res = SO.validate(FIX / "h100_scaling" / "measured.json")
@@ -402,7 +403,7 @@ def test_one_and_two_gpus_to_four_against_the_recorded_grid():
         lo = s["layout_only"]
         assert lo["n"] == 6, name
         assert lo["max_abs_error"] <= 0.08 and lo["median_abs_error"] <= 0.031, (name, lo)
-        assert s["n"] == 17 and s["max_abs_error"] <= 0.15 and s["median_abs_error"] <= 0.043, (name, s)
+        assert s["n"] == 17 and s["max_abs_error"] <= 0.15 and s["median_abs_error"] <= 0.035, (name, s)
     for name in ("gpu1", "dp2"):  # issue 35's target: every scale-out point within 10 %
         assert res["summary"][name]["max_abs_error"] <= 0.10, name
     rows = [r for r in res["rows"] if "refused" not in r]
@@ -448,14 +449,15 @@ def test_gradient_accumulation_at_4_gpus_against_the_planners_measured_layouts()
     `pp_layout.fsdp_per_microbatch_ns`): dp 4 x micro-batch 8 x 3 micro-batches from 1 GPU / dp 2 / ep 2 +7.0-11.0 /
     +9.1-13.1 / +8.1-12.0 % (before +38-43 %: the loss head counted once a step), about the error of the same layout
     at one micro-batch (+8.3-9.5 / +6.4-7.5 / +7.9-9.0 %); from the dp 4 run itself +3.8-7.6 %. With FSDP2's
-    gathers placed per unit (`fsdp_overlap`): every point max 9.9 / 10.0 / 11.6 %, median 5.8 / 3.7 / 6.8 % from
-    1 GPU / dp 2 / ep 2 (the maxima: the slower of two measured calls at micro-batch 3); the three micro-batch-3
-    points from the dp 4 run +3.2-7.0 %. Regression bounds: the
+    gathers placed per unit (`fsdp_overlap`, with the hooks' host time a run at dp 1 lacks): every point max 7.2 /
+    10.0 / 11.6 %, median 3.4 / 3.7 / 6.8 % from 1 GPU / dp 2 / ep 2 (the maxima: the slower of two measured calls
+    at micro-batch 3); the three micro-batch-3 points from the dp 4 run +3.2-7.0 %. Regression bounds: the
     measured errors rounded up."""
     res = SO.validate(FIX / "h100_4gpu_accum" / "measured.json")
     for name in ("gpu1", "dp2", "ep2_cap"):
         s = res["summary"][name]
         assert s["n"] == 9 and s["max_abs_error"] <= 0.12 and s["median_abs_error"] <= 0.07, (name, s)
+    assert res["summary"]["gpu1"]["max_abs_error"] <= 0.08
     m3 = [r for r in res["rows"] if r["baseline"] == "dp4_mbs8" and r["point"].startswith("dp4_mbs8_m3")]
     assert len(m3) == 3 and all(abs(r["error"]) <= 0.075 for r in m3), m3
     assert all(r["verdict_right"] for r in res["rows"] if "refused" not in r)
@@ -482,10 +484,12 @@ def test_held_out_4gpu_points_registered_before_they_ran():
     had run (dp 4 at micro-batch 4 and 12, 8 x 2 and 16 x 2 micro-batches, ep 2 x dp 2 and ep 4 capacity at
     micro-batch 12), projected from the 1- and 2-GPU profiles and registered before they ran
     (benchmarks/results/issue35_heldout_predictions.json), measured twice on 4 x H100 (stop 29), with the same
-    trainer's micro-batch-16 rows beside them. Measured errors: max 14.0 / 7.5 / 9.0 %, median 4.6 / 4.3 / 3.3 % from
-    1 GPU / dp 2 / ep 2 capacity (the window rule before `fsdp_overlap`: 18.9 / 8.6 / 15.2 %); the only points over
-    10 % are micro-batch 4 from the 1-GPU run at 16, a factor 4 away (+13.0 / +14.0 %). Regression bounds: the
-    measured errors rounded up."""
+    trainer's micro-batch-16 rows beside them. Measured errors of the registered model (422c0fd): max 14.0 / 7.5 /
+    9.0 %, median 4.6 / 4.3 / 3.3 % from 1 GPU / dp 2 / ep 2 capacity (the window rule before `fsdp_overlap`: 18.9 /
+    8.6 / 15.2 %), micro-batch 4 from the 1-GPU run +13.0 / +14.0 %. With the hooks' host time a run at dp 1 lacks
+    (`fsdp_overlap.HOOK_HOST_NS`, from the committed FSDP runs, added after these were measured): from 1 GPU max
+    7.7 %, median 2.9 % (micro-batch 4: +0.6 / -0.3 %); every point within 10 % from every baseline. Regression
+    bounds: the measured errors rounded up."""
     res = SO.validate(FIX / "h100_4gpu_heldout" / "measured.json")
     rows = [r for r in res["rows"] if "refused" not in r]
     assert len(rows) == 3 * 15 and all(r["verdict_right"] for r in rows)
@@ -493,6 +497,5 @@ def test_held_out_4gpu_points_registered_before_they_ran():
         s = res["summary"][name]
         assert s["n"] == 15 and s["max_abs_error"] <= bound and s["median_abs_error"] <= 0.05, (name, s)
     s = res["summary"]["gpu1"]
-    assert s["max_abs_error"] <= 0.145 and s["median_abs_error"] <= 0.05, s
-    over = {r["point"] for r in rows if abs(r["error"]) > 0.10}
-    assert over == {"dp4_mbs4_a", "dp4_mbs4_b"}, over
+    assert s["max_abs_error"] <= 0.08 and s["median_abs_error"] <= 0.03, s
+    assert all(abs(r["error"]) <= 0.10 for r in rows)

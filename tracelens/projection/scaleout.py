@@ -451,7 +451,10 @@ class ScaleOut:
             reduce[(kind, li)] = self.net.collective("reduce_scatter", 4 * params, int(group), stride) / ds
         key = (id(a), tuple(sorted(gather.items())), tuple(sorted(reduce.items())))
         if key not in self._fsdp:
-            self._fsdp[key] = FO.exposure(a.fsdp_rep, a.fsdp_rep.profile.work, gather, reduce, a.microbatches)
+            w = a.fsdp_rep.profile.work
+            # a run with FSDP collectives of its own holds its hooks' host time in its gaps; one at dp 1 does not
+            hook = 0.0 if len(FO.fsdp_collective_units(w)) else FO.HOOK_HOST_NS / (a.fsdp_rep.host_scale or 1.0)
+            self._fsdp[key] = FO.exposure(a.fsdp_rep, w, gather, reduce, a.microbatches, hook)
         return self._fsdp[key].per_step(int(cfg.get("microbatches") or 1))
 
     def _dp_exposed(self, cfg: dict, gpus: int, last_bwd_ns: float, window_ns: float,
@@ -538,6 +541,13 @@ class ScaleOut:
         if fsdp_t is not None:
             # FSDP2's gathers placed in the anchor's replayed step: the run's own exposure + the change in the model's
             dp_exp = max(a.dp_exposed_ns + fsdp_t - a.fsdp_model_ns, 0.0)
+            if fsdp_t != a.fsdp_model_ns:
+                own = len(FO.fsdp_collective_units(a.fsdp_rep.profile.work)) > 0
+                notes.append(f"FSDP: the all-gathers and reduce-scatters placed per unit in the run's replayed step "
+                             f"by FSDP2's rules (fsdp_overlap): {fsdp_t / 1e6:.2f} ms exposed against the run's "
+                             f"layout's {a.fsdp_model_ns / 1e6:.2f}" + ("" if own else (
+                                 f"; each gather's hooks {FO.HOOK_HOST_NS / 1e6:.2f} ms of host time, assumed (the "
+                                 "run, at dp 1, records none)")))
         else:
             dp_t = self._dp_exposed(cfg, gpus, w["last_bwd_ns"], w["window_ns"], total=dp_total)
             dp_exp = max(a.dp_exposed_ns + dp_t - a.dp_model_ns, 0.0)
