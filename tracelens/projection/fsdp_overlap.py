@@ -30,7 +30,8 @@ Units are found in the step's kernels: layer ``l``'s experts are its expert-stag
 **The hooks' host time.** At dp > 1 each all-gather costs the host the time of FSDP2's ``FSDP::all_gather`` and
 ``FSDP::all_gather_copy_out`` ranges (the copy-in's setup, the NCCL call, the copy-out), which a run's own host gaps
 hold already. A run at dp 1 records none: FSDP2 skips the collective there. Projected from such a run, each gather
-adds :data:`HOOK_HOST_NS` of host time before its launch: the median, over the ranks of the six committed FSDP runs
+adds :data:`HOOK_HOST_NS` of host time before its launch (per unit kind: a run at ep 2 and dp 1 gathers its dense
+units, whose hooks it recorded, but not its experts): the median, over the ranks of the six committed FSDP runs
 at dp > 1 (tests/fixtures: h100_scaling dp2_prof and ep2_cap_prof, h100_4gpu_accum dp4_mbs8_prof and
 dp4_mbs8_m3_prof, h100_4gpu_layouts dp4_mbs16, h100_4gpu ep4_cap_ovl; 20 ranks, 1.09-1.92 ms), of those ranges'
 host time per all-gather. Where the host leads the device it costs nothing; at micro-batch 4-8 on an H100 the
@@ -136,11 +137,12 @@ def _microbatches(plan, keys, bwd) -> list[tuple[list[int], list[int]]]:
     return out
 
 
-def insert(plan, w, gather: dict, reduce: dict, with_reduces: bool = True, host_ns: float = 0.0) -> int:
+def insert(plan, w, gather: dict, reduce: dict, with_reduces: bool = True, hook: dict | None = None) -> int:
     """Insert FSDP2's collectives into ``plan`` (the module's rules), ``gather`` / ``reduce``: ns per unit key
-    (units missing from them send nothing: a group of one); ``host_ns``: the host time each all-gather's hook adds
-    before its launch (profiled ns; 0 where the run's own hooks' time is in its host gaps already). Returns how
-    many collectives were inserted."""
+    (units missing from them send nothing: a group of one); ``hook``: per unit key, the host time its all-gather's
+    hook adds before the launch (profiled ns; none where the run's own hooks' time is in its host gaps already).
+    Returns how many collectives were inserted."""
+    hook = hook or {}
     keys = _unit_keys(w)
     bwd = (w["backward"].to_numpy() | (w["recompute"].to_numpy() if "recompute" in w else False)).astype(bool)
     mbs = _microbatches(plan, keys, bwd)
@@ -164,7 +166,7 @@ def insert(plan, w, gather: dict, reduce: dict, with_reduces: bool = True, host_
         for key, j in sorted(first_of(fw).items(), key=lambda kv: pos[kv[1]]):
             if key not in gather:
                 continue
-            ag, mk = ("ag", mi, "f", key), ("mk", mi, "f", key)
+            ag, mk = ("ag", mi, "f", key), ("mk", mi, "f", key)  # name[3]: the unit key
             specs.append((pos[j], 0, (ag, gather[key], s_ag, chain)))
             specs.append((pos[j], 1, (mk, 0.0, plan.stream[j], ag)))
             chain = mk
@@ -205,8 +207,8 @@ def insert(plan, w, gather: dict, reduce: dict, with_reduces: bool = True, host_
         # launched by the hook that runs just before the item at ``at``: that item's host time comes before it
         gap = plan.gap[at] if at < len(plan.gap) else 0.0
         gx = plan.gap_x[at] if at < len(plan.gap_x) else 0.0
-        j = plan.add_unit(float(dur), int(stream), "exposed communication", gap + (host_ns if name[0] == "ag" else 0.0),
-                          at)
+        j = plan.add_unit(float(dur), int(stream), "exposed communication",
+                          gap + (hook.get(name[3], 0.0) if name[0] == "ag" else 0.0), at)
         plan.gap_x[at] = gx
         if at + 1 < len(plan.gap):
             plan.gap[at + 1] = 0.0
@@ -220,7 +222,7 @@ def insert(plan, w, gather: dict, reduce: dict, with_reduces: bool = True, host_
     return sum(1 for n in made if n[0] in ("ag", "rs"))
 
 
-def exposure(rep, w, gather: dict, reduce: dict, microbatches: int, host_ns: float = 0.0) -> Exposure:
+def exposure(rep, w, gather: dict, reduce: dict, microbatches: int, hook: dict | None = None) -> Exposure:
     """What FSDP2's collectives (``gather`` / ``reduce``: ns per unit key, in profiled time) add to the replayed step
     ``rep`` (`mechanisms.base.Replayed`; its ``plan`` is left as it is), with the run's own FSDP collectives taken
     out, in calibrated ns."""
@@ -230,10 +232,10 @@ def exposure(rep, w, gather: dict, reduce: dict, microbatches: int, host_ns: flo
         base.dur[int(j)] = 0.0
     t0 = base.replay(hs).step_ns
     ag = _clone(base)
-    insert(ag, w, gather, {}, with_reduces=False, host_ns=host_ns)
+    insert(ag, w, gather, {}, with_reduces=False, hook=hook)
     t_ag = ag.replay(hs).step_ns
     both = _clone(base)
-    n = insert(both, w, gather, reduce, with_reduces=True, host_ns=host_ns)
+    n = insert(both, w, gather, reduce, with_reduces=True, hook=hook)
     t_all = both.replay(hs).step_ns
     return Exposure(max(t_ag - t0, 0.0) * ds, max(t_all - t0, 0.0) * ds, microbatches, n)
 

@@ -433,8 +433,6 @@ class ScaleOut:
         """ns per step that FSDP2's all-gathers and reduce-scatters of ``cfg`` on ``gpus`` GPUs expose, placed by its
         rules (`fsdp_overlap`) in the anchor's replayed step at the network model's time per unit; None where that
         does not apply (no ZeRO-3, a pipeline, no replay)."""
-        from ..analysis import memory as M
-
         if a.fsdp_rep is None or int(cfg.get("pp") or 1) > 1:
             return None
         lay = self.mem_layout(cfg, gpus)
@@ -443,7 +441,7 @@ class ScaleOut:
         pb = 2 if lay.dtype == "bf16" else 4
         ds = a.fsdp_rep.device_scale or 1.0
         gather, reduce = {}, {}
-        for kind, li, params, group in M.fsdp_units(cfg, lay):
+        for kind, li, params, group in self._units(cfg, gpus):
             if group <= 1 or params <= 0:
                 continue
             stride = lay.ep if kind == "experts" else 1
@@ -452,10 +450,28 @@ class ScaleOut:
         key = (id(a), tuple(sorted(gather.items())), tuple(sorted(reduce.items())))
         if key not in self._fsdp:
             w = a.fsdp_rep.profile.work
-            # a run with FSDP collectives of its own holds its hooks' host time in its gaps; one at dp 1 does not
-            hook = 0.0 if len(FO.fsdp_collective_units(w)) else FO.HOOK_HOST_NS / (a.fsdp_rep.host_scale or 1.0)
+            # the run's host gaps hold the hooks of the units it gathered; a unit kind it did not gather (dp 1 over
+            # that kind's group) gets FSDP2's hook time per gather
+            hook = {k: FO.HOOK_HOST_NS / (a.fsdp_rep.host_scale or 1.0) for k in gather
+                    if k[0] not in self._gathered_kinds()}
             self._fsdp[key] = FO.exposure(a.fsdp_rep, w, gather, reduce, a.microbatches, hook)
         return self._fsdp[key].per_step(int(cfg.get("microbatches") or 1))
+
+    def _units(self, cfg: dict, gpus: int) -> list:
+        from ..analysis import memory as M
+
+        return M.fsdp_units(cfg, self.mem_layout(cfg, gpus))
+
+    def _gathered_kinds(self) -> set[str]:
+        """The FSDP unit kinds the run all-gathered (`memory.fsdp_units` over its own layout: a group over one rank
+        gathers nothing)."""
+        from ..analysis import memory as M
+
+        try:
+            lay = self.mem_layout(self.config, self.world)
+        except TraceError:
+            return set()
+        return {kind for kind, _, params, group in M.fsdp_units(self.config, lay) if group > 1 and params > 0}
 
     def _dp_exposed(self, cfg: dict, gpus: int, last_bwd_ns: float, window_ns: float,
                     total: float | None = None) -> float:
@@ -542,12 +558,12 @@ class ScaleOut:
             # FSDP2's gathers placed in the anchor's replayed step: the run's own exposure + the change in the model's
             dp_exp = max(a.dp_exposed_ns + fsdp_t - a.fsdp_model_ns, 0.0)
             if fsdp_t != a.fsdp_model_ns:
-                own = len(FO.fsdp_collective_units(a.fsdp_rep.profile.work)) > 0
+                new_kinds = sorted({k for k, _, _, g in self._units(cfg, gpus) if g > 1} - self._gathered_kinds())
                 notes.append(f"FSDP: the all-gathers and reduce-scatters placed per unit in the run's replayed step "
                              f"by FSDP2's rules (fsdp_overlap): {fsdp_t / 1e6:.2f} ms exposed against the run's "
-                             f"layout's {a.fsdp_model_ns / 1e6:.2f}" + ("" if own else (
-                                 f"; each gather's hooks {FO.HOOK_HOST_NS / 1e6:.2f} ms of host time, assumed (the "
-                                 "run, at dp 1, records none)")))
+                             f"layout's {a.fsdp_model_ns / 1e6:.2f}" + ("" if not new_kinds else (
+                                 f"; each gather of the {' / '.join(new_kinds)} units, which the run did not gather, "
+                                 f"{FO.HOOK_HOST_NS / 1e6:.2f} ms of its hooks' host time, assumed")))
         else:
             dp_t = self._dp_exposed(cfg, gpus, w["last_bwd_ns"], w["window_ns"], total=dp_total)
             dp_exp = max(a.dp_exposed_ns + dp_t - a.dp_model_ns, 0.0)
