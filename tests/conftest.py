@@ -6,6 +6,7 @@ from __future__ import annotations
 import gzip
 import json
 import os
+import tempfile
 from decimal import Decimal
 from pathlib import Path
 
@@ -81,6 +82,30 @@ def pytest_configure(config):
     workers = getattr(config, "workerinput", {}).get("workercount")
     if workers:
         os.environ.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // workers)))
+    _session_bytecode()
+
+
+# ------------------------------------------------------------------ bytecode where the environment writes none
+# The suite starts a few hundred Python processes (CLI verbs, trainer ranks, sweeps, benchmarks). Where
+# PYTHONDONTWRITEBYTECODE is set (this project's dev and device images set it), each of them compiled the
+# project's packages from source again: ~0.3 s of CPU per process that imports tracelens and its reports. Then
+# this process and every process it starts write and read bytecode under PYTHONPYCACHEPREFIX (never beside the
+# sources, which the setting keeps clean): the directory benchmarks/bytecode.sh uses, /tmp/tracelens-pycache, kept
+# between runs (a prefix holds the bytecode of everything imported, torch's too: filled once, ~15 s of CPU, then
+# read). A PYTHONPYCACHEPREFIX already set is used as it is. Bytecode is checked against its source's mtime and
+# size, as always: it changes no behaviour, only what is compiled again.
+PYCACHE_PREFIX = Path(tempfile.gettempdir()) / "tracelens-pycache"
+
+
+def _session_bytecode() -> None:
+    import sys
+
+    if not os.environ.get("PYTHONDONTWRITEBYTECODE") or os.environ.get("PYTHONPYCACHEPREFIX"):
+        return
+    os.environ.pop("PYTHONDONTWRITEBYTECODE")
+    os.environ["PYTHONPYCACHEPREFIX"] = str(PYCACHE_PREFIX)
+    sys.pycache_prefix = str(PYCACHE_PREFIX)  # this process too, for what it imports from now on
+    sys.dont_write_bytecode = False
 
 
 def pytest_collection_modifyitems(config, items):

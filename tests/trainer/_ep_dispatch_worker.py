@@ -194,28 +194,29 @@ def _dropping_reference(ref: MoE, cfg, xs, P, chunks, factor, slot: list[int] | 
         idx, w, _ = route(logits, top_k=k, score_func=cfg["score_func"], n_group=cfg["n_group"],
                           topk_group=cfg["topk_group"], norm_topk_prob=cfg["norm_topk_prob"],
                           routed_scaling_factor=cfg["routed_scaling_factor"])
-        keep = torch.zeros(T, k, dtype=torch.bool)
+        ids = idx.tolist()  # host ints once: the rule below walks every (token, slot) in order
+        kept: list[tuple[int, int, int]] = []  # (token, slot, expert), in token order then slot order
         for c in range(chunks):
             lo, hi = T * c // chunks, T * (c + 1) // chunks
             cap = max(1, math.ceil(factor * (hi - lo) * k / P - 1e-9))
             used = [0] * P
             for t in range(lo, hi):
                 for s in range(k):
-                    e = int(idx[t, s])
+                    e = ids[t][s]
                     p = (e if slot is None else slot[e]) // El
                     if used[p] < cap:
-                        keep[t, s] = True
+                        kept.append((t, s, e))
                         used[p] += 1
-        dropped += int((~keep).sum())
+        dropped += T * k - len(kept)
         y = ref.shared(xf)
-        for t in range(T):
-            for s in range(k):
-                if keep[t, s]:
-                    e = int(idx[t, s])
-                    h = xf[t] @ w13[e].t()
-                    g, u = h.chunk(2)
-                    y = y.index_add(0, torch.tensor([t], device=y.device),
-                                    (w[t, s].to(y.dtype) * ((F.silu(g) * u) @ w2[e].t())).unsqueeze(0))
+        if kept:
+            # each kept row's weighted SwiGLU output, all rows at once (a batched matmul per weight), then added to
+            # its token in the order the rule walked them (index_add adds them in index order on a CPU)
+            tk, sk, ek = (torch.tensor(v, device=y.device) for v in zip(*kept, strict=True))
+            h = torch.bmm(w13[ek], xf[tk].unsqueeze(-1)).squeeze(-1)
+            g, u = h.chunk(2, dim=-1)
+            out = torch.bmm(w2[ek], (F.silu(g) * u).unsqueeze(-1)).squeeze(-1)
+            y = y.index_add(0, tk, w[tk, sk].to(y.dtype).unsqueeze(-1) * out)
         ys.append(y.view_as(x))
     return ys, dropped
 
