@@ -358,19 +358,19 @@ def test_outputs_when_the_child_took_shared_jobs_and_failed(monkeypatch, tmp_pat
     path = FX / "h200_ep2_run" / "L0_loop"
     if not path.exists():
         pytest.skip(f"{path} missing")
+    real = A._outputs
+
+    def failing(analysis, report, tables, jobs, shared):
+        if offload._in_child:  # takes every shared job, then fails
+            while shared.take() is not None:
+                pass
+            raise RuntimeError("the child fails")
+        return real(analysis, report, tables, jobs, shared)
+
     out = {}
     for mode in ("0", "1"):
         monkeypatch.setenv("TRACELENS_OFFLOAD", mode)
         if mode == "1":
-            real = A._outputs
-
-            def failing(analysis, report, tables, jobs, shared):
-                if offload._in_child:  # takes every shared job, then fails
-                    while shared.take() is not None:
-                        pass
-                    raise RuntimeError("the child fails")
-                return real(analysis, report, tables, jobs, shared)
-
             monkeypatch.setattr(A, "_outputs", failing)
         a = tracelens.analyze(tracelens.load(path, cache=False, progress=False))
         A.write_all(a, tmp_path / mode)
