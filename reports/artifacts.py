@@ -26,8 +26,9 @@ import pandas as pd
 
 from tracelens.analyzer import Analysis
 from tracelens.errors import TraceError
+from tracelens.offload import Shared
 
-from .html import chain_parts, page_parts, render
+from .html import BASE_TABLE_HTML, base_table_html, chain_parts, page_parts, render
 
 
 def write_tables(analysis: Analysis, out: Path, formats: tuple[str, ...] = ("parquet", "csv")) -> list[Path]:
@@ -41,10 +42,12 @@ def write_tables(analysis: Analysis, out: Path, formats: tuple[str, ...] = ("par
     return written
 
 
-def table_files(analysis: Analysis, formats: tuple[str, ...] = ("parquet", "csv")) -> dict[str, bytes]:
-    """Every analysis table as the bytes of its files (NAME.parquet, NAME.csv), in the order they are written."""
+def table_files(analysis: Analysis, formats: tuple[str, ...] = ("parquet", "csv"),
+                tables: dict[str, pd.DataFrame] | None = None) -> dict[str, bytes]:
+    """Every analysis table (or those of `tables`) as the bytes of its files (NAME.parquet, NAME.csv), in the order
+    they are written."""
     files: dict[str, bytes] = {}
-    for name, df in analysis.tables().items():
+    for name, df in (analysis.tables() if tables is None else tables).items():
         df = _plain(df)
         if "parquet" in formats:
             buf = io.BytesIO()
@@ -64,10 +67,49 @@ def _plain(df: pd.DataFrame) -> pd.DataFrame:
     return out
 
 
-def _outputs(analysis: Analysis, report: bool, tables: bool) -> tuple[dict[str, Any] | None, dict[str, bytes] | None]:
+Job = tuple[str, str]  # ("page", a key of BASE_TABLE_HTML) or ("table", a name of Analysis.base_tables)
+
+
+def _shared_jobs(analysis: Analysis, report: bool, tables: bool) -> list[Job]:
+    """The outputs that read only the base tables: either process of `Analysis.summary_with` may build them, so
+    each goes to the one free first (`offload.Shared`): on a trace whose child has more to do than the parent's
+    chain (a single-GPU trace) the parent takes them after its chain; where the chain is the longer side, the
+    child does."""
+    return ([("page", k) for k in BASE_TABLE_HTML] if report else []) + \
+        ([("table", name) for name in analysis.base_tables()] if tables else [])
+
+
+def _job(analysis: Analysis, job: Job) -> Any:
+    kind, key = job
+    if kind == "page":
+        return base_table_html(analysis, key)
+    return table_files(analysis, tables={key: analysis.base_tables()[key]})
+
+
+def _take_jobs(analysis: Analysis, jobs: list[Job], shared: Shared) -> dict[Job, Any]:
+    """The jobs this process takes until none is left, with their outputs."""
+    done = {}
+    while (j := shared.take()) is not None:
+        done[jobs[j]] = _job(analysis, jobs[j])
+    return done
+
+
+def _outputs(analysis: Analysis, report: bool, tables: bool, jobs: list[Job],
+             shared: Shared) -> tuple[dict[str, Any] | None, dict[str, bytes] | None, dict[Job, Any]]:
     """What `write_all` has built beside the summary (`Analysis.summary_with`): the page's parts that read only
-    the base tables and the offloaded entries, and the tables' files."""
-    return (page_parts(analysis) if report else None), (table_files(analysis) if tables else None)
+    the base tables and the offloaded entries, and the files of the tables that are no base table (the roofline's,
+    the pipeline's); then the shared jobs it takes."""
+    base = analysis.base_tables()
+    parts = page_parts(analysis, leave_out=BASE_TABLE_HTML) if report else None
+    files = table_files(analysis, tables={k: v for k, v in analysis.tables().items() if k not in base}) \
+        if tables else None
+    return parts, files, _take_jobs(analysis, jobs, shared)
+
+
+def _here(analysis: Analysis, report: bool, jobs: list[Job], shared: Shared) -> tuple[dict[str, Any] | None, dict[Job, Any]]:
+    """What the parent builds after the summary's chain, before it waits for the child: the page's sections of the
+    chain's results, then the shared jobs it takes."""
+    return (chain_parts(analysis) if report else None), _take_jobs(analysis, jobs, shared)
 
 
 def _write_error(out: Path, e: OSError) -> TraceError:
@@ -82,9 +124,21 @@ def write_all(analysis: Analysis, out: str | os.PathLike, *, report: bool = True
     # tables' files and the parts of the page that do not wait for the summary's longest chain (the critical path,
     # the findings, the MoE view) are built beside it, on a second CPU where there is one (tracelens.offload)
     if isinstance(analysis, Analysis):
-        # the page's sections of the chain's results are built after the chain, before waiting for the child
-        summary, (parts, files), chain = analysis.summary_with(partial(_outputs, report=report, tables=tables),
-                                                               chain_parts if report else None)
+        # the page's sections of the chain's results are built after the chain, before waiting for the child; the
+        # outputs of the base tables alone by whichever side is free first
+        jobs = _shared_jobs(analysis, report, tables)
+        shared = Shared(len(jobs))
+        summary, (parts, files, done), (chain, done_here) = analysis.summary_with(
+            partial(_outputs, report=report, tables=tables, jobs=jobs, shared=shared),
+            partial(_here, report=report, jobs=jobs, shared=shared))
+        done.update(done_here)
+        for job in jobs:  # taken by a child whose result never came (the parent then built the rest itself)
+            if job not in done:
+                done[job] = _job(analysis, job)
+        if report:
+            parts.update({key: done[("page", key)] for key in BASE_TABLE_HTML})
+        if tables:  # in the order of Analysis.tables
+            files = {**{f: b for name in analysis.base_tables() for f, b in done[("table", name)].items()}, **files}
     else:  # the many-rank path's result (tracelens.scale): its own summary, no report
         summary, parts, files, chain = analysis.summary(), None, None, None
     summary_text = json.dumps(summary, indent=2)

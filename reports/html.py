@@ -104,13 +104,14 @@ _TL_COLS = [("rank", "rank", "num"), ("span_us", "span µs", "num"), ("gpu_busy_
             ("memset_us", "memset µs", "num"), ("kernel_count", "kernels", "num")]
 
 
-def page_parts(analysis: Analysis) -> dict[str, Any]:
+def page_parts(analysis: Analysis, leave_out: tuple[str, ...] = ()) -> dict[str, Any]:
     """The parts of the page that read only the analysis' base tables and its entries declared `offload` (the
     roofline, the step decomposition): the timeline, category and breakdown figures, the tables of ops, kernels,
     top-level ops and annotations, the roofline, decomposition and pipeline sections, and plotly.js packed.
     `render` builds them when not given them; `reports.artifacts.write_all` has them built beside the summary's
     other entries (`Analysis.summary_with`, in a forked child on a second CPU). Plain data (strings, dicts,
-    lists): the same wherever it is built."""
+    lists): the same wherever it is built. ``leave_out``: keys of `BASE_TABLE_HTML` built elsewhere
+    (`base_table_html`)."""
     a = analysis
     has_gpu = a.has_gpu
     head: dict[str, Any] = {}  # the figures before the MoE view's, in page order
@@ -136,31 +137,49 @@ def page_parts(analysis: Analysis) -> dict[str, Any]:
     out["pipeline"] = None
     if getattr(a, "pipeline", None) is not None:  # run dir with pipeline data: reports/pipeline.py
         out["pipeline"] = pipeline_context(a.pipeline)
-    ops_cols = [("op", "op", "name"), ("input_dims", "input dims", "name"), ("count", "count", "num"),
-                ("gpu_total_us", "GPU µs", "num"), ("gpu_mean_us", "GPU mean µs", "num"),
-                ("pct_gpu_busy", "% GPU busy", "pct"), ("kernels", "kernels", "num"),
-                ("cpu_total_us", "CPU µs", "num"), ("cpu_self_us", "CPU self µs", "num")]
-    ops = a.ops if has_gpu else a.ops.sort_values("cpu_self_us", ascending=False)
     out["host_tables"] = {} if has_gpu else _host_sections(a)
-    if not has_gpu:  # GPU columns are all zero on a CPU-only trace: leave them out
-        ops_cols = [c for c in ops_cols if not c[0].startswith(("gpu_", "pct_gpu")) and c[0] != "kernels"]
-    kern_cols = [("kernel", "kernel", "kernel"), ("op", "launched by", "name"), ("category", "category", "text"),
-                 ("count", "count", "num"), ("total_us", "total µs", "num"), ("mean_us", "mean µs", "num"),
-                 ("min_us", "min µs", "num"), ("max_us", "max µs", "num"), ("pct_gpu_busy", "% GPU busy", "pct")]
-    top_cols = [("op", "op", "name"), ("count", "count", "num"), ("gpu_total_us", "GPU µs", "num"),
-                ("kernels", "kernels", "num"), ("cpu_total_us", "CPU µs", "num")]
-    ann_cols = [("path", "path", "name"), ("count", "count", "num"), ("host_total_us", "host µs", "num"),
-                ("host_mean_us", "host mean µs", "num"), ("gpu_total_us", "GPU µs", "num"), ("kernels", "kernels", "num")]
-    if not has_gpu:
-        top_cols = [c for c in top_cols if c[0] not in ("gpu_total_us", "kernels")]
-        ann_cols = [c for c in ann_cols if c[0] not in ("gpu_total_us", "kernels")]
-    out["ops_table"] = html_table(ops, ops_cols)
-    out["annotations_table"] = html_table(a.annotations, ann_cols) if not a.annotations.empty else ""
-    out["kernels_table"] = html_table(a.kernels, kern_cols) if has_gpu else ""
-    out["top_ops_table"] = html_table(a.top_ops, top_cols)
+    for key in BASE_TABLE_HTML:
+        if key not in leave_out:
+            out[key] = base_table_html(a, key)
     # plotly.js packed, unless a thread of the process rendering the page packs it (`tracelens analyze`)
     out["plotly_packed"] = None if packing_beside() else plotly_js_packed()
     return out
+
+
+# the page's tables of the base tables only (no entry of the summary): `reports.artifacts.write_all` has each built
+# by whichever process of `Analysis.summary_with` is free first
+BASE_TABLE_HTML = ("ops_table", "kernels_table", "top_ops_table", "annotations_table")
+
+
+def base_table_html(a: Analysis, key: str) -> str:
+    """The part `key` of `BASE_TABLE_HTML`: the ops, kernels, top-level ops or annotations table."""
+    has_gpu = a.has_gpu
+    if key == "ops_table":
+        ops_cols = [("op", "op", "name"), ("input_dims", "input dims", "name"), ("count", "count", "num"),
+                    ("gpu_total_us", "GPU µs", "num"), ("gpu_mean_us", "GPU mean µs", "num"),
+                    ("pct_gpu_busy", "% GPU busy", "pct"), ("kernels", "kernels", "num"),
+                    ("cpu_total_us", "CPU µs", "num"), ("cpu_self_us", "CPU self µs", "num")]
+        if not has_gpu:  # GPU columns are all zero on a CPU-only trace: leave them out
+            ops_cols = [c for c in ops_cols if not c[0].startswith(("gpu_", "pct_gpu")) and c[0] != "kernels"]
+        return html_table(a.ops if has_gpu else a.ops.sort_values("cpu_self_us", ascending=False), ops_cols)
+    if key == "kernels_table":
+        kern_cols = [("kernel", "kernel", "kernel"), ("op", "launched by", "name"), ("category", "category", "text"),
+                     ("count", "count", "num"), ("total_us", "total µs", "num"), ("mean_us", "mean µs", "num"),
+                     ("min_us", "min µs", "num"), ("max_us", "max µs", "num"), ("pct_gpu_busy", "% GPU busy", "pct")]
+        return html_table(a.kernels, kern_cols) if has_gpu else ""
+    if key == "top_ops_table":
+        top_cols = [("op", "op", "name"), ("count", "count", "num"), ("gpu_total_us", "GPU µs", "num"),
+                    ("kernels", "kernels", "num"), ("cpu_total_us", "CPU µs", "num")]
+        if not has_gpu:
+            top_cols = [c for c in top_cols if c[0] not in ("gpu_total_us", "kernels")]
+        return html_table(a.top_ops, top_cols)
+    if key == "annotations_table":
+        ann_cols = [("path", "path", "name"), ("count", "count", "num"), ("host_total_us", "host µs", "num"),
+                    ("host_mean_us", "host mean µs", "num"), ("gpu_total_us", "GPU µs", "num"), ("kernels", "kernels", "num")]
+        if not has_gpu:
+            ann_cols = [c for c in ann_cols if c[0] not in ("gpu_total_us", "kernels")]
+        return html_table(a.annotations, ann_cols) if not a.annotations.empty else ""
+    raise KeyError(key)
 
 
 def chain_parts(a: Analysis) -> dict[str, Any]:

@@ -343,12 +343,19 @@ class Analysis:
     def tables(self) -> dict[str, pd.DataFrame]:
         """The tables written next to the report (Parquet/CSV)."""
         return {
+            **self.base_tables(),
+            **(self.roofline().tables() if self.has_gpu else {}),
+            **(self.pipeline.tables() if self.pipeline is not None else {}),
+        }
+
+    def base_tables(self) -> dict[str, pd.DataFrame]:
+        """The tables of `tables` that `analyze` computed (no entry of the summary is computed for them): those
+        either process of `summary_with` may write (`reports.artifacts.write_all`)."""
+        return {
             "timeline": self.timeline, "timeline_all": self.timeline_all if self.timeline_all is not None else self.timeline,
             "step_timeline": self.step_timeline, "ops": self.ops,
             "kernels": self.kernels, "categories": self.categories, "top_ops": self.top_ops,
             "breakdown": self.breakdown, "steps": self.steps, "annotations": self.annotations,
-            **(self.roofline().tables() if self.has_gpu else {}),
-            **(self.pipeline.tables() if self.pipeline is not None else {}),
         }
 
     def summary(self) -> dict[str, Any]:

@@ -312,3 +312,70 @@ def test_has_pipeline_data_decides_like_the_analysis(tmp_path):
             continue
         tr = tracelens.load(path, cache=False, progress=False)
         assert has_pipeline_data(tr) == (pipeline_for_trace(tr) is not None), path
+
+
+@linux
+def test_shared_jobs_go_to_one_process_each():
+    """`offload.Shared`: a job taken in a forked child is not taken here, and every job is taken once."""
+    from tracelens.offload import Shared
+
+    shared = Shared(200)
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: take jobs until none is left, send their indices
+        os.close(r)
+        mine = []
+        while (j := shared.take()) is not None:
+            mine.append(j)
+        os.write(w, bytes(mine))
+        os._exit(0)
+    os.close(w)
+    here = []
+    while (j := shared.take()) is not None:
+        here.append(j)
+    os.waitpid(pid, 0)
+    there = list(os.read(r, 1024))
+    os.close(r)
+    assert sorted(here + there) == list(range(200))
+    assert Shared(0).take() is None
+
+
+def test_shared_jobs_without_a_pipe_are_all_taken_here(monkeypatch):
+    from tracelens import offload
+
+    monkeypatch.setattr(offload.sys, "platform", "darwin")
+    shared = offload.Shared(3)
+    assert [shared.take() for _ in range(4)] == [0, 1, 2, None]
+
+
+@linux
+def test_outputs_when_the_child_took_shared_jobs_and_failed(monkeypatch, tmp_path):
+    """A child that took shared jobs (`reports.artifacts._shared_jobs`) and then failed: the parent computes its part
+    again and builds the jobs it took; the outputs are those of one process."""
+    import reports.artifacts as A
+    from tracelens import offload
+
+    path = FX / "h200_ep2_run" / "L0_loop"
+    if not path.exists():
+        pytest.skip(f"{path} missing")
+    real = A._outputs
+
+    def failing(analysis, report, tables, jobs, shared):
+        if offload._in_child:  # takes every shared job, then fails
+            while shared.take() is not None:
+                pass
+            raise RuntimeError("the child fails")
+        return real(analysis, report, tables, jobs, shared)
+
+    out = {}
+    for mode in ("0", "1"):
+        monkeypatch.setenv("TRACELENS_OFFLOAD", mode)
+        if mode == "1":
+            monkeypatch.setattr(A, "_outputs", failing)
+        a = tracelens.analyze(tracelens.load(path, cache=False, progress=False))
+        A.write_all(a, tmp_path / mode)
+        out[mode] = {str(f.relative_to(tmp_path / mode)): f.read_bytes()
+                     for f in sorted((tmp_path / mode).rglob("*")) if f.is_file()}
+    assert out["1"].keys() == out["0"].keys() and len(out["0"]) > 3
+    for name, data in out["0"].items():
+        assert out["1"][name] == data, name

@@ -70,16 +70,39 @@ class CriticalPath:
     notes: list[str] = field(default_factory=list)
     # the segments with a duration and their cause, and the per-rank table: what by_cause, by_rank, rank_cause and
     # summary read (summary.json, the findings and the report each ask), built once
+    # the walk's integer codes of the text columns kind, what, op and stage (`_segment_frame`): column -> (codes, its
+    # distinct strings), so that the summaries below group and compare small ints, not the strings of every segment
+    # (2.17M segments at 2 GB); absent (a path built otherwise), they are factorized from the columns
+    codes: dict[str, tuple[np.ndarray, list[str]]] | None = field(default=None, repr=False, compare=False)
     _timed: pd.DataFrame | None = field(default=None, init=False, repr=False, compare=False)
+    _causes: list[str] = field(default_factory=list, init=False, repr=False, compare=False)
     _by_rank: pd.DataFrame | None = field(default=None, init=False, repr=False, compare=False)
     _by_cause: pd.DataFrame | None = field(default=None, init=False, repr=False, compare=False)
 
+    def _coded(self, col: str) -> tuple[np.ndarray, list[str]]:
+        """The text column `col` of the segments as (codes, strings): one code per distinct string."""
+        if self.codes is not None and col in self.codes and len(self.codes[col][0]) == len(self.segments):
+            return self.codes[col]
+        codes, uniq = pd.factorize(self.segments[col].astype(str))
+        return codes, [str(u) for u in uniq]
+
+    def _is(self, col: str, value: str) -> np.ndarray:
+        """Where the text column `col` is `value` (compared as codes)."""
+        codes, strings = self._coded(col)
+        return codes == strings.index(value) if value in strings else np.zeros(len(codes), dtype=bool)
+
     def _caused(self) -> pd.DataFrame:
-        """The segments with a duration: their rank, duration and cause (the columns by_cause and by_rank read)."""
+        """The segments with a duration: their rank, duration and cause (the columns by_cause and by_rank read); the
+        cause as its index in `_causes`, the causes' labels sorted (so that grouping by the index orders groups as
+        grouping by the label would)."""
         if self._timed is None:
-            seg = self.segments.loc[self.segments["dur_ns"].to_numpy() > 0, ["rank", "dur_ns", "kind", "what"]]
-            self._timed = (seg.assign(cause=_cause(seg)) if len(seg) else seg.assign(cause=seg["kind"]))[
-                ["rank", "dur_ns", "cause"]]
+            dur = self.segments["dur_ns"].to_numpy()
+            timed = dur > 0
+            kind, kinds = self._coded("kind")
+            what, whats = self._coded("what")
+            cause, self._causes = _cause(kind[timed], kinds, what[timed], whats)
+            self._timed = pd.DataFrame({"rank": self.segments["rank"].to_numpy()[timed], "dur_ns": dur[timed],
+                                        "cause": cause})
         return self._timed
 
     @property
@@ -99,8 +122,9 @@ class CriticalPath:
         seg = self._caused()
         if seg.empty:
             return pd.DataFrame(columns=cols)
-        out = seg.groupby("cause", sort=False).agg(ns=("dur_ns", "sum"), segments=("dur_ns", "size"))
-        out = out.reset_index().sort_values("ns", ascending=False, kind="stable", ignore_index=True)
+        out = seg.groupby("cause", sort=False).agg(ns=("dur_ns", "sum"), segments=("dur_ns", "size")).reset_index()
+        out["cause"] = _text_column(out["cause"].to_numpy(), self._causes)
+        out = out.sort_values("ns", ascending=False, kind="stable", ignore_index=True)
         out["share"] = out["ns"] / max(self.span_ns, 1)
         self._by_cause = out[cols]
         return self._by_cause.copy()
@@ -116,7 +140,8 @@ class CriticalPath:
         rows = []
         for r, g in seg.groupby("rank"):
             c = g.groupby("cause")["dur_ns"].sum().sort_values(ascending=False, kind="stable")
-            rows.append({"rank": int(r), "ns": int(g["dur_ns"].sum()), "cause": str(c.index[0]), "cause_ns": int(c.iloc[0])})
+            rows.append({"rank": int(r), "ns": int(g["dur_ns"].sum()), "cause": self._causes[int(c.index[0])],
+                         "cause_ns": int(c.iloc[0])})
         out = pd.DataFrame(rows, columns=cols)
         out["share"] = out["ns"] / max(self.span_ns, 1)
         self._by_rank = out.sort_values("ns", ascending=False, kind="stable", ignore_index=True)[cols]
@@ -125,7 +150,7 @@ class CriticalPath:
     def hops(self) -> pd.DataFrame:
         """The hand-offs the path follows: per (from_rank, to_rank), how many."""
         seg = self.segments
-        w = seg.loc[((seg["kind"] == "wait") & (seg["dur_ns"] == 0)).to_numpy(), ["rank", "to_rank"]]
+        w = seg.loc[self._is("kind", "wait") & (seg["dur_ns"].to_numpy() == 0), ["rank", "to_rank"]]
         if w.empty:
             return pd.DataFrame(columns=["from_rank", "to_rank", "count"])
         out = w.groupby(["rank", "to_rank"]).size().reset_index(name="count")
@@ -133,12 +158,21 @@ class CriticalPath:
 
     def top_ops(self, n: int = 8) -> pd.DataFrame:
         """The launching ops with the most compute on the path (with their stage)."""
-        seg = self.segments
-        c = seg.loc[((seg["kind"] == "compute") & (seg["dur_ns"] > 0)).to_numpy(), ["op", "stage", "dur_ns"]]
-        if c.empty:
+        return self._top_compute(self._is("kind", "compute") & (self.segments["dur_ns"].to_numpy() > 0), n)
+
+    def _top_compute(self, rows: np.ndarray, n: int) -> pd.DataFrame:
+        """top_ops of the segments where `rows`: compute time per (op, stage), the `n` largest (ties in order of
+        first appearance), grouped by the columns' codes (one per distinct string: the groups and their order are
+        those of the strings)."""
+        dur = self.segments["dur_ns"].to_numpy()[rows]
+        if not len(dur):
             return pd.DataFrame(columns=["op", "stage", "ns", "share"])
+        (op, ops), (stage, stages) = self._coded("op"), self._coded("stage")
+        c = pd.DataFrame({"op": op[rows], "stage": stage[rows], "dur_ns": dur})
         out = c.groupby(["op", "stage"], sort=False)["dur_ns"].sum().sort_values(ascending=False, kind="stable").head(n)
         out = out.reset_index().rename(columns={"dur_ns": "ns"})
+        out["op"] = _text_column(out["op"].to_numpy(), ops)
+        out["stage"] = _text_column(out["stage"].to_numpy(), stages)
         out["share"] = out["ns"] / max(self.span_ns, 1)
         return out
 
@@ -152,13 +186,14 @@ class CriticalPath:
         if row.empty:
             return None
         r = row.iloc[0]
-        seg = self.segments.loc[(self.segments["rank"] == rank).to_numpy(), ["kind", "dur_ns", "op", "stage", "to_rank"]]
-        comp = seg[(seg["kind"] == "compute") & (seg["dur_ns"] > 0)]
-        top = comp.groupby(["op", "stage"], sort=False)["dur_ns"].sum().sort_values(ascending=False, kind="stable").head(3)
-        waited = seg[(seg["kind"] == "wait") & (seg["dur_ns"] == 0)]["to_rank"].value_counts()
+        seg = self.segments
+        mine, dur = seg["rank"].to_numpy() == rank, seg["dur_ns"].to_numpy()
+        top = self._top_compute(mine & self._is("kind", "compute") & (dur > 0), 3)
+        waited = seg.loc[mine & self._is("kind", "wait") & (dur == 0), "to_rank"].value_counts()
         return {"share": round(float(r["share"]), 4), "cause": str(r["cause"]),
                 "cause_share": round(float(r["cause_ns"]) / max(float(r["ns"]), 1.0), 4), "ns": int(r["ns"]),
-                "top_compute": [{"op": op, "stage": st, "us": round(v / 1e3, 3)} for (op, st), v in top.items()],
+                "top_compute": [{"op": op, "stage": st, "us": round(v / 1e3, 3)}
+                                for op, st, v in zip(top["op"], top["stage"], top["ns"].tolist())],
                 "waited_for": {int(k): int(v) for k, v in waited.items()}}
 
     def summary(self) -> dict[str, Any]:
@@ -227,15 +262,23 @@ class CriticalPath:
         return "\n".join(lines)
 
 
-def _cause(seg: pd.DataFrame) -> pd.Series:
-    """A segment's cause label: 'compute: GEMM', 'transfer: all_to_all', 'launch-bound', ... (made once per distinct
-    (kind, what) pair: a 2 GB trace's path has millions of segments and a few dozen pairs)."""
-    kind, kinds = pd.factorize(seg["kind"].astype(str))
-    what, whats = pd.factorize(seg["what"].astype(str))
+def _cause(kind: np.ndarray, kinds: list[str], what: np.ndarray, whats: list[str]) -> tuple[np.ndarray, list[str]]:
+    """Segments' cause labels ('compute: GEMM', 'transfer: all_to_all', 'launch-bound', ...) from the codes of their
+    kind and what, as (codes, labels): the labels distinct and sorted, made once per distinct (kind, what) pair (a
+    2 GB trace's path has millions of segments and a few dozen pairs)."""
     pair, inv = np.unique(kind.astype(np.int64) * len(whats) + what, return_inverse=True)
-    labels = [k if k not in ("compute", "transfer", "comm") else f"{k}: {whats[p % len(whats)]}"
-              for k, p in ((str(kinds[p // len(whats)]), p) for p in pair.tolist())]
-    return pd.Series(_text_column(inv.reshape(-1), labels), index=seg.index)
+    per_pair = [k if k not in ("compute", "transfer", "comm") else f"{k}: {whats[p % len(whats)]}"
+                for k, p in ((kinds[p // len(whats)], p) for p in pair.tolist())]
+    labels = sorted(set(per_pair))
+    at = {x: i for i, x in enumerate(labels)}
+    return np.array([at[x] for x in per_pair], dtype=np.int64)[inv.reshape(-1)], labels
+
+
+def _distinct_codes(codes: np.ndarray, strings: list[str]) -> tuple[np.ndarray, list[str]]:
+    """`codes` into `strings` re-coded so that each distinct string has one code (`CriticalPath.codes`), in the
+    smallest unsigned dtype that holds them."""
+    remap, uniq = pd.factorize(np.array(strings, dtype=object))
+    return remap.astype(np.min_scalar_type(max(len(uniq) - 1, 0)))[codes], [str(u) for u in uniq]
 
 
 def unavailable(problem: str) -> CriticalPath:
@@ -525,7 +568,7 @@ def critical_path(gpu: pd.DataFrame, instances: pd.DataFrame, syncs: pd.DataFram
     order += order + size[blk] - 1 - np.arange(len(rec))  # each step's segments in time order (the walk: latest first)
     cols = [rec[:, i][order] for i in range(_WIDTH)]
     del rec, buf, order
-    seg = _segment_frame(cols, blk, np.asarray(steps, dtype=np.int64), gpu, families, stages)
+    seg, codes = _segment_frame(cols, blk, np.asarray(steps, dtype=np.int64), gpu, families, stages)
     # per step: the hand-offs followed (zero-length waits) and the ranks with time on the path
     r_col, kind, dur = cols[0], cols[3], seg["dur_ns"].to_numpy()
     del cols
@@ -538,7 +581,7 @@ def critical_path(gpu: pd.DataFrame, instances: pd.DataFrame, syncs: pd.DataFram
                   "span_ns": t1_of[where[n]] - t0_of[where[n]], "end_rank": int(end_rank[j]),
                   "segments": int(size[j]), "hops": int(hops[j]), "ranks": [int(x) for x in on_rank[on_at[j]:on_at[j + 1]]]}
                  for j, n in enumerate(steps)]
-    return CriticalPath(seg, pd.DataFrame(step_rows, columns=STEP_COLUMNS), notes=notes)
+    return CriticalPath(seg, pd.DataFrame(step_rows, columns=STEP_COLUMNS), notes=notes, codes=codes)
 
 
 def _walk_python(ts: np.ndarray, end: np.ndarray, pred: np.ndarray, launch: np.ndarray, rank: np.ndarray,
@@ -666,15 +709,19 @@ def _segment_frame(cols: list[np.ndarray], blk: np.ndarray, steps: np.ndarray, g
     gpu_row = np.where(has_row, lab_arr[at] if len(lab_arr) else -1, -1)
     del at, has_row
     text = {"kind": _text_column(kind, list(KINDS))}
+    codes = {"kind": _distinct_codes(kind, list(KINDS))}
     text["what"] = _text_column(what_codes, what_strings)
+    codes["what"] = _distinct_codes(what_codes, what_strings)
     del what_codes
     text["op"] = _text_column(op_codes, tops)
+    codes["op"] = _distinct_codes(op_codes, tops)
     del op_codes
     text["stage"] = _text_column(stage_codes, stage_strings)
+    codes["stage"] = _distinct_codes(stage_codes, stage_strings)
     del stage_codes
     # copy=False: the columns are this frame's own (no second, consolidated copy of the int columns)
     return pd.DataFrame({"step": steps[blk], "rank": r_col, "start_ns": lo, "end_ns": hi, "dur_ns": hi - lo,
-                         **text, "to_rank": to_rank, "gpu_row": gpu_row}, columns=SEGMENT_COLUMNS, copy=False)
+                         **text, "to_rank": to_rank, "gpu_row": gpu_row}, columns=SEGMENT_COLUMNS, copy=False), codes
 
 
 def critical_path_of(analysis, step: int | None = None, *, instances: pd.DataFrame | None = None,
