@@ -152,3 +152,15 @@ def test_the_hooks_host_time_is_the_median_of_the_committed_runs():
             per_rank.append((sum(e["dur"] for e in ag) + sum(e["dur"] for e in out)) / len(ag) * 1e3)  # us -> ns
     assert len(per_rank) == 20
     assert FO.HOOK_HOST_NS == pytest.approx(statistics.median(per_rank), rel=0.01)
+
+
+def test_a_cpu_profile_keeps_the_window_rule():
+    """A CPU-only profile's replay runs its ops one after another (no streams): FSDP's gathers placed in it would
+    all count as exposed, and the hooks' host time is a GPU host's. The scale-out keeps the window rule there:
+    its dp 4 projection exposes none of the traffic, which the ~40 ms window hides (as before `fsdp_overlap`)."""
+    from tracelens.projection.scaleout import ScaleOut
+
+    so = ScaleOut.from_run(FIX / "cpu_whatif_grid" / "rep0" / "base")
+    p = so.project(4)
+    assert p.components["dp traffic (exposed)"] == 0.0
+    assert not any(n.startswith("FSDP: the all-gathers") for n in p.notes)

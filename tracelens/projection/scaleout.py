@@ -432,8 +432,9 @@ class ScaleOut:
     def _fsdp_exposed(self, cfg: dict, gpus: int, a: _Anchor) -> float | None:
         """ns per step that FSDP2's all-gathers and reduce-scatters of ``cfg`` on ``gpus`` GPUs expose, placed by its
         rules (`fsdp_overlap`) in the anchor's replayed step at the network model's time per unit; None where that
-        does not apply (no ZeRO-3, a pipeline, no replay)."""
-        if a.fsdp_rep is None or int(cfg.get("pp") or 1) > 1:
+        does not apply (no ZeRO-3, a pipeline, no replay, a CPU-only profile: its replay has no streams for a
+        collective to overlap on, and the hooks' host time is a GPU host's)."""
+        if a.fsdp_rep is None or int(cfg.get("pp") or 1) > 1 or getattr(a.fsdp_rep.plan, "cpu", False):
             return None
         lay = self.mem_layout(cfg, gpus)
         if lay.zero != 3:
