@@ -284,6 +284,9 @@ class ScaleOut:
         except ConfigError:
             return 0.0, 0.0
         f = L.fsdp_copy_factors(dp0, ep0, dp1, ep1)
+        # the all-gathers' copies repeat per chunk of the EP dispatch (FSDP2 gathers the experts once per call)
+        c = L.chunks(cfg) / L.chunks(self.config)
+        f = {op: v * (c if op in L.FSDP_GATHER_COPY_OPS else 1.0) for op, v in f.items()}
         ns = {op: float(dur[js].sum() * f[op]) for op, js in L.fsdp_expert_copies(p.work).items()}
         gather = sum(v for op, v in ns.items() if op in L.FSDP_GATHER_COPY_OPS)
         return gather, sum(ns.values()) - gather
@@ -442,19 +445,21 @@ class ScaleOut:
         pb = 2 if lay.dtype == "bf16" else 4
         ds = a.fsdp_rep.device_scale or 1.0
         gather, reduce = {}, {}
+        calls = L.chunks(cfg)  # the experts' gathers per pass: FSDP2 gathers them per call, the trainer calls them per chunk
         for kind, li, params, group in self._units(cfg, gpus):
             if group <= 1 or params <= 0:
                 continue
             stride = lay.ep if kind == "experts" else 1
-            gather[(kind, li)] = self.net.collective("all_gather", pb * params, int(group), stride) / ds
+            n = calls if kind == "experts" else 1
+            gather[(kind, li)] = n * self.net.collective("all_gather", pb * params, int(group), stride) / ds
             reduce[(kind, li)] = self.net.collective("reduce_scatter", 4 * params, int(group), stride) / ds
         key = (id(a), tuple(sorted(gather.items())), tuple(sorted(reduce.items())))
         if key not in self._fsdp:
             w = a.fsdp_rep.profile.work
             # the run's host gaps hold the hooks of the units it gathered; a unit kind it did not gather (dp 1 over
             # that kind's group) gets FSDP2's hook time per gather
-            hook = {k: FO.HOOK_HOST_NS / (a.fsdp_rep.host_scale or 1.0) for k in gather
-                    if k[0] not in self._gathered_kinds()}
+            hook = {k: FO.HOOK_HOST_NS * (calls if k[0] == "experts" else 1) / (a.fsdp_rep.host_scale or 1.0)
+                    for k in gather if k[0] not in self._gathered_kinds()}
             self._fsdp[key] = FO.exposure(a.fsdp_rep, w, gather, reduce, a.microbatches, hook)
         return self._fsdp[key].per_step(int(cfg.get("microbatches") or 1))
 

@@ -23,8 +23,13 @@ what hides under what is decided by the replay: never more than the compute that
 * each new chunk's expert work waits for its first-leg all-to-all, its second-leg all-to-all waits for its expert
   work; the run's own units stay in place at zero length, so what waited on them (the shared expert, the
   unpermute) still waits for the last chunk;
-* one set of the expert stage's launches per chunk: the host time changes by the launches added or removed, each at
-  the host's cost per launch when it does not wait (the step's 10th-percentile host gap before a launch) (the rest of the stage's host time is the run's).
+* **the chunk loop's host time**: the trainer runs the dispatch, permute, expert, combine and unpermute code once per
+  chunk, so their launches repeat per chunk and so does the host's work between them. Forward: the host gaps
+  before those launches x ``C'/C`` (measured on the 4 x H100 grid's five pairs without / with 2 chunks, ep 2 and 4,
+  micro-batch 8, 16, 24: launches x2.04, forward gap sums x1.81-2.5, the mean gap per launch 70-100 us either
+  way). Backward: each added (or removed) launch at the backward loop's median gap: its sums grew only x1.36-1.95
+  for x2.1 the launches, its mean gap per launch fell (242 -> 179 us at ep 2 micro-batch 8), its median stayed
+  (78-134 us): the larger backward gaps are the autograd engine's waits, once per layer, not per chunk.
 
 ``ep_overlap_schedule`` (the shared expert split over both ends of the chunk chain) is not modeled: a change of it
 is refused by the what-if's rule for keys without a mechanism, and a change of the chunks where the run or the
@@ -48,6 +53,8 @@ from .base import Change, Mechanism, WhatIfError, register
 
 OVERLAP_KEYS = ("ep_overlap", "ep_overlap_chunks")
 _MIDDLE = ("moe/permute", "moe/experts", "moe/combine")
+# the stages whose code the trainer runs once per chunk (trainer/model/moe.py _ep_forward)
+_LOOP = ("moe/dispatch", "moe/permute", "moe/experts", "moe/combine", "moe/unpermute")
 
 
 def chunks_of(cfg: dict) -> int:
@@ -131,6 +138,37 @@ def _middles(w, layer: int, backward: bool, leg1: list[int], leg2: list[int]) ->
     return out
 
 
+def _loop_items(w, plan, pos: dict) -> dict[tuple[int, bool], list[int]]:
+    """Per (layer, backward): the plan positions of the chunk loop's launches (`_LOOP` stages; not recomputation,
+    not FSDP's), whose host gaps the loop repeats per chunk."""
+    m = np.isin(w["moe_stage"].to_numpy(), _LOOP)
+    if "recompute" in w:
+        m &= ~w["recompute"].to_numpy().astype(bool)
+    m &= np.array(["FSDP" not in s for s in w["path"].astype(str).to_numpy()], dtype=bool)
+    lay, bwd = w["layer"].to_numpy(), w["backward"].to_numpy()
+    out: dict[tuple[int, bool], list[int]] = {}
+    for j in np.flatnonzero(m).tolist():
+        if j in pos:
+            out.setdefault((int(lay[j]), bool(bwd[j])), []).append(pos[j])
+    return out
+
+
+def _rescale_loop_host(plan, its: list[int], backward: bool, c0: int, c1: int) -> float:
+    """The host time of one layer's chunk loop (plan positions ``its``) going from ``c0`` to ``c1`` chunks (module
+    docstring): forward gaps x c1/c0; backward ``(c1/c0 - 1) x launches x median gap``, spread over its gaps in
+    proportion. Returns the host time added (ns, negative when removed)."""
+    gaps = np.array([plan.gap[i] for i in its], dtype=np.float64)
+    g_sum = float(gaps.sum())
+    if not len(its) or g_sum <= 0:
+        return 0.0
+    added = (c1 / c0 - 1.0) * (g_sum if not backward else len(its) * float(np.median(gaps)))
+    f = max(g_sum + added, 0.0) / g_sum
+    for i in its:
+        plan.gap[i] *= f
+        plan.gap_x[i] *= f
+    return g_sum * f - g_sum
+
+
 @register
 class Overlap(Mechanism):
     name = "overlap"
@@ -166,11 +204,7 @@ class Overlap(Mechanism):
         rows = float(change.t1 * int(target["top_k"]))  # rows a rank's experts compute per layer and micro-batch
         eff, eff_src = chunk_efficiency(model, target, rows, c0, c1)
         inserts = []  # (position, dur, stream, comp, dep unit or None, tag)
-        # the host's cost per launch when it does not wait: the 10th percentile of the step's host gaps before a
-        # launch (a device-bound trace's gaps hold the waits for a full launch queue: 59 us median, 15 us at the
-        # 10th percentile on the ep4_cap_ovl fixture)
-        launch_gaps = [g for kd, g in zip(plan.kind, plan.gap) if kd == 0]
-        per_launch = float(np.percentile(launch_gaps, 10)) if launch_gaps else 0.0
+        loop_items = _loop_items(w, plan, pos)
         host_moved = 0.0
         moved = 0.0
         exposed_note = 0
@@ -211,17 +245,6 @@ class Overlap(Mechanism):
                 # the run's units stay as ordering points, at zero length
                 for j in list(leg1) + list(leg2) + allm.tolist():
                     plan.dur[j] = 0.0
-                # host time: one set of the expert stage's launches per chunk, each at the host's cost per launch
-                # when it does not wait (the rest of the run's host time in the stage is kept)
-                its = [pos[int(j)] for j in allm.tolist() if int(j) in pos]
-                host_d = (c1 - c0) / c0 * len(its) * per_launch
-                g_sum = float(sum(plan.gap[i] for i in its))
-                if its and g_sum > 0:
-                    f = max(g_sum + host_d, 0.0) / g_sum
-                    for i in its:
-                        plan.gap[i] *= f
-                        plan.gap_x[i] *= f
-                host_moved += host_d
                 for jn in range(c1):
                     src = leg1[min(c0 - 1, math.ceil((jn + 1) * c0 / c1) - 1)]
                     inserts.append((pos[src], leg_new[0], a_stream, "exposed communication", ("dep_of", src),
@@ -235,6 +258,9 @@ class Overlap(Mechanism):
                                     ("tag", ("mid", ly, bwd, m, jn)), ("l2", ly, bwd, m, jn)))
                 moved += abs(c1 * (g_new + r_new + leg_new[0] + leg_new[1]) - old_total)
                 exposed_note += 1
+        for (ly, bwd), its in loop_items.items():  # the chunk loop's host time (module docstring)
+            if (ly, bwd) in blocks:
+                host_moved += _rescale_loop_host(plan, its, bwd, c0, c1)
         # insert: at one position the new units keep their order (l1s before their run's unit; mids and l2s
         # interleaved); from the last position back so that earlier positions stay valid
         by_pos: dict[int, list] = {}
@@ -257,8 +283,9 @@ class Overlap(Mechanism):
             f"rebuilt with {c1} chunk(s) of all-to-alls and expert work (each chunk's experts wait for its rows, its "
             f"return trip for its experts; what hides is what the replay overlaps); all-to-alls at the run's transfer "
             f"time x the bus time at the new size; grouped GEMMs x{eff:.3f} per row: {eff_src}; {ds * moved / 1e6:.2f} "
-            f"ms of device work re-cut; host {host_moved / 1e6:+.2f} ms (profiled) for the expert stage's launches "
-            f"per chunk at {per_launch / 1e3:.1f} us per launch (the step's 10th percentile host gap)")
+            f"ms of device work re-cut; host {host_moved / 1e6:+.2f} ms (profiled) for the chunk loop's launches "
+            f"(dispatch to unpermute, once per chunk: the forward's gaps x{c1 / c0:.2f}, the backward's added launches "
+            f"at its median gap)")
         change.notes.append("ep_overlap: the slowdown of compute overlapped by an all-to-all (SM contention with NCCL) "
                             "is not modeled: the run's measured times are kept as they were, overlapped or not")
         return (self.sigma["overlap"] * moved / max(float(p.step_ns), 1.0)) ** 2
