@@ -30,12 +30,21 @@ what hides under what is decided by the replay: never more than the compute that
   way). Backward: each added (or removed) launch at the backward loop's median gap: its sums grew only x1.36-1.95
   for x2.1 the launches, its mean gap per launch fell (242 -> 179 us at ep 2 micro-batch 8), its median stayed
   (78-134 us): the larger backward gaps are the autograd engine's waits, once per layer, not per chunk.
+* **FSDP2's gathers of the experts, once per chunk** (at dp > 1 on both sides): the trainer wraps each layer's
+  experts in their own ``fully_shard`` unit (trainer/parallel/dist.py) and calls them once per chunk; FSDP2 gathers
+  a unit at every call and reshards after it. So each chunk loop holds one all-gather per chunk's call (a
+  backward's first may be prefetched before the loop): the run's gathers inside the loop leave, and as many as the
+  new chunks call for are inserted on the run's all-gather stream before their chunks' expert work, each at the
+  loop's own gather time plus the run's copy-in per gather, with its copy-out on the compute stream before the
+  chunk's GEMMs and FSDP2's hook host time (`fsdp_overlap.HOOK_HOST_NS`). Counted on the 4 x H100 grid's raw
+  traces: 15 -> 21 all-gathers in a step at ep 2 x dp 2 with 2 chunks, none added at ep 4
+  (tests/tracelens/test_overlap_chunk_costs.py).
 
 ``ep_overlap_schedule`` (the shared expert split over both ends of the chunk chain) is not modeled: a change of it
 is refused by the what-if's rule for keys without a mechanism, and a change of the chunks where the run or the
 target is ``pipelined`` is refused here, in one line.
 
-Not modeled (said in the prediction): the SM contention of an all-to-all with the compute it overlaps (a grouped
+Not modeled (said in the prediction): the slower half-size kernels and the SM contention of an all-to-all with the compute it overlaps (a grouped
 GEMM running beside NCCL was 1.9x slower on the ep4_cap_ovl fixture), the per-call weight copies of the grouped
 GEMMs (split with the rows), overlap changes from or to a run without EP (the layout mechanism inserts or drops
 the all-to-alls there).
@@ -44,6 +53,7 @@ the all-to-alls there).
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import ClassVar
 
 import numpy as np
@@ -138,6 +148,50 @@ def _middles(w, layer: int, backward: bool, leg1: list[int], leg2: list[int]) ->
     return out
 
 
+@dataclass
+class _Regather:
+    """The experts' FSDP all-gathers of a run at dp > 1 (module docstring: FSDP2 gathers the experts once per call,
+    the trainer calls them once per chunk): the run's gather units, their mean time, the copy-in / copy-out kernels
+    per gather (the run's `layout.fsdp_expert_copies` over its gathers) and the hooks' host time per gather."""
+
+    units: list  # (plan position, unit index) of the run's experts' all-gathers, in host order
+    mean: float
+    copy_in: float
+    copy_out: float
+    stream: int
+    hook: float
+    replaced: int = 0
+
+    @classmethod
+    def of(cls, plan, w, comm, old: dict, target: dict, world: int, pos: dict) -> _Regather | None:
+        from ..fsdp_overlap import HOOK_HOST_NS
+
+        ag0, rs0, n0 = L.fsdp_expert_bytes(old, world)
+        if n0 <= 1 or L.fsdp_expert_bytes(target, world)[2] <= 1:
+            return None
+        u_ag = [int(j) for j in L._fsdp_expert_units(comm, ag0, rs0)[0] if int(j) in pos]
+        if not u_ag:
+            return None
+        copies = L.fsdp_expert_copies(w)
+        per = 1.0 / len(u_ag)
+        return cls(sorted((pos[j], j) for j in u_ag), float(np.mean([plan.dur[j] for j in u_ag])),
+                   per * float(sum(plan.dur[int(j)] for j in copies["aten::_foreach_copy_"])),
+                   per * float(sum(plan.dur[int(j)] for j in copies["aten::split_with_sizes_copy"])),
+                   int(plan.stream[u_ag[0]]), HOOK_HOST_NS)
+
+    def block(self, plan, lo: int, hi: int, c0: int, c1: int) -> tuple[int, float]:
+        """One chunk loop (plan positions ``lo``..``hi``): the run's gathers inside it (one per chunk's call; a
+        backward's first may have been prefetched before it) leave, and as many as the new chunks call for are
+        returned to be inserted: (how many, ns each)."""
+        inside = [j for p, j in self.units if lo <= p <= hi]
+        n_new = min(max(len(inside) + c1 - c0, 0), c1)
+        ns = float(np.mean([plan.dur[j] for j in inside])) if inside else self.mean
+        for j in inside:
+            plan.dur[j] = 0.0
+        self.replaced += len(inside)
+        return n_new, ns
+
+
 def _loop_items(w, plan, pos: dict) -> dict[tuple[int, bool], list[int]]:
     """Per (layer, backward): the plan positions of the chunk loop's launches (`_LOOP` stages; not recomputation,
     not FSDP's), whose host gaps the loop repeats per chunk."""
@@ -205,9 +259,11 @@ class Overlap(Mechanism):
         eff, eff_src = chunk_efficiency(model, target, rows, c0, c1)
         inserts = []  # (position, dur, stream, comp, dep unit or None, tag)
         loop_items = _loop_items(w, plan, pos)
+        rg = _Regather.of(plan, w, comm, old, target, world, pos)
         host_moved = 0.0
         moved = 0.0
         exposed_note = 0
+        regathers = 0
         for (ly, bwd), units in sorted(blocks.items()):
             if len(units) % (2 * c0):
                 raise WhatIfError(f"{model.run}: rank {p.rank}'s layer {ly} {'backward' if bwd else 'forward'} has "
@@ -250,7 +306,16 @@ class Overlap(Mechanism):
                     inserts.append((pos[src], leg_new[0], a_stream, "exposed communication", ("dep_of", src),
                                     ("l1", ly, bwd, m, jn)))
                 first_mid = min(pos[int(j)] for j in allm)
+                # FSDP2 gathers the experts once per call, the trainer calls them once per chunk (module docstring)
+                gathered = rg.block(plan, pos[leg1[0]], pos[leg2[-1]], c0, c1) if rg is not None else (0, 0.0)
                 for jn in range(c1):  # per chunk: its regroup / combine work, its GEMMs, its return trip
+                    if jn >= c1 - gathered[0]:
+                        ag = ("ag", ly, bwd, m, jn)
+                        inserts.append((first_mid, gathered[1] + rg.copy_in, rg.stream, "exposed communication",
+                                        None, ag, rg.hook))
+                        inserts.append((first_mid, rg.copy_out, cstream, "copies/casts", ("tag", ag),
+                                        ("co", ly, bwd, m, jn)))
+                        regathers += 1
                     inserts.append((first_mid, r_new, cstream, r_comp, ("tag", ("l1", ly, bwd, m, jn)),
                                     ("rest", ly, bwd, m, jn)))
                     inserts.append((first_mid, g_new, cstream, "expert GEMMs", None, ("mid", ly, bwd, m, jn)))
@@ -269,8 +334,8 @@ class Overlap(Mechanism):
         tags: dict[tuple, int] = {}
         deps: list[tuple[int, tuple]] = []
         for at in sorted(by_pos, reverse=True):
-            for _, ns, stream, comp, dep, tag in reversed(by_pos[at]):
-                j = plan.add_unit(ns, stream, comp, 0.0, at)
+            for _, ns, stream, comp, dep, tag, *gap in reversed(by_pos[at]):
+                j = plan.add_unit(ns, stream, comp, gap[0] if gap else 0.0, at)
                 tags[tag] = j
                 deps.append((j, dep))
         for j, dep in deps:
@@ -285,7 +350,10 @@ class Overlap(Mechanism):
             f"time x the bus time at the new size; grouped GEMMs x{eff:.3f} per row: {eff_src}; {ds * moved / 1e6:.2f} "
             f"ms of device work re-cut; host {host_moved / 1e6:+.2f} ms (profiled) for the chunk loop's launches "
             f"(dispatch to unpermute, once per chunk: the forward's gaps x{c1 / c0:.2f}, the backward's added launches "
-            f"at its median gap)")
+            f"at its median gap)"
+            + (f"; FSDP2's gathers of the experts once per chunk: {regathers} in place of the run's {rg.replaced} in "
+               f"the chunk loops, {rg.mean / 1e6:.2f} ms each (+ copy-in {rg.copy_in / 1e6:.2f}, copy-out "
+               f"{rg.copy_out / 1e6:.2f} ms) and {rg.hook / 1e6:.2f} ms of the hooks' host time" if rg is not None else ""))
         change.notes.append("ep_overlap: the slowdown of compute overlapped by an all-to-all (SM contention with NCCL) "
                             "is not modeled: the run's measured times are kept as they were, overlapped or not")
         return (self.sigma["overlap"] * moved / max(float(p.step_ns), 1.0)) ** 2
