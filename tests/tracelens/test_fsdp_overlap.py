@@ -164,3 +164,18 @@ def test_a_cpu_profile_keeps_the_window_rule():
     p = so.project(4)
     assert p.components["dp traffic (exposed)"] == 0.0
     assert not any(n.startswith("FSDP: the all-gathers") for n in p.notes)
+
+
+def test_experts_called_once_per_chunk_are_gathered_once_per_call():
+    """The trainer calls a layer's experts once per EP dispatch chunk and FSDP2 gathers a unit at every call: with the
+    experts' kernels of each pass in two calls, one more gather in the forward (the second call's, after the first's
+    copy-out) and one more in the backward (each call prefetches the next), and the step exposes more."""
+    split = list(_KERNELS)
+    split[2:3] = [(0, "moe/experts", False, "expert GEMMs", 2.0)] * 2
+    i = next(k for k, x in enumerate(split) if x[1] == "moe/experts" and x[2])
+    split[i:i + 1] = [(0, "moe/experts", True, "expert GEMMs", 4.0)] * 2
+    rep, w = _step(split)
+    one = FO.exposure(rep, w, GATHER, REDUCE, microbatches=1, calls=1)
+    two = FO.exposure(rep, w, GATHER, REDUCE, microbatches=1, calls=2)
+    assert one.units == 8 and two.units == 10
+    assert two.gathers_ns > one.gathers_ns

@@ -27,6 +27,11 @@ run's layout and the target's; the projection keeps the run's measured exposure 
 
 Units are found in the step's kernels: layer ``l``'s experts are its expert-stage kernels (``moe/experts``), layer
 ``l`` its other kernels (attention, router, dispatch, shared expert), the root the kernels outside the layers.
+**One gather per call.** FSDP2 gathers a unit at every call and reshards after it, and the trainer calls a layer's
+experts once per EP dispatch chunk (``ep_overlap_chunks``): each call is gathered at its own first launch (`_calls`:
+the units a mechanism inserted say their call, `replay.Plan.unit_keys`; a profile's own are cut into the chunks' runs).
+Counted on the 4 x H100 grid: 15 -> 21 all-gathers a step at ep 2 x dp 2 with 2 chunks
+(tests/tracelens/test_overlap_chunk_costs.py).
 **The hooks' host time.** At dp > 1 each all-gather costs the host the time of FSDP2's ``FSDP::all_gather`` and
 ``FSDP::all_gather_copy_out`` ranges (the copy-in's setup, the NCCL call, the copy-out), which a run's own host gaps
 hold already. A run at dp 1 records none: FSDP2 skips the collective there. Projected from such a run, each gather
@@ -83,7 +88,7 @@ def _clone(plan):
     return replace(plan, **{k: list(getattr(plan, k)) for k in ("kind", "ref", "gap", "dur", "stream", "dep", "wait",
                                                                "comp", "sync_min", "sync_ret", "gap_x",
                                                                "sync_streams")},
-                   backlog=dict(plan.backlog))
+                   backlog=dict(plan.backlog), unit_keys=dict(getattr(plan, "unit_keys", {}) or {}))
 
 
 def fsdp_collective_units(w) -> np.ndarray:
@@ -137,14 +142,58 @@ def _microbatches(plan, keys, bwd) -> list[tuple[list[int], list[int]]]:
     return out
 
 
-def insert(plan, w, gather: dict, reduce: dict, with_reduces: bool = True, hook: dict | None = None) -> int:
+def _calls(plan, keys: list, bwd: np.ndarray, calls: int) -> dict[int, int]:
+    """Per unit of an experts key: which call of the unit it belongs to. FSDP2 gathers a unit at every call, and the
+    trainer calls a layer's experts once per EP dispatch chunk. Units a mechanism inserted say their call
+    (`replay.Plan.unit_keys`); the profile's own experts units of one pass of a layer, between two launches of the
+    layer's other units, are cut in host order into ``calls`` runs of equal length (the chunks launch the same
+    kernels)."""
+    out: dict[int, int] = {}
+    for j, v in (getattr(plan, "unit_keys", {}) or {}).items():
+        if v and v[0] == "call":
+            out[j] = int(v[2])
+    if calls <= 1:
+        return out
+    n = len(bwd)
+    runs: dict[tuple, list[int]] = {}
+    seen_other: dict[tuple, int] = {}
+    block = 0
+    for kd, j in zip(plan.kind, plan.ref):
+        if kd != 0 or j >= n or keys[j] is None:
+            continue
+        k = keys[j]
+        if k[0] == "experts":
+            runs.setdefault((k, bool(bwd[j]), seen_other.get((k[1], bool(bwd[j])), 0)), []).append(j)
+        else:
+            if k[1] >= 0:
+                seen_other[(k[1], bool(bwd[j]))] = block
+            block += 1
+    for js in runs.values():
+        for i, j in enumerate(js):
+            out.setdefault(j, min(i * calls // len(js), calls - 1))
+    return out
+
+
+def insert(plan, w, gather: dict, reduce: dict, with_reduces: bool = True, hook: dict | None = None,
+           calls: int = 1) -> int:
     """Insert FSDP2's collectives into ``plan`` (the module's rules), ``gather`` / ``reduce``: ns per unit key
     (units missing from them send nothing: a group of one); ``hook``: per unit key, the host time its all-gather's
-    hook adds before the launch (profiled ns; none where the run's own hooks' time is in its host gaps already).
+    hook adds before the launch (profiled ns; none where the run's own hooks' time is in its host gaps already);
+    ``calls``: how many times a pass calls each layer's experts (the EP dispatch chunks: one gather per call, `_calls`).
     Returns how many collectives were inserted."""
     hook = hook or {}
     keys = _unit_keys(w)
     bwd = (w["backward"].to_numpy() | (w["recompute"].to_numpy() if "recompute" in w else False)).astype(bool)
+    n0 = len(keys)
+    # units a mechanism inserted that stand for a call of an FSDP unit (the chunks' expert work)
+    extra = {j: v for j, v in (getattr(plan, "unit_keys", {}) or {}).items() if v and v[0] == "call"}
+    if extra:
+        top = max(extra) + 1
+        keys = keys + [None] * max(top - n0, 0)
+        bwd = np.concatenate([bwd, np.zeros(max(top - n0, 0), bool)])
+        for j, v in extra.items():
+            keys[j], bwd[j] = v[1], bool(v[3])
+    call = _calls(plan, keys, bwd, calls)
     mbs = _microbatches(plan, keys, bwd)
     if not mbs:
         return 0
@@ -158,33 +207,33 @@ def insert(plan, w, gather: dict, reduce: dict, with_reduces: bool = True, hook:
     def first_of(js):
         got: dict = {}
         for j in js:
-            got.setdefault(keys[j], j)
+            got.setdefault((keys[j], call.get(j, 0)), j)  # one gather per call of a unit
         return got
 
     for mi, (fw, bw) in enumerate(mbs):
         # forward: each unit gathered at its own first launch, gated on the previous unit's copy-out
-        for key, j in sorted(first_of(fw).items(), key=lambda kv: pos[kv[1]]):
+        for (key, c), j in sorted(first_of(fw).items(), key=lambda kv: pos[kv[1]]):
             if key not in gather:
                 continue
-            ag, mk = ("ag", mi, "f", key), ("mk", mi, "f", key)  # name[3]: the unit key
+            ag, mk = ("ag", mi, "f", key, c), ("mk", mi, "f", key, c)  # name[3]: the unit key
             specs.append((pos[j], 0, (ag, gather[key], s_ag, chain)))
             specs.append((pos[j], 1, (mk, 0.0, plan.stream[j], ag)))
             chain = mk
         # backward: units in backward order; each one's pre-backward prefetches the next (the root stays gathered)
         firsts = sorted(first_of(bw).items(), key=lambda kv: pos[kv[1]])
-        for k, (key, j) in enumerate(firsts):
+        for k, ((key, c), j) in enumerate(firsts):
             if key != ("root", -1) and key in gather and not any(
-                    s[2][0] == ("ag", mi, "b", key) for s in specs):  # not prefetched: gathered at its own launch
-                ag = ("ag", mi, "b", key)
+                    s[2][0] == ("ag", mi, "b", key, c) for s in specs):  # not prefetched: gathered at its own launch
+                ag = ("ag", mi, "b", key, c)
                 specs.append((pos[j], 0, (ag, gather[key], s_ag, chain)))
             if key != ("root", -1) and key in gather:
-                mk = ("mk", mi, "b", key)
-                specs.append((pos[j], 1, (mk, 0.0, plan.stream[j], ("ag", mi, "b", key))))
+                mk = ("mk", mi, "b", key, c)
+                specs.append((pos[j], 1, (mk, 0.0, plan.stream[j], ("ag", mi, "b", key, c))))
                 chain = mk
             if k + 1 < len(firsts):
-                nxt = firsts[k + 1][0]
+                nxt, nc = firsts[k + 1][0]
                 if nxt != ("root", -1) and nxt in gather:
-                    specs.append((pos[j], 2, (("ag", mi, "b", nxt), gather[nxt], s_ag, chain)))
+                    specs.append((pos[j], 2, (("ag", mi, "b", nxt, nc), gather[nxt], s_ag, chain)))
         if with_reduces and mi == len(mbs) - 1 and bw:
             lasts: dict = {}
             for j in bw:
@@ -222,7 +271,8 @@ def insert(plan, w, gather: dict, reduce: dict, with_reduces: bool = True, hook:
     return sum(1 for n in made if n[0] in ("ag", "rs"))
 
 
-def exposure(rep, w, gather: dict, reduce: dict, microbatches: int, hook: dict | None = None) -> Exposure:
+def exposure(rep, w, gather: dict, reduce: dict, microbatches: int, hook: dict | None = None,
+             calls: int = 1) -> Exposure:
     """What FSDP2's collectives (``gather`` / ``reduce``: ns per unit key, in profiled time) add to the replayed step
     ``rep`` (`mechanisms.base.Replayed`; its ``plan`` is left as it is), with the run's own FSDP collectives taken
     out, in calibrated ns."""
@@ -230,12 +280,15 @@ def exposure(rep, w, gather: dict, reduce: dict, microbatches: int, hook: dict |
     base = _clone(rep.plan)
     for j in fsdp_collective_units(w):
         base.dur[int(j)] = 0.0
+    for j, v in base.unit_keys.items():  # FSDP collectives a mechanism inserted (the overlap's re-gathers)
+        if v and v[0] == "fsdp":
+            base.dur[int(j)] = 0.0
     t0 = base.replay(hs).step_ns
     ag = _clone(base)
-    insert(ag, w, gather, {}, with_reduces=False, hook=hook)
+    insert(ag, w, gather, {}, with_reduces=False, hook=hook, calls=calls)
     t_ag = ag.replay(hs).step_ns
     both = _clone(base)
-    n = insert(both, w, gather, reduce, with_reduces=True, hook=hook)
+    n = insert(both, w, gather, reduce, with_reduces=True, hook=hook, calls=calls)
     t_all = both.replay(hs).step_ns
     return Exposure(max(t_ag - t0, 0.0) * ds, max(t_all - t0, 0.0) * ds, microbatches, n)
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from bisect import bisect_right
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -346,6 +346,10 @@ class Plan:
     sync_streams: list  # per sync: the streams it waits for (None: every stream)
     backlog: dict  # per stream: busy with the previous step's work until (ns after the step start)
     lead: float = 0.0  # host time before the step's first recorded event (the profiler's step transition)
+    # per unit a mechanism inserted (index >= the profile's units): what it stands for, for the rules that run after
+    # it (`fsdp_overlap`): ("fsdp",) an FSDP collective; ("call", key, call, backward) a unit of an FSDP unit's
+    # call (the experts of a chunk: key ("experts", layer), the chunk's call index)
+    unit_keys: dict = field(default_factory=dict)
 
     @classmethod
     def of(cls, prog: Program, profiler_lead: bool = True) -> "Plan":

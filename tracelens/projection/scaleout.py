@@ -445,22 +445,22 @@ class ScaleOut:
         pb = 2 if lay.dtype == "bf16" else 4
         ds = a.fsdp_rep.device_scale or 1.0
         gather, reduce = {}, {}
-        calls = L.chunks(cfg)  # the experts' gathers per pass: FSDP2 gathers them per call, the trainer calls them per chunk
+        # the experts' gathers: FSDP2 gathers a unit at every call, the trainer calls the experts once per EP chunk
+        calls = L.chunks(cfg)
         for kind, li, params, group in self._units(cfg, gpus):
             if group <= 1 or params <= 0:
                 continue
             stride = lay.ep if kind == "experts" else 1
-            n = calls if kind == "experts" else 1
-            gather[(kind, li)] = n * self.net.collective("all_gather", pb * params, int(group), stride) / ds
+            gather[(kind, li)] = self.net.collective("all_gather", pb * params, int(group), stride) / ds
             reduce[(kind, li)] = self.net.collective("reduce_scatter", 4 * params, int(group), stride) / ds
-        key = (id(a), tuple(sorted(gather.items())), tuple(sorted(reduce.items())))
+        key = (id(a), tuple(sorted(gather.items())), tuple(sorted(reduce.items())), calls)
         if key not in self._fsdp:
             w = a.fsdp_rep.profile.work
             # the run's host gaps hold the hooks of the units it gathered; a unit kind it did not gather (dp 1 over
             # that kind's group) gets FSDP2's hook time per gather
-            hook = {k: FO.HOOK_HOST_NS * (calls if k[0] == "experts" else 1) / (a.fsdp_rep.host_scale or 1.0)
-                    for k in gather if k[0] not in self._gathered_kinds()}
-            self._fsdp[key] = FO.exposure(a.fsdp_rep, w, gather, reduce, a.microbatches, hook)
+            hook = {k: FO.HOOK_HOST_NS / (a.fsdp_rep.host_scale or 1.0) for k in gather
+                    if k[0] not in self._gathered_kinds()}
+            self._fsdp[key] = FO.exposure(a.fsdp_rep, w, gather, reduce, a.microbatches, hook, calls)
         return self._fsdp[key].per_step(int(cfg.get("microbatches") or 1))
 
     def _units(self, cfg: dict, gpus: int) -> list:

@@ -342,6 +342,13 @@ class Overlap(Mechanism):
             if dep is not None:
                 how, what = dep
                 plan.dep[j] = plan.dep[what] if how == "dep_of" else tags[what]
+        # what the inserted units stand for, for FSDP2's placement after this edit (`fsdp_overlap`, the scale-out):
+        # each chunk's expert GEMMs are a call of the layer's experts unit, the re-gathers FSDP collectives
+        for tag, j in tags.items():
+            if tag[0] == "mid":
+                plan.unit_keys[j] = ("call", ("experts", tag[1]), tag[4], tag[2])
+            elif tag[0] == "ag":
+                plan.unit_keys[j] = ("fsdp",)
         ds = change.device_scale
         change.modeled.append(
             f"EP dispatch chunks {c0} -> {c1} at ep {ep1}: {exposed_note} MoE blocks (layer x pass x micro-batch) "
