@@ -69,6 +69,10 @@ _BUBBLE_SCHEDULES = tuple((s, 2 if s == "vpp" or s in V_SHAPED else 1) for s in 
 LAYOUT_KEYS = ("ep", "dp", "pp", "vpp", "pipeline_schedule", "pipeline_layout", "pipeline_layer_costs", "microbatches",
                "dp_mode")
 _EP_ONLY = ("ep_dispatch", "ep_capacity_factor", "ep_overlap", "ep_overlap_chunks")
+# FSDP2's gradient accumulation (`ScaleOut.grad_accum_ns`): bytes a parameter of the first micro-batch's cast of the
+# unsharded bf16 gradient to fp32 (read 2, write 4), and of each later micro-batch's add (read 2 + 4, write 4)
+_ACC_CAST_BYTES = 6
+_ACC_ADD_BYTES = 10
 COMPONENTS = ("compute", "expert stage", "all-to-all (exposed)", "pipeline bubble", "dp traffic (exposed)",
               "optimizer step", "other per-step work")
 GIB = float(1 << 30)
@@ -182,6 +186,7 @@ class ScaleOut:
         self.padded_l3 = not L.gemms_stop_at_routed_rows(model.manifest)
         self._anchors: dict = {}
         self._fsdp: dict = {}
+        self._acc: tuple[float, str] | None = None  # `_acc_rate`, once
         self._mean = self._mean_routing()
         b = model.measured.get("layout")
         self.ep_rates = b.ep_rates if b is not None else EP.measure_rates(model.profiles, L.act_bytes(model.config))
@@ -290,6 +295,52 @@ class ScaleOut:
         ns = {op: float(dur[js].sum() * f[op]) for op, js in L.fsdp_expert_copies(p.work).items()}
         gather = sum(v for op, v in ns.items() if op in L.FSDP_GATHER_COPY_OPS)
         return gather, sum(ns.values()) - gather
+
+    def _acc_rate(self) -> tuple[float, str]:
+        """(bytes per ns, its source) of a bf16 -> fp32 cast of gradients on the run's GPU: the experts' FSDP
+        reduce-scatter copy-in (`_chunk_cat`, 6 bytes a parameter: 1.79-1.86 TB/s on the committed H100 runs),
+        calibrated; (0, why) without one."""
+        if self._acc is None:
+            from ..analysis import memory as M
+
+            model = self.model
+            self._acc = (0.0, "no FSDP gradient copy-in in the run to take a rate from")
+            if model.profiles and int(self.config.get("pp") or 1) == 1:
+                slow = int(np.argmax([sum(c.values()) for c in model.base_by_rank])) if model.base_by_rank else 0
+                p = model.profiles[slow]
+                js = L.fsdp_expert_copies(p.work)["aten::_chunk_cat"]
+                try:
+                    ex = [u for u in M.fsdp_units(self.config, self.mem_layout(self.config, self.world))
+                          if u[0] == "experts"]
+                except TraceError:
+                    ex = []
+                ns = float(p.work["dur"].to_numpy(float)[js].sum()) * model.device_scale[slow]
+                if len(js) and ex and ns > 0:
+                    r = len(js) * float(ex[0][2]) * _ACC_CAST_BYTES / ns
+                    self._acc = (r, f"{r:.2f} TB/s, the run's experts' gradient copy-in (_chunk_cat)")
+        return self._acc
+
+    def grad_accum_ns(self, cfg: dict, gpus: int) -> float:
+        """ns per step of FSDP2's gradient accumulation under ``cfg`` on ``gpus`` GPUs (pp 1: trainer/train.py turns
+        the gradient sync off for all micro-batches but the last): each unit's unsharded gradients are cast to fp32
+        in the first micro-batch (6 bytes a parameter) and added to in each later one (10 bytes), at the run's cast
+        rate (`_acc_rate`). Measured on tests/fixtures/h100_4gpu_accum/dp4_mbs8_m3_prof (rank 0, 3 micro-batches):
+        the experts' casts 5.38 ms, their adds 14.10, the layers' 2.52, the root's ~4.9: about 27 ms a step, where
+        this gives 31.5 (the adds ran at 2.36 TB/s against the cast's 1.86). 0 at one micro-batch, under DDP or a
+        pipeline (not measured there)."""
+        from ..analysis import memory as M
+
+        m = int(cfg.get("microbatches") or 1)
+        if m <= 1 or cfg.get("dp_mode", "fsdp") != "fsdp" or int(cfg.get("pp") or 1) > 1:
+            return 0.0
+        rate = self._acc_rate()[0]
+        if rate <= 0:
+            return 0.0
+        try:
+            params = sum(float(u[2]) for u in M.fsdp_units(cfg, self.mem_layout(cfg, gpus)))
+        except TraceError:
+            return 0.0
+        return params * (_ACC_CAST_BYTES + _ACC_ADD_BYTES * (m - 1)) / rate
 
     @staticmethod
     def mem_layout(cfg: dict, gpus: int):
@@ -583,10 +634,16 @@ class ScaleOut:
         if f_m != 1.0 and a.fsdp_mb_ns > 0:
             notes.append(f"FSDP: the all-gathers' copies and casts outside the layers ({a.fsdp_mb_ns / 1e6:.2f} ms per "
                          f"micro-batch in the run) repeat with the {m} micro-batches; the reduce-scatter's once")
+        # FSDP2's gradient accumulation: the unsharded gradients kept in fp32 through the micro-batches without sync
+        acc_t, acc_a = self.grad_accum_ns(cfg, gpus), self.grad_accum_ns(a.config, self.world)
+        if acc_t != acc_a:
+            notes.append(f"FSDP: gradient accumulation over {m} micro-batches keeps each unit's unsharded gradients in "
+                         f"fp32 (a cast, then an add per later micro-batch): {acc_t / 1e6:.2f} ms per step against the "
+                         f"anchor's {acc_a / 1e6:.2f}, at {self._acc_rate()[1]}")
         comps = {"compute": parts["compute"], "expert stage": parts["expert stage"],
                  "all-to-all (exposed)": parts["all-to-all (exposed)"], "pipeline bubble": bubble_ns,
                  "dp traffic (exposed)": dp_exp, "optimizer step": opt,
-                 "other per-step work": max(a.fixed_ns + copies, 0.0)}
+                 "other per-step work": max(a.fixed_ns + copies + acc_t - acc_a, 0.0)}
         step_ns = sum(comps.values())
         tps = m * tokens / pp / (step_ns / 1e9)
         a2a_busy = m * len(moe) / pp * (a2a_f_t + a2a_b_t)  # the busiest rank's share of the layers, all of it
