@@ -207,6 +207,31 @@ def test_thread_time_order_is_the_lexsort_on_any_input():
     check()
 
 
+def test_thread_time_order_with_one_thread_and_an_overflowing_span():
+    """Constant rank/pid/tid columns skip the factorization; a span past int64 still takes the lexsort."""
+    n = 40
+    rng = np.random.default_rng(5)
+    for ts in (rng.integers(0, 30, n), rng.integers(-(2**62), 2**62, n)):
+        cols = [np.zeros(n, np.int32), np.full(n, 7), np.full(n, 2**40), ts, rng.integers(0, 3, n),
+                rng.integers(0, 4, n).astype(np.int8)]
+        assert np.array_equal(CT.thread_time_order(*cols), _lexsort_order(*cols))
+
+
+def test_first_match_is_the_index_lookup_of_first_occurrences():
+    """`_first_match` against pd.Index with duplicates dropped + get_indexer, sorted, nearly sorted and random."""
+    rng = np.random.default_rng(11)
+    for keys in (np.arange(50), np.r_[np.arange(30), 5, 31, 2, 40], rng.integers(-5, 40, 200), np.array([], np.int64),
+                 np.array([3, 3, 3]), np.array([2**62, -(2**62), 0])):
+        keys = keys.astype(np.int64)
+        queries = np.r_[rng.integers(-8, 45, 100), keys[:5]].astype(np.int64)
+        idx = pd.Index(keys)
+        first = ~idx.duplicated()
+        hit = idx[first].get_indexer(queries)
+        expect = np.full(len(queries), -1)
+        expect[hit >= 0] = np.flatnonzero(first)[hit[hit >= 0]]
+        assert np.array_equal(CT._first_match(keys, queries), expect), keys
+
+
 def test_thread_time_order_falls_back_when_the_key_would_overflow():
     n = 50
     rng = np.random.default_rng(3)
