@@ -254,12 +254,12 @@ def annotation_summary(tree: pd.DataFrame, gpu: pd.DataFrame, host_mask=None) ->
     from .calltree import KIND_ANNOTATION, KIND_MODULE
 
     cols = ["path", "name", "count", "host_total_us", "host_mean_us", "gpu_total_us", "kernels"]
-    ann = tree.loc[(tree["kind"].isin([KIND_ANNOTATION, KIND_MODULE]) & ~tree["is_step"]).to_numpy() & _in(tree, host_mask),
-                   ["path", "name", "dur"]]
-    if ann.empty:
+    kind = tree["kind"].to_numpy()
+    rows = np.flatnonzero(((kind == KIND_ANNOTATION) | (kind == KIND_MODULE)) & ~tree["is_step"].to_numpy()
+                          & _in(tree, host_mask))
+    if not len(rows):
         return pd.DataFrame(columns=cols)
-    agg = pd.DataFrame({"path": C.strings(ann["path"]), "name": C.strings(ann["name"]), "dur": ann["dur"].to_numpy()})
-    agg = agg[agg["path"] != ""].groupby(["path", "name"], sort=False)["dur"].agg(["size", "sum"]).reset_index()
+    agg = _by_path_and_name(tree, rows)
     if gpu.empty:
         gp = pd.Series(dtype=float)
         gk = pd.Series(dtype=float)
@@ -267,16 +267,56 @@ def annotation_summary(tree: pd.DataFrame, gpu: pd.DataFrame, host_mask=None) ->
         by_path = gpu.groupby("path", observed=True)["dur"].agg(["sum", "size"])
         by_path.index = by_path.index.astype(str)
         gp, gk = by_path["sum"], by_path["size"]
-    # GPU time under each annotation path: its own and every path below it (few distinct paths)
-    below = list(zip(gp.index.tolist(), gp.tolist(), gk.tolist()))
+    # GPU time under each annotation path: its own and every path below it (q == p or q starts with p + "/"),
+    # each GPU path's time added to every path it is below: the paths ending where q has a "/", and q itself
+    # (integer sums, so the order they are added in changes nothing; a loop over every pair of paths took
+    # 50 ms where a model's nn.Module paths are many)
+    under: dict[str, list] = {}
+    for q, v, k in zip(gp.index.tolist(), gp.tolist(), gk.tolist()):
+        for i in [j for j, ch in enumerate(q) if ch == "/"] + [len(q)]:
+            acc = under.setdefault(q[:i], [0, 0])
+            acc[0] += v
+            acc[1] += k
     gpu_us, kernels = [], []
     for p in agg["path"].tolist():
-        pre = p + "/"
-        m = [(v, k) for q, v, k in below if q == p or q.startswith(pre)]
-        gpu_us.append(float(sum(v for v, _ in m)) / US if m else 0.0)
-        kernels.append(int(sum(k for _, k in m)) if m else 0)
+        acc = under.get(p)
+        gpu_us.append(float(acc[0]) / US if acc else 0.0)
+        kernels.append(int(acc[1]) if acc else 0)
     out = pd.DataFrame({"path": agg["path"], "name": agg["name"], "count": agg["size"].astype(np.int64),
                         "host_total_us": agg["sum"] / US, "host_mean_us": agg["sum"] / US / agg["size"],
                         "gpu_total_us": gpu_us, "kernels": kernels})
     key = "gpu_total_us" if out["gpu_total_us"].sum() > 0 else "host_total_us"
     return out.sort_values(key, ascending=False, ignore_index=True)[cols]
+
+
+def _by_path_and_name(tree: pd.DataFrame, rows: np.ndarray) -> pd.DataFrame:
+    """The tree's `rows` that have a path, by (path, name) in order of first appearance: columns path, name
+    (strings), size, sum (of dur, int64), as `groupby(["path", "name"], sort=False)["dur"].agg(["size", "sum"])`
+    on the rows' path and name strings gives them, grouped on the columns' codes instead (a string per row and a
+    hash of each took ~30 ms on a model's 100K nn.Module ranges). Codes of equal strings (a missing value and an
+    empty category are both "") are made one first."""
+    def ids(col: pd.Series) -> tuple[np.ndarray, np.ndarray]:  # (string id of each row, the strings by id)
+        lut = np.array([str(c) for c in col.cat.categories] + [""], dtype=object)  # code -1 -> ""
+        same, uniques = pd.factorize(lut)
+        return same[col.cat.codes.to_numpy()[rows]], np.asarray(uniques, dtype=object)
+
+    p_id, p_str = ids(tree["path"])
+    n_id, n_str = ids(tree["name"])
+    keep = np.flatnonzero(p_str[p_id] != "")
+    if not len(keep):  # (no group: the frame as groupby leaves it, empty, its dtypes included)
+        ann = tree.iloc[rows]
+        agg = pd.DataFrame({"path": C.strings(ann["path"]), "name": C.strings(ann["name"]), "dur": ann["dur"].to_numpy()})
+        return agg[agg["path"] != ""].groupby(["path", "name"], sort=False)["dur"].agg(["size", "sum"]).reset_index()
+    key = p_id[keep].astype(np.int64) * len(n_str) + n_id[keep]
+    _, first, inv = np.unique(key, return_index=True, return_inverse=True)
+    appear = np.argsort(first, kind="stable")  # groups in order of first appearance
+    group = np.empty(len(appear), dtype=np.int64)
+    group[appear] = np.arange(len(appear))
+    group = group[inv.reshape(-1)]
+    size = np.bincount(group, minlength=len(appear))
+    by_group = np.argsort(group, kind="stable")
+    dur = tree["dur"].to_numpy()[rows[keep]].astype(np.int64, copy=False)
+    total = np.add.reduceat(dur[by_group], np.r_[0, np.cumsum(size)[:-1]])  # int64: exact, as groupby's sum
+    head = keep[first[appear]]  # each group's first row
+    return pd.DataFrame({"path": p_str[p_id[head]], "name": n_str[n_id[head]], "size": size.astype(np.int64),
+                         "sum": total})
