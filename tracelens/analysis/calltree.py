@@ -32,6 +32,11 @@ import pandas as pd
 
 from .. import categories as C
 
+try:  # the linking compiled (setup.py builds it where a C compiler exists); else the vectorized code, the same links
+    from . import _tree
+except ImportError:
+    _tree = None
+
 KIND_ANNOTATION, KIND_MODULE, KIND_OP, KIND_RUNTIME = 0, 1, 2, 3
 _MODULE_PREFIX = C.MODULE_PREFIX
 TREE_COLUMNS = ("rank", "pid", "tid", "ts", "dur", "name", "cat", "correlation", "external_id", "input_dims",
@@ -136,58 +141,34 @@ def build_tree(events: pd.DataFrame) -> pd.DataFrame:
     o_group = np.cumsum(new_group, dtype=pos_t)  # the thread of each sorted position (from 1)
     del new_group
 
-    # Ranges (ops, annotations, modules) get their parents from a stack walk in Python; runtime calls,
-    # ~half of all host events and always leaves, are placed afterwards with a vectorized lookup of
-    # "which range was innermost at this instant" (the stack top as a step function of time).
+    # Ranges (ops, annotations, modules) get their parents, depths, ops and paths by time containment; runtime
+    # calls, ~half of all host events and always leaves, the innermost range open at their start (the stack top
+    # as a step function of time): compiled (_tree.c) where built, else vectorized (`link_ranges`,
+    # `_innermost_range_at`), the same arrays
     o_kind_a = kind[order]
-    rng_pos = np.flatnonzero(o_kind_a != KIND_RUNTIME).astype(pos_t)  # sorted positions of ranges
     o_ts, o_end = ts[order], end[order]
     del end
-    r_parent, r_depth, r_inner, r_outer, r_path, path_parent, path_name = link_ranges(
-        o_group[rng_pos], o_ts[rng_pos], o_end[rng_pos], o_kind_a[rng_pos],
-        name_codes[order[rng_pos]], is_step[order[rng_pos]],
-    )
+    parent_s, depth_s, inner_s, outer_s, path_s, path_parent, path_name, nested = _link_sorted(
+        o_group, o_ts, o_end, o_kind_a, name_codes[order], is_step[order], pos_t)
     del name_codes
-
-    # back to all sorted positions: ranges' links are range indices -> sorted positions
-    def spread(vals: np.ndarray, is_index: bool, dtype=np.int64) -> np.ndarray:
-        out = np.full(n, -1 if is_index else 0, dtype=dtype)
-        v = vals
-        if is_index:
-            ok = v >= 0
-            v = np.where(ok, rng_pos[np.where(ok, v, 0)], -1)
-        out[rng_pos] = v
-        return out
-
-    parent_s = spread(r_parent, True, pos_t)
-    depth_s = spread(r_depth, False, np.int32)  # depths and path ids are small: half the bytes
-    inner_s = spread(r_inner, True, pos_t)
-    outer_s = spread(r_outer, True, pos_t)
-    path_s = spread(r_path, False, np.int32)
-    del r_parent, r_depth, r_inner, r_outer, r_path
     rt_pos = np.flatnonzero(o_kind_a == KIND_RUNTIME).astype(pos_t)
     launcher = None
     if len(rt_pos):
-        top = _innermost_range_at(o_group, o_ts, o_end, rng_pos, parent_s, depth_s, rt_pos)
+        top = parent_s[rt_pos]
         has = top >= 0
-        parent_s[rt_pos] = top
-        safe = np.where(has, top, 0)
-        depth_s[rt_pos] = np.where(has, depth_s[safe] + 1, 0)
-        path_s[rt_pos] = np.where(has, path_s[safe], 0)
         # the launching op: named by the call's External id, else the innermost op enclosing it in time
-        r_par = parent_s[rng_pos]
-        if (o_end[rng_pos][r_par >= 0] <= o_end[r_par[r_par >= 0]]).all():
+        if nested:
             # properly nested ranges: the ranges open at t are the innermost one's ancestors, so its
             # innermost op is the innermost op open at t
-            launcher = np.where(has, inner_s[safe], -1)
+            launcher = np.where(has, inner_s[np.where(has, top, 0)], -1)
         else:  # some range outlasts its parent: search the ops alone
             op_pos = np.flatnonzero(o_kind_a == KIND_OP)  # sorted by (thread, ts, -end, External id, row)
             k = innermost_op_at(_wide(o_group[op_pos]), o_ts[op_pos], o_end[op_pos], _wide(o_group[rt_pos]),
                                 o_ts[rt_pos])
             launcher = np.where(k >= 0, op_pos[np.maximum(k, 0)], -1)
             del op_pos, k
-        del top, has, safe, r_par
-    del o_group, o_ts, o_end, rng_pos, o_kind_a  # (before the External-id lookup below: the peak of build_tree)
+        del top, has
+    del o_group, o_ts, o_end, o_kind_a  # (before the External-id lookup below: the peak of build_tree)
     inv = np.empty(n, dtype=pos_t)  # original position -> sorted position
     inv[order] = np.arange(n, dtype=pos_t)
     if launcher is not None:
@@ -248,6 +229,58 @@ def build_tree(events: pd.DataFrame) -> pd.DataFrame:
     out["is_step"] = is_step
     out["step"] = _narrowest_id_type(np.where(is_step, C.map_strings(names, _step_number, dtype=np.int64), -1))
     return out
+
+
+def _link_sorted(o_group: np.ndarray, o_ts: np.ndarray, o_end: np.ndarray, o_kind: np.ndarray, o_name: np.ndarray,
+                 o_step: np.ndarray, pos_t) -> tuple:
+    """The links of the host events in `build_tree`'s sorted order (thread, start, longer first, kind): parent,
+    depth, inner, outer, path (path ids) per sorted position (runtime calls: their innermost enclosing range as
+    parent, inner / outer -1), the path table (path_parent, path_name) and whether the ranges nest properly (each
+    ends no later than its parent). `_tree.link` where it is built (a range ending before it starts leaves it to
+    the vectorized code), else `link_ranges` over the ranges and `_innermost_range_at` for the runtime calls."""
+    n = len(o_ts)
+    if _tree is not None and pos_t is np.int32:
+        out = [np.empty(n, dtype=np.int32) for _ in range(5)]
+        got = _tree.link(o_group.astype(np.int32, copy=False), o_ts.astype(np.int64, copy=False),
+                         o_end.astype(np.int64, copy=False), o_kind.astype(np.int8, copy=False),
+                         o_name.astype(np.int32, copy=False), o_step.astype(bool, copy=False).view(np.uint8), *out)
+        if got is not None:
+            nested, path_parent, path_name = got
+            return (*out, np.frombuffer(path_parent, dtype=np.int32), np.frombuffer(path_name, dtype=np.int32),
+                    bool(nested))
+        del out
+    rng_pos = np.flatnonzero(o_kind != KIND_RUNTIME).astype(pos_t)  # sorted positions of ranges
+    r_parent, r_depth, r_inner, r_outer, r_path, path_parent, path_name = link_ranges(
+        o_group[rng_pos], o_ts[rng_pos], o_end[rng_pos], o_kind[rng_pos], o_name[rng_pos], o_step[rng_pos])
+
+    # back to all sorted positions: ranges' links are range indices -> sorted positions
+    def spread(vals: np.ndarray, is_index: bool, dtype=np.int64) -> np.ndarray:
+        out = np.full(n, -1 if is_index else 0, dtype=dtype)
+        v = vals
+        if is_index:
+            ok = v >= 0
+            v = np.where(ok, rng_pos[np.where(ok, v, 0)], -1)
+        out[rng_pos] = v
+        return out
+
+    parent_s = spread(r_parent, True, pos_t)
+    depth_s = spread(r_depth, False, np.int32)  # depths and path ids are small: half the bytes
+    inner_s = spread(r_inner, True, pos_t)
+    outer_s = spread(r_outer, True, pos_t)
+    path_s = spread(r_path, False, np.int32)
+    del r_parent, r_depth, r_inner, r_outer, r_path
+    rt_pos = np.flatnonzero(o_kind == KIND_RUNTIME).astype(pos_t)
+    if len(rt_pos):
+        top = _innermost_range_at(o_group, o_ts, o_end, rng_pos, parent_s, depth_s, rt_pos)
+        has = top >= 0
+        parent_s[rt_pos] = top
+        safe = np.where(has, top, 0)
+        depth_s[rt_pos] = np.where(has, depth_s[safe] + 1, 0)
+        path_s[rt_pos] = np.where(has, path_s[safe], 0)
+        del top, has, safe
+    r_par = parent_s[rng_pos]
+    nested = bool((o_end[rng_pos][r_par >= 0] <= o_end[r_par[r_par >= 0]]).all())
+    return parent_s, depth_s, inner_s, outer_s, path_s, path_parent, path_name, nested
 
 
 def _wide(a: np.ndarray) -> np.ndarray:
