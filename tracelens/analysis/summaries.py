@@ -56,10 +56,11 @@ def ops_summary(tree: pd.DataFrame, gpu: pd.DataFrame, busy_ns: float, host_mask
         if len(m) == 0:
             continue
         m += lo
-        uniq, first, inv = np.unique(keys(m), return_index=True, return_inverse=True)
-        for j in np.argsort(first, kind="stable").tolist():
-            group_of.setdefault(int(uniq[j]), len(group_of))
-        g = np.fromiter((group_of[k] for k in uniq.tolist()), dtype=np.int64, count=len(uniq))[inv]
+        inv, uniq = pd.factorize(keys(m))  # uniq in order of first appearance (a hash, no sort of the keys)
+        uniq = uniq.tolist()
+        for k in uniq:
+            group_of.setdefault(k, len(group_of))
+        g = np.fromiter((group_of[k] for k in uniq), dtype=np.int64, count=len(uniq))[inv]
         del inv
         n = len(group_of)
         count = np.pad(count, (0, n - len(count))) + np.bincount(g, minlength=n)
@@ -124,9 +125,16 @@ def kernel_summary(gpu: pd.DataFrame, busy_ns: float) -> pd.DataFrame:
     cols = ["kernel", "op", "category", "kind", "count", "total_us", "mean_us", "min_us", "max_us", "pct_gpu_busy"]
     if gpu.empty:
         return pd.DataFrame(columns=cols)
-    agg = gpu.groupby(["name", "op", "category", "kind"], observed=True, sort=False)["dur"].agg(
-        ["size", "sum", "mean", "min", "max"]
-    ).reset_index()
+    keys = ["name", "op", "category", "kind"]
+    got = _groups(gpu, keys)
+    if got is not None:
+        group, rows, cols_of = got
+        dur = gpu["dur"].to_numpy()
+        stats = pd.Series(dur if rows is None else dur[rows]).groupby(group, sort=False).agg(
+            ["size", "sum", "mean", "min", "max"])
+        agg = pd.DataFrame({**cols_of, **{c: stats[c].to_numpy() for c in stats.columns}})
+    else:
+        agg = gpu.groupby(keys, observed=True, sort=False)["dur"].agg(["size", "sum", "mean", "min", "max"]).reset_index()
     out = pd.DataFrame(
         {
             "kernel": agg["name"].astype(str),
@@ -216,14 +224,19 @@ def breakdown_tree(gpu: pd.DataFrame, tree: pd.DataFrame, max_leaves: int = 400,
             }
         )
     # aggregate on categoricals first (cheap), then make labels for the few distinct rows
-    agg = leaves.groupby(["path", "top", "op", "leaf"], sort=False, observed=True)["value"].sum().reset_index()
-    for c in ("path", "top", "op", "leaf"):
-        agg[c] = agg[c].astype(str)
+    keys = ["path", "top", "op", "leaf"]
+    agg = _sum_by_codes(leaves, keys, "value")
+    if agg is None:
+        agg = leaves.groupby(keys, sort=False, observed=True)["value"].sum().reset_index()
+        for c in keys:
+            agg[c] = agg[c].astype(str)
     agg["top"] = agg["top"].replace({"": "(no op)", "nan": "(no op)"})
-    if not gpu.empty:
-        agg["leaf"] = agg["leaf"].map(C.short_kernel_name)
+    if not gpu.empty:  # (each distinct kernel name shortened once)
+        short = {k: C.short_kernel_name(k) for k in agg["leaf"].unique().tolist()}
+        agg["leaf"] = agg["leaf"].map(short)
     agg.loc[agg["op"] == agg["top"], "op"] = ""
-    agg = agg.groupby(["path", "top", "op", "leaf"], sort=False)["value"].sum().reset_index()
+    again = _sum_by_codes(agg, keys, "value")  # (rows that now share their labels)
+    agg = again if again is not None else agg.groupby(keys, sort=False)["value"].sum().reset_index()
     agg = agg.sort_values("value", ascending=False, ignore_index=True)
     if len(agg) > max_leaves:
         rest = agg.iloc[max_leaves:]["value"].sum()
@@ -231,7 +244,7 @@ def breakdown_tree(gpu: pd.DataFrame, tree: pd.DataFrame, max_leaves: int = 400,
         agg = pd.concat([agg, pd.DataFrame([{"path": "", "top": "(other)", "op": "", "leaf": "", "value": rest}])],
                         ignore_index=True)
     nodes: dict[str, list] = {}  # id -> [parent, label, value, level]
-    for path, top, op, leaf, value in agg.itertuples(index=False):
+    for path, top, op, leaf, value in zip(*(agg[c].tolist() for c in (*keys, "value"))):
         chain = [p for p in path.split("/") if p] + [top] + ([op] if op else []) + ([leaf] if leaf else [])
         parent = ""
         for level, label in enumerate(chain):
@@ -246,6 +259,54 @@ def breakdown_tree(gpu: pd.DataFrame, tree: pd.DataFrame, max_leaves: int = 400,
         [(i, p, lbl, v, lvl) for i, (p, lbl, v, lvl) in nodes.items()],
         columns=["id", "parent", "label", "value", "level"],
     )
+
+
+def _groups(frame: pd.DataFrame, keys: list[str]) -> tuple[np.ndarray, np.ndarray | None, dict] | None:
+    """The groups of `frame.groupby(keys, sort=False, observed=True)`, found by a hash of one int64 made of the
+    keys' codes (a categorical's, else `pd.factorize`'s): (the group of each row kept, numbered in order of first
+    appearance; the rows kept, None for all: rows with a missing key are left out, as the groupby drops them;
+    each key's value per group, as strings for a categorical key (`astype(str)`), else as they are). Aggregating
+    a column over that one int key with pandas gives what the groupby on the keys gives (the same cython
+    reductions, over each group's rows in row order), at ~1/3 of the cost of grouping on several keys. None
+    where the codes would not fit one int64 (the caller groups on the keys)."""
+    codes, labels = [], []
+    for k in keys:
+        col = frame[k]
+        if isinstance(col.dtype, pd.CategoricalDtype):
+            codes.append(col.cat.codes.to_numpy())
+            labels.append(np.array([str(v) for v in col.cat.categories], dtype=object))
+        else:
+            c, uniques = pd.factorize(col.to_numpy())
+            codes.append(c)
+            labels.append(np.asarray(uniques, dtype=object))
+    if float(np.prod([float(len(x)) + 1.0 for x in labels])) >= 2.0**62:
+        return None
+    ok = np.ones(len(frame), dtype=bool)
+    key = np.zeros(len(frame), dtype=np.int64)
+    for c, lab in zip(codes, labels):
+        ok &= c >= 0
+        key *= len(lab)
+        key += c
+    rows = None if ok.all() else np.flatnonzero(ok)
+    if rows is not None:
+        key = key[rows]
+    group, _ = pd.factorize(key)  # numbered in order of first appearance
+    run = np.maximum.accumulate(group) if len(group) else group  # each group's first row: where a number
+    first = np.flatnonzero(np.r_[True, run[1:] > run[:-1]]) if len(group) else group  # above all before it appears
+    values = {k: pd.array(lab[(c if rows is None else c[rows])[first]], dtype=str) for k, c, lab in zip(keys, codes, labels)}
+    return group, rows, values
+
+
+def _sum_by_codes(frame: pd.DataFrame, keys: list[str], value: str) -> pd.DataFrame | None:
+    """`frame.groupby(keys, sort=False, observed=True)[value].sum().reset_index()` by `_groups` (categorical keys
+    as strings); None where `_groups` is."""
+    got = _groups(frame, keys)
+    if got is None:
+        return None
+    group, rows, out = got
+    vals = frame[value].to_numpy()
+    out[value] = pd.Series(vals if rows is None else vals[rows]).groupby(group, sort=False).sum().to_numpy()
+    return pd.DataFrame(out)
 
 
 def annotation_summary(tree: pd.DataFrame, gpu: pd.DataFrame, host_mask=None) -> pd.DataFrame:
