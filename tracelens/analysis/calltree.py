@@ -753,10 +753,15 @@ def _step_number(name: str) -> int:
 
 def steps_table(tree: pd.DataFrame) -> pd.DataFrame:
     """Profiler steps per rank: rank, step, start, end (host time of the step annotation)."""
-    s = tree.loc[tree["is_step"], ["rank", "step", "ts", "dur"]]
-    s = s.astype({"step": np.int64})  # (int32 in the tree when the numbers fit)
-    s = s.assign(end=s["ts"] + s["dur"]).rename(columns={"ts": "start"}).drop(columns="dur")
-    return s.sort_values(["rank", "start"]).drop_duplicates(["rank", "step"]).reset_index(drop=True)
+    rows = np.flatnonzero(tree["is_step"].to_numpy())
+    rank = tree["rank"].to_numpy()[rows]
+    step = tree["step"].to_numpy()[rows].astype(np.int64)  # (int32 in the tree when the numbers fit)
+    start = tree["ts"].to_numpy()[rows]
+    end = start + tree["dur"].to_numpy()[rows]
+    o = np.lexsort((start, rank))  # by rank, then start (stable, as sort_values on two columns)
+    seen: set = set()  # the first (rank, step) of each pair kept, as drop_duplicates (a few rows: steps)
+    keep = [i for i in o.tolist() if (k := (rank[i], step[i])) not in seen and not seen.add(k)]
+    return pd.DataFrame({"rank": rank[keep], "step": step[keep], "start": start[keep], "end": end[keep]})
 
 
 def gpu_events(events: pd.DataFrame) -> pd.DataFrame:
@@ -772,7 +777,7 @@ def gpu_events(events: pd.DataFrame) -> pd.DataFrame:
     g["end"] = g["ts"] + g["dur"]
     # stream: the arg when present, else Kineto's tid on the GPU "process" (which is the stream)
     g["stream"] = np.where(g["stream"].to_numpy() >= 0, g["stream"].to_numpy(), g["tid"].to_numpy())
-    g["is_comm"] = (g["kind"] == "kernel").to_numpy() & C.is_comm_kernel(g["name"])
+    g["is_comm"] = (code == 0) & C.is_comm_kernel(g["name"])  # (code 0: a kernel)
     return g
 
 
@@ -848,19 +853,27 @@ def _positions(frame: pd.DataFrame, labels: np.ndarray) -> np.ndarray:
 def assign_steps(rank: np.ndarray, t: np.ndarray, steps: pd.DataFrame) -> np.ndarray:
     """Step number whose [start, end) holds time t on the same rank, else -1."""
     step = np.full(len(t), -1, dtype=np.int64)
-    if steps.empty:
+    if steps.empty or not len(t):
         return step
-    for r, s in steps.groupby("rank"):
-        m = rank == r
-        if not m.any():
+    s_rank = steps["rank"].to_numpy()
+    s_start, s_end, s_num = (steps[c].to_numpy() for c in ("start", "end", "step"))
+    one_rank = rank.min() == rank.max()  # (one file: every row's rank is the one rank, no mask to apply)
+    for r in np.unique(s_rank).tolist():  # (steps is sorted by rank, then start)
+        if one_rank and r != rank[0]:
             continue
-        starts = s["start"].to_numpy()
-        ends = s["end"].to_numpy()
-        nums = s["step"].to_numpy()
-        pos = np.searchsorted(starts, t[m], side="right") - 1
+        rows = None if one_rank else np.flatnonzero(rank == r)
+        if rows is not None and not len(rows):
+            continue
+        in_r = s_rank == r
+        starts, ends, nums = s_start[in_r], s_end[in_r], s_num[in_r].astype(np.int64, copy=False)
+        tr = t if rows is None else t[rows]
+        pos = np.searchsorted(starts, tr, side="right") - 1
         ok = pos >= 0
-        ok[ok] = t[m][ok] < ends[pos[ok]]
-        res = np.full(m.sum(), -1, dtype=np.int64)
-        res[ok] = nums[pos[ok]]
-        step[m] = res
+        np.maximum(pos, 0, out=pos)
+        ok &= tr < ends[pos]
+        res = np.where(ok, nums[pos], -1)
+        if rows is None:
+            step = res
+        else:
+            step[rows] = res
     return step
