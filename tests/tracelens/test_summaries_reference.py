@@ -157,3 +157,41 @@ def test_groups_leave_out_missing_keys_as_groupby_does():
     ref = frame.groupby(["a", "b"], sort=False, observed=True)["v"].sum().reset_index()
     ref["a"] = ref["a"].astype(str)
     pd.testing.assert_frame_equal(got, ref, check_exact=True, check_dtype=False)
+
+
+def _top_level_ops_reference(tree: pd.DataFrame, gpu: pd.DataFrame, host_mask=None) -> pd.DataFrame:
+    """top_level_ops as it was: the outermost ops' frame, groups by np.unique of the name codes."""
+    from tracelens.analysis.calltree import KIND_OP
+
+    kind, outer = tree["kind"].to_numpy(), tree["outer_op"].to_numpy()
+    ops = tree.loc[(kind == KIND_OP) & (outer == tree.index.to_numpy()) & S._in(tree, host_mask), ["name", "dur"]]
+    if ops.empty:
+        return pd.DataFrame(columns=["op", "count", "cpu_total_us", "gpu_total_us", "kernels"])
+    gpu_ns, nk = S._per_row(gpu, "top_op_row", ops.index.to_numpy())
+    code = ops["name"].cat.codes.to_numpy()
+    named = code >= 0
+    uniq, grp = np.unique(code[named], return_inverse=True)
+    n = len(uniq)
+    out = pd.DataFrame({"op": S._decode_codes(uniq, ops["name"]), "count": np.bincount(grp, minlength=n),
+                        "cpu_total_us": np.bincount(grp, weights=ops["dur"].to_numpy()[named], minlength=n) / S.US,
+                        "gpu_total_us": np.bincount(grp, weights=gpu_ns[named], minlength=n) / S.US,
+                        "kernels": np.bincount(grp, weights=nk[named], minlength=n).astype(np.int64)})
+    return out.sort_values(["gpu_total_us", "cpu_total_us"], ascending=False, ignore_index=True)
+
+
+@pytest.mark.parametrize("path", ALL_TRACES, ids=lambda p: p.name)
+def test_top_level_ops_category_rollup_and_steps_are_the_pandas_reference(path):
+    from tracelens.analysis import calltree as CT
+
+    a = tracelens.analyze(tracelens.load(path, cache=False))
+    for host_mask in (None, a.host_window):
+        pd.testing.assert_frame_equal(S.top_level_ops(a.tree, a.gpu_window, host_mask=host_mask),
+                                      _top_level_ops_reference(a.tree, a.gpu_window, host_mask=host_mask), check_exact=True)
+    if not a.gpu.empty:
+        pd.testing.assert_frame_equal(S._rank_category_sums(a.gpu),
+                                      a.gpu.groupby(["rank", "category"], observed=True)["dur"].agg(["size", "sum"]).reset_index(),
+                                      check_exact=True)
+    s = a.tree.loc[a.tree["is_step"], ["rank", "step", "ts", "dur"]].astype({"step": np.int64})
+    s = s.assign(end=s["ts"] + s["dur"]).rename(columns={"ts": "start"}).drop(columns="dur")
+    ref = s.sort_values(["rank", "start"]).drop_duplicates(["rank", "step"]).reset_index(drop=True)
+    pd.testing.assert_frame_equal(CT.steps_table(a.tree), ref, check_exact=True)
