@@ -63,19 +63,28 @@ def host_events(events: pd.DataFrame) -> pd.DataFrame:
     k = int(np.count_nonzero(sel))
     cols = list(TREE_COLUMNS)
     if k and sel[:k].all():
-        head = [events[c].iloc[:k] for c in cols]
-        host = pd.concat(head, axis=1) if _PANDAS3 else pd.concat(head, axis=1, copy=False)
+        if _PANDAS3:  # (copy-on-write: the row slice of the columns is views)
+            host = events.iloc[:k, [events.columns.get_loc(c) for c in cols]]
+        else:
+            host = pd.concat([events[c].iloc[:k] for c in cols], axis=1, copy=False)
     else:
         host = events.loc[sel, cols].copy(deep=False)
     # (every column as the events table has it: correlation / External id narrow (trace.narrow_args),
     # pid / tid int64, shared rather than narrowed into a copy)
-    cat = host["cat"]
-    kind = np.full(len(host), KIND_OP, dtype=np.int8)
-    kind[C.isin(cat, C.ANNOTATION_CATS)] = KIND_ANNOTATION
-    kind[C.isin(cat, C.PYTHON_CATS)] = KIND_MODULE  # (the tree's Python events are nn.Module ranges)
-    kind[C.isin(cat, C.RUNTIME_CATS)] = KIND_RUNTIME
-    host["kind"] = kind
+    # (the tree's Python events are nn.Module ranges; anything else is an op); one lookup per category
+    host["kind"] = C.map_strings(host["cat"], _kind_of_cat, dtype=np.int8)
     return host
+
+
+def _kind_of_cat(cat: str) -> int:
+    """The node kind of a call-tree event of category `cat` (`host_events`)."""
+    if cat in C.RUNTIME_CATS:
+        return KIND_RUNTIME
+    if cat in C.PYTHON_CATS:
+        return KIND_MODULE
+    if cat in C.ANNOTATION_CATS:
+        return KIND_ANNOTATION
+    return KIND_OP
 
 
 def _narrowest_id_type(a: np.ndarray) -> np.ndarray:
@@ -118,7 +127,10 @@ def build_tree(events: pd.DataFrame) -> pd.DataFrame:
     names = host["name"]
     name_codes = names.cat.codes.to_numpy()  # (int16 / int32, as the categorical keeps them)
     name_uniques = list(names.cat.categories.astype(str)) + [""]  # code -1 -> ""
-    is_step = (C.map_strings(names, _step_number, dtype=np.int64) >= 0) & (kind == KIND_ANNOTATION)  # numbers: at the end
+    step_number = C.map_strings(names, _step_number, dtype=np.int64)
+    is_step = (step_number >= 0) & (kind == KIND_ANNOTATION)
+    step_col = _narrowest_id_type(np.where(is_step, step_number, -1))  # (the `step` column, set at the end)
+    del step_number
     rank_a, pid_a, tid_a = (host[c].to_numpy() for c in ("rank", "pid", "tid"))
     ext_a = host["external_id"].to_numpy()
     # per thread; parents first: by start, then longer first, then annotation < module < op < runtime,
@@ -227,7 +239,7 @@ def build_tree(events: pd.DataFrame) -> pd.DataFrame:
     del path, path_a, inv, order
     out["self_dur"] = np.maximum(self_dur, 0)
     out["is_step"] = is_step
-    out["step"] = _narrowest_id_type(np.where(is_step, C.map_strings(names, _step_number, dtype=np.int64), -1))
+    out["step"] = step_col
     return out
 
 
@@ -356,7 +368,7 @@ def _tied_out_of_order(order: np.ndarray, ts: np.ndarray, dur: np.ndarray, kind:
 def _path_categorical(path_str: list[str], ids: np.ndarray) -> pd.Categorical:
     """pd.Categorical of path_str[ids] (categories: the distinct strings used, sorted), built from the
     few path ids instead of one string per row."""
-    used = np.unique(ids)
+    used = np.flatnonzero(np.bincount(ids, minlength=len(path_str)))  # (path ids are small: bins, no sort)
     cats = sorted({path_str[i] for i in used.tolist()})
     pos = {c: k for k, c in enumerate(cats)}
     code_of = np.zeros(int(used.max(initial=0)) + 1, dtype=np.int32)
