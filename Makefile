@@ -24,10 +24,10 @@ $(STAMP): pyproject.toml
 	$(PIP) install -q -e ".[trainer,kernels,tune,dev]"
 	touch $(STAMP)
 
-# The compiled scanner and walk (optional: setup.py builds them where a C compiler exists) again whenever their
+# The compiled scanner, tree linking and walk (optional: setup.py builds them where a C compiler exists) again whenever their
 # source changed since the last build, so an existing checkout never runs a stale one after a pull.
 SCANNER := $(VENV)/.scanner-built
-$(SCANNER): tracelens/io/_kineto_fast.c tracelens/analysis/_walk.c setup.py $(STAMP)
+$(SCANNER): tracelens/io/_kineto_fast.c tracelens/analysis/_tree.c tracelens/analysis/_walk.c setup.py $(STAMP)
 	$(PY) setup.py -q build_ext --inplace
 	touch $(SCANNER)
 

@@ -207,6 +207,31 @@ def test_thread_time_order_is_the_lexsort_on_any_input():
     check()
 
 
+def test_thread_time_order_with_one_thread_and_an_overflowing_span():
+    """Constant rank/pid/tid columns skip the factorization; a span past int64 still takes the lexsort."""
+    n = 40
+    rng = np.random.default_rng(5)
+    for ts in (rng.integers(0, 30, n), rng.integers(-(2**62), 2**62, n)):
+        cols = [np.zeros(n, np.int32), np.full(n, 7), np.full(n, 2**40), ts, rng.integers(0, 3, n),
+                rng.integers(0, 4, n).astype(np.int8)]
+        assert np.array_equal(CT.thread_time_order(*cols), _lexsort_order(*cols))
+
+
+def test_first_match_is_the_index_lookup_of_first_occurrences():
+    """`_first_match` against pd.Index with duplicates dropped + get_indexer, sorted, nearly sorted and random."""
+    rng = np.random.default_rng(11)
+    for keys in (np.arange(50), np.r_[np.arange(30), 5, 31, 2, 40], rng.integers(-5, 40, 200), np.array([], np.int64),
+                 np.array([3, 3, 3]), np.array([2**62, -(2**62), 0])):
+        keys = keys.astype(np.int64)
+        queries = np.r_[rng.integers(-8, 45, 100), keys[:5]].astype(np.int64)
+        idx = pd.Index(keys)
+        first = ~idx.duplicated()
+        hit = idx[first].get_indexer(queries)
+        expect = np.full(len(queries), -1)
+        expect[hit >= 0] = np.flatnonzero(first)[hit[hit >= 0]]
+        assert np.array_equal(CT._first_match(keys, queries), expect), keys
+
+
 def test_thread_time_order_falls_back_when_the_key_would_overflow():
     n = 50
     rng = np.random.default_rng(3)
@@ -214,3 +239,89 @@ def test_thread_time_order_falls_back_when_the_key_would_overflow():
     cols = [np.zeros(n, np.int32), rng.integers(0, 9, n), rng.integers(0, 9, n), ts, rng.integers(0, 3, n),
             rng.integers(0, 4, n).astype(np.int8)]
     assert np.array_equal(CT.thread_time_order(*cols), _lexsort_order(*cols))
+
+
+# ------------------------------------------------------------------ the compiled linking (_tree.c) = the vectorized
+
+
+def _vectorized(monkeypatch):
+    """Run the rest of the test on the vectorized linking (as without the compiled module)."""
+    monkeypatch.setattr(CT, "_tree", None)
+
+
+def _link_both(monkeypatch, group, ts, end, kind, name, step):
+    pos_t = np.int32
+    got = CT._link_sorted(group.astype(np.int32), ts, end, kind.astype(np.int8), name, step, pos_t)
+    with monkeypatch.context() as m:
+        _vectorized(m)
+        ref = CT._link_sorted(group.astype(np.int32), ts, end, kind.astype(np.int8), name, step, pos_t)
+    return got, ref
+
+
+def _assert_links_equal(got, ref):
+    for x, y, what in zip(got[:5], ref[:5], ("parent", "depth", "inner", "outer", "path")):
+        if what == "path":  # path ids are numbered differently: the paths they stand for are the same
+            x, y = resolve(x, got[5], got[6]), resolve(y, ref[5], ref[6])
+            assert x == y, what
+        else:
+            assert np.array_equal(np.asarray(x), np.asarray(y)), what
+    assert got[7] == ref[7]  # nested
+
+
+def _random_events(rng, n_threads=3, n=120, span=60, nested=False):
+    """Random sorted host events (ranges and runtime calls) on a few threads: zero lengths, equal starts and
+    ends, ranges outlasting their parents unless `nested`."""
+    rows = []
+    for g in range(n_threads):
+        if nested:
+            def build(lo, hi, depth):
+                t = lo
+                while t < hi and depth < 5:
+                    a = int(rng.integers(t, hi + 1))
+                    b = int(rng.integers(a, hi + 1))
+                    rows.append((g, a, b, int(rng.integers(0, 4)), int(rng.integers(-1, 4))))
+                    if b > a:
+                        build(a, b, depth + 1)
+                    t = b + int(rng.integers(0, 3))
+            build(0, span, 0)
+        else:
+            for _ in range(n // n_threads):
+                a = int(rng.integers(0, span))
+                b = a + int(rng.choice([0, 0, 1, 2, 5, 20, 40]))
+                rows.append((g, a, b, int(rng.integers(0, 4)), int(rng.integers(-1, 4))))
+    arr = np.array(rows, dtype=np.int64).reshape(-1, 5)
+    g, ts, end, kind, name = arr.T
+    order = np.lexsort((kind, -(end - ts), ts, g))
+    step = (rng.random(len(arr)) < 0.15) & (kind == CT.KIND_ANNOTATION)
+    return g[order], ts[order], end[order], kind[order], name[order], step[order]
+
+
+@pytest.mark.skipif(CT._tree is None, reason="the compiled linking is not built")
+@pytest.mark.parametrize("seed", range(40))
+def test_compiled_linking_is_the_vectorized_on_random_events(monkeypatch, seed):
+    rng = np.random.default_rng(seed)
+    events = _random_events(rng, nested=seed % 2 == 0)
+    got, ref = _link_both(monkeypatch, *events)
+    _assert_links_equal(got, ref)
+
+
+@pytest.mark.skipif(CT._tree is None, reason="the compiled linking is not built")
+def test_compiled_linking_leaves_negative_durations_to_the_vectorized(monkeypatch):
+    g, ts, end, kind, name, step = _random_events(np.random.default_rng(1))
+    r = np.flatnonzero(kind != CT.KIND_RUNTIME)[3]
+    end = end.copy()
+    end[r] = ts[r] - 1
+    out = [np.empty(len(ts), np.int32) for _ in range(5)]
+    assert CT._tree.link(g.astype(np.int32), ts, end, kind.astype(np.int8), name.astype(np.int32),
+                         step.view(np.uint8), *out) is None
+    got, ref = _link_both(monkeypatch, g, ts, end, kind, name, step)
+    _assert_links_equal(got, ref)
+
+
+@pytest.mark.skipif(CT._tree is None, reason="the compiled linking is not built")
+@pytest.mark.parametrize("path", [MOE_LOOP, MOE_GROUPED, MI250, NCCL_2RANK, DIFF_TEST], ids=lambda p: p.name)
+def test_build_tree_compiled_is_the_vectorized_on_fixtures(monkeypatch, path):
+    events = tracelens.load(path, cache=False).events
+    got = CT.build_tree(events)
+    _vectorized(monkeypatch)
+    pd.testing.assert_frame_equal(got, CT.build_tree(events), check_exact=True)

@@ -47,3 +47,33 @@ def test_strings_matches_astype_and_fills_missing():
     present = col[col.notna()]
     assert C.strings(present).tolist() == [str(v) for v in present]  # what astype(str) gives per row
     assert C.strings(pd.Series(["a", None], dtype=object)).tolist() == ["a", ""]
+
+
+_TRICKY = ["", "NCCL", "ncclDevKernel_AllReduce", "Ncclkernel_X", "GROUPED_GEMM", "x_GROUPED_y", "aten::MM", "aTen::addmm",
+           "GMM", "gmm_", "gmm", "FlashAttn", "void cutlass::Kernel<Sm90GemmTma>", "triton_PER_fused_0",
+           "CatArrayBatchedCopy", "deep_EP", "DeepEP", "cross_device_REDUCE", "MHA_fwd", "xmha", "Cijk_Ailk",
+           # not ASCII: through the patterns as written (IGNORECASE folds U+017F to s, U+212A to k)
+           "ſoftmax", "\u212aernel_gemm", "İnorm", "résumé_gemm", "NCCL\u00e9"]
+
+
+def test_folded_rules_match_the_case_insensitive_patterns():
+    """The lowered patterns (`_first_rule`, `is_comm_kernel`) find what the IGNORECASE ones do, ASCII or not."""
+    import re
+
+    def first_rule(text, which):
+        for i, rule in enumerate(C._RULES):
+            if text and rule[which] is not None and rule[which].search(text):
+                return i
+        return len(C._RULES)
+
+    assert all(f is not None for _, f, _ in C._RULES_FOLDED) and C._COMM_FOLDED is not None  # every rule folds
+    for text in _TRICKY + [t.lower() for t in _TRICKY] + [t.upper() for t in _TRICKY]:
+        for which in (1, 2):
+            assert C._first_rule(text, which) == first_rule(text, which), (text, which)
+        assert C.search_folded(C.COMM_RE, C._COMM_FOLDED, text) == bool(C.COMM_RE.search(text)), text
+    col = pd.Series(pd.Categorical(_TRICKY))
+    assert C.is_comm_kernel(col).tolist() == [bool(C.COMM_RE.search(t)) for t in _TRICKY]
+    # patterns whose meaning lowering would change are not folded
+    for pat in (r"\S+gemm", r"\x41", r"\Dx", r"(?x) a b"):
+        assert C._folded(re.compile(pat, re.IGNORECASE)) is None, pat
+    assert C._folded(re.compile("gemm")) is None  # not case-insensitive: nothing to fold

@@ -274,6 +274,36 @@ def test_idle_gaps_between_real_steps_are_kept():
     assert issues == [] and kept.num_rows == 1200
 
 
+def test_floor_bins_is_numpys_floor_division_and_cast():
+    """`_may_have_gap`'s bins (`_floor_bins`) exactly as `(d // width).astype(np.int64)`, at and around multiples."""
+    import numpy as np
+
+    from tracelens.io.checks import OUTLIER_MIN_GAP_NS, _GAP_BINS_MAX, _floor_bins
+
+    w = OUTLIER_MIN_GAP_NS / 2
+    rng = np.random.default_rng(7)
+    k = rng.integers(0, _GAP_BINS_MAX, 200_000) * w
+    for d in (rng.uniform(0, _GAP_BINS_MAX * w * 0.999, 200_000), k, k + rng.choice([-1.0, -0.5, 0.5, 1.0, 64.0], len(k)),
+              np.array([0.0, w, w - 1, w + 1, np.nextafter(3 * w, 0), np.nextafter(3 * w, np.inf)])):
+        d = d[d >= 0]
+        assert np.array_equal(_floor_bins(d, w), (d // w).astype(np.int64))
+
+
+def test_outliers_judged_alike_with_and_without_dropped_rows():
+    """A negative duration dropped beside a clock jump: the outlier found is the same one (the rows judged are the
+    rows kept, gathered or not)."""
+    from tracelens.io.checks import check_events
+
+    ts, dur, names = _real_work()
+    ts += [0]
+    dur += [1000]
+    names += ["zero_ts"]
+    _, base = check_events("t.json", _events(ts, dur, names))
+    kept, issues = check_events("t.json", _events(ts + [ts[3]], dur + [-5], names + ["neg"]))
+    assert [i["check"] for i in issues] == ["negative_dur", "time_outlier"] and issues[1] == base[0]
+    assert kept.num_rows == 1211
+
+
 # ------------------------------------------------------------------ Chrome B/E events are said to be dropped
 
 @pytest.mark.parametrize("pure", ["", "1"])

@@ -206,6 +206,28 @@ def test_escaped_spellings_of_one_name_are_one_dictionary_value():
     assert ev.column("name").to_pylist() == ["caf\u00e9", "caf\u00e9", "x"]
 
 
+def test_string_specials_at_every_offset_of_a_block(monkeypatch, tmp_path):
+    """The scanner finds a string's end, escapes and control characters 16 (and 8) bytes at a time: each
+    kind of special byte at every offset of a block, and strings of every length around a block, give what
+    the msgspec path gives (the same tables, or the same error)."""
+    names = []  # (JSON text of each name)
+    for n in range(0, 40):
+        names.append("k" * n)  # the closing quote at every offset
+        names.append("k" * n + r"\"q\"" + "z" * (n % 7))  # an escape at every offset
+        names.append("k" * n + r"\u00e9" + "y" * (n % 5))  # a \u escape
+        names.append("k" * n + "\u00e9\u00ff" + "x" * (n % 3))  # bytes above 0x7f (never a stop byte)
+    events = [f'{{"ph":"X","cat":"kernel","name":"{nm}","pid":1,"tid":1,"ts":{i},"dur":1}}' for i, nm in enumerate(names)]
+    path = tmp_path / "t.json"
+    path.write_bytes(("{\"traceEvents\":[" + ",".join(events) + "]}").encode())
+    fast = _outcome(lambda: K.parse_file(path))
+    assert fast[0] == "ok" and fast[1].meta["decoder"] == "compiled"
+    _same_outcome(fast, _outcome(lambda: _pure(monkeypatch, path)))
+    for n in range(0, 34):  # a raw control character (invalid JSON) at every offset: refused alike
+        bad = tmp_path / f"bad{n}.json"
+        bad.write_bytes(b'{"traceEvents":[{"ph":"X","cat":"kernel","name":"' + b"k" * n + b'\x01z","pid":1,"tid":1,"ts":1}]}')
+        _same_outcome(_outcome(lambda: K.parse_file(bad)), _outcome(lambda: _pure(monkeypatch, bad)))
+
+
 def _mutations(data: bytes, rng: random.Random, n: int):
     interesting = b'{}[]",:0123456789.-eEtfn\\ \n'
     for _ in range(n):

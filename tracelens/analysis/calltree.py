@@ -32,6 +32,11 @@ import pandas as pd
 
 from .. import categories as C
 
+try:  # the linking compiled (setup.py builds it where a C compiler exists); else the vectorized code, the same links
+    from . import _tree
+except ImportError:
+    _tree = None
+
 KIND_ANNOTATION, KIND_MODULE, KIND_OP, KIND_RUNTIME = 0, 1, 2, 3
 _MODULE_PREFIX = C.MODULE_PREFIX
 TREE_COLUMNS = ("rank", "pid", "tid", "ts", "dur", "name", "cat", "correlation", "external_id", "input_dims",
@@ -58,19 +63,28 @@ def host_events(events: pd.DataFrame) -> pd.DataFrame:
     k = int(np.count_nonzero(sel))
     cols = list(TREE_COLUMNS)
     if k and sel[:k].all():
-        head = [events[c].iloc[:k] for c in cols]
-        host = pd.concat(head, axis=1) if _PANDAS3 else pd.concat(head, axis=1, copy=False)
+        if _PANDAS3:  # (copy-on-write: the row slice of the columns is views)
+            host = events.iloc[:k, [events.columns.get_loc(c) for c in cols]]
+        else:
+            host = pd.concat([events[c].iloc[:k] for c in cols], axis=1, copy=False)
     else:
         host = events.loc[sel, cols].copy(deep=False)
     # (every column as the events table has it: correlation / External id narrow (trace.narrow_args),
     # pid / tid int64, shared rather than narrowed into a copy)
-    cat = host["cat"]
-    kind = np.full(len(host), KIND_OP, dtype=np.int8)
-    kind[C.isin(cat, C.ANNOTATION_CATS)] = KIND_ANNOTATION
-    kind[C.isin(cat, C.PYTHON_CATS)] = KIND_MODULE  # (the tree's Python events are nn.Module ranges)
-    kind[C.isin(cat, C.RUNTIME_CATS)] = KIND_RUNTIME
-    host["kind"] = kind
+    # (the tree's Python events are nn.Module ranges; anything else is an op); one lookup per category
+    host["kind"] = C.map_strings(host["cat"], _kind_of_cat, dtype=np.int8)
     return host
+
+
+def _kind_of_cat(cat: str) -> int:
+    """The node kind of a call-tree event of category `cat` (`host_events`)."""
+    if cat in C.RUNTIME_CATS:
+        return KIND_RUNTIME
+    if cat in C.PYTHON_CATS:
+        return KIND_MODULE
+    if cat in C.ANNOTATION_CATS:
+        return KIND_ANNOTATION
+    return KIND_OP
 
 
 def _narrowest_id_type(a: np.ndarray) -> np.ndarray:
@@ -113,7 +127,10 @@ def build_tree(events: pd.DataFrame) -> pd.DataFrame:
     names = host["name"]
     name_codes = names.cat.codes.to_numpy()  # (int16 / int32, as the categorical keeps them)
     name_uniques = list(names.cat.categories.astype(str)) + [""]  # code -1 -> ""
-    is_step = (C.map_strings(names, _step_number, dtype=np.int64) >= 0) & (kind == KIND_ANNOTATION)  # numbers: at the end
+    step_number = C.map_strings(names, _step_number, dtype=np.int64)
+    is_step = (step_number >= 0) & (kind == KIND_ANNOTATION)
+    step_col = _narrowest_id_type(np.where(is_step, step_number, -1))  # (the `step` column, set at the end)
+    del step_number
     rank_a, pid_a, tid_a = (host[c].to_numpy() for c in ("rank", "pid", "tid"))
     ext_a = host["external_id"].to_numpy()
     # per thread; parents first: by start, then longer first, then annotation < module < op < runtime,
@@ -136,58 +153,34 @@ def build_tree(events: pd.DataFrame) -> pd.DataFrame:
     o_group = np.cumsum(new_group, dtype=pos_t)  # the thread of each sorted position (from 1)
     del new_group
 
-    # Ranges (ops, annotations, modules) get their parents from a stack walk in Python; runtime calls,
-    # ~half of all host events and always leaves, are placed afterwards with a vectorized lookup of
-    # "which range was innermost at this instant" (the stack top as a step function of time).
+    # Ranges (ops, annotations, modules) get their parents, depths, ops and paths by time containment; runtime
+    # calls, ~half of all host events and always leaves, the innermost range open at their start (the stack top
+    # as a step function of time): compiled (_tree.c) where built, else vectorized (`link_ranges`,
+    # `_innermost_range_at`), the same arrays
     o_kind_a = kind[order]
-    rng_pos = np.flatnonzero(o_kind_a != KIND_RUNTIME).astype(pos_t)  # sorted positions of ranges
     o_ts, o_end = ts[order], end[order]
     del end
-    r_parent, r_depth, r_inner, r_outer, r_path, path_parent, path_name = link_ranges(
-        o_group[rng_pos], o_ts[rng_pos], o_end[rng_pos], o_kind_a[rng_pos],
-        name_codes[order[rng_pos]], is_step[order[rng_pos]],
-    )
+    parent_s, depth_s, inner_s, outer_s, path_s, path_parent, path_name, nested = _link_sorted(
+        o_group, o_ts, o_end, o_kind_a, name_codes[order], is_step[order], pos_t)
     del name_codes
-
-    # back to all sorted positions: ranges' links are range indices -> sorted positions
-    def spread(vals: np.ndarray, is_index: bool, dtype=np.int64) -> np.ndarray:
-        out = np.full(n, -1 if is_index else 0, dtype=dtype)
-        v = vals
-        if is_index:
-            ok = v >= 0
-            v = np.where(ok, rng_pos[np.where(ok, v, 0)], -1)
-        out[rng_pos] = v
-        return out
-
-    parent_s = spread(r_parent, True, pos_t)
-    depth_s = spread(r_depth, False, np.int32)  # depths and path ids are small: half the bytes
-    inner_s = spread(r_inner, True, pos_t)
-    outer_s = spread(r_outer, True, pos_t)
-    path_s = spread(r_path, False, np.int32)
-    del r_parent, r_depth, r_inner, r_outer, r_path
     rt_pos = np.flatnonzero(o_kind_a == KIND_RUNTIME).astype(pos_t)
     launcher = None
     if len(rt_pos):
-        top = _innermost_range_at(o_group, o_ts, o_end, rng_pos, parent_s, depth_s, rt_pos)
+        top = parent_s[rt_pos]
         has = top >= 0
-        parent_s[rt_pos] = top
-        safe = np.where(has, top, 0)
-        depth_s[rt_pos] = np.where(has, depth_s[safe] + 1, 0)
-        path_s[rt_pos] = np.where(has, path_s[safe], 0)
         # the launching op: named by the call's External id, else the innermost op enclosing it in time
-        r_par = parent_s[rng_pos]
-        if (o_end[rng_pos][r_par >= 0] <= o_end[r_par[r_par >= 0]]).all():
+        if nested:
             # properly nested ranges: the ranges open at t are the innermost one's ancestors, so its
             # innermost op is the innermost op open at t
-            launcher = np.where(has, inner_s[safe], -1)
+            launcher = np.where(has, inner_s[np.where(has, top, 0)], -1)
         else:  # some range outlasts its parent: search the ops alone
             op_pos = np.flatnonzero(o_kind_a == KIND_OP)  # sorted by (thread, ts, -end, External id, row)
             k = innermost_op_at(_wide(o_group[op_pos]), o_ts[op_pos], o_end[op_pos], _wide(o_group[rt_pos]),
                                 o_ts[rt_pos])
             launcher = np.where(k >= 0, op_pos[np.maximum(k, 0)], -1)
             del op_pos, k
-        del top, has, safe, r_par
-    del o_group, o_ts, o_end, rng_pos, o_kind_a  # (before the External-id lookup below: the peak of build_tree)
+        del top, has
+    del o_group, o_ts, o_end, o_kind_a  # (before the External-id lookup below: the peak of build_tree)
     inv = np.empty(n, dtype=pos_t)  # original position -> sorted position
     inv[order] = np.arange(n, dtype=pos_t)
     if launcher is not None:
@@ -246,8 +239,60 @@ def build_tree(events: pd.DataFrame) -> pd.DataFrame:
     del path, path_a, inv, order
     out["self_dur"] = np.maximum(self_dur, 0)
     out["is_step"] = is_step
-    out["step"] = _narrowest_id_type(np.where(is_step, C.map_strings(names, _step_number, dtype=np.int64), -1))
+    out["step"] = step_col
     return out
+
+
+def _link_sorted(o_group: np.ndarray, o_ts: np.ndarray, o_end: np.ndarray, o_kind: np.ndarray, o_name: np.ndarray,
+                 o_step: np.ndarray, pos_t) -> tuple:
+    """The links of the host events in `build_tree`'s sorted order (thread, start, longer first, kind): parent,
+    depth, inner, outer, path (path ids) per sorted position (runtime calls: their innermost enclosing range as
+    parent, inner / outer -1), the path table (path_parent, path_name) and whether the ranges nest properly (each
+    ends no later than its parent). `_tree.link` where it is built (a range ending before it starts leaves it to
+    the vectorized code), else `link_ranges` over the ranges and `_innermost_range_at` for the runtime calls."""
+    n = len(o_ts)
+    if _tree is not None and pos_t is np.int32:
+        out = [np.empty(n, dtype=np.int32) for _ in range(5)]
+        got = _tree.link(o_group.astype(np.int32, copy=False), o_ts.astype(np.int64, copy=False),
+                         o_end.astype(np.int64, copy=False), o_kind.astype(np.int8, copy=False),
+                         o_name.astype(np.int32, copy=False), o_step.astype(bool, copy=False).view(np.uint8), *out)
+        if got is not None:
+            nested, path_parent, path_name = got
+            return (*out, np.frombuffer(path_parent, dtype=np.int32), np.frombuffer(path_name, dtype=np.int32),
+                    bool(nested))
+        del out
+    rng_pos = np.flatnonzero(o_kind != KIND_RUNTIME).astype(pos_t)  # sorted positions of ranges
+    r_parent, r_depth, r_inner, r_outer, r_path, path_parent, path_name = link_ranges(
+        o_group[rng_pos], o_ts[rng_pos], o_end[rng_pos], o_kind[rng_pos], o_name[rng_pos], o_step[rng_pos])
+
+    # back to all sorted positions: ranges' links are range indices -> sorted positions
+    def spread(vals: np.ndarray, is_index: bool, dtype=np.int64) -> np.ndarray:
+        out = np.full(n, -1 if is_index else 0, dtype=dtype)
+        v = vals
+        if is_index:
+            ok = v >= 0
+            v = np.where(ok, rng_pos[np.where(ok, v, 0)], -1)
+        out[rng_pos] = v
+        return out
+
+    parent_s = spread(r_parent, True, pos_t)
+    depth_s = spread(r_depth, False, np.int32)  # depths and path ids are small: half the bytes
+    inner_s = spread(r_inner, True, pos_t)
+    outer_s = spread(r_outer, True, pos_t)
+    path_s = spread(r_path, False, np.int32)
+    del r_parent, r_depth, r_inner, r_outer, r_path
+    rt_pos = np.flatnonzero(o_kind == KIND_RUNTIME).astype(pos_t)
+    if len(rt_pos):
+        top = _innermost_range_at(o_group, o_ts, o_end, rng_pos, parent_s, depth_s, rt_pos)
+        has = top >= 0
+        parent_s[rt_pos] = top
+        safe = np.where(has, top, 0)
+        depth_s[rt_pos] = np.where(has, depth_s[safe] + 1, 0)
+        path_s[rt_pos] = np.where(has, path_s[safe], 0)
+        del top, has, safe
+    r_par = parent_s[rng_pos]
+    nested = bool((o_end[rng_pos][r_par >= 0] <= o_end[r_par[r_par >= 0]]).all())
+    return parent_s, depth_s, inner_s, outer_s, path_s, path_parent, path_name, nested
 
 
 def _wide(a: np.ndarray) -> np.ndarray:
@@ -270,15 +315,21 @@ def thread_time_order(rank: np.ndarray, pid: np.ndarray, tid: np.ndarray, ts: np
     lo_dur, hi_dur = int(dur.min()), int(dur.max())
     g = None
     n_groups = 1
+    overflow = False
     for a in (rank, pid, tid):  # thread index in (rank, pid, tid) order: mixed-radix over the sorted codes
+        if a.min() == a.max():  # one value (the rank of a single file, its one pid): code 0 everywhere, no hashing
+            continue
         codes, uniques = pd.factorize(a, sort=True)
         n_groups *= len(uniques)
         if n_groups * (t1 - t0 + 1) >= (1 << 62):
-            g = None
+            overflow = True
             break
         g = codes.astype(np.int64, copy=False) if g is None else g * len(uniques) + codes
         del codes
-    if g is None or int(kind.min()) < 0 or (hi_dur - lo_dur + 1) * kinds >= (1 << 62):
+    overflow = overflow or n_groups * (t1 - t0 + 1) >= (1 << 62)
+    if g is None and not overflow:
+        g = np.zeros(n, dtype=np.int64)
+    if overflow or int(kind.min()) < 0 or (hi_dur - lo_dur + 1) * kinds >= (1 << 62):
         return np.lexsort((kind, -dur, ts, tid, pid, rank))
     g *= t1 - t0 + 1
     g += ts
@@ -317,7 +368,7 @@ def _tied_out_of_order(order: np.ndarray, ts: np.ndarray, dur: np.ndarray, kind:
 def _path_categorical(path_str: list[str], ids: np.ndarray) -> pd.Categorical:
     """pd.Categorical of path_str[ids] (categories: the distinct strings used, sorted), built from the
     few path ids instead of one string per row."""
-    used = np.unique(ids)
+    used = np.flatnonzero(np.bincount(ids, minlength=len(path_str)))  # (path ids are small: bins, no sort)
     cats = sorted({path_str[i] for i in used.tolist()})
     pos = {c: k for k, c in enumerate(cats)}
     code_of = np.zeros(int(used.max(initial=0)) + 1, dtype=np.int32)
@@ -677,15 +728,34 @@ def _op_by_external_id(rank: np.ndarray, ext: np.ndarray, row: np.ndarray, is_op
     cand = np.flatnonzero(is_op & (ext >= 0))
     if not use.any() or len(cand) == 0:
         return out
-    cand = cand[np.argsort(row[cand], kind="stable")]
-    idx = pd.Index(_key(rank[cand], ext[cand]))
-    if not idx.is_unique:
-        first = ~idx.duplicated()
-        idx, cand = idx[first], cand[first]
-    hit = idx.get_indexer(_key(q_rank[use], q_ext[use]))
+    r = row[cand]
+    if len(r) > 1 and not (r[1:] > r[:-1]).all():  # (the tree keeps event order: rows ascend already)
+        cand = cand[np.argsort(r, kind="stable")]
+    del r
+    hit = _first_match(_key(rank[cand], ext[cand]), _key(q_rank[use], q_ext[use]))
     sel = np.flatnonzero(use)
     out[sel[hit >= 0]] = cand[hit[hit >= 0]]
     return out
+
+
+def _first_match(keys: np.ndarray, queries: np.ndarray) -> np.ndarray:
+    """For each query, the index of the first element of `keys` equal to it, -1 where none: what
+    `pd.Index(keys)` with duplicates dropped (`~duplicated()`) and `get_indexer` give, by a stable sort and a
+    binary search instead of a hash table (~2x faster on the keys here, which come nearly sorted: ids grow
+    through a trace; none at all to sort when they come sorted and unique)."""
+    if len(keys) == 0:
+        return np.full(len(queries), -1, dtype=np.int64)
+    if (keys[1:] > keys[:-1]).all():  # sorted and unique
+        order, ks = None, keys
+    else:  # equal keys keep their order (a stable sort): the leftmost of a run, where the search lands, is the first
+        order = np.argsort(keys, kind="stable")
+        ks = keys[order]
+    pos = np.searchsorted(ks, queries, side="left")
+    np.minimum(pos, len(ks) - 1, out=pos)
+    found = ks[pos] == queries
+    if order is not None:
+        pos = order[pos]
+    return np.where(found, pos, -1)
 
 
 def _step_number(name: str) -> int:
@@ -695,10 +765,15 @@ def _step_number(name: str) -> int:
 
 def steps_table(tree: pd.DataFrame) -> pd.DataFrame:
     """Profiler steps per rank: rank, step, start, end (host time of the step annotation)."""
-    s = tree.loc[tree["is_step"], ["rank", "step", "ts", "dur"]]
-    s = s.astype({"step": np.int64})  # (int32 in the tree when the numbers fit)
-    s = s.assign(end=s["ts"] + s["dur"]).rename(columns={"ts": "start"}).drop(columns="dur")
-    return s.sort_values(["rank", "start"]).drop_duplicates(["rank", "step"]).reset_index(drop=True)
+    rows = np.flatnonzero(tree["is_step"].to_numpy())
+    rank = tree["rank"].to_numpy()[rows]
+    step = tree["step"].to_numpy()[rows].astype(np.int64)  # (int32 in the tree when the numbers fit)
+    start = tree["ts"].to_numpy()[rows]
+    end = start + tree["dur"].to_numpy()[rows]
+    o = np.lexsort((start, rank))  # by rank, then start (stable, as sort_values on two columns)
+    seen: set = set()  # the first (rank, step) of each pair kept, as drop_duplicates (a few rows: steps)
+    keep = [i for i in o.tolist() if (k := (rank[i], step[i])) not in seen and not seen.add(k)]
+    return pd.DataFrame({"rank": rank[keep], "step": step[keep], "start": start[keep], "end": end[keep]})
 
 
 def gpu_events(events: pd.DataFrame) -> pd.DataFrame:
@@ -714,7 +789,7 @@ def gpu_events(events: pd.DataFrame) -> pd.DataFrame:
     g["end"] = g["ts"] + g["dur"]
     # stream: the arg when present, else Kineto's tid on the GPU "process" (which is the stream)
     g["stream"] = np.where(g["stream"].to_numpy() >= 0, g["stream"].to_numpy(), g["tid"].to_numpy())
-    g["is_comm"] = (g["kind"] == "kernel").to_numpy() & C.is_comm_kernel(g["name"])
+    g["is_comm"] = (code == 0) & C.is_comm_kernel(g["name"])  # (code 0: a kernel)
     return g
 
 
@@ -727,15 +802,15 @@ def attribute_gpu(gpu: pd.DataFrame, tree: pd.DataFrame, steps: pd.DataFrame) ->
     g = gpu
     n = len(g)
     launch = np.full(n, -1, dtype=np.int64)
-    rt = tree.loc[(tree["kind"].to_numpy() == KIND_RUNTIME) & (tree["correlation"].to_numpy() >= 0), ["rank", "correlation"]]
+    t_corr = tree["correlation"].to_numpy()
+    rt = np.flatnonzero((tree["kind"].to_numpy() == KIND_RUNTIME) & (t_corr >= 0))  # runtime calls, tree order
     if len(rt) and n:
-        idx = pd.Index(_key(rt["rank"].to_numpy(), rt["correlation"].to_numpy()))
-        if not idx.is_unique:
-            keep = ~idx.duplicated()
-            idx, rt = idx[keep], rt[keep]
-        pos = idx.get_indexer(_key(g["rank"].to_numpy(), g["correlation"].to_numpy()))
+        # (the first runtime call in the tree's order with the GPU event's (rank, correlation))
+        pos = _first_match(_key(tree["rank"].to_numpy()[rt], t_corr[rt]),
+                           _key(g["rank"].to_numpy(), g["correlation"].to_numpy()))
         ok = (pos >= 0) & (g["correlation"].to_numpy() >= 0)
-        launch[ok] = rt.index.to_numpy()[pos[ok]]
+        launch[ok] = tree.index.to_numpy()[rt[pos[ok]]]
+    del rt, t_corr
     has_launch = launch >= 0
     inner = np.full(n, -1, dtype=np.int64)
     outer = np.full(n, -1, dtype=np.int64)
@@ -790,19 +865,27 @@ def _positions(frame: pd.DataFrame, labels: np.ndarray) -> np.ndarray:
 def assign_steps(rank: np.ndarray, t: np.ndarray, steps: pd.DataFrame) -> np.ndarray:
     """Step number whose [start, end) holds time t on the same rank, else -1."""
     step = np.full(len(t), -1, dtype=np.int64)
-    if steps.empty:
+    if steps.empty or not len(t):
         return step
-    for r, s in steps.groupby("rank"):
-        m = rank == r
-        if not m.any():
+    s_rank = steps["rank"].to_numpy()
+    s_start, s_end, s_num = (steps[c].to_numpy() for c in ("start", "end", "step"))
+    one_rank = rank.min() == rank.max()  # (one file: every row's rank is the one rank, no mask to apply)
+    for r in np.unique(s_rank).tolist():  # (steps is sorted by rank, then start)
+        if one_rank and r != rank[0]:
             continue
-        starts = s["start"].to_numpy()
-        ends = s["end"].to_numpy()
-        nums = s["step"].to_numpy()
-        pos = np.searchsorted(starts, t[m], side="right") - 1
+        rows = None if one_rank else np.flatnonzero(rank == r)
+        if rows is not None and not len(rows):
+            continue
+        in_r = s_rank == r
+        starts, ends, nums = s_start[in_r], s_end[in_r], s_num[in_r].astype(np.int64, copy=False)
+        tr = t if rows is None else t[rows]
+        pos = np.searchsorted(starts, tr, side="right") - 1
         ok = pos >= 0
-        ok[ok] = t[m][ok] < ends[pos[ok]]
-        res = np.full(m.sum(), -1, dtype=np.int64)
-        res[ok] = nums[pos[ok]]
-        step[m] = res
+        np.maximum(pos, 0, out=pos)
+        ok &= tr < ends[pos]
+        res = np.where(ok, nums[pos], -1)
+        if rows is None:
+            step = res
+        else:
+            step[rows] = res
     return step

@@ -403,9 +403,11 @@ def step_window(trace, tree: pd.DataFrame, gpu: pd.DataFrame, steps: pd.DataFram
     if mode not in (STEADY, ALL):
         raise ValueError(f"window must be {STEADY!r} or {ALL!r}, got {mode!r}")
     all_steps = sorted(int(s) for s in steps["step"].unique()) if not steps.empty else []
-    outside = gpu[gpu["step"].to_numpy() < 0] if not gpu.empty and all_steps else gpu.iloc[:0]
-    sw = StepWindow(mode=mode, steps=all_steps, used=list(all_steps), excluded=[],
-                    outside_gpu_events=int(len(outside)), outside_gpu_us=float(outside["dur"].sum()) / US if len(outside) else 0.0)
+    # (the GPU events launched outside every step, counted on two columns: not a copy of the GPU table's rows)
+    outside = gpu["step"].to_numpy() < 0 if not gpu.empty and all_steps else np.zeros(0, dtype=bool)
+    n_out = int(np.count_nonzero(outside))
+    sw = StepWindow(mode=mode, steps=all_steps, used=list(all_steps), excluded=[], outside_gpu_events=n_out,
+                    outside_gpu_us=float(gpu["dur"].to_numpy()[outside].sum()) / US if n_out else 0.0)
     if not all_steps:
         sw.outside_gpu_events, sw.outside_gpu_us = 0, 0.0
         return sw

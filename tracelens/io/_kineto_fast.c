@@ -44,6 +44,9 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
 
 #define MAX_ARGS 64
 #define MAX_GROUPS 8
@@ -265,6 +268,25 @@ static int scan_string(Parser *p, int64_t *i, int *escaped) {
     int64_t j = *i + 1, n = p->n;
     *escaped = 0;
     for (;;) {
+#if defined(__SSE2__)
+        /* 16 bytes at a time (kernel names run to hundreds of bytes): the first quote, backslash or byte
+           below 0x20 exactly, as the byte loop below finds it */
+        const __m128i quote = _mm_set1_epi8('"'), bslash = _mm_set1_epi8('\\'), below = _mm_set1_epi8(0x1F);
+        int found = 0;
+        while (j + 16 <= n) {
+            __m128i x = _mm_loadu_si128((const __m128i *)(const void *)(b + j));
+            __m128i m = _mm_or_si128(_mm_or_si128(_mm_cmpeq_epi8(x, quote), _mm_cmpeq_epi8(x, bslash)),
+                                     _mm_cmpeq_epi8(_mm_max_epu8(x, below), below)); /* x <= 0x1F */
+            int bits = _mm_movemask_epi8(m);
+            if (bits) {
+                j += __builtin_ctz((unsigned)bits);
+                found = 1;
+                break;
+            }
+            j += 16;
+        }
+        if (!found) {
+#endif
         while (j + 8 <= n) {
             uint64_t w;
             memcpy(&w, b + j, 8);
@@ -272,6 +294,9 @@ static int scan_string(Parser *p, int64_t *i, int *escaped) {
             j += 8;
         }
         while (j < n && !STR_STOP[b[j]]) j++;
+#if defined(__SSE2__)
+        }
+#endif
         if (j >= n) FAIL(p, "unterminated string", *i);
         unsigned char c = b[j];
         if (c == '"') break;

@@ -143,9 +143,28 @@ def _may_have_gap(s: np.ndarray, e: np.ndarray, first: float, last: float) -> bo
     if n_bins > _GAP_BINS_MAX:
         return True
     seen = np.zeros(n_bins, dtype=bool)
-    seen[((s - first) // width).astype(np.int64)] = True
-    seen[((e - first) // width).astype(np.int64)] = True
+    seen[_floor_bins(s - first, width)] = True
+    seen[_floor_bins(e - first, width)] = True
     return not seen.all()
+
+
+_TWO52 = 2.0**52  # floats from here up to 2**53 are the integers, one apart: x + 2**52 rounds x to one
+
+
+def _floor_bins(d: np.ndarray, width: float) -> np.ndarray:
+    """`(d // width).astype(np.int64)` for d >= 0 with d / width < 2**24 and width an integer below 2**29 (the
+    bins of `_may_have_gap`), exactly, without numpy's float floor division and float-to-int cast (~12 ns a value
+    each on the 2-core measuring host; this ~1): d / width rounded to the nearest integer k (adding 2**52) is the
+    floor or one above it, and one above exactly when k * width > d (k * width < 2**53: an exact product); the
+    integer is then read from the float's low bits (k + 2**52 holds k in its mantissa)."""
+    k = d / width
+    k += _TWO52  # rounds to the nearest integer (the sum's spacing is 1)
+    k -= _TWO52  # k: that integer, as a float
+    np.subtract(k, 1.0, out=k, where=k * width > d)  # rounded up past d / width: one down
+    k += _TWO52
+    bins = k.view(np.int64)
+    bins -= np.float64(_TWO52).view(np.int64)
+    return bins
 
 
 def _body(s: np.ndarray, e: np.ndarray) -> tuple[float, float]:
@@ -204,17 +223,23 @@ def check_events(path: str, events: pa.Table) -> tuple[pa.Table, list[dict]]:
 
     ok = ~drop
     if int(ok.sum()) >= OUTLIER_MIN_EVENTS:
-        idx = np.flatnonzero(ok)
-        s_ = ts[idx].astype(np.float64)  # float: sums of durations may pass int64
-        e_ = s_ + dur[idx]
+        kept = not drop.any()  # (the common case: every row judged, no gather)
+        idx = None if kept else np.flatnonzero(ok)
+        s_ = (ts if kept else ts[idx]).astype(np.float64)  # float: sums of durations may pass int64
+        e_ = s_ + (dur if kept else dur[idx])
         lo, hi = _body(s_, e_)
-        del s_, e_
-        out = np.zeros(events.num_rows, dtype=bool)
-        t_all = ts.astype(np.float64)
-        out[idx] = t_all[idx] < lo
-        t_all += dur
-        out[idx] |= t_all[idx] > hi
-        del t_all
+        if kept:  # the same start and end values the rows are judged by
+            out = s_ < lo
+            out |= e_ > hi
+            del s_, e_
+        else:
+            del s_, e_
+            out = np.zeros(events.num_rows, dtype=bool)
+            t_all = ts.astype(np.float64)
+            out[idx] = t_all[idx] < lo
+            t_all += dur
+            out[idx] |= t_all[idx] > hi
+            del t_all
         if out.any():
             width = hi - lo
 
