@@ -164,40 +164,63 @@ def html_table(df: pd.DataFrame, columns: Iterable[tuple[str, str, str]], max_ro
     head = df.head(max_rows)
     shown = {col: display_many(["" if v is None else str(v) for v in head[col]])
              for col, _, kind in columns if kind == "kernel" and col in head}
-    rows = []
-    for i, rec in enumerate(head.to_dict("records")):
-        cells = []
-        for col, _, kind in columns:
-            v = rec.get(col)
+    recs = head.to_dict("records")  # (Python values, as every cell is formatted from)
+    cells = [_column_cells([rec.get(col) for rec in recs], kind, shown.get(col) if kind == "kernel" else None)
+             for col, _, kind in columns]
+    out = ['<table class="data"><thead><tr>']
+    for _, header, kind in columns:
+        out.append(f'<th data-type="{"num" if kind in _NUM_KINDS else "text"}">{_esc(str(header))}</th>')
+    out.append("</tr></thead><tbody>")
+    rows = zip(*cells) if cells else ([] for _ in recs)  # (no column: an empty row per record)
+    out.extend(f"<tr>{''.join(row)}</tr>" for row in rows)
+    out.append("</tbody></table>")
+    if len(df) > max_rows:
+        out.append(f'<p class="note">Showing {min(len(df), max_rows)} of {len(df)} rows; all rows are in the '
+                   "CSV/Parquet tables.</p>")
+    return "".join(out)
+
+
+_NUM_KINDS = ("num", "pct", "count")
+
+try:  # markupsafe.escape's own replacement (C where built), without the Markup object per cell it returns
+    from markupsafe import _escape_inner as _esc
+except ImportError:  # (another markupsafe layout) the same five replacements
+    def _esc(s: str) -> str:
+        return s.replace("&", "&amp;").replace(">", "&gt;").replace("<", "&lt;").replace("'", "&#39;").replace('"', "&#34;")
+
+
+def _column_cells(values: list, kind: str, shown: list[tuple[str, str]] | None) -> list[str]:
+    """One column's <td> cells, written as Jinja2's autoescaping wrote them from the table's template (the
+    template rendered every cell through a generator and a Markup per value, ~3x the time; tests/reports holds the
+    template and checks the bytes are the same). A number kind: the value formatted (`_fmt`), the raw value in
+    data-v for sorting; a kernel name: shortened, the full name in data-v (when shortened) and the title; else the
+    text ('name': also in the title)."""
+    out = []
+    if kind in _NUM_KINDS:
+        for v in values:
             if hasattr(v, "item"):
                 v = v.item()
-            if kind in ("num", "pct", "count"):
-                if kind == "count":
-                    digits = 0 if not isinstance(v, float) or not math.isfinite(v) or v == int(v) else 1
-                else:
-                    digits = 1 if kind == "pct" else (3 if isinstance(v, float) and abs(v) < 10 else 1)
-                cells.append(("num", _fmt(v, digits), "" if v is None else str(_clean(v) if _clean(v) is not None else ""), None))
-            elif kind == "kernel" and col in shown and v is not None:
-                text, full = shown[col][i]
-                cells.append(("name", text, full if text != full else None, full))
+            if kind == "count":
+                digits = 0 if not isinstance(v, float) or not math.isfinite(v) or v == int(v) else 1
             else:
-                text = "" if v is None or (isinstance(v, float) and math.isnan(v)) else str(v)
-                cells.append((kind, text, None, text if kind == "name" and text else None))
-        rows.append(cells)
-    return _table_template().render(cols=columns, rows=rows, more=len(df) > max_rows, shown=min(len(df), max_rows),
-                                    total=len(df))
-
-
-@lru_cache(maxsize=1)
-def _table_template():
-    """html_table's template, compiled once per process."""
-    return template_env().from_string(
-        '<table class="data"><thead><tr>{% for c in cols %}<th data-type="{{ "num" if c[2] in ("num","pct","count") else "text" }}">{{ c[1] }}</th>{% endfor %}</tr></thead>'
-        "<tbody>{% for r in rows %}<tr>{% for kind, text, v, title in r %}"
-        '<td class="{{ kind }}"{% if v is not none %} data-v="{{ v }}"{% endif %}{% if title %} title="{{ title }}"{% endif %}>{{ text }}</td>'
-        "{% endfor %}</tr>{% endfor %}</tbody></table>"
-        "{% if more %}<p class=\"note\">Showing {{ shown }} of {{ total }} rows; all rows are in the CSV/Parquet tables.</p>{% endif %}"
-    )
+                digits = 1 if kind == "pct" else (3 if isinstance(v, float) and abs(v) < 10 else 1)
+            c = _clean(v)
+            data = "" if v is None else str(c if c is not None else "")
+            out.append(f'<td class="num" data-v="{_esc(data)}">{_esc(_fmt(v, digits))}</td>')
+        return out
+    cls = _esc(str(kind))
+    for i, v in enumerate(values):
+        if hasattr(v, "item"):
+            v = v.item()
+        if shown is not None and v is not None:  # a kernel name
+            text, full = shown[i]
+            out.append('<td class="name"' + (f' data-v="{_esc(full)}"' if text != full else "")
+                       + (f' title="{_esc(full)}"' if full else "") + f">{_esc(text)}</td>")
+            continue
+        text = "" if v is None or (isinstance(v, float) and math.isnan(v)) else str(v)
+        out.append(f'<td class="{cls}"' + (f' title="{_esc(text)}"' if kind == "name" and text else "")
+                   + f">{_esc(text)}</td>")
+    return out
 
 
 def version() -> str:
