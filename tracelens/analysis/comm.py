@@ -46,6 +46,7 @@ import pandas as pd
 
 from .. import categories as C
 from . import moe
+from .grouped import named_agg_column
 
 US = 1000.0
 
@@ -702,8 +703,8 @@ def clock_violations(inst: pd.DataFrame) -> pd.DataFrame:
     if not recs:
         return pd.DataFrame(columns=cols)
     df = pd.DataFrame(recs, columns=["early_rank", "late_rank", "gap"])
-    out = df.groupby(["early_rank", "late_rank"])["gap"].agg(instances="size", max_gap_us="max",
-                                                            median_gap_us="median").reset_index()
+    out = named_agg_column(df, ["early_rank", "late_rank"], "gap", instances="size", max_gap_us="max",
+                           median_gap_us="median").reset_index()
     out["of_instances"] = n_inst
     return out[cols]
 

@@ -40,6 +40,7 @@ import pandas as pd
 from .. import categories as C
 from .. import devices, perfmodels
 from . import calltree, moe
+from .grouped import named_agg
 
 TABLE_COLUMNS = (
     "device", "op", "kind", "dtype", "input_dims", "input_types", "concrete_inputs", "input_strides", "note", "family", "count",
@@ -236,13 +237,13 @@ def _group_owners(cols: dict[str, np.ndarray], keys: list[str]) -> pd.DataFrame:
     parts = []
     for lo in range(0, max(n, 1), _OWNER_CHUNK):
         part = pd.DataFrame({k: v[lo:lo + _OWNER_CHUNK] for k, v in cols.items()})
-        parts.append(part.groupby(keys, sort=False).agg(
-            count=("dur_ns", "size"), kernels=("kernels", "sum"), dur_ns=("dur_ns", "sum")).reset_index())
+        parts.append(named_agg(part, keys, sort=False, count=("dur_ns", "size"), kernels=("kernels", "sum"),
+                               dur_ns=("dur_ns", "sum")).reset_index())
         del part
     if len(parts) == 1:
         return parts[0]
-    return pd.concat(parts, ignore_index=True).groupby(keys, sort=False).agg(
-        count=("count", "sum"), kernels=("kernels", "sum"), dur_ns=("dur_ns", "sum")).reset_index()
+    return named_agg(pd.concat(parts, ignore_index=True), keys, sort=False, count=("count", "sum"),
+                     kernels=("kernels", "sum"), dur_ns=("dur_ns", "sum")).reset_index()
 
 
 def roofline_result(analysis, ceilings: Any = None) -> RooflineResult:
@@ -293,8 +294,8 @@ def roofline_result(analysis, ceilings: Any = None) -> RooflineResult:
     for key, lut in texts.items():  # codes -> strings ("" where an arg is absent: code -1)
         ops[key] = lut[ops[key].to_numpy()] if lut is not None else np.full(len(ops), "", dtype=object)
     ops["device"] = ops["rank"].map(rank_dev).fillna("unknown device")
-    grp = ops.groupby(keys, sort=False).agg(count=("count", "sum"), kernels=("kernels", "sum"),
-                                            dur_ns=("dur_ns", "sum")).reset_index()
+    grp = named_agg(ops, keys, sort=False, count=("count", "sum"), kernels=("kernels", "sum"),
+                    dur_ns=("dur_ns", "sum")).reset_index()
     total_us = float(grp["dur_ns"].sum()) / 1e3
     results = [perfmodels.Result(None, NESTED_REASON) if n else perfmodels.model(o, d, t, c, s) for o, d, t, c, s, n in
                zip(grp["op"], grp["input_dims"], grp["input_types"], grp["concrete_inputs"], grp["input_strides"],
@@ -428,8 +429,8 @@ def family_table(table: pd.DataFrame) -> pd.DataFrame:
     t = table[table["family"] != ""]
     if t.empty:
         return _empty(FAMILY_COLUMNS)
-    f = t.groupby(["device", "family"], sort=False).agg(
-        op=("op", "first"), dtype=("dtype", "first"), shapes=("input_dims", "nunique"), count=("count", "sum"),
+    f = named_agg(
+        t, ["device", "family"], sort=False, op=("op", "first"), dtype=("dtype", "first"), shapes=("input_dims", "nunique"), count=("count", "sum"),
         gpu_us=("gpu_us", "sum"), total_flops=("total_flops", "sum"), total_bytes=("total_bytes", "sum"),
         peak_tflops=("peak_tflops", "first"), peak_tbps=("peak_tbps", "first")).reset_index()
     # useful FLOPs: where any group of the family has them, the others' FLOPs are all useful
