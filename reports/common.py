@@ -45,9 +45,10 @@ def plotly_js() -> str:
 def plotly_js_packed() -> str:
     """plotly.js gzip-compressed and base64-encoded, as every page embeds it (base.html unpacks it in the browser
     with DecompressionStream): ~1.96 MB of page instead of 4.8 MB. Compressing takes ~0.2 s of CPU, so the gzip
-    bytes are kept in tracelens's cache directory ($TRACELENS_CACHE_DIR, ...; `tracelens.io.cache.cache_dir`)
-    under a digest of the very plotly.js they compress (another plotly version, or an edited bundle, is another
-    file). Best effort, like the trace cache: an unwritable cache directory only means compressing every time.
+    bytes are kept (`_asset_dirs`: beside the install where Python keeps bytecode, else in tracelens's cache
+    directory) under a digest of the very plotly.js they compress (another plotly version, or an edited bundle, is
+    another file), and a kept file is used only when its gzip trailer's CRC-32 and length are those of that
+    plotly.js (`_packs`). Best effort, like the trace cache: no writable place only means compressing every time.
     When `pack_plotly_beside` started packing it in a thread of this process, waits for that thread."""
     packer = _packer
     if packer is not None and packer[1] == os.getpid() and packer[0] is not threading.current_thread():
@@ -91,25 +92,75 @@ def _plotly_js_packed() -> str:
     import gzip
     import hashlib
 
-    from tracelens.io.cache import cache_dir
-
     js = plotly_js().encode()
-    path = cache_dir() / "assets" / f"plotly-{hashlib.sha256(js).hexdigest()[:24]}.js.gz"
-    packed = None
-    try:
-        packed = path.read_bytes()
-    except OSError:
-        pass
-    if not packed or packed[:2] != b"\x1f\x8b":
-        packed = gzip.compress(js, PLOTLY_GZIP_LEVEL, mtime=0)
+    name = f"plotly-{hashlib.sha256(js).hexdigest()[:24]}.js.gz"
+    places = _asset_dirs("assets")
+    for i, (d, _) in enumerate(places):
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_name(f".{path.name}.{os.getpid()}")
-            tmp.write_bytes(packed)
-            os.replace(tmp, path)
+            packed = (d / name).read_bytes()
+        except OSError:
+            continue
+        if _packs(packed, js):
+            break
+    else:
+        packed, i = gzip.compress(js, PLOTLY_GZIP_LEVEL, mtime=0), len(places)
+    # kept in the first place that takes it (also when found only in a later one: the cache directory of another
+    # run, while the install's place is the one every later process looks at first)
+    for d, writable in places[:i]:
+        if writable and _write_whole(d / name, packed):
+            break
+    return base64.b64encode(packed).decode("ascii")
+
+
+def _packs(packed: bytes, js: bytes) -> bool:
+    """Whether `packed` is a whole gzip member of `js`: its header, and its trailer's CRC-32 and length of the very
+    bytes (a truncated or foreign file is not; checked without decompressing)."""
+    import zlib
+
+    return (len(packed) > 18 and packed[:2] == b"\x1f\x8b"
+            and int.from_bytes(packed[-8:-4], "little") == zlib.crc32(js)
+            and int.from_bytes(packed[-4:], "little") == len(js) & 0xFFFFFFFF)
+
+
+def _write_whole(path: Path, data: bytes) -> bool:
+    """Write `data` at `path` through a temporary name and a rename (never a partial file, also with another process
+    writing it); False where the directory cannot be made or written (nothing left behind)."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_bytes(data)
+        os.replace(tmp, path)
+        return True
+    except OSError:
+        try:
+            tmp.unlink()
         except OSError:
             pass
-    return base64.b64encode(packed).decode("ascii")
+        return False
+
+
+def _asset_dirs(sub: str) -> list[tuple[Path, bool]]:
+    """Where the report's assets derived from installed files (plotly.js packed; the compiled templates,
+    `TemplateBytecode`) are kept, as (directory, writable): first where Python keeps the bytecode of a module of
+    `reports` (reports/__pycache__, or under sys.pycache_prefix when set), beside the install they derive from,
+    written unless sys.dont_write_bytecode (PYTHONDONTWRITEBYTECODE: read only, as Python does with .pyc); then `sub`
+    of tracelens's cache directory (`tracelens.io.cache.cache_dir`: $TRACELENS_CACHE_DIR, ...)."""
+    import importlib.util
+    import sys
+
+    dirs = []
+    try:
+        dirs.append((Path(importlib.util.cache_from_source(str(Path(__file__).parent / "_.py"))).parent,
+                     not sys.dont_write_bytecode))
+    except (NotImplementedError, ValueError):  # no cache tag (an implementation without bytecode files)
+        pass
+    try:
+        from tracelens.io.cache import cache_dir
+
+        dirs.append((cache_dir() / sub, True))
+    except Exception:  # noqa: BLE001 - no home directory: no second place
+        pass
+    return dirs
 
 
 class TemplateBytecode(BytecodeCache):
@@ -135,7 +186,7 @@ class TemplateBytecode(BytecodeCache):
         return hashlib.sha256(key.encode("utf-8", "surrogatepass")).hexdigest()[:40]
 
     def load_bytecode(self, bucket: Bucket) -> None:
-        for d, _ in self.dirs:
+        for i, (d, _) in enumerate(self.dirs):
             try:
                 with open(d / f"{bucket.key}.jinja2", "rb") as f:
                     bucket.load_bytecode(f)  # (resets the bucket itself on another magic, checksum or marshal error)
@@ -143,50 +194,22 @@ class TemplateBytecode(BytecodeCache):
                 bucket.reset()
                 continue
             if bucket.code is not None:
+                self._dump(bucket, self.dirs[:i])  # found in a later place only: kept in the first that takes it
                 return
 
     def dump_bytecode(self, bucket: Bucket) -> None:
+        self._dump(bucket, self.dirs)
+
+    def _dump(self, bucket: Bucket, dirs: list[tuple[Path, bool]]) -> None:
+        if not any(w for _, w in dirs):
+            return
         data = bucket.bytecode_to_string()
-        for d, writable in self.dirs:
-            if not writable:
-                continue
-            path = d / f"{bucket.key}.jinja2"
-            tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-            try:
-                d.mkdir(parents=True, exist_ok=True)
-                tmp.write_bytes(data)
-                os.replace(tmp, path)  # whole or not at all, also with another process writing the same entry
+        for d, writable in dirs:
+            if writable and _write_whole(d / f"{bucket.key}.jinja2", data):
                 return
-            except OSError:
-                try:
-                    tmp.unlink()
-                except OSError:
-                    pass
 
 
 _ENV_SETTINGS = "autoescape=html"  # in TemplateBytecode's keys: another setting compiles another code
-
-
-def _template_bytecode_dirs() -> list[tuple[Path, bool]]:
-    """Where `template_env` keeps compiled templates: where Python keeps the bytecode of a module in
-    reports/templates (reports/templates/__pycache__, or under sys.pycache_prefix when set), written unless
-    sys.dont_write_bytecode (PYTHONDONTWRITEBYTECODE: read only, as Python does with .pyc); then tracelens's cache
-    directory (`tracelens.io.cache.cache_dir`, like plotly.js packed)."""
-    import importlib.util
-    import sys
-
-    dirs = []
-    try:
-        dirs.append((Path(importlib.util.cache_from_source(str(TEMPLATES / "_.py"))).parent, not sys.dont_write_bytecode))
-    except (NotImplementedError, ValueError):  # no cache tag (an implementation without bytecode files)
-        pass
-    try:
-        from tracelens.io.cache import cache_dir
-
-        dirs.append((cache_dir() / "templates", True))
-    except Exception:  # noqa: BLE001 - no home directory: no second place
-        pass
-    return dirs
 
 
 @lru_cache(maxsize=1)
@@ -194,7 +217,7 @@ def template_env() -> Environment:
     """Jinja2 over reports/templates with autoescaping for .html templates (one per process: its compiled
     templates are kept and shared by every page), their bytecode kept between processes (`TemplateBytecode`)."""
     return Environment(loader=FileSystemLoader(str(TEMPLATES)), autoescape=select_autoescape(["html"]),
-                       bytecode_cache=TemplateBytecode(_template_bytecode_dirs(), _ENV_SETTINGS))
+                       bytecode_cache=TemplateBytecode(_asset_dirs("templates"), _ENV_SETTINGS))
 
 
 def plot_text(s: Any) -> str:

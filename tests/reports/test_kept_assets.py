@@ -1,13 +1,16 @@
-"""reports.common.TemplateBytecode: Jinja2's compiled templates kept between processes, never stale, failing soft."""
+"""What reports.common keeps between processes, derived from installed files: Jinja2's compiled templates
+(`TemplateBytecode`) and plotly.js packed (`plotly_js_packed`): never stale, every failure soft."""
 
 from __future__ import annotations
 
 import sys
 from pathlib import Path
 
+import pytest
 from jinja2 import Environment, FileSystemLoader, select_autoescape
 
-from reports.common import TEMPLATES, TemplateBytecode, _template_bytecode_dirs, template_env
+import reports.common as RC
+from reports.common import TemplateBytecode, _asset_dirs, template_env
 
 
 def _env(templates: Path, dirs: list[tuple[Path, bool]], settings: str = "autoescape=html") -> tuple[Environment, list]:
@@ -105,17 +108,106 @@ def test_a_read_only_place_is_read_and_never_written(tmp_path):
 
 
 def test_the_places_are_pythons_bytecode_directory_then_tracelenss_cache(tmp_path, monkeypatch):
+    reports = Path(RC.__file__).resolve().parent
     monkeypatch.setenv("TRACELENS_CACHE_DIR", str(tmp_path / "tl"))
     monkeypatch.setattr(sys, "pycache_prefix", str(tmp_path / "prefix"))
     monkeypatch.setattr(sys, "dont_write_bytecode", False)
-    (d1, w1), (d2, w2) = _template_bytecode_dirs()
-    assert d1 == tmp_path / "prefix" / TEMPLATES.resolve().relative_to(TEMPLATES.resolve().anchor) and w1
+    (d1, w1), (d2, w2) = _asset_dirs("templates")
+    assert d1 == tmp_path / "prefix" / reports.relative_to(reports.anchor) and w1
     assert d2 == tmp_path / "tl" / "templates" and w2
     monkeypatch.setattr(sys, "pycache_prefix", None)
-    monkeypatch.setattr(sys, "dont_write_bytecode", True)  # PYTHONDONTWRITEBYTECODE: read beside the templates only
-    (d1, w1), _ = _template_bytecode_dirs()
-    assert d1 == TEMPLATES / "__pycache__" and not w1
+    monkeypatch.setattr(sys, "dont_write_bytecode", True)  # PYTHONDONTWRITEBYTECODE: read beside the install only
+    (d1, w1), (d2, w2) = _asset_dirs("assets")
+    assert d1 == reports / "__pycache__" and not w1 and d2 == tmp_path / "tl" / "assets" and w2
 
 
 def test_the_report_environment_uses_it():
     assert isinstance(template_env().bytecode_cache, TemplateBytecode)
+
+
+# ------------------------------------------------------------------------------------------------- plotly.js packed
+
+
+@pytest.fixture(autouse=True)
+def _forget_packed():
+    """The tests below pack fake bundles: what this process keeps of plotly.js packed is forgotten after each."""
+    yield
+    RC._plotly_js_packed.cache_clear()
+
+
+def _packing(monkeypatch, places: list[tuple[Path, bool]], js: str = "var plotly = 1; // " + "x" * 5000) -> list[int]:
+    """plotly_js_packed over `places` for the bundle `js` (as a fresh process has it), and the list of compressions."""
+    import gzip
+
+    RC._plotly_js_packed.cache_clear()
+    monkeypatch.setattr(RC, "_packer", None)
+    monkeypatch.setattr(RC, "plotly_js", lambda: js)
+    monkeypatch.setattr(RC, "_asset_dirs", lambda sub: places)
+    calls: list[int] = []
+    real = gzip.compress
+
+    def counting(data, *a, **k):
+        calls.append(len(data))
+        return real(data, *a, **k)
+
+    monkeypatch.setattr(gzip, "compress", counting)
+    return calls
+
+
+def _unpacked(text: str) -> str:
+    import base64
+    import gzip
+
+    return gzip.decompress(base64.b64decode(text)).decode()
+
+
+def test_plotly_is_packed_once_and_read_by_the_next_process(tmp_path, monkeypatch):
+    places = [(tmp_path / "beside", True), (tmp_path / "cache", True)]
+    calls = _packing(monkeypatch, places)
+    first = RC.plotly_js_packed()
+    assert len(calls) == 1 and len(list((tmp_path / "beside").glob("plotly-*.js.gz"))) == 1
+    assert not (tmp_path / "cache").exists()  # (the first place took it)
+    calls = _packing(monkeypatch, places)
+    assert RC.plotly_js_packed() == first and calls == []
+    assert _unpacked(first) == RC.plotly_js()
+
+
+def test_another_bundle_or_a_damaged_file_is_packed_again(tmp_path, monkeypatch):
+    places = [(tmp_path / "beside", True)]
+    _packing(monkeypatch, places)
+    RC.plotly_js_packed()
+    (kept,) = (tmp_path / "beside").glob("plotly-*.js.gz")
+    calls = _packing(monkeypatch, places, js="var plotly = 2;")  # another plotly.js: another file
+    assert _unpacked(RC.plotly_js_packed()) == "var plotly = 2;" and len(calls) == 1
+    good = kept.read_bytes()
+    for bad in (b"", good[:2], good[:-1], good[:-8] + b"\0" * 8, b"\x1f\x8b" + b"\0" * 40):
+        kept.write_bytes(bad)
+        calls = _packing(monkeypatch, places)
+        assert _unpacked(RC.plotly_js_packed()) == RC.plotly_js() and len(calls) == 1
+        assert kept.read_bytes() == good  # and written whole again
+
+
+def test_plotly_packing_fails_soft_and_honours_dont_write_bytecode(tmp_path, monkeypatch):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    calls = _packing(monkeypatch, [(blocker / "x", True)])
+    assert _unpacked(RC.plotly_js_packed()) == RC.plotly_js() and len(calls) == 1  # no place: packed, no error
+    calls = _packing(monkeypatch, [(tmp_path / "beside", False), (tmp_path / "cache", True)])
+    RC.plotly_js_packed()
+    assert not (tmp_path / "beside").exists() and len(list((tmp_path / "cache").glob("plotly-*.js.gz"))) == 1
+    calls = _packing(monkeypatch, [(tmp_path / "beside", False), (tmp_path / "cache", True)])
+    RC.plotly_js_packed()
+    assert calls == []
+
+
+def test_what_is_found_only_in_a_later_place_is_kept_in_the_first(tmp_path, monkeypatch):
+    templates, first, second = _page(tmp_path), tmp_path / "first", tmp_path / "second"
+    _env(templates, [(second, True)])[0].get_template("page.html")  # (another run's cache directory)
+    env, compiled = _env(templates, [(first, True), (second, True)])
+    env.get_template("page.html")
+    assert compiled == [] and len(list(first.glob("*.jinja2"))) == 1
+    _packing(monkeypatch, [(second, True)])
+    RC.plotly_js_packed()
+    calls = _packing(monkeypatch, [(first, True), (second, True)])
+    RC.plotly_js_packed()
+    assert calls == [] and len(list(first.glob("plotly-*.js.gz"))) == 1
