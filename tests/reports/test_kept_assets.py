@@ -141,7 +141,7 @@ def _packing(monkeypatch, places: list[tuple[Path, bool]], js: str = "var plotly
 
     RC._plotly_js_packed.cache_clear()
     monkeypatch.setattr(RC, "_packer", None)
-    monkeypatch.setattr(RC, "plotly_js", lambda: js)
+    monkeypatch.setattr(RC, "plotly_js_bytes", lambda: js.encode())
     monkeypatch.setattr(RC, "_asset_dirs", lambda sub: places)
     calls: list[int] = []
     real = gzip.compress
@@ -169,7 +169,7 @@ def test_plotly_is_packed_once_and_read_by_the_next_process(tmp_path, monkeypatc
     assert not (tmp_path / "cache").exists()  # (the first place took it)
     calls = _packing(monkeypatch, places)
     assert RC.plotly_js_packed() == first and calls == []
-    assert _unpacked(first) == RC.plotly_js()
+    assert _unpacked(first) == RC.plotly_js_bytes().decode()
 
 
 def test_another_bundle_or_a_damaged_file_is_packed_again(tmp_path, monkeypatch):
@@ -183,7 +183,7 @@ def test_another_bundle_or_a_damaged_file_is_packed_again(tmp_path, monkeypatch)
     for bad in (b"", good[:2], good[:-1], good[:-8] + b"\0" * 8, b"\x1f\x8b" + b"\0" * 40):
         kept.write_bytes(bad)
         calls = _packing(monkeypatch, places)
-        assert _unpacked(RC.plotly_js_packed()) == RC.plotly_js() and len(calls) == 1
+        assert _unpacked(RC.plotly_js_packed()) == RC.plotly_js_bytes().decode() and len(calls) == 1
         assert kept.read_bytes() == good  # and written whole again
 
 
@@ -191,7 +191,7 @@ def test_plotly_packing_fails_soft_and_honours_dont_write_bytecode(tmp_path, mon
     blocker = tmp_path / "a-file"
     blocker.write_text("not a directory")
     calls = _packing(monkeypatch, [(blocker / "x", True)])
-    assert _unpacked(RC.plotly_js_packed()) == RC.plotly_js() and len(calls) == 1  # no place: packed, no error
+    assert _unpacked(RC.plotly_js_packed()) == RC.plotly_js_bytes().decode() and len(calls) == 1  # no place: packed, no error
     calls = _packing(monkeypatch, [(tmp_path / "beside", False), (tmp_path / "cache", True)])
     RC.plotly_js_packed()
     assert not (tmp_path / "beside").exists() and len(list((tmp_path / "cache").glob("plotly-*.js.gz"))) == 1
@@ -211,3 +211,15 @@ def test_what_is_found_only_in_a_later_place_is_kept_in_the_first(tmp_path, monk
     calls = _packing(monkeypatch, [(first, True), (second, True)])
     RC.plotly_js_packed()
     assert calls == [] and len(list(first.glob("plotly-*.js.gz"))) == 1
+
+
+def test_plotly_js_is_read_without_importing_plotly():
+    import subprocess
+
+    code = ("import sys; from reports.common import plotly_js_bytes; b = plotly_js_bytes(); "
+            "print(len(b), 'plotly' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=Path(RC.__file__).resolve().parents[1]).stdout.split()
+    assert out[1] == "False"
+    RC.plotly_js_bytes.cache_clear()
+    assert RC.plotly_js_bytes() == RC.plotly_js().encode() and int(out[0]) == len(RC.plotly_js_bytes())
