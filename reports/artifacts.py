@@ -59,11 +59,14 @@ def table_files(analysis: Analysis, formats: tuple[str, ...] = ("parquet", "csv"
 
 
 def _plain(df: pd.DataFrame) -> pd.DataFrame:
-    """Categoricals become plain strings so every reader (CSV, Parquet, spreadsheets) sees values."""
+    """Categoricals become plain strings so every reader (CSV, Parquet, spreadsheets) sees values. A table without
+    one is written as it is (no copy)."""
+    cats = [c for c, t in df.dtypes.items() if isinstance(t, pd.CategoricalDtype)]
+    if not cats:
+        return df
     out = df.copy()
-    for c in out.columns:
-        if isinstance(out[c].dtype, pd.CategoricalDtype):
-            out[c] = out[c].astype(str)
+    for c in cats:
+        out[c] = out[c].astype(str)
     return out
 
 
