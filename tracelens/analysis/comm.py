@@ -670,10 +670,12 @@ def coverage(trace, kern: pd.DataFrame, inst: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=cols)
 
 
-def partial_note(analysis, inst: pd.DataFrame | None = None, kern: pd.DataFrame | None = None) -> str:
+def partial_note(analysis, inst: pd.DataFrame | None = None, kern: pd.DataFrame | None = None,
+                 cov: pd.DataFrame | None = None) -> str:
     """One sentence naming the process groups with ranks that are not in the loaded traces, or ''.
-    inst / kern: the collective instances and comm-kernel rows when already computed."""
-    cov = group_coverage(analysis, inst, kern)
+    inst / kern: the collective instances and comm-kernel rows when already computed; cov: their
+    `group_coverage`, when already computed."""
+    cov = group_coverage(analysis, inst, kern) if cov is None else cov
     world = _world_size(analysis.trace)
     loaded = sorted(analysis.trace.rank_ids)
     parts = []
@@ -979,8 +981,9 @@ def comm_report(analysis) -> CommReport:
     padding = moe.expert_padding(analysis) if (inst["family"] == "all_to_all").any() else None
     if padding is not None and not padding.get("a2a_buffer_bytes"):
         padding = None  # padded GEMM rows, but no token all-to-all recognised: nothing for this view
+    groups = group_coverage(analysis, inst, kern)
     return CommReport(instances=inst, summary=comm_summary(inst, padding), stragglers=stragglers(inst),
-                      exposed=exposed_comm(analysis, inst), groups=group_coverage(analysis, inst, kern),
-                      partial=partial_note(analysis, inst, kern),
+                      exposed=exposed_comm(analysis, inst), groups=groups,
+                      partial=partial_note(analysis, inst, kern, cov=groups),
                       startup_instances=int(inst.drop_duplicates(["group", "peers", "seq"])["startup"].sum()),
                       padding=padding, exposed_a2a=exposed_a2a(analysis, inst))
