@@ -14,4 +14,13 @@ for m in ('numpy', 'pandas', 'pyarrow', 'msgspec', 'hta', 'plotly', 'networkx', 
 _bc_cmp=$(printf '%s' "${EXTRA:-}" | sed -n 's/.*--compare-root[= ]\([^ ]*\).*/\1/p')
 python3 -m compileall -q -j 0 tracelens reports moespec ${_bc_cmp:+$_bc_cmp/tracelens $_bc_cmp/reports $_bc_cmp/moespec} \
   $_bc_dirs >/dev/null 2>&1 || true
-unset _bc_dirs _bc_cmp
+# and what the report derives from installed files (reports.common: the templates' Jinja2 bytecode, plotly.js
+# packed), kept where Python keeps bytecode (the same prefix), for each checkout a run reads
+for _bc_root in . ${_bc_cmp:+$_bc_cmp}; do
+  (cd "$_bc_root" && python3 -c "
+from reports.common import plotly_js_packed, template_env
+for name in template_env().list_templates():
+    template_env().get_template(name)
+plotly_js_packed()" >/dev/null 2>&1) || true
+done
+unset _bc_dirs _bc_cmp _bc_root

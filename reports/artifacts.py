@@ -59,11 +59,14 @@ def table_files(analysis: Analysis, formats: tuple[str, ...] = ("parquet", "csv"
 
 
 def _plain(df: pd.DataFrame) -> pd.DataFrame:
-    """Categoricals become plain strings so every reader (CSV, Parquet, spreadsheets) sees values."""
+    """Categoricals become plain strings so every reader (CSV, Parquet, spreadsheets) sees values. A table without
+    one is written as it is (no copy)."""
+    cats = [c for c, t in df.dtypes.items() if isinstance(t, pd.CategoricalDtype)]
+    if not cats:
+        return df
     out = df.copy()
-    for c in out.columns:
-        if isinstance(out[c].dtype, pd.CategoricalDtype):
-            out[c] = out[c].astype(str)
+    for c in cats:
+        out[c] = out[c].astype(str)
     return out
 
 
@@ -112,6 +115,24 @@ def _here(analysis: Analysis, report: bool, jobs: list[Job], shared: Shared) -> 
     return (chain_parts(analysis) if report else None), _take_jobs(analysis, jobs, shared)
 
 
+def _import_for_both(report: bool, tables: bool) -> None:
+    """Import what both processes of `Analysis.summary_with` use to build the outputs, before it forks: each side
+    importing it on first use imported it twice (the tables' Parquet and CSV writers, the kernel names' demangler
+    and the records the HTML tables are formatted from)."""
+    if report:
+        import pandas.core.methods.to_dict  # noqa: F401 - (DataFrame.to_dict, every HTML table)
+
+        import tracelens.names  # noqa: F401 - (kernel names in the tables and the breakdown figure)
+    if tables:
+        import pandas.io.formats.csvs  # noqa: F401 - (DataFrame.to_csv)
+        import pyarrow.parquet  # noqa: F401 - (DataFrame.to_parquet)
+
+        try:  # (what pandas registers with Arrow on its first conversion of a table to Arrow)
+            import pandas.core.arrays.arrow.extension_types  # noqa: F401
+        except ImportError:
+            pass
+
+
 def _write_error(out: Path, e: OSError) -> TraceError:
     where = f" ({e.filename})" if getattr(e, "filename", None) else ""
     return TraceError(out, f"cannot write the output: {e.strerror or e}{where}; nothing was written")
@@ -126,6 +147,7 @@ def write_all(analysis: Analysis, out: str | os.PathLike, *, report: bool = True
     if isinstance(analysis, Analysis):
         # the page's sections of the chain's results are built after the chain, before waiting for the child; the
         # outputs of the base tables alone by whichever side is free first
+        _import_for_both(report, tables)
         jobs = _shared_jobs(analysis, report, tables)
         shared = Shared(len(jobs))
         summary, (parts, files, done), (chain, done_here) = analysis.summary_with(

@@ -20,7 +20,8 @@ from pathlib import Path
 from typing import Any, Iterable
 
 import pandas as pd
-from jinja2 import Environment, FileSystemLoader, select_autoescape
+from jinja2 import BytecodeCache, Environment, FileSystemLoader, select_autoescape
+from jinja2.bccache import Bucket
 
 TEMPLATES = Path(__file__).parent / "templates"
 COLORS = {
@@ -41,12 +42,31 @@ def plotly_js() -> str:
     return get_plotlyjs()
 
 
+@lru_cache(maxsize=1)
+def plotly_js_bytes() -> bytes:
+    """plotly.js's bytes (what `plotly_js` decodes): read from plotly's package data where plotly is installed as
+    files, without importing plotly (~30 ms of CPU in a process that draws nothing itself, `tracelens analyze`);
+    else through plotly's own loader."""
+    import importlib.util
+
+    try:
+        spec = importlib.util.find_spec("plotly")  # (finds the package, imports nothing)
+        for where in (spec.submodule_search_locations or ()) if spec is not None else ():
+            path = Path(where) / "package_data" / "plotly.min.js"
+            if path.is_file():
+                return path.read_bytes()
+    except (ImportError, ValueError, OSError):
+        pass
+    return plotly_js().encode()
+
+
 def plotly_js_packed() -> str:
     """plotly.js gzip-compressed and base64-encoded, as every page embeds it (base.html unpacks it in the browser
     with DecompressionStream): ~1.96 MB of page instead of 4.8 MB. Compressing takes ~0.2 s of CPU, so the gzip
-    bytes are kept in tracelens's cache directory ($TRACELENS_CACHE_DIR, ...; `tracelens.io.cache.cache_dir`)
-    under a digest of the very plotly.js they compress (another plotly version, or an edited bundle, is another
-    file). Best effort, like the trace cache: an unwritable cache directory only means compressing every time.
+    bytes are kept (`_asset_dirs`: beside the install where Python keeps bytecode, else in tracelens's cache
+    directory) under a digest of the very plotly.js they compress (another plotly version, or an edited bundle, is
+    another file), and a kept file is used only when its gzip trailer's CRC-32 and length are those of that
+    plotly.js (`_packs`). Best effort, like the trace cache: no writable place only means compressing every time.
     When `pack_plotly_beside` started packing it in a thread of this process, waits for that thread."""
     packer = _packer
     if packer is not None and packer[1] == os.getpid() and packer[0] is not threading.current_thread():
@@ -72,7 +92,7 @@ def pack_plotly_beside() -> None:
 
     from tracelens.io.cache import cache_dir  # noqa: F401
 
-    plotly_js()  # read here (plotly's own loader)
+    plotly_js_bytes()  # read here (it may import plotly's loader)
     thread = threading.Thread(target=_plotly_js_packed, name="tracelens-plotly-pack", daemon=True)
     _packer = (thread, os.getpid())
     thread.start()
@@ -90,32 +110,132 @@ def _plotly_js_packed() -> str:
     import gzip
     import hashlib
 
-    from tracelens.io.cache import cache_dir
-
-    js = plotly_js().encode()
-    path = cache_dir() / "assets" / f"plotly-{hashlib.sha256(js).hexdigest()[:24]}.js.gz"
-    packed = None
-    try:
-        packed = path.read_bytes()
-    except OSError:
-        pass
-    if not packed or packed[:2] != b"\x1f\x8b":
-        packed = gzip.compress(js, PLOTLY_GZIP_LEVEL, mtime=0)
+    js = plotly_js_bytes()
+    name = f"plotly-{hashlib.sha256(js).hexdigest()[:24]}.js.gz"
+    places = _asset_dirs("assets")
+    for i, (d, _) in enumerate(places):
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_name(f".{path.name}.{os.getpid()}")
-            tmp.write_bytes(packed)
-            os.replace(tmp, path)
+            packed = (d / name).read_bytes()
+        except OSError:
+            continue
+        if _packs(packed, js):
+            break
+    else:
+        packed, i = gzip.compress(js, PLOTLY_GZIP_LEVEL, mtime=0), len(places)
+    # kept in the first place that takes it (also when found only in a later one: the cache directory of another
+    # run, while the install's place is the one every later process looks at first)
+    for d, writable in places[:i]:
+        if writable and _write_whole(d / name, packed):
+            break
+    return base64.b64encode(packed).decode("ascii")
+
+
+def _packs(packed: bytes, js: bytes) -> bool:
+    """Whether `packed` is a whole gzip member of `js`: its header, and its trailer's CRC-32 and length of the very
+    bytes (a truncated or foreign file is not; checked without decompressing)."""
+    import zlib
+
+    return (len(packed) > 18 and packed[:2] == b"\x1f\x8b"
+            and int.from_bytes(packed[-8:-4], "little") == zlib.crc32(js)
+            and int.from_bytes(packed[-4:], "little") == len(js) & 0xFFFFFFFF)
+
+
+def _write_whole(path: Path, data: bytes) -> bool:
+    """Write `data` at `path` through a temporary name and a rename (never a partial file, also with another process
+    writing it); False where the directory cannot be made or written (nothing left behind)."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_bytes(data)
+        os.replace(tmp, path)
+        return True
+    except OSError:
+        try:
+            tmp.unlink()
         except OSError:
             pass
-    return base64.b64encode(packed).decode("ascii")
+        return False
+
+
+def _asset_dirs(sub: str) -> list[tuple[Path, bool]]:
+    """Where the report's assets derived from installed files (plotly.js packed; the compiled templates,
+    `TemplateBytecode`) are kept, as (directory, writable): first where Python keeps the bytecode of a module of
+    `reports` (reports/__pycache__, or under sys.pycache_prefix when set), beside the install they derive from,
+    written unless sys.dont_write_bytecode (PYTHONDONTWRITEBYTECODE: read only, as Python does with .pyc); then `sub`
+    of tracelens's cache directory (`tracelens.io.cache.cache_dir`: $TRACELENS_CACHE_DIR, ...)."""
+    import importlib.util
+    import sys
+
+    dirs = []
+    try:
+        dirs.append((Path(importlib.util.cache_from_source(str(Path(__file__).parent / "_.py"))).parent,
+                     not sys.dont_write_bytecode))
+    except (NotImplementedError, ValueError):  # no cache tag (an implementation without bytecode files)
+        pass
+    try:
+        from tracelens.io.cache import cache_dir
+
+        dirs.append((cache_dir() / sub, True))
+    except Exception:  # noqa: BLE001 - no home directory: no second place
+        pass
+    return dirs
+
+
+class TemplateBytecode(BytecodeCache):
+    """Jinja2's compiled templates kept between processes, as Python keeps a module's .pyc: compiling report.html and
+    the templates it includes from source takes ~0.06 s of CPU, in every `tracelens analyze` (a fresh process).
+
+    `dirs`: (directory, writable) pairs, read in order until one holds the template's bytecode; it is written into
+    the first writable one that takes it. An entry is used only when it was compiled from the very source read now
+    (Jinja2 stores the source's SHA-1 in it and compiles again on a mismatch) by the same Jinja2 release, Python
+    version and environment settings (in the file's key, `get_cache_key`), so an edited template or an upgrade is
+    never served stale code. Every failure is soft: an unreadable, corrupt or truncated entry is compiled again, a
+    directory that cannot be written to is passed over (none: compiled in every process, as without a cache)."""
+
+    def __init__(self, dirs: list[tuple[Path, bool]], settings: str = ""):
+        self.dirs = dirs
+        self.settings = settings
+
+    def get_cache_key(self, name: str, filename: str | None = None) -> str:
+        import hashlib
+        import jinja2
+
+        key = f"{name}|{filename}|jinja2 {jinja2.__version__}|{self.settings}"
+        return hashlib.sha256(key.encode("utf-8", "surrogatepass")).hexdigest()[:40]
+
+    def load_bytecode(self, bucket: Bucket) -> None:
+        for i, (d, _) in enumerate(self.dirs):
+            try:
+                with open(d / f"{bucket.key}.jinja2", "rb") as f:
+                    bucket.load_bytecode(f)  # (resets the bucket itself on another magic, checksum or marshal error)
+            except Exception:  # noqa: BLE001 - unreadable or corrupt (a pickle error): compiled again
+                bucket.reset()
+                continue
+            if bucket.code is not None:
+                self._dump(bucket, self.dirs[:i])  # found in a later place only: kept in the first that takes it
+                return
+
+    def dump_bytecode(self, bucket: Bucket) -> None:
+        self._dump(bucket, self.dirs)
+
+    def _dump(self, bucket: Bucket, dirs: list[tuple[Path, bool]]) -> None:
+        if not any(w for _, w in dirs):
+            return
+        data = bucket.bytecode_to_string()
+        for d, writable in dirs:
+            if writable and _write_whole(d / f"{bucket.key}.jinja2", data):
+                return
+
+
+_ENV_SETTINGS = "autoescape=html"  # in TemplateBytecode's keys: another setting compiles another code
 
 
 @lru_cache(maxsize=1)
 def template_env() -> Environment:
     """Jinja2 over reports/templates with autoescaping for .html templates (one per process: its compiled
-    templates are kept and shared by every page)."""
-    return Environment(loader=FileSystemLoader(str(TEMPLATES)), autoescape=select_autoescape(["html"]))
+    templates are kept and shared by every page), their bytecode kept between processes (`TemplateBytecode`)."""
+    return Environment(loader=FileSystemLoader(str(TEMPLATES)), autoescape=select_autoescape(["html"]),
+                       bytecode_cache=TemplateBytecode(_asset_dirs("templates"), _ENV_SETTINGS))
 
 
 def plot_text(s: Any) -> str:
@@ -164,40 +284,63 @@ def html_table(df: pd.DataFrame, columns: Iterable[tuple[str, str, str]], max_ro
     head = df.head(max_rows)
     shown = {col: display_many(["" if v is None else str(v) for v in head[col]])
              for col, _, kind in columns if kind == "kernel" and col in head}
-    rows = []
-    for i, rec in enumerate(head.to_dict("records")):
-        cells = []
-        for col, _, kind in columns:
-            v = rec.get(col)
+    recs = head.to_dict("records")  # (Python values, as every cell is formatted from)
+    cells = [_column_cells([rec.get(col) for rec in recs], kind, shown.get(col) if kind == "kernel" else None)
+             for col, _, kind in columns]
+    out = ['<table class="data"><thead><tr>']
+    for _, header, kind in columns:
+        out.append(f'<th data-type="{"num" if kind in _NUM_KINDS else "text"}">{_esc(str(header))}</th>')
+    out.append("</tr></thead><tbody>")
+    rows = zip(*cells) if cells else ([] for _ in recs)  # (no column: an empty row per record)
+    out.extend(f"<tr>{''.join(row)}</tr>" for row in rows)
+    out.append("</tbody></table>")
+    if len(df) > max_rows:
+        out.append(f'<p class="note">Showing {min(len(df), max_rows)} of {len(df)} rows; all rows are in the '
+                   "CSV/Parquet tables.</p>")
+    return "".join(out)
+
+
+_NUM_KINDS = ("num", "pct", "count")
+
+try:  # markupsafe.escape's own replacement (C where built), without the Markup object per cell it returns
+    from markupsafe import _escape_inner as _esc
+except ImportError:  # (another markupsafe layout) the same five replacements
+    def _esc(s: str) -> str:
+        return s.replace("&", "&amp;").replace(">", "&gt;").replace("<", "&lt;").replace("'", "&#39;").replace('"', "&#34;")
+
+
+def _column_cells(values: list, kind: str, shown: list[tuple[str, str]] | None) -> list[str]:
+    """One column's <td> cells, written as Jinja2's autoescaping wrote them from the table's template (the
+    template rendered every cell through a generator and a Markup per value, ~3x the time; tests/reports holds the
+    template and checks the bytes are the same). A number kind: the value formatted (`_fmt`), the raw value in
+    data-v for sorting; a kernel name: shortened, the full name in data-v (when shortened) and the title; else the
+    text ('name': also in the title)."""
+    out = []
+    if kind in _NUM_KINDS:
+        for v in values:
             if hasattr(v, "item"):
                 v = v.item()
-            if kind in ("num", "pct", "count"):
-                if kind == "count":
-                    digits = 0 if not isinstance(v, float) or not math.isfinite(v) or v == int(v) else 1
-                else:
-                    digits = 1 if kind == "pct" else (3 if isinstance(v, float) and abs(v) < 10 else 1)
-                cells.append(("num", _fmt(v, digits), "" if v is None else str(_clean(v) if _clean(v) is not None else ""), None))
-            elif kind == "kernel" and col in shown and v is not None:
-                text, full = shown[col][i]
-                cells.append(("name", text, full if text != full else None, full))
+            if kind == "count":
+                digits = 0 if not isinstance(v, float) or not math.isfinite(v) or v == int(v) else 1
             else:
-                text = "" if v is None or (isinstance(v, float) and math.isnan(v)) else str(v)
-                cells.append((kind, text, None, text if kind == "name" and text else None))
-        rows.append(cells)
-    return _table_template().render(cols=columns, rows=rows, more=len(df) > max_rows, shown=min(len(df), max_rows),
-                                    total=len(df))
-
-
-@lru_cache(maxsize=1)
-def _table_template():
-    """html_table's template, compiled once per process."""
-    return template_env().from_string(
-        '<table class="data"><thead><tr>{% for c in cols %}<th data-type="{{ "num" if c[2] in ("num","pct","count") else "text" }}">{{ c[1] }}</th>{% endfor %}</tr></thead>'
-        "<tbody>{% for r in rows %}<tr>{% for kind, text, v, title in r %}"
-        '<td class="{{ kind }}"{% if v is not none %} data-v="{{ v }}"{% endif %}{% if title %} title="{{ title }}"{% endif %}>{{ text }}</td>'
-        "{% endfor %}</tr>{% endfor %}</tbody></table>"
-        "{% if more %}<p class=\"note\">Showing {{ shown }} of {{ total }} rows; all rows are in the CSV/Parquet tables.</p>{% endif %}"
-    )
+                digits = 1 if kind == "pct" else (3 if isinstance(v, float) and abs(v) < 10 else 1)
+            c = _clean(v)
+            data = "" if v is None else str(c if c is not None else "")
+            out.append(f'<td class="num" data-v="{_esc(data)}">{_esc(_fmt(v, digits))}</td>')
+        return out
+    cls = _esc(str(kind))
+    for i, v in enumerate(values):
+        if hasattr(v, "item"):
+            v = v.item()
+        if shown is not None and v is not None:  # a kernel name
+            text, full = shown[i]
+            out.append('<td class="name"' + (f' data-v="{_esc(full)}"' if text != full else "")
+                       + (f' title="{_esc(full)}"' if full else "") + f">{_esc(text)}</td>")
+            continue
+        text = "" if v is None or (isinstance(v, float) and math.isnan(v)) else str(v)
+        out.append(f'<td class="{cls}"' + (f' title="{_esc(text)}"' if kind == "name" and text else "")
+                   + f">{_esc(text)}</td>")
+    return out
 
 
 def version() -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import pandas as pd
 
 from .common import COLORS, html_table, plot_text
@@ -15,31 +16,53 @@ KIND_COLORS = {"launch-bound": "#e377c2", "host sync": "#8b1a1a", "idle": "#dfe3
 MAX_BARS = 3000  # merged stretches drawn per step (the tables hold every segment's time)
 
 
-def _runs(seg: pd.DataFrame) -> pd.DataFrame:
-    """Consecutive segments of one rank and one label merged into one stretch (start, end, label, rank)."""
-    label = seg["kind"].where(seg["kind"] != "compute", seg["what"])
-    new = (seg["rank"] != seg["rank"].shift()) | (label != label.shift())
-    grp = new.cumsum()
-    out = seg.assign(label=label).groupby(grp).agg(rank=("rank", "first"), label=("label", "first"),
-                                                 start=("start_ns", "first"), end=("end_ns", "last"))
-    return out[out["end"] > out["start"]]
+def _runs(cp, step: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, list[str], list[int]]:
+    """The step's consecutive segments of one rank and one label (the kind, or for compute the kernel category)
+    merged into one stretch: (rank, label code, start, end) per stretch of positive length, the labels, and the
+    ranks of the step's segments. On the
+    segments' codes (`CriticalPath._coded`), without a string column per segment: a step of a long window has
+    10^5 segments."""
+    seg = cp.segments
+    at = np.flatnonzero(seg["step"].to_numpy() == step)
+    if not len(at):
+        none = np.empty(0, dtype=np.int64)
+        return none, none, none, none, [], []
+    kind, kinds = cp._coded("kind")
+    what, whats = cp._coded("what")
+    # one code per distinct label string, whether it is a kind's or a category's
+    uni, labels = pd.factorize(np.array(kinds + whats, dtype=object))
+    kind, what = np.asarray(kind)[at].astype(np.int64), np.asarray(what)[at].astype(np.int64)
+    compute = kinds.index("compute") if "compute" in kinds else -1
+    label = uni[np.where(kind == compute, len(kinds) + what, kind)]
+    rank = seg["rank"].to_numpy()[at]
+    new = np.ones(len(at), dtype=bool)
+    new[1:] = (rank[1:] != rank[:-1]) | (label[1:] != label[:-1])
+    first = np.flatnonzero(new)
+    last = np.append(first[1:], len(at)) - 1
+    start, end = seg["start_ns"].to_numpy()[at][first], seg["end_ns"].to_numpy()[at][last]
+    keep = end > start
+    return (rank[first][keep], label[first][keep], start[keep], end[keep], [str(x) for x in labels],
+            [int(r) for r in np.unique(rank)])
 
 
 def path_figure(cp, step: int) -> dict:
     """The step's path: one row per rank, a bar per stretch (ms from the step's start), coloured by label."""
-    seg = cp.segments[cp.segments["step"] == step]
     t0 = int(cp.steps.set_index("step").at[step, "start_ns"])
-    runs = _runs(seg)
-    if len(runs) > MAX_BARS:  # keep the longest stretches; the rest are too short to see
-        runs = runs.assign(d=runs["end"] - runs["start"]).nlargest(MAX_BARS, "d")
-    ranks = sorted(int(r) for r in seg["rank"].unique())
+    rank, label, start, end, labels, ranks = _runs(cp, step)
+    if len(start) > MAX_BARS:  # keep the longest stretches; the rest are too short to see
+        top = np.argsort(-(end - start), kind="stable")[:MAX_BARS]  # (the longest first, ties in order)
+        rank, label, start, end = rank[top], label[top], start[top], end[top]
     data = []
-    for label, g in runs.groupby("label", sort=False):
-        color = KIND_COLORS.get(label, COLORS.get(label, "#9aa6b8"))
-        name = plot_text(label if label in KIND_COLORS else f"compute: {label}")
-        data.append({"type": "bar", "orientation": "h", "name": name, "y": [f"rank {int(r)}" for r in g["rank"]],
-                     "base": [round((s - t0) / 1e6, 4) for s in g["start"]],
-                     "x": [round((e - s) / 1e6, 4) for s, e in zip(g["start"], g["end"])],
+    codes, first = np.unique(label, return_index=True)
+    for code in codes[np.argsort(first)]:  # the labels in order of their first stretch
+        mine = label == code
+        name_ = labels[code]
+        g_rank, g_start, g_end = rank[mine].tolist(), start[mine].tolist(), end[mine].tolist()
+        color = KIND_COLORS.get(name_, COLORS.get(name_, "#9aa6b8"))
+        name = plot_text(name_ if name_ in KIND_COLORS else f"compute: {name_}")
+        data.append({"type": "bar", "orientation": "h", "name": name, "y": [f"rank {int(r)}" for r in g_rank],
+                     "base": [round((s - t0) / 1e6, 4) for s in g_start],
+                     "x": [round((e - s) / 1e6, 4) for s, e in zip(g_start, g_end)],
                      "marker": {"color": color}, "hovertemplate": "%{y}: %{x:.3f} ms " + name + " at %{base:.3f} ms<extra></extra>"})
     # the legend (up to a dozen causes) goes right of the plot, one cause per line: in a row above the plot it
     # runs into the mode bar

@@ -39,6 +39,7 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import NamedTuple
 
 import numpy as np
@@ -46,6 +47,7 @@ import pandas as pd
 
 from .. import categories as C
 from . import moe
+from .grouped import named_agg_column
 
 US = 1000.0
 
@@ -147,6 +149,19 @@ def _annotation_bytes(dims_text, types_text) -> int:
     return total * size
 
 
+# comm_kernels parses the same few texts for each of thousands of kernels (a collective's name, a process group's
+# ranks, an annotation's input shapes): each distinct text once (the functions are pure; the results immutable)
+_norm_collective_of = lru_cache(maxsize=4096)(_norm_collective)
+_kernel_name_collective_of = lru_cache(maxsize=4096)(_kernel_name_collective)
+_parse_ranks_text = lru_cache(maxsize=4096)(_parse_ranks)
+_annotation_bytes_text = lru_cache(maxsize=4096)(_annotation_bytes)
+
+
+def _ranks_of(text) -> tuple[int, ...] | None:
+    """`_parse_ranks`, once per distinct string."""
+    return _parse_ranks_text(text) if isinstance(text, str) else _parse_ranks(text)
+
+
 def _enclosing(tree: pd.DataFrame | None, start: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """For each host row label in `start` (-1: none): the nearest enclosing `record_param_comms` op and
     `nccl:*` annotation (row labels, -1 when absent), walking the call tree's parent links."""
@@ -231,9 +246,9 @@ def comm_kernels(analysis) -> pd.DataFrame:
     collective, family, peers = [], [], []
     for i in range(len(k)):
         c = k_coll[i] or r_coll[i] or (a_coll[i] if a_coll[i] not in ("", "coalesced") else "") \
-            or _kernel_name_collective(names[i])
+            or _kernel_name_collective_of(names[i])
         collective.append(str(c))
-        fam = _norm_collective(c)
+        fam = _norm_collective_of(str(c))
         family.append(fam)
         m = _PEERS.search(str(ann_name[i])) if fam == "p2p" else None
         peers.append("-".join(str(x) for x in sorted((int(m.group(1)), int(m.group(2))))) if m else "")
@@ -241,7 +256,7 @@ def comm_kernels(analysis) -> pd.DataFrame:
     k_ranks, r_ranks = kcol("pg_ranks", ""), _values(events, "pg_ranks", rpc, "")
     group, pg_ranks = [], []
     for i in range(len(k)):
-        ranks = _parse_ranks(k_ranks[i]) or _parse_ranks(r_ranks[i])
+        ranks = _ranks_of(k_ranks[i]) or _ranks_of(r_ranks[i])
         pg_ranks.append(ranks)
         group.append(str(k_pg[i] or r_pg[i] or (str(list(ranks)) if ranks else "default")))
     k_gs, r_gs = kcol("group_size", -1), _values(events, "group_size", rpc, -1)
@@ -263,7 +278,9 @@ def comm_kernels(analysis) -> pd.DataFrame:
                 b, src = nel * size, where
                 break
         if b < 0 and ann[i] >= 0:
-            ab = _annotation_bytes(a_dims[i], a_types[i])
+            dims, types = a_dims[i], a_types[i]
+            ab = (_annotation_bytes_text(dims, types) if isinstance(dims, (str, type(None))) and isinstance(types, (str, type(None)))
+                  else _annotation_bytes(dims, types))
             if ab > 0 and fam == "all_gather":  # the annotation holds this rank's input shard
                 ab = ab * group_size[i] if group_size[i] > 0 else -1
             if ab > 0:
@@ -291,7 +308,7 @@ def p2p_peer_sets(events: pd.DataFrame) -> dict[int, tuple[int, ...]]:
         return {}
     coll = C.map_strings(events["collective"], lambda x: x in ("send", "recv"))
     is_rpc = C.map_strings(events["name"], lambda x: x == "record_param_comms")
-    sel = events[coll & is_rpc]
+    sel = events.loc[coll & is_rpc, [c for c in ("rank", "concrete_inputs", "pg_ranks") if c in events.columns]]
     if sel.empty:
         return {}
     out: dict[int, set] = {}
@@ -653,10 +670,12 @@ def coverage(trace, kern: pd.DataFrame, inst: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=cols)
 
 
-def partial_note(analysis, inst: pd.DataFrame | None = None, kern: pd.DataFrame | None = None) -> str:
+def partial_note(analysis, inst: pd.DataFrame | None = None, kern: pd.DataFrame | None = None,
+                 cov: pd.DataFrame | None = None) -> str:
     """One sentence naming the process groups with ranks that are not in the loaded traces, or ''.
-    inst / kern: the collective instances and comm-kernel rows when already computed."""
-    cov = group_coverage(analysis, inst, kern)
+    inst / kern: the collective instances and comm-kernel rows when already computed; cov: their
+    `group_coverage`, when already computed."""
+    cov = group_coverage(analysis, inst, kern) if cov is None else cov
     world = _world_size(analysis.trace)
     loaded = sorted(analysis.trace.rank_ids)
     parts = []
@@ -702,8 +721,8 @@ def clock_violations(inst: pd.DataFrame) -> pd.DataFrame:
     if not recs:
         return pd.DataFrame(columns=cols)
     df = pd.DataFrame(recs, columns=["early_rank", "late_rank", "gap"])
-    out = df.groupby(["early_rank", "late_rank"])["gap"].agg(instances="size", max_gap_us="max",
-                                                            median_gap_us="median").reset_index()
+    out = named_agg_column(df, ["early_rank", "late_rank"], "gap", instances="size", max_gap_us="max",
+                           median_gap_us="median").reset_index()
     out["of_instances"] = n_inst
     return out[cols]
 
@@ -962,8 +981,9 @@ def comm_report(analysis) -> CommReport:
     padding = moe.expert_padding(analysis) if (inst["family"] == "all_to_all").any() else None
     if padding is not None and not padding.get("a2a_buffer_bytes"):
         padding = None  # padded GEMM rows, but no token all-to-all recognised: nothing for this view
+    groups = group_coverage(analysis, inst, kern)
     return CommReport(instances=inst, summary=comm_summary(inst, padding), stragglers=stragglers(inst),
-                      exposed=exposed_comm(analysis, inst), groups=group_coverage(analysis, inst, kern),
-                      partial=partial_note(analysis, inst, kern),
+                      exposed=exposed_comm(analysis, inst), groups=groups,
+                      partial=partial_note(analysis, inst, kern, cov=groups),
                       startup_instances=int(inst.drop_duplicates(["group", "peers", "seq"])["startup"].sum()),
                       padding=padding, exposed_a2a=exposed_a2a(analysis, inst))

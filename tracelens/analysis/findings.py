@@ -36,6 +36,7 @@ from . import comm as CM
 from . import host as H
 from . import steps as S
 from . import waits as W
+from .grouped import named_agg
 from .moe import padding_finding
 from .moe_view import routing_tie
 from .straggler import MIN_WAIT_US, straggler_finding
@@ -272,8 +273,8 @@ def host_findings(a) -> list[dict[str, Any]]:
     if top.empty:
         return out
     top = top.assign(family=[op_family(o) for o in top["op"]])
-    fam = top.groupby(["rank", "family"], sort=False).agg(us=("self_us_per_step", "sum"),
-                                                          share=("share_of_step", "sum")).reset_index()
+    fam = named_agg(top, ["rank", "family"], sort=False, us=("self_us_per_step", "sum"),
+                    share=("share_of_step", "sum")).reset_index()
     mean = fam.groupby("family")[["us", "share"]].mean().sort_values("us", ascending=False)
     name = str(mean.index[0])
     ranks = sorted(fam.loc[fam["family"] == name, "rank"].astype(int).tolist())

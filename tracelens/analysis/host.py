@@ -27,6 +27,7 @@ import pandas as pd
 from .. import categories as C
 from . import intervals as I
 from .calltree import KIND_RUNTIME
+from .grouped import named_agg
 
 US = 1000.0
 SMALL_KERNEL_US = 10.0
@@ -90,9 +91,8 @@ def sync_summary(syncs: pd.DataFrame) -> pd.DataFrame:
     cols = ["op", "via", "call", "count", "host_blocked_us", "gpu_idle_caused_us", "path", "stack"]
     if syncs.empty:
         return pd.DataFrame(columns=cols)
-    g = syncs.groupby(["op", "via", "call"], sort=False)
-    out = g.agg(count=("ts", "size"), host_blocked_us=("host_blocked_us", "sum"),
-                gpu_idle_caused_us=("gpu_idle_caused_us", "sum"), path=("path", "first"), stack=("stack", "first"))
+    out = named_agg(syncs, ["op", "via", "call"], sort=False, count=("ts", "size"), host_blocked_us=("host_blocked_us", "sum"),
+                    gpu_idle_caused_us=("gpu_idle_caused_us", "sum"), path=("path", "first"), stack=("stack", "first"))
     return out.reset_index().sort_values("gpu_idle_caused_us", ascending=False, ignore_index=True)[cols]
 
 
@@ -172,7 +172,7 @@ def idle_summary(gaps: pd.DataFrame, timeline: pd.DataFrame, cuts: dict | None =
     kept = gaps.loc[length > 0, ["rank", "cause"]].assign(dur_us=length[length > 0] / US)
     if kept.empty:
         return pd.DataFrame(columns=cols)
-    out = kept.groupby(["rank", "cause"]).agg(gaps=("dur_us", "size"), idle_us=("dur_us", "sum")).reset_index()
+    out = named_agg(kept, ["rank", "cause"], gaps=("dur_us", "size"), idle_us=("dur_us", "sum")).reset_index()
     span = out["rank"].map(tl["span_us"])
     out["pct_of_span"] = np.where(span > 0, 100.0 * out["idle_us"] / span, 0.0)
     return out[cols]
