@@ -432,6 +432,17 @@ static int number_ns(Parser *p, int64_t off, int64_t len, int64_t *out) {
         if (eneg) ex = -ex;
     }
     if (s != e || ni == 0) FAIL(p, "unparsable number", off);
+    if (ex == 0 && nf <= 3 && ni <= 16) {
+        /* the common case, microseconds with at most 3 decimals (and no exponent, or e0): the integer and the
+           fraction digits as one number of ns, nothing to round, below 10**19 (the general path's value, its
+           bound and its message) */
+        uint64_t v = 0;
+        for (int64_t k = 0; k < ni; k++) v = v * 10 + (uint64_t)(ip[k] - '0');
+        for (int64_t k = 0; k < 3; k++) v = v * 10 + (uint64_t)(k < nf ? fp[k] - '0' : 0);
+        if (v >= NS_BOUND) FAIL(p, "timestamp out of range", off);
+        *out = neg ? -(int64_t)v : (int64_t)v;
+        return 0;
+    }
     /* The digits D[0..nd) (integer then fraction digits); the value in ns is D[0..point) . D[point..) */
     int64_t nd = ni + nf, point = ni + ex + 3, z = 0;
 #define DIGIT(i) ((i) < ni ? ip[(i)] - '0' : fp[(i) - ni] - '0')
