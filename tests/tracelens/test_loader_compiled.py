@@ -228,6 +228,35 @@ def test_string_specials_at_every_offset_of_a_block(monkeypatch, tmp_path):
         _same_outcome(_outcome(lambda: K.parse_file(bad)), _outcome(lambda: _pure(monkeypatch, bad)))
 
 
+def test_numbers_of_every_length_give_the_same_tables(monkeypatch, tmp_path):
+    """Integers read 8 digits at a time and timestamps of at most 3 decimals read in one pass: int args of
+    1 to 24 digits, both signs, around the int64 bounds (past them: the lenient conversion), fractions with long
+    digit runs, timestamps near the 2**53 us bound and with exponents, through both paths alike."""
+    ints = []
+    for d in range(1, 25):
+        for lead in "19":
+            ints.append(lead + "7" * (d - 1))
+    ints += [str(2**63 - 1), str(2**63), str(2**64 - 1), str(2**64), "-" + str(2**63), "-" + str(2**63 + 1), "0", "-0",
+             "12345678", "123456789", "9999999999999999", "1.5", "12345678901234567.25", "1e3", "-2.5E+2"]
+    ts = ["4558382003891.471", "1695835542513910", "9007199254740991.999", "9007199254740992", "9007199254740992.0",
+          "12e0", "1.5e-0", "1.25E+0", "0.001", "-0.5", "00.5", "123.4567", "1234567890123456.7", "12345678901234567",
+          "4503599627370496.5e0", "7e2", "0"]
+    events = []
+    for i, v in enumerate(ints):
+        events.append('{"ph":"X","cat":"cpu_op","name":"n%d","pid":1,"tid":1,"ts":%d,"dur":1,'
+                      '"args":{"External id":%s,"Sequence number":%s,"Input Dims":[[%s,2],[]]}}' % (i, i, v, v, v))
+    for i, v in enumerate(ts):
+        events.append('{"ph":"X","cat":"kernel","name":"t%d","pid":1,"tid":2,"ts":%s,"dur":%s}' % (i, v, v.lstrip("-")))
+    taken = 0
+    for k, evs in enumerate([[e] for e in events] + [[e for e in events if '"name":"t12"' not in e]]):  # each alone,
+        path = tmp_path / f"n{k}.json"  # then all but the invalid 00.5 together
+        path.write_bytes(("{\"traceEvents\":[" + ",".join(evs) + "]}").encode())
+        fast = _outcome(lambda: K.parse_file(path))
+        _same_outcome(fast, _outcome(lambda: _pure(monkeypatch, path)))
+        taken += fast[0] == "ok" and fast[1].meta["decoder"] == "compiled"
+    assert taken > len(events) // 2
+
+
 def _mutations(data: bytes, rng: random.Random, n: int):
     interesting = b'{}[]",:0123456789.-eEtfn\\ \n'
     for _ in range(n):
