@@ -39,21 +39,35 @@ def scale_text(scales_with: Any, scale_share: Any, scale_basis: Any, component: 
     return f"{scales_with} ({100 * float(scale_share):.0f} %)"
 
 
+def _by_component(df: pd.DataFrame) -> dict[str, list[dict[str, Any]]]:
+    """The records of each component present, in COMPONENTS order (as `df[df["component"] == comp]` row by row):
+    the table has a dozen rows, and a pandas filter, reindex or lookup of its string columns costs ~1 ms each,
+    some 40 of them a report; records are read as plain values (the same values the filtered frames held)."""
+    out: dict[str, list[dict[str, Any]]] = {}
+    for rec in df.to_dict("records"):
+        out.setdefault(rec["component"], []).append(rec)
+    return {c: out[c] for c in components_order() if c in out}
+
+
 def figure(df: pd.DataFrame) -> dict:
     """Stacked horizontal bar per rank: the components of its step (ms), in COMPONENTS order."""
     ranks = sorted(int(r) for r in df["rank"].unique())
     totals = df.groupby("rank")["ms"].sum()
     ylab = [f"rank {r} ({totals.loc[r]:,.1f} ms)" for r in ranks]
     data = []
-    for comp in components_order():
-        sub = df[df["component"] == comp].set_index("rank").reindex(ranks)
-        if not (sub["ms"].fillna(0) > 0).any():
+    nan = float("nan")
+    missing = {"ms": nan, "share": nan, "scales_with": nan, "scale_share": nan, "scale_basis": nan}
+    for comp, recs in _by_component(df).items():  # (a component without rows has no bar)
+        at = {int(r["rank"]): r for r in recs}
+        if len(at) < len(recs):  # two rows of one rank: what the frame's reindex says of it
+            df[df["component"] == comp].set_index("rank").reindex(ranks)
+        sub = [at.get(r, missing) for r in ranks]  # (each rank's row; a rank without one: all missing)
+        if not any((0.0 if x["ms"] != x["ms"] else x["ms"]) > 0 for x in sub):
             continue
-        custom = [[f"{100 * float(s):.1f}" if s == s else "–",
-                   plot_text(scale_text(sw, ss, sb, comp))]
-                  for s, sw, ss, sb in zip(sub["share"], sub["scales_with"], sub["scale_share"], sub["scale_basis"])]
+        custom = [[f"{100 * float(x['share']):.1f}" if x["share"] == x["share"] else "–",
+                   plot_text(scale_text(x["scales_with"], x["scale_share"], x["scale_basis"], comp))] for x in sub]
         data.append({"type": "bar", "orientation": "h", "name": plot_text(comp), "y": ylab,
-                     "x": [round(float(v), 4) if v == v else 0.0 for v in sub["ms"]],
+                     "x": [round(float(x["ms"]), 4) if x["ms"] == x["ms"] else 0.0 for x in sub],
                      "marker": {"color": COLORS.get(comp, "#888")}, "customdata": custom,
                      "hovertemplate": "%{y}: %{x:.3f} ms " + plot_text(comp)
                      + " (%{customdata[0]} % of the step)<br>scales with %{customdata[1]}<extra></extra>"})
@@ -68,22 +82,24 @@ def table(df: pd.DataFrame) -> str:
     per rank (up to 4 ranks), else the mean, min and max over the ranks."""
     ranks = sorted(int(r) for r in df["rank"].unique())
     rows = []
-    for comp in components_order():
-        sub = df[df["component"] == comp]
-        if not (sub["ms"] > 0).any():
+    for comp, recs in _by_component(df).items():
+        ms = [r["ms"] for r in recs]
+        if not any(v > 0 for v in ms):
             continue
-        # the label of the rank where the component takes most time (ranks of one job agree in practice)
-        top = sub.loc[sub["ms"].idxmax()]
+        # the label of the rank where the component takes most time (ranks of one job agree in practice); the
+        # first of the largest, NaN left out (Series.idxmax)
+        top = recs[max((i for i, v in enumerate(ms) if v == v), key=lambda i: (ms[i], -i))]
         row: dict[str, Any] = {"component": comp,
                                "scales": scale_text(top["scales_with"], top["scale_share"], top["scale_basis"], comp)}
         if len(ranks) <= 4:
             for r in ranks:
-                x = sub[sub["rank"] == r]
-                row[f"ms{r}"] = float(x["ms"].iloc[0]) if len(x) else None
-                row[f"pct{r}"] = 100 * float(x["share"].iloc[0]) if len(x) else None
+                x = next((rec for rec in recs if rec["rank"] == r), None)
+                row[f"ms{r}"] = float(x["ms"]) if x is not None else None
+                row[f"pct{r}"] = 100 * float(x["share"]) if x is not None else None
         else:
-            row.update(mean=float(sub["ms"].mean()), min=float(sub["ms"].min()), max=float(sub["ms"].max()),
-                       pct=100 * float(sub["share"].mean()))
+            v = pd.Series(ms, dtype=float)
+            row.update(mean=float(v.mean()), min=float(v.min()), max=float(v.max()),
+                       pct=100 * float(pd.Series([r["share"] for r in recs], dtype=float).mean()))
         rows.append(row)
     total: dict[str, Any] = {"component": "step (sum)", "scales": ""}
     tot = df.groupby("rank")["ms"].sum()

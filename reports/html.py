@@ -261,7 +261,7 @@ def _deep_sections(a: Analysis) -> dict:
     out["findings"] = [dict(f, sentence=finding_sentence(f)) for f in a.findings()]  # evidence in words
     if not a.has_gpu:
         return out
-    comm = CM.comm_report(a)  # what `tracelens comm` shows
+    comm = CM.comm_report(a, exposed=False)  # what `tracelens comm` shows (less its exposed figures: not on the page)
     if not comm.empty:
         out["comm_table"] = html_table(comm.summary, [("rank", "rank", "num"), ("collective", "collective", "text"),
                                               ("count", "count", "num"), ("kernel_us", "kernel µs", "num"),

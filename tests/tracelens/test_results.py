@@ -83,6 +83,14 @@ def test_comm_report_is_the_cli_output(nccl, tmp_path):
     assert json.loads((tmp_path / "c.json").read_text()) == rep.to_dict()
 
 
+def test_comm_report_without_its_exposed_figures_is_the_rest_of_it(nccl):
+    """The report's communication section asks for the view less its exposed figures (not on the page)."""
+    full, lean = comm_report(nccl).to_dict(), comm_report(nccl, exposed=False).to_dict()
+    assert full["exposed_comm"] and lean["exposed_comm"] == [] and lean["exposed_a2a"] == []
+    assert {k: v for k, v in lean.items() if not k.startswith("exposed")} == \
+        {k: v for k, v in full.items() if not k.startswith("exposed")}
+
+
 def test_comm_report_without_collectives():
     rep = comm_report(tracelens.analyze(tracelens.load(MOE_LOOP, cache=False)))
     assert rep.empty and rep.to_text() == "no communication kernels (NCCL/RCCL) in these traces"

@@ -971,19 +971,24 @@ class CommReport:
                             f" (+ {x.exposed_wait_pct:.1f} % waiting)" for x in self.exposed_a2a.itertuples()))
 
 
-def comm_report(analysis) -> CommReport:
-    """The communication view of an Analysis (its `comm_kernels` and `comm_instances` entries)."""
+def comm_report(analysis, exposed: bool = True) -> CommReport:
+    """The communication view of an Analysis (its `comm_kernels` and `comm_instances` entries). exposed=False leaves
+    the per-rank exposed communication out (`exposed` and `exposed_a2a` empty: each a GPU timeline of the ranks'
+    kernels, ~30 ms apiece on a 200 MB trace), for a reader that shows neither (the report's communication
+    section)."""
     inst = analysis.comm_instances()
+    no_exposed = pd.DataFrame(columns=["rank", "comm_us", "exposed_comm_us", "comm_wait_us", "pipeline_wait_us", "exposed_pct"])
     if inst.empty:
         return CommReport(instances=inst, summary=comm_summary(inst), stragglers=stragglers(inst),
-                          exposed=exposed_comm(analysis, inst), groups=pd.DataFrame(), partial="", startup_instances=0)
+                          exposed=exposed_comm(analysis, inst) if exposed else no_exposed, groups=pd.DataFrame(),
+                          partial="", startup_instances=0)
     kern = analysis.comm_kernels()
     padding = moe.expert_padding(analysis) if (inst["family"] == "all_to_all").any() else None
     if padding is not None and not padding.get("a2a_buffer_bytes"):
         padding = None  # padded GEMM rows, but no token all-to-all recognised: nothing for this view
     groups = group_coverage(analysis, inst, kern)
     return CommReport(instances=inst, summary=comm_summary(inst, padding), stragglers=stragglers(inst),
-                      exposed=exposed_comm(analysis, inst), groups=groups,
+                      exposed=exposed_comm(analysis, inst) if exposed else no_exposed, groups=groups,
                       partial=partial_note(analysis, inst, kern, cov=groups),
                       startup_instances=int(inst.drop_duplicates(["group", "peers", "seq"])["startup"].sum()),
-                      padding=padding, exposed_a2a=exposed_a2a(analysis, inst))
+                      padding=padding, exposed_a2a=exposed_a2a(analysis, inst) if exposed else None)

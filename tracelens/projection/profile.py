@@ -23,6 +23,7 @@ from __future__ import annotations
 import itertools
 import math
 import re
+from functools import lru_cache
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -131,6 +132,7 @@ def _forward_paths(tree: pd.DataFrame, events: pd.DataFrame) -> dict[tuple[int, 
     return dict(zip(zip(ranks[pick].tolist(), seqs[pick].tolist()), (str(p) for p in paths[pick])))
 
 
+@lru_cache(maxsize=4096)  # (a step's kernels repeat a few hundred input shapes)
 def _token_shaped(dims: str, tokens: int, mbs: int, seq_len: int) -> bool:
     """Does an op's ``Input Dims`` text hold a tensor with the micro-batch's tokens in it?"""
     if not dims or dims == "nan":
@@ -333,12 +335,8 @@ def _attach_fill(work: pd.DataFrame, g: pd.DataFrame, tree: pd.DataFrame, props:
     block = C.strings(g["block"].reindex(rows)) if "block" in g else np.full(n, "", dtype=object)
     cat = C.strings(g["category"].reindex(rows)) if "category" in g else np.full(n, "", dtype=object)
     ops, dims, names = work["op"].to_numpy(), work["dims"].to_numpy(), work["name"].to_numpy()
-    seen: dict = {}
-    for i in range(n):
-        key = (ops[i], dims[i], names[i], grid[i], block[i], cat[i])
-        if key in seen:
-            fill[i] = seen[key]
-            continue
+
+    def fill_of(i: int) -> float:
         f = np.nan
         tiles = None
         if ops[i] in _GEMM_OPS or "GEMM" in str(cat[i]):
@@ -354,7 +352,14 @@ def _attach_fill(work: pd.DataFrame, g: pd.DataFrame, tree: pd.DataFrame, props:
                 threads = max(int(np.prod(bd)), 1)
                 resident = max(1, min(32, per_sm_threads // threads))
                 f = float(np.prod(gd)) / (sms * resident)
-        fill[i] = seen[key] = f
+        return f
+
+    # a step's kernels share few (op, shapes, name, grid, block, category) combinations: each computed once (the
+    # combinations of the columns' codes: one per distinct string, so the same groups, at most split)
+    at = g.index.get_indexer(rows) if len(rows) else rows
+    gid, first = _key_ids([_codes(g[c])[at] if c in g else np.zeros(n, np.int64)
+                           for c in ("op", "op_input_dims", "name", "grid", "block", "category")])
+    fill = np.array([fill_of(i) for i in first.tolist()], dtype=float)[gid] if n else fill
     work["fill"] = fill
 
 
@@ -393,15 +398,16 @@ def _paths_of(tree: pd.DataFrame, events: pd.DataFrame, rows: np.ndarray, fwd_pa
     if "seq" in events:
         seq = np.full(n, -1, dtype=np.int64)
         seq[ok] = events["seq"].reindex(rows[ok]).fillna(-1).to_numpy(dtype=np.int64)
-        names = np.full(n, "", dtype=object)
-        names[ok] = C.strings(tree["name"].iloc[at])
-        for i in np.flatnonzero(ok & (seq >= 0)):
-            nm = names[i]
-            if nm.startswith("autograd::engine::evaluate_function") or nm.endswith(("Backward0", "Backward1")):
-                back[i] = True
-                fp = fwd_paths.get((rank, int(seq[i])))
-                if fp is not None:
-                    path[i] = f"{path[i]}/{fp}" if path[i] and fp else (fp or path[i])
+        is_bwd = np.zeros(n, dtype=bool)  # (tested once per distinct name)
+        is_bwd[ok] = C.map_strings(tree["name"].iloc[at], lambda nm: nm.startswith("autograd::engine::evaluate_function")
+                                   or nm.endswith(("Backward0", "Backward1")))
+        bw = np.flatnonzero(ok & (seq >= 0) & is_bwd)
+        back[bw] = True
+        new = []
+        for p, s in zip(path[bw].tolist(), seq[bw].tolist()):  # (plain lists: no numpy scalar per element)
+            fp = fwd_paths.get((rank, s))
+            new.append(p if fp is None else (f"{p}/{fp}" if p and fp else (fp or p)))
+        path[bw] = new
     return path, back
 
 
@@ -415,6 +421,25 @@ def _classify_kernel(cat: str, is_comm: bool, p: str, op: str, dims: str, back: 
     # backward function: activation checkpointing running that layer's forward again
     return (comp, _scale(comp, p, op, dims, tokens, mbs, seq_len), comp == "expert GEMMs",
             f"moe/{m.group(1)}" if m else "", int(lm[-1]) if lm else -1, back and _LAYER_RE.search(own) is not None)
+
+
+def _codes(col: pd.Series) -> np.ndarray:
+    """A (categorical) string column's codes: equal codes, equal strings (a column of strings: its values)."""
+    return col.cat.codes.to_numpy() if isinstance(col.dtype, pd.CategoricalDtype) else C.strings(col)
+
+
+def _key_ids(cols: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """Per row, the id of its combination of the `cols` values (ids in order of first appearance), and each id's
+    first row: the rows a loop keeping a dict of computed keys would compute, by one hash factorization per
+    column instead of a tuple and a dict lookup per row (the results, a pure function of the key, are the same)."""
+    n = len(cols[0])
+    gid = np.zeros(n, dtype=np.int64)
+    for c in cols:
+        codes, uniq = pd.factorize(c, use_na_sentinel=False)
+        gid = pd.factorize(gid * max(len(uniq), 1) + codes)[0].astype(np.int64)
+    first = np.ones(n, dtype=bool)  # a row whose id is new (ids are given in order, each one more than the last)
+    first[1:] = gid[1:] > np.maximum.accumulate(gid)[:-1]
+    return gid, np.flatnonzero(first)
 
 
 def _gpu_work(g: pd.DataFrame, tree: pd.DataFrame, events: pd.DataFrame, fwd_paths: dict, tokens: int, mbs: int,
@@ -438,13 +463,17 @@ def _gpu_work(g: pd.DataFrame, tree: pd.DataFrame, events: pd.DataFrame, fwd_pat
     stage = np.empty(n, dtype=object)
     layer = np.full(n, -1, dtype=np.int64)
     recompute = np.zeros(n, dtype=bool)
-    seen: dict[tuple, tuple] = {}  # a step's kernels share few (category, path, op, shapes) combinations
-    for i in range(n):
-        key = (cat[i], bool(is_comm[i]), path[i], op[i], dims[i], bool(back[i]), own[i])
-        got = seen.get(key)
-        if got is None:
-            got = seen[key] = _classify_kernel(*key, tokens, mbs, seq_len)
-        comp[i], scale[i], expert[i], stage[i], layer[i], recompute[i] = got
+    # a step's kernels share few (category, path, op, shapes) combinations: each classified once (the string
+    # columns by their codes: one per distinct string)
+    gid, first = _key_ids([_codes(g["category"]), is_comm.astype(bool), path, _codes(g["op"]), _codes(g["op_input_dims"]),
+                           back.astype(bool), _codes(g["path"])])
+    got = [_classify_kernel(cat[i], bool(is_comm[i]), path[i], op[i], dims[i], bool(back[i]), own[i], tokens, mbs,
+                            seq_len) for i in first.tolist()]
+    if got:
+        k_comp, k_scale, k_expert, k_stage, k_layer, k_recompute = zip(*got)
+        comp, scale, stage = (np.array(v, dtype=object)[gid] for v in (k_comp, k_scale, k_stage))
+        expert, recompute = np.array(k_expert, dtype=bool)[gid], np.array(k_recompute, dtype=bool)[gid]
+        layer = np.array(k_layer, dtype=np.int64)[gid]
     work = pd.DataFrame({
         "launch": g["launch_ts"].to_numpy(np.int64), "start": g["ts"].to_numpy(np.int64),
         "dur": g["dur"].to_numpy(np.int64), "stream": g["stream"].to_numpy(np.int64),
