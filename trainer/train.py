@@ -177,6 +177,26 @@ def lr_at(step: int, cfg: dict) -> float:
     return base * (cfg["min_lr_ratio"] + (1 - cfg["min_lr_ratio"]) * 0.5 * (1 + math.cos(math.pi * min(frac, 1.0))))
 
 
+TRACE_GZIP_LEVEL = 6  # zlib's default (the gzip tool's): ~10x less CPU than 9, files ~12 % larger
+
+
+def export_gzipped(prof, path: Path) -> None:
+    """The profiler's Chrome trace as gzipped JSON at ``path``: Kineto writes the JSON beside it (``.raw``), compressed
+    here at ``TRACE_GZIP_LEVEL`` in 1 MiB blocks, then removed. ``export_chrome_trace`` with a ``.gz`` path
+    compresses at level 9, line by line: on the CPU tests' traces (5-27 MB of JSON a rank) 0.4-3.7 s of CPU a
+    rank, 10x what level 6 takes; the same JSON either way."""
+    import gzip
+    import shutil
+
+    raw = path.with_suffix(".raw")  # not .gz: the profiler writes it as it is
+    prof.export_chrome_trace(str(raw))
+    try:
+        with open(raw, "rb") as fin, gzip.open(path, "wb", compresslevel=TRACE_GZIP_LEVEL) as fout:
+            shutil.copyfileobj(fin, fout, 1 << 20)
+    finally:
+        raw.unlink(missing_ok=True)
+
+
 def _profiler(cfg: dict, d: Dist, trace_path: Path):
     start, end = cfg["profile_step_start"], min(cfg["profile_step_end"], cfg["steps"])
     if end <= start:
@@ -192,7 +212,7 @@ def _profiler(cfg: dict, d: Dist, trace_path: Path):
         partial = trace_path.parent.parent / runtime.PARTIAL_DIR / trace_path.name
         partial.parent.mkdir(parents=True, exist_ok=True)
         trace_path.parent.mkdir(parents=True, exist_ok=True)
-        prof.export_chrome_trace(str(partial))  # .gz suffix -> gzipped
+        export_gzipped(prof, partial)
         os.replace(partial, trace_path)
 
     return profile(activities=acts, schedule=schedule(wait=wait, warmup=warmup, active=end - start, repeat=1),

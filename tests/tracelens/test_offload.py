@@ -228,6 +228,41 @@ def test_buffered_output_is_written_once(tmp_path):
 
 # -- the analyses: the same summary and tables with and without the child ---------------------------------
 
+def _files(d: Path) -> dict[str, bytes]:
+    return {str(f.relative_to(d)): f.read_bytes() for f in sorted(d.rglob("*")) if f.is_file()}
+
+
+@pytest.fixture(scope="module")
+def parent_alone(tmp_path_factory):
+    """What the parent alone computes for an input (``TRACELENS_OFFLOAD=0``), once per input for the module (the
+    tests below compare runs with the child against it), from one fresh analysis of the input: ``parent_alone(path)``
+    its summary (dict, and its JSON text), warnings, tables and whether there is a pipeline account;
+    ``parent_alone(path, files=True)`` the files `tracelens analyze` writes (`write_all`)."""
+    from reports.artifacts import write_all
+
+    refs = {}
+
+    def get(path: Path, files: bool = False) -> dict:
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("TRACELENS_OFFLOAD", "0")
+            ref = refs.setdefault(path, {"a": None})
+            if ref["a"] is None:
+                ref["a"] = tracelens.analyze(tracelens.load(path, cache=False, progress=False))
+            a = ref["a"]
+            if files and "files" not in ref:
+                out = tmp_path_factory.mktemp("parent_alone")
+                written = write_all(a, out)
+                assert "report" in written and "tables" in written
+                ref["files"] = _files(out)
+            if not files and "summary" not in ref:
+                s = a.summary()
+                ref.update(summary=s, summary_json=json.dumps(s, sort_keys=True, default=str),
+                           warnings=list(a.warnings), tables=dict(a.tables()), pipeline_none=a.pipeline is None)
+        return ref
+
+    return get
+
+
 def _everything(path, monkeypatch, mode):
     monkeypatch.setenv("TRACELENS_OFFLOAD", mode)
     a = tracelens.analyze(tracelens.load(path, cache=False, progress=False))
@@ -243,17 +278,18 @@ def _everything(path, monkeypatch, mode):
     FX / "h200_moe_1gpu" / "moe1gpu_loop.json.gz",
     FX / "cpu_tiny",  # no GPU: no roofline
 ])
-def test_summary_and_tables_equal_with_the_child(path, monkeypatch):
+def test_summary_and_tables_equal_with_the_child(path, monkeypatch, parent_alone):
     if not path.exists():
         pytest.skip(f"{path} missing")
-    a0, s0, t0 = _everything(path, monkeypatch, "0")
+    ref = parent_alone(path)
     a1, s1, t1 = _everything(path, monkeypatch, "1")
-    assert s1 == s0
-    assert a1.warnings == a0.warnings
+    assert s1 == ref["summary_json"]
+    assert a1.warnings == ref["warnings"]
+    t0 = ref["tables"]
     assert t1.keys() == t0.keys()
     for k in t0:
         assert t1[k].equals(t0[k]), k
-    assert (a1.pipeline is None) == (a0.pipeline is None)
+    assert (a1.pipeline is None) == ref["pipeline_none"]
 
 
 @linux
@@ -262,30 +298,29 @@ def test_summary_and_tables_equal_with_the_child(path, monkeypatch):
     FX / "h200_ep2_run" / "L0_loop",  # two ranks: communication sections in the parent
     FX / "cpu_tiny",  # no GPU: the host tables among the parts
 ])
-def test_outputs_byte_identical_with_the_child(path, monkeypatch, tmp_path):
+def test_outputs_byte_identical_with_the_child(path, monkeypatch, tmp_path, parent_alone):
     """`tracelens analyze`'s outputs: the tables' files and the page parts built in the summary's child
     (`Analysis.summary_with`) give the very bytes the parent alone writes."""
     from reports.artifacts import write_all
 
     if not path.exists():
         pytest.skip(f"{path} missing")
-    out = {}
-    for mode in ("0", "1"):
-        monkeypatch.setenv("TRACELENS_OFFLOAD", mode)
-        a = tracelens.analyze(tracelens.load(path, cache=False, progress=False))
-        written = write_all(a, tmp_path / mode)
-        assert "report" in written and "tables" in written
-        out[mode] = {str(f.relative_to(tmp_path / mode)): f.read_bytes()
-                     for f in sorted((tmp_path / mode).rglob("*")) if f.is_file()}
-    assert out["1"].keys() == out["0"].keys() and len(out["0"]) > 3
-    for name, data in out["0"].items():
-        assert out["1"][name] == data, name
+    want = parent_alone(path, files=True)["files"]
+    monkeypatch.setenv("TRACELENS_OFFLOAD", "1")
+    a = tracelens.analyze(tracelens.load(path, cache=False, progress=False))
+    written = write_all(a, tmp_path / "1")
+    assert "report" in written and "tables" in written
+    got = _files(tmp_path / "1")
+    assert got.keys() == want.keys() and len(want) > 3
+    for name, data in want.items():
+        assert got[name] == data, name
 
 
 @linux
-def test_summary_with_runs_here_in_the_parent_before_the_join(monkeypatch):
+def test_summary_with_runs_here_in_the_parent_before_the_join(monkeypatch, parent_alone):
     """`Analysis.summary_with(beside, here)`: `here` runs in this process (the page's sections of the chain's
-    results, `reports.html.chain_parts`) while `beside` runs in the child; the summary is `summary()`'s."""
+    results, `reports.html.chain_parts`) while `beside` runs in the child; the summary is `summary()`'s (the
+    parent's alone, which `summary()` with the child equals: above)."""
     path = FX / "h200_ep2_run" / "L0_loop"
     if not path.exists():
         pytest.skip(f"{path} missing")
@@ -293,8 +328,7 @@ def test_summary_with_runs_here_in_the_parent_before_the_join(monkeypatch):
     a = tracelens.analyze(tracelens.load(path, cache=False, progress=False))
     summary, beside, here = a.summary_with(lambda _: os.getpid(), lambda _: os.getpid())
     assert here == os.getpid() and beside != os.getpid()
-    b = tracelens.analyze(tracelens.load(path, cache=False, progress=False))
-    assert summary == b.summary()
+    assert summary == parent_alone(path)["summary"]
 
 
 def test_has_pipeline_data_decides_like_the_analysis(tmp_path):
@@ -349,7 +383,7 @@ def test_shared_jobs_without_a_pipe_are_all_taken_here(monkeypatch):
 
 
 @linux
-def test_outputs_when_the_child_took_shared_jobs_and_failed(monkeypatch, tmp_path):
+def test_outputs_when_the_child_took_shared_jobs_and_failed(monkeypatch, tmp_path, parent_alone):
     """A child that took shared jobs (`reports.artifacts._shared_jobs`) and then failed: the parent computes its part
     again and builds the jobs it took; the outputs are those of one process."""
     import reports.artifacts as A
@@ -367,15 +401,12 @@ def test_outputs_when_the_child_took_shared_jobs_and_failed(monkeypatch, tmp_pat
             raise RuntimeError("the child fails")
         return real(analysis, report, tables, jobs, shared)
 
-    out = {}
-    for mode in ("0", "1"):
-        monkeypatch.setenv("TRACELENS_OFFLOAD", mode)
-        if mode == "1":
-            monkeypatch.setattr(A, "_outputs", failing)
-        a = tracelens.analyze(tracelens.load(path, cache=False, progress=False))
-        A.write_all(a, tmp_path / mode)
-        out[mode] = {str(f.relative_to(tmp_path / mode)): f.read_bytes()
-                     for f in sorted((tmp_path / mode).rglob("*")) if f.is_file()}
-    assert out["1"].keys() == out["0"].keys() and len(out["0"]) > 3
-    for name, data in out["0"].items():
-        assert out["1"][name] == data, name
+    want = parent_alone(path, files=True)["files"]
+    monkeypatch.setenv("TRACELENS_OFFLOAD", "1")
+    monkeypatch.setattr(A, "_outputs", failing)
+    a = tracelens.analyze(tracelens.load(path, cache=False, progress=False))
+    A.write_all(a, tmp_path / "1")
+    got = _files(tmp_path / "1")
+    assert got.keys() == want.keys() and len(want) > 3
+    for name, data in want.items():
+        assert got[name] == data, name
