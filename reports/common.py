@@ -284,7 +284,10 @@ def html_table(df: pd.DataFrame, columns: Iterable[tuple[str, str, str]], max_ro
     head = df.head(max_rows)
     shown = {col: display_many(["" if v is None else str(v) for v in head[col]])
              for col, _, kind in columns if kind == "kernel" and col in head}
-    recs = head.to_dict("records")  # (Python values, as every cell is formatted from)
+    # Python values, as every cell is formatted from: of the shown columns only (a table may have twice as many: the
+    # roofline's 32), each column's values the same as in the whole table's records
+    shown_cols = [c for c in dict.fromkeys(col for col, _, _ in columns) if c in head]
+    recs = head[shown_cols].to_dict("records") if shown_cols else [{} for _ in range(len(head))]
     cells = [_column_cells([rec.get(col) for rec in recs], kind, shown.get(col) if kind == "kernel" else None)
              for col, _, kind in columns]
     out = ['<table class="data"><thead><tr>']

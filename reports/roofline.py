@@ -22,6 +22,9 @@ _KIND_COLORS = {
     "index": "#17becf", "copy": "#aec7e8",
 }
 _ROOF_COLORS = ("#444444", "#b22222", "#2f4f4f", "#8b008b")
+# what a point's marker and hover text read of its row (records of these only: the table has 32 columns)
+_POINT_COLUMNS = ("intensity", "tflops", "gpu_us", "pct_peak_compute", "pct_roof", "op", "dtype", "input_dims", "count",
+                  "tbps", "bound", "note")
 
 
 def roofline_table_columns(table: pd.DataFrame | None = None) -> list[tuple[str, str, str]]:
@@ -91,7 +94,7 @@ def roofline_figure(df: pd.DataFrame, ceilings: Any = None, max_points: int = 40
     gmax = max((_num(v) or 0.0 for v in pts["gpu_us"]), default=0.0) if len(pts) else 0.0
     for kind, sub in (pts.groupby("kind", sort=True) if len(pts) else []):
         x, y, size, text = [], [], [], []
-        for r in sub.to_dict("records"):
+        for r in sub[[c for c in _POINT_COLUMNS if c in sub]].to_dict("records"):  # (the columns read)
             xi, yi, g = _num(r.get("intensity")), _num(r.get("tflops")), _num(r.get("gpu_us")) or 0.0
             if xi is None or yi is None:
                 continue

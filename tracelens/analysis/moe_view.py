@@ -99,6 +99,15 @@ def _layer_of(path: str, foreign: bool) -> int:
     return int(f[-1]) if f else NO_LAYER
 
 
+def _strings_at(col: pd.Series, pos: np.ndarray) -> np.ndarray:
+    """A (categorical) string column's values at positions `pos` as str ("" where missing), with a string made only
+    for those positions' distinct values."""
+    if isinstance(col.dtype, pd.CategoricalDtype):
+        lut = np.array([str(c) for c in col.cat.categories] + [""], dtype=object)
+        return lut[col.cat.codes.to_numpy()[pos]]
+    return C.strings(col.iloc[pos])
+
+
 def _backward_forward_paths(a, op_rows: np.ndarray, ranks: np.ndarray) -> np.ndarray:
     """For each (innermost) op row of a kernel: the record_function path of the forward op whose autograd node
     the op runs in (its nearest ancestor that is a backward node with a sequence number), '' when none."""
@@ -125,19 +134,29 @@ def _backward_forward_paths(a, op_rows: np.ndarray, ranks: np.ndarray) -> np.nda
     need = found >= 0
     if not need.any():
         return out
-    # the forward op of each (rank, seq): an op with that number, not a backward node, on the forward thread
-    ops = tree.loc[tree["kind"].to_numpy() == KIND_OP, ["name", "rank", "path"]]  # (only the columns read)
-    oseq = seq_np[C.positions(ev.index, ops.index.to_numpy())]
-    cand = np.isin(oseq, np.unique(found[need])) & ~C.map_strings(ops["name"], lambda n: n.startswith("autograd::")
-                                                         or n.endswith(("Backward0", "Backward1")))
+    # the forward op of each (rank, seq): an op with that number, not a backward node, on the forward thread (the
+    # tree's columns read at the ops' positions: no copy of the op rows, strings only for the candidates)
+    op_pos = np.flatnonzero(tree["kind"].to_numpy() == KIND_OP)
+    op_lab = tree.index.to_numpy()[op_pos]
+    oseq = seq_np[C.positions(ev.index, op_lab)]
+    cand = np.isin(oseq, np.unique(found[need])) & ~C.map_strings(
+        tree["name"], lambda n: n.startswith("autograd::") or n.endswith(("Backward0", "Backward1")))[op_pos]
     if "fwd_tid" in ev:
-        cand &= ev["fwd_tid"].to_numpy()[C.positions(ev.index, ops.index.to_numpy())] <= 0
-    sub = pd.DataFrame({"rank": ops["rank"].to_numpy()[cand].astype(np.int64), "seq": oseq[cand].astype(np.int64),
-                        "path": C.strings(ops["path"])[cand].astype(object)})
-    # the first op of each number with a path (the op that made the node; its children carry the same number)
-    sub = sub[sub["path"] != ""].drop_duplicates(["rank", "seq"], keep="first")
-    want = pd.DataFrame({"rank": ranks[need].astype(np.int64), "seq": found[need]})
-    got = want.merge(sub, on=["rank", "seq"], how="left")["path"].fillna("").to_numpy(dtype=object)
+        cand &= ev["fwd_tid"].to_numpy()[C.positions(ev.index, op_lab)] <= 0
+    at = op_pos[cand]
+    path = _strings_at(tree["path"], at)
+    keep = path != ""
+    rank_c, seq_c, path = tree["rank"].to_numpy()[at][keep].astype(np.int64), oseq[cand][keep].astype(np.int64), path[keep]
+    # the first op of each number with a path, in tree order (the op that made the node; its children carry the same
+    # number), looked up for each (rank, number) wanted
+    want_rank, want_seq = ranks[need].astype(np.int64), found[need]
+    span = int(max(seq_c.max(initial=0), want_seq.max(initial=0))) + 1
+    keys, first = np.unique(rank_c * span + seq_c, return_index=True)
+    want = want_rank * span + want_seq
+    i = np.minimum(np.searchsorted(keys, want), max(len(keys) - 1, 0))
+    hit = (keys[i] == want) if len(keys) else np.zeros(len(want), dtype=bool)
+    got = np.full(len(want), "", dtype=object)
+    got[hit] = path[first[i[hit]]]
     out[np.flatnonzero(need)] = got
     return out
 
