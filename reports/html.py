@@ -161,7 +161,7 @@ def base_table_html(a: Analysis, key: str) -> str:
                     ("cpu_total_us", "CPU µs", "num"), ("cpu_self_us", "CPU self µs", "num")]
         if not has_gpu:  # GPU columns are all zero on a CPU-only trace: leave them out
             ops_cols = [c for c in ops_cols if not c[0].startswith(("gpu_", "pct_gpu")) and c[0] != "kernels"]
-        return html_table(a.ops if has_gpu else a.ops.sort_values("cpu_self_us", ascending=False), ops_cols)
+        return html_table(a.ops if has_gpu else a.ops.sort_values("cpu_self_us", ascending=False, kind="stable"), ops_cols)
     if key == "kernels_table":
         kern_cols = [("kernel", "kernel", "kernel"), ("op", "launched by", "name"), ("category", "category", "text"),
                      ("count", "count", "num"), ("total_us", "total µs", "num"), ("mean_us", "mean µs", "num"),

@@ -48,7 +48,7 @@ def lanes_figure(res: PipelineAnalysis) -> dict:
     """Gantt of the shown step: one lane per rank, bars per action, bubbles between them."""
     acts = res.selected[res.selected["step"] == res.shown_step]
     t0 = int(acts["start_ns"].min())
-    lanes = acts[["rank", "pp_rank"]].drop_duplicates().sort_values("rank")
+    lanes = acts[["rank", "pp_rank"]].drop_duplicates().sort_values("rank", kind="stable")
     lane_of = {int(r): _lane(int(r), int(p)) for r, p in zip(lanes["rank"], lanes["pp_rank"])}
     data = []
     for kind in ("F", "B", "W"):
@@ -90,7 +90,7 @@ def lanes_figure(res: PipelineAnalysis) -> dict:
 
 def bubble_figure(res: PipelineAnalysis) -> dict:
     """Measured bubble ratio per rank (and overall) next to the schedule's theoretical ratio."""
-    pr = res.per_rank.sort_values("rank")
+    pr = res.per_rank.sort_values("rank", kind="stable")
     x = [_lane(int(r), int(p)) for r, p in zip(pr["rank"], pr["pp_rank"])] + ["overall"]
     measured = [round(100 * float(v), 3) for v in pr["bubble_ratio"]] + [round(100 * res.overall_ratio, 3)]
     data = [{"type": "bar", "name": "measured", "x": x, "y": measured, "marker": {"color": "#3b7dd8"},
@@ -110,7 +110,7 @@ def bubble_figure(res: PipelineAnalysis) -> dict:
 def account_figure(res: PipelineAnalysis) -> dict:
     """Each rank's idle per step (over the account's steps) stacked by part; the measured idle on top."""
     acc = res.account
-    pr = acc.per_rank.sort_values("rank")
+    pr = acc.per_rank.sort_values("rank", kind="stable")
     x = [_lane(int(r), int(p)) for r, p in zip(pr["rank"], pr["pp_rank"])]
     n = pr["steps"].clip(lower=1).to_numpy()
     idle = pr["idle_ns"].to_numpy()
@@ -136,7 +136,7 @@ def account_context(res: PipelineAnalysis) -> dict[str, Any] | None:
     acc = res.account
     if acc is None:
         return None
-    pr = acc.per_rank.sort_values("rank")
+    pr = acc.per_rank.sort_values("rank", kind="stable")
     n = pr["steps"].clip(lower=1)
     cols = {"idle_ms": pr["idle_ns"] / n / 1e6}
     table_cols = [("rank", "rank", "num"), ("pp_rank", "pp rank", "num"), ("steps", "steps", "num"),
@@ -196,7 +196,7 @@ def _pct(v: Any) -> float:
 def section_context(res: PipelineAnalysis, id_prefix: str = "plot-pp") -> dict[str, Any]:
     """Template variables of the pipeline section (`_pipeline.html`) and its figures by element id."""
     m = res.meta
-    pr = res.per_rank.sort_values("rank")
+    pr = res.per_rank.sort_values("rank", kind="stable")
     per_step_ms = {c: pr[f"{c}_ns"] / pr["steps"] / 1e6 for c in ("window", "busy", "idle", "lead", "inner", "tail")}
     pr = pr.assign(**{f"{c}_ms": v for c, v in per_step_ms.items()},
                    bubble_pct=pr["bubble_ratio"].map(_pct), theory_pct=pr["theory_ratio"].map(_pct))

@@ -88,7 +88,7 @@ def roofline_figure(df: pd.DataFrame, ceilings: Any = None, max_points: int = 40
     if len(pts):
         pts = pts[(pd.to_numeric(pts["tflops"], errors="coerce") > 0)
                   & (pd.to_numeric(pts["intensity"], errors="coerce") > 0)]
-        pts = pts.sort_values("gpu_us", ascending=False).head(max_points)
+        pts = pts.sort_values("gpu_us", ascending=False, kind="stable").head(max_points)
     xs_all: list[float] = []
     ys_all: list[float] = []
     gmax = max((_num(v) or 0.0 for v in pts["gpu_us"]), default=0.0) if len(pts) else 0.0
@@ -126,7 +126,7 @@ def roofline_figure(df: pd.DataFrame, ceilings: Any = None, max_points: int = 40
     dtypes_matrix = []
     if len(df) and "dtype" in df and "kind" in df:
         mat = df[df["kind"].isin(["gemm", "grouped_gemm", "attention"])]
-        dtypes_matrix = list(mat.groupby("dtype")["gpu_us"].sum().sort_values(ascending=False).index[:2])
+        dtypes_matrix = list(mat.groupby("dtype")["gpu_us"].sum().sort_values(ascending=False, kind="stable").index[:2])
     if not dtypes_matrix:
         dtypes_matrix = ["bf16"]
     for i, (dev, c) in enumerate(sorted(cmap.items())):

@@ -265,7 +265,7 @@ def export_pipeline_perfetto(result, out: str | os.PathLike) -> dict:
                 t = w.track(proc, f"stage {stage}", order)
                 order += 1
                 tracks += 1
-                sa = sa.sort_values(["start_ns", "end_ns"])
+                sa = sa.sort_values(["start_ns", "end_ns"], kind="stable")
                 kinds = sa["kind"].astype(str).tolist()
                 mbs = sa["microbatch"].tolist()
                 starts = sa["start_ns"].to_numpy()

@@ -580,7 +580,7 @@ def match_instances(kern: pd.DataFrame, window_start: pd.Series, trace) -> pd.Da
     df["entry"] = ent_id
     df["seq"] = seq
     # instance: order within (group, peers, family); every member of an entry shares it
-    first = df.drop_duplicates("entry").sort_values("entry")
+    first = df.drop_duplicates("entry").sort_values("entry", kind="stable")
     first = first.assign(instance=first.groupby(["group", "peers", "family"]).cumcount())
     df["instance"] = df["entry"].map(first.set_index("entry")["instance"])
     grp = df.groupby("entry")
@@ -634,7 +634,7 @@ def match_instances(kern: pd.DataFrame, window_start: pd.Series, trace) -> pd.Da
         "group_size": df["group_size"].astype(int), "cross_rank": df["cross_rank"].astype(bool),
         "gpu_row": df["row"].astype(np.int64),
     })
-    return out.sort_values(["start_us", "rank"], ignore_index=True)[INSTANCE_COLUMNS]
+    return out.sort_values(["start_us", "rank"], ignore_index=True, kind="stable")[INSTANCE_COLUMNS]
 
 
 def group_coverage(analysis, inst: pd.DataFrame | None = None, kern: pd.DataFrame | None = None) -> pd.DataFrame:
@@ -786,7 +786,7 @@ def comm_summary(inst: pd.DataFrame, padding: dict | None = None) -> pd.DataFram
                          "mean_algbw_gbps": float("nan"), "mean_busbw_gbps": float("nan"), "times_last": float("nan"),
                          "startup_excluded": int(n), "cross_rank": 0, "useful_bytes": np.nan,
                          "useful_busbw_gbps": np.nan})
-    return pd.DataFrame(rows, columns=cols).sort_values(["rank", "collective"], ignore_index=True)
+    return pd.DataFrame(rows, columns=cols).sort_values(["rank", "collective"], ignore_index=True, kind="stable")
 
 
 def stragglers(inst: pd.DataFrame) -> pd.DataFrame:

@@ -363,7 +363,7 @@ def _pipeline_stages(pipeline, gpu: pd.DataFrame, trace) -> dict[int, tuple[np.n
     for r, g in actions.groupby("rank"):
         if int(r) not in off:
             continue
-        g = g.sort_values("start_ns")
+        g = g.sort_values("start_ns", kind="stable")
         out[int(r)] = (g["start_ns"].to_numpy(np.int64) - off[int(r)], g["end_ns"].to_numpy(np.int64) - off[int(r)],
                        [f"{k} s{s}" for k, s in zip(g["kind"].astype(str), g["stage"].astype(int))])
     return out
@@ -406,10 +406,10 @@ def p2p_links(events: pd.DataFrame, gpu: pd.DataFrame) -> dict[int, list[int]]:
     rpc = events[C.isin(events["name"], frozenset({"record_param_comms"}))]
     queues: dict[tuple[int, int, str, int], list[int]] = {}  # (from, to, send|recv, step) -> kernel rows in order
     for r, o in ops.groupby("rank"):
-        kr = k[k["rank"] == r].sort_values("launch_ts")
+        kr = k[k["rank"] == r].sort_values("launch_ts", kind="stable")
         if kr.empty:
             continue
-        o = o.sort_values("ts")
+        o = o.sort_values("ts", kind="stable")
         at = np.searchsorted(kr["launch_ts"].to_numpy(np.int64), o["ts"].to_numpy(np.int64), side="left")
         rr = rpc[rpc["rank"] == r]
         r_ts, r_ranks = rr["ts"].to_numpy(np.int64), C.strings(rr["pg_ranks"]) if len(rr) else np.array([])

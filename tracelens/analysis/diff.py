@@ -89,7 +89,7 @@ class DiffResult:
                                                 delta_wall_ms=("delta_wall_ms", "sum")).reset_index()
         g["status"] = np.where(g["base_wall_ms"] == 0, "added", np.where(g["new_wall_ms"] == 0, "removed", "changed"))
         g = g[g["delta_wall_ms"].abs() > 1e-9]
-        return g.reindex(g["delta_wall_ms"].abs().sort_values(ascending=False).index).reset_index(drop=True)[
+        return g.reindex(g["delta_wall_ms"].abs().sort_values(ascending=False, kind="stable").index).reset_index(drop=True)[
             ["top_op", "status", "base_wall_ms", "new_wall_ms", "delta_wall_ms"]]
 
 
@@ -303,7 +303,7 @@ def _diff_cpu_ops(base, new, nb: int, nn: int) -> pd.DataFrame:
     out["delta_self_ms"] = out["new_self_ms"] - out["base_self_ms"]
     order = {"added": 0, "removed": 1, "changed": 2, "same": 3}
     out = out.assign(_o=out["status"].map(order), _d=-out["delta_self_ms"].abs())
-    return out.sort_values(["_o", "_d"], ignore_index=True)[
+    return out.sort_values(["_o", "_d"], ignore_index=True, kind="stable")[
         ["op", "status", "base_calls", "new_calls", "delta_calls", "base_self_ms", "new_self_ms", "delta_self_ms"]]
 
 
@@ -315,7 +315,7 @@ def _diff_syncs(base, new, nb: int, nn: int) -> pd.DataFrame:
                         "base_per_step": m["count_base"] / nb / max(1, base.trace_rank_count),
                         "new_per_step": m["count_new"] / nn / max(1, new.trace_rank_count)})
     out["delta"] = out["new_per_step"] - out["base_per_step"]
-    return out.sort_values("delta", key=lambda s: s.abs(), ascending=False, ignore_index=True)
+    return out.sort_values("delta", key=lambda s: s.abs(), ascending=False, ignore_index=True, kind="stable")
 
 
 def _metric_row(name: str, unit: str, bvals: np.ndarray, nvals: np.ndarray) -> dict:
@@ -384,7 +384,7 @@ def _diff_ops(base, new, nb: int, nn: int) -> pd.DataFrame:
     out["base_kernels"] = m["count_base"] / nb
     out["new_kernels"] = m["count_new"] / nn
     out.loc[(out["status"] == "changed") & (out["delta_wall_ms"].abs() < 1e-9), "status"] = "same"
-    return out.reindex(out["delta_wall_ms"].abs().sort_values(ascending=False).index).reset_index(drop=True)
+    return out.reindex(out["delta_wall_ms"].abs().sort_values(ascending=False, kind="stable").index).reset_index(drop=True)
 
 
 def _diff_kernels(base, new, nb: int, nn: int) -> pd.DataFrame:
@@ -414,7 +414,7 @@ def _diff_kernels(base, new, nb: int, nn: int) -> pd.DataFrame:
         "base_ms": m["total_us_base"] / US, "new_ms": m["total_us_new"] / US,
     })
     out["delta_ms"] = out["new_ms"] - out["base_ms"]
-    return out.reindex(out["delta_ms"].abs().sort_values(ascending=False).index).reset_index(drop=True)
+    return out.reindex(out["delta_ms"].abs().sort_values(ascending=False, kind="stable").index).reset_index(drop=True)
 
 
 _NORM: dict[str, str] = {}

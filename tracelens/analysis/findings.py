@@ -92,7 +92,7 @@ def findings(analysis, small_us: float = H.SMALL_KERNEL_US, *, host_syncs: pd.Da
     lb = gaps.loc[(gaps["cause"] == "launch-bound").to_numpy(), ["rank", "dur_us", "next_top_op"]]
     del gaps
     if len(lb):
-        by_op = lb.groupby("next_top_op")["dur_us"].sum().sort_values(ascending=False)
+        by_op = lb.groupby("next_top_op")["dur_us"].sum().sort_values(ascending=False, kind="stable")
         total = float(lb["dur_us"].sum()) / n_ranks
         out.append({
             "type": "launch_bound", "title": f"GPU idle {total / 1e3:.3f} ms per rank waiting for kernel launches",
@@ -104,7 +104,7 @@ def findings(analysis, small_us: float = H.SMALL_KERNEL_US, *, host_syncs: pd.Da
     ls = H.launch_stats(a, small_us) if launch_stats is None else launch_stats
     kpo = H.kernels_per_op(a, small_us) if kernels_per_op is None else kernels_per_op
     if len(ls) and ls["small_share"].mean() >= 0.5 and ls["kernels"].sum() >= 50:
-        small_ops = kpo.sort_values("small_kernels", ascending=False).head(8)
+        small_ops = kpo.sort_values("small_kernels", ascending=False, kind="stable").head(8)
         # what fusing them could win: the launch-bound idle time in front of these ops' kernels; that idle
         # is counted here and no longer in the launch-bound finding's recoverable time (disjoint amounts)
         rec = float(lb[lb["next_top_op"].isin(small_ops["top_op"])]["dur_us"].sum()) / n_ranks if len(lb) else 0.0
@@ -275,10 +275,10 @@ def host_findings(a) -> list[dict[str, Any]]:
     top = top.assign(family=[op_family(o) for o in top["op"]])
     fam = named_agg(top, ["rank", "family"], sort=False, us=("self_us_per_step", "sum"),
                     share=("share_of_step", "sum")).reset_index()
-    mean = fam.groupby("family")[["us", "share"]].mean().sort_values("us", ascending=False)
+    mean = fam.groupby("family")[["us", "share"]].mean().sort_values("us", ascending=False, kind="stable")
     name = str(mean.index[0])
     ranks = sorted(fam.loc[fam["family"] == name, "rank"].astype(int).tolist())
-    ops = (top[top["family"] == name].groupby("op")["self_us_per_step"].mean().sort_values(ascending=False).head(6))
+    ops = (top[top["family"] == name].groupby("op")["self_us_per_step"].mean().sort_values(ascending=False, kind="stable").head(6))
     share = float(mean["share"].iloc[0])
     if share == share and share < 0.01:  # under 1 % of the step: not where the host time goes
         return out
@@ -298,7 +298,7 @@ def host_findings(a) -> list[dict[str, Any]]:
     st = S.moe_stage_table(a)
     if not st.empty:
         per = st.groupby("stage")[["host_us_per_step", "share_of_step", "calls_per_step"]].mean()
-        per = per.sort_values("host_us_per_step", ascending=False)
+        per = per.sort_values("host_us_per_step", ascending=False, kind="stable")
         total = float(per["share_of_step"].sum())
         parts = ", ".join(f"{k} {100 * v:.0f}%" for k, v in per["share_of_step"].items())
         out.append({

@@ -93,7 +93,7 @@ def sync_summary(syncs: pd.DataFrame) -> pd.DataFrame:
         return pd.DataFrame(columns=cols)
     out = named_agg(syncs, ["op", "via", "call"], sort=False, count=("ts", "size"), host_blocked_us=("host_blocked_us", "sum"),
                     gpu_idle_caused_us=("gpu_idle_caused_us", "sum"), path=("path", "first"), stack=("stack", "first"))
-    return out.reset_index().sort_values("gpu_idle_caused_us", ascending=False, ignore_index=True)[cols]
+    return out.reset_index().sort_values("gpu_idle_caused_us", ascending=False, ignore_index=True, kind="stable")[cols]
 
 
 _CAUSES = np.array(["sync", "launch-bound", "other"], dtype=object)
@@ -219,7 +219,7 @@ def kernels_per_op(analysis, small_us: float = SMALL_KERNEL_US) -> pd.DataFrame:
     out = df.groupby("top_op").sum().reset_index()  # sorted by name, as before; merges "" into "(no op)"
     out["gpu_us"] = out.pop("gpu") / US
     out["mean_kernel_us"] = out["gpu_us"] / out["kernels"]
-    return out.sort_values("kernels", ascending=False, ignore_index=True)[cols]
+    return out.sort_values("kernels", ascending=False, ignore_index=True, kind="stable")[cols]
 
 
 # ------------------------------------------------------------------------------ the `tracelens host` view

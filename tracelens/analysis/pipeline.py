@@ -294,7 +294,7 @@ def actions_from_trace(trace) -> pd.DataFrame:
     markers = ev.loc[step_names, ["rank", "name", "ts"]]
     step_no: dict[int, list[int]] = {}
     for r, mk in markers.groupby("rank"):
-        nums = mk.sort_values("ts")["name"].astype(str).map(lambda s: int(C.STEP_RE.match(s).group(1)))
+        nums = mk.sort_values("ts", kind="stable")["name"].astype(str).map(lambda s: int(C.STEP_RE.match(s).group(1)))
         step_no[int(r)] = list(dict.fromkeys(nums.tolist()))  # in time order, each once
     steps = np.empty(len(df), dtype=np.int64)
     for r, idx in df.groupby("rank").indices.items():
@@ -716,7 +716,7 @@ def critical_path(actions: pd.DataFrame) -> pd.DataFrame:
     if actions.empty:
         return actions.assign(wait_ns=pd.Series(dtype=np.int64))
     a = actions.sort_values(["step", "rank", "start_ns", "end_ns"], kind="stable").reset_index(drop=True)
-    ranks = a[["rank", "pp_rank"]].drop_duplicates("rank").sort_values("rank")
+    ranks = a[["rank", "pp_rank"]].drop_duplicates("rank").sort_values("rank", kind="stable")
     replica_of = dict(zip(ranks["rank"].tolist(), ranks.groupby("pp_rank").cumcount().tolist()))
     # an action's identity (step, pipeline, stage, microbatch, kind) as one integer, for fast look-ups
     step_i = pd.factorize(a["step"])[0].astype(np.int64)
@@ -1452,7 +1452,7 @@ def account_lines(res: "PipelineAnalysis") -> list[str]:
         return []
     out = [f"bubble account ({acc.note}), ms per step:"]
     out.append(f"{'rank':>4} {'pp':>3} {'idle':>9} " + " ".join(f"{p:>10}" for p in ACCOUNT_PARTS) + f" {'other %':>7}")
-    for r in acc.per_rank.sort_values("rank").itertuples(index=False):
+    for r in acc.per_rank.sort_values("rank", kind="stable").itertuples(index=False):
         n = max(1, r.steps)
         vals = " ".join(f"{getattr(r, p + '_ns') / n / 1e6:>10.3f}" for p in ACCOUNT_PARTS)
         out.append(f"{r.rank:>4} {r.pp_rank:>3} {r.idle_ns / n / 1e6:>9.3f} {vals} "
@@ -1523,7 +1523,7 @@ class PipelineAnalysis:
                  f"{m.microbatches} microbatches; {len(self.steps)} step(s) analyzed{skipped}"
                  + (f" [inferred: {', '.join(m.inferred)}]" if m.inferred else ""),
                  f"{'rank':>4} {'pp':>3} {'window':>12} {'busy':>12} {'idle':>12} {'bubble':>7} {'theory':>7}"]
-        for r in self.per_rank.sort_values("rank").itertuples(index=False):
+        for r in self.per_rank.sort_values("rank", kind="stable").itertuples(index=False):
             lines.append(f"{r.rank:>4} {r.pp_rank:>3} {fmt_ns(r.window_ns / r.steps):>12} {fmt_ns(r.busy_ns / r.steps):>12} "
                          f"{fmt_ns(r.idle_ns / r.steps):>12} {pct(r.bubble_ratio):>7} {pct(r.theory_ratio):>7}")
         lines.append(f"overall bubble {pct(self.overall_ratio)} (theory {pct(self.theory_ratio)}"

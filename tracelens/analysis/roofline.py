@@ -121,7 +121,7 @@ class RooflineResult:
         """What `tracelens roofline` prints: the `top` op groups by GPU time, the modeled share and the `notes`
         (the warnings are the caller's to show, on stderr). With padded expert GEMMs (`padding`), two columns
         give their routed rows' rate (module docstring)."""
-        rows = self.table.sort_values("gpu_us", ascending=False).head(top)
+        rows = self.table.sort_values("gpu_us", ascending=False, kind="stable").head(top)
         useful = self.padding is not None and bool(rows["useful_tflops"].notna().any())
         head = f"{'op':<36} {'GPU ms':>8} {'TFLOP/s':>8} {'TB/s':>6} {'AI':>7} {'% roof':>7}"
         lines = [head + (f" {'useful TFLOP/s':>14} {'useful % roof':>13}" if useful else "") + " bound"]
@@ -318,7 +318,7 @@ def roofline_result(analysis, ceilings: Any = None) -> RooflineResult:
 
     um = grp.loc[~ok].copy()
     um["reason"] = [r.reason for r, k in zip(results, ok) if not k]
-    um = um.sort_values("gpu_us", ascending=False)[list(UNMODELED_COLUMNS)].reset_index(drop=True)
+    um = um.sort_values("gpu_us", ascending=False, kind="stable")[list(UNMODELED_COLUMNS)].reset_index(drop=True)
 
     m = grp.loc[ok].copy()
     perfs = [r.perf for r, k in zip(results, ok) if k]
@@ -354,7 +354,7 @@ def roofline_result(analysis, ceilings: Any = None) -> RooflineResult:
     m["bound"] = bound
     m["family"] = _families(m, perfs)
     padding = _useful_work(analysis, m)
-    m = m.sort_values("gpu_us", ascending=False)
+    m = m.sort_values("gpu_us", ascending=False, kind="stable")
     table = m[list(TABLE_COLUMNS)].reset_index(drop=True)
 
     over = table[table["pct_peak_compute"] > 100.0]
@@ -461,4 +461,4 @@ def family_table(table: pd.DataFrame) -> pd.DataFrame:
         f["useful_tflops"] = useful / sec / 1e12
         f["useful_pct_roof"] = 100.0 * f["useful_tflops"] / roof
     f["bound"] = np.where(ridge.isna(), "unknown", np.where(f["intensity"] >= ridge, "compute", "memory"))
-    return f.sort_values("gpu_us", ascending=False)[list(FAMILY_COLUMNS)].reset_index(drop=True)
+    return f.sort_values("gpu_us", ascending=False, kind="stable")[list(FAMILY_COLUMNS)].reset_index(drop=True)

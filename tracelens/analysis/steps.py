@@ -436,7 +436,7 @@ def classify_steps(sw: StepWindow, steps: pd.DataFrame, waits: pd.DataFrame, ops
     for (step, rank), g in waits.groupby(["step", "rank"]):
         if step < 0:
             continue
-        w = g.sort_values("sync_us", ascending=False).iloc[0]
+        w = g.sort_values("sync_us", ascending=False, kind="stable").iloc[0]
         add(step, "startup_wait", [rank], f"rank {rank}'s {w['collective']} #{int(w['instance'])} waited "
                                           f"{g['sync_us'].sum() / 1e3:.3f} ms for ranks that had not started profiling")
     ranks_with_steps = sorted(int(r) for r in steps["rank"].unique())
@@ -552,7 +552,7 @@ def host_step_table(analysis) -> pd.DataFrame:
         "moe_us": moe.reindex(idx).fillna(0).to_numpy() / US,
         "steady": [used is None or int(s) in used for s in st["step"]],
     })
-    return out.sort_values(["rank", "step"], ignore_index=True)[cols]
+    return out.sort_values(["rank", "step"], ignore_index=True, kind="stable")[cols]
 
 
 def moe_stage_table(analysis) -> pd.DataFrame:
@@ -595,7 +595,7 @@ def moe_stage_table(analysis) -> pd.DataFrame:
         out["gpu_us_per_step"] = vals
     else:
         out["gpu_us_per_step"] = np.nan
-    return out.sort_values(["rank", "host_us_per_step"], ascending=[True, False], ignore_index=True)[cols]
+    return out.sort_values(["rank", "host_us_per_step"], ascending=[True, False], ignore_index=True, kind="stable")[cols]
 
 
 def host_top_ops(analysis, top: int = 10) -> pd.DataFrame:
@@ -634,7 +634,7 @@ def host_top_ops(analysis, top: int = 10) -> pd.DataFrame:
         step_us = g["rank"].map(st.assign(d=(st["end"] - st["start"]) / US).groupby("rank")["d"].sum()).astype(float)
     out = pd.DataFrame({"rank": g["rank"].astype(int), "op": g["op"], "calls_per_step": g["size"] / n,
                         "self_us_per_step": g["sum"] / US / n, "share_of_step": g["sum"] / US / step_us})
-    out = out.sort_values(["rank", "self_us_per_step"], ascending=[True, False])
+    out = out.sort_values(["rank", "self_us_per_step"], ascending=[True, False], kind="stable")
     return out.groupby("rank", sort=True).head(top).reset_index(drop=True)[cols]
 
 

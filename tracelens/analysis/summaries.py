@@ -93,7 +93,7 @@ def ops_summary(tree: pd.DataFrame, gpu: pd.DataFrame, busy_ns: float, host_mask
             "pct_gpu_busy": 100.0 * gpu_sum / busy_ns if busy_ns > 0 else np.nan,
         }
     )
-    return out.sort_values(["gpu_total_us", "cpu_self_us"], ascending=False, ignore_index=True)
+    return out.sort_values(["gpu_total_us", "cpu_self_us"], ascending=False, ignore_index=True, kind="stable")
 
 
 def _per_row(gpu: pd.DataFrame, col: str, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -149,7 +149,7 @@ def kernel_summary(gpu: pd.DataFrame, busy_ns: float) -> pd.DataFrame:
             "pct_gpu_busy": 100.0 * agg["sum"] / busy_ns if busy_ns > 0 else np.nan,
         }
     )
-    return out.sort_values("total_us", ascending=False, ignore_index=True)
+    return out.sort_values("total_us", ascending=False, ignore_index=True, kind="stable")
 
 
 def category_rollup(gpu: pd.DataFrame, busy_by_rank: dict[int, float]) -> pd.DataFrame:
@@ -170,7 +170,7 @@ def category_rollup(gpu: pd.DataFrame, busy_by_rank: dict[int, float]) -> pd.Dat
     )
     order = {c: i for i, c in enumerate(C.CATEGORIES)}
     return out.sort_values(["rank", "category"], key=lambda s: s.map(order) if s.name == "category" else s,
-                           ignore_index=True)
+                           ignore_index=True, kind="stable")
 
 
 def _rank_category_sums(gpu: pd.DataFrame) -> pd.DataFrame:
@@ -220,7 +220,7 @@ def top_level_ops(tree: pd.DataFrame, gpu: pd.DataFrame, host_mask=None) -> pd.D
          "gpu_total_us": np.bincount(code, weights=gpu_ns[named], minlength=size)[uniq] / US,
          "kernels": np.bincount(code, weights=nk[named], minlength=size)[uniq].astype(np.int64)}
     )
-    return out.sort_values(["gpu_total_us", "cpu_total_us"], ascending=False, ignore_index=True)
+    return out.sort_values(["gpu_total_us", "cpu_total_us"], ascending=False, ignore_index=True, kind="stable")
 
 
 def breakdown_tree(gpu: pd.DataFrame, tree: pd.DataFrame, max_leaves: int = 400, host_mask=None) -> pd.DataFrame:
@@ -266,7 +266,7 @@ def breakdown_tree(gpu: pd.DataFrame, tree: pd.DataFrame, max_leaves: int = 400,
     agg.loc[agg["op"] == agg["top"], "op"] = ""
     again = _sum_by_codes(agg, keys, "value")  # (rows that now share their labels)
     agg = again if again is not None else agg.groupby(keys, sort=False)["value"].sum().reset_index()
-    agg = agg.sort_values("value", ascending=False, ignore_index=True)
+    agg = agg.sort_values("value", ascending=False, ignore_index=True, kind="stable")
     if len(agg) > max_leaves:
         rest = agg.iloc[max_leaves:]["value"].sum()
         agg = agg.iloc[:max_leaves]
@@ -376,7 +376,7 @@ def annotation_summary(tree: pd.DataFrame, gpu: pd.DataFrame, host_mask=None) ->
                         "host_total_us": agg["sum"] / US, "host_mean_us": agg["sum"] / US / agg["size"],
                         "gpu_total_us": gpu_us, "kernels": kernels})
     key = "gpu_total_us" if out["gpu_total_us"].sum() > 0 else "host_total_us"
-    return out.sort_values(key, ascending=False, ignore_index=True)[cols]
+    return out.sort_values(key, ascending=False, ignore_index=True, kind="stable")[cols]
 
 
 def _by_path_and_name(tree: pd.DataFrame, rows: np.ndarray) -> pd.DataFrame:

@@ -245,4 +245,4 @@ def idle_gaps(gpu: pd.DataFrame, rank: int) -> pd.DataFrame:
     s, e = I.gaps(g["ts"].to_numpy(), g["end"].to_numpy())
     return pd.DataFrame({"start_ns": s, "end_ns": e, "dur_us": (e - s) / NS_PER_US}).sort_values(
         "dur_us", ascending=False, ignore_index=True
-    )
+    , kind="stable")

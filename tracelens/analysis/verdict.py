@@ -360,7 +360,7 @@ def _not_per_token(step: Step | None, decomposition: pd.DataFrame | None) -> str
     if step is None or d is None or not len(d) or "scales_with" not in d or step.step_us <= 0:
         return ""
     per = d[d["scales_with"].isin(["params", "fixed"])].groupby("component", sort=False)["ms"].sum()
-    per = (1e3 * per / d["rank"].nunique() / step.step_us).sort_values(ascending=False)
+    per = (1e3 * per / d["rank"].nunique() / step.step_us).sort_values(ascending=False, kind="stable")
     per = per[per > 0.005]
     if per.empty:
         return ""

@@ -562,7 +562,7 @@ def _syncs(tree: pd.DataFrame, rank: int, start: int, end: int) -> pd.DataFrame:
     path = C.strings(t["path"]).astype(object)
     return pd.DataFrame({"ts": t["ts"].to_numpy(np.int64), "end": (t["ts"] + t["dur"]).to_numpy(np.int64),
                          "moe": np.array(["moe/" in p for p in path], dtype=bool), "path": path}
-                        ).sort_values("ts").reset_index(drop=True)
+                        ).sort_values("ts", kind="stable").reset_index(drop=True)
 
 
 def read_manifest(run) -> dict | None:
