@@ -78,9 +78,23 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as err:  # noqa: BLE001 - every failure of a rank is one line
         if os.environ.get("TRAINER_DEBUG"):
             raise
-        print(ERROR_PREFIX + f"rank {rank}: " + describe_failure(err, out, rank), file=sys.stderr, flush=True)
+        say_error(f"rank {rank}: " + describe_failure(err, out, rank))
         return 1
     return 0
+
+
+def say_error(text: str) -> None:
+    """Print a rank's one error line with a single write. The ranks share torchrun's stderr pipe, and
+    ``print`` writes the text and its newline separately where stderr is unbuffered (PYTHONUNBUFFERED):
+    two ranks failing at once then ran together on one line, and the launcher lost the first one's cause.
+    One write of at most PIPE_BUF bytes to a pipe is atomic."""
+    data = (ERROR_PREFIX + " ".join(text.splitlines()) + "\n").encode("utf-8", "replace")
+    try:
+        sys.stderr.flush()
+        os.write(sys.stderr.fileno(), data)
+    except (OSError, ValueError, AttributeError):  # no real file descriptor (e.g. a captured stream)
+        sys.stderr.write(data.decode("utf-8"))
+        sys.stderr.flush()
 
 
 def describe_failure(err: BaseException, out: str, rank: str) -> str:

@@ -95,6 +95,11 @@ class _Output:
                 self._route(line, console)
 
     def _route(self, line: str, console) -> None:
+        at = line.find(ERROR_PREFIX, 1)
+        if at > 0:  # another process's output ran into this line without its newline: route each part
+            self._route(line[:at], console)
+            self._route(line[at:], console)
+            return
         m = _RANK_ERROR.match(line)
         if m:
             self.rank_errors.setdefault(int(m.group(1)), m.group(2))

@@ -326,3 +326,40 @@ def test_failure_line_names_the_root_cause(root, root_code, other, other_code, e
     assert line.startswith(want) and status == code and "\n" not in line
     assert failure_line(1, [], {})[0] == "torchrun exited with status 1"
     assert failure_line(-9, [], {})[0] == "torchrun was killed by SIGKILL"
+
+
+def test_two_ranks_error_lines_run_together_are_both_read(tmp_path):
+    """Seen in the suite under load: with stderr unbuffered, ``print`` wrote rank 1's line and its newline
+    in two writes and rank 0's line fell between them; the launcher then knew no cause for rank 0."""
+    import io
+
+    from trainer.cli import ERROR_PREFIX
+    from trainer.launch import _Output
+
+    out = _Output(tmp_path / "torchrun.log")
+    console = io.StringIO()
+    one = f"{ERROR_PREFIX}rank 1: step 1: the loss is nan (non-finite): training stopped"
+    zero = f"{ERROR_PREFIX}rank 0: step 1: the loss is nan (non-finite): training stopped"
+    out._route("[trainer] step 0 loss 4.8560" + one + zero, console)
+    out.log.close()
+    assert out.rank_errors == {1: one.split("rank 1: ")[1], 0: zero.split("rank 0: ")[1]}
+    assert console.getvalue().startswith("[trainer] step 0 loss 4.8560")
+    assert failure_line(1, [], out.rank_errors)[0].startswith("rank 0: step 1: the loss is nan")
+
+
+def test_a_rank_error_line_is_one_write(monkeypatch):
+    """The rank's line and its newline leave in one write (atomic on a pipe), never as print's two."""
+    from trainer import cli
+
+    r, w = os.pipe()
+    fake = open(w, "w", encoding="utf-8", closefd=False)  # unbuffered-like: its own descriptor
+    monkeypatch.setattr(sys, "stderr", fake)
+    writes = []
+    real_write = os.write
+    monkeypatch.setattr(os, "write", lambda fd, data: writes.append(data) or real_write(fd, data))
+    cli.say_error("rank 3: step 2: boom\nsecond line")
+    fake.close()
+    os.close(w)
+    got = os.read(r, 4096)
+    os.close(r)
+    assert writes == [got] and got == f"{cli.ERROR_PREFIX}rank 3: step 2: boom second line\n".encode()
