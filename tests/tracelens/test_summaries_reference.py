@@ -42,7 +42,7 @@ def _annotation_summary_reference(tree: pd.DataFrame, gpu: pd.DataFrame, host_ma
                         "host_total_us": agg["sum"] / S.US, "host_mean_us": agg["sum"] / S.US / agg["size"],
                         "gpu_total_us": gpu_us, "kernels": kernels})
     key = "gpu_total_us" if out["gpu_total_us"].sum() > 0 else "host_total_us"
-    return out.sort_values(key, ascending=False, ignore_index=True)[cols]
+    return out.sort_values(key, ascending=False, ignore_index=True, kind="stable")[cols]
 
 
 @pytest.mark.parametrize("path", ALL_TRACES, ids=lambda p: p.name)
@@ -89,7 +89,7 @@ def _ops_summary_reference(tree: pd.DataFrame, gpu: pd.DataFrame, busy_ns: float
                         "cpu_self_us": agg["cpu_self"] / S.US, "gpu_total_us": gpu_sum / S.US,
                         "gpu_mean_us": gpu_sum / S.US / agg["count"], "kernels": np.bincount(g_of, minlength=n).astype(np.int64),
                         "pct_gpu_busy": 100.0 * gpu_sum / busy_ns if busy_ns > 0 else np.nan})
-    return out.sort_values(["gpu_total_us", "cpu_self_us"], ascending=False, ignore_index=True)
+    return out.sort_values(["gpu_total_us", "cpu_self_us"], ascending=False, ignore_index=True, kind="stable")
 
 
 @pytest.mark.parametrize("path", ALL_TRACES, ids=lambda p: p.name)
@@ -116,7 +116,7 @@ def _kernel_summary_reference(gpu: pd.DataFrame, busy_ns: float) -> pd.DataFrame
                         "count": agg["size"].astype(np.int64), "total_us": agg["sum"] / S.US, "mean_us": agg["mean"] / S.US,
                         "min_us": agg["min"] / S.US, "max_us": agg["max"] / S.US,
                         "pct_gpu_busy": 100.0 * agg["sum"] / busy_ns if busy_ns > 0 else np.nan})
-    return out.sort_values("total_us", ascending=False, ignore_index=True)
+    return out.sort_values("total_us", ascending=False, ignore_index=True, kind="stable")
 
 
 def _breakdown_labels_reference(gpu: pd.DataFrame) -> pd.DataFrame:
@@ -176,7 +176,7 @@ def _top_level_ops_reference(tree: pd.DataFrame, gpu: pd.DataFrame, host_mask=No
                         "cpu_total_us": np.bincount(grp, weights=ops["dur"].to_numpy()[named], minlength=n) / S.US,
                         "gpu_total_us": np.bincount(grp, weights=gpu_ns[named], minlength=n) / S.US,
                         "kernels": np.bincount(grp, weights=nk[named], minlength=n).astype(np.int64)})
-    return out.sort_values(["gpu_total_us", "cpu_total_us"], ascending=False, ignore_index=True)
+    return out.sort_values(["gpu_total_us", "cpu_total_us"], ascending=False, ignore_index=True, kind="stable")
 
 
 @pytest.mark.parametrize("path", ALL_TRACES, ids=lambda p: p.name)
@@ -193,5 +193,5 @@ def test_top_level_ops_category_rollup_and_steps_are_the_pandas_reference(path):
                                       check_exact=True)
     s = a.tree.loc[a.tree["is_step"], ["rank", "step", "ts", "dur"]].astype({"step": np.int64})
     s = s.assign(end=s["ts"] + s["dur"]).rename(columns={"ts": "start"}).drop(columns="dur")
-    ref = s.sort_values(["rank", "start"]).drop_duplicates(["rank", "step"]).reset_index(drop=True)
+    ref = s.sort_values(["rank", "start"], kind="stable").drop_duplicates(["rank", "step"]).reset_index(drop=True)
     pd.testing.assert_frame_equal(CT.steps_table(a.tree), ref, check_exact=True)
