@@ -283,18 +283,15 @@ class ScaleOut:
         ds = float(np.median(self.model.device_scale)) if len(self.model.device_scale) else 1.0
         return f * ds, b * ds, n
 
-    def fsdp_copies_ns(self, cfg: dict, gpus: int, copy_out_from_dp1: bool = False) -> tuple[float, float]:
+    def fsdp_copies_ns(self, cfg: dict, gpus: int) -> tuple[float, float]:
         """ns per step, at the run's micro-batches, of the experts' FSDP copy kernels under ``cfg`` on ``gpus`` GPUs:
         (the all-gathers' copy-in / copy-out, `layout.FSDP_GATHER_COPY_OPS`, which repeat per micro-batch; the
         reduce-scatter's copy-in, once per step): the run's own (its slowest rank's, calibrated) x their size under
-        the new (ep, dp) (`layout.fsdp_copy_factors`); 0 for a pipelined run. ``copy_out_from_dp1``: from a run at
-        dp 1 (no experts' gathers, so no copies of theirs to scale) to ``cfg`` at dp > 1, the gathers' copy-out
-        kernels added at the run's own copy-out rate (`expert_copy_out_ns`); the what-if's replay of a layout on the
-        run's own GPUs does not hold them, so an anchor's figure leaves them out."""
+        the new (ep, dp) (`layout.fsdp_copy_factors`); 0 for a pipelined run. A run at dp 1 has no copies of the
+        experts' gathers to scale: `expert_copy_out_ns` gives their copy-outs at dp > 1."""
         model = self.model
         if int(self.config.get("pp") or 1) > 1 or int(cfg.get("pp") or 1) > 1 or not model.profiles:
             return 0.0, 0.0
-        added = self.expert_copy_out_ns(cfg, gpus)[0] if copy_out_from_dp1 else 0.0
         slow = int(np.argmax([sum(c.values()) for c in model.base_by_rank])) if model.base_by_rank else 0
         p = model.profiles[slow]
         dur = p.work["dur"].to_numpy(float) * model.device_scale[slow]
@@ -309,7 +306,7 @@ class ScaleOut:
         f = {op: v * (c if op in L.FSDP_GATHER_COPY_OPS else 1.0) for op, v in f.items()}
         ns = {op: float(dur[js].sum() * f[op]) for op, js in L.fsdp_expert_copies(p.work).items()}
         gather = sum(v for op, v in ns.items() if op in L.FSDP_GATHER_COPY_OPS)
-        return gather + added, sum(ns.values()) - gather
+        return gather, sum(ns.values()) - gather
 
     def copy_out_rate(self) -> tuple[float, str]:
         """(bytes per calibrated ns, its source) of FSDP2's all-gather copy-out (``split_with_sizes_copy`` under an
@@ -690,13 +687,16 @@ class ScaleOut:
         opt = a.opt_ns * (p_t / p_a if p_a > 0 else 1.0)
         # the experts' FSDP copies under the new (ep, dp) (the all-gathers' per micro-batch, the reduce-scatter's once)
         # and the run's other FSDP all-gather copies, both x the new micro-batches
-        (g_t, r_t), (g_a, r_a) = (self.fsdp_copies_ns(cfg, gpus, copy_out_from_dp1=True),
-                                  self.fsdp_copies_ns(a.config, self.world))
-        co_ns, co_n = self.expert_copy_out_ns(cfg, gpus)
-        if co_n:
-            notes.append(f"FSDP: the experts' all-gather copy-outs a run at dp 1 does not have, {co_n} a step at the "
-                         f"run's micro-batches (forward and backward, per EP chunk): {co_ns / 1e6:.2f} ms at "
-                         f"{self.copy_out_rate()[1]}")
+        # from a run at dp 1, the experts' gather copy-outs (`expert_copy_out_ns`) of a target at pp 1 less its
+        # anchor's, counted alike: the what-if's replay holds none, so a layout on the run's own GPUs stays the
+        # what-if's, and a target at ep 1 (its anchor at dp > 1 on the run's GPUs already) gets none either
+        (g_t, r_t), (g_a, r_a) = self.fsdp_copies_ns(cfg, gpus), self.fsdp_copies_ns(a.config, self.world)
+        (co_t, n_t), (co_a, n_a) = self.expert_copy_out_ns(cfg, gpus), self.expert_copy_out_ns(a.config, self.world)
+        if n_t != n_a and int(cfg["pp"]) == 1:
+            g_t += co_t - co_a
+            notes.append(f"FSDP: the experts' all-gather copy-outs a run at dp 1 does not have, {n_t} a step at the "
+                         f"run's micro-batches (forward and backward, per EP chunk) against the anchor's {n_a}: "
+                         f"{(co_t - co_a) / 1e6:+.2f} ms at {self.copy_out_rate()[1]}")
         f_m = m / a.microbatches if int(cfg["pp"]) == 1 else 1.0
         copies = (g_t - g_a) * f_m + (r_t - r_a) + a.fsdp_mb_ns * a.microbatches * (f_m - 1.0)
         if f_m != 1.0 and a.fsdp_mb_ns > 0:
