@@ -44,6 +44,7 @@ inter-node figures.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -159,6 +160,15 @@ class _Anchor:
     fsdp_model_ns: float | None = None  # what `fsdp_overlap` exposes of the anchor's own FSDP traffic
 
 
+def _first_numel(dims: str) -> int:
+    """Elements of the first input of a recorded op's ``Input Dims`` text (``[[2, 209716224], [], ...]`` -> 419432448);
+    0 when it has none."""
+    m = re.match(r"\s*\[\s*\[([0-9,\s]+)\]", dims)
+    if not m:
+        return 0
+    return int(np.prod([int(x) for x in m.group(1).split(",") if x.strip()]))
+
+
 def _divisors(n: int) -> list[int]:
     return [i for i in range(1, n + 1) if n % i == 0]
 
@@ -187,6 +197,7 @@ class ScaleOut:
         self._anchors: dict = {}
         self._fsdp: dict = {}
         self._acc: tuple[float, str] | None = None  # `_acc_rate`, once
+        self._co_rate: tuple[float, str] | None = None  # `copy_out_rate`, once
         self._mean = self._mean_routing()
         b = model.measured.get("layout")
         self.ep_rates = b.ep_rates if b is not None else EP.measure_rates(model.profiles, L.act_bytes(model.config))
@@ -276,7 +287,8 @@ class ScaleOut:
         """ns per step, at the run's micro-batches, of the experts' FSDP copy kernels under ``cfg`` on ``gpus`` GPUs:
         (the all-gathers' copy-in / copy-out, `layout.FSDP_GATHER_COPY_OPS`, which repeat per micro-batch; the
         reduce-scatter's copy-in, once per step): the run's own (its slowest rank's, calibrated) x their size under
-        the new (ep, dp) (`layout.fsdp_copy_factors`); 0 for a pipelined run."""
+        the new (ep, dp) (`layout.fsdp_copy_factors`); 0 for a pipelined run. A run at dp 1 has no copies of the
+        experts' gathers to scale: `expert_copy_out_ns` gives their copy-outs at dp > 1."""
         model = self.model
         if int(self.config.get("pp") or 1) > 1 or int(cfg.get("pp") or 1) > 1 or not model.profiles:
             return 0.0, 0.0
@@ -295,6 +307,53 @@ class ScaleOut:
         ns = {op: float(dur[js].sum() * f[op]) for op, js in L.fsdp_expert_copies(p.work).items()}
         gather = sum(v for op, v in ns.items() if op in L.FSDP_GATHER_COPY_OPS)
         return gather, sum(ns.values()) - gather
+
+    def copy_out_rate(self) -> tuple[float, str]:
+        """(bytes per calibrated ns, its source) of FSDP2's all-gather copy-out (``split_with_sizes_copy`` under an
+        ``FSDP::`` range, on the compute stream) on the run's GPU: the run's own copy-outs of its other units (the
+        root, the layers' dense parts), the gathered buffer's bf16 elements (the kernel's first input, world x
+        shard) over their time on the slowest rank; (0, why) without one. On the committed 4 x H100 runs these units
+        copy out at 1.17-1.20 TB/s and the experts' own at 1.42 (t004, dp4_mbs16, dp2_prof): the experts' copy-out
+        from this rate is about 20 % long (tests/tracelens/test_scaleout_copy_out.py)."""
+        if self._co_rate is None:
+            model = self.model
+            self._co_rate = (0.0, "no FSDP all-gather copy-out in the run to take a rate from")
+            if model.profiles and int(self.config.get("pp") or 1) == 1:
+                slow = int(np.argmax([sum(c.values()) for c in model.base_by_rank])) if model.base_by_rank else 0
+                w = model.profiles[slow].work
+                ops = w["op"].astype(str).to_numpy()
+                paths = w["path"].astype(str).to_numpy()
+                comm = w["is_comm"].to_numpy().astype(bool)
+                js = [j for j in np.flatnonzero((ops == "aten::split_with_sizes_copy") & ~comm)
+                      if "FSDP::" in paths[j] and "experts" not in paths[j]]
+                elems = [_first_numel(str(w["dims"].iat[j])) for j in js]
+                ns = float(w["dur"].to_numpy(float)[js].sum()) * model.device_scale[slow] if js else 0.0
+                if js and all(e > 0 for e in elems) and ns > 0:
+                    r = sum(elems) * L.act_bytes(self.config) / ns
+                    self._co_rate = (r, f"{r / 1e3:.2f} TB/s, the run's own {len(js)} copy-out(s) of its other FSDP units")
+        return self._co_rate
+
+    def expert_copy_out_ns(self, cfg: dict, gpus: int) -> tuple[float, int]:
+        """(ns per step at the run's micro-batches, how many) of the experts' FSDP all-gather copy-outs under ``cfg``
+        on ``gpus`` GPUs that a run at dp 1 does not have: at dp > 1 FSDP2 gathers each MoE layer's experts at every
+        call, in the forward and again in the backward (reshard after forward), once per EP dispatch chunk
+        (`layout.chunks`), and copies the gathered buffer (`layout.fsdp_expert_bytes`) out into the parameters on the
+        compute stream: counted on the 4 x H100 grid, 6 copy-outs a step at ep 2 x dp 2 with one chunk, 12 with two
+        (tests/fixtures/h100_4gpu_overlap_fsdp), each at the run's copy-out rate (`copy_out_rate`). 0 where the run
+        is at dp > 1 (its own copies are scaled, `fsdp_copy_factors`), at dp 1 in ``cfg``, or without a rate."""
+        try:
+            dp0, _ = L.dims(self.config, self.world)
+            dp1, _ = resolve_world(cfg, gpus)
+        except (ConfigError, WhatIfError):
+            return 0.0, 0
+        if dp0 != 1 or dp1 <= 1 or cfg.get("dp_mode", "fsdp") != "fsdp" or int(cfg.get("pp") or 1) > 1:
+            return 0.0, 0
+        rate = self.copy_out_rate()[0]
+        ag = L.fsdp_expert_bytes({**cfg, "dp": dp1}, gpus)[0]
+        if rate <= 0 or ag <= 0:
+            return 0.0, 0
+        n = 2 * len(L.moe_layers(cfg)) * L.chunks(cfg) * int(self.config.get("microbatches") or 1)
+        return n * ag / rate, n
 
     def _acc_rate(self) -> tuple[float, str]:
         """(bytes per ns, its source) of a bf16 -> fp32 cast of gradients on the run's GPU: the experts' FSDP
@@ -628,7 +687,16 @@ class ScaleOut:
         opt = a.opt_ns * (p_t / p_a if p_a > 0 else 1.0)
         # the experts' FSDP copies under the new (ep, dp) (the all-gathers' per micro-batch, the reduce-scatter's once)
         # and the run's other FSDP all-gather copies, both x the new micro-batches
+        # from a run at dp 1, the experts' gather copy-outs (`expert_copy_out_ns`) of a target at pp 1 less its
+        # anchor's, counted alike: the what-if's replay holds none, so a layout on the run's own GPUs stays the
+        # what-if's, and a target at ep 1 (its anchor at dp > 1 on the run's GPUs already) gets none either
         (g_t, r_t), (g_a, r_a) = self.fsdp_copies_ns(cfg, gpus), self.fsdp_copies_ns(a.config, self.world)
+        (co_t, n_t), (co_a, n_a) = self.expert_copy_out_ns(cfg, gpus), self.expert_copy_out_ns(a.config, self.world)
+        if n_t != n_a and int(cfg["pp"]) == 1:
+            g_t += co_t - co_a
+            notes.append(f"FSDP: the experts' all-gather copy-outs a run at dp 1 does not have, {n_t} a step at the "
+                         f"run's micro-batches (forward and backward, per EP chunk) against the anchor's {n_a}: "
+                         f"{(co_t - co_a) / 1e6:+.2f} ms at {self.copy_out_rate()[1]}")
         f_m = m / a.microbatches if int(cfg["pp"]) == 1 else 1.0
         copies = (g_t - g_a) * f_m + (r_t - r_a) + a.fsdp_mb_ns * a.microbatches * (f_m - 1.0)
         if f_m != 1.0 and a.fsdp_mb_ns > 0:
