@@ -207,3 +207,22 @@ def test_args_decode_falls_back_batch_by_batch(tmp_path):
     for t in tabs:
         names = t.threads.to_pandas()
         assert names.loc[names["kind"] == "thread_name", "value"].tolist() == ["main thread"]
+
+
+def test_the_cache_key_is_xxh3_128_of_the_bytes_as_stored_and_the_schema(tmp_path):
+    """Computed here from the file's bytes with xxhash itself: the bytes as stored (a gzip file compressed), then the
+    loader's schema version; hashed from bytes held, from a memory map and from the path alike."""
+    import gzip
+    import mmap
+
+    import xxhash
+
+    from tracelens.io import cache as C
+    from tracelens.io.schema import SCHEMA_VERSION
+
+    src = tmp_path / "t.json.gz"
+    src.write_bytes(gzip.compress(b'{"traceEvents": []}' * 1000))
+    want = xxhash.xxh3_128(src.read_bytes() + f"schema{SCHEMA_VERSION}".encode()).hexdigest()
+    assert len(want) == 32
+    with open(src, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+        assert C.content_key(str(src)) == C.content_key(str(src), src.read_bytes()) == C.content_key(str(src), m) == want
