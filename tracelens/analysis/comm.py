@@ -527,9 +527,17 @@ def collective_instances(analysis, kern: pd.DataFrame | None = None) -> pd.DataF
     kern = comm_kernels(analysis) if kern is None else kern
     if kern.empty:
         return pd.DataFrame(columns=INSTANCE_COLUMNS)
-    events = analysis.trace.events
-    window_start = events.groupby("rank")["ts"].min()  # where each rank's profiled window begins
-    return match_instances(kern, window_start, analysis.trace)
+    return match_instances(kern, window_starts(analysis.trace.events), analysis.trace)
+
+
+def window_starts(events: pd.DataFrame) -> pd.Series:
+    """Where each rank's profiled window begins: its first event's ts, a Series indexed by rank. One rank's
+    events (a trace file's, the common case) without a groupby of every event (30 ms on 670,000)."""
+    ranks = events["rank"].to_numpy()
+    if len(ranks) and ranks[0] == ranks[-1] and (ranks == ranks[0]).all():
+        s = pd.Series([events["ts"].to_numpy().min()], index=pd.Index([ranks[0]], name="rank"), name="ts")
+        return s
+    return events.groupby("rank")["ts"].min()
 
 
 def match_instances(kern: pd.DataFrame, window_start: pd.Series, trace) -> pd.DataFrame:
