@@ -32,6 +32,7 @@ from __future__ import annotations
 import hashlib
 
 import numpy as np
+import pandas as pd
 import pyarrow as pa
 import pyarrow.compute as pc
 
@@ -112,11 +113,12 @@ def _duplicates(events: pa.Table) -> np.ndarray:
     if n < 2:
         return dup
     h = _row_hash(events)
-    s = np.sort(h)  # ~5 ms for 500K rows (a hash table costs ~60)
-    same = s[1:] == s[:-1]
-    if not same.any():
+    # the rows whose hash occurs more than once, by pandas' hash table: 17 ms for 790,000 rows where sorting the
+    # hashes took 39-45 (numpy 2.4, no vectorized sort on that build)
+    shared = pd.Series(h, copy=False).duplicated(keep=False).to_numpy()
+    if not shared.any():
         return dup  # every hash distinct: no duplicates (the common case)
-    cand = np.flatnonzero(np.isin(h, np.unique(s[1:][same])))
+    cand = np.flatnonzero(shared)
     rows = _exact_rows(events, cand)
     _, first = np.unique(rows, axis=0, return_index=True)
     keep = np.zeros(len(cand), dtype=bool)
