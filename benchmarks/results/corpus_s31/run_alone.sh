@@ -1,5 +1,5 @@
 #!/bin/bash
-# stop 31, issue 37: the lowest four of stop 30 alone on CPUs 2,3 (nothing else running), HTA in the same run,
+# stop 31, issue 37: traces of the corpus alone on CPUs 2,3 (nothing else running; K: which), HTA in the same run,
 # medians of 3, with the session's starting commit (add7f01, `git archive` into bench_data/before) as "before"
 set -u
 S=/tmp/s31r; mkdir -p $S
