@@ -13,10 +13,8 @@ import mmap
 import os
 import re
 import sys
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
-from multiprocessing import get_context
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
@@ -265,6 +263,10 @@ def load(
     bar = _progress(total_bytes, len(files), progress)
     try:
         if len(files) > 1 and jobs > 1 and total_bytes >= PARALLEL_MIN_BYTES:
+            # imported here: multiprocessing and the process pool are 13-16 ms of imports a one-file load never uses
+            from concurrent.futures import ProcessPoolExecutor
+            from multiprocessing import get_context
+
             ctx = get_context("forkserver") if sys.platform.startswith("linux") else get_context("spawn")
             with ProcessPoolExecutor(max_workers=min(jobs, len(files)), mp_context=ctx) as ex:
                 results = list(_ticking(ex.map(_worker, [(f, cache, cache_root) for f in files]), files, sizes, bar))
