@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 import sys
 import time
-import webbrowser
 from pathlib import Path
 
 import click
@@ -55,6 +54,8 @@ def _open_report(path: Path) -> None:
     headless = sys.platform.startswith("linux") and not (os.environ.get("DISPLAY") or os.environ.get("WAYLAND_DISPLAY"))
     opened = False
     if not headless:
+        import webbrowser  # (7 ms of imports every command would pay for --open)
+
         try:
             opened = webbrowser.get().open(uri)
         except webbrowser.Error:
