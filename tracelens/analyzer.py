@@ -702,11 +702,21 @@ def analyze(trace: Trace, window: str = "steady") -> Analysis:
     busy_total = float(sum(busy_by_rank.values()))
     if not gpu.empty and op_ranks and (gpu["op_row"] < 0).all():  # (no op at all: said per rank above)
         warnings.append("no GPU event could be linked to a CPU op (trace lacks runtime events/correlation ids)")
-    for r in steps_mod.pre_window_launches(gpu, tree).itertuples(index=False):
-        if r.step >= 0:
-            warnings.append(f"rank {r.rank}: {r.events} GPU events ({r.busy_ns / 1e6:.1f} ms) were launched before the "
-                            f"trace's first recorded launch (the host ran ahead when profiling began) and run in step "
-                            f"{r.step}: its GPU figures include work of the step before")
+    pre = steps_mod.pre_window_launches(gpu, tree)
+    for step, g in pre[pre["step"] >= 0].groupby("step", sort=True):  # one line per step, however many ranks
+        if len(g) == 1:
+            r = next(g.itertuples(index=False))
+            warnings.append(f"rank {r.rank}: {r.events} GPU events ({r.busy_ns / 1e6:.1f} ms) were launched before "
+                            f"the trace's first recorded launch (the host ran ahead when profiling began) and run in "
+                            f"step {step}: its GPU figures include work of the step before")
+            continue
+        from .analysis.comm import ranks_text
+
+        ev, ms = g["events"], g["busy_ns"] / 1e6
+        warnings.append(f"ranks {ranks_text(sorted(int(x) for x in g['rank']))}: {ev.min()}-{ev.max()} GPU events "
+                        f"({ms.min():.1f}-{ms.max():.1f} ms) per rank were launched before their trace's first recorded "
+                        f"launch (the host ran ahead when profiling began) and run in step {step}: their GPU figures "
+                        f"include work of the step before")
     if not steps.empty and not stl.empty and (gpu["step"] < 0).mean() > 0.5:
         warnings.append("most GPU activity was launched outside the marked profiler steps")
     tables = dict(

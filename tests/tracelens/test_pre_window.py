@@ -47,3 +47,19 @@ def test_work_queued_before_the_window_is_named_with_its_step():
 def test_a_trace_synced_before_its_window_has_none():
     a = tracelens.analyze(tracelens.load(FIX / "h100_proxy_loop_mbs8", progress=False))
     assert not any("launched before the trace's first recorded launch" in w for w in a.warnings)
+
+
+def test_ranks_with_the_same_step_share_one_line():
+    """4 ranks whose host ran ahead into the same step: one warning for them (the first screen of their report held
+    four near-identical lines), with the per-rank range of events and ms, each rank's counted from its raw JSON."""
+    run = FIX / "h100_4gpu" / "ep4_cap_ovl"
+    per_rank = {r: _raw(run / "traces" / f"rank{r}.json.gz") for r in range(4)}
+    assert all(len(v) == 1 for v in per_rank.values()) and len({s for v in per_rank.values() for s in v}) == 1
+    step = next(iter(per_rank[0]))
+    counts = [len(v[step]) for v in per_rank.values()]
+    ms = [sum(v[step]) / 1e3 for v in per_rank.values()]
+    a = tracelens.analyze(tracelens.load(run, progress=False))
+    got = [w for w in a.warnings if "first recorded launch" in w]
+    assert got == [f"ranks 0, 1, 2, 3: {min(counts)}-{max(counts)} GPU events ({min(ms):.1f}-{max(ms):.1f} ms) per "
+                   f"rank were launched before their trace's first recorded launch (the host ran ahead when profiling "
+                   f"began) and run in step {step}: their GPU figures include work of the step before"]

@@ -688,11 +688,11 @@ def partial_note(analysis, inst: pd.DataFrame | None = None, kern: pd.DataFrame 
     loaded = sorted(analysis.trace.rank_ids)
     parts = []
     if world and len(loaded) < world:
-        parts.append(f"partial rank set: {len(loaded)} of {world} ranks loaded (ranks {_ranks_text(loaded)})")
+        parts.append(f"partial rank set: {len(loaded)} of {world} ranks loaded (ranks {ranks_text(loaded)})")
     bad = cov[~cov["complete"]] if not cov.empty else cov
     for r in bad.itertuples(index=False):
         miss = r.ranks_missing
-        what = f"ranks {_ranks_text(miss)} missing" if isinstance(miss, list) else f"{miss} of its {r.group_size} ranks missing"
+        what = f"ranks {ranks_text(miss)} missing" if isinstance(miss, list) else f"{miss} of its {r.group_size} ranks missing"
         name = f"group {r.group}" + (f" ({r.peers})" if r.peers else "")
         parts.append(f"{name}: {what}")
     if not parts:
@@ -701,7 +701,8 @@ def partial_note(analysis, inst: pd.DataFrame | None = None, kern: pd.DataFrame 
             "rank of a group and are not computed where one is missing; per-rank kernel time, counts and bytes are.")
 
 
-def _ranks_text(ranks) -> str:
+def ranks_text(ranks) -> str:
+    """Ranks as a list for a sentence: the first 16, then how many in all."""
     ranks = list(ranks)
     return ", ".join(str(r) for r in ranks[:16]) + (f", … ({len(ranks)} in all)" if len(ranks) > 16 else "")
 
