@@ -27,6 +27,7 @@ from .io import cache as _cache
 from .io.files import TRACE_SUFFIXES, _is_trace_file, discover  # noqa: F401 - re-exported
 from .io.kineto import ParsedTrace, parse_file, parse_flows, usable_cpus
 from .io.roworder import tree_rows_first
+from .io.prefetch import from_scan
 from .io.narrow import narrow_args  # noqa: F401 - re-exported (the loader applies it per file and after the concat)
 from .io.run import Run
 from .io.scanner import Mapped, fast_enabled, gunzip, map_file, read_raw
@@ -133,7 +134,7 @@ def _parse_one(path: str, use_cache: bool, cache_root: str | None, progress=None
     re-parsed and replaced, and `meta["cache_warning"]` says so."""
     if not use_cache:
         scan = prefetch.take(path, progress) if prefetch is not None else None
-        return parse_file(path, progress=progress, flows=False, scan=scan, threads=threads), False
+        return from_scan(path, scan, progress, threads), False
     root = Path(cache_root) if cache_root else None
     warning = ident = None
     _cache.wait_stores()  # an entry this process is still writing (`cache.store_later`) is served once written
@@ -157,11 +158,11 @@ def _parse_one(path: str, use_cache: bool, cache_root: str | None, progress=None
             warning = why
     scan = prefetch.take(path, progress) if prefetch is not None else None
     if scan is not None and later is not None:  # the thread scanned the map: hashed beside the analysis
-        parsed = parse_file(path, progress=progress, flows=False, scan=scan)
+        parsed = from_scan(path, scan, progress)
         _cache.store_later(parsed, partial(_key_of_map, path, root, later[0], later[1]), root, source)
         return parsed, False
     if scan is not None:  # the thread scanned the very bytes it hashed for `key`
-        parsed = parse_file(path, progress=progress, flows=False, scan=scan)
+        parsed = from_scan(path, scan, progress)
     else:
         try:
             ident = ident or _cache.identity(path)  # taken before the read: a write during it is seen

@@ -5,6 +5,7 @@ cached file is not scanned again, and a broken file still gets the plain path's 
 from __future__ import annotations
 
 import gzip
+import json
 import subprocess
 import sys
 
@@ -64,6 +65,7 @@ def spy(monkeypatch):
 def test_prefetched_load_equals_a_plain_one(spy, monkeypatch, tmp_path):
     got = tracelens.load(DIFF_CONTROL, cache=False)
     assert len(spy) == 1 and spy[0].handed[0].result is not None  # the load used the thread's scan
+    assert type(spy[0].handed[0].parsed).__name__ == "ParsedTrace"  # and the tables the thread made of it
     monkeypatch.setenv("TRACELENS_NO_PREFETCH", "1")
     plain = tracelens.load(DIFF_CONTROL, cache=False)
     assert len(spy) == 1  # no prefetch the second time
@@ -109,3 +111,20 @@ def test_broken_file_gets_the_plain_error(spy, tmp_path):
     assert scan.result is None and scan.error
     msg = str(ei.value)
     assert "\n" not in msg and "cut.json" in msg and "truncated" in msg
+
+
+@needs_scanner
+@pytest.mark.parametrize("cache", [False, True])
+def test_a_file_the_thread_cannot_parse_raises_what_a_plain_load_raises(spy, monkeypatch, tmp_path, cache):
+    """The scanner takes it, the tables refuse it (every event has a negative duration): the thread keeps the
+    exception and the load raises it, the same one line as without the thread."""
+    p = tmp_path / "neg.json"
+    ev = [{"ph": "X", "cat": "cpu_op", "name": f"op{i}", "pid": 1, "tid": 1, "ts": 10 * i, "dur": -5} for i in range(50)]
+    p.write_text(json.dumps({"traceEvents": ev}))
+    with pytest.raises(TraceError) as threaded:
+        tracelens.load(p, cache=cache, cache_dir=tmp_path / "c")
+    assert isinstance(spy[0].handed[0].parsed, TraceError)  # raised in the thread, kept, raised again by the load
+    monkeypatch.setenv("TRACELENS_NO_PREFETCH", "1")
+    with pytest.raises(TraceError) as plain:
+        tracelens.load(p, cache=cache, cache_dir=tmp_path / "c")
+    assert str(threaded.value) == str(plain.value) and "\n" not in str(plain.value) and "neg.json" in str(plain.value)
