@@ -8,8 +8,11 @@ scan up with `take`. Anything unexpected in the thread (an unreadable file, a fi
 not take) is left for the ordinary path, which reads the file again and names the problem: a
 prefetch can only make a load faster, never change what it returns or raises.
 
-TRACELENS_NO_PREFETCH=1 turns it off (to measure what it saves). Only the standard library and the
-compiled extension are imported here (`scanner`, `cache`'s key functions, `files`): the thread starts
+Once the scan is done, the thread also turns it into the file's tables (`_parse_beside`: numpy and Arrow work,
+imported then), while the main thread may still be importing; the load takes them (`from_scan`).
+
+TRACELENS_NO_PREFETCH=1 turns it off (to measure what it saves), TRACELENS_NO_PREFETCH_PARSE=1 the parse in the
+thread only. Only the standard library and the compiled extension are imported at the module's import (`scanner`, `cache`'s key functions, `files`): the thread starts
 within milliseconds, before numpy, pyarrow or pandas load.
 """
 
