@@ -149,10 +149,10 @@ def test_the_shipped_configs_are_inside_the_bounds():
     "Et|" + "t" * (MAX_UNROLLED + 1) + "|L", "(" + "t" * 1000 + "|)*2000",
 ])
 def test_layout_unrolling_is_bounded(text):
-    t0 = time.process_time()
+    t0 = time.thread_time()  # this thread's CPU time: neither other processes nor a worker's other threads count
     with pytest.raises(LayoutError) as e:
         split_layout(text)
-    assert time.process_time() - t0 < 1.0
+    assert time.thread_time() - t0 < 1.0
     msg = str(e.value)
     assert "\n" not in msg and len(msg) < 400
 
@@ -165,10 +165,10 @@ def test_layout_grammar_still_unrolls():
 def test_auto_layout_refuses_a_search_too_large_to_finish():
     cfg = load_config("tiny")
     cfg = {**cfg, "n_layers": 5000}
-    t0 = time.process_time()
+    t0 = time.thread_time()
     with pytest.raises(LayoutError, match="too large to search"):
         auto_layout(cfg, 100, 1)
-    assert time.process_time() - t0 < 1.0
+    assert time.thread_time() - t0 < 1.0
 
 
 def test_config_error_is_a_value_error_naming_the_key():
