@@ -63,3 +63,17 @@ def test_ranks_with_the_same_step_share_one_line():
     assert got == [f"ranks 0, 1, 2, 3: {min(counts)}-{max(counts)} GPU events ({min(ms):.1f}-{max(ms):.1f} ms) per "
                    f"rank were launched before their trace's first recorded launch (the host ran ahead when profiling "
                    f"began) and run in step {step}: their GPU figures include work of the step before"]
+
+
+def test_the_unlinked_kernels_health_check_says_which_were_queued_before_profiling():
+    """ep4_cap_ovl: every kernel without a launch in the trace was queued before profiling began (its correlation id
+    below every runtime call's, counted per rank from the raw JSON): the health check says so and counts them."""
+    run = FIX / "h100_4gpu" / "ep4_cap_ovl"
+    raw = {r: sum(len(d) for d in _raw(run / "traces" / f"rank{r}.json.gz").values()) for r in range(4)}
+    h = tracelens.analyze(tracelens.load(run, progress=False)).health()
+    rows = h[h["check"] == "unlinked_kernels"]
+    assert sorted(r[0] for r in rows["ranks"]) == [0, 1, 2, 3]
+    for r in rows.itertuples(index=False):
+        q = r.numbers["queued_before_profiling"]
+        assert q == raw[r.ranks[0]] and q <= r.numbers["events"]
+        assert ("all of them were queued before profiling began" in r.found) == (q == r.numbers["events"])

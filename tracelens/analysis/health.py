@@ -281,16 +281,25 @@ def _linking(analysis, add) -> None:
     g = analysis.gpu
     if g.empty:
         return
+    from .steps import pre_window_mask
+
     unlinked = (g["launch"].to_numpy() < 0) & (g["op_row"].to_numpy() < 0)
+    queued = pre_window_mask(g, analysis.tree)  # launched before the trace's first recorded launch
     for rank, sub in g.groupby("rank"):
-        m = unlinked[g["rank"].to_numpy() == rank]
+        on = g["rank"].to_numpy() == rank
+        m = unlinked[on]
         if m.any():
             n, us = int(m.sum()), float(sub["dur"].to_numpy()[m].sum()) / 1e3
             tot = float(sub["dur"].sum()) / 1e3
+            k = int((m & queued[on]).sum())
+            why = ("" if not k else "; all of them were queued before profiling began (their launches precede the "
+                   "trace)" if k == n else f"; {k} of them were queued before profiling began (their launches "
+                   "precede the trace)")
             add("unlinked_kernels", "warning", [rank], f"rank {rank}: {n} of {len(sub)} GPU events ({_ms(us)}, "
                 f"{100 * us / tot if tot else 0:.1f}% of GPU event time) have no launching runtime call or op "
-                "(no matching correlation / External id)", "ops table, roofline and per-op categories for that time "
-                "(it is counted in the timeline but credited to no op)", events=n, us=us, of_events=len(sub))
+                f"(no matching correlation / External id){why}", "ops table, roofline and per-op categories for "
+                "that time (it is counted in the timeline but credited to no op)", events=n, us=us,
+                of_events=len(sub), queued_before_profiling=k)
     # launches whose GPU activity is absent: dropped by the profiler, or cut by the window's end
     # (the four columns read at the launches' rows, not a copy of the runtime rows of the whole tree)
     tree = analysis.tree
