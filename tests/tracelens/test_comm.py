@@ -96,3 +96,18 @@ def test_startup_wait_does_not_poison_per_step_figures():
     assert any("start-up wait" in w for w in a.warnings)
     per = step_figures(a).per_step.set_index("step")
     assert per["step_time_us"].max() < 10_000  # ~5 ms steps, not 1.4 s
+
+
+def test_window_starts_is_each_ranks_first_event_time():
+    """One rank (the fast path) and two ranks: each rank's smallest ts, as pandas' groupby of every event gives it."""
+    import pandas as pd
+
+    import tracelens
+    from tracelens.analysis.comm import window_starts
+
+    from pathlib import Path
+
+    fx = Path(__file__).resolve().parents[1] / "fixtures"
+    for path in (fx / "h200_nccl_2rank", fx / "h200_ep2_run" / "L0_loop" / "traces" / "rank0.json.gz"):
+        ev = tracelens.load(path, progress=False).events
+        pd.testing.assert_series_equal(window_starts(ev), ev.groupby("rank")["ts"].min())
