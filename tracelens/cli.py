@@ -109,11 +109,16 @@ class _Group(click.Group):
 # Set by a command once its outputs are written, when what is left of the process is only its teardown: `entry` then
 # leaves without it (see `_exit_now`).
 _TEARDOWN_SKIPPABLE = False
+# True in the `tracelens` program's own process (`entry`), not where `main` runs inside another program (a test's
+# CliRunner): what only the program's process may do to the interpreter (`gc.freeze`, for good) checks it
+_OWN_PROCESS = False
 
 
 def entry(argv: list[str] | None = None) -> None:
     """The `tracelens` program (the console script and `python -m tracelens`): `main` as click runs it, then, after
     a command that marked its process done (`analyze`), the exit without the interpreter's teardown."""
+    global _OWN_PROCESS
+    _OWN_PROCESS = True
     try:
         main(argv)
     except SystemExit as e:
@@ -194,10 +199,18 @@ def analyze(paths, out, open_browser, no_cache, no_report, no_tables, jobs, quie
         return
     # `load` first: it starts reading and scanning a large trace in a thread, then imports pandas and the
     # analyses while the scan runs (tracelens/io/prefetch.py); importing them here first would serialize the two
-    trace = load(list(paths), cache=not no_cache, jobs=jobs, progress=None if not quiet else False)
-    from . import analyze as run_analysis
-    from reports.artifacts import write_all
+    import gc
 
+    gc.disable()  # the load imports pandas, pyarrow and the analyses: ~130,000 objects, next to no garbage
+    try:
+        trace = load(list(paths), cache=not no_cache, jobs=jobs, progress=None if not quiet else False)
+        from . import analyze as run_analysis
+        from reports.artifacts import write_all
+
+        if _OWN_PROCESS:
+            gc.freeze()  # ...which the analysis' collections then never walk (nor the offloaded child's pages)
+    finally:
+        gc.enable()
     if not no_report:  # a first run compresses plotly.js for the page: beside the analysis, on the idle CPU
         from reports.common import pack_plotly_beside
 

@@ -63,3 +63,26 @@ def test_exit_now_waits_for_non_daemon_threads_and_keeps_the_status(tmp_path):
     assert r.returncode == 5 and r.stdout == "buffered" and mark.read_text() == "done"
     r = _run("from tracelens.cli import _exit_now\n_exit_now('stopped: a message')\n", tmp_path)
     assert r.returncode == 1 and r.stderr.strip() == "stopped: a message"
+
+
+def test_the_collector_is_on_after_analyze_and_frozen_only_in_the_programs_own_process(tmp_path):
+    # the load runs with the cyclic collector off (its imports make next to no garbage); the program's own process
+    # then freezes what was imported (gc.freeze, for good), where `main` inside another program (a test's CliRunner)
+    # must leave that program's collector as it found it, on a failed load too
+    code = ("import gc, sys\n"
+            "from click.testing import CliRunner\n"
+            "from tracelens import cli\n"
+            "frozen = gc.get_freeze_count()\n"
+            "r = CliRunner().invoke(cli.main, ['analyze', sys.argv[1], '-o', sys.argv[2]])\n"
+            "assert r.exit_code == 0, r.output\n"
+            "assert gc.isenabled() and gc.get_freeze_count() == frozen, (gc.isenabled(), frozen)\n"
+            "r = CliRunner().invoke(cli.main, ['analyze', sys.argv[3], '-o', sys.argv[2]])\n"
+            "assert r.exit_code == 2 and gc.isenabled(), r.output\n"
+            "import atexit\n"
+            "atexit.register(lambda: print('frozen', gc.get_freeze_count() > 10000, gc.isenabled(), flush=True))\n"
+            "cli.entry(['analyze', sys.argv[1], '-o', sys.argv[2]])\n")
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"traceEvents": [')
+    r = _run(code, tmp_path, str(MOE_LOOP), str(tmp_path / "out"), str(bad))
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip().splitlines()[-1] == "frozen True True", r.stdout
