@@ -294,7 +294,7 @@ def hta_available() -> bool:
 
 def run_corpus(names: list[str] | None, target_mb: float, work: Path, repeat: int = 3, hta: bool = True,
                log=None, compare_root: Path | None = None, hta_timeout: float | None = None,
-               cli: bool = True) -> list[dict]:
+               cli: bool = True, api_repeat: int | None = None) -> list[dict]:
     """Each corpus trace (or those named) tiled to `target_mb`, then per trace, `repeat` fresh processes each and
     their medians: `tracelens analyze TRACE -o OUT` as users run it (`cli`: report, tables and summary.json
     written, cold cache), the API path (`tracelens`: load without cache + analyze + summary), and with `hta`
@@ -303,7 +303,8 @@ def run_corpus(names: list[str] | None, target_mb: float, work: Path, repeat: in
     compare_root: another checkout of the project (e.g. `git worktree add --detach DIR main`, with the compiled
     scanner copied or built there) whose CLI runs the same way, alternating with this one's ("before").
     hta_timeout: an HTA run stopped after this many seconds counts as that long (the ratio is then a lower
-    bound) and is not repeated."""
+    bound) and is not repeated. api_repeat: runs of the API path (default `repeat`; 1 where a device call's minutes
+    go to the CLI and HTA: it still gives the trace's events, steps and GPU busy time)."""
     known = {n for n, _, _ in CORPUS}
     bad = [n for n in (names or []) if n not in known]
     if bad:
@@ -320,7 +321,8 @@ def run_corpus(names: list[str] | None, target_mb: float, work: Path, repeat: in
                 clis.append(run_cli(trace, work))
             if compare_root:
                 befores.append(run_cli(trace, work, cwd=compare_root))
-        tl = _median([run_isolated(TRACELENS, str(trace), "0", str(cache), pss=False) for _ in range(repeat)])
+        tl = _median([run_isolated(TRACELENS, str(trace), "0", str(cache), pss=False)
+                      for _ in range(repeat if api_repeat is None else max(1, api_repeat))])
         row = {"name": name, "what": what, "size_mb": trace.stat().st_size / 1e6, "tracelens": tl,
                "cli": _median(clis) if clis else None, "hta": None}
         if befores:
@@ -420,7 +422,7 @@ def main_corpus(a) -> None:
           f"{os.cpu_count()}; decoder: {decoder()}; work dir {work}", flush=True)
     rows = run_corpus(names, a.target_mb, work, repeat=a.repeat, hta=hta, log=lambda s: print(s, flush=True),
                       compare_root=Path(a.compare_root) if a.compare_root else None, hta_timeout=a.hta_timeout,
-                      cli=not a.no_cli)
+                      cli=not a.no_cli, api_repeat=a.api_repeat)
     print(format_corpus(rows, header=True, footer=True))
     if a.json:
         Path(a.json).write_text(json.dumps({"target_mb": a.target_mb, "repeat": a.repeat, "rows": rows}, indent=1))
@@ -496,6 +498,8 @@ def main() -> None:
     ap.add_argument("--target-mb", type=float, default=200.0)
     ap.add_argument("--work", default=None, help="work directory (default: a temporary one)")
     ap.add_argument("--no-hta", action="store_true", help="skip HolisticTraceAnalysis")
+    ap.add_argument("--api-repeat", type=int, default=None,
+                    help="corpus: runs of the API path per trace (default --repeat)")
     ap.add_argument("--no-cli", action="store_true",
                     help="with --corpus: leave out the `tracelens analyze` runs (the API path and HTA only)")
     ap.add_argument("--repeat", type=int, default=None,
