@@ -8,11 +8,11 @@ export TRACELENS_CORPUS_EXTERNAL=$PWD/.whl/c31/ext
 python3 setup.py -q build_ext --inplace > $S/build.log 2>&1
 . benchmarks/bytecode.sh
 python3 - > $S/tile.log 2>&1 <<'PY'
-import sys; sys.path.insert(0, "benchmarks")
+import os, sys; sys.path.insert(0, "benchmarks")
 from pathlib import Path
 import bench_load as b
 src = {n: p for n, p, _ in b.CORPUS}
-for n in ${TRACES:-"h100_owlv2", "mi300_sglang"}:
+for n in os.environ.get("TLIST", "h100_owlv2 mi300_sglang").split():
     b.tile(b.corpus_source(src[n]), Path("/tmp/tiles"), n, 200)
 PY
 for i in 1 2 3; do for t in ${TLIST:-h100_owlv2 mi300_sglang}; do for v in ${VARIANTS:-default scan2}; do
