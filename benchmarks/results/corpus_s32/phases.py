@@ -7,8 +7,10 @@ import resource
 import sys
 import threading
 import time
+from pathlib import Path
 
 T0 = time.perf_counter()
+sys.path.insert(0, str(Path(__file__).resolve().parents[3]))  # this checkout's packages (run as a script, not installed)
 
 
 def mark(what: str) -> None:
