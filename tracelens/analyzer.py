@@ -656,7 +656,7 @@ def analyze(trace: Trace, window: str = "steady") -> Analysis:
     from .analysis.pipeline import has_pipeline_data
 
     pipeline_task = offload.submit(_pipeline, trace, events=len(trace.events), worth=has_pipeline_data(trace))
-    tree = calltree.build_tree(trace.events)
+    tree = calltree.build_tree(trace.events, trace.tree_rows)
     give_back_memory()  # build_tree's temporaries (the largest of an analysis)
     steps = calltree.steps_table(tree)
     gpu = calltree.attribute_gpu(calltree.gpu_events(trace.events), tree, steps)

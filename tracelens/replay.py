@@ -207,7 +207,7 @@ def why_not(name: str, dims: list, types: list) -> str | None:
 
 
 def _tables(trace) -> tuple[pd.DataFrame, pd.DataFrame]:
-    tree = calltree.build_tree(trace.events)
+    tree = calltree.build_tree(trace.events, trace.tree_rows)
     gpu = calltree.gpu_events(trace.events)
     if len(gpu):
         gpu = calltree.attribute_gpu(gpu, tree, calltree.steps_table(tree))

@@ -113,9 +113,10 @@ def reduce_rank(path: str, index: int = 0, n_files: int = 1, *, cache: bool = Tr
     info, warnings, issues = rank_of(parsed, index, n_files)
     tables = [parsed.events]
     parsed.events = None
-    events = _concat_ranks(tables, [info], events=True)
-    trace = Trace(events=events, flows=pd.DataFrame(), threads=pd.DataFrame(), ranks=[info])
-    tree = calltree.build_tree(events)
+    counts = [parsed.meta.get("tree_rows")]
+    events = _concat_ranks(tables, [info], events=True, tree_rows=counts)
+    trace = Trace(events=events, flows=pd.DataFrame(), threads=pd.DataFrame(), ranks=[info], tree_rows=counts[0])
+    tree = calltree.build_tree(events, counts[0])
     steps = calltree.steps_table(tree)
     gpu = calltree.attribute_gpu(calltree.gpu_events(events), tree, steps)
     tree_step = host_steps(tree, steps)

@@ -86,6 +86,9 @@ class Trace:
     # The run the traces belong to (manifest, pipeline files), read once when the trace is made: analyses and
     # projections read it from here and never open a run dir's files (tracelens.io.run)
     run: Run | None = field(default=None, repr=False)
+    # How many of `events`' first rows are the call tree's events (all of them: the rows above), as the load
+    # ordered them; None when not known (then the call tree finds them from the rows: `calltree.host_events`)
+    tree_rows: int | None = None
 
     def __post_init__(self) -> None:
         if self.run is None:
@@ -381,11 +384,12 @@ def assemble(parsed: Iterable[ParsedTrace]) -> Trace:
     tables = [p.events for p in parsed]
     for p in parsed:  # the list is the only holder, so to_pandas can free Arrow memory column by column
         p.events = None
-    events = _concat_ranks(tables, infos, events=True)
+    counts = [p.meta.get("tree_rows") for p in parsed]
+    events = _concat_ranks(tables, infos, events=True, tree_rows=counts)
     flows = None if any(p.flows is None for p in parsed) else _concat_ranks([p.flows for p in parsed], infos)
     threads = _concat_ranks([p.threads for p in parsed], infos)
     return Trace(events=events, flows=flows, threads=threads, ranks=infos, warnings=warnings,
-                 load_issues=_issues_table(issues))
+                 load_issues=_issues_table(issues), tree_rows=sum(counts))
 
 
 def rank_of(p: ParsedTrace, i: int, n_files: int) -> tuple[RankInfo, list[str], list[dict]]:
@@ -492,20 +496,27 @@ def _issues_table(issues: list[dict]) -> pd.DataFrame:
     return df.astype({"rank": "int64", "events": "int64"})
 
 
-def _concat_ranks(tables: list[pa.Table], infos: list[RankInfo], events: bool = False) -> pd.DataFrame:
+def _concat_ranks(tables: list[pa.Table], infos: list[RankInfo], events: bool = False,
+                  tree_rows: list[int | None] | None = None) -> pd.DataFrame:
     """Per-file tables (in the order of `infos`) -> one DataFrame with a `rank` column. Empties
     `tables`, so that its Arrow memory is released while pandas takes the data over. events: the tables
     are events tables: their arg columns come in the narrowest type that holds their values
     (`narrow_args`), and the ranks' call-tree events first (rank by rank, in file order), then their other
-    events (io/roworder.py: the call tree shares the columns of these rows)."""
+    events (io/roworder.py: the call tree shares the columns of these rows). tree_rows: per table, how many
+    of its first rows are all its call-tree events, as its parse ordered them (`ParsedTrace.meta`); where
+    missing (None), found from the rows and the rows ordered so. Filled in for each table."""
     tabs = [t.append_column("rank", pa.array(np.full(t.num_rows, info.rank, dtype=np.int32)))
             for t, info in zip(tables, infos)]
     tables.clear()
     if events:  # (a file parsed by this loader comes with its call-tree events first already)
+        known = list(tree_rows) if tree_rows is not None else [None] * len(tabs)
         parts = []
         tabs.reverse()
         while tabs:
-            parts.append(tree_rows_first([tabs.pop()]))
+            k = known[len(parts)]
+            parts.append((tabs.pop(), k) if k is not None else tree_rows_first([tabs.pop()]))
+        if tree_rows is not None:
+            tree_rows[:] = [k for _, k in parts]
         tabs = ([t for t, _ in parts] if len(parts) == 1 else
                 [t.slice(0, k) for t, k in parts] + [t.slice(k) for t, k in parts])
         del parts

@@ -95,3 +95,45 @@ def test_a_frame_not_in_loader_order_gets_the_same_tree(cached, tmp_path):
     for c in ("parent", "inner_op", "outer_op", "depth", "self_dur", "kind", "step"):
         assert b[c].tolist() == a.tree[c].tolist(), c
     assert b["path"].astype(str).tolist() == a.tree["path"].astype(str).tolist()
+
+
+@pytest.mark.parametrize("cached", [False, True])
+@pytest.mark.parametrize("which", ["two_ranks", "foreign"])
+def test_the_trace_says_how_many_first_rows_are_the_tree_counted_from_the_raw_json(which, cached, tmp_path):
+    # the load records how many leading rows are the call tree's (Trace.tree_rows, from the parse's meta, also
+    # when the file comes from the cache), and the call tree takes them without looking for them again
+    from ..conftest import DIFF_CONTROL
+
+    files = [NCCL_2RANK / "rank0.json.gz", NCCL_2RANK / "rank1.json.gz"] if which == "two_ranks" else [DIFF_CONTROL]
+    path = NCCL_2RANK if which == "two_ranks" else DIFF_CONTROL
+    if cached:
+        tracelens.load(path, cache=True, cache_dir=str(tmp_path), progress=False)  # fills the cache
+    t = tracelens.load(path, cache=cached, cache_dir=str(tmp_path), progress=False)
+    assert all(r.from_cache for r in t.ranks) == cached
+    want = sum(is_tree(e.get("ph"), e.get("cat", ""), e.get("name", "")) for f in files for e in raw_events(f)
+               if e.get("ph") in ("X", "i", "I"))
+    assert t.tree_rows == want > 0
+    ev = t.events
+    mask = np.array([is_tree(p, c, n) for p, c, n in zip(ev["ph"].astype(str), ev["cat"].astype(str),
+                                                          ev["name"].astype(str))])
+    assert mask[:want].all() and not mask[want:].any()
+    from tracelens.analysis import calltree
+
+    a = tracelens.analyze(t)
+    assert len(a.tree) == want and a.tree.index.equals(ev.index[:want])
+    found = calltree.host_events(ev)  # looked for in the rows: the same table
+    given = calltree.host_events(ev, leading=want)
+    assert found.index.equals(given.index) and found.columns.equals(given.columns)
+    assert all(found[c].equals(given[c]) for c in found.columns)
+    with pytest.raises(ValueError, match="not a row count"):
+        calltree.host_events(ev, leading=len(ev) + 1)
+
+
+def test_a_table_without_its_count_is_ordered_and_counted_by_the_concat():
+    # a cache entry written before the count was kept: _concat_ranks finds the tree rows itself and fills the count in
+    from tracelens.trace import RankInfo, _concat_ranks
+
+    rows = [("X", "kernel", "k"), ("X", "cpu_op", "a"), ("X", "python_function", "g"), ("X", "cuda_runtime", "l")]
+    counts = [None]
+    ev = _concat_ranks([_table(rows)], [RankInfo(rank=0, path="x")], events=True, tree_rows=counts)
+    assert counts == [2] and ev["name"].astype(str).tolist() == ["a", "l", "k", "g"]

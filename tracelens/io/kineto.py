@@ -911,7 +911,7 @@ def _parsed(path: str, doc: _Doc, holder: list[pa.Table], flows_t: pa.Table | No
     events, cut = cut_long_names(path, events)  # names past limits.MAX_NAME_BYTES cut, each cut reported
     holder.append(events)
     del events
-    events, _ = tree_rows_first(holder)  # the call tree's events first (roworder.py)
+    events, tree_rows = tree_rows_first(holder)  # the call tree's events first (roworder.py)
     dropped = "; ".join(i["message"][len(path) + 2:] for i in issues)
     issues += cut
     if n_other:
@@ -949,6 +949,7 @@ def _parsed(path: str, doc: _Doc, holder: list[pa.Table], flows_t: pa.Table | No
         "n_raw_events": n_total,
         "decoder": decoder,  # "compiled" (the scanner) or "msgspec"
         "load_issues": issues,  # what checks.check_events dropped (kept in the cache entry's meta)
+        "tree_rows": tree_rows,  # the events' leading rows that are the call tree's, all of them (roworder.py)
     }
     return ParsedTrace(path=path, events=events, flows=flows_t, threads=threads, meta=meta)
 
