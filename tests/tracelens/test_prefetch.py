@@ -129,23 +129,3 @@ def test_a_file_the_thread_cannot_parse_raises_what_a_plain_load_raises(spy, mon
         tracelens.load(p, cache=cache, cache_dir=tmp_path / "c")
     assert str(threaded.value) == str(plain.value) and "\n" not in str(plain.value) and "neg.json" in str(plain.value)
 
-
-@needs_scanner
-@pytest.mark.parametrize("cpus, parts", [(1, 1), (2, 1), (3, 2)])
-def test_the_scan_leaves_one_cpu_to_the_main_thread(spy, monkeypatch, tmp_path, cpus, parts):
-    # the main thread imports pandas and the analyses meanwhile (the load's critical path): the thread's scan takes
-    # one part per usable CPU but one, however large the file
-    from tracelens.io import scanner
-
-    monkeypatch.delenv("TRACELENS_SCAN_THREADS", raising=False)
-    monkeypatch.setattr(scanner, "usable_cpus", lambda: cpus)
-    monkeypatch.setattr(scanner, "PARALLEL_MIN", 0)
-    monkeypatch.setattr(scanner, "PART_MIN", 1)
-    events = [{"ph": "X", "cat": "cpu_op", "name": f"op{i}", "pid": 1, "tid": 1, "ts": i * 10, "dur": 5}
-              for i in range(2000)]
-    path = tmp_path / "t.json"
-    path.write_text(json.dumps({"traceEvents": events}))
-    trace = tracelens.load(str(path), cache=False)
-    (scan,) = spy[0].handed
-    assert scan.parts_used == parts
-    assert len(trace.events) == 2000

@@ -65,7 +65,7 @@ class Prefetch:
             if raw is not None and not use_cache:
                 scan = self._active = scanner.Scan(raw)
                 del raw
-                scan.run(threads=_threads(scan))
+                scan.run()
                 self.scan = scan
                 _parse_beside(self.path, scan)
                 return
@@ -83,7 +83,7 @@ class Prefetch:
                 return  # the same content is cached under another name
             scan = self._active = scanner.Scan(scanner.gunzip(self.path, raw))
             del raw
-            scan.run(threads=_threads(scan))
+            scan.run()
             self.scan = scan
             _parse_beside(self.path, scan)
         except Exception:  # noqa: BLE001 - the ordinary path reads the file again and names the problem
@@ -134,13 +134,6 @@ class Prefetch:
         if progress is not None and scan is not None:
             progress(1.0)
         return scan
-
-
-def _threads(scan: scanner.Scan) -> int:
-    """The scan's threads: one per usable CPU but one, which the main thread needs meanwhile for its imports (the
-    load's critical path: on 2 CPUs of the device machine pandas' import took 0.77 s beside two scan threads, and
-    splitting the scan costs CPU of its own; with one scan thread `analyze` of a 200 MB tile used ~10 % less CPU)."""
-    return scanner.scan_threads(len(scan.data), spare=1)
 
 
 def _parse_beside(path: str, scan: scanner.Scan) -> None:

@@ -177,10 +177,9 @@ def usable_cpus() -> int:
         return os.cpu_count() or 1
 
 
-def scan_threads(size: int, spare: int = 0) -> int:
-    """Threads that scan a document of `size` bytes: one per usable CPU but `spare` (the CPUs left to other work
-    meanwhile), at most MAX_PARTS, each part at least PART_MIN bytes; 1 below PARALLEL_MIN.
-    TRACELENS_SCAN_THREADS=N forces N (1: one thread)."""
+def scan_threads(size: int) -> int:
+    """Threads that scan a document of `size` bytes: one per usable CPU, at most MAX_PARTS, each part at
+    least PART_MIN bytes; 1 below PARALLEL_MIN. TRACELENS_SCAN_THREADS=N forces N (1: one thread)."""
     forced = os.environ.get("TRACELENS_SCAN_THREADS")
     if forced:
         try:
@@ -189,7 +188,7 @@ def scan_threads(size: int, spare: int = 0) -> int:
             pass
     if size < PARALLEL_MIN:
         return 1
-    return max(1, min(usable_cpus() - spare, MAX_PARTS, size // PART_MIN))
+    return max(1, min(usable_cpus(), MAX_PARTS, size // PART_MIN))
 
 
 class Scan:
