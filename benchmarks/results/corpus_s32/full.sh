@@ -8,6 +8,7 @@ tar -C /tmp -xJf .whl/c31/site.tar.xz && export PYTHONPATH=/tmp/site31
 export TRACELENS_CORPUS_EXTERNAL=$PWD/.whl/c31/ext
 python3 setup.py -q build_ext --inplace > $S/build.log 2>&1
 python3 -c "import xxhash, msgspec, hta, plotly; print('xxhash', xxhash.VERSION)" > $OUT/deps.txt 2>&1
+. benchmarks/bytecode.sh  # once, before the four groups (each would compile the same trees at once)
 G1=a100_triton,moe_loop,moe_grouped,h100_timesformer
 G2=mi250,ep2_loop_r0,pp2_1f1b_r0,v100_test,a100_control
 G3=h100_moe_mbs8,ep4_cap_ovl_r0,a100_alexnet,mi300_resnet,mi300_sglang,cpu_tiny
