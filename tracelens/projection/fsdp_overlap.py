@@ -52,6 +52,8 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from . import contention as CT
+
 #: host ns per all-gather of FSDP2's hooks at dp > 1 (module docstring), for a run at dp 1 that records none
 HOOK_HOST_NS = 1.36e6
 #: the committed runs it is the median of (tests/fixtures/...), each rank's ranges per all-gather
@@ -283,14 +285,59 @@ def exposure(rep, w, gather: dict, reduce: dict, microbatches: int, hook: dict |
     for j, v in base.unit_keys.items():  # FSDP collectives a mechanism inserted (the overlap's re-gathers)
         if v and v[0] == "fsdp":
             base.dur[int(j)] = 0.0
-    t0 = base.replay(hs).step_ns
+    s_ag = max(base.stream) + 1 if base.stream else 1  # `insert`'s streams: the gathers', then the reduce-scatters'
+    f0, _ = CT.profile_cover(w)
+    rate = CT.rates(w)
+
+    def step(plan) -> float:
+        return contended_step(plan, hs, w, f0, rate, s_ag)
+
+    t0 = step(base)
     ag = _clone(base)
     insert(ag, w, gather, {}, with_reduces=False, hook=hook, calls=calls)
-    t_ag = ag.replay(hs).step_ns
+    t_ag = step(ag)
     both = _clone(base)
     n = insert(both, w, gather, reduce, with_reduces=True, hook=hook, calls=calls)
-    t_all = both.replay(hs).step_ns
+    t_all = step(both)
     return Exposure(max(t_ag - t0, 0.0) * ds, max(t_all - t0, 0.0) * ds, microbatches, n)
+
+
+def contended_step(plan, hs: float, w, f0: dict, rate: dict, s_ag: int) -> float:
+    """The step of ``plan`` replayed with its compute slowed by the communication the replay places beside it
+    (`contention`): replay, each compute unit's cover by each collective kind against its profiled cover ``f0``,
+    replay again with the stretched durations. Units on ``s_ag`` / ``s_ag + 1`` are `insert`'s all-gathers /
+    reduce-scatters; another inserted communication unit is an all-to-all (the EP mechanisms'), one a mechanism
+    marks ``("fsdp",)`` an all-gather."""
+    r = plan.replay(hs)
+    if r.start is None or not CONTENTION:
+        return r.step_ns
+    n, n0 = len(plan.dur), len(w)
+    comp = np.asarray(plan.comp, dtype=object)
+    is_comm = np.zeros(n, bool)
+    is_comm[:n0] = w["is_comm"].to_numpy().astype(bool)
+    is_comm[n0:] = comp[n0:] == "exposed communication"
+    names = w["name"].astype(str).to_numpy()
+    stream = np.asarray(plan.stream)
+    keys = getattr(plan, "unit_keys", {}) or {}
+    kinds = np.full(n, "", dtype=object)
+    for j in np.flatnonzero(is_comm):
+        if j < n0:
+            kinds[j] = CT.kind_of(names[j])
+        elif stream[j] == s_ag or (keys.get(int(j)) or ("",))[0] == "fsdp":
+            kinds[j] = "AllGather"
+        elif stream[j] == s_ag + 1:
+            kinds[j] = "ReduceScatter"
+        else:
+            kinds[j] = "SendRecv"
+    f1 = CT.cover(r.start, r.end, stream, is_comm, kinds)
+    dur = CT.stretch(plan.dur, np.where(is_comm, "", comp), f0, f1, rate)
+    again = _clone(plan)
+    again.dur = [float(x) for x in dur]
+    return again.replay(hs).step_ns
+
+
+#: the contention rule on (`contended_step`); off, the replay gives each kernel its profiled time
+CONTENTION = True
 
 
 __all__ = ["HOOK_HOST_NS", "HOOK_HOST_SOURCES", "Exposure", "exposure", "fsdp_collective_units", "insert"]
