@@ -128,9 +128,11 @@ def _reduce_keys(w, keys: list) -> list:
     experts'. On ``h100_4gpu_layouts/dp4_mbs16`` (rank 0) each experts' reduce-scatter starts 1.9 ms after the
     experts' last grouped GEMM of the backward, after the copy-in's 1.84 ms ``_chunk_cat``, beside the router's,
     the attention's and the norms' backward."""
+    out = list(keys)
+    if "path" not in w or "layer" not in w:  # a hand-built profile with no ranges: the stages' keys
+        return out
     paths = w["path"].astype(str).to_numpy()
     layer = w["layer"].to_numpy()
-    out = list(keys)
     for j in range(min(len(paths), len(out))):
         p = paths[j]
         if out[j] is not None and layer[j] >= 0 and "post_backward_reduce" in p and ".experts)" in p:
