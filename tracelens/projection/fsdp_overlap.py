@@ -297,11 +297,10 @@ def insert(plan, w, gather: dict, reduce: dict, with_reduces: bool = True, hook:
 
 
 def exposure(rep, w, gather: dict, reduce: dict, microbatches: int, hook: dict | None = None,
-             calls: int = 1, contention: bool = True) -> Exposure:
+             calls: int = 1) -> Exposure:
     """What FSDP2's collectives (``gather`` / ``reduce``: ns per unit key, in profiled time) add to the replayed step
     ``rep`` (`mechanisms.base.Replayed`; its ``plan`` is left as it is), with the run's own FSDP collectives taken
-    out, in calibrated ns; ``contention``: with the compute they slow (`contended_step`), else the replay's own
-    durations."""
+    out, in calibrated ns."""
     hs, ds = rep.host_scale, rep.device_scale
     base = _clone(rep.plan)
     for j in fsdp_collective_units(w):
@@ -314,7 +313,7 @@ def exposure(rep, w, gather: dict, reduce: dict, microbatches: int, hook: dict |
     rate = CT.rates(w)
 
     def step(plan) -> float:
-        return contended_step(plan, hs, w, f0, rate, s_ag) if contention else plan.replay(hs).step_ns
+        return contended_step(plan, hs, w, f0, rate, s_ag)
 
     t0 = step(base)
     ag = _clone(base)

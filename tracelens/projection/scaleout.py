@@ -534,11 +534,7 @@ class ScaleOut:
         a.clip_ns = 0.0 if pipelined else clip_ns
         if not pipelined and len(pred.replayed_all) > slow:
             a.fsdp_rep = pred.replayed_all[slow]
-            # where the anchor gathers unit kinds the run did not (a run at ep 2 and dp 1 anchored at ep 1: its
-            # experts over dp 2), the what-if placed those gathers without slowing the compute beside them: the
-            # anchor's own exposure, the reference the target's is added to, is then the model's without contention
-            a.fsdp_model_ns = self._fsdp_exposed(cfg_a, self.world, a,
-                                                 contention=not (self._kinds(cfg_a) - self._gathered_kinds()))
+            a.fsdp_model_ns = self._fsdp_exposed(cfg_a, self.world, a)
         # the network model's exposure of the anchor's own data-parallel traffic, as a projection computes it
         w = self._window(cfg_a, self.world, {"compute": (cf, cb), "expert stage": (ef, eb),
                                              "all-to-all (exposed)": (af, ab)}, a)
@@ -577,12 +573,11 @@ class ScaleOut:
         ns = float(dur[clip].sum())
         return pf, pb, max(fixed, 0.0) + ns, ns
 
-    def _fsdp_exposed(self, cfg: dict, gpus: int, a: _Anchor, contention: bool = True) -> float | None:
+    def _fsdp_exposed(self, cfg: dict, gpus: int, a: _Anchor) -> float | None:
         """ns per step that FSDP2's all-gathers and reduce-scatters of ``cfg`` on ``gpus`` GPUs expose, placed by its
-        rules (`fsdp_overlap`) in the anchor's replayed step at the network model's time per unit, with the compute
-        they slow (``contention``, `fsdp_overlap.contended_step`) or without; None where that does not apply (no
-        ZeRO-3, a pipeline, no replay, a CPU-only profile: its replay has no streams for a collective to overlap on,
-        and the hooks' host time is a GPU host's)."""
+        rules (`fsdp_overlap`) in the anchor's replayed step at the network model's time per unit; None where that
+        does not apply (no ZeRO-3, a pipeline, no replay, a CPU-only profile: its replay has no streams for a
+        collective to overlap on, and the hooks' host time is a GPU host's)."""
         if a.fsdp_rep is None or int(cfg.get("pp") or 1) > 1 or getattr(a.fsdp_rep.plan, "cpu", False):
             return None
         lay = self.mem_layout(cfg, gpus)
@@ -599,27 +594,20 @@ class ScaleOut:
             stride = lay.ep if kind == "experts" else 1
             gather[(kind, li)] = self.net.collective("all_gather", pb * params, int(group), stride) / ds
             reduce[(kind, li)] = self.net.collective("reduce_scatter", 4 * params, int(group), stride) / ds
-        key = (id(a), tuple(sorted(gather.items())), tuple(sorted(reduce.items())), calls, contention)
+        key = (id(a), tuple(sorted(gather.items())), tuple(sorted(reduce.items())), calls)
         if key not in self._fsdp:
             w = a.fsdp_rep.profile.work
             # the run's host gaps hold the hooks of the units it gathered; a unit kind it did not gather (dp 1 over
             # that kind's group) gets FSDP2's hook time per gather
             hook = {k: FO.HOOK_HOST_NS / (a.fsdp_rep.host_scale or 1.0) for k in gather
                     if k[0] not in self._gathered_kinds()}
-            self._fsdp[key] = FO.exposure(a.fsdp_rep, w, gather, reduce, a.microbatches, hook, calls, contention)
+            self._fsdp[key] = FO.exposure(a.fsdp_rep, w, gather, reduce, a.microbatches, hook, calls)
         return self._fsdp[key].per_step(int(cfg.get("microbatches") or 1))
 
     def _units(self, cfg: dict, gpus: int) -> list:
         from ..analysis import memory as M
 
         return M.fsdp_units(cfg, self.mem_layout(cfg, gpus))
-
-    def _kinds(self, cfg: dict) -> set[str]:
-        """The FSDP unit kinds ``cfg`` all-gathers on the run's GPUs (a group over one rank gathers nothing)."""
-        try:
-            return {kind for kind, _, params, group in self._units(cfg, self.world) if group > 1 and params > 0}
-        except TraceError:
-            return set()
 
     def _gathered_kinds(self) -> set[str]:
         """The FSDP unit kinds the run all-gathered (`memory.fsdp_units` over its own layout: a group over one rank
