@@ -157,7 +157,7 @@ def test_fsdp_casts_of_a_dp1_runs_experts_are_parameter_work(gpu1):
     assert int(mine.sum()) == len(raw)
     assert float(w["dur"].to_numpy(float)[mine].sum()) / 1e3 == pytest.approx(sum(k["dur"] for k in raw), rel=1e-3)
     assert set(w["scale"].to_numpy()[mine]) == {"params"}
-    assert sum(k["dur"] for k in raw) / 1e3 > 10.0  # about 11 ms a step the token mechanism used to scale
+    assert sum(k["dur"] for k in raw) / 1e3 > 15.0  # 15.8 ms a step the token mechanism used to scale
 
 
 def test_the_chunked_loss_is_the_units_that_repeat_per_chunk(gpu1):
