@@ -144,7 +144,7 @@ def test_fsdp_casts_of_a_dp1_runs_experts_are_parameter_work(gpu1):
     pre_forward (layers.<l>.ffn.experts)``, the gradients' copy-in under ``FSDP::post_backward_reduce (...)``) sit in
     the layer's ``moe/`` ranges; the profile marks every one ``params`` (not ``tokens``): the same count and µs as the
     raw JSON's."""
-    so, p, ks = gpu1
+    _, p, ks = gpu1
     raw = [k for k in ks if any(a.startswith(("FSDP::pre_forward (layers.", "FSDP::post_backward_reduce (layers."))
                                 and a.endswith(".ffn.experts)") for a in k["ann"])
            and k["op"] in ("aten::copy_", "aten::_chunk_cat") and not k["name"].startswith("nccl")]
