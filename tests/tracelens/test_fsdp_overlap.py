@@ -52,13 +52,28 @@ def test_a_device_bound_step_by_hand():
     layer 0's copy-out (16) and runs 16-21 while only the shared expert (16-17) runs beside it: the experts' backward
     21-29, attention 29-35, the embedding 35-36, the optimizer 36-39 (39 against 32 without FSDP: 7 exposed by the
     gathers). With the reduce-scatters: the experts' 29-32 hides under attention, layer 0's 35-36 under the embedding,
-    the root's 36-37 holds the optimizer to 37-40: 8 in all."""
+    the root's 36-37 holds the optimizer to 37-40: 8 in all. That is the placement alone (the contention rule off);
+    with it (`contended_step`), the one compute unit a gather covers that has a rate and lies on the step's path is the
+    experts' forward (expert GEMMs, 8-12), which layer 0's backward gather (8-9) covers for a quarter: 4 x (1 + 0.34 x
+    1/4) = 4.34 ms at ``DEFAULT_RATE``'s 1.34 for expert GEMMs beside an all-gather, so 7.34 and 8.34 (the shared
+    expert's 1 ms, also covered, lies beside the experts' 5 ms gather and moves nothing; attention, the embedding and
+    the optimizer have no rate)."""
     rep, w = _step()
-    e = FO.exposure(rep, w, GATHER, REDUCE, microbatches=1)
+    off = FO.CONTENTION
+    try:
+        FO.CONTENTION = False
+        e = FO.exposure(rep, w, GATHER, REDUCE, microbatches=1)
+    finally:
+        FO.CONTENTION = off
     assert e.gathers_ns == pytest.approx(7 * MS)
     assert e.total_ns == pytest.approx(8 * MS)
     assert e.reduces_ns == pytest.approx(1 * MS)
     assert e.units == 8  # 3 gathers forward, 2 backward (the root stays gathered), 3 reduce-scatters
+    e = FO.exposure(rep, w, GATHER, REDUCE, microbatches=1)
+    r = FO.CT.DEFAULT_RATE[("expert GEMMs", "AllGather")]
+    assert r == 1.34
+    assert e.gathers_ns == pytest.approx(7 * MS + 4 * MS * (r - 1) / 4)
+    assert e.total_ns == pytest.approx(8 * MS + 4 * MS * (r - 1) / 4)
 
 
 def test_the_replay_it_was_given_is_left_as_it_was():

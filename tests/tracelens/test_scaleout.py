@@ -397,14 +397,17 @@ def test_one_and_two_gpus_to_four_against_the_recorded_grid():
     only max 5.6 / 4.2 / 7.7 %, median 3.0 / 2.7 / 2.3 %; all 17 max 8.7 / 7.6 / 14.3 %, median 3.3 / 3.2 / 3.0 %
     with the hooks' host time a run at dp 1 lacks (`fsdp_overlap.HOOK_HOST_NS`; 4.2 % median from 1 GPU without it)
     (the 14.3 %: ep 2 capacity with the chunked overlap at micro-batch 8, which measured 8 % slower than without
-    it): every point from 1 GPU and from dp 2 within issue 35's 10 %."""
+    it): every point from 1 GPU and from dp 2 within issue 35's 10 %. Stop 32 (the gradient clipping sharded by dp,
+    the contention rule, FSDP2's casts at dp 1 as parameter work, the chunked loss's units by their count, the
+    experts' reduce-scatter after their copy-in): layout only max 2.7 / 3.2 / 5.2 %, median 1.9 / 1.7 / 2.5 %; all
+    17 max 6.8 / 5.7 / 6.7 %, median 2.1 / 2.1 / 4.3 %: every point from every baseline within 10 %."""
     res = SO.validate(FIX / "h100_scaling" / "measured.json")
     for name, s in res["summary"].items():
         lo = s["layout_only"]
         assert lo["n"] == 6, name
-        assert lo["max_abs_error"] <= 0.08 and lo["median_abs_error"] <= 0.031, (name, lo)
-        assert s["n"] == 17 and s["max_abs_error"] <= 0.15 and s["median_abs_error"] <= 0.035, (name, s)
-    for name in ("gpu1", "dp2"):  # issue 35's target: every scale-out point within 10 %
+        assert lo["max_abs_error"] <= 0.055 and lo["median_abs_error"] <= 0.026, (name, lo)
+        assert s["n"] == 17 and s["max_abs_error"] <= 0.07 and s["median_abs_error"] <= 0.044, (name, s)
+    for name in ("gpu1", "dp2", "ep2_cap"):  # issue 35's target: every scale-out point within 10 %
         assert res["summary"][name]["max_abs_error"] <= 0.10, name
     rows = [r for r in res["rows"] if "refused" not in r]
     assert len(rows) == 3 * 18
@@ -451,13 +454,13 @@ def test_gradient_accumulation_at_4_gpus_against_the_planners_measured_layouts()
     at one micro-batch (+8.3-9.5 / +6.4-7.5 / +7.9-9.0 %); from the dp 4 run itself +3.8-7.6 %. With FSDP2's
     gathers placed per unit (`fsdp_overlap`, with the hooks' host time a run at dp 1 lacks): every point max 7.2 /
     10.0 / 11.6 %, median 3.4 / 3.7 / 6.8 % from 1 GPU / dp 2 / ep 2 (the maxima: the slower of two measured calls
-    at micro-batch 3); the three micro-batch-3 points from the dp 4 run +3.2-7.0 %. Regression bounds: the
-    measured errors rounded up."""
+    at micro-batch 3); the three micro-batch-3 points from the dp 4 run +3.2-7.0 %. Stop 32 (test above): max 6.1 /
+    5.3 / 7.8 %, median 3.1 / 1.9 / 4.9 %. Regression bounds: the measured errors rounded up."""
     res = SO.validate(FIX / "h100_4gpu_accum" / "measured.json")
     for name in ("gpu1", "dp2", "ep2_cap"):
         s = res["summary"][name]
-        assert s["n"] == 9 and s["max_abs_error"] <= 0.12 and s["median_abs_error"] <= 0.07, (name, s)
-    assert res["summary"]["gpu1"]["max_abs_error"] <= 0.08
+        assert s["n"] == 9 and s["max_abs_error"] <= 0.08 and s["median_abs_error"] <= 0.05, (name, s)
+    assert res["summary"]["gpu1"]["max_abs_error"] <= 0.065
     m3 = [r for r in res["rows"] if r["baseline"] == "dp4_mbs8" and r["point"].startswith("dp4_mbs8_m3")]
     assert len(m3) == 3 and all(abs(r["error"]) <= 0.075 for r in m3), m3
     assert all(r["verdict_right"] for r in res["rows"] if "refused" not in r)
@@ -488,14 +491,15 @@ def test_held_out_4gpu_points_registered_before_they_ran():
     9.0 %, median 4.6 / 4.3 / 3.3 % from 1 GPU / dp 2 / ep 2 capacity (the window rule before `fsdp_overlap`: 18.9 /
     8.6 / 15.2 %), micro-batch 4 from the 1-GPU run +13.0 / +14.0 %. With the hooks' host time a run at dp 1 lacks
     (`fsdp_overlap.HOOK_HOST_NS`, from the committed FSDP runs, added after these were measured): from 1 GPU max
-    7.7 %, median 2.9 % (micro-batch 4: +0.6 / -0.3 %); every point within 10 % from every baseline. Regression
-    bounds: the measured errors rounded up."""
+    7.7 %, median 2.9 % (micro-batch 4: +0.6 / -0.3 %); every point within 10 % from every baseline. Stop 32 (the
+    grid's test above): max 4.6 / 5.6 / 8.4 %, median 2.3 / 2.4 / 1.8 %. Regression bounds: the measured errors
+    rounded up."""
     res = SO.validate(FIX / "h100_4gpu_heldout" / "measured.json")
     rows = [r for r in res["rows"] if "refused" not in r]
     assert len(rows) == 3 * 15 and all(r["verdict_right"] for r in rows)
-    for name, bound in (("dp2", 0.08), ("ep2_cap", 0.095)):
+    for name, bound in (("dp2", 0.06), ("ep2_cap", 0.085)):
         s = res["summary"][name]
-        assert s["n"] == 15 and s["max_abs_error"] <= bound and s["median_abs_error"] <= 0.05, (name, s)
+        assert s["n"] == 15 and s["max_abs_error"] <= bound and s["median_abs_error"] <= 0.025, (name, s)
     s = res["summary"]["gpu1"]
-    assert s["max_abs_error"] <= 0.08 and s["median_abs_error"] <= 0.03, s
+    assert s["max_abs_error"] <= 0.05 and s["median_abs_error"] <= 0.024, s
     assert all(abs(r["error"]) <= 0.10 for r in rows)

@@ -52,6 +52,8 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from . import contention as CT
+
 #: host ns per all-gather of FSDP2's hooks at dp > 1 (module docstring), for a run at dp 1 that records none
 HOOK_HOST_NS = 1.36e6
 #: the committed runs it is the median of (tests/fixtures/...), each rank's ranges per all-gather
@@ -114,6 +116,27 @@ def _unit_keys(w) -> list:
             out.append(("experts" if stage[j] == "moe/experts" else "dense", int(layer[j])))
         else:
             out.append(("root", -1))
+    return out
+
+
+def _reduce_keys(w, keys: list) -> list:
+    """Per unit: the FSDP unit whose reduce-scatter waits for it. A unit's reduce-scatter takes the gradients its
+    post-backward hook copied in (``FSDP::post_backward_reduce``: ``_chunk_cat`` into the reduce-scatter's input), so
+    it starts after that copy, not after the unit's last backward kernel. The experts' hook runs while the layer's
+    backward is in the dispatch's gradient (its kernels sit under ``moe/permute/FSDP::post_backward_reduce
+    (layers.<l>.ffn.experts)``), so by the stage alone they are the layer's other units: here they are the
+    experts'. On ``h100_4gpu_layouts/dp4_mbs16`` (rank 0) each experts' reduce-scatter starts 1.9 ms after the
+    experts' last grouped GEMM of the backward, after the copy-in's 1.84 ms ``_chunk_cat``, beside the router's,
+    the attention's and the norms' backward."""
+    out = list(keys)
+    if "path" not in w or "layer" not in w:  # a hand-built profile with no ranges: the stages' keys
+        return out
+    paths = w["path"].astype(str).to_numpy()
+    layer = w["layer"].to_numpy()
+    for j in range(min(len(paths), len(out))):
+        p = paths[j]
+        if out[j] is not None and layer[j] >= 0 and "post_backward_reduce" in p and ".experts)" in p:
+            out[j] = ("experts", int(layer[j]))
     return out
 
 
@@ -236,8 +259,10 @@ def insert(plan, w, gather: dict, reduce: dict, with_reduces: bool = True, hook:
                     specs.append((pos[j], 2, (("ag", mi, "b", nxt, nc), gather[nxt], s_ag, chain)))
         if with_reduces and mi == len(mbs) - 1 and bw:
             lasts: dict = {}
+            rs_keys = _reduce_keys(w, keys)
             for j in bw:
-                lasts[keys[j]] = j
+                if j < len(rs_keys) and rs_keys[j] is not None:
+                    lasts[rs_keys[j]] = j
             last_rs = None
             for key, j in sorted(lasts.items(), key=lambda kv: pos[kv[1]]):
                 if key in reduce:
@@ -283,14 +308,59 @@ def exposure(rep, w, gather: dict, reduce: dict, microbatches: int, hook: dict |
     for j, v in base.unit_keys.items():  # FSDP collectives a mechanism inserted (the overlap's re-gathers)
         if v and v[0] == "fsdp":
             base.dur[int(j)] = 0.0
-    t0 = base.replay(hs).step_ns
+    s_ag = max(base.stream) + 1 if base.stream else 1  # `insert`'s streams: the gathers', then the reduce-scatters'
+    f0, _ = CT.profile_cover(w)
+    rate = CT.rates(w)
+
+    def step(plan) -> float:
+        return contended_step(plan, hs, w, f0, rate, s_ag)
+
+    t0 = step(base)
     ag = _clone(base)
     insert(ag, w, gather, {}, with_reduces=False, hook=hook, calls=calls)
-    t_ag = ag.replay(hs).step_ns
+    t_ag = step(ag)
     both = _clone(base)
     n = insert(both, w, gather, reduce, with_reduces=True, hook=hook, calls=calls)
-    t_all = both.replay(hs).step_ns
+    t_all = step(both)
     return Exposure(max(t_ag - t0, 0.0) * ds, max(t_all - t0, 0.0) * ds, microbatches, n)
+
+
+def contended_step(plan, hs: float, w, f0: dict, rate: dict, s_ag: int) -> float:
+    """The step of ``plan`` replayed with its compute slowed by the communication the replay places beside it
+    (`contention`): replay, each compute unit's cover by each collective kind against its profiled cover ``f0``,
+    replay again with the stretched durations. Units on ``s_ag`` / ``s_ag + 1`` are `insert`'s all-gathers /
+    reduce-scatters; another inserted communication unit is an all-to-all (the EP mechanisms'), one a mechanism
+    marks ``("fsdp",)`` an all-gather."""
+    r = plan.replay(hs)
+    if r.start is None or not CONTENTION:
+        return r.step_ns
+    n, n0 = len(plan.dur), len(w)
+    comp = np.asarray(plan.comp, dtype=object)
+    is_comm = np.zeros(n, bool)
+    is_comm[:n0] = w["is_comm"].to_numpy().astype(bool)
+    is_comm[n0:] = comp[n0:] == "exposed communication"
+    names = w["name"].astype(str).to_numpy()
+    stream = np.asarray(plan.stream)
+    keys = getattr(plan, "unit_keys", {}) or {}
+    kinds = np.full(n, "", dtype=object)
+    for j in np.flatnonzero(is_comm):
+        if j < n0:
+            kinds[j] = CT.kind_of(names[j])
+        elif stream[j] == s_ag or (keys.get(int(j)) or ("",))[0] == "fsdp":
+            kinds[j] = "AllGather"
+        elif stream[j] == s_ag + 1:
+            kinds[j] = "ReduceScatter"
+        else:
+            kinds[j] = "SendRecv"
+    f1 = CT.cover(r.start, r.end, stream, is_comm, kinds)
+    dur = CT.stretch(plan.dur, np.where(is_comm, "", comp), f0, f1, rate)
+    again = _clone(plan)
+    again.dur = [float(x) for x in dur]
+    return again.replay(hs).step_ns
+
+
+#: the contention rule on (`contended_step`); off, the replay gives each kernel its profiled time
+CONTENTION = True
 
 
 __all__ = ["HOOK_HOST_NS", "HOOK_HOST_SOURCES", "Exposure", "exposure", "fsdp_collective_units", "insert"]

@@ -171,6 +171,11 @@ def _scale(component: str, fpath: str, op: str, dims: str, tokens: int, mbs: int
         return "params"
     if component == "expert GEMMs":  # the routed tokens' rows, whatever their shape says
         return "tokens"
+    # FSDP2's hooks work on parameters and gradients (casts, copy-ins and copy-outs, whole or flat), whatever module
+    # they hook: an expert unit's cast under ``moe/experts/FSDP::pre_forward`` does not follow the tokens (only a
+    # hook's cast of the module's inputs does, and that one is token-shaped)
+    if _FSDP_RE.search(fpath) and not _token_shaped(dims, tokens, mbs, seq_len):
+        return "params"
     if _MOE_TOKENS_RE.search(fpath):
         return "tokens"
     if _token_shaped(dims, tokens, mbs, seq_len):

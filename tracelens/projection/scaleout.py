@@ -158,6 +158,7 @@ class _Anchor:
     fsdp_mb_ns: float = 0.0  # of fixed_ns: FSDP's all-gather copies and casts per micro-batch (they repeat with them)
     fsdp_rep: object = None  # the slowest rank's replay of the anchor (`fsdp_overlap`), None for a pipelined run
     fsdp_model_ns: float | None = None  # what `fsdp_overlap` exposes of the anchor's own FSDP traffic
+    clip_ns: float = 0.0  # of fixed_ns: the gradient clipping (`layout.grad_clip_units`), over the rank's gradient shard
 
 
 def _first_numel(dims: str) -> int:
@@ -496,6 +497,7 @@ class ScaleOut:
             # the run's profile, in the run's micro-batches (m: the anchor keeps them)
             pf, pb, fixed = PPL.piece_costs_from_profile(p, model.config, model.device_scale[slow] * scale)
             fsdp_mb = PPL.fsdp_per_microbatch_ns(p, model.config, model.device_scale[slow] * scale)
+            pf, pb, fixed, clip_ns = self._clip_out(p, model.device_scale[slow], scale, pf, pb, fixed)
             e_comm = comps.get("exposed communication", 0.0) * 1e9
             e_a2a = min(e_comm, a2a_tot)
             e_dp = e_comm - e_a2a
@@ -529,6 +531,7 @@ class ScaleOut:
         ab = {k: (a2a_exposed_b if k in {f"layer{ly}" for ly in moe} else 0.0) for k in pb}
         a = _Anchor(changes, cfg_a, step_a, {"compute": (cf, cb), "expert": (ef, eb), "a2a": (af, ab)}, m, opt,
                     fixed, dp_exp or 0.0, 0.0, hidden, handoff, beta, notes, 0.0 if pipelined else fsdp_mb)
+        a.clip_ns = 0.0 if pipelined else clip_ns
         if not pipelined and len(pred.replayed_all) > slow:
             a.fsdp_rep = pred.replayed_all[slow]
             a.fsdp_model_ns = self._fsdp_exposed(cfg_a, self.world, a)
@@ -541,6 +544,34 @@ class ScaleOut:
             a.dp_exposed_ns = min(a.dp_model_ns, max(rest - opt, 0.0))
             a.fixed_ns = max(rest - opt - a.dp_exposed_ns, 0.0)
         return a
+
+    def _clip_out(self, p, ds: float, scale: float, pf: dict, pb: dict, fixed: float):
+        """(pieces F, B, per-step work, the clipping's ns) with the run's gradient clipping (`layout.grad_clip_units`)
+        taken out of the pieces it was counted in (a unit whose gradient is token-shaped lands in ``loss``) and into
+        the per-step work, at the run's calibrated time: once a step, whatever the micro-batch (the what-if's change
+        of the step, ``scale``, is not applied to it)."""
+        from .mechanisms.tokens import chunk_units
+
+        w = p.work
+        clip = L.grad_clip_units(w)
+        if not clip.any():
+            return pf, pb, fixed, 0.0
+        cfg = self.model.config
+        m = int(cfg.get("microbatches") or 1)
+        dur = w["dur"].to_numpy(float) * ds
+        lay = w["layer"].to_numpy()
+        bwd = w["backward"].to_numpy() | (w["recompute"].to_numpy() if "recompute" in w else False)
+        tok = (w["scale"].to_numpy() == "tokens") | chunk_units(w, cfg)
+        pf, pb = dict(pf), dict(pb)
+        for j in np.flatnonzero(clip):
+            key = f"layer{int(lay[j])}" if lay[j] >= 0 else ("loss" if tok[j] else None)
+            if key is None:
+                fixed -= dur[j] * scale
+            else:
+                d = pb if bwd[j] else pf
+                d[key] = max(d.get(key, 0.0) - dur[j] * scale / m, 0.0)
+        ns = float(dur[clip].sum())
+        return pf, pb, max(fixed, 0.0) + ns, ns
 
     def _fsdp_exposed(self, cfg: dict, gpus: int, a: _Anchor) -> float | None:
         """ns per step that FSDP2's all-gathers and reduce-scatters of ``cfg`` on ``gpus`` GPUs expose, placed by its
@@ -685,6 +716,11 @@ class ScaleOut:
             dp_exp = max(a.dp_exposed_ns + dp_t - a.dp_model_ns, 0.0)
         p_a, p_t = PPL.optimizer_params(_mem_cfg(a.config), self.world), PPL.optimizer_params(_mem_cfg(cfg), gpus)
         opt = a.opt_ns * (p_t / p_a if p_a > 0 else 1.0)
+        # the gradient clipping runs over the rank's gradient shard, as the optimizer over its parameters
+        clip = a.clip_ns * ((p_t / p_a if p_a > 0 else 1.0) - 1.0)
+        if clip:
+            notes.append(f"gradient clipping: over the rank's gradient shard, {a.clip_ns / 1e6:.2f} ms in the run x "
+                         f"{p_t / p_a:.3g} (its parameters per GPU, as the optimizer's)")
         # the experts' FSDP copies under the new (ep, dp) (the all-gathers' per micro-batch, the reduce-scatter's once)
         # and the run's other FSDP all-gather copies, both x the new micro-batches
         # from a run at dp 1, the experts' gather copy-outs (`expert_copy_out_ns`) of a target at pp 1 less its
@@ -711,7 +747,7 @@ class ScaleOut:
         comps = {"compute": parts["compute"], "expert stage": parts["expert stage"],
                  "all-to-all (exposed)": parts["all-to-all (exposed)"], "pipeline bubble": bubble_ns,
                  "dp traffic (exposed)": dp_exp, "optimizer step": opt,
-                 "other per-step work": max(a.fixed_ns + copies + acc_t - acc_a, 0.0)}
+                 "other per-step work": max(a.fixed_ns + copies + acc_t - acc_a + clip, 0.0)}
         step_ns = sum(comps.values())
         tps = m * tokens / pp / (step_ns / 1e9)
         a2a_busy = m * len(moe) / pp * (a2a_f_t + a2a_b_t)  # the busiest rank's share of the layers, all of it

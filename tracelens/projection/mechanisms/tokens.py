@@ -23,14 +23,27 @@ from .base import Change, Mechanism, register, unit_positions
 def chunk_units(w: pd.DataFrame, cfg: dict) -> np.ndarray:
     """Units of a chunked (fused) loss: their number follows the tokens, not their size. A unit of the
     loss loop works on a chunk of ``loss_chunk_size`` tokens against the ``vocab_size`` output rows:
-    its op's input shapes hold both numbers."""
+    its op's input shapes hold both numbers, and it runs once per chunk: its op and input shapes occur at
+    least once per full chunk of each micro-batch (``m * (tokens // loss_chunk_size)`` times in the step).
+    The shapes alone also match the work on the ``[vocab, d_model]`` head and embedding where ``d_model`` equals
+    the chunk (2,048 in ``gpu_proxy_train``): the gradient clipping's ``pow`` / ``sum`` / ``mul_`` on those
+    gradients, FSDP2's copy-in of the root's gradient, the loss's zeroing and scaling of its weight-gradient
+    buffer, once a step or a micro-batch; the count tells them apart (gpu1_prof at micro-batch 16: 16 chunks,
+    the loop's ``mm`` / ``add_`` / ``_LinearCEFn`` 16 times or more, those 1-2 times)."""
     chunk, vocab = int(cfg.get("loss_chunk_size") or 0), int(cfg.get("vocab_size") or 0)
     if not cfg.get("loss_fusion") or chunk <= 0 or vocab <= 0 or "dims" not in w:
         return np.zeros(len(w), bool)
+    dims = w["dims"].to_numpy()
     out = np.zeros(len(w), bool)
-    for i, d in enumerate(w["dims"].to_numpy()):
+    for i, d in enumerate(dims):
         nums = {int(x) for x in re.findall(r"\d+", str(d))} if d else set()
         out[i] = chunk in nums and vocab in nums
+    tokens = int(cfg.get("micro_batch_size") or 0) * int(cfg.get("seq_len") or 0)
+    per_chunk = int(cfg.get("microbatches") or 1) * max(tokens // chunk, 1)
+    if out.any() and per_chunk > 1 and "op" in w:
+        key = pd.Series(w["op"].astype(str).to_numpy()[out] + "|" + pd.Series(dims[out]).astype(str).to_numpy())
+        count = key.map(key.value_counts()).to_numpy()
+        out[np.flatnonzero(out)[count < per_chunk]] = False
     return out
 
 
