@@ -208,7 +208,9 @@ def analyze(paths, out, open_browser, no_cache, no_report, no_tables, jobs, quie
         from reports.artifacts import write_all
 
         if _OWN_PROCESS:
-            gc.freeze()  # ...which the analysis' collections then never walk (nor the offloaded child's pages)
+            # ...which the analysis' collections then do not walk, up to the summary's fork (tracelens.offload freezes
+            # everything for it and gives it all back to the oldest generation after: rarely collected there)
+            gc.freeze()
     finally:
         gc.enable()
     if not no_report:  # a first run compresses plotly.js for the page: beside the analysis, on the idle CPU
