@@ -566,6 +566,10 @@ def resolve_world(cfg: dict, world_size: int) -> tuple[int, int]:
     dp = cfg["dp"] if cfg["dp"] is not None else world_size // (ep * pp)
     if dp * ep * pp != world_size:
         key = "dp" if cfg["dp"] is not None else ("pp" if pp > 1 else "ep")
+        if cfg["dp"] is None:  # dp follows from the world: there is no whole one
+            what = f"pp*ep = {pp}*{ep}" if pp > 1 else f"ep = {ep}"
+            raise ConfigError(key, f"world size {world_size} is not a multiple of {what}: no whole dp "
+                                   f"({'pp*dp*ep' if pp > 1 else 'dp*ep'} must be the world size)")
         if pp > 1:
             raise ConfigError(key, f"world size {world_size} != pp*dp*ep = {pp}*{dp}*{ep}")
         raise ConfigError(key, f"world size {world_size} != dp*ep = {dp}*{ep}")

@@ -248,8 +248,9 @@ def test_space_file_is_bounded_yaml(tmp_path):
 
 def test_every_point_must_fit_nproc_and_constraints_can_read_it():
     doc = {"config": "tiny", "nproc": 4, "knobs": {"ep": [1, 2, 8]}, "fixed": {"n_routed_experts": 16}}
-    assert _err(doc, True) == ('s.yaml: nproc: 4 process(es) cannot run {"ep":8} (config error: ep: world size 4 != '
-                               'dp*ep = 0*8); exclude it with a constraint')
+    assert _err(doc, True) == ('s.yaml: nproc: 4 process(es) cannot run {"ep":8} (config error: ep: world size 4 is '
+                               'not a multiple of ep = 8: no whole dp (dp*ep must be the world size)); exclude it '
+                               'with a constraint')
     s = parse_space({**doc, "constraints": ["nproc % ep == 0"]}, "s.yaml")
     assert s.grid() == [{"ep": 1}, {"ep": 2}]
     # a fixed dp that the world cannot hold is named too (here: every point)

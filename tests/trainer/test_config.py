@@ -81,7 +81,7 @@ def test_cli_bad_config_prints_one_line_and_exits_2():
 def test_launcher_checks_world_size_before_spawning():
     r = _run("-m", "trainer.launch", "--config", "tiny", "--nproc", "3", "--set", "ep=2", "-o", "/tmp/never")
     assert r.returncode == 2
-    assert r.stderr.strip().startswith("config error: ep: world size 3 != dp*ep")
+    assert r.stderr.strip() == "config error: ep: world size 3 is not a multiple of ep = 2: no whole dp (dp*ep must be the world size)"
     r = _run("-m", "trainer.launch", "--config", "tiny", "--nproc", "2", "--sync-free-level", "9")
     assert r.returncode == 2 and "sync_free_level" in r.stderr
 
