@@ -165,8 +165,10 @@ def test_world_size_includes_pp():
 
     cfg = load_config("tiny", {"pp": 2, "n_layers": 4, "microbatches": 4})
     assert resolve_world(cfg, 4) == (2, 1)
-    with pytest.raises(ConfigError, match="world size 3 != pp\\*dp\\*ep"):
+    with pytest.raises(ConfigError, match=r"world size 3 is not a multiple of pp\*ep = 2\*1: no whole dp \(pp\*dp\*ep"):
         resolve_world(cfg, 3)
+    with pytest.raises(ConfigError, match=r"world size 4 != pp\*dp\*ep = 2\*1\*1"):  # a dp given that the world does not hold
+        resolve_world({**cfg, "dp": 1}, 4)
 
 
 def test_cli_flags_and_launcher_reject_bad_layout_in_one_line():
