@@ -22,23 +22,20 @@ import bisect
 import collections
 import gzip
 import json
-import math
 from pathlib import Path
 
 import numpy as np
 import pytest
+
+from tests._benchmarks import load_benchmark
 
 FX = Path(__file__).resolve().parents[1] / "fixtures"
 GPU1 = FX / "h100_scaling" / "gpu1_prof"
 DP4_16 = FX / "h100_4gpu_layouts" / "dp4_mbs16"
 
 
-def _numel(dims) -> int:
-    if not dims:
-        return 0
-    if isinstance(dims[0], list):
-        return sum(_numel(d) for d in dims)
-    return math.prod(dims)
+# the element count of recorded input dims (nested lists), as benchmarks/grad_clip_raw.py counts them from the raw JSON
+_numel = load_benchmark("grad_clip_raw")._numel
 
 
 def _kernels(trace: Path, step: int) -> list[dict]:
