@@ -505,10 +505,7 @@ def summary_core(trace: Any, window: Any, timeline: pd.DataFrame, timeline_all: 
             r.update({k: None for k in _FIELDS})
         r["all_steps"] = (_metric_fields(tla.loc[info.rank]) if tla is not None and info.rank in tla.index
                           else {k: None for k in _FIELDS})
-        st = step_timeline[step_timeline["rank"] == info.rank]
-        r["steps"] = [dict(step=int(s["step"]), **_metric_fields(s),
-                           startup_wait_us=_num(s.get("startup_wait_us", 0.0)),
-                           steady=used is None or int(s["step"]) in used) for s in st.to_dict("records")]
+        r["steps"] = _step_records(step_timeline[step_timeline["rank"] == info.rank], used)
         ranks.append(r)
     return {
         "schema_version": SUMMARY_SCHEMA,
@@ -579,6 +576,25 @@ def _num(v: Any) -> float | None:
     except (TypeError, ValueError):
         return None
     return None if math.isnan(f) else round(f, 3)
+
+
+def _step_records(st: pd.DataFrame, used: set[int] | None) -> list[dict[str, Any]]:
+    """One rank's per-step records of summary.json: step, `_FIELDS` as `_metric_fields` gives them, startup_wait_us,
+    steady. Column by column (`_num`'s rounding on each column's values, then one dict per step from the zipped
+    columns), not a record and a `_num` call per field and step: a trace of 80,000 steps spent 0.7 s here."""
+    if st.empty:
+        return []
+
+    def nums(k: str) -> list[float | None]:
+        return [None if v != v else round(v, 3) for v in st[k].to_numpy(dtype=float, na_value=np.nan).tolist()]
+
+    steps = [int(x) for x in st["step"].to_numpy().tolist()]
+    columns = [steps, *(nums(k) if k != "kernel_count" else [int(x) for x in st[k].to_numpy().tolist()]
+                        for k in _FIELDS)]
+    columns.append(nums("startup_wait_us") if "startup_wait_us" in st.columns else [0.0] * len(st))
+    columns.append([True] * len(st) if used is None else [x in used for x in steps])
+    keys = ("step", *_FIELDS, "startup_wait_us", "steady")
+    return [dict(zip(keys, row)) for row in zip(*columns)]
 
 
 def _metric_fields(row: Any) -> dict[str, Any]:

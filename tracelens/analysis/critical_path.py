@@ -219,8 +219,10 @@ class CriticalPath:
             return json.loads(df.to_json(orient="records", double_precision=3))
 
         return {"available": True,
-                "steps": [{"step": int(s.step), "span_us": round(s.span_ns / 1e3, 3), "end_rank": int(s.end_rank),
-                           "hops": int(s.hops), "ranks": list(s.ranks)} for s in self.steps.itertuples(index=False)],
+                "steps": [{"step": int(n), "span_us": round(span / 1e3, 3), "end_rank": int(r), "hops": int(h),
+                           "ranks": list(rk)}  # (zipped columns: a namedtuple per step cost ~0.2 s at 80,000 steps)
+                          for n, span, r, h, rk in zip(*(self.steps[c].tolist() for c in
+                                                         ("step", "span_ns", "end_rank", "hops", "ranks")))],
                 "span_us": round(self.span_ns / 1e3, 3),
                 "by_cause": recs(self.by_cause()),
                 "by_rank": recs(self.by_rank(), ("ns", "cause_ns")),
@@ -481,11 +483,11 @@ def _steps_by_rank(gpu: pd.DataFrame) -> dict[int, set[int]]:
     step = gpu["step"].to_numpy().astype(np.int64)
     if not len(rank):
         return {}
-    lo = int(step.min())
+    lo, r0 = int(step.min()), int(rank.min())
     span = int(step.max()) - lo + 1
     out: dict[int, set[int]] = {}
-    for key in np.unique((rank - int(rank.min())) * span + (step - lo)).tolist():
-        out.setdefault(key // span + int(rank.min()), set()).add(key % span + lo)
+    for key in np.unique((rank - r0) * span + (step - lo)).tolist():  # (r0 once: not a pass over the rows per key)
+        out.setdefault(key // span + r0, set()).add(key % span + lo)
     return out
 
 
@@ -625,11 +627,18 @@ def critical_path(gpu: pd.DataFrame, instances: pd.DataFrame, syncs: pd.DataFram
     on = np.unique(blk[dur > 0] * len(rank_ids) + np.searchsorted(rank_ids, r_col[dur > 0]))
     on_at = np.searchsorted(on // max(len(rank_ids), 1), np.arange(len(start) + 1))
     on_rank = rank_ids[on % max(len(rank_ids), 1)].tolist() if len(on) else []
-    step_rows = [{"step": n, "start_ns": t0_of[where[n]], "end_ns": t1_of[where[n]],
-                  "span_ns": t1_of[where[n]] - t0_of[where[n]], "end_rank": int(end_rank[j]),
-                  "segments": int(size[j]), "hops": int(hops[j]), "ranks": [int(x) for x in on_rank[on_at[j]:on_at[j + 1]]]}
-                 for j, n in enumerate(steps)]
-    return CriticalPath(seg, pd.DataFrame(step_rows, columns=STEP_COLUMNS), notes=notes, codes=codes)
+    if steps:  # column by column (tens of thousands of steps on a trace of short ones), the values a row each gave
+        k = [where[n] for n in steps]
+        t0 = np.asarray(t0_of, dtype=np.int64)[k]
+        t1 = np.asarray(t1_of, dtype=np.int64)[k]
+        step_frame = pd.DataFrame({
+            "step": np.asarray(steps, dtype=np.int64), "start_ns": t0, "end_ns": t1, "span_ns": t1 - t0,
+            "end_rank": np.asarray(end_rank, dtype=np.int64), "segments": size.astype(np.int64),
+            "hops": hops.astype(np.int64), "ranks": [on_rank[a:b] for a, b in zip(on_at[:-1].tolist(), on_at[1:].tolist())]},
+            columns=STEP_COLUMNS)
+    else:
+        step_frame = pd.DataFrame([], columns=STEP_COLUMNS)
+    return CriticalPath(seg, step_frame, notes=notes, codes=codes)
 
 
 def _walk_python(ts: np.ndarray, end: np.ndarray, pred: np.ndarray, launch: np.ndarray, rank: np.ndarray,
