@@ -578,6 +578,21 @@ def _num(v: Any) -> float | None:
     return None if math.isnan(f) else round(f, 3)
 
 
+def round3(a: np.ndarray) -> list[float | None]:
+    """`[_num(v) for v in a]` for a float array: round(v, 3) per value, None for NaN. A value that is already the
+    double nearest to a number of thousandths (v == rint(1000 v) / 1000: most of the step timeline's, times in ns /
+    1e3) is its own round(v, 3), since the nearest 3-decimal number to it is that one; only the others go through
+    `round`."""
+    a = np.asarray(a, dtype=np.float64)
+    with np.errstate(over="ignore", invalid="ignore"):
+        own = (np.rint(a * 1000.0) / 1000.0 == a) & (np.abs(a) < 2.0**43)
+    out = a.tolist()
+    for i in np.flatnonzero(~own).tolist():
+        v = out[i]
+        out[i] = None if v != v else round(v, 3)
+    return out
+
+
 def _step_records(st: pd.DataFrame, used: set[int] | None) -> list[dict[str, Any]]:
     """One rank's per-step records of summary.json: step, `_FIELDS` as `_metric_fields` gives them, startup_wait_us,
     steady. Column by column (`_num`'s rounding on each column's values, then one dict per step from the zipped
@@ -586,7 +601,7 @@ def _step_records(st: pd.DataFrame, used: set[int] | None) -> list[dict[str, Any
         return []
 
     def nums(k: str) -> list[float | None]:
-        return [None if v != v else round(v, 3) for v in st[k].to_numpy(dtype=float, na_value=np.nan).tolist()]
+        return round3(st[k].to_numpy(dtype=float, na_value=np.nan))
 
     steps = [int(x) for x in st["step"].to_numpy().tolist()]
     columns = [steps, *(nums(k) if k != "kernel_count" else [int(x) for x in st[k].to_numpy().tolist()]
