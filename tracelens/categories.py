@@ -167,9 +167,18 @@ def strings(col: pd.Series, missing: str = "") -> np.ndarray:
     Looks each row's code up in the categories turned to str once: ~30x faster than
     `col.astype(str).to_numpy()`, which builds a string per row."""
     if isinstance(col.dtype, pd.CategoricalDtype):
-        lut = np.array([str(c) for c in col.cat.categories] + [missing], dtype=object)
+        lut = np.array(category_strings(col.cat.categories) + [missing], dtype=object)
         return lut.take(col.cat.codes.to_numpy())  # code -1 (missing) picks the last entry
     return np.array([missing if v is None or v != v else str(v) for v in col], dtype=object)
+
+
+def category_strings(cats: pd.Index) -> list[str]:
+    """``[str(c) for c in cats]`` for a categorical's categories, without a Python step per category where they are
+    strings already (pandas' string dtype: a trace of 80,000 profiler steps has as many distinct event names, and
+    iterating an Arrow-backed index boxes each one: 48 ms against 6 ms)."""
+    if isinstance(cats.dtype, pd.StringDtype):
+        return cats.to_numpy(dtype=object).tolist()
+    return [str(c) for c in cats]
 
 
 def isin(col: pd.Series, values: frozenset) -> np.ndarray:

@@ -77,3 +77,14 @@ def test_folded_rules_match_the_case_insensitive_patterns():
     for pat in (r"\S+gemm", r"\x41", r"\Dx", r"(?x) a b"):
         assert C._folded(re.compile(pat, re.IGNORECASE)) is None, pat
     assert C._folded(re.compile("gemm")) is None  # not case-insensitive: nothing to fold
+
+
+def test_category_strings_is_str_of_each_category():
+    import pandas as pd
+
+    from tracelens.categories import category_strings
+
+    for cats in (pd.Index(["b", "a", "ProfilerStep#1"], dtype="str"), pd.Index([3, 1, 2]), pd.Index([1.5, 2.0]),
+                 pd.Index(["x", "y"], dtype=object), pd.Index([], dtype="str")):
+        got = category_strings(cats)
+        assert got == [str(c) for c in cats] and all(type(x) is str for x in got), cats

@@ -454,7 +454,7 @@ _WIDTH = 7
 def _codes(col: pd.Series) -> tuple[np.ndarray, list[str]]:
     """A (categorical) string column as (int64 codes, their strings); a missing value is "" (the last string)."""
     if isinstance(col.dtype, pd.CategoricalDtype):
-        cats = [str(c) for c in col.cat.categories]
+        cats = C.category_strings(col.cat.categories)
         codes = col.cat.codes.to_numpy().astype(np.int64)
     else:
         codes, uniq = pd.factorize(C.strings(col))

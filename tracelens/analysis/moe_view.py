@@ -103,7 +103,7 @@ def _strings_at(col: pd.Series, pos: np.ndarray) -> np.ndarray:
     """A (categorical) string column's values at positions `pos` as str ("" where missing), with a string made only
     for those positions' distinct values."""
     if isinstance(col.dtype, pd.CategoricalDtype):
-        lut = np.array([str(c) for c in col.cat.categories] + [""], dtype=object)
+        lut = np.array(C.category_strings(col.cat.categories) + [""], dtype=object)
         return lut[col.cat.codes.to_numpy()[pos]]
     return C.strings(col.iloc[pos])
 

@@ -225,7 +225,7 @@ def _codes_at(col: pd.Series, pos: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     (code -1, a missing value, -> "", the last entry)."""
     if not isinstance(col.dtype, pd.CategoricalDtype):
         col = col.astype("category")
-    lut = np.array([str(c) for c in col.cat.categories] + [""], dtype=object)
+    lut = np.array(C.category_strings(col.cat.categories) + [""], dtype=object)
     return col.cat.codes.to_numpy()[pos].astype(np.int64), lut
 
 

@@ -303,7 +303,7 @@ def _groups(frame: pd.DataFrame, keys: list[str]) -> tuple[np.ndarray, np.ndarra
         col = frame[k]
         if isinstance(col.dtype, pd.CategoricalDtype):
             codes.append(col.cat.codes.to_numpy())
-            labels.append(np.array([str(v) for v in col.cat.categories], dtype=object))
+            labels.append(np.array(C.category_strings(col.cat.categories), dtype=object))
         else:
             c, uniques = pd.factorize(col.to_numpy())
             codes.append(c)
@@ -386,7 +386,7 @@ def _by_path_and_name(tree: pd.DataFrame, rows: np.ndarray) -> pd.DataFrame:
     hash of each took ~30 ms on a model's 100K nn.Module ranges). Codes of equal strings (a missing value and an
     empty category are both "") are made one first."""
     def ids(col: pd.Series) -> tuple[np.ndarray, np.ndarray]:  # (string id of each row, the strings by id)
-        lut = np.array([str(c) for c in col.cat.categories] + [""], dtype=object)  # code -1 -> ""
+        lut = np.array(C.category_strings(col.cat.categories) + [""], dtype=object)  # code -1 -> ""
         same, uniques = pd.factorize(lut)
         return same[col.cat.codes.to_numpy()[rows]], np.asarray(uniques, dtype=object)
 
