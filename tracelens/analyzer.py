@@ -25,6 +25,7 @@ import pandas as pd
 from . import __version__, offload
 from .analysis import calltree, steps as steps_mod, summaries, timeline
 from .analysis import waits as waits_mod
+from .numbers import round3
 from .derived import Derived, Registry
 from .trace import Trace, give_back_memory
 
@@ -576,21 +577,6 @@ def _num(v: Any) -> float | None:
     except (TypeError, ValueError):
         return None
     return None if math.isnan(f) else round(f, 3)
-
-
-def round3(a: np.ndarray) -> list[float | None]:
-    """`[_num(v) for v in a]` for a float array: round(v, 3) per value, None for NaN. A value that is already the
-    double nearest to a number of thousandths (v == rint(1000 v) / 1000: most of the step timeline's, times in ns /
-    1e3) is its own round(v, 3), since the nearest 3-decimal number to it is that one; only the others go through
-    `round`."""
-    a = np.asarray(a, dtype=np.float64)
-    with np.errstate(over="ignore", invalid="ignore"):
-        own = (np.rint(a * 1000.0) / 1000.0 == a) & (np.abs(a) < 2.0**43)
-    out = a.tolist()
-    for i in np.flatnonzero(~own).tolist():
-        v = out[i]
-        out[i] = None if v != v else round(v, 3)
-    return out
 
 
 def _step_records(st: pd.DataFrame, used: set[int] | None) -> list[dict[str, Any]]:

@@ -1,4 +1,4 @@
-"""`analyzer.round3`, summary.json's rounding over a column at once, gives exactly what `_num` (round(v, 3), None for
+"""`tracelens.numbers.round3`, summary.json's rounding over a column at once, gives exactly what `_num` (round(v, 3), None for
 NaN) gives per value: the same floats, the same types, on values of every kind the step timeline holds and on the
 edges of its shortcut (values already the nearest double to a number of thousandths)."""
 
@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from tracelens.analyzer import _num, round3
+from tracelens.analyzer import _num
+from tracelens.numbers import round3
 
 
 def test_round3_is_num_per_value():

@@ -219,16 +219,26 @@ class CriticalPath:
             return json.loads(df.to_json(orient="records", double_precision=3))
 
         return {"available": True,
-                "steps": [{"step": int(n), "span_us": round(span / 1e3, 3), "end_rank": int(r), "hops": int(h),
-                           "ranks": list(rk)}  # (zipped columns: a namedtuple per step cost ~0.2 s at 80,000 steps)
-                          for n, span, r, h, rk in zip(*(self.steps[c].tolist() for c in
-                                                         ("step", "span_ns", "end_rank", "hops", "ranks")))],
+                "steps": self._step_records(),
                 "span_us": round(self.span_ns / 1e3, 3),
                 "by_cause": recs(self.by_cause()),
                 "by_rank": recs(self.by_rank(), ("ns", "cause_ns")),
                 "hops": json.loads(self.hops().to_json(orient="records")),
                 "top_ops": recs(self.top_ops()),
                 "notes": list(self.notes)}
+
+    def _step_records(self) -> list[dict[str, Any]]:
+        """The summary's per-step records (step, span_us as round(span_ns / 1e3, 3), end_rank, hops, ranks), from
+        the zipped columns: a namedtuple and a `round` per step took ~0.4 s at 80,000 steps."""
+        st = self.steps
+        if st.empty:
+            return []
+        from ..numbers import round3
+
+        span_us = round3(st["span_ns"].to_numpy(dtype=np.int64) / 1e3)
+        cols = (st["step"].tolist(), span_us, st["end_rank"].tolist(), st["hops"].tolist(), st["ranks"].tolist())
+        return [{"step": int(n), "span_us": sp, "end_rank": int(r), "hops": int(h), "ranks": list(rk)}
+                for n, sp, r, h, rk in zip(*cols)]
 
     def to_dict(self) -> dict[str, Any]:
         """The `tracelens critpath --json` document: the summary plus every segment (times in µs from the step's
