@@ -16,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[3]))  # this checkout's 
 def mark(what: str) -> None:
     r = resource.getrusage(resource.RUSAGE_SELF)
     sys.stderr.write(f"PHASE {time.perf_counter() - T0:.3f} {what} [{threading.current_thread().name}] "
-                     f"cpu {r.ru_utime + r.ru_stime:.2f} minflt {r.ru_minflt}\n")
+                     f"cpu {r.ru_utime + r.ru_stime:.2f} minflt {r.ru_minflt} maxrss_mb {r.ru_maxrss // 1024}\n")
 
 
 def wrap(obj, name: str, label: str, before: bool = False) -> None:
