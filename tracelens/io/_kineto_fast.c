@@ -136,19 +136,20 @@ static int dict_grow(Dict *d) {
     return 0;
 }
 
-/* The code of buf[off:off+len], added when new; -1 on allocation failure or too many values. */
-static int64_t dict_code(Dict *d, const unsigned char *buf, int64_t off, int64_t len, int escaped) {
+/* The code of the len bytes at src, added when new (remembering `off`, where they stand in the document); -1 on
+   allocation failure or too many values. */
+static int64_t dict_code_at(Dict *d, const unsigned char *src, int64_t off, int64_t len, int escaped) {
     if (!d->slots || (d->n + 1) * 2 > d->mask + 1) {
         if (dict_grow(d) < 0) return -1;
     }
-    uint64_t h = hash_bytes(buf + off, (size_t)len);
+    uint64_t h = hash_bytes(src, (size_t)len);
     size_t i = h & d->mask;
     for (;;) {
         uint32_t s = d->slots[i];
         if (!s) break;
         DictEntry *e = &d->entries[s - 1];
         if (e->hash == h && e->len == len && e->escaped == escaped &&
-            memcmp(d->bytes + e->copy, buf + off, (size_t)len) == 0)
+            memcmp(d->bytes + e->copy, src, (size_t)len) == 0)
             return s - 1;
         i = (i + 1) & d->mask;
     }
@@ -168,11 +169,16 @@ static int64_t dict_code(Dict *d, const unsigned char *buf, int64_t off, int64_t
         d->bytes = b;
         d->bytes_cap = cap;
     }
-    memcpy(d->bytes + d->bytes_n, buf + off, (size_t)len);
+    memcpy(d->bytes + d->bytes_n, src, (size_t)len);
     d->entries[d->n] = (DictEntry){off, len, h, (int64_t)d->bytes_n, escaped};
     d->bytes_n += (size_t)len;
     d->slots[i] = (uint32_t)(d->n + 1);
     return (int64_t)d->n++;
+}
+
+/* The code of buf[off:off+len] (`dict_code_at`). */
+static int64_t dict_code(Dict *d, const unsigned char *buf, int64_t off, int64_t len, int escaped) {
+    return dict_code_at(d, buf + off, off, len, escaped);
 }
 
 /* ----------------------------------------------------------------------------------------------
@@ -1242,7 +1248,9 @@ static PyObject *dict_result(const Parser *p, const Dict *d, void **codes, size_
     if (!values || !esc || !c) goto fail;
     for (size_t k = 0; k < d->n; k++) {
         const DictEntry *e = &d->entries[k];
-        PyObject *v = PyBytes_FromStringAndSize((const char *)p->buf + e->off, (Py_ssize_t)e->len);
+        /* from the dictionary's own copy, not the document: a memory-mapped trace's values lie all over the file
+           (800,000 distinct step names in a 2 GB one: reading them there faulted the whole file back in) */
+        PyObject *v = PyBytes_FromStringAndSize((const char *)d->bytes + e->copy, (Py_ssize_t)e->len);
         if (!v) goto fail;
         PyList_SET_ITEM(values, (Py_ssize_t)k, v);
         PyBytes_AS_STRING(esc)[k] = (char)e->escaped;
@@ -1358,7 +1366,7 @@ static int32_t *dict_remap(Parser *p, Dict *dst, const Dict *src) {
     if (!m) return NULL;
     for (size_t k = 0; k < src->n; k++) {
         const DictEntry *e = &src->entries[k];
-        int64_t c = dict_code(dst, p->buf, e->off, e->len, e->escaped);
+        int64_t c = dict_code_at(dst, src->bytes + e->copy, e->off, e->len, e->escaped); /* (not the document) */
         if (c < 0) {
             free(m);
             return NULL;
