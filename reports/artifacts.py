@@ -27,6 +27,7 @@ import pandas as pd
 from tracelens.analyzer import Analysis
 from tracelens.errors import TraceError
 from tracelens.offload import Shared
+from tracelens.records import Records
 
 from .html import BASE_TABLE_HTML, base_table_html, chain_parts, page_parts, render
 
@@ -39,13 +40,26 @@ def summary_json(doc: Any) -> str:
     one dict a line (a list of records: per-step figures), or on one line (a list of numbers or strings). The same
     values (Python's own encoder for each item), in a file that still reads a record a line, written by the C
     encoder: with indent, Python's json encodes in Python, ~1.8 s for the 80,000 steps of a 200 MB trace of short
-    steps (~18 s at 2 GB), against ~0.6 s this way. Shorter lists are as ``indent=2`` writes them."""
+    steps (~18 s at 2 GB), against ~0.6 s this way. Shorter lists are as ``indent=2`` writes them. A
+    `tracelens.records.Records` (the per-step lists as columns) is written as its list of dicts would be, from
+    its columns (`Records.json_lines`: no dict per record)."""
+    return "".join(summary_json_parts(doc))
+
+
+def summary_json_parts(doc: Any) -> list[str]:
+    """`summary_json`'s text in parts (a long list's records a chunk at a time): written one after the other, the
+    file holds the text without the whole of it in memory twice."""
     long: list[Any] = []
     nonce = os.urandom(8).hex()  # (in every placeholder: no string of the summary can be one)
 
     def mark(o: Any) -> Any:
         if isinstance(o, dict):
             return {k: mark(v) for k, v in o.items()}
+        if isinstance(o, Records):
+            if len(o) > LONG_LIST:
+                long.append(o)
+                return _Long(len(long) - 1, nonce)
+            return mark(o.to_list())
         if isinstance(o, (list, tuple)):
             if len(o) > LONG_LIST:
                 long.append(o)
@@ -55,7 +69,7 @@ def summary_json(doc: Any) -> str:
 
     text = json.dumps(mark(doc), indent=2, default=_Long.encode)
     if not long:
-        return text
+        return [text]
     enc = json.JSONEncoder()
     parts, at = [], 0
     for k, items in enumerate(long):
@@ -63,14 +77,19 @@ def summary_json(doc: Any) -> str:
         i = text.index(token, at)
         line = text[text.rfind("\n", 0, i) + 1:i]
         pad = " " * (len(line) - len(line.lstrip(" ")))
-        if all(isinstance(x, dict) for x in items):
-            body = "[\n" + ",\n".join(pad + "  " + enc.encode(x) for x in items) + "\n" + pad + "]"
+        parts.append(text[at:i])
+        if isinstance(items, Records):
+            parts.append("[\n")
+            for j, chunk in enumerate(items.json_lines(pad + "  ")):
+                parts.append(",\n" + chunk if j else chunk)
+            parts.append("\n" + pad + "]")
+        elif all(isinstance(x, dict) for x in items):
+            parts.append("[\n" + ",\n".join(pad + "  " + enc.encode(x) for x in items) + "\n" + pad + "]")
         else:
-            body = enc.encode(list(items))
-        parts += [text[at:i], body]
+            parts.append(enc.encode(list(items)))
         at = i + len(token)
     parts.append(text[at:])
-    return "".join(parts)
+    return parts
 
 
 class _Long:
@@ -206,7 +225,7 @@ def write_all(analysis: Analysis, out: str | os.PathLike, *, report: bool = True
         shared = Shared(len(jobs))
         summary, (parts, files, done), (chain, done_here) = analysis.summary_with(
             partial(_outputs, report=report, tables=tables, jobs=jobs, shared=shared),
-            partial(_here, report=report, jobs=jobs, shared=shared))
+            partial(_here, report=report, jobs=jobs, shared=shared), columnar=True)
         done.update(done_here)
         for job in jobs:  # taken by a child whose result never came (the parent then built the rest itself)
             if job not in done:
@@ -216,8 +235,9 @@ def write_all(analysis: Analysis, out: str | os.PathLike, *, report: bool = True
         if tables:  # in the order of Analysis.tables
             files = {**{f: b for name in analysis.base_tables() for f, b in done[("table", name)].items()}, **files}
     else:  # the many-rank path's result (tracelens.scale): its own summary, no report
-        summary, parts, files, chain = analysis.summary(), None, None, None
-    summary_text = summary_json(summary)
+        summary, parts, files, chain = analysis.summary(columnar=True), None, None, None
+    summary_text = summary_json_parts(summary)
+    del summary
     html = render(analysis, title, parts, chain) if report else None
     try:
         out.mkdir(parents=True, exist_ok=True)
@@ -225,7 +245,8 @@ def write_all(analysis: Analysis, out: str | os.PathLike, *, report: bool = True
     except OSError as e:
         raise _write_error(out, e) from None
     try:
-        (stage / "summary.json").write_text(summary_text, encoding="utf-8")
+        with open(stage / "summary.json", "w", encoding="utf-8") as f:
+            f.writelines(summary_text)
         if tables:
             (stage / "tables").mkdir()
             for name, data in (files if files is not None else table_files(analysis)).items():

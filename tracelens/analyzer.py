@@ -25,7 +25,8 @@ import pandas as pd
 from . import __version__, offload
 from .analysis import calltree, steps as steps_mod, summaries, timeline
 from .analysis import waits as waits_mod
-from .numbers import round3
+from .numbers import round3_array
+from .records import Records, plain
 from .derived import Derived, Registry
 from .trace import Trace, give_back_memory
 
@@ -365,8 +366,11 @@ class Analysis:
         return self.summary_with(None)[0]
 
     def summary_with(self, beside: Callable[[Analysis], T] | None,
-                     here: Callable[[Analysis], Any] | None = None) -> tuple[dict[str, Any], T | None, Any]:
-        """The summary, ``beside(self)`` and ``here(self)``. ``beside``: work that reads only the base tables and the
+                     here: Callable[[Analysis], Any] | None = None,
+                     columnar: bool = False) -> tuple[dict[str, Any], T | None, Any]:
+        """The summary, ``beside(self)`` and ``here(self)``. ``columnar``: the per-step lists as `Records` (columns;
+        summary.json's writer, `reports.artifacts.summary_json`, encodes them without a dict per step), else
+        plain lists of dicts, as `summary` gives them. ``beside``: work that reads only the base tables and the
         entries declared `offload` (the report's tables and figures, the tables' files: `reports.artifacts.write_all`).
         Both run in one forked child on a second CPU while this process computes the summary's other entries (the
         collective instances, the critical path, the findings, the MoE view: the longest chain), with the values
@@ -394,7 +398,7 @@ class Analysis:
         add_comm_kernel_waits(core["ranks"], self.comm_waits() if cross else None, self.window)
         findings = self.findings()
         health = _health_summary(self)
-        critical_path = self.critical_path().summary()
+        critical_path = self.critical_path().summary(columnar=True)
         moe = self.moe().summary()
         mine = here(self) if here is not None else None
         extra = None
@@ -403,7 +407,7 @@ class Analysis:
             for name, value in values.items():
                 if name not in self.derived:
                     self.derived.put(name, value)
-        return {
+        doc = {
             **core,
             "findings": findings,
             "roofline": self.roofline().summary() if self.has_gpu else None,
@@ -413,7 +417,8 @@ class Analysis:
             "critical_path": critical_path,
             "moe": moe,
             "verdict": _verdict_summary(self),
-        }, extra, mine
+        }
+        return (doc if columnar else plain(doc)), extra, mine
 
 
 def _away(a: Analysis, names: list[str], beside: Callable[[Analysis], Any] | None) -> tuple[dict[str, Any], Any]:
@@ -579,23 +584,28 @@ def _num(v: Any) -> float | None:
     return None if math.isnan(f) else round(f, 3)
 
 
-def _step_records(st: pd.DataFrame, used: set[int] | None) -> list[dict[str, Any]]:
+def _step_records(st: pd.DataFrame, used: set[int] | None) -> Records:
     """One rank's per-step records of summary.json: step, `_FIELDS` as `_metric_fields` gives them, startup_wait_us,
-    steady. Column by column (`_num`'s rounding on each column's values, then one dict per step from the zipped
-    columns), not a record and a `_num` call per field and step: a trace of 80,000 steps spent 0.7 s here."""
-    if st.empty:
-        return []
+    steady. Held as columns (`tracelens.records`; `_num`'s rounding on each column's values at once): a trace of
+    80,000 steps spent 0.7 s here as a record and a `_num` call per field and step, 800,000 steps ~1.3 s and
+    ~0.7 GB as a dict per step."""
+    n = len(st)
 
-    def nums(k: str) -> list[float | None]:
-        return round3(st[k].to_numpy(dtype=float, na_value=np.nan))
+    def ints(k: str) -> np.ndarray | list:
+        v = st[k].to_numpy()
+        if v.dtype.kind in "iu":
+            return v.astype(np.int64, copy=False)
+        return [int(x) for x in v.tolist()]  # (as int() takes each value: 3.0 -> 3, and what it rejects)
 
-    steps = [int(x) for x in st["step"].to_numpy().tolist()]
-    columns = [steps, *(nums(k) if k != "kernel_count" else [int(x) for x in st[k].to_numpy().tolist()]
-                        for k in _FIELDS)]
-    columns.append(nums("startup_wait_us") if "startup_wait_us" in st.columns else [0.0] * len(st))
-    columns.append([True] * len(st) if used is None else [x in used for x in steps])
-    keys = ("step", *_FIELDS, "startup_wait_us", "steady")
-    return [dict(zip(keys, row)) for row in zip(*columns)]
+    steps = ints("step") if n else np.empty(0, dtype=np.int64)
+    cols: dict[str, Any] = {"step": steps}
+    for k in _FIELDS:
+        cols[k] = ints(k) if k == "kernel_count" else round3_array(st[k].to_numpy(dtype=float, na_value=np.nan))
+    cols["startup_wait_us"] = (round3_array(st["startup_wait_us"].to_numpy(dtype=float, na_value=np.nan))
+                               if "startup_wait_us" in st.columns else np.zeros(n))
+    cols["steady"] = (np.ones(n, dtype=bool) if used is None
+                      else np.isin(np.asarray(steps, dtype=np.int64), np.fromiter(used, dtype=np.int64, count=len(used))))
+    return Records(cols)
 
 
 def _metric_fields(row: Any) -> dict[str, Any]:

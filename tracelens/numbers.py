@@ -8,16 +8,27 @@ from __future__ import annotations
 import numpy as np
 
 
-def round3(a: np.ndarray) -> list[float | None]:
-    """`[_num(v) for v in a]` (tracelens.analyzer) for a float array: round(v, 3) per value, None for NaN. A value that is already the
+def round3_array(a: np.ndarray) -> np.ndarray:
+    """`round3` as a float array: round(v, 3) per value, NaN kept (summary.json's null). A value that is already the
     double nearest to a number of thousandths (v == rint(1000 v) / 1000: most of the step timeline's, times in ns /
     1e3) is its own round(v, 3), since the nearest 3-decimal number to it is that one; only the others go through
-    `round`."""
+    `round`. (`tracelens.records.Records` holds such columns.)"""
     a = np.asarray(a, dtype=np.float64)
     with np.errstate(over="ignore", invalid="ignore"):
         own = (np.rint(a * 1000.0) / 1000.0 == a) & (np.abs(a) < 2.0**43)
-    out = a.tolist()
-    for i in np.flatnonzero(~own).tolist():
-        v = out[i]
-        out[i] = None if v != v else round(v, 3)
+    others = np.flatnonzero(~own)
+    if not len(others):
+        return a
+    out = a.copy()
+    out[others] = [v if v != v else round(v, 3) for v in a[others].tolist()]
+    return out
+
+
+def round3(a: np.ndarray) -> list[float | None]:
+    """`[_num(v) for v in a]` (tracelens.analyzer) for a float array: round(v, 3) per value, None for NaN
+    (`round3_array`'s values as a list)."""
+    r = round3_array(a)
+    out = r.tolist()
+    for i in np.flatnonzero(np.isnan(r)).tolist():
+        out[i] = None
     return out

@@ -216,12 +216,14 @@ class RanksAnalysis:
             out.update(self.pipeline.tables())
         return out
 
-    def summary(self) -> dict[str, Any]:
+    def summary(self, columnar: bool = False) -> dict[str, Any]:
         """summary.json of the many-rank path: the keys it shares with `Analysis.summary()` hold equal
-        values; `comm` and `pipeline` hold the cross-rank analyses; `distributed` says what is left out."""
+        values; `comm` and `pipeline` hold the cross-rank analyses; `distributed` says what is left out.
+        ``columnar``: the per-step lists as `tracelens.records.Records` (summary.json's writer), else lists."""
         import json
 
         from .analyzer import add_comm_kernel_waits, summary_core
+        from .records import plain
 
         def recs(df):
             return json.loads(df.to_json(orient="records"))
@@ -229,7 +231,7 @@ class RanksAnalysis:
         core = summary_core(self.trace, self.window, self.timeline, self.timeline_all, self.step_timeline,
                             self.categories)
         add_comm_kernel_waits(core["ranks"], self.comm_waits, self.window)
-        return {
+        doc = {
             **core,
             "warnings": list(self.warnings),
             "comm": {"summary": recs(self.comm_summary), "stragglers": recs(self.stragglers),
@@ -240,6 +242,7 @@ class RanksAnalysis:
                             "note": "per-rank work ran as independent tasks; the sections left out need every "
                                     "rank's full tables in one process (tracelens analyze without --workers)"},
         }
+        return doc if columnar else plain(doc)
 
 
 def _wants_activity(files: list[str]) -> bool:

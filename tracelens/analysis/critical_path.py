@@ -43,6 +43,8 @@ import pandas as pd
 
 from .. import categories as C
 from ..errors import TraceError
+from ..numbers import round3_array
+from ..records import Records
 from .host import SYNC_TOLERANCE_NS
 
 try:  # the walk compiled (setup.py builds it where a C compiler exists); else `_walk_python`, the same walk
@@ -52,6 +54,12 @@ except ImportError:
 
 KINDS = ("compute", "launch-bound", "host sync", "idle", "transfer", "comm", "wait")
 SEGMENT_COLUMNS = ["step", "rank", "start_ns", "end_ns", "dur_ns", "kind", "what", "op", "stage", "to_rank", "gpu_row"]
+def _int_column(s: pd.Series) -> np.ndarray | list:
+    """A column's values as int() gives them: the integer array itself, else int() of each value."""
+    v = s.to_numpy()
+    return v.astype(np.int64, copy=False) if v.dtype.kind in "iu" else [int(x) for x in v.tolist()]
+
+
 STEP_COLUMNS = ["step", "start_ns", "end_ns", "span_ns", "end_rank", "segments", "hops", "ranks"]
 KIND_TEXT = {"compute": "compute", "launch-bound": "GPU idle waiting for kernel launches",
              "host sync": "GPU idle after a blocking host sync", "idle": "GPU idle (stream or event dependency)",
@@ -204,8 +212,9 @@ class CriticalPath:
                                 for op, st, v in zip(top["op"], top["stage"], top["ns"].tolist())],
                 "waited_for": {int(k): int(v) for k, v in waited.items()}}
 
-    def summary(self) -> dict[str, Any]:
-        """summary.json's ``critical_path`` (docs/summary-json.md)."""
+    def summary(self, columnar: bool = False) -> dict[str, Any]:
+        """summary.json's ``critical_path`` (docs/summary-json.md); ``columnar``: its per-step list as
+        `tracelens.records.Records` (what summary.json's writer takes), else a list of dicts."""
         if not self.available:
             return {"available": False, "reason": self.problem or "no GPU activity in the analyzed steps"}
 
@@ -219,7 +228,7 @@ class CriticalPath:
             return json.loads(df.to_json(orient="records", double_precision=3))
 
         return {"available": True,
-                "steps": self._step_records(),
+                "steps": self._step_records() if columnar else self._step_records().to_list(),
                 "span_us": round(self.span_ns / 1e3, 3),
                 "by_cause": recs(self.by_cause()),
                 "by_rank": recs(self.by_rank(), ("ns", "cause_ns")),
@@ -227,18 +236,15 @@ class CriticalPath:
                 "top_ops": recs(self.top_ops()),
                 "notes": list(self.notes)}
 
-    def _step_records(self) -> list[dict[str, Any]]:
-        """The summary's per-step records (step, span_us as round(span_ns / 1e3, 3), end_rank, hops, ranks), from
-        the zipped columns: a namedtuple and a `round` per step took ~0.4 s at 80,000 steps."""
+    def _step_records(self) -> Records:
+        """The summary's per-step records (step, span_us as round(span_ns / 1e3, 3), end_rank, hops, ranks), held as
+        columns (`tracelens.records`): a namedtuple and a `round` per step took ~0.4 s at 80,000 steps, a dict per
+        step ~1.1 s and ~0.6 GB at 800,000."""
         st = self.steps
-        if st.empty:
-            return []
-        from ..numbers import round3
-
-        span_us = round3(st["span_ns"].to_numpy(dtype=np.int64) / 1e3)
-        cols = (st["step"].tolist(), span_us, st["end_rank"].tolist(), st["hops"].tolist(), st["ranks"].tolist())
-        return [{"step": int(n), "span_us": sp, "end_rank": int(r), "hops": int(h), "ranks": list(rk)}
-                for n, sp, r, h, rk in zip(*cols)]
+        return Records({"step": _int_column(st["step"]),
+                        "span_us": round3_array(st["span_ns"].to_numpy(dtype=np.int64) / 1e3),
+                        "end_rank": _int_column(st["end_rank"]), "hops": _int_column(st["hops"]),
+                        "ranks": [list(rk) for rk in st["ranks"].tolist()]})
 
     def to_dict(self) -> dict[str, Any]:
         """The `tracelens critpath --json` document: the summary plus every segment (times in µs from the step's

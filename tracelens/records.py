@@ -1,0 +1,173 @@
+"""Lists of records held as columns: summary.json's per-step lists without a Python dict per step.
+
+summary.json lists one record per profiler step and rank (`ranks[].steps`) and per step of the critical path
+(`critical_path.steps`). A trace of very many short steps (a Triton benchmark loop: 800,000 steps in a 2 GB trace)
+made those lists 1.6 million dicts of ~14 values: ~1.5 GB of Python objects and ~2.4 s to build, then ~6.8 s to
+encode record by record. `Records` keeps the columns (numpy arrays, or a list for values such as the critical
+path's rank lists) and gives out dicts only when asked (`to_list`, iteration); `json_lines` writes each record's
+JSON text as ``json.JSONEncoder().encode(record)`` would, from the columns: the text of each distinct value once,
+then one `str.format` per record, a chunk of records at a time (bounded memory).
+
+The documented interface stays plain data: `Analysis.summary()` and the other summaries return lists of dicts
+(`plain`); only the program's own writer (`reports.artifacts.write_all`) asks for the columnar form.
+
+A column's kind follows its dtype:
+- float: values as summary.json holds them (already rounded, `tracelens.numbers.round3_array`); NaN is null
+  (None in a dict), as `round3` gives it; infinities as the json module writes them (Infinity, -Infinity);
+- integer: Python ints; bool: true/false;
+- a list (object values): each value as the json module encodes it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import numpy as np
+
+CHUNK = 65536  # records per chunk of text (json_lines) or of dicts (iteration)
+
+_ENCODER = json.JSONEncoder()  # the json module's defaults: what json.dumps writes for a record
+
+
+class Records(Sequence):
+    """A list of records with the same keys in the same order, held as columns (key -> numpy array or list, all
+    of one length). Equal to a list of dicts with the same items (`to_list`)."""
+
+    __slots__ = ("_n", "columns")
+
+    def __init__(self, columns: dict[str, Any]):
+        cols: dict[str, Any] = {}
+        n = None
+        for k, v in columns.items():
+            if not isinstance(k, str):
+                raise TypeError(f"Records: a key must be a string, not {type(k).__name__}")
+            v = v if isinstance(v, list) else np.asarray(v)
+            if isinstance(v, np.ndarray) and (v.ndim != 1 or v.dtype.kind not in "fiub"):
+                v = v.tolist()  # anything else is given out as the Python values it holds
+            if n is not None and len(v) != n:
+                raise ValueError(f"Records: column {k!r} has {len(v)} values, the others {n}")
+            n = len(v)
+            cols[k] = v
+        self.columns = cols
+        self._n = n or 0
+
+    def __len__(self) -> int:
+        return self._n
+
+    def _chunk(self, lo: int, hi: int) -> list[list[Any]]:
+        """The columns' Python values of records lo..hi-1 (as a dict gives them)."""
+        out = []
+        for v in self.columns.values():
+            if isinstance(v, list):
+                out.append(v[lo:hi])
+                continue
+            part = v[lo:hi]
+            vals = part.tolist()
+            if part.dtype.kind == "f":
+                for i in np.flatnonzero(np.isnan(part)).tolist():
+                    vals[i] = None
+            out.append(vals)
+        return out
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        keys = tuple(self.columns)
+        for lo in range(0, self._n, CHUNK):
+            for row in zip(*self._chunk(lo, min(self._n, lo + CHUNK))):
+                yield dict(zip(keys, row))
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(self._n))]
+        i = int(i)
+        if i < 0:
+            i += self._n
+        if not 0 <= i < self._n:
+            raise IndexError("Records index out of range")
+        return dict(zip(self.columns, (c[0] for c in self._chunk(i, i + 1))))
+
+    def to_list(self) -> list[dict[str, Any]]:
+        return list(self)
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, Records):
+            other = other.to_list()
+        if isinstance(other, (list, tuple)):
+            return len(other) == self._n and self.to_list() == list(other)
+        return NotImplemented
+
+    __hash__ = None  # (a mutable container's, as list's)
+
+    def __repr__(self) -> str:
+        return f"Records({self._n} records: {', '.join(self.columns)})"
+
+    def json_lines(self, indent: str = "") -> Iterator[str]:
+        """The records' JSON text as a JSON array's items a line each: ``indent + json.JSONEncoder().encode(record)``
+        per record, the lines joined by ",\\n", in chunks (join the chunks with ",\\n" too)."""
+        fmt = indent + "{{" + ", ".join(_ENCODER.encode(k).replace("{", "{{").replace("}", "}}") + ": {}"
+                                        for k in self.columns) + "}}"
+        if not self.columns:
+            fmt = indent + "{{}}"
+        for lo in range(0, self._n, CHUNK):
+            hi = min(self._n, lo + CHUNK)
+            texts = [_column_text(v[lo:hi]) for v in self.columns.values()]
+            yield ",\n".join(map(fmt.format, *texts)) if texts else ",\n".join([fmt.format()] * (hi - lo))
+
+
+def _column_text(v: Any) -> list[str]:
+    """The JSON text of each value of a column (part), as the json module writes it: each distinct value's text
+    made once."""
+    if isinstance(v, list):
+        return _object_text(v)
+    kind = v.dtype.kind
+    if kind == "b":
+        return np.where(v, "true", "false").tolist()
+    import pandas as pd  # (imported by every caller already: summary.json is written after the analysis)
+
+    codes, uniques = pd.factorize(v, use_na_sentinel=False)
+    if kind != "f":
+        return np.asarray([int.__repr__(x) for x in uniques.tolist()], dtype=object)[codes].tolist()
+    out = np.asarray([_float_text(x) for x in uniques.tolist()], dtype=object)[codes]
+    zero = v == 0
+    if zero.any():  # (the hash takes -0.0 and 0.0 for one value)
+        neg = np.signbit(v)
+        out[zero & neg] = "-0.0"
+        out[zero & ~neg] = "0.0"
+    return out.tolist()
+
+
+def _float_text(x: float) -> str:
+    if math.isnan(x):
+        return "null"  # NaN is a missing value (round3's None)
+    if math.isinf(x):
+        return "Infinity" if x > 0 else "-Infinity"
+    return float.__repr__(x)
+
+
+def _object_text(values: list) -> list[str]:
+    """Each value's JSON text; a list of ints (the critical path's ranks) encoded once per distinct list."""
+    seen: dict[tuple, str] = {}
+    out = []
+    for x in values:
+        if type(x) is list and all(type(e) is int for e in x):
+            key = tuple(x)
+            t = seen.get(key)
+            if t is None:
+                t = seen[key] = _ENCODER.encode(x)
+            out.append(t)
+        else:
+            out.append(_ENCODER.encode(x))
+    return out
+
+
+def plain(obj: Any) -> Any:
+    """`obj` with every `Records` in it (in dicts and lists, at any depth) replaced by its list of dicts."""
+    if isinstance(obj, Records):
+        return obj.to_list()
+    if isinstance(obj, dict):
+        return {k: plain(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [plain(v) for v in obj]
+    return obj
