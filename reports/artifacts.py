@@ -18,6 +18,7 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -46,9 +47,11 @@ def summary_json(doc: Any) -> str:
     return "".join(summary_json_parts(doc))
 
 
-def summary_json_parts(doc: Any) -> list[str]:
-    """`summary_json`'s text in parts (a long list's records a chunk at a time): written one after the other, the
-    file holds the text without the whole of it in memory twice."""
+def summary_json_parts(doc: Any) -> Iterator[str]:
+    """`summary_json`'s text in parts, the records of a long `Records` list a chunk at a time as they are encoded: written
+    one after the other, the file holds the text without the whole of it in memory (300 MB for the 800,000 steps of
+    a 2 GB trace). Everything but those chunks is encoded here, before the first part is given out (what the json
+    module cannot encode raises here)."""
     long: list[Any] = []
     nonce = os.urandom(8).hex()  # (in every placeholder: no string of the summary can be one)
 
@@ -68,10 +71,9 @@ def summary_json_parts(doc: Any) -> list[str]:
         return o
 
     text = json.dumps(mark(doc), indent=2, default=_Long.encode)
-    if not long:
-        return [text]
     enc = json.JSONEncoder()
-    parts, at = [], 0
+    parts: list[Any] = []  # strings, and (Records, pad) to encode when the parts are written
+    at = 0
     for k, items in enumerate(long):
         token = json.dumps(_Long(k, nonce).encode())
         i = text.index(token, at)
@@ -79,17 +81,31 @@ def summary_json_parts(doc: Any) -> list[str]:
         pad = " " * (len(line) - len(line.lstrip(" ")))
         parts.append(text[at:i])
         if isinstance(items, Records):
-            parts.append("[\n")
-            for j, chunk in enumerate(items.json_lines(pad + "  ")):
-                parts.append(",\n" + chunk if j else chunk)
-            parts.append("\n" + pad + "]")
+            parts.append((items, pad))
         elif all(isinstance(x, dict) for x in items):
             parts.append("[\n" + ",\n".join(pad + "  " + enc.encode(x) for x in items) + "\n" + pad + "]")
         else:
             parts.append(enc.encode(list(items)))
         at = i + len(token)
     parts.append(text[at:])
-    return parts
+    del long, text
+    return _give_out(parts)
+
+
+def _give_out(parts: list[Any]) -> Iterator[str]:
+    """The parts of `summary_json_parts` in order, each `Records` encoded a chunk at a time (and let go after)."""
+    parts.reverse()
+    while parts:
+        p = parts.pop()
+        if isinstance(p, str):
+            yield p
+            continue
+        items, pad = p
+        yield "[\n"
+        for j, chunk in enumerate(items.json_lines(pad + "  ")):
+            yield ",\n" + chunk if j else chunk
+        yield "\n" + pad + "]"
+        del p, items
 
 
 class _Long:
