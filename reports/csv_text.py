@@ -54,16 +54,17 @@ def fast_path(df: pd.DataFrame) -> bool:
     return True
 
 
-def csv_bytes(df: pd.DataFrame) -> bytes:
-    """``df.to_csv(index=False).encode("utf-8")``, written here where `fast_path` takes the frame."""
+def csv_bytes(df: pd.DataFrame, chunk: int = CHUNK) -> bytes:
+    """``df.to_csv(index=False).encode("utf-8")``, written here where `fast_path` takes the frame, `chunk` rows at
+    a time."""
     if not fast_path(df):
         return df.to_csv(index=False).encode("utf-8")
     eol = os.linesep
     arrays = [df.iloc[:, i].to_numpy() for i in range(df.shape[1])]
     lone = len(arrays) == 1
     parts = [(",".join(df.columns) + eol).encode("utf-8")]
-    for start in range(0, len(df), CHUNK):
-        cols = [_texts(a[start:start + CHUNK], lone) for a in arrays]
+    for start in range(0, len(df), chunk):
+        cols = [_texts(a[start:start + chunk], lone) for a in arrays]
         rows = cols[0] if lone else map(",".join, zip(*cols))
         parts.append((eol.join(rows) + eol).encode("utf-8"))
     return b"".join(parts)
