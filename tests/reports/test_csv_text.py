@@ -87,6 +87,8 @@ def test_the_rules_written_out():
     assert text.splitlines()[:4] == ["f,f32,i,u,b", "-0.0,0.1,-1,18446744073709551615,True",
                                      "0.0,8.57,0,0,False", ",,9223372036854775807,1,True"]
     assert pd.DataFrame({"x": [np.nan, 1.0]}).pipe(csv_bytes) == b'x\n""\n1.0\n'
+    odd_bools = pd.DataFrame({"b": np.array([0, 2, 1, 255], dtype=np.uint8).view(bool)})  # any byte but 0 is True
+    assert csv_bytes(odd_bools) == pandas_bytes(odd_bools) == b"b\nFalse\nTrue\nTrue\nTrue\n"
 
 
 def test_many_rows_over_several_chunks():
