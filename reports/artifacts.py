@@ -30,6 +30,7 @@ from tracelens.errors import TraceError
 from tracelens.offload import Shared
 from tracelens.records import Records
 
+from .csv_text import csv_bytes
 from .html import BASE_TABLE_HTML, base_table_html, chain_parts, page_parts, render
 
 
@@ -143,7 +144,7 @@ def table_files(analysis: Analysis, formats: tuple[str, ...] = ("parquet", "csv"
             df.to_parquet(buf, index=False)
             files[f"{name}.parquet"] = buf.getvalue()
         if "csv" in formats:
-            files[f"{name}.csv"] = df.to_csv(index=False).encode("utf-8")
+            files[f"{name}.csv"] = csv_bytes(df)  # df.to_csv(index=False)'s bytes, faster (csv_text.py)
     return files
 
 
