@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Iterator, Sequence
+from itertools import chain
 from typing import Any
 
 import numpy as np
@@ -61,8 +62,8 @@ class Records(Sequence):
         """The columns' Python values of records lo..hi-1 (as a dict gives them)."""
         out = []
         for v in self.columns.values():
-            if isinstance(v, list):
-                out.append(v[lo:hi])
+            if isinstance(v, list):  # (a list value given out as a copy: the records' dicts share nothing)
+                out.append([x.copy() if type(x) is list else x for x in v[lo:hi]])
                 continue
             part = v[lo:hi]
             vals = part.tolist()
@@ -147,19 +148,11 @@ def _float_text(x: float) -> str:
 
 
 def _object_text(values: list) -> list[str]:
-    """Each value's JSON text; a list of ints (the critical path's ranks) encoded once per distinct list."""
-    seen: dict[tuple, str] = {}
-    out = []
-    for x in values:
-        if type(x) is list and all(type(e) is int for e in x):
-            key = tuple(x)
-            t = seen.get(key)
-            if t is None:
-                t = seen[key] = _ENCODER.encode(x)
-            out.append(t)
-        else:
-            out.append(_ENCODER.encode(x))
-    return out
+    """Each value's JSON text. A column of lists of ints (the critical path's ranks) is written by `repr`, which
+    gives a list of ints exactly as the json module does ("[0, 1]"); anything else value by value by the module."""
+    if all(type(x) is list for x in values) and set(map(type, chain.from_iterable(values))) <= {int}:
+        return list(map(list.__repr__, values))
+    return list(map(_ENCODER.encode, values))
 
 
 def plain(obj: Any) -> Any:

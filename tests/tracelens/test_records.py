@@ -150,3 +150,14 @@ def test_the_summary_is_plain_for_the_api_and_columnar_for_the_writer():
     assert isinstance(col["ranks"][0]["steps"], Records) and isinstance(col["critical_path"]["steps"], Records)
     assert _same(plain(col), doc)
     assert summary_json(col) == summary_json(doc)
+
+
+def test_list_values_are_given_out_as_copies_and_int_lists_written_as_json():
+    ranks = [[0, 1], [2], []]
+    r = Records({"step": np.arange(3), "ranks": ranks})
+    first = r.to_list()
+    first[0]["ranks"].append(9)
+    assert ranks[0] == [0, 1] and r[0]["ranks"] == [0, 1]
+    # a list holding a bool or a float is not a list of ints: the json module writes it (true, NaN)
+    mixed = Records({"v": [[1, True], [float("nan")], [2**70]]})
+    assert ",\n".join(mixed.json_lines()) == ",\n".join(json.JSONEncoder().encode(d) for d in mixed.to_list())

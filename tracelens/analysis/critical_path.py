@@ -244,7 +244,8 @@ class CriticalPath:
         return Records({"step": _int_column(st["step"]),
                         "span_us": round3_array(st["span_ns"].to_numpy(dtype=np.int64) / 1e3),
                         "end_rank": _int_column(st["end_rank"]), "hops": _int_column(st["hops"]),
-                        "ranks": [list(rk) for rk in st["ranks"].tolist()]})
+                        # (lists, as they are; Records gives each record a copy)
+                        "ranks": [rk if type(rk) is list else list(rk) for rk in st["ranks"].tolist()]})
 
     def to_dict(self) -> dict[str, Any]:
         """The `tracelens critpath --json` document: the summary plus every segment (times in µs from the step's
