@@ -106,36 +106,43 @@ class Records(Sequence):
 
     def json_lines(self, indent: str = "") -> Iterator[str]:
         """The records' JSON text as a JSON array's items a line each: ``indent + json.JSONEncoder().encode(record)``
-        per record, the lines joined by ",\\n", in chunks (join the chunks with ",\\n" too)."""
-        fmt = indent + "{{" + ", ".join(_ENCODER.encode(k).replace("{", "{{").replace("}", "}}") + ": {}"
-                                        for k in self.columns) + "}}"
-        if not self.columns:
-            fmt = indent + "{{}}"
+        per record, the lines joined by ",\\n", in chunks (join the chunks with ",\\n" too). Each column's texts carry
+        their key (`"step": 5`; the first also the indent and "{", the last "}"), made once per distinct value where
+        the column repeats values, so that a record is one ", ".join of its columns' texts."""
+        keys = [_ENCODER.encode(k) + ": " for k in self.columns]
+        n_cols = len(keys)
         for lo in range(0, self._n, CHUNK):
             hi = min(self._n, lo + CHUNK)
-            texts = [_column_text(v[lo:hi]) for v in self.columns.values()]
-            yield ",\n".join(map(fmt.format, *texts)) if texts else ",\n".join([fmt.format()] * (hi - lo))
+            if not n_cols:
+                yield ",\n".join([indent + "{}"] * (hi - lo))
+                continue
+            texts = [_column_text(v[lo:hi], (indent + "{" if c == 0 else "") + key, "}" if c == n_cols - 1 else "")
+                     for c, (key, v) in enumerate(zip(keys, self.columns.values()))]
+            yield ",\n".join(map(", ".join, zip(*texts)))
 
 
-def _column_text(v: Any) -> list[str]:
-    """The JSON text of each value of a column (part), as the json module writes it: each distinct value's text
-    made once."""
+def _column_text(v: Any, before: str = "", after: str = "") -> list[str]:
+    """The JSON text of each value of a column (part), as the json module writes it, between `before` and `after`:
+    each distinct value's text made once."""
     if isinstance(v, list):
-        return _object_text(v)
+        out = _object_text(v)
+        return [before + t + after for t in out] if before or after else out
     kind = v.dtype.kind
     if kind == "b":
-        return np.where(v, "true", "false").tolist()
+        return np.where(v, before + "true" + after, before + "false" + after).tolist()
     import pandas as pd  # (imported by every caller already: summary.json is written after the analysis)
 
     codes, uniques = pd.factorize(v, use_na_sentinel=False)
     if kind != "f":
-        return np.asarray([int.__repr__(x) for x in uniques.tolist()], dtype=object)[codes].tolist()
-    out = np.asarray([_float_text(x) for x in uniques.tolist()], dtype=object)[codes]
+        if len(uniques) == len(v):  # (every value distinct, e.g. the step numbers: no take)
+            return [before + t + after for t in map(int.__repr__, v.tolist())]
+        return np.asarray([before + int.__repr__(x) + after for x in uniques.tolist()], dtype=object)[codes].tolist()
+    out = np.asarray([before + _float_text(x) + after for x in uniques.tolist()], dtype=object)[codes]
     zero = v == 0
     if zero.any():  # (the hash takes -0.0 and 0.0 for one value)
         neg = np.signbit(v)
-        out[zero & neg] = "-0.0"
-        out[zero & ~neg] = "0.0"
+        out[zero & neg] = before + "-0.0" + after
+        out[zero & ~neg] = before + "0.0" + after
     return out.tolist()
 
 
