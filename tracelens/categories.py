@@ -139,11 +139,59 @@ def is_comm_kernel(names: pd.Series) -> np.ndarray:
     return map_strings(names, lambda s: search_folded(COMM_RE, _COMM_FOLDED, s))
 
 
-def map_strings(col: pd.Series, fn, dtype=bool) -> np.ndarray:
+# torch.profiler's step markers: names "ProfilerStep#N", N in ASCII digits (1 to 18 of them, so that N fits an int64)
+# and nothing after them. A trace of many short steps has one such distinct name per step (800,000 in a 2 GB trace
+# of 8M events): found over the whole names' dictionary at once (`step_marker_numbers`), so that the per-name tests
+# of `map_strings` can leave them out where the caller knows its test's value on every one of them.
+STEP_MARKER_PREFIX = "ProfilerStep#"
+_STEP_MARKER_RE2 = r"^ProfilerStep#[0-9]{1,18}$"  # (RE2, in Arrow: ASCII only, no case folding; $ = the end)
+STEP_NUMBER = object()  # `map_strings(..., on_markers=STEP_NUMBER)`: each marker's N
+_NO_VALUE = object()
+_marker_cache: dict[int, tuple[pd.Index, np.ndarray]] = {}
+
+
+def step_number(name: str) -> int:
+    """N of a profiler-step name (`STEP_RE`: "ProfilerStep#N", "## step N", ...), else -1."""
+    m = STEP_RE.match(name)
+    return int(m.group(1)) if m else -1
+
+
+def step_marker_numbers(cats: pd.Index) -> np.ndarray:
+    """int64 per category of a categorical's categories: N where it is exactly "ProfilerStep#N" (N: 1 to 18 ASCII
+    digits), else -1; -1 for all unless the categories are strings (pandas' string dtype). Vectorized (Arrow), and
+    kept for the last few categories objects asked about (the names' dictionary is shared by the events table and
+    its subsets: the call tree, the GPU table). For such a name `step_number` is N (STEP_RE's first branch matches
+    "ProfilerStep#", (\\d+) takes every digit, and the string's end is a word boundary)."""
+    hit = _marker_cache.get(id(cats))
+    if hit is not None and hit[0] is cats:
+        return hit[1]
+    out = np.full(len(cats), -1, dtype=np.int64)
+    if len(cats) and isinstance(cats.dtype, pd.StringDtype):
+        import pyarrow as pa
+        import pyarrow.compute as pc
+        arr = pa.array(cats.array)
+        if pa.types.is_string(arr.type) or pa.types.is_large_string(arr.type):
+            ok = pc.starts_with(arr, STEP_MARKER_PREFIX).to_numpy(zero_copy_only=False)
+            if ok.any():
+                idx = np.flatnonzero(ok)
+                sub = arr.take(pa.array(idx))
+                ok = pc.match_substring_regex(sub, _STEP_MARKER_RE2).to_numpy(zero_copy_only=False)
+                idx, sub = idx[ok], sub.filter(pa.array(ok))
+                out[idx] = pc.cast(pc.utf8_slice_codeunits(sub, len(STEP_MARKER_PREFIX)), pa.int64()).to_numpy()
+    if len(_marker_cache) >= 4:
+        _marker_cache.pop(next(iter(_marker_cache)))
+    _marker_cache[id(cats)] = (cats, out)
+    return out
+
+
+def map_strings(col: pd.Series, fn, dtype=bool, on_markers=_NO_VALUE) -> np.ndarray:
     """fn applied once per distinct value of a (categorical) string column, broadcast to all rows.
 
     Missing values are passed to fn as "". This is how every analysis tests names: per category,
     never per row, so a 10M-event trace costs as much as its few thousand distinct names.
+    on_markers: fn's value on every profiler-step marker "ProfilerStep#N" (`step_marker_numbers`), when the caller
+    knows it (STEP_NUMBER: N, as `step_number` gives): those names are then not passed to fn (a trace of many short
+    steps has a distinct name per step).
     """
     if isinstance(col.dtype, pd.CategoricalDtype):
         codes = col.cat.codes.to_numpy()
@@ -152,8 +200,14 @@ def map_strings(col: pd.Series, fn, dtype=bool) -> np.ndarray:
             lut = np.array([fn(str(c)) for c in cats] + [fn("")], dtype=dtype)
         else:  # a subset of rows keeps the whole dictionary (all event names): test only the values used
             used = np.flatnonzero(np.bincount(codes.astype(np.intp) + 1, minlength=len(cats) + 1)[1:])
-            values = cats.take(used).tolist()
             lut = np.zeros(len(cats) + 1, dtype=dtype)
+            if on_markers is not _NO_VALUE and len(used):
+                num = step_marker_numbers(cats)[used]
+                mark = num >= 0
+                if mark.any():
+                    lut[used[mark]] = num[mark] if on_markers is STEP_NUMBER else on_markers
+                    used = used[~mark]
+            values = cats.take(used).tolist()
             if len(used):
                 lut[used] = np.array([fn(str(c)) for c in values], dtype=dtype)
             lut[-1] = fn("")
@@ -182,6 +236,14 @@ def category_strings(cats: pd.Index) -> list[str]:
 
 
 def isin(col: pd.Series, values: frozenset) -> np.ndarray:
+    """Whether each row's value is one of `values` (strs); missing values as "". Over a large dictionary of strings
+    (event names: one per profiler step in a trace of many short steps) by Arrow's hashed lookup of the whole
+    dictionary, not a Python test per distinct value."""
+    if isinstance(col.dtype, pd.CategoricalDtype):
+        cats = col.cat.categories
+        if len(cats) > 64 and isinstance(cats.dtype, pd.StringDtype) and all(type(v) is str for v in values):
+            lut = np.append(np.asarray(cats.isin(list(values)), dtype=bool), "" in values)
+            return lut.take(col.cat.codes.to_numpy())
     return map_strings(col, values.__contains__)
 
 

@@ -135,7 +135,7 @@ def build_tree(events: pd.DataFrame, leading: int | None = None) -> pd.DataFrame
     names = host["name"]
     name_codes = names.cat.codes.to_numpy()  # (int16 / int32, as the categorical keeps them)
     name_uniques = list(names.cat.categories.astype(str)) + [""]  # code -1 -> ""
-    step_number = C.map_strings(names, _step_number, dtype=np.int64)
+    step_number = C.map_strings(names, _step_number, dtype=np.int64, on_markers=C.STEP_NUMBER)
     is_step = (step_number >= 0) & (kind == KIND_ANNOTATION)
     step_col = _narrowest_id_type(np.where(is_step, step_number, -1))  # (the `step` column, set at the end)
     del step_number
@@ -766,9 +766,7 @@ def _first_match(keys: np.ndarray, queries: np.ndarray) -> np.ndarray:
     return np.where(found, pos, -1)
 
 
-def _step_number(name: str) -> int:
-    m = C.STEP_RE.match(name)
-    return int(m.group(1)) if m else -1
+_step_number = C.step_number
 
 
 def steps_table(tree: pd.DataFrame) -> pd.DataFrame:
