@@ -235,6 +235,37 @@ def category_strings(cats: pd.Index) -> list[str]:
     return [str(c) for c in cats]
 
 
+def decode_codes(cats: pd.Index, codes: np.ndarray) -> np.ndarray:
+    """``np.asarray([str(c) for c in cats] + [""], dtype=object)[codes]`` (code -1: ""), turning only the categories
+    used into str: a categorical's whole dictionary can be much larger than the codes decoded (the event names of
+    a trace of many short steps: one per step)."""
+    codes = np.asarray(codes)
+    if codes.size == 0:
+        return np.empty(codes.shape, dtype=object)
+    u, inv = np.unique(codes, return_inverse=True)
+    full = len(cats) + 1  # (the list indexed: the categories, then "")
+    pos = np.where(u < 0, u + full, u)
+    if pos.min() < 0 or pos.max() >= full:
+        raise IndexError(f"code out of range for {len(cats)} categories")
+    missing = pos == len(cats)
+    lut = np.empty(len(u), dtype=object)
+    lut[missing] = ""
+    lut[~missing] = category_strings(cats.take(pos[~missing]))
+    return lut[inv.reshape(codes.shape)]
+
+
+def categories_with_prefix(cats: pd.Index, prefix: str) -> list[str]:
+    """``[s for s in category_strings(cats) if s.startswith(prefix)]``: over a large dictionary of strings by Arrow's
+    prefix test (on UTF-8 bytes: the same answer as str.startswith), turning only those found into str."""
+    if len(cats) > 64 and isinstance(cats.dtype, pd.StringDtype):
+        import pyarrow as pa
+        import pyarrow.compute as pc
+        arr = pa.array(cats.array)
+        if pa.types.is_string(arr.type) or pa.types.is_large_string(arr.type):
+            return category_strings(cats[pc.starts_with(arr, prefix).to_numpy(zero_copy_only=False)])
+    return [s for s in category_strings(cats) if s.startswith(prefix)]
+
+
 def isin(col: pd.Series, values: frozenset) -> np.ndarray:
     """Whether each row's value is one of `values` (strs); missing values as "". Over a large dictionary of strings
     (event names: one per profiler step in a trace of many short steps) by Arrow's hashed lookup of the whole

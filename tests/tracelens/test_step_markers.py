@@ -122,3 +122,40 @@ def test_isin_against_per_row(values, dtype):
         assert got.dtype == bool and got.tolist() == expect
     small = pd.Series(pd.Categorical(["cudaMemcpy", None, "a"]))
     assert C.isin(small, values).tolist() == [("cudaMemcpy" in values), ("" in values), ("a" in values)]
+
+
+@pytest.mark.parametrize("dtype", ["str", object])
+def test_decode_codes_against_the_list(dtype):
+    names = MARKERS + LOOKALIKES
+    cats = pd.Index(names, dtype=dtype)
+    ref = np.asarray([str(c) for c in cats] + [""], dtype=object)
+    rng = np.random.default_rng(2)
+    for codes in (rng.integers(-1, len(names), 300), np.array([-1, -1]), np.array([], dtype=np.int64),
+                  np.array([len(names) - 1, 0], dtype=np.int32), np.array([-2, 3])):  # (-2: the last category)
+        got = C.decode_codes(cats, codes)
+        assert got.dtype == object and got.tolist() == ref[codes].tolist()
+        assert all(type(v) is str for v in got.tolist())
+    with pytest.raises(IndexError):
+        C.decode_codes(cats, np.array([len(names) + 1]))
+
+
+@pytest.mark.parametrize("dtype", ["str", object])
+def test_categories_with_prefix(dtype):
+    names = MARKERS + LOOKALIKES + ["pipeline/F/s0/mb0", "pipeline/", "pipelin", "Pipeline/B/s0/mb1", "\u00e9pipeline/x",
+                                    "pipeline/\u00e9"]
+    cats = pd.Index(names, dtype=dtype)
+    for prefix in ("pipeline/", "ProfilerStep#", "", "\u00e9", "zzz"):
+        assert C.categories_with_prefix(cats, prefix) == [s for s in names if s.startswith(prefix)]
+    assert C.categories_with_prefix(pd.Index(["pipeline/a", "b"], dtype=dtype), "pipeline/") == ["pipeline/a"]
+
+
+def test_has_pipeline_data_against_every_name():
+    from types import SimpleNamespace
+    from tracelens.analysis import pipeline
+    for extra, expect in (([], False), (["pipeline/F/s0/mb1"], True), (["pipeline/F/s0/mbx", "xpipeline/F/s0/mb1"], False),
+                          (["pipeline/W/s12/mb3"], True)):
+        names = [n for n in MARKERS + LOOKALIKES if not n.startswith("pipeline/")] + extra
+        ev = pd.DataFrame({"name": _column(names, np.arange(len(names)))})
+        trace = SimpleNamespace(events=ev)
+        assert any(pipeline.RANGE_RE.match(s) for s in names) == expect  # (the reference: every name)
+        assert pipeline.has_pipeline_data(trace) == expect

@@ -134,7 +134,6 @@ def build_tree(events: pd.DataFrame, leading: int | None = None) -> pd.DataFrame
     kind = host["kind"].to_numpy()
     names = host["name"]
     name_codes = names.cat.codes.to_numpy()  # (int16 / int32, as the categorical keeps them)
-    name_uniques = list(names.cat.categories.astype(str)) + [""]  # code -1 -> ""
     step_number = C.map_strings(names, _step_number, dtype=np.int64, on_markers=C.STEP_NUMBER)
     is_step = (step_number >= 0) & (kind == KIND_ANNOTATION)
     step_col = _narrowest_id_type(np.where(is_step, step_number, -1))  # (the `step` column, set at the end)
@@ -220,8 +219,9 @@ def build_tree(events: pd.DataFrame, leading: int | None = None) -> pd.DataFrame
         return out
 
     path_str = [""] * len(path_parent)
+    path_names = C.decode_codes(names.cat.categories, path_name).tolist()  # (code -1: ""; only the names used)
     for pid_ in range(1, len(path_parent)):
-        nm = name_uniques[path_name[pid_]]
+        nm = path_names[pid_]
         if nm.startswith(_MODULE_PREFIX):
             nm = nm[len(_MODULE_PREFIX):]
         pp = path_parent[pid_]

@@ -1636,7 +1636,7 @@ def has_pipeline_data(trace) -> bool:
     names = ev["name"]
     if not isinstance(names.dtype, pd.CategoricalDtype):
         return True
-    return any(RANGE_RE.match(c) for c in names.cat.categories.astype(str))
+    return any(RANGE_RE.match(c) for c in C.categories_with_prefix(names.cat.categories, "pipeline/"))  # (RANGE_RE: ^pipeline/)
 
 
 def pipeline_for_trace(trace) -> PipelineAnalysis | None:

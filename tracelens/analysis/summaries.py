@@ -116,8 +116,7 @@ def _per_row(gpu: pd.DataFrame, col: str, rows: np.ndarray) -> tuple[np.ndarray,
 
 
 def _decode_codes(codes: np.ndarray, col: pd.Series) -> np.ndarray:
-    cats = np.asarray(list(col.cat.categories.astype(str)) + [""], dtype=object)
-    return cats[codes]
+    return C.decode_codes(col.cat.categories, codes)
 
 
 def kernel_summary(gpu: pd.DataFrame, busy_ns: float) -> pd.DataFrame:
