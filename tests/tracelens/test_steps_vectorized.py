@@ -99,3 +99,26 @@ def test_describe_and_to_dict_without_the_used_set(excluded):
     assert ("; excluded step 3" in text) == bool(left)
     d = sw.to_dict()
     assert [e["kept"] for e in d["steps_excluded"]] == [int(e["step"]) in ref_used for e in excluded]
+
+
+def _steps_table_ref(tree):  # (calltree.steps_table's per-row dedup before)
+    rows = np.flatnonzero(tree["is_step"].to_numpy())
+    rank = tree["rank"].to_numpy()[rows]
+    step = tree["step"].to_numpy()[rows].astype(np.int64)
+    start = tree["ts"].to_numpy()[rows]
+    end = start + tree["dur"].to_numpy()[rows]
+    o = np.lexsort((start, rank))
+    seen: set = set()
+    keep = [i for i in o.tolist() if (k := (rank[i], step[i])) not in seen and not seen.add(k)]
+    return pd.DataFrame({"rank": rank[keep], "step": step[keep], "start": start[keep], "end": end[keep]})
+
+
+def test_steps_table_against_per_row_dedup():
+    from tracelens.analysis.calltree import steps_table
+    rng = np.random.default_rng(3)
+    for n in (0, 1, 5, 40, 400):
+        tree = pd.DataFrame({"is_step": rng.random(n) < 0.6, "rank": rng.integers(0, 3, n).astype(np.int32),
+                             "step": rng.integers(-1, 6, n).astype(np.int32), "ts": rng.integers(0, 50, n),
+                             "dur": rng.integers(0, 9, n)})
+        got, ref = steps_table(tree), _steps_table_ref(tree)
+        pd.testing.assert_frame_equal(got, ref)

@@ -777,8 +777,9 @@ def steps_table(tree: pd.DataFrame) -> pd.DataFrame:
     start = tree["ts"].to_numpy()[rows]
     end = start + tree["dur"].to_numpy()[rows]
     o = np.lexsort((start, rank))  # by rank, then start (stable, as sort_values on two columns)
-    seen: set = set()  # the first (rank, step) of each pair kept, as drop_duplicates (a few rows: steps)
-    keep = [i for i in o.tolist() if (k := (rank[i], step[i])) not in seen and not seen.add(k)]
+    # the first (rank, step) of each pair kept, as drop_duplicates (hashed over whole columns: a trace of many short
+    # steps has tens of thousands)
+    keep = o[~pd.MultiIndex.from_arrays([rank[o], step[o]]).duplicated(keep="first")]
     return pd.DataFrame({"rank": rank[keep], "step": step[keep], "start": start[keep], "end": end[keep]})
 
 
