@@ -78,3 +78,12 @@ def test_critical_path_step_columns_and_missing_step_message():
     assert st["step"].tolist() == [3, 0, 1]
     assert st["start_ns"].tolist() == [int(by["ts"].min()[s]) for s in (3, 0, 1)]
     assert st["end_ns"].tolist() == [int(by["end"].max()[s]) for s in (3, 0, 1)]
+
+
+def test_steps_by_rank_sparse_keys():
+    """Steps far apart (keys sorted by np.unique) and dense (by a count per key): the same sets."""
+    for step in (np.array([0, 10**12, 5, 5, -3]), np.array([1, 2, 2, 0, 1])):
+        gpu = pd.DataFrame({"rank": np.array([3, 1, 3, 1, 1]), "step": step})
+        have = CP._steps_by_rank(gpu)
+        assert {r: set(v.tolist()) for r, v in have.items()} == _steps_by_rank_ref(gpu)
+        assert list(have) == sorted(have)

@@ -495,7 +495,12 @@ def _steps_by_rank(gpu: pd.DataFrame) -> dict[int, np.ndarray]:
         return {}
     lo, r0 = int(step.min()), int(rank.min())
     span = int(step.max()) - lo + 1
-    keys = np.unique((rank - r0) * span + (step - lo))  # (r0 once: not a pass over the rows per key)
+    keys = (rank - r0) * span + (step - lo)  # (r0 once: not a pass over the rows per key)
+    size = (int(rank.max()) - r0 + 1) * span
+    if size <= 2 * len(keys) + (1 << 20):  # the keys present, sorted: by a count per key (O(n)), else by sorting
+        keys = np.flatnonzero(np.bincount(keys, minlength=size))
+    else:
+        keys = np.unique(keys)
     k_rank, k_step = keys // span + r0, keys % span + lo
     cut = np.flatnonzero(k_rank[1:] != k_rank[:-1]) + 1
     return dict(zip(k_rank[np.r_[0, cut]].tolist(), np.split(k_step, cut)))

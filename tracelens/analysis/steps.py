@@ -297,14 +297,27 @@ def _empty_steps(steps: pd.DataFrame, ops_per: pd.Series) -> list[tuple[int, int
         return []
     r = steps["rank"].to_numpy().astype(np.int64)
     s = steps["step"].to_numpy().astype(np.int64)
-    keys = pd.MultiIndex.from_arrays([ops_per.index.get_level_values(i).to_numpy().astype(np.int64) for i in (0, 1)])
+    o_r, o_s = (ops_per.index.get_level_values(i).to_numpy().astype(np.int64) for i in (0, 1))
     n = ops_per.to_numpy().astype(np.int64)
-    last = ~keys.duplicated(keep="last")  # (a key given twice: the last count, as a dict built from the items)
-    pos = keys[last].get_indexer(pd.MultiIndex.from_arrays([r, s]))
-    count = np.where(pos >= 0, n[last][np.maximum(pos, 0)], 0)
+    r0, s0 = min(int(r.min()), int(o_r.min())), min(int(s.min()), int(o_s.min()))
+    span = max(int(s.max()), int(o_s.max())) - s0 + 1
+    if (max(int(r.max()), int(o_r.max())) - r0 + 1) * span < 2**62:  # (rank, step) as one int64 key
+        key, o_key = (r - r0) * span + (s - s0), (o_r - r0) * span + (o_s - s0)
+        u, at = np.unique(o_key[::-1], return_index=True)  # (a key given twice: the last count, as a dict of items)
+        n_u = n[::-1][at]
+        pos = np.minimum(np.searchsorted(u, key), max(len(u) - 1, 0))
+        count = np.where(u[pos] == key, n_u[pos], 0)
+        first = np.zeros(len(key), dtype=bool)
+        first[np.unique(key, return_index=True)[1]] = True
+    else:
+        keys = pd.MultiIndex.from_arrays([o_r, o_s])
+        last = ~keys.duplicated(keep="last")
+        pos = keys[last].get_indexer(pd.MultiIndex.from_arrays([r, s]))
+        count = np.where(pos >= 0, n[last][np.maximum(pos, 0)], 0)
+        first = ~pd.MultiIndex.from_arrays([r, s]).duplicated(keep="first")
     busy_ranks = np.unique(r[count != 0])
     pick = (count == 0) & np.isin(r, busy_ranks)
-    pick &= ~pd.MultiIndex.from_arrays([r, s]).duplicated(keep="first")
+    pick &= first
     rows = np.flatnonzero(pick)
     rows = rows[np.argsort(r[rows], kind="stable")]
     return list(zip(r[rows].tolist(), s[rows].tolist()))
