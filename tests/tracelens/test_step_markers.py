@@ -159,3 +159,52 @@ def test_has_pipeline_data_against_every_name():
         trace = SimpleNamespace(events=ev)
         assert any(pipeline.RANGE_RE.match(s) for s in names) == expect  # (the reference: every name)
         assert pipeline.has_pipeline_data(trace) == expect
+
+
+def _take_strings_ref(col, rows, fill=""):  # (categories.take_strings before: a new Index, get_loc on it)
+    cats = col.cat.categories
+    if fill not in cats:
+        cats = cats.append(pd.Index([fill]))
+    fill_code = cats.get_loc(fill)
+    code_t = np.int32 if len(cats) < 2**31 else np.int64
+    codes = np.full(len(rows), fill_code, dtype=code_t)
+    ok = rows >= 0
+    got = col.cat.codes.to_numpy()[C.positions(col.index, rows[ok])].astype(code_t)
+    got[got < 0] = fill_code
+    codes[ok] = got
+    return pd.Categorical.from_codes(codes, categories=cats)
+
+
+@pytest.mark.parametrize("dtype", ["str", object])
+@pytest.mark.parametrize("fill", ["", "(no op)", "ProfilerStep#3", "ProfilerStep#40", "aten::addmm"])
+def test_take_strings_against_a_new_index_each_call(fill, dtype):
+    names = MARKERS + LOOKALIKES[:-9] + ["aten::addmm"]
+    col = _column(names, np.random.default_rng(6).integers(-1, len(names), 400), dtype)
+    for rows in (np.array([3, -1, 0, 399, 12]), np.arange(-1, 400), np.array([], dtype=np.int64)):
+        for _ in range(2):  # (the second call: the categories kept)
+            got, ref = C.take_strings(col, rows, fill), _take_strings_ref(col, rows, fill)
+            assert got.categories.equals(ref.categories) and got.categories.dtype == ref.categories.dtype
+            assert got.codes.tolist() == ref.codes.tolist() and got.codes.dtype == ref.codes.dtype
+            assert np.asarray(got, dtype=object).tolist() == np.asarray(ref, dtype=object).tolist()
+    a, b = C.take_strings(col, np.array([1]), fill), C.take_strings(col, np.array([2]), fill)
+    assert a.categories is b.categories or fill in col.cat.categories
+
+
+@pytest.mark.parametrize("dtype", ["str", object])
+def test_category_values_and_strings_against_the_whole_dictionary(dtype):
+    names = [f"ProfilerStep#{i}" for i in range(6000)] + LOOKALIKES
+    cats = pd.Index(names, dtype=dtype)
+    full = np.array([str(c) for c in cats], dtype=object)
+    rng = np.random.default_rng(7)
+    for codes in (rng.integers(-1, 30, 500), rng.integers(-1, len(names), 50000), np.array([-1, -1]),
+                  np.array([], dtype=np.int32), np.arange(len(names))):
+        got = C.category_values(cats, codes)
+        assert len(got) == len(cats) and got.dtype == object
+        ok = codes[codes >= 0]
+        assert got[ok].tolist() == full[ok].tolist()
+        col = pd.Series(pd.Categorical.from_codes(codes, categories=cats))
+        for missing in ("", "(none)", None):
+            expect = [missing if c < 0 else full[c] for c in codes]
+            assert C.strings(col, missing).tolist() == expect
+    small = pd.Index(["a", "b"], dtype=dtype)
+    assert C.category_values(small, np.array([1])).tolist() == ["a", "b"]

@@ -122,3 +122,40 @@ def test_steps_table_against_per_row_dedup():
                              "dur": rng.integers(0, 9, n)})
         got, ref = steps_table(tree), _steps_table_ref(tree)
         pd.testing.assert_frame_equal(got, ref)
+
+
+@pytest.mark.parametrize("used", [[3, 1, 2], [np.int64(4), 5], [2.0, 7.0], [], list(range(5000)), ["3", "9"]])
+def test_window_steps_and_steady_step_against_per_step(used):
+    from types import SimpleNamespace
+    from tracelens.analysis import moe_view
+    from tracelens.projection import decomposition
+    sw = SimpleNamespace(used=used, restricts=True)
+    a = SimpleNamespace(window=sw)
+    got = moe_view._window_steps(a)
+    assert got == [int(s) for s in used] and all(type(s) is int for s in got)
+    rng = np.random.default_rng(5)
+    for dt in (np.int64, np.int32, np.float64):
+        steps = pd.DataFrame({"rank": rng.integers(0, 2, 300), "step": rng.integers(0, 12, 300).astype(dt)})
+        gpu = pd.DataFrame({"rank": rng.integers(0, 2, 200), "step": rng.integers(0, 12, 200)})
+        a = SimpleNamespace(window=sw, steps=steps, gpu=gpu)
+        for rank in (0, 1, 5):
+            ref_used = {int(s) for s in used}
+            st = steps[steps["rank"] == rank]
+            have = [int(s) for s in st["step"] if int(s) in ref_used]
+            if not used or not have:
+                exp = None
+            else:
+                counts = gpu[(gpu["rank"] == rank) & gpu["step"].isin(have)].groupby("step").size()
+                exp = int(counts.idxmax()) if len(counts) else have[len(have) // 2]
+            assert decomposition._steady_step(a, rank) == exp
+
+
+def test_empty_steps_wide_keys_and_negative_steps():
+    """Steps far apart (the MultiIndex path) and below zero: the same as the loop."""
+    steps = pd.DataFrame({"rank": np.array([0, 0, 1, 1, 0], dtype=np.int32),
+                          "step": np.array([-2, 2**61, 5, 2**61, -2], dtype=np.int64)})
+    ops = pd.Series([3, 0, 1], index=pd.MultiIndex.from_arrays([[0, 1, 1], [-2, 5, -7]]))
+    assert S._empty_steps(steps, ops) == _empty_ref(steps, ops)
+    steps2 = pd.DataFrame({"rank": [5, 5, 3, 3], "step": [-1, 0, 0, 1]})
+    ops2 = pd.Series([2, 0], index=pd.MultiIndex.from_arrays([[5, 3], [-1, 1]]))
+    assert S._empty_steps(steps2, ops2) == _empty_ref(steps2, ops2)

@@ -302,7 +302,7 @@ def _groups(frame: pd.DataFrame, keys: list[str]) -> tuple[np.ndarray, np.ndarra
         col = frame[k]
         if isinstance(col.dtype, pd.CategoricalDtype):
             codes.append(col.cat.codes.to_numpy())
-            labels.append(np.array(C.category_strings(col.cat.categories), dtype=object))
+            labels.append(C.category_values(col.cat.categories, codes[-1]))  # (the values the codes use)
         else:
             c, uniques = pd.factorize(col.to_numpy())
             codes.append(c)
