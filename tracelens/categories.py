@@ -139,11 +139,59 @@ def is_comm_kernel(names: pd.Series) -> np.ndarray:
     return map_strings(names, lambda s: search_folded(COMM_RE, _COMM_FOLDED, s))
 
 
-def map_strings(col: pd.Series, fn, dtype=bool) -> np.ndarray:
+# torch.profiler's step markers: names "ProfilerStep#N", N in ASCII digits (1 to 18 of them, so that N fits an int64)
+# and nothing after them. A trace of many short steps has one such distinct name per step (800,000 in a 2 GB trace
+# of 8M events): found over the whole names' dictionary at once (`step_marker_numbers`), so that the per-name tests
+# of `map_strings` can leave them out where the caller knows its test's value on every one of them.
+STEP_MARKER_PREFIX = "ProfilerStep#"
+_STEP_MARKER_RE2 = r"^ProfilerStep#[0-9]{1,18}$"  # (RE2, in Arrow: ASCII only, no case folding; $ = the end)
+STEP_NUMBER = object()  # `map_strings(..., on_markers=STEP_NUMBER)`: each marker's N
+_NO_VALUE = object()
+_marker_cache: dict[int, tuple[pd.Index, np.ndarray]] = {}
+
+
+def step_number(name: str) -> int:
+    """N of a profiler-step name (`STEP_RE`: "ProfilerStep#N", "## step N", ...), else -1."""
+    m = STEP_RE.match(name)
+    return int(m.group(1)) if m else -1
+
+
+def step_marker_numbers(cats: pd.Index) -> np.ndarray:
+    """int64 per category of a categorical's categories: N where it is exactly "ProfilerStep#N" (N: 1 to 18 ASCII
+    digits), else -1; -1 for all unless the categories are strings (pandas' string dtype). Vectorized (Arrow), and
+    kept for the last few categories objects asked about (the names' dictionary is shared by the events table and
+    its subsets: the call tree, the GPU table). For such a name `step_number` is N (STEP_RE's first branch matches
+    "ProfilerStep#", (\\d+) takes every digit, and the string's end is a word boundary)."""
+    hit = _marker_cache.get(id(cats))
+    if hit is not None and hit[0] is cats:
+        return hit[1]
+    out = np.full(len(cats), -1, dtype=np.int64)
+    if len(cats) and isinstance(cats.dtype, pd.StringDtype):
+        import pyarrow as pa
+        import pyarrow.compute as pc
+        arr = pa.array(cats.array)
+        if pa.types.is_string(arr.type) or pa.types.is_large_string(arr.type):
+            ok = pc.starts_with(arr, STEP_MARKER_PREFIX).to_numpy(zero_copy_only=False)
+            if ok.any():
+                idx = np.flatnonzero(ok)
+                sub = arr.take(pa.array(idx))
+                ok = pc.match_substring_regex(sub, _STEP_MARKER_RE2).to_numpy(zero_copy_only=False)
+                idx, sub = idx[ok], sub.filter(pa.array(ok))
+                out[idx] = pc.cast(pc.utf8_slice_codeunits(sub, len(STEP_MARKER_PREFIX)), pa.int64()).to_numpy()
+    if len(_marker_cache) >= 4:
+        _marker_cache.pop(next(iter(_marker_cache)))
+    _marker_cache[id(cats)] = (cats, out)
+    return out
+
+
+def map_strings(col: pd.Series, fn, dtype=bool, on_markers=_NO_VALUE) -> np.ndarray:
     """fn applied once per distinct value of a (categorical) string column, broadcast to all rows.
 
     Missing values are passed to fn as "". This is how every analysis tests names: per category,
     never per row, so a 10M-event trace costs as much as its few thousand distinct names.
+    on_markers: fn's value on every profiler-step marker "ProfilerStep#N" (`step_marker_numbers`), when the caller
+    knows it (STEP_NUMBER: N, as `step_number` gives): those names are then not passed to fn (a trace of many short
+    steps has a distinct name per step).
     """
     if isinstance(col.dtype, pd.CategoricalDtype):
         codes = col.cat.codes.to_numpy()
@@ -152,8 +200,14 @@ def map_strings(col: pd.Series, fn, dtype=bool) -> np.ndarray:
             lut = np.array([fn(str(c)) for c in cats] + [fn("")], dtype=dtype)
         else:  # a subset of rows keeps the whole dictionary (all event names): test only the values used
             used = np.flatnonzero(np.bincount(codes.astype(np.intp) + 1, minlength=len(cats) + 1)[1:])
-            values = cats.take(used).tolist()
             lut = np.zeros(len(cats) + 1, dtype=dtype)
+            if on_markers is not _NO_VALUE and len(used):
+                num = step_marker_numbers(cats)[used]
+                mark = num >= 0
+                if mark.any():
+                    lut[used[mark]] = num[mark] if on_markers is STEP_NUMBER else on_markers
+                    used = used[~mark]
+            values = cats.take(used).tolist()
             if len(used):
                 lut[used] = np.array([fn(str(c)) for c in values], dtype=dtype)
             lut[-1] = fn("")
@@ -167,9 +221,24 @@ def strings(col: pd.Series, missing: str = "") -> np.ndarray:
     Looks each row's code up in the categories turned to str once: ~30x faster than
     `col.astype(str).to_numpy()`, which builds a string per row."""
     if isinstance(col.dtype, pd.CategoricalDtype):
-        lut = np.array(category_strings(col.cat.categories) + [missing], dtype=object)
-        return lut.take(col.cat.codes.to_numpy())  # code -1 (missing) picks the last entry
+        codes = col.cat.codes.to_numpy()
+        lut = np.concatenate([category_values(col.cat.categories, codes), np.array([missing], dtype=object)])
+        return lut.take(codes)  # code -1 (missing) picks the last entry
     return np.array([missing if v is None or v != v else str(v) for v in col], dtype=object)
+
+
+def category_values(cats: pd.Index, codes: np.ndarray) -> np.ndarray:
+    """``np.array(category_strings(cats), dtype=object)`` at every position `codes` (a categorical's codes, -1:
+    missing) reads; where a large dictionary has few of its values used (the GPU table's names keep every event
+    name: one per profiler step in a trace of short steps), only those are made str, the others left None."""
+    n = len(cats)
+    if n > 4096:
+        used = np.flatnonzero(np.bincount(np.asarray(codes).astype(np.intp) + 1, minlength=n + 1)[1:])
+        if len(used) * 4 < n:
+            out = np.full(n, None, dtype=object)
+            out[used] = category_strings(cats.take(used))
+            return out
+    return np.array(category_strings(cats), dtype=object)
 
 
 def category_strings(cats: pd.Index) -> list[str]:
@@ -181,7 +250,46 @@ def category_strings(cats: pd.Index) -> list[str]:
     return [str(c) for c in cats]
 
 
+def decode_codes(cats: pd.Index, codes: np.ndarray) -> np.ndarray:
+    """``np.asarray([str(c) for c in cats] + [""], dtype=object)[codes]`` (code -1: ""), turning only the categories
+    used into str: a categorical's whole dictionary can be much larger than the codes decoded (the event names of
+    a trace of many short steps: one per step)."""
+    codes = np.asarray(codes)
+    if codes.size == 0:
+        return np.empty(codes.shape, dtype=object)
+    u, inv = np.unique(codes, return_inverse=True)
+    full = len(cats) + 1  # (the list indexed: the categories, then "")
+    pos = np.where(u < 0, u + full, u)
+    if pos.min() < 0 or pos.max() >= full:
+        raise IndexError(f"code out of range for {len(cats)} categories")
+    missing = pos == len(cats)
+    lut = np.empty(len(u), dtype=object)
+    lut[missing] = ""
+    lut[~missing] = category_strings(cats.take(pos[~missing]))
+    return lut[inv.reshape(codes.shape)]
+
+
+def categories_with_prefix(cats: pd.Index, prefix: str) -> list[str]:
+    """``[s for s in category_strings(cats) if s.startswith(prefix)]``: over a large dictionary of strings by Arrow's
+    prefix test (on UTF-8 bytes: the same answer as str.startswith), turning only those found into str."""
+    if len(cats) > 64 and isinstance(cats.dtype, pd.StringDtype):
+        import pyarrow as pa
+        import pyarrow.compute as pc
+        arr = pa.array(cats.array)
+        if pa.types.is_string(arr.type) or pa.types.is_large_string(arr.type):
+            return category_strings(cats[pc.starts_with(arr, prefix).to_numpy(zero_copy_only=False)])
+    return [s for s in category_strings(cats) if s.startswith(prefix)]
+
+
 def isin(col: pd.Series, values: frozenset) -> np.ndarray:
+    """Whether each row's value is one of `values` (strs); missing values as "". Over a large dictionary of strings
+    (event names: one per profiler step in a trace of many short steps) by Arrow's hashed lookup of the whole
+    dictionary, not a Python test per distinct value."""
+    if isinstance(col.dtype, pd.CategoricalDtype):
+        cats = col.cat.categories
+        if len(cats) > 64 and isinstance(cats.dtype, pd.StringDtype) and all(type(v) is str for v in values):
+            lut = np.append(np.asarray(cats.isin(list(values)), dtype=bool), "" in values)
+            return lut.take(col.cat.codes.to_numpy())
     return map_strings(col, values.__contains__)
 
 
@@ -215,12 +323,26 @@ def positions(index: pd.Index, labels: np.ndarray) -> np.ndarray:
     return index.get_indexer(labels)
 
 
+_with_fill: dict[tuple[int, str], tuple[pd.Index, pd.Index]] = {}
+
+
 def take_strings(col: pd.Series, rows: np.ndarray, fill: str = "") -> pd.Categorical:
-    """Categorical of col's values at row labels `rows` (-1 -> fill), without materializing strings."""
+    """Categorical of col's values at row labels `rows` (-1 -> fill), without materializing strings. Where `fill` is
+    not a category it is appended, as the last: the categories with it are kept for the last few (categories, fill)
+    asked about and shared by the results (each new Index hashed all its values again, in get_loc and in the
+    categorical's check that they are unique: ~0.1 s a call for the 800,000 event names of a 2 GB trace of short
+    steps, and a copy of the names each)."""
     cats = col.cat.categories
-    if fill not in cats:
-        cats = cats.append(pd.Index([fill]))
-    fill_code = cats.get_loc(fill)
+    if fill in cats:
+        fill_code = cats.get_loc(fill)
+    else:
+        hit = _with_fill.get((id(cats), fill))
+        if hit is None or hit[0] is not cats:
+            hit = (cats, cats.append(pd.Index([fill])))
+            if len(_with_fill) >= 4:
+                _with_fill.pop(next(iter(_with_fill)))
+            _with_fill[(id(cats), fill)] = hit
+        cats, fill_code = hit[1], len(cats)
     code_t = np.int32 if len(cats) < 2**31 else np.int64
     codes = np.full(len(rows), fill_code, dtype=code_t)
     ok = rows >= 0

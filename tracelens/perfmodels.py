@@ -933,6 +933,12 @@ def has_model(name: str) -> bool:
     return canonical_name(name)[0] in MODELS
 
 
+def has_model_on_markers() -> dict:
+    """`categories.map_strings`' keyword for has_model: on a step marker "ProfilerStep#N" (no '.', no '_out' end)
+    canonical_name is the name itself, so has_model is False on every marker unless MODELS names one."""
+    return {} if any(k.startswith("ProfilerStep#") for k in MODELS) else {"on_markers": False}
+
+
 def model(name: str, input_dims: Any = "", input_types: Any = "", concrete_inputs: Any = "",
           input_strides: Any = "") -> Result:
     """FLOPs and bytes of one op call from its recorded arguments (JSON text as in the trace, or

@@ -134,8 +134,7 @@ def build_tree(events: pd.DataFrame, leading: int | None = None) -> pd.DataFrame
     kind = host["kind"].to_numpy()
     names = host["name"]
     name_codes = names.cat.codes.to_numpy()  # (int16 / int32, as the categorical keeps them)
-    name_uniques = list(names.cat.categories.astype(str)) + [""]  # code -1 -> ""
-    step_number = C.map_strings(names, _step_number, dtype=np.int64)
+    step_number = C.map_strings(names, _step_number, dtype=np.int64, on_markers=C.STEP_NUMBER)
     is_step = (step_number >= 0) & (kind == KIND_ANNOTATION)
     step_col = _narrowest_id_type(np.where(is_step, step_number, -1))  # (the `step` column, set at the end)
     del step_number
@@ -220,8 +219,9 @@ def build_tree(events: pd.DataFrame, leading: int | None = None) -> pd.DataFrame
         return out
 
     path_str = [""] * len(path_parent)
+    path_names = C.decode_codes(names.cat.categories, path_name).tolist()  # (code -1: ""; only the names used)
     for pid_ in range(1, len(path_parent)):
-        nm = name_uniques[path_name[pid_]]
+        nm = path_names[pid_]
         if nm.startswith(_MODULE_PREFIX):
             nm = nm[len(_MODULE_PREFIX):]
         pp = path_parent[pid_]
@@ -766,9 +766,7 @@ def _first_match(keys: np.ndarray, queries: np.ndarray) -> np.ndarray:
     return np.where(found, pos, -1)
 
 
-def _step_number(name: str) -> int:
-    m = C.STEP_RE.match(name)
-    return int(m.group(1)) if m else -1
+_step_number = C.step_number
 
 
 def steps_table(tree: pd.DataFrame) -> pd.DataFrame:
@@ -779,8 +777,9 @@ def steps_table(tree: pd.DataFrame) -> pd.DataFrame:
     start = tree["ts"].to_numpy()[rows]
     end = start + tree["dur"].to_numpy()[rows]
     o = np.lexsort((start, rank))  # by rank, then start (stable, as sort_values on two columns)
-    seen: set = set()  # the first (rank, step) of each pair kept, as drop_duplicates (a few rows: steps)
-    keep = [i for i in o.tolist() if (k := (rank[i], step[i])) not in seen and not seen.add(k)]
+    # the first (rank, step) of each pair kept, as drop_duplicates (hashed over whole columns: a trace of many short
+    # steps has tens of thousands)
+    keep = o[~pd.MultiIndex.from_arrays([rank[o], step[o]]).duplicated(keep="first")]
     return pd.DataFrame({"rank": rank[keep], "step": step[keep], "start": start[keep], "end": end[keep]})
 
 

@@ -57,6 +57,19 @@ CHECKS: dict[str, str] = {
 # hundreds without one), so their absence proves nothing
 _LAUNCH_RE = re.compile(r"LaunchKernel|LaunchCooperativeKernel|ModuleLaunchKernel|ExtLaunchKernel|cuLaunchKernel|"
                         r"GraphLaunch", re.IGNORECASE)
+
+
+def _is_launch(name: str) -> bool:
+    """A kernel-launch runtime call. False on every step marker "ProfilerStep#N" (`categories.map_strings`'
+    on_markers): each alternative of _LAUNCH_RE holds an 'a', which no marker has in any case."""
+    return bool(_LAUNCH_RE.search(name))
+
+
+def _is_p2p_name(name: str) -> bool:
+    """A point-to-point annotation ('nccl:send ...', 'nccl:recv ...'); False on every step marker."""
+    return name.startswith(("nccl:send", "nccl:recv"))
+
+
 _SEND_RE = re.compile(r"^nccl:send\s+(\d+)\s*->\s*(\d+)")
 _RECV_RE = re.compile(r"^nccl:recv\s+(\d+)\s*<-\s*(\d+)")
 _NOT_DONE = {"running", "incomplete", "failed", "killed", "crashed", "aborted", "interrupted", "started"}
@@ -233,7 +246,7 @@ def _self_rank_evidence(analysis) -> dict[int, set[int]]:
     ev = analysis.trace.events
     if ev.empty:
         return {}
-    is_p2p = C.map_strings(ev["name"], lambda s: s.startswith(("nccl:send", "nccl:recv")))
+    is_p2p = C.map_strings(ev["name"], _is_p2p_name, on_markers=False)
     sub = ev.loc[is_p2p, ["rank", "name"]]
     out: dict[int, set[int]] = {}
     for (rank, name), _ in sub.groupby(["rank", "name"], observed=True):
@@ -307,7 +320,7 @@ def _linking(analysis, add) -> None:
     sel = (tree["kind"].to_numpy() == 3) & (t_corr >= 0)
     if not sel.any():
         return
-    sel &= C.map_strings(tree["name"], lambda s: bool(_LAUNCH_RE.search(s)))
+    sel &= C.map_strings(tree["name"], _is_launch, on_markers=False)
     rows = np.flatnonzero(sel)
     del sel
     rt_rank = tree["rank"].to_numpy()[rows]

@@ -68,6 +68,9 @@ def _known(v: Any) -> bool:
 def _window_steps(a) -> list[int] | None:
     sw = getattr(a, "window", None)
     if sw is not None and getattr(sw, "restricts", False):
+        u = np.asarray(sw.used)
+        if u.ndim == 1 and u.dtype.kind == "i":  # (at once: a trace of many short steps has tens of thousands)
+            return u.tolist()
         return [int(s) for s in sw.used]
     return None
 

@@ -65,6 +65,18 @@ MAX_TIME_NS = 1 << 62  # 2116 in epoch ns: a start or end at or past it is not a
 MAX_STAGES = 1 << 16
 ACTION_COLUMNS = ("step", "rank", "pp_rank", "stage", "microbatch", "kind", "start_ns", "end_ns")
 RANGE_RE = re.compile(r"^pipeline/([FBW])/s(\d+)/mb(\d+)$")
+
+
+def _is_range_name(name: str) -> bool:
+    """A pipeline range name; False on every step marker "ProfilerStep#N" (RANGE_RE starts with 'pipeline/')."""
+    return bool(RANGE_RE.match(name))
+
+
+def _is_step_name(name: str) -> bool:
+    """A profiler-step name (STEP_RE); True on every step marker "ProfilerStep#N" (`categories.step_marker_numbers`)."""
+    return bool(C.STEP_RE.match(name))
+
+
 # A stage is flagged when its time per microbatch is at least this many times the mean of all stages.
 IMBALANCE_THRESHOLD = 1.10
 # The module kind of each piece of the layout grammar (`moespec.layout.PIECES`, Megatron's "Et|tt|tt|tL"):
@@ -259,7 +271,7 @@ def actions_from_trace(trace) -> pd.DataFrame:
     if ev.empty:
         return _empty_actions()
     is_ann = C.isin(ev["cat"], frozenset({"user_annotation", "gpu_user_annotation"}))
-    is_pipe = C.map_strings(ev["name"], lambda s: bool(RANGE_RE.match(s)))
+    is_pipe = C.map_strings(ev["name"], _is_range_name, on_markers=False)
     sel = ev.loc[is_ann & is_pipe, ["rank", "cat", "name", "ts", "dur"]]
     if sel.empty:
         return _empty_actions()
@@ -290,7 +302,7 @@ def actions_from_trace(trace) -> pd.DataFrame:
     df = df.groupby(["rank", "name", "occ"], as_index=False, sort=False).agg(
         kind=("kind", "first"), stage=("stage", "first"), microbatch=("microbatch", "first"),
         start_ns=("start_ns", "min"), end_ns=("end_ns", "max"))
-    step_names = C.map_strings(ev["name"], lambda s: bool(C.STEP_RE.match(s))) & C.isin(ev["cat"], C.ANNOTATION_CATS)
+    step_names = C.map_strings(ev["name"], _is_step_name, on_markers=True) & C.isin(ev["cat"], C.ANNOTATION_CATS)
     markers = ev.loc[step_names, ["rank", "name", "ts"]]
     step_no: dict[int, list[int]] = {}
     for r, mk in markers.groupby("rank"):
@@ -1624,7 +1636,7 @@ def has_pipeline_data(trace) -> bool:
     names = ev["name"]
     if not isinstance(names.dtype, pd.CategoricalDtype):
         return True
-    return any(RANGE_RE.match(c) for c in names.cat.categories.astype(str))
+    return any(RANGE_RE.match(c) for c in C.categories_with_prefix(names.cat.categories, "pipeline/"))  # (RANGE_RE: ^pipeline/)
 
 
 def pipeline_for_trace(trace) -> PipelineAnalysis | None:

@@ -174,7 +174,8 @@ def _owner_rows(tree: pd.DataFrame, op_rows: np.ndarray) -> tuple[np.ndarray, np
     """
     labels = tree.index
     pos_of = lambda lab: C.positions(labels, lab)  # noqa: E731
-    modeled = C.map_strings(tree["name"], perfmodels.has_model) & (tree["kind"].to_numpy() == calltree.KIND_OP)
+    modeled = C.map_strings(tree["name"], perfmodels.has_model, **perfmodels.has_model_on_markers()) & (
+        tree["kind"].to_numpy() == calltree.KIND_OP)
     parent = tree["parent"].to_numpy()
     inner = tree["inner_op"].to_numpy()
     # parent op of each row: the innermost op enclosing its parent

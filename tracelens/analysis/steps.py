@@ -252,7 +252,7 @@ class StepWindow:
         if self.mode == ALL:
             return f"whole profiled window: every step ({_ranges(self.steps)}) and the events between them"
         text = f"steady-state steps {_ranges(self.used)} of {_ranges(self.steps)}"
-        used = {int(u) for u in self.used}  # (a set: a list lookup per excluded step is quadratic)
+        used = {int(u) for u in self.used} if self.excluded else set()  # (a set: a list lookup per excluded step is quadratic)
         left = [e for e in self.excluded if int(e["step"]) not in used]
         if left:
             text += "; excluded " + "; ".join(f"step {e['step']} ({REASON_TEXT.get(e['reason'], e['reason'])}: "
@@ -265,7 +265,7 @@ class StepWindow:
         return text
 
     def to_dict(self) -> dict:
-        used = {int(u) for u in self.used}
+        used = {int(u) for u in self.used} if self.excluded else set()  # (read per excluded step only)
         return {
             "mode": self.mode,
             "steps": [int(s) for s in self.steps],
@@ -281,19 +281,61 @@ class StepWindow:
         }
 
 
+def _sorted_ints(values) -> list[int]:
+    """``sorted(int(v) for v in values)``, at once for an integer array."""
+    a = np.asarray(values)
+    if a.ndim == 1 and (a.dtype.kind == "i" or (a.dtype.kind == "u" and a.dtype.itemsize < 8)):
+        return np.sort(a).tolist()
+    return sorted(int(v) for v in values)
+
+
+def _empty_steps(steps: pd.DataFrame, ops_per: pd.Series) -> list[tuple[int, int]]:
+    """(rank, step) of the steps in which a rank ran no op (`ops_per`: ops per (rank, step), absent: none) while some
+    other step of it did: ranks ascending, each rank's steps once, in the order of their first row. Whole columns at
+    once (a trace of many short steps has tens of thousands of them), not a dict lookup per (rank, step)."""
+    if steps.empty or len(ops_per) == 0:
+        return []
+    r = steps["rank"].to_numpy().astype(np.int64)
+    s = steps["step"].to_numpy().astype(np.int64)
+    o_r, o_s = (ops_per.index.get_level_values(i).to_numpy().astype(np.int64) for i in (0, 1))
+    n = ops_per.to_numpy().astype(np.int64)
+    r0, s0 = min(int(r.min()), int(o_r.min())), min(int(s.min()), int(o_s.min()))
+    span = max(int(s.max()), int(o_s.max())) - s0 + 1
+    if (max(int(r.max()), int(o_r.max())) - r0 + 1) * span < 2**62:  # (rank, step) as one int64 key
+        key, o_key = (r - r0) * span + (s - s0), (o_r - r0) * span + (o_s - s0)
+        u, at = np.unique(o_key[::-1], return_index=True)  # (a key given twice: the last count, as a dict of items)
+        n_u = n[::-1][at]
+        pos = np.minimum(np.searchsorted(u, key), max(len(u) - 1, 0))
+        count = np.where(u[pos] == key, n_u[pos], 0)
+        first = np.zeros(len(key), dtype=bool)
+        first[np.unique(key, return_index=True)[1]] = True
+    else:
+        keys = pd.MultiIndex.from_arrays([o_r, o_s])
+        last = ~keys.duplicated(keep="last")
+        pos = keys[last].get_indexer(pd.MultiIndex.from_arrays([r, s]))
+        count = np.where(pos >= 0, n[last][np.maximum(pos, 0)], 0)
+        first = ~pd.MultiIndex.from_arrays([r, s]).duplicated(keep="first")
+    busy_ranks = np.unique(r[count != 0])
+    pick = (count == 0) & np.isin(r, busy_ranks)
+    pick &= first
+    rows = np.flatnonzero(pick)
+    rows = rows[np.argsort(r[rows], kind="stable")]
+    return list(zip(r[rows].tolist(), s[rows].tolist()))
+
+
 def _ranges(xs) -> str:
-    xs = sorted(int(x) for x in xs)
-    if not xs:
+    """Sorted integers as runs of consecutive ones: "1-3, 5, 7-8" (a number given twice ends a run). Whole arrays
+    at once: a trace of many short steps has tens of thousands."""
+    a = np.asarray(xs)
+    if not (a.dtype.kind == "i" or (a.dtype.kind == "u" and a.dtype.itemsize < 8)) or a.ndim != 1:
+        a = np.asarray([int(x) for x in xs], dtype=np.int64)  # (other values: as int() reads them)
+    xs = np.sort(a.astype(np.int64))
+    if not len(xs):
         return "none"
-    out, lo, prev = [], xs[0], xs[0]
-    for x in xs[1:] + [None]:
-        if x is not None and x == prev + 1:
-            prev = x
-            continue
-        out.append(str(lo) if lo == prev else f"{lo}-{prev}")
-        if x is not None:
-            lo = prev = x
-    return ", ".join(out)
+    brk = np.flatnonzero(np.diff(xs) != 1)  # a run ends at brk, the next starts at brk + 1
+    lo = np.r_[xs[0], xs[brk + 1]].tolist()
+    hi = np.r_[xs[brk], xs[-1]].tolist()
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in zip(lo, hi))
 
 
 def run_manifest(trace) -> dict | None:
@@ -402,7 +444,7 @@ def step_window(trace, tree: pd.DataFrame, gpu: pd.DataFrame, steps: pd.DataFram
     """Classify the marked profiler steps (see the comment above) and pick the ones the views use."""
     if mode not in (STEADY, ALL):
         raise ValueError(f"window must be {STEADY!r} or {ALL!r}, got {mode!r}")
-    all_steps = sorted(int(s) for s in steps["step"].unique()) if not steps.empty else []
+    all_steps = _sorted_ints(steps["step"].unique()) if not steps.empty else []
     # (the GPU events launched outside every step, counted on two columns: not a copy of the GPU table's rows)
     outside = gpu["step"].to_numpy() < 0 if not gpu.empty and all_steps else np.zeros(0, dtype=bool)
     n_out = int(np.count_nonzero(outside))
@@ -448,13 +490,8 @@ def classify_steps(sw: StepWindow, steps: pd.DataFrame, waits: pd.DataFrame, ops
         missing = sorted(set(ranks_with_steps) - set(int(r) for r in g["rank"]))
         if missing:
             add(step, "missing_ranks", missing, f"not marked on rank(s) {', '.join(map(str, missing))}")
-    n_ops = {(int(r), int(s)): int(n) for (r, s), n in ops_per.items()}
-    for r, g in steps.groupby("rank"):
-        counts = {s: n_ops.get((int(r), s), 0) for s in g["step"].astype(np.int64).tolist()}
-        if any(counts.values()):
-            for s, n in counts.items():
-                if n == 0:
-                    add(s, "empty", [r], f"rank {r} ran no op in it while its other steps did")
+    for r, s in _empty_steps(steps, ops_per):
+        add(s, "empty", [r], f"rank {r} ran no op in it while its other steps did")
     for s, (reason, detail) in manifest_step_roles(manifest).items():
         if s in all_steps:
             add(s, reason, ranks_with_steps, detail)

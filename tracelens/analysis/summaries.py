@@ -116,8 +116,7 @@ def _per_row(gpu: pd.DataFrame, col: str, rows: np.ndarray) -> tuple[np.ndarray,
 
 
 def _decode_codes(codes: np.ndarray, col: pd.Series) -> np.ndarray:
-    cats = np.asarray(list(col.cat.categories.astype(str)) + [""], dtype=object)
-    return cats[codes]
+    return C.decode_codes(col.cat.categories, codes)
 
 
 def kernel_summary(gpu: pd.DataFrame, busy_ns: float) -> pd.DataFrame:
@@ -303,7 +302,7 @@ def _groups(frame: pd.DataFrame, keys: list[str]) -> tuple[np.ndarray, np.ndarra
         col = frame[k]
         if isinstance(col.dtype, pd.CategoricalDtype):
             codes.append(col.cat.codes.to_numpy())
-            labels.append(np.array(C.category_strings(col.cat.categories), dtype=object))
+            labels.append(C.category_values(col.cat.categories, codes[-1]))  # (the values the codes use)
         else:
             c, uniques = pd.factorize(col.to_numpy())
             codes.append(c)

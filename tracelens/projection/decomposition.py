@@ -185,9 +185,13 @@ def _steady_step(analysis, rank: int) -> int | None:
     sw = getattr(analysis, "window", None)
     if sw is None or not sw.restricts or not sw.used:
         return None
-    used = {int(s) for s in sw.used}
     st = analysis.steps[analysis.steps["rank"] == rank]
-    have = [int(s) for s in st["step"] if int(s) in used]
+    sv = st["step"].to_numpy()
+    if sv.dtype.kind == "i":  # (whole columns: a trace of many short steps has tens of thousands)
+        have = sv[np.isin(sv, np.asarray(sw.used, dtype=np.int64))].tolist()
+    else:
+        used = {int(s) for s in sw.used}
+        have = [int(s) for s in st["step"] if int(s) in used]
     if not have:
         return None
     g = analysis.gpu
