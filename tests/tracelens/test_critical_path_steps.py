@@ -87,3 +87,33 @@ def test_steps_by_rank_sparse_keys():
         have = CP._steps_by_rank(gpu)
         assert {r: set(v.tolist()) for r, v in have.items()} == _steps_by_rank_ref(gpu)
         assert list(have) == sorted(have)
+
+
+def test_rank_lists_are_each_steps_ranks_in_order_shared_between_equal_sets():
+    from tracelens.analysis.critical_path import _rank_lists
+
+    rng = np.random.default_rng(4)
+    for n_ranks in (1, 3, 63, 64, 70):
+        rank_ids = np.sort(rng.choice(1000, n_ranks, replace=False)).astype(np.int64)
+        n_steps = 50
+        pairs = sorted({(int(s), int(r)) for s, r in zip(rng.integers(0, n_steps, 300), rng.integers(0, n_ranks, 300))})
+        on = np.array([s * n_ranks + r for s, r in pairs], dtype=np.int64)
+        on_at = np.searchsorted(on // n_ranks, np.arange(n_steps + 1))
+        want = [[int(rank_ids[r]) for s, r in pairs if s == k] for k in range(n_steps)]  # the old per-step slices
+        got = _rank_lists(on, on_at, rank_ids)
+        assert [list(x) for x in got] == want and all(type(x) is list for x in got)
+        same = {}
+        for x in got:  # equal sets are one list object
+            assert same.setdefault(tuple(x), id(x)) == id(x)
+    assert len(_rank_lists(np.zeros(0, np.int64), np.zeros(1, np.int64), np.zeros(0, np.int64))) == 0
+
+
+def test_codes_of_a_large_dictionary_give_each_rows_string():
+    from tracelens.analysis.critical_path import _codes
+
+    names = [f"ProfilerStep#{i}" for i in range(10_000)] + ["aten::mm", ""]
+    rows = [names[i] for i in (5, 10_000, 10_000, 7, 10_001)] + [None]
+    col = pd.Series(pd.Categorical(rows, categories=names))
+    codes, strings = _codes(col)
+    assert [strings[c] for c in codes] == [r if r is not None else "" for r in rows]
+    assert strings[-1] == "" and len(strings) < 10  # only the used categories made strings

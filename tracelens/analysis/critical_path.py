@@ -468,11 +468,47 @@ _BEFORE = "before its first traced GPU work (the rank began the step late)"
 _WIDTH = 7
 
 
+def _rank_lists(on: np.ndarray, on_at: np.ndarray, rank_ids: np.ndarray) -> np.ndarray:
+    """Per step, the list of its ranks with time on the path (`on`: step * len(rank_ids) + the rank's index, sorted;
+    step k's entries at on_at[k]:on_at[k + 1]), as an object column whose steps with the same ranks share one list:
+    a list per step was 143 MB for the 800,000 steps of a 2 GB trace, for a handful of distinct sets."""
+    n_steps, n_ranks = len(on_at) - 1, max(len(rank_ids), 1)
+    out = np.empty(n_steps, dtype=object)
+    if not n_steps:
+        return out
+    idx = on % n_ranks
+    if n_ranks <= 63:  # each step's set as a bit mask, the distinct masks' lists made once
+        bits = np.zeros(n_steps, dtype=np.int64)
+        np.bitwise_or.at(bits, on // n_ranks, np.left_shift(np.int64(1), idx.astype(np.int64)))
+        masks, inv = np.unique(bits, return_inverse=True)
+        lists = np.empty(len(masks), dtype=object)
+        for j, m in enumerate(masks.tolist()):
+            lists[j] = [int(rank_ids[i]) for i in range(n_ranks) if m >> i & 1]
+        out[:] = lists[inv.reshape(-1)]
+        return out
+    shared: dict[tuple, list] = {}
+    ranks = rank_ids[idx].tolist()
+    for k, (a, b) in enumerate(zip(on_at[:-1].tolist(), on_at[1:].tolist())):
+        t = tuple(ranks[a:b])
+        out[k] = shared.setdefault(t, list(t))
+    return out
+
+
 def _codes(col: pd.Series) -> tuple[np.ndarray, list[str]]:
-    """A (categorical) string column as (int64 codes, their strings); a missing value is "" (the last string)."""
+    """A (categorical) string column as (int64 codes, their strings); a missing value is "" (the last string). Of a
+    large dictionary (the GPU events' names: one per profiler step in a trace of short steps) only the categories
+    used are made strings, the codes renumbered over them (65 MB of strings at 800,000 steps otherwise)."""
     if isinstance(col.dtype, pd.CategoricalDtype):
-        cats = C.category_strings(col.cat.categories)
         codes = col.cat.codes.to_numpy().astype(np.int64)
+        cats_index = col.cat.categories
+        if len(cats_index) > 4096:
+            used = np.flatnonzero(np.bincount(codes + 1, minlength=len(cats_index) + 1)[1:])
+            if len(used) * 4 < len(cats_index):
+                renum = np.full(len(cats_index), -1, dtype=np.int64)
+                renum[used] = np.arange(len(used))
+                codes = np.where(codes < 0, -1, renum[codes])
+                cats_index = cats_index.take(used)
+        cats = C.category_strings(cats_index)
     else:
         codes, uniq = pd.factorize(C.strings(col))
         codes, cats = codes.astype(np.int64), [str(c) for c in uniq]
@@ -658,7 +694,6 @@ def critical_path(gpu: pd.DataFrame, instances: pd.DataFrame, syncs: pd.DataFram
     rank_ids = np.unique(r_col)
     on = np.unique(blk[dur > 0] * len(rank_ids) + np.searchsorted(rank_ids, r_col[dur > 0]))
     on_at = np.searchsorted(on // max(len(rank_ids), 1), np.arange(len(start) + 1))
-    on_rank = rank_ids[on % max(len(rank_ids), 1)].tolist() if len(on) else []
     if steps:  # column by column (tens of thousands of steps on a trace of short ones), the values a row each gave
         # (every step walked is some rank's GPU step, checked above: in `ids`, at `at_step`)
         t0 = t0_of.astype(np.int64)[at_step]
@@ -666,7 +701,7 @@ def critical_path(gpu: pd.DataFrame, instances: pd.DataFrame, syncs: pd.DataFram
         step_frame = pd.DataFrame({
             "step": np.asarray(steps, dtype=np.int64), "start_ns": t0, "end_ns": t1, "span_ns": t1 - t0,
             "end_rank": np.asarray(end_rank, dtype=np.int64), "segments": size.astype(np.int64),
-            "hops": hops.astype(np.int64), "ranks": [on_rank[a:b] for a, b in zip(on_at[:-1].tolist(), on_at[1:].tolist())]},
+            "hops": hops.astype(np.int64), "ranks": _rank_lists(on, on_at, rank_ids)},
             columns=STEP_COLUMNS)
     else:
         step_frame = pd.DataFrame([], columns=STEP_COLUMNS)
