@@ -159,3 +159,14 @@ def test_empty_steps_wide_keys_and_negative_steps():
     steps2 = pd.DataFrame({"rank": [5, 5, 3, 3], "step": [-1, 0, 0, 1]})
     ops2 = pd.Series([2, 0], index=pd.MultiIndex.from_arrays([[5, 3], [-1, 1]]))
     assert S._empty_steps(steps2, ops2) == _empty_ref(steps2, ops2)
+
+
+def test_window_events_is_the_table_itself_when_every_event_is_in_a_used_step():
+    gpu = pd.DataFrame({"step": [1, 1, 2, 3, -1], "ts": [0, 1, 2, 3, 4]})
+    sw = S.StepWindow(mode="steady", steps=[1, 2, 3], used=[1, 2, 3], excluded=[])
+    assert S.window_events(gpu, sw).equals(gpu[gpu["step"].isin([1, 2, 3])])  # step -1: outside every step
+    inside = gpu[gpu["step"] >= 1].reset_index(drop=True)
+    assert S.window_events(inside, sw) is inside  # no copy of a table the window keeps whole
+    some = S.StepWindow(mode="steady", steps=[1, 2, 3], used=[2, 3], excluded=[{"step": 1, "reason": "warmup"}])
+    got = S.window_events(inside, some)
+    assert got["step"].tolist() == [2, 3] and got is not inside

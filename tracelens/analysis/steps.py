@@ -520,7 +520,10 @@ def window_events(gpu: pd.DataFrame, sw: StepWindow) -> pd.DataFrame:
     `timeline.gpu_timeline(..., cuts=)` and `clip_durations`)."""
     if not sw.restricts or gpu.empty:
         return gpu
-    return gpu[gpu["step"].isin(sw.used).to_numpy()]
+    keep = gpu["step"].isin(sw.used).to_numpy()
+    # every event in the used steps (a trace whose steps are all steady): the table itself, not a copy of each column
+    # (~260 MB for the 800,000 GPU events of a 2 GB trace of short steps)
+    return gpu if keep.all() else gpu[keep]
 
 
 def clip_durations(gpu: pd.DataFrame, cuts: dict) -> pd.DataFrame:
