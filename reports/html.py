@@ -12,6 +12,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pandas as pd
 
 from tracelens.analyzer import Analysis
@@ -190,6 +191,22 @@ def chain_parts(a: Analysis) -> dict[str, Any]:
             "health": _health_context(a)}
 
 
+LIST_STEPS_UP_TO = 100  # the overview lists this many profiler steps one by one; more as runs ("1-799041")
+
+
+def _step_list(steps) -> str:
+    """The overview's profiler steps: each one up to LIST_STEPS_UP_TO of them, else as runs of consecutive steps (a
+    trace of 800,000 short steps listed them all: 5 MB of the page)."""
+    from tracelens.analysis.steps import _ranges
+
+    steps = np.sort(np.asarray(steps).astype(np.int64))
+    if not len(steps):
+        return "not marked"
+    if len(steps) > LIST_STEPS_UP_TO:
+        return _ranges(steps)
+    return ", ".join(map(str, steps.tolist()))
+
+
 def render(analysis: Analysis, title: str | None = None, parts: dict[str, Any] | None = None,
            chain: dict[str, Any] | None = None) -> str:
     """report.html's text. parts: `page_parts(analysis)` built elsewhere (built here when None); chain:
@@ -206,7 +223,7 @@ def render(analysis: Analysis, title: str | None = None, parts: dict[str, Any] |
         ("devices", ", ".join(devices) or "–"),
         ("files", "; ".join(r.path for r in trace.ranks[:8]) + (" …" if len(trace.ranks) > 8 else "")),
         ("events", f"{len(trace.events):,} timed, {len(a.gpu):,} on GPU"),
-        ("profiler steps", ", ".join(str(s) for s in sorted(a.steps["step"].unique().tolist())) or "not marked"),
+        ("profiler steps", _step_list(a.steps["step"].unique())),
         ("figures over", a.window.describe() if getattr(a, "window", None) is not None else "whole profiled window"),
     ]
     figures: dict[str, Any] = dict(p["figures"])

@@ -170,3 +170,14 @@ def test_window_events_is_the_table_itself_when_every_event_is_in_a_used_step():
     some = S.StepWindow(mode="steady", steps=[1, 2, 3], used=[2, 3], excluded=[{"step": 1, "reason": "warmup"}])
     got = S.window_events(inside, some)
     assert got["step"].tolist() == [2, 3] and got is not inside
+
+
+def test_the_reports_step_list_is_each_step_up_to_the_limit_then_runs():
+    from reports.html import LIST_STEPS_UP_TO, _step_list
+
+    assert _step_list(np.array([3, 1, 2, 7])) == "1, 2, 3, 7"
+    assert _step_list(np.array([], dtype=np.int64)) == "not marked"
+    many = np.r_[np.arange(1, LIST_STEPS_UP_TO + 5), [500, 502]]
+    assert _step_list(many) == f"1-{LIST_STEPS_UP_TO + 4}, 500, 502"
+    few = np.arange(LIST_STEPS_UP_TO)
+    assert _step_list(few) == ", ".join(str(s) for s in range(LIST_STEPS_UP_TO))  # as before, one by one
