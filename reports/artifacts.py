@@ -172,37 +172,48 @@ def _shared_jobs(analysis: Analysis, report: bool, tables: bool) -> list[Job]:
         ([("table", name) for name in analysis.base_tables()] if tables else [])
 
 
-def _job(analysis: Analysis, job: Job) -> Any:
+def _job(analysis: Analysis, job: Job, tables_dir: Path | None) -> Any:
+    """A page's table (its HTML), or a table's files written into `tables_dir` (their names)."""
     kind, key = job
     if kind == "page":
         return base_table_html(analysis, key)
-    return table_files(analysis, tables={key: analysis.base_tables()[key]})
+    return _write_files(table_files(analysis, tables={key: analysis.base_tables()[key]}), tables_dir)
 
 
-def _take_jobs(analysis: Analysis, jobs: list[Job], shared: Shared) -> dict[Job, Any]:
+def _write_files(files: dict[str, bytes], tables_dir: Path | None) -> list[str]:
+    """`files` written into `tables_dir` (the staging directory's tables/, which either process of the summary's
+    fork writes: a child's tables never travel back through the pipe: ~150 MB of bytes pickled, read and held by
+    the parent at 2 GB of short steps); their names."""
+    for name, data in files.items():
+        (tables_dir / name).write_bytes(data)
+    return list(files)
+
+
+def _take_jobs(analysis: Analysis, jobs: list[Job], shared: Shared, tables_dir: Path | None) -> dict[Job, Any]:
     """The jobs this process takes until none is left, with their outputs."""
     done = {}
     while (j := shared.take()) is not None:
-        done[jobs[j]] = _job(analysis, jobs[j])
+        done[jobs[j]] = _job(analysis, jobs[j], tables_dir)
     return done
 
 
-def _outputs(analysis: Analysis, report: bool, tables: bool, jobs: list[Job],
-             shared: Shared) -> tuple[dict[str, Any] | None, dict[str, bytes] | None, dict[Job, Any]]:
+def _outputs(analysis: Analysis, report: bool, tables: bool, jobs: list[Job], shared: Shared,
+             tables_dir: Path | None) -> tuple[dict[str, Any] | None, list[str] | None, dict[Job, Any]]:
     """What `write_all` has built beside the summary (`Analysis.summary_with`): the page's parts that read only
     the base tables and the offloaded entries, and the files of the tables that are no base table (the roofline's,
     the pipeline's); then the shared jobs it takes."""
     base = analysis.base_tables()
     parts = page_parts(analysis, leave_out=BASE_TABLE_HTML) if report else None
-    files = table_files(analysis, tables={k: v for k, v in analysis.tables().items() if k not in base}) \
-        if tables else None
-    return parts, files, _take_jobs(analysis, jobs, shared)
+    files = _write_files(table_files(analysis, tables={k: v for k, v in analysis.tables().items() if k not in base}),
+                         tables_dir) if tables else None
+    return parts, files, _take_jobs(analysis, jobs, shared, tables_dir)
 
 
-def _here(analysis: Analysis, report: bool, jobs: list[Job], shared: Shared) -> tuple[dict[str, Any] | None, dict[Job, Any]]:
+def _here(analysis: Analysis, report: bool, jobs: list[Job], shared: Shared,
+          tables_dir: Path | None) -> tuple[dict[str, Any] | None, dict[Job, Any]]:
     """What the parent builds after the summary's chain, before it waits for the child: the page's sections of the
     chain's results, then the shared jobs it takes."""
-    return (chain_parts(analysis) if report else None), _take_jobs(analysis, jobs, shared)
+    return (chain_parts(analysis) if report else None), _take_jobs(analysis, jobs, shared, tables_dir)
 
 
 def _import_for_both(report: bool, tables: bool) -> None:
@@ -231,43 +242,45 @@ def _write_error(out: Path, e: OSError) -> TraceError:
 def write_all(analysis: Analysis, out: str | os.PathLike, *, report: bool = True, tables: bool = True,
               title: str | None = None) -> dict[str, Path]:
     out = Path(out)
-    # everything that can fail (the analysis' own summary, the HTML, the tables) runs before any write. The
-    # tables' files and the parts of the page that do not wait for the summary's longest chain (the critical path,
-    # the findings, the MoE view) are built beside it, on a second CPU where there is one (tracelens.offload)
-    if isinstance(analysis, Analysis):
-        # the page's sections of the chain's results are built after the chain, before waiting for the child; the
-        # outputs of the base tables alone by whichever side is free first
-        _import_for_both(report, tables)
-        jobs = _shared_jobs(analysis, report, tables)
-        shared = Shared(len(jobs))
-        summary, (parts, files, done), (chain, done_here) = analysis.summary_with(
-            partial(_outputs, report=report, tables=tables, jobs=jobs, shared=shared),
-            partial(_here, report=report, jobs=jobs, shared=shared), columnar=True)
-        done.update(done_here)
-        for job in jobs:  # taken by a child whose result never came (the parent then built the rest itself)
-            if job not in done:
-                done[job] = _job(analysis, job)
-        if report:
-            parts.update({key: done[("page", key)] for key in BASE_TABLE_HTML})
-        if tables:  # in the order of Analysis.tables
-            files = {**{f: b for name in analysis.base_tables() for f, b in done[("table", name)].items()}, **files}
-    else:  # the many-rank path's result (tracelens.scale): its own summary, no report
-        summary, parts, files, chain = analysis.summary(columnar=True), None, None, None
-    summary_text = summary_json_parts(summary)
-    del summary
-    html = render(analysis, title, parts, chain) if report else None
+    # everything is written into a staging directory inside `out`, then moved into place (the tables first,
+    # summary.json and report.html last): anything that fails (the analysis' own summary, the HTML, a write) leaves
+    # `out` as it was. The tables' files and the parts of the page that do not wait for the summary's longest chain
+    # (the critical path, the findings, the MoE view) are built beside it, on a second CPU where there is one
+    # (tracelens.offload); either process writes the tables' files into the staging directory
+    made = not out.exists()
     try:
         out.mkdir(parents=True, exist_ok=True)
         stage = Path(tempfile.mkdtemp(dir=out, prefix=".tracelens-staging-"))
     except OSError as e:
         raise _write_error(out, e) from None
+    tables_dir = stage / "tables" if tables else None
     try:
+        if tables_dir is not None:
+            tables_dir.mkdir()
+        if isinstance(analysis, Analysis):
+            # the page's sections of the chain's results are built after the chain, before waiting for the child;
+            # the outputs of the base tables alone by whichever side is free first
+            _import_for_both(report, tables)
+            jobs = _shared_jobs(analysis, report, tables)
+            shared = Shared(len(jobs))
+            summary, (parts, _, done), (chain, done_here) = analysis.summary_with(
+                partial(_outputs, report=report, tables=tables, jobs=jobs, shared=shared, tables_dir=tables_dir),
+                partial(_here, report=report, jobs=jobs, shared=shared, tables_dir=tables_dir), columnar=True)
+            done.update(done_here)
+            for job in jobs:  # taken by a child whose result never came (the parent then built the rest itself)
+                if job not in done:
+                    done[job] = _job(analysis, job, tables_dir)
+            if report:
+                parts.update({key: done[("page", key)] for key in BASE_TABLE_HTML})
+        else:  # the many-rank path's result (tracelens.scale): its own summary, no report
+            summary, parts, chain = analysis.summary(columnar=True), None, None
+            if tables_dir is not None:
+                _write_files(table_files(analysis), tables_dir)
+        summary_text = summary_json_parts(summary)
+        del summary
+        html = render(analysis, title, parts, chain) if report else None
         with open(stage / "summary.json", "w", encoding="utf-8") as f:
             f.writelines(summary_text)
-        if tables:
-            (stage / "tables").mkdir()
-            for name, data in (files if files is not None else table_files(analysis)).items():
-                (stage / "tables" / name).write_bytes(data)
         if html is not None:
             (stage / "report.html").write_text(html, encoding="utf-8")
         # commit: the tables first, summary.json and report.html last (a reader polling for
@@ -287,4 +300,10 @@ def write_all(analysis: Analysis, out: str | os.PathLike, *, report: bool = True
         raise _write_error(out, e) from None
     finally:
         shutil.rmtree(stage, ignore_errors=True)
+        if made:  # (made here for outputs that never came: not left behind empty)
+            try:
+                if not any(out.iterdir()):
+                    out.rmdir()
+            except OSError:
+                pass
     return {k: paths[k] for k in ("summary", "tables", "report") if k in paths}

@@ -519,3 +519,23 @@ def test_read_only_output_dir_is_one_line_error(tmp_path, monkeypatch):
         artifacts.write_all(a, tmp_path / "ro", report=False)
     assert "Permission denied" in str(ei.value) and str(tmp_path / "ro") in str(ei.value)
     assert not any((tmp_path / "ro").iterdir())
+
+
+def test_a_failed_analysis_leaves_no_output_directory_behind(tmp_path, monkeypatch):
+    from reports.artifacts import write_all
+    from tracelens.analyzer import Analysis
+
+    a = tracelens.analyze(tracelens.load(NCCL_2RANK, cache=False))
+
+    def broken(self, *args, **kw):
+        raise RuntimeError("the summary fails")
+
+    monkeypatch.setattr(Analysis, "summary_with", broken)
+    with pytest.raises(RuntimeError, match="the summary fails"):
+        write_all(a, tmp_path / "fresh" / "out")
+    assert not (tmp_path / "fresh" / "out").exists()  # made for the outputs, removed with them
+    (tmp_path / "kept").mkdir()
+    (tmp_path / "kept" / "summary.json").write_text("{}")
+    with pytest.raises(RuntimeError):
+        write_all(a, tmp_path / "kept")
+    assert [p.name for p in (tmp_path / "kept").iterdir()] == ["summary.json"]  # a user's directory as it was

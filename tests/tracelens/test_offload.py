@@ -394,12 +394,13 @@ def test_outputs_when_the_child_took_shared_jobs_and_failed(monkeypatch, tmp_pat
         pytest.skip(f"{path} missing")
     real = A._outputs
 
-    def failing(analysis, report, tables, jobs, shared):
-        if offload._in_child:  # takes every shared job, then fails
-            while shared.take() is not None:
-                pass
+    def failing(analysis, report, tables, jobs, shared, tables_dir):
+        if offload._in_child:  # takes every shared job, writes part of each table's CSV it took, then fails
+            while (j := shared.take()) is not None:
+                if jobs[j][0] == "table":
+                    (tables_dir / f"{jobs[j][1]}.csv").write_bytes(b"part of a table the child never finished")
             raise RuntimeError("the child fails")
-        return real(analysis, report, tables, jobs, shared)
+        return real(analysis, report, tables, jobs, shared, tables_dir)
 
     want = parent_alone(path, files=True)["files"]
     monkeypatch.setenv("TRACELENS_OFFLOAD", "1")
