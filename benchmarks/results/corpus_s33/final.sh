@@ -10,9 +10,10 @@ export TRACELENS_CORPUS_EXTERNAL=$PWD/.whl/c31/ext
 python3 setup.py -q build_ext --inplace > $S/build.log 2>&1
 (cd bench_data/b33 && python3 setup.py -q build_ext --inplace > $S/build_before.log 2>&1)
 ROOT_OUT=$OUT
+mkdir -p $ROOT_OUT/big
+git log --oneline -1 > $ROOT_OUT/rev.txt 2>/dev/null
 (OUT=$ROOT_OUT/big K=${BIG:-a100_triton,h100_moe_mbs8} CPUS=6,7 TILE_CPUS=8-15 PHASES=1 \
   timeout ${LIMIT:-540} bash benchmarks/results/corpus_s33/big.sh > $S/big.log 2>&1) &
-mkdir -p $ROOT_OUT/big
 OUT=$ROOT_OUT/alone ONLY=${K:-b200_eager,mi300_sglang,v100_test,h100_owlv2} CPUS=2,3 REPEAT=${REPEAT:-3} \
   EXTRA="--compare-root bench_data/b33 --api-repeat 1" timeout ${LIMIT:-540} bash benchmarks/bench_corpus.sh > $S/log 2>&1
 wait
