@@ -23,7 +23,6 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Iterator, Sequence
-from itertools import chain
 from typing import Any
 
 import numpy as np
@@ -106,44 +105,68 @@ class Records(Sequence):
 
     def json_lines(self, indent: str = "") -> Iterator[str]:
         """The records' JSON text as a JSON array's items a line each: ``indent + json.JSONEncoder().encode(record)``
-        per record, the lines joined by ",\\n", in chunks (join the chunks with ",\\n" too). Each column's texts carry
-        their key (`"step": 5`; the first also the indent and "{", the last "}"), made once per distinct value where
-        the column repeats values, so that a record is one ", ".join of its columns' texts."""
+        per record, the lines joined by ",\\n", in chunks (join the chunks with ",\\n" too).
+
+        Per chunk, each column's text is made once per distinct value (`_distinct_texts`). A column that holds one
+        value in the chunk (most of a step table's: zeros, a constant span) is folded, key and value, into the
+        literal text between the columns that vary; each varying column's distinct texts carry the literal before
+        them (and the last one the closing brace), so a record is the "".join of its varying columns' texts: for
+        800,000 steps with only the step number varying, one string per record and no join."""
         keys = [_ENCODER.encode(k) + ": " for k in self.columns]
-        n_cols = len(keys)
         for lo in range(0, self._n, CHUNK):
             hi = min(self._n, lo + CHUNK)
-            if not n_cols:
-                yield ",\n".join([indent + "{}"] * (hi - lo))
+            lit = indent + "{"
+            varying: list[list] = []  # [the literal before, distinct texts, codes (None: a text per row), after]
+            for c, (key, v) in enumerate(zip(keys, self.columns.values())):
+                head = lit + (", " if c else "") + key
+                texts, codes = _distinct_texts(v[lo:hi])
+                if len(texts) == 1 and codes is not None:  # one value in this chunk: part of the literal
+                    lit = head + texts[0]
+                    continue
+                varying.append([head, texts, codes, ""])
+                lit = ""
+            if not varying:
+                yield ",\n".join([lit + "}"] * (hi - lo))
                 continue
-            texts = [_column_text(v[lo:hi], (indent + "{" if c == 0 else "") + key, "}" if c == n_cols - 1 else "")
-                     for c, (key, v) in enumerate(zip(keys, self.columns.values()))]
-            yield ",\n".join(map(", ".join, zip(*texts)))
+            varying[-1][3] = lit + "}"
+            cols = []
+            for head, texts, codes, tail in varying:
+                texts = [f"{head}{t}{tail}" for t in texts]  # (each distinct text once; every row's where all differ)
+                cols.append(np.asarray(texts, dtype=object)[codes].tolist() if codes is not None else texts)
+            yield ",\n".join(cols[0] if len(cols) == 1 else map("".join, zip(*cols)))
 
 
-def _column_text(v: Any, before: str = "", after: str = "") -> list[str]:
-    """The JSON text of each value of a column (part), as the json module writes it, between `before` and `after`:
-    each distinct value's text made once."""
+def _distinct_texts(v: Any) -> tuple[list[str], np.ndarray | None]:
+    """A column's (part's) values as the json module writes them: (the distinct values' texts, each row's index
+    into them), or (every row's text, None) where (nearly) every value is distinct."""
     if isinstance(v, list):
-        out = _object_text(v)
-        return [before + t + after for t in out] if before or after else out
+        return _object_text(v)
     kind = v.dtype.kind
     if kind == "b":
-        return np.where(v, before + "true" + after, before + "false" + after).tolist()
+        codes = v.astype(np.intp)
+        return ["false", "true"], codes
     import pandas as pd  # (imported by every caller already: summary.json is written after the analysis)
 
     codes, uniques = pd.factorize(v, use_na_sentinel=False)
     if kind != "f":
         if len(uniques) == len(v):  # (every value distinct, e.g. the step numbers: no take)
-            return [before + t + after for t in map(int.__repr__, v.tolist())]
-        return np.asarray([before + int.__repr__(x) + after for x in uniques.tolist()], dtype=object)[codes].tolist()
-    out = np.asarray([before + _float_text(x) + after for x in uniques.tolist()], dtype=object)[codes]
+            return list(map(int.__repr__, v.tolist())), None
+        return [int.__repr__(x) for x in uniques.tolist()], codes
+    texts = [_float_text(x) for x in uniques.tolist()]
     zero = v == 0
-    if zero.any():  # (the hash takes -0.0 and 0.0 for one value)
+    if zero.any():  # the hash takes -0.0 and 0.0 for one value: zeros get codes of their own sign's text
         neg = np.signbit(v)
-        out[zero & neg] = before + "-0.0" + after
-        out[zero & ~neg] = before + "0.0" + after
-    return out.tolist()
+        texts += ["0.0", "-0.0"]
+        codes = codes.copy()
+        codes[zero & ~neg] = len(texts) - 2
+        codes[zero & neg] = len(texts) - 1
+        used = np.unique(codes)
+        if len(used) < len(texts):  # (the hash's own zero entry, now unused: not counted as a distinct value)
+            remap = np.full(len(texts), -1, dtype=np.intp)
+            remap[used] = np.arange(len(used))
+            texts = [texts[k] for k in used.tolist()]
+            codes = remap[codes]
+    return texts, codes
 
 
 def _float_text(x: float) -> str:
@@ -154,12 +177,19 @@ def _float_text(x: float) -> str:
     return float.__repr__(x)
 
 
-def _object_text(values: list) -> list[str]:
-    """Each value's JSON text. A column of lists of ints (the critical path's ranks) is written by `repr`, which
-    gives a list of ints exactly as the json module does ("[0, 1]"); anything else value by value by the module."""
-    if all(type(x) is list for x in values) and set(map(type, chain.from_iterable(values))) <= {int}:
-        return list(map(list.__repr__, values))
-    return list(map(_ENCODER.encode, values))
+def _object_text(values: list) -> tuple[list[str], np.ndarray | None]:
+    """Each value's JSON text, as (distinct texts, codes): values that are one object (the critical path's steps
+    with the same ranks share one list) are encoded once. A list of ints is written by `repr`, which gives it
+    exactly as the json module does ("[0, 1]"); anything else by the module."""
+    import pandas as pd
+
+    n = len(values)
+    codes, _ = pd.factorize(np.fromiter(map(id, values), dtype=np.int64, count=n))  # (the objects are alive: ids
+    first = np.empty(int(codes.max()) + 1 if n else 0, dtype=np.int64)            # name one object each)
+    first[codes[::-1]] = np.arange(n - 1, -1, -1)  # each object's first row
+    texts = [list.__repr__(x) if type(x) is list and all(type(e) is int for e in x) else _ENCODER.encode(x)
+             for x in (values[k] for k in first.tolist())]
+    return texts, codes
 
 
 def plain(obj: Any) -> Any:

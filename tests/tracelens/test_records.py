@@ -161,3 +161,12 @@ def test_list_values_are_given_out_as_copies_and_int_lists_written_as_json():
     # a list holding a bool or a float is not a list of ints: the json module writes it (true, NaN)
     mixed = Records({"v": [[1, True], [float("nan")], [2**70]]})
     assert ",\n".join(mixed.json_lines()) == ",\n".join(json.JSONEncoder().encode(d) for d in mixed.to_list())
+
+
+def test_columns_of_one_value_fold_into_the_literal_and_zeros_keep_their_sign():
+    enc = json.JSONEncoder()
+    for cols in ({"a": np.zeros(5), "b": np.arange(5), "c": np.full(5, -0.0), "d": np.ones(5, dtype=bool)},
+                 {"z": np.array([0.0, -0.0, 0.0, -0.0]), "k": np.full(4, 7)},
+                 {"only": np.full(3, np.nan)}, {"x": np.array([-0.0, -0.0]), "y": np.array([0.0, 0.0])}):
+        r = Records(cols)
+        assert ",\n".join(r.json_lines("  ")) == ",\n".join("  " + enc.encode(d) for d in _reference_dicts(cols))
