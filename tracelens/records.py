@@ -193,11 +193,14 @@ def _object_text(values: list) -> tuple[list[str], np.ndarray | None]:
 
 
 def plain(obj: Any) -> Any:
-    """`obj` with every `Records` in it (in dicts and lists, at any depth) replaced by its list of dicts."""
+    """`obj` with every `Records` in it (in dicts and lists, at any depth) replaced by its list of dicts; a dict or
+    list with none inside is `obj`'s own object, not a copy (a summary's entries stay the analysis' own values)."""
     if isinstance(obj, Records):
         return obj.to_list()
     if isinstance(obj, dict):
-        return {k: plain(v) for k, v in obj.items()}
+        out = {k: plain(v) for k, v in obj.items()}
+        return obj if all(out[k] is v for k, v in obj.items()) else out
     if isinstance(obj, list):
-        return [plain(v) for v in obj]
+        out_l = [plain(v) for v in obj]
+        return obj if all(x is y for x, y in zip(out_l, obj)) else out_l
     return obj

@@ -46,6 +46,8 @@ def _same(a, b) -> bool:  # (equal, and -0.0 stays -0.0)
     if isinstance(a, list):
         return isinstance(b, list) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
     if isinstance(a, float):
+        if math.isnan(a):  # (a NaN inside a list value stays NaN)
+            return type(b) is float and math.isnan(b)
         return type(b) is float and a == b and math.copysign(1, a) == math.copysign(1, b)
     return type(a) is type(b) and a == b
 
@@ -170,3 +172,12 @@ def test_columns_of_one_value_fold_into_the_literal_and_zeros_keep_their_sign():
                  {"only": np.full(3, np.nan)}, {"x": np.array([-0.0, -0.0]), "y": np.array([0.0, 0.0])}):
         r = Records(cols)
         assert ",\n".join(r.json_lines("  ")) == ",\n".join("  " + enc.encode(d) for d in _reference_dicts(cols))
+
+
+def test_plain_copies_only_what_holds_records():
+    inner = {"a": [1, 2], "b": {"c": 3}}
+    doc = {"kept": inner, "steps": Records({"step": np.arange(2)}), "list": [inner, 4]}
+    out = plain(doc)
+    assert out["kept"] is inner and out["list"] is doc["list"]  # nothing inside to replace: the same objects
+    assert out["steps"] == [{"step": 0}, {"step": 1}] and type(out["steps"]) is list and out is not doc
+    assert plain(inner) is inner
