@@ -117,3 +117,14 @@ def test_codes_of_a_large_dictionary_give_each_rows_string():
     codes, strings = _codes(col)
     assert [strings[c] for c in codes] == [r if r is not None else "" for r in rows]
     assert strings[-1] == "" and len(strings) < 10  # only the used categories made strings
+
+
+def test_first_of_runs_is_np_unique_of_a_sorted_array():
+    from tracelens.analysis.critical_path import _first_of_runs
+
+    rng = np.random.default_rng(8)
+    for n in (0, 1, 2, 50, 5000):
+        v = np.sort(rng.integers(-5, 40, n))
+        want = np.unique(v, return_index=True)
+        got = _first_of_runs(v)
+        assert np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[1])

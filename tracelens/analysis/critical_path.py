@@ -301,6 +301,13 @@ def _cause(kind: np.ndarray, kinds: list[str], what: np.ndarray, whats: list[str
     return np.array([at[x] for x in per_pair], dtype=np.int64)[inv.reshape(-1)], labels
 
 
+def _first_of_runs(v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """`np.unique(v, return_index=True)` of a sorted array: each distinct value and where its run begins, by one
+    comparison of neighbours (np.unique sorts or hashes again: 0.1-0.2 s a call at 800,000 steps)."""
+    first = np.flatnonzero(np.r_[True, v[1:] != v[:-1]]) if len(v) else np.empty(0, dtype=np.intp)
+    return v[first], first
+
+
 def _unique_small(v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """`np.unique(v, return_inverse=True)` of small non-negative codes by a table instead of a sort (the path's
     segments: 10^5 to millions, a few dozen distinct codes)."""
@@ -653,14 +660,14 @@ def critical_path(gpu: pd.DataFrame, instances: pd.DataFrame, syncs: pd.DataFram
     # steps has tens of thousands)
     step_arr = gpu["step"].to_numpy()
     order = np.argsort(step_arr, kind="stable")
-    ids, first = np.unique(step_arr[order], return_index=True)
+    ids, first = _first_of_runs(step_arr[order])
     t0_of = np.minimum.reduceat(ts_arr[order], first)
     ends_in_order = end_arr[order]
     t1_of = np.maximum.reduceat(ends_in_order, first)
     # the row ending last: the first such row in table order, as np.argmax over the step's rows gives
     is_last = ends_in_order == np.repeat(t1_of, np.diff(np.append(first, len(order))))
     cand = np.flatnonzero(is_last)
-    last_of = order[cand[np.unique(np.searchsorted(first, cand, "right") - 1, return_index=True)[1]]]
+    last_of = order[cand[_first_of_runs(np.searchsorted(first, cand, "right") - 1)[1]]]
     at_step = np.searchsorted(ids, np.asarray(steps, dtype=ids.dtype))  # each walked step's position in `ids`
     launch = gpu["launch_ts"].to_numpy(np.int64) if "launch_ts" in gpu else np.full(len(gpu), -1, np.int64)
     walk_args = (ts_arr, end_arr, pred_k, launch, rank_idx, gpu["is_comm"].to_numpy().astype(np.int64), hit,
@@ -691,8 +698,8 @@ def critical_path(gpu: pd.DataFrame, instances: pd.DataFrame, syncs: pd.DataFram
     r_col, kind, dur = cols[0], cols[3], seg["dur_ns"].to_numpy()
     del cols
     hops = np.bincount(blk[(kind == _K["wait"]) & (dur == 0)], minlength=len(start))
-    rank_ids = np.unique(r_col)
-    on = np.unique(blk[dur > 0] * len(rank_ids) + np.searchsorted(rank_ids, r_col[dur > 0]))
+    rank_ids = _unique_small(r_col)[0]
+    on = _unique_small(blk[dur > 0] * len(rank_ids) + np.searchsorted(rank_ids, r_col[dur > 0]))[0]
     on_at = np.searchsorted(on // max(len(rank_ids), 1), np.arange(len(start) + 1))
     if steps:  # column by column (tens of thousands of steps on a trace of short ones), the values a row each gave
         # (every step walked is some rank's GPU step, checked above: in `ids`, at `at_step`)
