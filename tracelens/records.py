@@ -6,7 +6,8 @@ made those lists 1.6 million dicts of ~14 values: ~1.5 GB of Python objects and 
 encode record by record. `Records` keeps the columns (numpy arrays, or a list for values such as the critical
 path's rank lists) and gives out dicts only when asked (`to_list`, iteration); `json_lines` writes each record's
 JSON text as ``json.JSONEncoder().encode(record)`` would, from the columns: the text of each distinct value once,
-then one `str.format` per record, a chunk of records at a time (bounded memory).
+the columns of one value folded into the literal text between the others, a chunk of records at a time (bounded
+memory). The 2 GB trace's two lists: ~0.9 s on the dev machine, no dict made.
 
 The documented interface stays plain data: `Analysis.summary()` and the other summaries return lists of dicts
 (`plain`); only the program's own writer (`reports.artifacts.write_all`) asks for the columnar form.
