@@ -639,6 +639,7 @@ def critical_path(gpu: pd.DataFrame, instances: pd.DataFrame, syncs: pd.DataFram
         rank_ends.append(ends)
         rank_at.append(at.astype(np.int64))
         rank_sync.append(np.sort(s_end[s_rank == r]))  # sorted ends of the rank's blocking host syncs
+    mine = at = ends = None  # (a rank's arrays: on a trace of one rank, as long as the GPU table)
     # the matched comm kernels: per GPU row its index in the arrival tables (-1: none); per matched kernel its
     # instance's last arrival, the last rank, the family's `what` code (from 2) and the last rank's kernel (where a
     # hop lands). (Tables of the matched kernels only: per-row arrays of each would touch 3 x 8 bytes a GPU row.)
@@ -676,6 +677,9 @@ def critical_path(gpu: pd.DataFrame, instances: pd.DataFrame, syncs: pd.DataFram
                  t0_of[at_step].astype(np.int64), last_of[at_step].astype(np.int64))
     del pred_k, rank_ends, rank_at, rank_sync, hit, hit_a, hit_last, hit_fam, hit_pos
     walk_args = tuple(np.ascontiguousarray(x, dtype=np.int64) for x in walk_args)
+    # what the walk does not need after this point goes now (a GPU row's worth of bytes each; at 2 GB they were
+    # ~100 MB of the process's peak, which is reached after the walk)
+    del rank_idx, launch, order, ends_in_order, is_last, cand, step_arr, ts_arr, end_arr, s_rank, s_end
     consts = (_K["compute"], _K["launch-bound"], _K["host sync"], _K["idle"], _K["transfer"], _K["comm"], _K["wait"],
               _W_CATEGORY, _W_BEFORE, _W_NONE, int(SYNC_TOLERANCE_NS))
     walk = _walk.walk if _walk is not None else _walk_python
@@ -701,6 +705,7 @@ def critical_path(gpu: pd.DataFrame, instances: pd.DataFrame, syncs: pd.DataFram
     rank_ids = _unique_small(r_col)[0]
     on = _unique_small(blk[dur > 0] * len(rank_ids) + np.searchsorted(rank_ids, r_col[dur > 0]))[0]
     on_at = np.searchsorted(on // max(len(rank_ids), 1), np.arange(len(start) + 1))
+    del r_col, kind, dur, blk  # (a record's worth each: before the steps' frame is built)
     if steps:  # column by column (tens of thousands of steps on a trace of short ones), the values a row each gave
         # (every step walked is some rank's GPU step, checked above: in `ids`, at `at_step`)
         t0 = t0_of.astype(np.int64)[at_step]
@@ -709,7 +714,7 @@ def critical_path(gpu: pd.DataFrame, instances: pd.DataFrame, syncs: pd.DataFram
             "step": np.asarray(steps, dtype=np.int64), "start_ns": t0, "end_ns": t1, "span_ns": t1 - t0,
             "end_rank": np.asarray(end_rank, dtype=np.int64), "segments": size.astype(np.int64),
             "hops": hops.astype(np.int64), "ranks": _rank_lists(on, on_at, rank_ids)},
-            columns=STEP_COLUMNS)
+            columns=STEP_COLUMNS, copy=False)  # the columns are the frame's own (no consolidated second copy)
     else:
         step_frame = pd.DataFrame([], columns=STEP_COLUMNS)
     return CriticalPath(seg, step_frame, notes=notes, codes=codes)

@@ -236,7 +236,7 @@ def _step_metrics(data: pd.DataFrame) -> pd.DataFrame | None:
         **_figures(end - start, busy, compute, comm_u, c_or_n, c_n_y, U(cpy), U(mst),
                    np.bincount(gid, weights=m["kernels"], minlength=n).astype(np.int64), start, end,
                    c_or_t=U(comp | tx) if waited else c_or_n, c_t_p=U(comp | tx | peer) if waited else c_or_n),
-    }, columns=TIMELINE_COLUMNS)
+    }, columns=TIMELINE_COLUMNS, copy=False)  # the columns are the frame's own (no consolidated second copy)
 
 
 def idle_gaps(gpu: pd.DataFrame, rank: int) -> pd.DataFrame:
