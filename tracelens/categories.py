@@ -323,6 +323,39 @@ def positions(index: pd.Index, labels: np.ndarray) -> np.ndarray:
     return index.get_indexer(labels)
 
 
+LOOKUP_KEEP_MAX = 1 << 16  # an Index of more values loses pandas' lookup table once a check has built it
+
+
+def forget_lookup(index: pd.Index) -> pd.Index:
+    """`index` (returned) without the hash table pandas caches on an Index for lookups, when it has more than
+    LOOKUP_KEEP_MAX values. pandas builds it for the uniqueness check a Categorical makes of its categories, and
+    for `in` and `get_loc`, then keeps it as long as the Index lives: ~70 MB for the 800,000 event names of a 2 GB
+    trace of short steps, twice at its peak (the names, and the names with "" appended by `take_strings`). The
+    checks' answers stay cached (`is_unique`); a later lookup builds the table again. pandas keeps it in the
+    private `_cache`; where an Index has none, nothing is done."""
+    cache = getattr(index, "_cache", None)
+    if isinstance(cache, dict) and len(index) > LOOKUP_KEEP_MAX:
+        cache.pop("_engine", None)
+    return index
+
+
+def forget_lookups(frame: pd.DataFrame) -> pd.DataFrame:
+    """`forget_lookup` on the categories of each categorical column of `frame` (returned)."""
+    for dtype in frame.dtypes.tolist():
+        if isinstance(dtype, pd.CategoricalDtype):
+            forget_lookup(dtype.categories)
+    return frame
+
+
+def _position(cats: pd.Index, value: str) -> int:
+    """`cats.get_loc(value)` if `value in cats`, else -1; over a large Index by comparing its values (a hash table
+    of them would be built for one lookup and kept: `forget_lookup`)."""
+    if len(cats) <= LOOKUP_KEEP_MAX:
+        return cats.get_loc(value) if value in cats else -1
+    at = np.flatnonzero(np.asarray(cats == value, dtype=bool))
+    return int(at[0]) if len(at) else -1
+
+
 _with_fill: dict[tuple[int, str], tuple[pd.Index, pd.Index]] = {}
 
 
@@ -333,8 +366,9 @@ def take_strings(col: pd.Series, rows: np.ndarray, fill: str = "") -> pd.Categor
     categorical's check that they are unique: ~0.1 s a call for the 800,000 event names of a 2 GB trace of short
     steps, and a copy of the names each)."""
     cats = col.cat.categories
-    if fill in cats:
-        fill_code = cats.get_loc(fill)
+    at = _position(cats, fill)
+    if at >= 0:
+        fill_code = at
     else:
         hit = _with_fill.get((id(cats), fill))
         if hit is None or hit[0] is not cats:
@@ -350,7 +384,9 @@ def take_strings(col: pd.Series, rows: np.ndarray, fill: str = "") -> pd.Categor
     got[got < 0] = fill_code
     codes[ok] = got
     del got, ok
-    return pd.Categorical.from_codes(codes, categories=cats)
+    out = pd.Categorical.from_codes(codes, categories=cats)
+    forget_lookup(out.categories)  # (the check that they are unique built it: kept, it is ~70 MB at 800,000 names)
+    return out
 
 
 def categorize(kernel_name: str, op_name: str | None = None, gpu_cat: str = "kernel") -> str:

@@ -22,6 +22,7 @@ import numpy as np
 import pandas as pd
 import pyarrow as pa
 
+from .categories import forget_lookups
 from .errors import TraceError
 from .io import cache as _cache
 from .io.files import TRACE_SUFFIXES, _is_trace_file, discover  # noqa: F401 - re-exported
@@ -531,5 +532,6 @@ def _concat_ranks(tables: list[pa.Table], infos: list[RankInfo], events: bool = 
         table = table.unify_dictionaries()
     if events:
         table = narrow_args(table)
-    return table.to_pandas(split_blocks=True, self_destruct=True)
+    # (the categoricals' checks that their categories are unique built a lookup table of each: not kept)
+    return forget_lookups(table.to_pandas(split_blocks=True, self_destruct=True))
 

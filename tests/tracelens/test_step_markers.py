@@ -6,12 +6,15 @@ like markers but are not."""
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
 import pytest
 
 from tracelens import categories as C
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 
 # names that look like step markers but are not exactly "ProfilerStep#<1-18 ASCII digits>" (some of them still
 # STEP_RE matches: their number must then come from the per-name path)
@@ -175,9 +178,12 @@ def _take_strings_ref(col, rows, fill=""):  # (categories.take_strings before: a
     return pd.Categorical.from_codes(codes, categories=cats)
 
 
+@pytest.mark.parametrize("keep_max", [None, 4])  # 4: the path of a large dictionary (no lookup table kept)
 @pytest.mark.parametrize("dtype", ["str", object])
 @pytest.mark.parametrize("fill", ["", "(no op)", "ProfilerStep#3", "ProfilerStep#40", "aten::addmm"])
-def test_take_strings_against_a_new_index_each_call(fill, dtype):
+def test_take_strings_against_a_new_index_each_call(fill, dtype, keep_max, monkeypatch):
+    if keep_max is not None:
+        monkeypatch.setattr(C, "LOOKUP_KEEP_MAX", keep_max)
     names = MARKERS + LOOKALIKES[:-9] + ["aten::addmm"]
     col = _column(names, np.random.default_rng(6).integers(-1, len(names), 400), dtype)
     for rows in (np.array([3, -1, 0, 399, 12]), np.arange(-1, 400), np.array([], dtype=np.int64)):
@@ -188,6 +194,35 @@ def test_take_strings_against_a_new_index_each_call(fill, dtype):
             assert np.asarray(got, dtype=object).tolist() == np.asarray(ref, dtype=object).tolist()
     a, b = C.take_strings(col, np.array([1]), fill), C.take_strings(col, np.array([2]), fill)
     assert a.categories is b.categories or fill in col.cat.categories
+    if keep_max is not None and hasattr(a.categories, "_cache"):  # (pandas' lookup table: not kept when large)
+        assert "_engine" not in a.categories._cache
+
+
+@pytest.mark.parametrize("dtype", ["str", object])
+def test_position_and_forget_lookup_on_a_large_index(dtype, monkeypatch):
+    names = [f"ProfilerStep#{i}" for i in range(300)] + ["", "aten::mm"]
+    for keep_max in (1000, 10):  # the Index's own lookup, then the comparison over its values
+        monkeypatch.setattr(C, "LOOKUP_KEEP_MAX", keep_max)
+        cats = pd.Index(names, dtype=dtype)
+        for v in ["", "aten::mm", "ProfilerStep#7", "ProfilerStep#299", "absent", "ProfilerStep#300"]:
+            assert C._position(cats, v) == (names.index(v) if v in names else -1)
+        assert "aten::mm" in cats and cats.get_loc("ProfilerStep#5") == 5  # (builds pandas' table)
+        assert C.forget_lookup(cats) is cats
+        if hasattr(cats, "_cache"):
+            assert ("_engine" in cats._cache) == (len(cats) <= keep_max)
+        assert cats.get_loc("ProfilerStep#9") == 9 and "absent" not in cats  # (a later lookup: built again)
+
+
+def test_loaded_categories_keep_no_lookup_table(monkeypatch):
+    import tracelens
+
+    monkeypatch.setattr(C, "LOOKUP_KEEP_MAX", 2)  # every dictionary of the fixture counts as large
+    trace = tracelens.load(str(FIXTURES / "h200_ep2_run" / "L3_torch"), cache=False)
+    cats = [d.categories for d in trace.events.dtypes.tolist() if isinstance(d, pd.CategoricalDtype)]
+    assert any(len(c) > 2 for c in cats)
+    for c in cats:
+        if len(c) > 2 and hasattr(c, "_cache"):
+            assert "_engine" not in c._cache, "the loader kept pandas' lookup table of a large dictionary"
 
 
 @pytest.mark.parametrize("dtype", ["str", object])
