@@ -119,6 +119,9 @@ def entry(argv: list[str] | None = None) -> None:
     a command that marked its process done (`analyze`), the exit without the interpreter's teardown."""
     global _OWN_PROCESS
     _OWN_PROCESS = True
+    from .allocator import set_for_program
+
+    set_for_program()  # glibc malloc's settings for large tables (tracelens/allocator.py), before any thread
     try:
         main(argv)
     except SystemExit as e:
