@@ -356,36 +356,55 @@ def _position(cats: pd.Index, value: str) -> int:
     return int(at[0]) if len(at) else -1
 
 
-_with_fill: dict[tuple[int, str], tuple[pd.Index, pd.Index]] = {}
+# per (categories, fill) asked about last: (the categories, fill's code, the results' dtype: its categories are
+# those categories, with fill appended where it is not one of them)
+_with_fill: dict[tuple[int, str], tuple[pd.Index, int, pd.CategoricalDtype]] = {}
+
+
+def _dtype_of_unique(cats: pd.Index) -> pd.CategoricalDtype:
+    """The unordered CategoricalDtype of categories known to be unique, without pandas' check that they are (it
+    hashes every value and keeps the table: ~0.2 s and ~70 MB for 800,000 names). pandas' own fast path where it has
+    one (a private constructor, there since pandas 0.21), else the checked constructor."""
+    fast = getattr(pd.CategoricalDtype, "_from_fastpath", None)
+    if fast is not None:
+        try:
+            dtype = fast(cats, False)
+        except TypeError:  # (another signature: the public way)
+            pass
+        else:
+            if isinstance(dtype, pd.CategoricalDtype) and dtype.categories is cats:
+                return dtype
+    return pd.CategoricalDtype(cats)
 
 
 def take_strings(col: pd.Series, rows: np.ndarray, fill: str = "") -> pd.Categorical:
     """Categorical of col's values at row labels `rows` (-1 -> fill), without materializing strings. Where `fill` is
-    not a category it is appended, as the last: the categories with it are kept for the last few (categories, fill)
-    asked about and shared by the results (each new Index hashed all its values again, in get_loc and in the
-    categorical's check that they are unique: ~0.1 s a call for the 800,000 event names of a 2 GB trace of short
-    steps, and a copy of the names each)."""
+    not a category it is appended, as the last: the categories with it (and their dtype) are kept for the last few
+    (categories, fill) asked about and shared by the results (each new Index hashed all its values again, in
+    get_loc and in the categorical's check that they are unique: ~0.1 s a call for the 800,000 event names of a 2 GB
+    trace of short steps, and a copy of the names each). They are unique by construction (a categorical's
+    categories and a value not among them), so that check is not made (`_dtype_of_unique`)."""
     cats = col.cat.categories
-    at = _position(cats, fill)
-    if at >= 0:
-        fill_code = at
-    else:
-        hit = _with_fill.get((id(cats), fill))
-        if hit is None or hit[0] is not cats:
-            hit = (cats, cats.append(pd.Index([fill])))
-            if len(_with_fill) >= 4:
-                _with_fill.pop(next(iter(_with_fill)))
-            _with_fill[(id(cats), fill)] = hit
-        cats, fill_code = hit[1], len(cats)
-    code_t = np.int32 if len(cats) < 2**31 else np.int64
+    hit = _with_fill.get((id(cats), fill))
+    if hit is None or hit[0] is not cats:
+        at = _position(cats, fill)
+        if at >= 0:  # (the column's own dtype where it is unordered, as from_codes(categories=cats) would give)
+            hit = (cats, at, col.dtype if not col.dtype.ordered else pd.CategoricalDtype(cats))
+        else:
+            hit = (cats, len(cats), _dtype_of_unique(cats.append(pd.Index([fill]))))
+        if len(_with_fill) >= 4:
+            _with_fill.pop(next(iter(_with_fill)))
+        _with_fill[(id(cats), fill)] = hit
+    _, fill_code, dtype = hit
+    code_t = np.int32 if len(dtype.categories) < 2**31 else np.int64
     codes = np.full(len(rows), fill_code, dtype=code_t)
     ok = rows >= 0
     got = col.cat.codes.to_numpy()[positions(col.index, rows[ok])].astype(code_t)  # rows are labels of col
     got[got < 0] = fill_code
     codes[ok] = got
     del got, ok
-    out = pd.Categorical.from_codes(codes, categories=cats)
-    forget_lookup(out.categories)  # (the check that they are unique built it: kept, it is ~70 MB at 800,000 names)
+    out = pd.Categorical.from_codes(codes, dtype=dtype)
+    forget_lookup(out.categories)  # (where a check built it: kept, it is ~70 MB at 800,000 names)
     return out
 
 

@@ -190,12 +190,23 @@ def test_take_strings_against_a_new_index_each_call(fill, dtype, keep_max, monke
         for _ in range(2):  # (the second call: the categories kept)
             got, ref = C.take_strings(col, rows, fill), _take_strings_ref(col, rows, fill)
             assert got.categories.equals(ref.categories) and got.categories.dtype == ref.categories.dtype
+            assert got.ordered == ref.ordered and got.dtype == ref.dtype
             assert got.codes.tolist() == ref.codes.tolist() and got.codes.dtype == ref.codes.dtype
             assert np.asarray(got, dtype=object).tolist() == np.asarray(ref, dtype=object).tolist()
     a, b = C.take_strings(col, np.array([1]), fill), C.take_strings(col, np.array([2]), fill)
     assert a.categories is b.categories or fill in col.cat.categories
     if keep_max is not None and hasattr(a.categories, "_cache"):  # (pandas' lookup table: not kept when large)
         assert "_engine" not in a.categories._cache
+
+
+@pytest.mark.parametrize("dtype", ["str", object])
+def test_take_strings_of_an_ordered_column_is_unordered(dtype):
+    names = ["b", "a", "", "c"]
+    col = pd.Series(pd.Categorical(["a", "b", "c", "a"], categories=pd.Index(names, dtype=dtype), ordered=True))
+    for fill in ("", "zz"):
+        got, ref = C.take_strings(col, np.array([0, -1, 3]), fill), _take_strings_ref(col, np.array([0, -1, 3]), fill)
+        assert not got.ordered and got.dtype == ref.dtype
+        assert np.asarray(got, dtype=object).tolist() == np.asarray(ref, dtype=object).tolist()
 
 
 @pytest.mark.parametrize("dtype", ["str", object])
