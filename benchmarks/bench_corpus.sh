@@ -40,6 +40,7 @@ python3 -c "import tracelens.io._kineto_fast" 2>/dev/null || python3 setup.py -q
 # under PYTHONPYCACHEPREFIX, for those packages and the wheels' (both tools alike), then read by every run.
 . benchmarks/bytecode.sh
 [ -d bench_data/external ] && export TRACELENS_CORPUS_EXTERNAL=${TRACELENS_CORPUS_EXTERNAL:-$PWD/bench_data/external}
-{ echo "== $(date -u) host=$(hostname) cpus=$CPUS only=${ONLY:-all}"; nproc; python3 -c "import sys, pandas, numpy; print(sys.version.split()[0], 'pandas', pandas.__version__, 'numpy', numpy.__version__)"; } | tee "$OUTDIR/env.txt"
+{ echo "== $(date -u) host=$(hostname) cpus=$CPUS only=${ONLY:-all}"; nproc; python3 -c "import sys, pandas, numpy; print(sys.version.split()[0], 'pandas', pandas.__version__, 'numpy', numpy.__version__)"
+  taskset -c "$CPUS" python3 benchmarks/host_speed.py; } | tee "$OUTDIR/env.txt"  # (the host's speed: hosts differ)
 taskset -c "$CPUS" python3 benchmarks/bench_load.py --corpus ${ONLY:+--only "$ONLY"} --repeat "$REPEAT" \
   --work "$WORK" --hta-timeout 120 --json "$OUTDIR/corpus.json" ${EXTRA:-} 2>&1 | tee "$OUTDIR/corpus.txt"

@@ -9,6 +9,7 @@ export TRACELENS_CORPUS_EXTERNAL=$PWD/.whl/c31/ext
 python3 -c 'import tracelens.io._kineto_fast' 2>/dev/null || python3 setup.py -q build_ext --inplace > $S/build.log 2>&1
 . benchmarks/bytecode.sh
 names=${K:-a100_triton,h100_moe_mbs8}
+mkdir -p $OUT; taskset -c ${CPUS:-2,3} python3 benchmarks/host_speed.py | tee -a $OUT/big.txt  # (hosts differ: stop 34)
 for k in ${names//,/ }; do
   taskset -c ${TILE_CPUS:-8-15} python3 -c "
 import sys; sys.path.insert(0, '.')
