@@ -22,9 +22,7 @@ TRACELENS_MALLOC=default keeps glibc's defaults; so does any MALLOC_* variable o
 
 from __future__ import annotations
 
-import ctypes
 import os
-import platform
 
 # mallopt's parameter numbers (glibc's malloc.h)
 M_TRIM_THRESHOLD = -1
@@ -40,6 +38,15 @@ def _usable_cpus() -> int:
         return len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         return os.cpu_count() or 1
+
+
+def _glibc() -> bool:
+    """Whether this process's C library is glibc (its confstr answers; `platform.libc_ver` costs an import of
+    `platform` at the program's start)."""
+    try:
+        return os.confstr("CS_GNU_LIBC_VERSION").startswith("glibc")
+    except (AttributeError, ValueError, OSError):  # (not POSIX, or a C library without the name)
+        return False
 
 
 def wanted(environ: dict[str, str] | None = None, cpus: int | None = None) -> dict[int, int]:
@@ -59,8 +66,10 @@ def set_for_program(environ: dict[str, str] | None = None) -> dict[int, bool]:
     """Apply `wanted` through glibc's mallopt; {parameter: whether mallopt took it}. Nothing (empty) where the C
     library is not glibc, or mallopt cannot be found."""
     settings = wanted(environ)
-    if not settings or platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+    if not settings or not _glibc():
         return {}
+    import ctypes  # (here: the program's start pays for it only where it is used)
+
     try:
         mallopt = ctypes.CDLL(None).mallopt
     except (OSError, AttributeError):
