@@ -90,7 +90,7 @@ def _idle_gaps(a: Any, host_syncs: pd.DataFrame) -> pd.DataFrame:
     return idle_gaps(a, host_syncs, text_columns=False)
 
 
-@DERIVED.entry("launch_stats", inputs=("gpu",), module="tracelens.analysis.host")
+@DERIVED.entry("launch_stats", inputs=("gpu", "gpu_window"), module="tracelens.analysis.host")
 def _launch_stats(a: Any) -> pd.DataFrame:
     """Per rank: launch latency and small kernels at the default threshold (tracelens.analysis.host)."""
     from .analysis.host import launch_stats
@@ -98,7 +98,7 @@ def _launch_stats(a: Any) -> pd.DataFrame:
     return launch_stats(a)
 
 
-@DERIVED.entry("kernels_per_op", inputs=("gpu",), module="tracelens.analysis.host")
+@DERIVED.entry("kernels_per_op", inputs=("gpu", "gpu_window"), module="tracelens.analysis.host")
 def _kernels_per_op(a: Any) -> pd.DataFrame:
     """Ops by the kernels they launch, at the default small-kernel threshold (tracelens.analysis.host)."""
     from .analysis.host import kernels_per_op

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from decimal import Decimal
@@ -13,8 +14,11 @@ import tracelens
 from tracelens.analysis import host as H
 from tracelens.analysis.findings import findings
 
-from ..conftest import CPU_ONLY, MOE_GROUPED, MOE_LOOP, NCCL_2RANK, raw_events
+from ..conftest import CPU_ONLY, FIXTURES, MOE_GROUPED, MOE_LOOP, NCCL_2RANK, raw_events
 from ._cli import run_cli
+
+
+EP2_OVL = FIXTURES / "h200_2gpu_ep" / "ep2_cap_ovl"
 
 
 @pytest.fixture(scope="module")
@@ -112,6 +116,49 @@ def test_small_kernel_share_larger_in_loop(loop, grouped):
     assert ll["small_kernels"] == sum(1 for e in raw if Decimal(e["dur"]) < 10)
     assert ll["small_share"] > lg["small_share"] and ll["small_kernels"] > 2 * lg["small_kernels"]
     assert 0 < ll["launch_p50_us"] < ll["launch_p90_us"]
+
+
+def _window_kernels_from_raw(path, steps) -> list[Decimal]:
+    """Durations (us) of the kernels launched inside the given profiler steps, from the raw JSON: a kernel's step
+    is the `ProfilerStep#N` / `## step N` range holding its launch call (its correlation id), else its own start."""
+    ev = [e for e in raw_events(path) if e.get("ph") == "X"]
+    marker = re.compile(r"^(?:ProfilerStep#|##\s*step\s*)(\d+)$")
+    ranges = [(Decimal(e["ts"]), Decimal(e["ts"]) + Decimal(e["dur"])) for e in ev
+              if e.get("cat") in ("cpu_op", "user_annotation") and marker.match(e["name"])
+              and int(marker.match(e["name"]).group(1)) in steps]
+    launch = {e["args"]["correlation"]: Decimal(e["ts"]) for e in ev
+              if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
+    out = []
+    for e in ev:
+        if e.get("cat") == "kernel":
+            t = launch.get(e.get("args", {}).get("correlation"), Decimal(e["ts"]))
+            if any(s <= t < end for s, end in ranges):
+                out.append(Decimal(e["dur"]))
+    return out
+
+
+@pytest.mark.parametrize("paths, used", [
+    # step 0 left out: rank 1's first all-to-all waited 1.4 s for rank 0 to start profiling
+    ([NCCL_2RANK / "rank0.json.gz", NCCL_2RANK / "rank1.json.gz"], [1, 2]),
+    # one kernel launched before the profiled step 8 (the steady window reads 2300 of the trace's 2301 kernels)
+    ([EP2_OVL / "traces" / "rank0.json.gz"], [8]),
+], ids=["startup wait step", "launch outside the steps"])
+def test_launch_stats_and_small_kernels_read_the_window(paths, used):
+    if not all(p.is_file() for p in paths):
+        pytest.skip("fixture missing")
+    a = tracelens.analyze(tracelens.load(paths[0].parent if len(paths) > 1 else paths[0], cache=False))
+    assert a.window.used == used
+    ls = a.launch_stats().set_index("rank")
+    want = {r: _window_kernels_from_raw(p, set(used)) for r, p in enumerate(paths)}
+    for r, durs in want.items():
+        assert ls.loc[r, "kernels"] == len(durs) == a.summary()["ranks"][r]["kernel_count"]
+        assert ls.loc[r, "small_kernels"] == sum(1 for d in durs if d < 10)
+    kpo = a.kernels_per_op()
+    assert kpo["kernels"].sum() == sum(len(d) for d in want.values())
+    assert kpo["gpu_us"].sum() == pytest.approx(float(sum(sum(d) for d in want.values())), abs=1e-3)
+    for f in a.findings():
+        if f["type"] == "small_kernels":  # "N% of kernels run under 10 us (n of N)": the window's kernels
+            assert f"of {sum(len(d) for d in want.values())})" in f["title"]
 
 
 def test_findings_structured_and_ranked(loop, grouped):

@@ -178,19 +178,30 @@ def idle_summary(gaps: pd.DataFrame, timeline: pd.DataFrame, cuts: dict | None =
     return out[cols]
 
 
+def _window_gpu(analysis) -> pd.DataFrame:
+    """The GPU events the views read (`Analysis.gpu_window`: those launched in the window's steps, start-up waits
+    cut from their durations); the whole GPU table for an analysis without one."""
+    g = getattr(analysis, "gpu_window", None)
+    return analysis.gpu if g is None else g
+
+
 def launch_stats(analysis, small_us: float = SMALL_KERNEL_US) -> pd.DataFrame:
-    """Per rank: kernels, launch latency percentiles, small-kernel count and shares."""
+    """Per rank: kernels, launch latency percentiles, small-kernel count and shares, over the kernels of the
+    analysis window (the steady-state steps by default), as the timeline's `kernel_count` counts them."""
     cols = ["rank", "kernels", "launch_p50_us", "launch_p90_us", "small_kernels", "small_share",
             "small_time_share"]
-    g = analysis.gpu
+    g = _window_gpu(analysis)
     is_kernel = (g["kind"] == "kernel").to_numpy()
     rank_all = g["rank"].to_numpy()
+    sw = getattr(analysis, "window", None)
+    # each kernel's recorded start (a start-up wait cut from the window moves a kernel's start, not its launch)
+    start = analysis.gpu["ts"].reindex(g.index).to_numpy() if sw is not None and sw.cuts else g["ts"].to_numpy()
     rows = []
     for r in np.unique(rank_all[is_kernel]).tolist():  # each rank's kernels by position: no copy of the table
         at = np.flatnonzero(is_kernel & (rank_all == r))
         launch = g["launch_ts"].to_numpy()[at]
         linked = launch >= 0
-        lat = pd.Series((g["ts"].to_numpy()[at][linked] - launch[linked]) / US)
+        lat = pd.Series((start[at][linked] - launch[linked]) / US)
         del launch, linked
         dur = g["dur"].to_numpy()[at]
         small = dur < small_us * US
@@ -203,9 +214,11 @@ def launch_stats(analysis, small_us: float = SMALL_KERNEL_US) -> pd.DataFrame:
 
 
 def kernels_per_op(analysis, small_us: float = SMALL_KERNEL_US) -> pd.DataFrame:
-    """Ops (as called from Python) by how many kernels they launch, and how many are small."""
+    """Ops (as called from Python) by how many kernels they launch, and how many are small, over the kernels of
+    the analysis window."""
     cols = ["top_op", "kernels", "small_kernels", "gpu_us", "mean_kernel_us"]
-    k = analysis.gpu.loc[analysis.gpu["kind"] == "kernel", ["top_op", "dur"]]
+    g = _window_gpu(analysis)
+    k = g.loc[g["kind"] == "kernel", ["top_op", "dur"]]
     if k.empty:
         return pd.DataFrame(columns=cols)
     # sums per top-op code first (bincount), strings only for the few distinct ops
