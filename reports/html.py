@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from tracelens.analysis.comm import ranks_text
 from tracelens.analyzer import Analysis
 
 from .common import (COLORS, html_table, packing_beside, plot_text, plotly_js_packed, safe_json, template_env, version,
@@ -349,7 +350,7 @@ def _health_context(a: Analysis) -> list[dict]:
     """Rows of the "Trace health" section (tracelens.analysis.health): errors, then warnings, then notes."""
     sev_class = {"error": "high", "warning": "medium", "info": "info"}
     return [{"severity": r["severity"], "cls": sev_class.get(r["severity"], "info"), "check": r["check"],
-             "ranks": ", ".join(str(x) for x in r["ranks"]), "found": r["found"], "invalidates": r["invalidates"]}
+             "ranks": ranks_text(r["ranks"]), "found": r["found"], "invalidates": r["invalidates"]}
             for r in a.health().to_dict("records")]
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from tracelens.analysis import verdict as V
+from tracelens.analysis.comm import ranks_text
 
 from .common import COLORS as CATEGORY_COLORS
 from .decomposition import COLORS as COMPONENT_COLORS
@@ -61,7 +62,7 @@ def section_context(a: Any) -> dict[str, Any]:
         "step_basis": BASIS.get(step.basis, step.basis) if step is not None else None,
         "step_ranks": step.ranks if step is not None else 0, "step_note": v.step_note,
         "actions": actions, "model": v.model, "considered": [_arrows(c) for c in v.considered],
-        "health": [dict(h, ranks=", ".join(str(r) for r in h["ranks"])) for h in v.health],
+        "health": [dict(h, ranks=ranks_text(h["ranks"])) for h in v.health],
     }
 
 

@@ -69,6 +69,10 @@ def test_report_page_multi_rank(site, shown, shots):
     every_plot_drawn(page)
     legends_clear(page)
     one_line(page, "#ops td.name")
+    # every table fits the page's width or scrolls in its own box: the per-step table (15 columns) once widened
+    # the whole page past the window, its last columns cut off at the section's edge
+    assert page.evaluate("document.documentElement.scrollWidth <= document.documentElement.clientWidth")
+    assert page.locator("#timeline .scroll table.data").count() == 1
     save_shots(page, shots, "report_nccl")
     assert errors == []
 
@@ -76,6 +80,11 @@ def test_report_page_multi_rank(site, shown, shots):
 def test_cpu_only_report(site, shown):
     page, errors = shown(site.report("cpu_only"))
     assert "GPU sections unavailable" in page.inner_text("#timeline")
+    # the trace is rank 34 of 300: the 299 missing ranks are named as `tracelens check` names them (the first 16,
+    # then how many), in the verdict's warning and in the health section, not as 299 numbers over the first screen
+    for sel in (".verdict-health", "#health li.sev-medium"):
+        text = page.inner_text(sel)
+        assert "0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, … (299 in all)" in text and "298" not in text, text
     assert plot_ok(page, "plot-breakdown") > 0
     assert errors == []
 
