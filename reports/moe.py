@@ -24,6 +24,12 @@ def _layer_name(v: int) -> str:
     return "–" if int(v) == NO_LAYER else f"layer {int(v)}"
 
 
+def _shown_layers(t):
+    """A table's rows as shown: padding as a percentage, and no layer number ("–", as the figures and the CLI say)
+    for the kernels outside any layer/<i> range, not the NO_LAYER sentinel."""
+    return t.assign(padding_pct=100 * t["padding_share"].astype(float), layer=t["layer"].where(t["layer"] != NO_LAYER))
+
+
 def _pair_hover(sent, routed, i, j) -> str:
     s, d = int(sent.index[i]), int(sent.columns[j])
     out = plot_text(f"rank {s} → rank {d}")
@@ -119,12 +125,12 @@ def moe_context(rep: MoEReport | None, error: str | None = None) -> dict[str, An
     figures = {k: v for k, v in (("plot-moe-pairs", pairs_figure(rep)), ("plot-moe-experts", experts_figure(rep)),
                                   ("plot-moe-gemm", gemm_figure(rep))) if v is not None}
     # row and call counts are means over the profiled steps: whole numbers shown without decimals ("count")
-    layer_cols = [("layer", "layer", "num"), ("rank", "rank", "num"), ("routed_rows", "rows routed (sent)", "count"),
+    layer_cols = [("layer", "layer", "count"), ("rank", "rank", "num"), ("routed_rows", "rows routed (sent)", "count"),
                   ("received_rows", "rows received", "count"), ("local_expert_imbalance", "local expert imbalance", "num"),
                   ("gemm_calls", "grouped GEMM calls", "count"), ("rows_per_call", "rows / call", "count"),
                   ("routed_rows_per_call", "routed / call", "count"), ("padding_pct", "padding %", "pct"),
                   ("expert_gemm_us", "expert GEMM µs", "num"), ("padded_gemm_us", "on padding µs", "num")]
-    summary_cols = [("layer", "layer", "num"), ("tokens", "tokens", "count"), ("expert_imbalance", "expert imbalance", "num"),
+    summary_cols = [("layer", "layer", "count"), ("tokens", "tokens", "count"), ("expert_imbalance", "expert imbalance", "num"),
                     ("hottest_expert", "hottest expert", "num"), ("rank_imbalance", "rank imbalance", "num"),
                     ("expert_gemm_us", "expert GEMM µs", "num"), ("padding_pct", "padding %", "pct")]
     headline = []
@@ -139,10 +145,8 @@ def moe_context(rep: MoEReport | None, error: str | None = None) -> dict[str, An
     return {
         "error": None, "source": rep.source, "missing": rep.missing, "steps": rep.steps, "basis": rep.routing_basis,
         "headline": headline, "straggler": rep.straggler["text"] if rep.straggler else None,
-        "summary_table": html_table(rep.layer_summary.assign(padding_pct=100 * rep.layer_summary["padding_share"].astype(float)),
-                                    summary_cols) if not rep.layer_summary.empty else "",
-        "layers_table": html_table(rep.layers.assign(padding_pct=100 * rep.layers["padding_share"].astype(float)),
-                                   layer_cols) if not rep.layers.empty else "",
+        "summary_table": html_table(_shown_layers(rep.layer_summary), summary_cols) if not rep.layer_summary.empty else "",
+        "layers_table": html_table(_shown_layers(rep.layers), layer_cols) if not rep.layers.empty else "",
         "has_pairs": "plot-moe-pairs" in figures, "has_experts": "plot-moe-experts" in figures,
         "has_gemm": "plot-moe-gemm" in figures, "figures": figures,
     }

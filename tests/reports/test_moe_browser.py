@@ -18,6 +18,7 @@ pytestmark = pytest.mark.browser
 FIX = Path(__file__).resolve().parents[1] / "fixtures"
 R_L3 = FIX / "h100_4gpu_routing" / "ep4_L3_torch"
 L3 = FIX / "h100_4gpu" / "ep4_L3_torch"
+EP2_L3 = FIX / "h200_ep2_run" / "L3_torch"  # no layer/<i> ranges: its expert GEMMs are in no layer
 
 
 
@@ -68,5 +69,20 @@ def test_moe_section_without_routing_counts_says_what_is_missing(browser, shots,
     assert "grouped-GEMM rows: 75.0% padding" in page.inner_text("#moe-headline")
     if shots:
         page.locator("#moe").screenshot(path=str(shots / "moe_section_no_routing.png"))
+    assert errors == []
+    page.close()
+
+
+def test_moe_tables_show_no_layer_as_a_dash_not_the_sentinel(browser, tmp_path):
+    """Kernels outside any layer/<i> range (moe_view.NO_LAYER = -1): the tables' layer cell says "–", as the
+    expert-GEMM figure's labels and `tracelens moe` do, never "-1"."""
+    a = tracelens.analyze(tracelens.load(EP2_L3, cache=False))
+    assert set(a.moe().layers["layer"]) == {-1}
+    page, errors = open_report(browser, write_report(a, tmp_path / "report.html"))
+    assert plot_ok(page, "plot-moe-gemm") > 3
+    ticks = page.locator("#plot-moe-gemm .xtick text").evaluate_all("els => els.map(e => e.textContent)")
+    assert ticks == ["rank 0 · –", "rank 1 · –"]
+    cells = page.locator("#moe table.data tbody tr td:first-child").all_inner_texts()
+    assert len(cells) == 3 and set(cells) == {"–"}, cells  # the per-layer row and one row per rank
     assert errors == []
     page.close()
