@@ -270,6 +270,7 @@ def test_cli_manifest_and_sweep(tmp_path):
     assert res.exit_code == 0 and html.exists(), res.output
     page = html.read_text()
     assert 'id="plot-memory"' in page and "optimizer: Adam exp_avg + exp_avg_sq" in page and "measured peak" in page
+    assert "<title>tracelens memory: run</title>" in page  # named by the run dir, not "manifest.json"
     res = r.invoke(main, ["memory", "deepseek_v2_lite", "--world", "16", "--sweep", "--device-memory", "80GiB",
                           "--global-batch", "64", "--json", str(tmp_path / "s.json"), "--top", "5"])
     assert res.exit_code == 0, res.output
