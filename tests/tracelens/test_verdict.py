@@ -109,6 +109,19 @@ def test_candidates_follow_the_findings_and_the_config():
     assert V.candidates(findings, step, V.Context(None)) == []
 
 
+def test_a_knob_the_runs_config_lacks_reads_as_the_trainers_default_not_null():
+    """A run from before a knob existed (h200_ep2_run's manifests have no ep_overlap or ep_dispatch): the change
+    starts from the trainer's default, as the what-if reads it, never from "null" (the report once said
+    "ep_overlap null -> true")."""
+    from moespec.config import DEFAULTS
+
+    cfg = {"micro_batch_size": 1, "sync_free_level": 3, "ep": 2, "pp": 1, "device": "cuda"}
+    got = V.candidates([_finding("exposed_comm", "comm not hidden", 5.0)], None, V.Context(cfg, world=2, run="runs/r"))
+    labels = [c.label() for c in got if c.motive == "exposed_comm"]
+    assert labels == [f"ep_overlap {V._yaml(DEFAULTS['ep_overlap'])} -> true",
+                      f"ep_dispatch {DEFAULTS['ep_dispatch']} -> capacity"]
+    assert not [c for c in got if "null" in c.label()]
+
 def _outcome(gain, fits=True, unc=0.1, peak=20.0, cap=80.0):
     return {"gain": gain, "uncertainty": unc, "fits": fits, "peak_gib": peak, "capacity_gib": cap}
 

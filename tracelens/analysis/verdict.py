@@ -37,6 +37,7 @@ from typing import Any
 import pandas as pd
 
 from moespec.backends import PER_EXPERT_BACKENDS
+from moespec.config import DEFAULTS
 
 # the decomposition's components (tracelens.projection.profile.COMPONENTS) by what they are
 COMPUTE = ("expert GEMMs", "dense GEMMs", "attention", "norms/activations", "optimizer step", "copies/casts")
@@ -383,10 +384,11 @@ def candidates(findings: list[dict], step: Step | None, ctx: Context,
     seen: set[str] = set()
 
     def add(changes: dict, motive: str, evidence: str) -> None:
-        changes = {k: v for k, v in changes.items() if cfg.get(k) != v}
+        # a key the run's config lacks (a run from before the knob) holds the trainer's default, as the what-if reads it
+        changes = {k: v for k, v in changes.items() if cfg.get(k, DEFAULTS.get(k)) != v}
         if not changes:
             return
-        c = Candidate(changes, motive, evidence, {k: cfg.get(k) for k in changes})
+        c = Candidate(changes, motive, evidence, {k: cfg.get(k, DEFAULTS.get(k)) for k in changes})
         if c.key not in seen and len(out) < limit:
             seen.add(c.key)
             out.append(c)
