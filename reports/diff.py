@@ -262,9 +262,21 @@ def bars_figure(r: DiffResult) -> dict:
                                      "yaxis": {"title": {"text": "ms per step"}}}}
 
 
+def _whole_counts(metrics: pd.DataFrame) -> pd.DataFrame:
+    """The metrics table as shown: a count metric's whole values (host syncs, kernels per step) as integers,
+    "3" and "1,177", not "3.000" and "1,177.0" (the number cells' float digits); a fractional median stays."""
+    out = metrics.copy()
+    counts = out["unit"] == "count"
+    for col in ("base", "new", "delta", "spread"):
+        out[col] = out[col].astype(object)
+        out.loc[counts, col] = out.loc[counts, col].map(
+            lambda v: int(v) if isinstance(v, float) and math.isfinite(v) and v == int(v) else v)
+    return out
+
+
 def render_html(r: DiffResult, rules: list[dict] | None = None) -> str:
-    metrics = r.metrics.assign(change=[_fmt_change(row) for _, row in r.metrics.iterrows()],
-                               p_shown=[fmt_p(v) for v in r.metrics["p_value"]])
+    metrics = _whole_counts(r.metrics.assign(change=[_fmt_change(row) for _, row in r.metrics.iterrows()],
+                                             p_shown=[fmt_p(v) for v in r.metrics["p_value"]]))
     figures = {"plot-bars": bars_figure(r), "plot-waterfall": waterfall_figure(r)}
     tables = {
         "metrics": html_table(metrics, [("metric", "metric", "text"), ("unit", "unit", "text"), ("base", "base", "num"),
@@ -295,7 +307,7 @@ def render_html(r: DiffResult, rules: list[dict] | None = None) -> str:
     return template_env().get_template("diff.html").render(
         title=f"tracelens diff: {r.base_label} → {r.new_label}", info=r.info, warnings=r.warnings,
         rules=[{**x, "evaluated": describe_rule(x)} for x in rules or []],
-        plotly_packed=plotly_js_packed(), figures_json=safe_json(figures), tables=tables,
+        plotly_packed=plotly_js_packed(), figures_json=safe_json(figures), tables=tables, min_samples=MIN_SAMPLES,
     )
 
 

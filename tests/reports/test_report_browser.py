@@ -118,6 +118,16 @@ def test_diff_report_renders(diff_page, shown):
     assert page.locator("#waterfall .waterfall").count() >= 1 or page.locator("#plot-waterfall path").count() > 3
     assert "loop <b>" in page.inner_text("header")  # a label from the command line, shown as text
     assert "aten::_grouped_mm" in page.inner_text("#ops")
+    # count metrics (host syncs, kernels per step): a whole value shown as a whole number, "3" not "3.000"
+    rows = page.locator("#metrics table.data tbody tr").evaluate_all(
+        "trs => trs.map(tr => Array.from(tr.cells).map(td => [td.textContent, td.dataset.v]))")
+    counts = [r for r in rows if r[1][0] == "count"]
+    assert [r[0][0] for r in counts] == ["host_syncs", "kernels"]
+    cells = [c for r in counts for c in r[2:5] if c[1] not in ("", None) and float(c[1]).is_integer()]
+    assert cells and all("." not in text for text, _ in cells), counts
+    # the note says what marks a change as noise: Welch's test, not the spread (a change larger than the spread
+    # can be noise and a smaller one significant)
+    assert "Welch's test" in page.inner_text("#metrics-note") and "p ≥ 0.05" in page.inner_text("#metrics-note")
     assert errors == []
 
 
