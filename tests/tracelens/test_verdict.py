@@ -85,6 +85,25 @@ def test_host_losses_add_up_and_compute_bound_names_the_component():
     assert text.startswith("Compute-bound: the attention takes 40% of the 100.0 ms step (all computation 75%)")
 
 
+def test_without_a_decomposition_idle_is_a_loss_not_compute_bound():
+    # the GPU timeline's bar (no profiled step): 74 of 100 us idle, 25 compute, 1 memcpy
+    tl = pd.DataFrame({"rank": [0], "span_us": [100.0], "compute_us": [25.0], "exposed_comm_us": [0.0],
+                       "comm_wait_us": [0.0], "pipeline_wait_us": [0.0], "excl_memcpy_us": [1.0],
+                       "excl_memset_us": [0.0], "gpu_idle_us": [74.0]})
+    step = V.step_of(None, tl)
+    launch = _finding("launch_bound", "GPU idle 60.000 ms per rank waiting for kernel launches; most before aten::mm")
+    text, part = V.bottleneck(step, [_finding("exposed_comm", "comm not hidden"), launch])
+    assert part == "idle"
+    assert text.startswith("The step loses the most to the GPU sitting idle")
+    assert "74% of the 0.100 ms step" in text
+    assert text.endswith("; GPU idle 60.000 ms per rank waiting for kernel launches.")
+    # compute larger than idle stays compute-bound; a decomposition has no "idle" part to name
+    busy = V.step_of(None, tl.assign(compute_us=[80.0], gpu_idle_us=[19.0]))
+    assert V.bottleneck(busy, [])[0].startswith("Compute-bound: the compute takes 80% of the 0.100 ms step")
+    dec = V.step_of(_decomp({0: {"dense GEMMs": 40.0, "other": 60.0}}))
+    assert V.bottleneck(dec, [])[1] == "dense GEMMs"
+
+
 def test_candidates_follow_the_findings_and_the_config():
     cfg = {"micro_batch_size": 4, "grouped_gemm_backend": "loop", "sync_free_level": 1, "ep": 4, "pp": 1,
            "ep_overlap": False, "ep_dispatch": "nccl", "step_timing": "sync", "expert_swiglu": "triton",

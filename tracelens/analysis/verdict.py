@@ -53,6 +53,12 @@ LOSSES = {
     "host": (("launch-bound idle", "sync waits"), ("launch_bound", "host_sync", "small_kernels"),
              "the host: the GPU idles waiting for kernel launches and blocking syncs"),
 }
+# without a decomposition the GPU timeline's idle is one part of unknown cause: a loss all the same (a step 74 %
+# idle is not "compute-bound"), with the host's findings as the likely explanation
+TIMELINE_LOSSES = {
+    "idle": (("idle",), ("launch_bound", "host_sync", "small_kernels"),
+             "the GPU sitting idle (no step decomposition to split it by cause; the findings name the likely ones)"),
+}
 # the GPU timeline's parts (tracelens.analysis.timeline), the bar without a decomposition
 TIMELINE_PARTS = (("compute", "compute_us", "compute"), ("exposed communication", "exposed_comm_us", "communication"),
                   ("collective waits", "comm_wait_us", "wait"), ("pipeline bubble", "pipeline_wait_us", "bubble"),
@@ -225,7 +231,8 @@ def step_of(decomposition: pd.DataFrame | None, timeline: pd.DataFrame | None = 
 def _loss_groups(step: Step) -> list[tuple[str, float, str, tuple[str, ...]]]:
     """(group, µs, phrase, finding types) of every loss and every compute component, largest first."""
     out = []
-    for g, (comps, types, phrase) in LOSSES.items():
+    losses = {**LOSSES, **TIMELINE_LOSSES} if step.basis == "timeline" else LOSSES
+    for g, (comps, types, phrase) in losses.items():
         us = sum(p.us for p in step.parts if p.name in comps)
         if us > 0:
             out.append((g, us, phrase, types))
@@ -253,7 +260,7 @@ def bottleneck(step: Step | None, findings: list[dict]) -> tuple[str, str | None
     share = us / step.step_us
     size = f"{pct(share)} of the {ms(step.step_us)} step"
     why = next((f for f in findings if f.get("type") in types), None)
-    if name in LOSSES:
+    if name in LOSSES or name in TIMELINE_LOSSES:
         head = f"The step loses the most to {phrase}: {size}"
     else:
         busy = sum(p.us for p in step.parts if p.kind == "compute") / step.step_us
