@@ -46,6 +46,14 @@ def _severity(share: float) -> str:
     return "high" if share >= 0.10 else ("medium" if share >= 0.03 else "low")
 
 
+def _sync_title(s) -> str:
+    """A host-sync finding's title: the op the program called and the innermost op the sync ran in; a sync
+    outside any op (in an annotation or module range only) is said so, not named "(no op)"."""
+    if s["op"] == "(no op)":
+        return f"A call outside any op forces {s['count']} device-to-host sync(s) ({s['call']})"
+    return f"{s['op']} forces {s['count']} device-to-host sync(s) ({s['call']} via {s['via']})"
+
+
 def findings(analysis, small_us: float = H.SMALL_KERNEL_US, *, host_syncs: pd.DataFrame | None = None,
              idle_gaps: pd.DataFrame | None = None, launch_stats: pd.DataFrame | None = None,
              kernels_per_op: pd.DataFrame | None = None, comm_instances: pd.DataFrame | None = None,
@@ -71,7 +79,7 @@ def findings(analysis, small_us: float = H.SMALL_KERNEL_US, *, host_syncs: pd.Da
     for _, s in H.sync_summary(syncs).iterrows():
         rec = (s["gpu_idle_caused_us"]) / n_ranks
         out.append({
-            "type": "host_sync", "title": f"{s['op']} forces {s['count']} device-to-host sync(s) ({s['call']} via {s['via']})",
+            "type": "host_sync", "title": _sync_title(s),
             "evidence": {"op": s["op"], "via": s["via"], "call": s["call"], "count": int(s["count"]),
                          "host_blocked_us": round(float(s["host_blocked_us"]), 3),
                          "gpu_idle_caused_us": round(float(s["gpu_idle_caused_us"]), 3), "path": s["path"],

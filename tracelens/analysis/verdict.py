@@ -578,8 +578,9 @@ _ADVICE = {
                              f"{_cause(ev.get('cause'))}"),
     "sync_wait": lambda ev: f"Find why rank {ev.get('straggler_rank')} arrives last at {ev.get('family')} (comm section: stragglers)",
     "exposed_comm": lambda ev: "Hide communication under compute (overlap it with independent work, prefetch or bucket it)",
-    "host_sync": lambda ev: (f"Remove the blocking {ev.get('call')} in {_op(ev.get('op'))}: keep the value on the device, "
-                             "or read it once per step"),
+    "host_sync": lambda ev: (f"Remove the blocking {ev.get('call')} "
+                             f"{'called outside any op' if _op(ev.get('op')) == '(no op)' else 'in ' + _op(ev.get('op'))}: "
+                             "keep the value on the device, or read it once per step"),
     "launch_bound": lambda ev: "Launch fewer kernels per step: fuse elementwise ops, CUDA graphs or torch.compile, "
                                "grouped expert GEMMs",
     "small_kernels": lambda ev: "Fuse the small kernels (torch.compile, fused kernels) of " + ", ".join(
