@@ -241,3 +241,12 @@ def test_real_findings_read_as_sentences_not_dumps(fixture):
         s = V.finding_sentence(f)
         assert not re.search(r"\b\w+=\S", s), s  # no key=value
         assert "{" not in s and "[" not in s, s  # no dict or list dumped
+
+
+def test_a_change_that_rounds_to_zero_reads_plus_zero_not_minus_zero():
+    from tracelens.projection.decomposition import _pct
+
+    assert [V.pct(x, signed=True) for x in (-1e-5, -0.0004, 0.0, 0.071, -0.071, 0.58)] == \
+        ["+0.0%", "+0.0%", "+0.0%", "+7.1%", "-7.1%", "+58%"]
+    assert V.pct(-1e-5) == "0.0%" and V.pct(0.19) == "19%"
+    assert _pct(13336.315, 13336.316) == "+0.0 %" and _pct(110.0, 100.0) == "+10.0 %"

@@ -85,8 +85,9 @@ def pct(share: float | None, signed: bool = False) -> str:
     if share is None or not math.isfinite(share):
         return "–"
     v = 100.0 * share
-    s = f"{v:+.1f}" if signed and abs(v) < 10 else f"{v:+.0f}" if signed else f"{v:.1f}" if abs(v) < 10 else f"{v:.0f}"
-    return s + "%"
+    digits = 1 if abs(v) < 10 else 0
+    v = round(v, digits) + 0.0  # a value that rounds to zero reads "+0.0%", not "-0.0%"
+    return f"{v:{'+' if signed else ''}.{digits}f}%"
 
 
 def gib(v: float | None) -> str:

@@ -361,7 +361,7 @@ def _missing(analysis, have: set) -> str:
 
 
 def _pct(a: float, b: float) -> str:
-    return f"{100 * (a - b) / b:+.1f} %" if b > 0 else "n/a"
+    return f"{round(100 * (a - b) / b, 1) + 0.0:+.1f} %" if b > 0 else "n/a"  # (+ 0.0: never "-0.0 %")
 
 
 def _frame(rows: list[dict], basis: str, note: str, ranks: list[dict]) -> pd.DataFrame:
