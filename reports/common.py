@@ -340,7 +340,9 @@ def _column_cells(values: list, kind: str, shown: list[tuple[str, str]] | None) 
             out.append('<td class="name"' + (f' data-v="{_esc(full)}"' if text != full else "")
                        + (f' title="{_esc(full)}"' if full else "") + f">{_esc(text)}</td>")
             continue
-        text = "" if v is None or (isinstance(v, float) and math.isnan(v)) else str(v)
+        # a flag reads as a word ("yes"/"no"), not Python's True/False
+        text = ("" if v is None or (isinstance(v, float) and math.isnan(v)) else ("yes" if v else "no")
+                if isinstance(v, bool) else str(v))
         out.append(f'<td class="{cls}"' + (f' title="{_esc(text)}"' if kind == "name" and text else "")
                    + f">{_esc(text)}</td>")
     return out

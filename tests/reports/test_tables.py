@@ -22,6 +22,13 @@ def test_counts_are_whole_numbers_and_means_keep_one_decimal():
     assert 'data-v="24576.0"' in page  # the value behind the cell is unchanged
 
 
+def test_flags_read_as_words_not_python_booleans():
+    df = pd.DataFrame({"step": [3, 4], "steady": [True, False], "note": pd.Series([True, None], dtype=object)})
+    page = html_table(df, [("step", "step", "count"), ("steady", "steady state", "text"), ("note", "note", "name")])
+    assert re.findall(r'<td class="text">([^<]*)</td>', page) == ["yes", "no"]
+    assert 'title="yes">yes</td>' in page and "True" not in page and "False" not in page
+
+
 def test_the_moe_tables_show_counts_without_decimals(site):
     from reports.moe import moe_context
 
@@ -73,8 +80,9 @@ def _template_table(df, columns, max_rows=200):
             elif kind == "kernel" and col in shown and v is not None:
                 text, full = shown[col][i]
                 cells.append(("name", text, full if text != full else None, full))
-            else:
-                text = "" if v is None or (isinstance(v, float) and math.isnan(v)) else str(v)
+            else:  # (a flag as a word: the one change since the template)
+                text = ("" if v is None or (isinstance(v, float) and math.isnan(v)) else ("yes" if v else "no")
+                        if isinstance(v, bool) else str(v))
                 cells.append((kind, text, None, text if kind == "name" and text else None))
         rows.append(cells)
     env = Environment(autoescape=select_autoescape(["html"], default_for_string=True))
