@@ -184,6 +184,9 @@ def test_run_dirs_compare_manifest_metrics(tmp_path):
     assert m["run.loss_at_step_2"]["base"] == 3.5 and m["run.loss_at_step_2"]["new"] == 3.6
     assert m["run.peak_memory_gb"]["new"] == pytest.approx(3.0)
     assert m["step_time"]["delta"] == 0  # same traces
+    # each run metric with its unit: 3 * 2**30 bytes is 3.0 GiB; a loss has none
+    assert {k: m[k]["unit"] for k in ("run.tokens_per_s", "run.mfu", "run.peak_memory_gb", "run.loss_final")} == \
+        {"run.tokens_per_s": "tokens/s", "run.mfu": "fraction", "run.peak_memory_gb": "GiB", "run.loss_final": ""}
 
 
 def _cpu_only_trace(path, step_durs_us):

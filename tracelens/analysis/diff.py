@@ -60,6 +60,21 @@ METRICS: dict[str, tuple[str, str, float]] = {  # name -> (per-step column, unit
 }
 
 
+# the units of the trainer's run metrics (manifest.json `metrics`; trainer/train.py), by name; another scalar there
+# takes its unit from its name's suffix (`_s`: seconds, `_bytes`), else none
+RUN_UNITS = {"steps": "count", "timed_steps": "count", "tokens_per_step": "tokens", "tokens_per_step_per_gpu": "tokens",
+             "tokens_per_s": "tokens/s", "tokens_per_s_per_gpu": "tokens/s/GPU", "model_flops_per_token": "FLOP",
+             "mfu": "fraction"}
+
+
+def run_unit(key: str) -> str:
+    """The unit of a run metric (`run.<key>`), "" where the name does not say."""
+    name = key.rsplit(".", 1)[-1]
+    if name in RUN_UNITS:
+        return RUN_UNITS[name]
+    return "s" if name.endswith("_s") else "bytes" if name.endswith("_bytes") else ""
+
+
 def category_metric(cat: str) -> str:
     return "category." + re.sub(r"[^a-z0-9]+", "_", cat.lower()).strip("_")
 
@@ -339,12 +354,12 @@ def _metric_row(name: str, unit: str, bvals: np.ndarray, nvals: np.ndarray) -> d
 
 def _manifest_metrics(bm: dict | None, nm: dict | None):
     """Run-level metrics of two run dirs: every scalar under `metrics`, plus the loss at the last step
-    both runs reached, peak memory (max over ranks, GB) and the mean step time (ms)."""
+    both runs reached and peak memory (max over ranks, GiB: `peak_memory_gb`, the name rules already use)."""
     if not bm or not nm:
         return []
     mb, mn = bm.get("metrics", {}) or {}, nm.get("metrics", {}) or {}
     b, n = _flat_numbers(mb), _flat_numbers(mn)
-    out = [(k, b[k], n[k], "") for k in sorted(set(b) & set(n))]
+    out = [(k, b[k], n[k], run_unit(k)) for k in sorted(set(b) & set(n))]
     lb, ln = mb.get("loss"), mn.get("loss")
     if isinstance(lb, list) and isinstance(ln, list) and lb and ln:
         k = min(len(lb), len(ln)) - 1
@@ -353,7 +368,7 @@ def _manifest_metrics(bm: dict | None, nm: dict | None):
             out.append(("loss_final", float(lb[k]), float(ln[k]), ""))
     pb, pn = mb.get("peak_memory_bytes"), mn.get("peak_memory_bytes")
     if isinstance(pb, list) and isinstance(pn, list) and pb and pn:
-        out.append(("peak_memory_gb", max(pb) / 2**30, max(pn) / 2**30, "GB"))
+        out.append(("peak_memory_gb", max(pb) / 2**30, max(pn) / 2**30, "GiB"))
     return out
 
 
