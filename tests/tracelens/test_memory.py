@@ -484,3 +484,28 @@ def test_memory_cache_follows_a_config_changed_in_place():
     before = M.project(cfg, lay).peak_bytes
     cfg["moe_d_ff"] *= 2  # the same dict object, a different model: nothing cached for it may be reused
     assert M.project(cfg, lay).peak_bytes == M.project(dict(cfg), lay).peak_bytes > before
+
+
+@pytest.mark.parametrize("args, message", [
+    # --world 0 was read as "no --world" (world 1) and printed a projection for one GPU
+    (["--world", "0"], "gpu_proxy: memory: world: must be a positive integer, got 0"),
+    (["--world", "0", "--sweep", "--device", "H200", "--global-batch", "64"],
+     "gpu_proxy: memory: world: must be a positive integer, got 0"),
+    # a global batch below 1 was divided into microbatches first: "microbatches: ... got -2" for --global-batch -4
+    (["--global-batch", "-4"], "memory: global batch must be >= 1, got -4"),
+    (["--global-batch", "0"], "memory: global batch must be >= 1, got 0"),
+    # a device of 0 bytes was taken: "does NOT fit 0.0 GiB", exit 0
+    (["--device-memory", "0"], "memory: device memory '0' is not a size above 0 bytes"),
+    (["--device-memory", "0GiB"], "memory: device memory '0GiB' is not a size above 0 bytes"),
+])
+def test_cli_bad_sizes_one_line(args, message):
+    res = CliRunner().invoke(main, ["memory", "gpu_proxy", *args])
+    assert res.exit_code == 2, res.output
+    assert res.stderr == f"tracelens: error: {message}\n" and "Traceback" not in res.output
+
+
+def test_plan_device_memory_zero_one_line():
+    res = CliRunner().invoke(main, ["plan", "gpu_proxy_train", "--gpus", "64", "--global-batch", "1024",
+                                    "--device-memory", "0"])
+    assert res.exit_code == 2, res.output
+    assert res.stderr == "tracelens: error: memory: device memory '0' is not a size above 0 bytes\n"

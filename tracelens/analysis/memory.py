@@ -1354,7 +1354,10 @@ def parse_bytes(text: str | int | float) -> int:
     unit = (m.group(2) or "B").upper().rstrip("B")
     mult = {"": 1, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12,
             "KI": 2**10, "MI": 2**20, "GI": 2**30, "TI": 2**40}[unit]
-    return int(float(m.group(1)) * mult)
+    n = int(float(m.group(1)) * mult)
+    if n < 1:  # "0": nothing fits a device of no memory, a verdict on a typo
+        raise TraceError(None, f"memory: device memory {text!r} is not a size above 0 bytes")
+    return n
 
 
 def device_memory(name: str) -> int:
@@ -1483,7 +1486,8 @@ def layout_for(mc: ModelConfig, *, dp_mode: str | None = None, world: int | None
     `TraceError` naming ``source`` (default: the config's)."""
     source = mc.source if source is None else source
     cfg = mc.config if dp_mode is None else {**mc.config, "dp_mode": dp_mode}
-    world = world or (mc.world if kw.get("dp") is None else None)
+    if world is None:  # (not `world or`: --world 0 is a bad value, never "the default")
+        world = mc.world if kw.get("dp") is None else None
     run_layout = mc.layout_kwargs() if pp is None else {}
     if run_layout:
         vpp = vpp if vpp is not None else run_layout["vpp"]
@@ -1491,6 +1495,8 @@ def layout_for(mc: ModelConfig, *, dp_mode: str | None = None, world: int | None
         microbatches = microbatches if microbatches is not None else run_layout["microbatches"]
         pp = run_layout["pp"]
         run_layout = {k: run_layout[k] for k in ("stage_layers", "stage_to_rank")} if vpp == run_layout["vpp"] else {}
+    if global_batch is not None and global_batch < 1:
+        raise TraceError(None, f"memory: global batch must be >= 1, got {global_batch}")
     if global_batch is not None and microbatches is None and not sweep:
         shape = {k: kw.get(k) for k in ("tp", "cp", "dp", "ep", "mbs")}
         lay0 = resolve_layout(cfg, world=world, source=source, pp=pp, vpp=vpp, **shape)
