@@ -133,6 +133,24 @@ def test_a_bad_network_file_is_one_line_naming_the_file(tmp_path, text, needle):
 def test_a_bad_network_flag_names_the_flag():
     with pytest.raises(N.NetworkError, match="--inter-node-latency-us: inter_node_latency_us: must be > 0"):
         N.network(inter_node_latency_us=-1.0)
+    # the flag as the command line spells it (was '--intra-node-busbw-gb-s', a flag no command has)
+    with pytest.raises(N.NetworkError, match="^--intra-node-busbw: intra_node_busbw_gb_s: must be > 0"):
+        N.network(intra_node_busbw_gb_s=0.0)
+    assert N.network(intra_node_busbw_gb_s=100.0).sources == {"intra_node_busbw_gb_s": "--intra-node-busbw"}
+
+
+@pytest.mark.parametrize("verb", ["scaleout", "plan"])
+def test_a_network_file_that_is_not_text_is_one_line_exit_2(tmp_path, verb):
+    """A binary --network file was an internal error (UnicodeDecodeError, exit 3) naming no file."""
+    net = tmp_path / "net.yaml"
+    net.write_bytes(b"\xd8\x00\xff binary")
+    args = (["scaleout", str(CAP_OVL), "--gpus", "8"] if verb == "scaleout" else
+            ["plan", "gpu_proxy_train", "--gpus", "8", "--global-batch", "64", "--from", str(CAP_OVL), "--mbs", "16"])
+    r = _cli(*args, "--network", str(net))
+    assert r.exit_code == 2, r.output
+    assert r.stderr == (f"tracelens: error: {net}: not a UTF-8 text file (byte 0): a YAML or JSON network "
+                        "description was expected\n")
+    assert "Traceback" not in r.stderr
 
 
 # ------------------------------------------------------------------------------------------ the projection

@@ -210,6 +210,9 @@ def read_network_file(path: str | Path) -> dict:
         text = p.read_text()
     except OSError as e:
         raise NetworkError(f"{p}: cannot read the network file ({e.strerror or e})") from None
+    except UnicodeDecodeError as e:
+        raise NetworkError(f"{p}: not a UTF-8 text file (byte {e.start}): a YAML or JSON network description "
+                           "was expected") from None
     try:
         doc = json.loads(text) if p.suffix == ".json" else safe_load(text)
     except ValueError as e:
@@ -226,6 +229,10 @@ def read_network_file(path: str | Path) -> dict:
     return {k: _checked(k, v, str(p)) for k, v in doc.items() if v is not None}
 
 
+# The command-line flag of a field whose name is not the flag's (`--intra-node-busbw`, not `--intra-node-busbw-gb-s`)
+_FLAGS = {"intra_node_busbw_gb_s": "--intra-node-busbw"}
+
+
 def network(intra: IntraLookup | None = None, intra_source: str = "", path: str | Path | None = None,
             **flags) -> Network:
     """The network model: defaults (assumed), then the file's fields, then the flags (None: not given);
@@ -240,7 +247,8 @@ def network(intra: IntraLookup | None = None, intra_source: str = "", path: str 
             vals[k], sources[k] = v, str(path)
     for k, v in flags.items():
         if v is not None:
-            vals[k], sources[k] = _checked(k, v, "--" + k.replace("_", "-")), "--" + k.replace("_", "-")
+            flag = _FLAGS.get(k, "--" + k.replace("_", "-"))
+            vals[k], sources[k] = _checked(k, v, flag), flag
     return replace(Network(intra=intra, intra_source=intra_source), **vals, sources=sources)
 
 
