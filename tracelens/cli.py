@@ -8,6 +8,7 @@ status 2; set TRACELENS_DEBUG=1 to see tracebacks of internal errors.
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 import time
@@ -21,6 +22,17 @@ from . import __version__
 from .errors import TraceError
 # (from io.scanner, not io.kineto: pandas and pyarrow load after `analyze` has started the scan)
 from .io.scanner import decoder
+
+
+class _FiniteFloatRange(click.FloatRange):
+    """click.FloatRange that also refuses 'nan' and 'inf': float() reads them, and nan passes every bound check
+    (a memory of nan GiB was "OUT OF MEMORY", a headroom of nan% "does NOT fit")."""
+
+    def convert(self, value, param, ctx):
+        v = super().convert(value, param, ctx)
+        if not math.isfinite(v):
+            self.fail(f"{value!r} is not a finite number.", param, ctx)
+        return v
 
 
 def _fail(message: str, code: int = 2) -> None:
@@ -453,7 +465,7 @@ def check(paths, json_out, fail_on, no_cache):
 @main.command()
 @click.argument("paths", nargs=-1, required=True, type=click.Path())
 @click.option("--json", "json_out", type=click.Path(dir_okay=False), help="Write syncs, idle gaps summary, launch stats and findings here.")
-@click.option("--small-us", type=float, default=10.0, show_default=True, help="Kernels shorter than this count as small.")
+@click.option("--small-us", type=_FiniteFloatRange(min=0, min_open=True), default=10.0, show_default=True, help="Kernels shorter than this count as small.")
 @click.option("--no-cache", is_flag=True, help="Do not read or write the parsed-trace cache.")
 def host(paths, json_out, small_us, no_cache):
     """Host side: device-to-host syncs and the GPU idle they cause, launch latency, idle gaps by cause,
@@ -587,7 +599,7 @@ def autotune(space_file, out, strategy, resume, seed):
               help="A changed trainer key (repeatable), e.g. --set micro_batch_size=8 --set grouped_gemm_backend=torch.")
 @click.option("--kernel-table", type=click.Path(dir_okay=False),
               help="Grouped-GEMM timings (`tracelens kernels tune --json` rows or the tuner cache) for the backend knob.")
-@click.option("--memory-gib", type=click.FloatRange(min=0.001), help="Memory capacity to fit in (default: the GPU's).")
+@click.option("--memory-gib", type=_FiniteFloatRange(min=0.001), help="Memory capacity to fit in (default: the GPU's).")
 @click.option("--json", "json_out", type=click.Path(dir_okay=False), help="Write the prediction here.")
 def whatif(run, sets, kernel_table, memory_gib, json_out):
     """Predict step time, tokens/s/GPU and peak memory of RUN with changed trainer keys, component by
@@ -637,7 +649,7 @@ def _network_options(f):
                          help="Intra-node bus bandwidth in GB/s (default: measured from the run's trace)."),
             click.option("--kernel-table", type=click.Path(dir_okay=False),
                          help="Grouped-GEMM timings for the what-if's backend knob (as `tracelens whatif`)."),
-            click.option("--memory-gib", type=click.FloatRange(min=0.001),
+            click.option("--memory-gib", type=_FiniteFloatRange(min=0.001),
                          help="Memory capacity per GPU to fit in (default: the run's GPU's)."))):
         f = opt(f)
     return f
@@ -711,7 +723,7 @@ def scaleout(run, gpus_text, sets, ep_text, ep_gpus_text, pp_text, bubble_gpus, 
 @click.option("--device", "device_name", default=None, help="Device name for its memory (H100, H200, ...; default: "
               "the --from run's GPU).")
 @click.option("--device-memory", default=None, help="Device memory, e.g. 80GiB (overrides --device).")
-@click.option("--headroom", type=click.FloatRange(0, 0.9), default=0.05, show_default=True,
+@click.option("--headroom", type=_FiniteFloatRange(0, 0.9), default=0.05, show_default=True,
               help="Share of device memory kept free when deciding what fits.")
 @click.option("--top", type=click.IntRange(1, 10000), default=15, show_default=True, help="Layouts to print.")
 @_network_options
@@ -796,7 +808,7 @@ def roofline(paths, ceilings, json_out, top, no_cache):
 @click.option("--zero", type=click.IntRange(0, 3), default=None, help="ZeRO level (overrides --dp-mode).")
 @click.option("--device-memory", default=None, help="Device memory, e.g. 80GiB or 141GB.")
 @click.option("--device", "device_name", default=None, help="Device name for its memory (H100, H200, B200, MI300X...).")
-@click.option("--headroom", type=click.FloatRange(0, 0.9), default=0.05, show_default=True, help="Share of device memory kept free when deciding what fits.")
+@click.option("--headroom", type=_FiniteFloatRange(0, 0.9), default=0.05, show_default=True, help="Share of device memory kept free when deciding what fits.")
 @click.option("--sweep", "do_sweep", is_flag=True, help="Enumerate layouts for --world that fit the device, ranked by bubble then communication.")
 @click.option("--top", type=click.IntRange(1, 10000), default=15, show_default=True, help="Sweep: layouts to print.")
 @click.option("--json", "json_out", type=click.Path(dir_okay=False), help="Write the projection (or sweep) as JSON.")

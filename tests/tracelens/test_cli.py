@@ -9,7 +9,7 @@ import sys
 import pandas as pd
 import pytest
 
-from ..conftest import CPU_ONLY, MOE_LOOP, NCCL_2RANK
+from ..conftest import CPU_ONLY, FIXTURES, MOE_LOOP, NCCL_2RANK
 
 SUMMARY_KEYS = {"rank", "span_us", "gpu_busy_us", "gpu_idle_us", "compute_us", "comm_us", "memcpy_us", "memset_us",
                 "exposed_comm_us", "kernel_count", "steps"}
@@ -181,3 +181,26 @@ def test_malformed_manifests_are_one_line_naming_the_file(tmp_path, verb, change
     r = run(*args, timeout=300)
     assert r.returncode == 2 and r.stdout == "", (r.returncode, r.stdout[-500:], r.stderr[-2000:])
     assert r.stderr.startswith(f"tracelens: error: {mf}: {problem}") and r.stderr.count("\n") == 1, r.stderr
+
+
+@pytest.mark.parametrize("args, message", [
+    # float() reads 'nan' and 'inf' and nan passed every bound: host counted no (or every) kernel as small, whatif
+    # said "10.18 GiB of nan GiB: OUT OF MEMORY", memory "does NOT fit 74.5 GiB (headroom nan%)", all with exit 0
+    (["host", MOE_LOOP, "--small-us", "nan"], "Invalid value for '--small-us': 'nan' is not a finite number."),
+    (["host", MOE_LOOP, "--small-us", "inf"], "Invalid value for '--small-us': 'inf' is not a finite number."),
+    (["host", MOE_LOOP, "--small-us", "-5"], "Invalid value for '--small-us': -5.0 is not in the range x>0."),
+    (["whatif", FIXTURES / "h200_ep2_run" / "L0_loop", "--memory-gib", "nan"],
+     "Invalid value for '--memory-gib': 'nan' is not a finite number."),
+    (["scaleout", FIXTURES / "h100_4gpu" / "ep4_cap_ovl", "--gpus", "8", "--memory-gib", "inf"],
+     "Invalid value for '--memory-gib': 'inf' is not a finite number."),
+    (["memory", "gpu_proxy", "--device", "H100", "--headroom", "nan"],
+     "Invalid value for '--headroom': 'nan' is not a finite number."),
+    (["plan", "gpu_proxy_train", "--gpus", "8", "--global-batch", "64", "--device", "H100", "--headroom", "nan"],
+     "Invalid value for '--headroom': 'nan' is not a finite number."),
+])
+def test_non_finite_or_non_positive_float_options_are_usage_errors(args, message):
+    from ._cli import run_cli
+
+    r = run_cli(*args)
+    assert r.returncode == 2, r.stdout
+    assert r.stderr.splitlines()[-1] == f"Error: {message}" and "Traceback" not in r.stderr
