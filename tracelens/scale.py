@@ -428,6 +428,24 @@ def finish(light: list[RankTables], windowed: dict[int, tuple], rt, sw, kern, in
 # ------------------------------------------------------------------------------------ drivers
 
 
+def _check_memory_limit(text: str | None) -> None:
+    """A worker memory limit Dask takes ("auto", bytes or a size such as 2GB, a share of the machine's memory, 0 for
+    none), checked before the cluster starts: Dask fails on a bad one in each worker process, with their tracebacks."""
+    if text is None or text == "auto":
+        return
+    from dask.utils import parse_bytes
+
+    try:
+        n = float(text)
+    except ValueError:
+        try:
+            n = parse_bytes(text)
+        except ValueError as e:
+            raise TraceError(None, f"memory limit {text!r}: not a size ({e}); e.g. 2GB") from None
+    if not n >= 0 or n == float("inf"):
+        raise TraceError(None, f"memory limit {text!r}: must be a size of 0 (no limit) or more; e.g. 2GB")
+
+
 def _client(workers: int | None, scheduler: str | None, memory_limit: str | None):
     try:
         import dask
@@ -439,7 +457,10 @@ def _client(workers: int | None, scheduler: str | None, memory_limit: str | None
             return Client(scheduler, timeout="20s"), None, f"dask scheduler {scheduler}"
         except (OSError, TimeoutError) as e:
             raise TraceError(scheduler, f"cannot reach the Dask scheduler: {e}") from None
+        except ValueError as e:  # not an address (no port, unknown protocol)
+            raise TraceError(scheduler, f"not a Dask scheduler address ({e}); e.g. tcp://host:8786") from None
     # a rank that kills its worker (out of memory, a crash in native code) fails at once, not after 3 retries
+    _check_memory_limit(memory_limit)
     with dask.config.set({"distributed.scheduler.allowed-failures": 0}):
         cluster = LocalCluster(n_workers=workers, threads_per_worker=1, processes=True, dashboard_address=":0",
                                memory_limit=memory_limit or "auto", silence_logs=50)

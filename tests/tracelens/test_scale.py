@@ -188,3 +188,21 @@ def test_local_default_imports_no_dask():
             "assert not [m for m in sys.modules if m.split('.')[0] in ('dask', 'distributed')], 'dask imported'" % str(NCCL_2RANK))
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert p.returncode == 0, p.stderr
+
+
+@pytest.mark.parametrize("args, message", [
+    # was "internal error: ValueError: missing port number in address 'notanaddr'", exit 3
+    (["--scheduler", "notanaddr"],
+     "notanaddr: not a Dask scheduler address (missing port number in address 'notanaddr'); e.g. tcp://host:8786"),
+    # was "internal error: ValueError: Could not interpret 'abc' as a byte unit", exit 3
+    (["--workers", "1", "--memory-limit", "abc"],
+     "memory limit 'abc': not a size (Could not interpret 'abc' as a byte unit); e.g. 2GB"),
+    # was each worker's traceback (OverflowError), then "internal error: RuntimeError: Nanny failed to start", exit 3
+    (["--workers", "1", "--memory-limit", "-2GB"],
+     "memory limit '-2GB': must be a size of 0 (no limit) or more; e.g. 2GB"),
+])
+def test_a_bad_scheduler_address_or_memory_limit_is_one_line(tmp_path, args, message):
+    r = run_cli("analyze", NCCL_2RANK, *args, "-o", tmp_path / "out")
+    assert r.returncode == 2, r.stdout
+    assert r.stderr == f"tracelens: error: {message}\n"
+    assert not (tmp_path / "out").exists()
