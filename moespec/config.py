@@ -280,7 +280,9 @@ def _config_layers(p: Path) -> list[dict]:
         if len(chain) >= MAX_EXTENDS:
             raise ConfigError("extends", f"{p}: more than {MAX_EXTENDS} files in the extends chain")
         chain.append(p.resolve())
-        data = _read_yaml_file(p) or {}
+        data = _read_yaml_file(p)
+        if data is None:  # an empty file (only comments): no keys; `[]`, `0` or `false` are not a config
+            data = {}
         if not isinstance(data, dict):
             raise ConfigError("config", f"{p} must hold a mapping")
         data = dict(data)

@@ -175,3 +175,29 @@ def test_config_error_is_a_value_error_naming_the_key():
     with pytest.raises(ConfigError) as e:
         load_config("tiny", {"lr": float("inf")})
     assert e.value.key == "lr" and str(e.value) == "config error: lr: must be a finite number, got inf"
+
+
+@pytest.mark.parametrize("text", ["[]\n", "false\n", "0\n", "''\n"])
+def test_a_config_file_that_is_not_a_mapping_is_refused_even_when_falsy(tmp_path, capsys, text):
+    """A config file holding `[]`, `false`, `0` or `''` was read as an empty mapping: the run trained the
+    defaults (exit 0). Like any other non-mapping (`- a`) it is refused; an empty file still means no keys."""
+    from trainer.launch import main
+
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text(text)
+    rc = main(["--config", str(cfg), "-o", str(tmp_path / "run")])
+    out, err = capsys.readouterr()
+    assert rc == 2 and err == f"config error: config: {cfg} must hold a mapping\n" and out == ""
+    assert "Traceback" not in err and not (tmp_path / "run").exists()
+
+
+def test_tracelens_memory_refuses_a_falsy_config_file_in_one_line(tmp_path):
+    from click.testing import CliRunner
+
+    from tracelens.cli import main
+
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text("[]\n")
+    res = CliRunner().invoke(main, ["memory", str(cfg)])
+    assert res.exit_code == 2, res.output
+    assert res.stderr == f"tracelens: error: {cfg}: config error: config: {cfg} must hold a mapping\n"
