@@ -54,6 +54,10 @@ def test_defaults_and_baseline():
     ({**BASE, "budget": {"trials": "many"}}, "s.yaml: budget.trials: expected an integer, got 'many'"),
     ({**BASE, "budget": {"trails": 3}}, "s.yaml: budget.trails: unknown key"),
     ({**BASE, "trial": {"timeout_s": True}}, "s.yaml: trial.timeout_s: expected a number, got True"),
+    # nan (YAML .nan) passed the bound check: the sweep started with a trial timeout that never fires
+    ({**BASE, "trial": {"timeout_s": float("nan")}}, "s.yaml: trial.timeout_s: expected a number, got nan"),
+    ({**BASE, "budget": {"wall_s": float("nan")}}, "s.yaml: budget.wall_s: expected a number, got nan"),
+    ({**BASE, "guided": {"min_gain": float("nan")}}, "s.yaml: guided.min_gain: expected a number, got nan"),
     ({**BASE, "trial": {"env": {"A": [1]}}}, "s.yaml: trial.env: must map variable names"),
     ({**BASE, "nproc": 1.5}, "s.yaml: nproc: expected an integer, got 1.5"),
     ({**BASE, "command": "python x.py"}, "s.yaml: command: must be a non-empty list of strings"),
@@ -145,6 +149,21 @@ def test_cli_bad_space_is_one_line_exit_2(tmp_path):
     assert r.returncode == 2 and r.stdout == ""
     assert r.stderr == (f"tracelens: error: {bad}: knobs.sync_free_level[1]: 5 rejected by the trainer "
                         "(config error: sync_free_level: must be 0, 1, 2 or 3, got 5)\n")
+    assert not (tmp_path / "o").exists()  # nothing started
+
+
+def test_cli_nan_in_a_space_file_is_one_line_exit_2(tmp_path):
+    """`trial: {timeout_s: .nan}` was accepted and the sweep started trials."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    bad = tmp_path / "s.yaml"
+    bad.write_text("config: tiny\nknobs: {sync_free_level: [0, 1]}\ntrial: {timeout_s: .nan}\n")
+    r = subprocess.run([sys.executable, "-m", "tracelens.cli", "autotune", str(bad), "-o", str(tmp_path / "o")],
+                       cwd=Path(__file__).resolve().parents[2], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and r.stdout == ""
+    assert r.stderr == f"tracelens: error: {bad}: trial.timeout_s: expected a number, got nan\n"
     assert not (tmp_path / "o").exists()  # nothing started
 
 
