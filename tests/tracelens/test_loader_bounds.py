@@ -54,6 +54,21 @@ def test_gzip_trace_expanding_past_the_bound_is_refused_naming_the_file(tmp_path
         assert "TRACELENS_MAX_TRACE_BYTES" in e.value.problem
 
 
+@pytest.mark.parametrize("value", ["abc", "0", "-5", "1e9"])
+def test_a_bad_max_trace_bytes_is_one_line_naming_the_variable(tmp_path, monkeypatch, value):
+    """TRACELENS_MAX_TRACE_BYTES that is not a whole number above 0 was ignored (the 32 GiB default held, exit 0)."""
+    from ._cli import run_cli
+
+    p = tmp_path / "t.json.gz"
+    p.write_bytes(gzip.compress(json.dumps(_trace([_kernel(i, 10.0 + 2 * i) for i in range(5)])).encode()))
+    monkeypatch.setenv("TRACELENS_MAX_TRACE_BYTES", value)
+    r = run_cli("analyze", p, "--no-cache", "-o", tmp_path / "out")
+    assert r.returncode == 2, r.stdout
+    assert r.stderr == (f"tracelens: error: TRACELENS_MAX_TRACE_BYTES={value!r}: expected a whole number of bytes "
+                        "above 0 (unset it for the default, 32 GiB)\n")
+    assert not (tmp_path / "out").exists()
+
+
 def test_gzip_trace_expanding_past_available_memory_is_refused(tmp_path, monkeypatch):
     bomb = tmp_path / "bomb.json.gz"
     _bomb(bomb, 8 << 20)

@@ -25,16 +25,20 @@ _CHUNK = 64 << 20  # bytes decompressed per step
 
 
 def max_trace_bytes() -> int:
-    """The decompressed-size bound of one trace file (TRACELENS_MAX_TRACE_BYTES, else 32 GiB)."""
+    """The decompressed-size bound of one trace file (TRACELENS_MAX_TRACE_BYTES, else 32 GiB). A value that is not
+    a whole number of bytes above 0 is a `TraceError` naming the variable (it was ignored: the bound a user set to
+    refuse large files silently did not hold)."""
     v = os.environ.get("TRACELENS_MAX_TRACE_BYTES", "").strip()
-    if v:
-        try:
-            n = int(v)
-            if n > 0:
-                return n
-        except ValueError:
-            pass
-    return MAX_TRACE_BYTES_DEFAULT
+    if not v:
+        return MAX_TRACE_BYTES_DEFAULT
+    try:
+        n = int(v)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise TraceError(None, f"TRACELENS_MAX_TRACE_BYTES={v[:40]!r}: expected a whole number of bytes above 0 "
+                               "(unset it for the default, 32 GiB)")
+    return n
 
 
 def available_memory() -> int | None:
