@@ -162,7 +162,7 @@ def load_space(path: str | Path, check_trainer: bool = True) -> Space:
 def _num(where: str, key: str, v: Any, kind: type, lo: float) -> Any:
     if isinstance(v, bool) or not isinstance(v, (int, float)) or (kind is int and not float(v).is_integer()):
         raise SpaceError(f"{where}: {key}: expected {'an integer' if kind is int else 'a number'}, got {short_repr(v)}")
-    if v != v:  # nan: no comparison is true of it, so it passed the bound (a trial.timeout_s of nan never fires)
+    if math.isnan(v):  # nan: no comparison is true of it, so it passed the bound (a trial.timeout_s of nan never fires)
         raise SpaceError(f"{where}: {key}: expected a number, got nan")
     if v < lo:
         raise SpaceError(f"{where}: {key}: must be >= {lo:g}, got {short_repr(v)}")

@@ -161,7 +161,7 @@ def test_cli_nan_in_a_space_file_is_one_line_exit_2(tmp_path):
     bad = tmp_path / "s.yaml"
     bad.write_text("config: tiny\nknobs: {sync_free_level: [0, 1]}\ntrial: {timeout_s: .nan}\n")
     r = subprocess.run([sys.executable, "-m", "tracelens.cli", "autotune", str(bad), "-o", str(tmp_path / "o")],
-                       cwd=Path(__file__).resolve().parents[2], capture_output=True, text=True, timeout=60)
+                       cwd=Path(__file__).resolve().parents[2], capture_output=True, text=True, timeout=60, check=False)
     assert r.returncode == 2 and r.stdout == ""
     assert r.stderr == f"tracelens: error: {bad}: trial.timeout_s: expected a number, got nan\n"
     assert not (tmp_path / "o").exists()  # nothing started
