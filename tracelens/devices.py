@@ -17,6 +17,7 @@ names; `device` is optional and only checked against the trace's device when giv
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import fields, replace
 from typing import Any, Mapping
@@ -41,7 +42,8 @@ def load_measured(src: str | os.PathLike | Mapping[str, Any]) -> dict[str, Any]:
     if bad:
         raise ValueError(f"unknown measured-ceiling keys: {sorted(bad)} (known: {sorted(_FIELD_NAMES)})")
     for k in _FIELD_NAMES & set(data):
-        if data[k] is not None and not (isinstance(data[k], (int, float)) and data[k] > 0):
+        v = data[k]  # (JSON reads 1e999 as inf and NaN as nan: not a ceiling any more than true is)
+        if v is not None and not (isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < math.inf):
             raise ValueError(f"measured ceiling {k} must be a positive number, got {data[k]!r}")
     if not isinstance(src, Mapping):
         data.setdefault("source", f"measured: {os.fspath(src)}")

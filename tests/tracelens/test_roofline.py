@@ -206,6 +206,21 @@ def test_measured_ceilings_override(tmp_path):
         devices.load_measured({"bf16_tflops": -1})
 
 
+@pytest.mark.parametrize("text, shown", [("1e999", "inf"), ("true", "True")])
+@pytest.mark.parametrize("verb", ["roofline", "analyze"])
+def test_a_non_finite_or_boolean_measured_ceiling_is_one_line_exit_2(tmp_path, verb, text, shown):
+    """JSON reads 1e999 as inf: an infinite HBM bandwidth was taken (every op then 0 % of a memory roof), and true as
+    1 TB/s, both with exit 0."""
+    from ._cli import run_cli
+
+    f = tmp_path / "ceil.json"
+    f.write_text('{"device": "NVIDIA H200", "hbm_tbps": %s}' % text)
+    out = ["-o", tmp_path / "out"] if verb == "analyze" else []
+    r = run_cli(verb, MOE_GROUPED, "--ceilings", f, *out)
+    assert r.returncode == 2, r.stdout
+    assert r.stderr == f"tracelens: error: {f}: measured ceiling hbm_tbps must be a positive number, got {shown}\n"
+
+
 # ------------------------------------------------------------------------------------ real traces
 
 
