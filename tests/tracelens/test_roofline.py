@@ -214,7 +214,7 @@ def test_a_non_finite_or_boolean_measured_ceiling_is_one_line_exit_2(tmp_path, v
     from ._cli import run_cli
 
     f = tmp_path / "ceil.json"
-    f.write_text('{"device": "NVIDIA H200", "hbm_tbps": %s}' % text)
+    f.write_text(f'{{"device": "NVIDIA H200", "hbm_tbps": {text}}}')
     out = ["-o", tmp_path / "out"] if verb == "analyze" else []
     r = run_cli(verb, MOE_GROUPED, "--ceilings", f, *out)
     assert r.returncode == 2, r.stdout
