@@ -739,6 +739,16 @@ def plan(config, gpus, global_batch, run, overrides, mbs_text, device_name, devi
     from .projection.whatif import ProfileError, WhatIfError
 
     flags = _net_flags(kw)
+    if run is None:  # they feed the projection from a profile only: without --from they were silently ignored
+        unused = [name for name, v in (("--network", network_path), ("--gpus-per-node", flags["gpus_per_node"]),
+                                       ("--inter-node-gbps", flags["inter_node_gbps"]),
+                                       ("--inter-node-efficiency", flags["inter_node_efficiency"]),
+                                       ("--inter-node-latency-us", flags["inter_node_latency_us"]),
+                                       ("--intra-node-busbw", flags["intra_node_busbw_gb_s"]),
+                                       ("--kernel-table", kernel_table), ("--memory-gib", memory_gib)) if v is not None]
+        if unused:
+            _fail(f"plan: {', '.join(unused)} shape(s) the projection from a profile: give --from RUN (without it, "
+                  "--device or --device-memory sets what fits)")
     mc = M.load_model_config(config, overrides)
     for w in mc.warnings:
         _echo(f"tracelens: warning: {w}", err=True)

@@ -521,3 +521,16 @@ def test_held_out_4gpu_points_registered_before_they_ran():
     s = res["summary"]["gpu1"]
     assert s["max_abs_error"] <= 0.05 and s["median_abs_error"] <= 0.024, s
     assert all(abs(r["error"]) <= 0.10 for r in rows)
+
+
+@pytest.mark.parametrize("args, named", [
+    (["--memory-gib", "1"], "--memory-gib"),
+    (["--network", "net.yaml", "--intra-node-busbw", "5"], "--network, --intra-node-busbw"),
+    (["--kernel-table", "table.json", "--gpus-per-node", "4"], "--gpus-per-node, --kernel-table"),
+])
+def test_plan_without_a_profile_refuses_the_options_only_a_profile_uses(args, named):
+    """Without --from, plan ignored them: '--device H100 --memory-gib 1' still listed 96 layouts that 'fit 74.5 GiB'."""
+    r = _cli("plan", "gpu_proxy_train", "--gpus", "8", "--global-batch", "64", "--device", "H100", *args)
+    assert r.exit_code == 2, r.output
+    assert r.stderr == (f"tracelens: error: plan: {named} shape(s) the projection from a profile: give --from RUN "
+                        "(without it, --device or --device-memory sets what fits)\n")
