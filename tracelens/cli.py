@@ -830,6 +830,13 @@ def memory(config, overrides, world, pp, vpp, ep, tp, cp, dp, mbs, seq, microbat
     manifest.json or run dir) under a parallel layout; --sweep lists the layouts that fit. See docs/memory.md."""
     from .analysis import memory as M
 
+    if do_sweep:  # the sweep enumerates these itself (docs/memory.md, "Sweep"): given, they were silently not used
+        fixed = [name for name, v in (("--pp", pp), ("--vpp", vpp), ("--ep", ep), ("--tp", tp), ("--cp", cp),
+                                      ("--mbs", mbs), ("--ga", microbatches), ("--recompute", recompute))
+                 if v is not None]
+        if fixed:
+            _fail(f"memory: --sweep enumerates the layouts itself: {', '.join(fixed)} would not be used (drop "
+                  "--sweep to project one layout)")
     mc = M.load_model_config(config, overrides)
     for w in mc.warnings:
         _echo(f"tracelens: warning: {w}", err=True)

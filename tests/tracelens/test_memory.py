@@ -509,3 +509,20 @@ def test_plan_device_memory_zero_one_line():
                                     "--device-memory", "0"])
     assert res.exit_code == 2, res.output
     assert res.stderr == "tracelens: error: memory: device memory '0' is not a size above 0 bytes\n"
+
+
+def test_cli_vpp_without_a_pipeline_one_line():
+    """--vpp 3 at pp 1 was projected as a 'pp1 vpp3 ... vpp' layout (exit 0); the trainer refuses that config."""
+    res = CliRunner().invoke(main, ["memory", "gpu_proxy", "--vpp", "3"])
+    assert res.exit_code == 2, res.output
+    assert res.stderr == ("tracelens: error: gpu_proxy: memory: vpp: needs pipeline parallelism (pp > 1), got pp=1 "
+                          "and vpp=3\n")
+
+
+def test_cli_sweep_refuses_the_layout_options_it_enumerates():
+    """`--sweep --pp 2 --mbs 4` listed pp1 / mbs2 layouts: the options were silently not used."""
+    res = CliRunner().invoke(main, ["memory", "gpu_proxy", "--sweep", "--world", "8", "--device", "H100",
+                                    "--global-batch", "64", "--pp", "2", "--mbs", "4"])
+    assert res.exit_code == 2, res.output
+    assert res.stderr == ("tracelens: error: memory: --sweep enumerates the layouts itself: --pp, --mbs would not be "
+                          "used (drop --sweep to project one layout)\n")

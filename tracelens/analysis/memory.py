@@ -341,6 +341,8 @@ def check_layout(cfg: dict, lay: Layout, source: str | None = None) -> None:
     if (lay.seq * lay.mbs) % (lay.tp * lay.cp) or (lay.cp > 1 and lay.seq % (2 * lay.cp)):
         raise _bad("cp", f"seq {lay.seq} x mbs {lay.mbs} does not split over tp*cp = {lay.tp}*{lay.cp} "
                    "(context parallelism needs seq divisible by 2*cp)", source)
+    if lay.vpp > 1 and lay.pp == 1:  # as the trainer's config check: virtual stages interleave pipeline ranks
+        raise _bad("vpp", f"needs pipeline parallelism (pp > 1), got pp=1 and vpp={lay.vpp}", source)
     if lay.pp * lay.vpp > cfg["n_layers"]:
         raise _bad("pp", f"pp*vpp = {lay.pp * lay.vpp} exceeds n_layers={cfg['n_layers']}", source)
     if lay.vpp > 1 and lay.schedule not in ("vpp",):
