@@ -553,6 +553,8 @@ def bubble(pp, vpp, ga, global_tokens, seq, mbs, world, tp, cp):
 
     if ga is None and not (global_tokens and seq and world):
         _fail("bubble: give --ga, or --global-tokens with --seq and --world (and --mbs, --tp, --cp)")
+    if ga is not None and global_tokens is not None:  # --ga won, and the global batch was silently not used
+        _fail("bubble: give --ga or --global-tokens (which derives the GA), not both")
     click.echo(bubble_report(pp, vpp, ga, global_tokens=global_tokens, seq=seq, mbs=mbs, world=world, tp=tp,
                              cp=cp).to_text())
 

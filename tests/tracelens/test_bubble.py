@@ -32,3 +32,11 @@ def test_cli():
     p = subprocess.run([sys.executable, "-m", "tracelens", "bubble", "--pp", "16", "--vpp", "6", "--ga", "16"],
                        capture_output=True, text=True)
     assert p.returncode == 0 and "48.4%" in p.stdout and "13.5%" in p.stdout
+
+
+def test_cli_ga_and_global_tokens_together_is_one_line():
+    """Both given: --ga won and the global batch (here GA 4, not 8) was silently not used, exit 0."""
+    p = subprocess.run([sys.executable, "-m", "tracelens", "bubble", "--pp", "4", "--ga", "8", "--global-tokens", "4096",
+                        "--seq", "512", "--world", "8"], capture_output=True, text=True, check=False)
+    assert p.returncode == 2 and p.stdout == "" and "Traceback" not in p.stderr
+    assert p.stderr == "tracelens: error: bubble: give --ga or --global-tokens (which derives the GA), not both\n"
