@@ -208,6 +208,8 @@ def analyze(paths, out, open_browser, no_cache, no_report, no_tables, jobs, quie
     from . import load
 
     t0 = time.perf_counter()
+    if memory_limit is not None and workers is None:  # (it was silently not used)
+        _fail("--memory-limit sets the memory of --workers' local Dask workers: give --workers N with it")
     if workers is not None or scheduler is not None:
         _analyze_ranks(paths, out, no_cache, no_tables, quiet, ceilings, all_steps, workers, scheduler,
                        memory_limit, t0)

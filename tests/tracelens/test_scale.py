@@ -200,6 +200,8 @@ def test_local_default_imports_no_dask():
     # was each worker's traceback (OverflowError), then "internal error: RuntimeError: Nanny failed to start", exit 3
     (["--workers", "1", "--memory-limit", "-2GB"],
      "memory limit '-2GB': must be a size of 0 (no limit) or more; e.g. 2GB"),
+    # without --workers the limit was silently not used (the analysis ran in this process, exit 0)
+    (["--memory-limit", "2GB"], "--memory-limit sets the memory of --workers' local Dask workers: give --workers N with it"),
 ])
 def test_a_bad_scheduler_address_or_memory_limit_is_one_line(tmp_path, args, message):
     r = run_cli("analyze", NCCL_2RANK, *args, "-o", tmp_path / "out")
