@@ -136,10 +136,14 @@ def _parse_one(path: str, use_cache: bool, cache_root: str | None, progress=None
     replaced meanwhile cannot leave one version's tables under the other's key), and an entry is
     checked against its key and the file before it is served (`cache.fetch`); one that fails is
     re-parsed and replaced, and `meta["cache_warning"]` says so."""
-    if not use_cache:
-        scan = prefetch.take(path, progress) if prefetch is not None else None
-        return from_scan(path, scan, progress, threads), False
     root = Path(cache_root) if cache_root else None
+    unusable = _cache.unusable(root) if use_cache else None
+    if not use_cache or unusable:
+        scan = prefetch.take(path, progress) if prefetch is not None else None
+        parsed = from_scan(path, scan, progress, threads)
+        if unusable:  # parsed as with --no-cache, and said so (nothing is read from or written there)
+            parsed.meta["cache_off"] = f"{unusable}: {path} was parsed without the cache"
+        return parsed, False
     warning = ident = None
     _cache.wait_stores()  # an entry this process is still writing (`cache.store_later`) is served once written
     try:
@@ -212,7 +216,8 @@ def _worker(args: tuple[str, bool, str | None]) -> tuple[str, Any]:
         parsed, hit = _parse_one(path, use_cache, cache_root, threads=1)
     except TraceError as e:
         return "error", (e.path, e.problem)
-    if use_cache:  # the parent memory-maps the cache entry instead of receiving the tables by pipe
+    if use_cache and _cache.unusable(Path(cache_root) if cache_root else None) is None:
+        # the parent memory-maps the cache entry instead of receiving the tables by pipe
         return "cached", parsed.meta.get("cache_warning")
     return "parsed", parsed
 
@@ -425,6 +430,10 @@ def rank_of(p: ParsedTrace, i: int, n_files: int) -> tuple[RankInfo, list[str], 
     for issue in p.meta.get("load_issues") or []:
         issues.append({"rank": int(rank), "file": p.path, **issue})
         warnings.append(issue["message"])
+    if p.meta.get("cache_off"):
+        warnings.append(p.meta["cache_off"])
+        issues.append({"rank": int(rank), "file": p.path, "check": "cache_dir", "action": "not cached",
+                       "events": 0, "message": p.meta["cache_off"]})
     if p.meta.get("cache_warning"):
         warnings.append(p.meta["cache_warning"])
         issues.append({"rank": int(rank), "file": p.path, "check": "cache_entry", "action": "replaced",

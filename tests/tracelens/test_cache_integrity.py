@@ -296,3 +296,25 @@ def test_same_size_rewrite_within_one_second_on_coarse_stamps_is_not_served_stal
     expected = sum(e["dur"] for e in n_changed) * 1000
     assert int(again.events["dur"].sum()) == expected != 6000 * 1000
 
+
+
+@pytest.mark.parametrize("use_prefetch", [False, True], ids=["plain", "prefetch"])
+def test_a_cache_dir_that_is_a_file_is_said_so_and_left_alone(tmp_path, monkeypatch, use_prefetch):
+    """TRACELENS_CACHE_DIR naming a file: the trace is parsed as with --no-cache, one warning names the variable
+    and the path, nothing claims an entry was replaced, and the file is untouched."""
+    if not use_prefetch:
+        monkeypatch.setenv("TRACELENS_NO_PREFETCH", "1")
+    notes = tmp_path / "notes.txt"
+    notes.write_text("a user's file\n")
+    monkeypatch.setenv("TRACELENS_CACHE_DIR", str(notes))
+    src = tmp_path / "trace.json.gz"
+    src.write_bytes(MOE_LOOP.read_bytes())
+    t = tracelens.load(src)
+    assert _loaded_kernels(t) == N_LOOP and not t.ranks[0].from_cache
+    assert t.warnings == [f"cache directory {notes} (TRACELENS_CACHE_DIR) is not a directory: {src} was parsed "
+                          "without the cache"]
+    assert t.load_issues[["check", "action"]].values.tolist() == [["cache_dir", "not cached"]]
+    assert notes.read_text() == "a user's file\n"
+    h = tracelens.analyze(t).health()  # the cache, not the trace: no figure is in doubt
+    assert h.loc[h["check"] == "load_issues", ["severity", "invalidates"]].values.tolist() == \
+        [["info", "nothing (the file itself was parsed)"]]

@@ -285,8 +285,11 @@ def _load_issues(trace, add) -> None:
     for r in issues.itertuples(index=False):
         if r.check == "rank_name_mismatch":
             continue  # rank_identity says it, with the trace's own evidence
-        sev = "info" if r.check == "cache_entry" else "warning"
-        add("load_issues", sev, [r.rank], str(r.message), "figures that include the affected events "
+        if r.check in ("cache_entry", "cache_dir"):  # the cache, not the trace: the figures come from the file
+            add("load_issues", "info", [r.rank], str(r.message), "nothing (the file itself was parsed)", file=r.file,
+                kind=r.check, action=r.action, events=r.events)
+            continue
+        add("load_issues", "warning", [r.rank], str(r.message), "figures that include the affected events "
             "(see `found`)", file=r.file, kind=r.check, action=r.action, events=r.events)
 
 

@@ -70,6 +70,16 @@ def cache_dir() -> Path:
     return Path(base) / "tracelens"
 
 
+def unusable(root: Path | None = None) -> str | None:
+    """Why the cache directory cannot hold entries (a path that exists and is not a directory: a mistyped
+    TRACELENS_CACHE_DIR naming a file), None when it can or will be made; one stat."""
+    root = root or cache_dir()
+    if root.exists() and not root.is_dir():
+        named = " (TRACELENS_CACHE_DIR)" if os.environ.get("TRACELENS_CACHE_DIR") and root == cache_dir() else ""
+        return f"cache directory {root}{named} is not a directory"
+    return None
+
+
 _HASH_CHUNK = 16 << 20  # bytes of a memory-mapped file hashed at a time (then its pages are given back)
 
 
@@ -372,7 +382,7 @@ def _commit(staged: tuple[Path, dict, dict], key: str, root: Path, source: dict 
             shutil.rmtree(tmp, ignore_errors=True)
 
 
-_TRANSIENT = frozenset({"from_cache", "cache_warning"})  # per-load facts, never stored in an entry
+_TRANSIENT = frozenset({"from_cache", "cache_warning", "cache_off"})  # per-load facts, never stored in an entry
 
 
 # ------------------------------------------------------------------ stores beside the analysis
