@@ -314,6 +314,32 @@ def test_the_planner_without_a_profile_keeps_the_sweeps_order():
     assert "no profile given" in p.to_text()
 
 
+def test_when_no_layout_fits_the_plan_says_why():
+    """A global batch of 3 sequences on 8 GPUs at micro-batch 8 or 16: no dp x mbs divides it; 1 GiB of device
+    memory: what divides the batch is over it. The counts cover every layout the sweep enumerated: the same
+    number whatever the batch or the memory (a kept layout counts too)."""
+    import re
+
+    mc = M.load_model_config("gpu_proxy_train")
+    space = dict(mbs=(8, 16))
+    odd = PL.plan(mc, 8, 3, M.device_memory("H100"), None, **space)
+    small = PL.plan(mc, 8, 64, 1 << 30, None, **space)
+    fits = PL.plan(mc, 8, 64, M.device_memory("H100"), None, **space)
+    assert odd.rows == [] and small.rows == [] and fits.rows
+    m = re.search(r"none of the (\d+) layouts of 8 GPUs fits: (\d+) do not split the global batch of 3 sequences",
+                  odd.to_text())
+    assert m and m.group(1) == m.group(2), odd.to_text()
+    total = int(m.group(1))
+    m = re.search(r"none of the (\d+) layouts of 8 GPUs fits: (?:(\d+) do not split [^;]*; )?(?:(\d+) break [^;]*; )?"
+                  r"(\d+) are over 0\.9 GiB", small.to_text())
+    assert m and int(m.group(1)) == total and int(m.group(4)) > 0, small.to_text()
+    assert sum(int(g or 0) for g in m.groups()[1:]) == total
+    swept = M.sweep(mc.config, 8, M.device_memory("H100"), 64, base=M.resolve_layout(mc.config, world=8, pp=1, ep=1),
+                    space=M.SweepSpace(tp=(1,), cp=(1,), mbs=(8, 16)))
+    assert len(swept) + sum(swept.attrs["rejected"].values()) == total
+    assert "none of the" not in fits.to_text()
+
+
 # ------------------------------------------------------------------------------------------ validation
 def test_validation_against_measured_points(tmp_path, one):
     """A 1-GPU baseline against points at 1 and 8 GPUs (measured.json's format, a point's 'gpus'): the error is the

@@ -1407,6 +1407,7 @@ def sweep(c: dict, world: int, device_bytes: float, global_batch: int, base: Lay
     E, L = c["n_routed_experts"], c["n_layers"]
     pps = space.pp or tuple(p for p in _divisors(world) if p <= min(L, space.max_pp))
     rows = []
+    rejected = {"batch": 0, "rules": 0, "memory": 0}  # layouts enumerated and not kept, by why (`why_none_fit`)
     outer = list(itertools.product(pps, space.tp, space.cp))
     for done, (pp, tp, cp) in enumerate(outer):
         if progress is not None:
@@ -1418,9 +1419,11 @@ def sweep(c: dict, world: int, device_bytes: float, global_batch: int, base: Lay
         for vpp, ep, mbs, rc in itertools.product(space.vpp if pp > 1 else (1,), eps, space.mbs, space.recompute):
             dp = world // (pp * tp * cp)
             if global_batch % (mbs * dp):
+                rejected["batch"] += 1
                 continue
             m = global_batch // (mbs * dp)
             if pp > 1 and m < pp:
+                rejected["batch"] += 1
                 continue
             sched = "vpp" if vpp > 1 else ("1f1b" if base.schedule == "vpp" else base.schedule)
             lay = replace(base, pp=pp, vpp=vpp, tp=tp, cp=cp, ep=ep, mbs=mbs, microbatches=m, schedule=sched,
@@ -1428,9 +1431,11 @@ def sweep(c: dict, world: int, device_bytes: float, global_batch: int, base: Lay
             try:
                 check_layout(c, lay)
             except TraceError:
+                rejected["rules"] += 1
                 continue
             proj = _peak_only(c, lay, limit)
             if proj > limit:
+                rejected["memory"] += 1
                 continue
             b = _bubble.bubble_ratio(sched, pp, m, vpp) if pp > 1 else 0.0
             comm = comm_volume(c, lay)
@@ -1442,10 +1447,25 @@ def sweep(c: dict, world: int, device_bytes: float, global_batch: int, base: Lay
     if progress is not None:
         progress(len(outer), len(outer))
     df = pd.DataFrame(rows, columns=SWEEP_COLUMNS if not rows else None)
+    df.attrs["rejected"] = rejected
     if df.empty:
         return df
     df = df.sort_values(["bubble", "comm_bytes", "peak_bytes"], kind="mergesort").reset_index(drop=True)
     return df.head(top) if top else df
+
+
+def why_none_fit(df: pd.DataFrame, world: int, global_batch: int, limit_gib: float) -> str:
+    """Why a sweep kept no layout, from its counts of the layouts it enumerated and refused (`sweep`)."""
+    r = df.attrs.get("rejected") or {}
+    n = sum(r.values())
+    if not n:
+        return f"no layout of {world} GPUs was enumerated"
+    parts = [f"{r['batch']} do not split the global batch of {global_batch} sequences (dp x mbs x micro-batches, "
+             "and at least pp micro-batches)" if r.get("batch") else "",
+             f"{r['rules']} break a layout rule of the trainer or the model"
+             if r.get("rules") else "",
+             f"{r['memory']} are over {limit_gib:.1f} GiB" if r.get("memory") else ""]
+    return f"none of the {n} layouts of {world} GPUs fits: " + "; ".join(x for x in parts if x)
 
 
 SWEEP_COLUMNS = ("label", "pp", "vpp", "tp", "cp", "ep", "dp", "mbs", "microbatches", "recompute", "schedule",
@@ -1629,6 +1649,9 @@ class SweepReport:
         if len(self.fitting):
             lines.append(LAYOUT_LEGEND + "; bubble: theoretical pipeline bubble of the schedule "
                          "(tracelens bubble); comm GiB: communication volume per GPU per step")
+        else:
+            lines.append(why_none_fit(self.fitting, self.world, self.global_batch,
+                                      self.device_bytes * (1 - self.headroom) / GIB))
         return "\n".join(lines)
 
 

@@ -100,6 +100,8 @@ def plan(mc: M.ModelConfig, gpus: int, global_batch: int, device_bytes: int, sca
     df = M.sweep(cfg, gpus, device_bytes, global_batch, base=base, space=space, headroom=headroom)
     p = Plan(source or mc.source, gpus, global_batch, device_bytes, headroom, scaleout.run if scaleout else None,
              candidates=len(df))
+    if df.empty:
+        p.notes.append(M.why_none_fit(df, gpus, global_batch, device_bytes * (1 - headroom) / GIB))
     p.notes.append("tensor and context parallelism are not enumerated: the trainer implements DP (FSDP2 / DDP), EP "
                    "and PP only")
     if scaleout is None:
