@@ -338,13 +338,14 @@ def _manifest(path: str) -> dict | None:
 def diff(base, new, out, rules, no_cache, top, quiet):
     """Compare two traces, trace directories or run dirs (BASE -> NEW), per step.
 
-    Exit status: 0 no rule tripped, 1 a --fail-on rule tripped, 2 bad input. Rule grammar:
+    Exit status: 0 no rule tripped, 1 a --fail-on rule tripped, 2 bad input or a rule that cannot be evaluated
+    (its metric missing on a side, or a change in % from 0). Rule grammar:
     METRIC OP VALUE. A signed value, a percentage or delta(METRIC) tests the change new - base
     (step_time>+5%, delta(host_syncs)>0); an unsigned number or new.METRIC tests the new run's value
     (host_syncs>0: the new run syncs at all). See docs/diff.md.
     """
     from . import analyze as run_analysis, load
-    from .analysis.diff import check_rules, diff as run_diff, parse_rule
+    from .analysis.diff import check_rules, diff as run_diff, parse_rule, unevaluated
     from reports import diff as render
 
     parsed_rules = [parse_rule(r) for r in rules]  # bad rules and manifests fail before any loading
@@ -362,8 +363,13 @@ def diff(base, new, out, rules, no_cache, top, quiet):
         _echo(render.to_text(result, verdicts, top=top))
         if out:
             _echo(f"wrote {out}/diff.html, diff.md, diff.json")
+    blind = [f"--fail-on {v['rule']!r}: {why}" for v in verdicts if (why := unevaluated(v))]
+    if blind:  # the gate could not look: never a pass (exit 1 still wins: a rule that tripped is a regression)
+        click.echo(f"tracelens: error: {'; '.join(blind)} (the rule cannot be evaluated on these inputs)", err=True)
     if any(v["tripped"] for v in verdicts):
         sys.exit(1)
+    if blind:
+        sys.exit(2)
 
 
 @main.command()

@@ -220,6 +220,37 @@ def test_cpu_only_diff_uses_host_step_time(tmp_path):
     assert (out / "diff.html").stat().st_size > 0 and "Traceback" not in res.stderr
 
 
+def test_a_gate_that_cannot_look_never_passes(tmp_path):
+    """CPU-only traces have no GPU metrics: a rule on one cannot be evaluated, and the gate says so (exit 2, one
+    line naming the rule and the side) instead of passing; a rule that trips still exits 1; a change in % from a
+    base of 0 (the host syncs of a CPU trace: none) is undefined and says to write delta()."""
+    base = _cpu_only_trace(tmp_path / "base.json", [2000.0, 2200.0, 2100.0])
+    new = _cpu_only_trace(tmp_path / "new.json", [1000.0, 1100.0, 1050.0])
+    for rules, code, line in (
+            (["gpu.busy>+5%"], 2, "--fail-on 'gpu.busy>+5%': gpu.busy is unavailable on the new side"),
+            (["delta(gpu.idle)>1"], 2, "--fail-on 'delta(gpu.idle)>1': gpu.idle is unavailable on the new side"),
+            (["step_time<-20%", "gpu.busy>+5%"], 1, "gpu.busy is unavailable"),  # the trip wins: 2.1 -> 1.05 ms
+            (["step_time>+5%", "delta(host_syncs)>0"], 0, None)):
+        res = run_cli("diff", base, new, "-q", *[x for r in rules for x in ("--fail-on", r)])
+        assert res.returncode == code, (rules, res.stdout, res.stderr)
+        errors = [x for x in res.stderr.splitlines() if x.startswith("tracelens: error:")]
+        if line is None:
+            assert errors == []
+        else:
+            assert len(errors) == 1 and line in errors[0] and "Traceback" not in res.stderr
+    # the new run blocks once a step in a sync the base never made: +10 % of 0 is no number
+    syncing = json.loads(new.read_text())
+    syncing["traceEvents"] += [{"ph": "X", "cat": "cuda_runtime", "name": "cudaDeviceSynchronize", "pid": 1, "tid": 1,
+                                "ts": e["ts"] + 2.0, "dur": 5.0} for e in syncing["traceEvents"] if e["cat"] == "cpu_op"]
+    new.write_text(json.dumps(syncing))
+    res = run_cli("diff", base, new, "-q", "--fail-on", "host_syncs>+10%")
+    assert res.returncode == 2 and res.stderr.strip() == (
+        "tracelens: error: --fail-on 'host_syncs>+10%': host_syncs is 0 on the base side, so a change in % is "
+        "undefined: write delta(host_syncs) or new.host_syncs with a value (the rule cannot be evaluated on these "
+        "inputs)"), (res.stdout, res.stderr)
+    assert run_cli("diff", base, new, "-q", "--fail-on", "delta(host_syncs)>0").returncode == 1
+
+
 def test_rule_forms_absolute_and_change(moe):
     """`host_syncs>0` reads as "the new run has a host sync", and is that: a bare unsigned number is a value of
     the new run; a signed number, a percentage or delta(METRIC) is a change new - base; new.METRIC says absolute

@@ -493,6 +493,21 @@ class Rule:
                 "tripped": bool(tripped)}
 
 
+def unevaluated(verdict: dict) -> str | None:
+    """Why a rule's verdict could not be reached (a CI gate must not pass on a number it could not compute), None
+    when it was: its metric missing on a side it reads, or a change in % from a base of 0."""
+    m = verdict["metric"]
+    if verdict["new"] is None:
+        return f"{m} is unavailable on the new side"
+    if verdict.get("form") == ABSOLUTE:
+        return None
+    if verdict["base"] is None:
+        return f"{m} is unavailable on the base side"
+    if verdict["compared"] is None:
+        return f"{m} is 0 on the base side, so a change in % is undefined: write delta({m}) or new.{m} with a value"
+    return None
+
+
 def _num(v: Any) -> float | None:
     return None if v is None or _nan(float(v)) else float(v)
 
