@@ -876,8 +876,10 @@ def memory(config, overrides, world, pp, vpp, ep, tp, cp, dp, mbs, seq, microbat
         from reports.memory import write_memory_report
 
         path = Path(out) if out.endswith(".html") else Path(out) / "memory.html"
-        src = Path(mc.source)  # a run dir's manifest is named by its run dir, not "manifest.json"
-        write_memory_report(rep.projections, path, title=f"tracelens memory: {(src.parent if src.name == 'manifest.json' else src).name}",
+        from .io.run import MANIFEST
+
+        src = Path(mc.source)  # a run dir's manifest is named by its run dir, not by the manifest's file name
+        write_memory_report(rep.projections, path, title=f"tracelens memory: {(src.parent if src.name == MANIFEST else src).name}",
                             device_bytes=dev_bytes, measured_bytes=mc.measured_peak_bytes if mc.measured_on_gpu else None)
         click.echo(f"wrote {path}")
 
