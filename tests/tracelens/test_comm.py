@@ -12,7 +12,7 @@ import pytest
 import tracelens
 from tracelens.analysis.comm import bus_factor, collective_instances, comm_summary, dtype_bytes, exposed_comm, stragglers
 
-from ..conftest import MOE_LOOP, NCCL_2RANK, raw_events
+from ..conftest import FIXTURES, MOE_LOOP, NCCL_2RANK, raw_events
 
 
 @pytest.fixture(scope="module")
@@ -111,3 +111,69 @@ def test_window_starts_is_each_ranks_first_event_time():
     for path in (fx / "h200_nccl_2rank", fx / "h200_ep2_run" / "L0_loop" / "traces" / "rank0.json.gz"):
         ev = tracelens.load(path, progress=False).events
         pd.testing.assert_series_equal(window_starts(ev), ev.groupby("rank")["ts"].min())
+
+
+PP4_1F1B = FIXTURES / "h100_4gpu" / "pp4_1f1b" / "traces"
+
+
+def _raw_pipeline_p2p(traces):
+    """Per rank, each batched SendRecv kernel (no args: launched under `nccl:coalesced`) with the peers its own
+    send/recv ops name (the `record_param_comms` ops since the previous `nccl:coalesced` on that thread), from
+    the raw JSON."""
+    out = {}
+    for f in sorted(traces.glob("rank*.json.gz")):
+        ev = raw_events(f)
+        rank = int(f.name[4:].split(".")[0])
+        launch = {e["args"]["correlation"]: e for e in ev
+                  if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
+        host = sorted((e for e in ev if e.get("ph") == "X" and e.get("name") in ("record_param_comms", "nccl:coalesced")),
+                      key=lambda e: Decimal(str(e["ts"])))
+        windows, cur = [], set()
+        for e in host:
+            if e["name"] == "record_param_comms":
+                if e["args"].get("Collective name") in ("send", "recv"):
+                    cur.add(e["args"].get("Dst Rank", e["args"].get("Src Rank")))
+            else:
+                windows.append((Decimal(str(e["ts"])), Decimal(str(e["ts"])) + Decimal(str(e["dur"])), cur))
+                cur = set()
+        ks = []
+        for k in ev:
+            if k.get("cat") == "kernel" and "SendRecv" in k["name"] and "Collective name" not in k["args"]:
+                t = Decimal(str(launch[k["args"]["correlation"]]["ts"]))
+                peers = set().union(*(p for s, e, p in windows if s <= t <= e))
+                ks.append((Decimal(str(k["ts"])), Decimal(str(k["ts"])) + Decimal(str(k["dur"])), peers))
+        out[rank] = ks
+    return out
+
+
+def test_pipeline_p2p_partners_only_among_the_kernels_own_peers():
+    """A batched pipeline SendRecv kernel is paired only with kernels of the ranks its own ops exchange with
+    (docs/comm.md): on the 4-stage 1F1B fixture, rank 1's kernel that only sends to rank 0 and overlaps no
+    rank-0 kernel was paired with rank 2's (its other neighbour) and counted as a cross-rank transfer."""
+    raw = _raw_pipeline_p2p(PP4_1F1B)
+    a = tracelens.analyze(tracelens.load(sorted(PP4_1F1B.glob("rank*.json.gz")), cache=False))
+    inst = collective_instances(a)
+    p2p = inst[inst["family"] == "p2p"]
+    t0 = min(Decimal(str(e["ts"])) for f in sorted(PP4_1F1B.glob("rank*.json.gz")) for e in raw_events(f)
+             if e.get("ph") == "X")
+    no_partner = 0
+    for rank, ks in raw.items():
+        for s, e, peers in ks:
+            starts = []
+            for q in peers:
+                over = [(abs(qe - e), qs) for qs, qe, _ in raw[q] if qs < e and qe > s]
+                if not over:
+                    starts = None
+                    break
+                starts.append(min(over)[1])
+            got = p2p[(p2p["rank"] == rank) & ((p2p["start_us"] - float(s - t0)).abs() < 1e-3)]
+            assert len(got) == 1
+            row = got.iloc[0]
+            if starts is None:
+                no_partner += 1
+                assert not row["cross_rank"] and row["sync_us"] != row["sync_us"]  # NaN: no partner
+            else:
+                last = max(starts + [s])
+                assert row["cross_rank"]
+                assert row["sync_us"] == pytest.approx(float(min(last - s, e - s)), abs=1e-3)
+    assert no_partner == 4

@@ -296,24 +296,29 @@ def comm_kernels(analysis) -> pd.DataFrame:
         "group_size": np.array(group_size, dtype=np.int64), "bytes": np.array(sizes, dtype=np.int64),
         "size_source": sources, "variable": variable,
         "p2p_peers": [peer_sets.get(int(r)) for r in k["rank"].to_numpy()],
-    }, columns=cols + ["p2p_peers"])
+        "p2p_kernel_peers": p2p_kernel_peers(
+            events, k["rank"].to_numpy(), k["launch_ts"].to_numpy() if "launch_ts" in k.columns
+            else np.full(len(k), -1), np.array([f == "p2p" for f in family])),
+    }, columns=cols + ["p2p_peers", "p2p_kernel_peers"])
 
 
-def p2p_peer_sets(events: pd.DataFrame) -> dict[int, tuple[int, ...]]:
-    """Per rank: the global ranks its point-to-point ops (`record_param_comms` send / recv) exchange with. The
-    op's peer is its `rank` argument (the fourth of its Concrete Inputs: the destination of a send, the
-    source of a receive, a rank of its process group), mapped to a global rank through the group's ranks."""
+def _p2p_op_peers(events: pd.DataFrame) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+    """Per rank: its point-to-point ops (`record_param_comms` send / recv), as (start ts, peer global rank), in
+    time order. The op's peer is its `rank` argument (the fourth of its Concrete Inputs: the destination of a
+    send, the source of a receive, a rank of its process group), mapped to a global rank through the group's
+    ranks."""
     need = {"name", "collective", "concrete_inputs", "rank"}
     if events is None or events.empty or not need <= set(events.columns):
         return {}
     coll = C.map_strings(events["collective"], lambda x: x in ("send", "recv"))
     is_rpc = C.map_strings(events["name"], lambda x: x == "record_param_comms")
-    sel = events.loc[coll & is_rpc, [c for c in ("rank", "concrete_inputs", "pg_ranks") if c in events.columns]]
+    sel = events.loc[coll & is_rpc, [c for c in ("rank", "ts", "concrete_inputs", "pg_ranks") if c in events.columns]]
     if sel.empty:
         return {}
-    out: dict[int, set] = {}
+    out: dict[int, list] = {}
     pg = sel["pg_ranks"].to_numpy(dtype=object) if "pg_ranks" in sel.columns else np.full(len(sel), None, dtype=object)
-    for r, ci, ranks in zip(sel["rank"].to_numpy(), sel["concrete_inputs"].to_numpy(dtype=object), pg):
+    ts_col = sel["ts"].to_numpy() if "ts" in sel.columns else np.zeros(len(sel), dtype=np.int64)
+    for r, t, ci, ranks in zip(sel["rank"].to_numpy(), ts_col, sel["concrete_inputs"].to_numpy(dtype=object), pg):
         try:
             vals = json.loads(ci) if isinstance(ci, str) else None
         except ValueError:
@@ -328,8 +333,43 @@ def p2p_peer_sets(events: pd.DataFrame) -> dict[int, tuple[int, ...]]:
         if members is not None and 0 <= peer < len(members):
             peer = members[peer]
         if peer != int(r) and peer >= 0:
-            out.setdefault(int(r), set()).add(peer)
-    return {r: tuple(sorted(v)) for r, v in out.items()}
+            out.setdefault(int(r), []).append((int(t), peer))
+    res = {}
+    for r, v in out.items():
+        v.sort(key=lambda x: x[0])
+        res[r] = (np.array([x[0] for x in v], dtype=np.int64), np.array([x[1] for x in v], dtype=np.int64))
+    return res
+
+
+def p2p_peer_sets(events: pd.DataFrame) -> dict[int, tuple[int, ...]]:
+    """Per rank: the global ranks its point-to-point ops (`record_param_comms` send / recv) exchange with
+    (`_p2p_op_peers`)."""
+    return {r: tuple(sorted({int(p) for p in peers})) for r, (_, peers) in _p2p_op_peers(events).items()}
+
+
+def p2p_kernel_peers(events: pd.DataFrame, rank: np.ndarray, launch_ts: np.ndarray,
+                     is_p2p: np.ndarray) -> list[tuple[int, ...] | None]:
+    """Per kernel (rows of `rank`, `launch_ts`, `is_p2p`): the global ranks the point-to-point ops it carries
+    exchange with. A rank's send / recv ops belong to the first point-to-point kernel it launches at or after
+    them (`batch_isend_irecv` coalesces several into one SendRecv kernel), as `critical_path.p2p_links` pairs
+    them. None for other kernels and for a kernel no op maps to (its rank's peers then stand for it): a
+    pipeline stage's kernel that only receives from the previous stage is not paired with the next one."""
+    ops = _p2p_op_peers(events)
+    rank, launch_ts = np.asarray(rank, np.int64), np.asarray(launch_ts, np.int64)
+    out: list[tuple[int, ...] | None] = [None] * len(rank)
+    for r, (o_ts, o_peer) in ops.items():
+        idx = np.flatnonzero((rank == r) & np.asarray(is_p2p, bool) & (launch_ts >= 0))
+        if not len(idx):
+            continue
+        idx = idx[np.argsort(launch_ts[idx], kind="stable")]
+        at = np.searchsorted(launch_ts[idx], o_ts, side="left")
+        got: dict[int, set] = {}
+        for i, p in zip(at.tolist(), o_peer.tolist()):
+            if i < len(idx):
+                got.setdefault(int(idx[i]), set()).add(int(p))
+        for i, ps in got.items():
+            out[i] = tuple(sorted(ps))
+    return out
 
 
 def _p2p_by_overlap(df: pd.DataFrame) -> None:
@@ -350,8 +390,9 @@ def _p2p_by_overlap(df: pd.DataFrame) -> None:
         for r, ps in zip(sub["rank"], sub["p2p_peers"]):
             if isinstance(ps, tuple) and int(r) not in sets:
                 sets[int(r)] = ps
+    row_peers = list(sub["p2p_kernel_peers"]) if "p2p_kernel_peers" in sub.columns else None
     ts, end = sub["ts"].to_numpy(np.int64), sub["end"].to_numpy(np.int64)
-    sync, last = p2p_partner_waits(ts, end, sub["rank"].to_numpy(np.int64), sets)
+    sync, last = p2p_partner_waits(ts, end, sub["rank"].to_numpy(np.int64), sets, row_peers)
     idx = df.index[sel]
     df.loc[idx, "sync_ns"] = sync
     df.loc[idx, "comm_ns"] = (end - ts).astype(float) - sync

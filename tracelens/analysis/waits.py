@@ -70,12 +70,14 @@ P2P_END_TOL_NS = 200_000
 
 
 def p2p_partner_waits(ts: np.ndarray, end: np.ndarray, rank: np.ndarray,
-                      peer_sets: dict | None = None) -> tuple[np.ndarray, np.ndarray]:
+                      peer_sets: dict | None = None, row_peers: list | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Waits of point-to-point kernels (ns, on one clock) whose peer pairs are not known: batched sends and
     receives of a pipeline, one kernel covering several ops. A point-to-point kernel moves data only while its
     peer's kernel runs, and the two end together when the transfer completes. So a kernel's partner on each
     rank it exchanges with (``peer_sets``: rank -> the ranks its send/recv ops name, `comm.p2p_peer_sets`,
-    used both ways; a rank without an entry may exchange with any) is that rank's kernel overlapping it whose
+    used both ways; a rank without an entry may exchange with any; ``row_peers``, per kernel, the ranks its own
+    ops name, `comm.p2p_kernel_peers`, where known: a stage's receive from its predecessor is never paired with
+    its successor's kernel) is that rank's kernel overlapping it whose
     end is nearest its own, taken when within `P2P_END_TOL_NS` (else, when no rank's is, the nearest of all).
     Its exchange begins when the last partner started: wait = min(that start - its start, its duration), 0
     when every partner was there first. Returns (wait: float ns, NaN where no peer kernel overlaps it; the
@@ -95,7 +97,8 @@ def p2p_partner_waits(ts: np.ndarray, end: np.ndarray, rank: np.ndarray,
         for i in np.flatnonzero(rank == r):
             t0, t1 = int(ts[i]), int(end[i])
             cand = []  # (|end difference|, start, peer) of each peer's best partner
-            for q in peers:
+            own = row_peers[i] if row_peers is not None and isinstance(row_peers[i], tuple) else None
+            for q in (peers if own is None else [q for q in own if q in by_rank and q != r]):
                 qs, qe, q_run = by_rank[q]
                 lo = int(np.searchsorted(q_run, t0, side="right"))  # kernels that may end after k starts ...
                 hi = int(np.searchsorted(qs, t1, side="left"))  # ... and start before k ends
