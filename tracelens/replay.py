@@ -474,9 +474,11 @@ def _matches(schema, args):
         t = str(arg.type)
         optional = t.startswith("Optional[")
         inner = t[len("Optional["):-1] if optional else t
+        if val is None:  # an absent argument: any optional one, a Tensor? included
+            if not optional:
+                return False
+            continue
         if isinstance(val, torch.Tensor) != (inner == "Tensor"):
-            return False
-        if val is None and not optional:
             return False
     return True
 

@@ -103,6 +103,9 @@ def test_moe_scripts_rebuild_trace_shapes(moe_trace, tmp_path):
         raw = _raw_calls(MOE, op)[call.index]
         _check_against_raw(out, raw)
         assert out["op"] == op and out["trace_us"] == pytest.approx(call.trace_us, abs=1e-3)
+        # the overload whose schema matches the recorded arguments, also where a None stands for an optional
+        # tensor (grouped mm's bias, SDPA's attn_mask, layer_norm's weight/bias when absent), not the bare packet
+        assert out["overload"], (op, out)
         if op == "aten::_grouped_mm":
             assert any("offsets" in n for n in out["notes"])
 
