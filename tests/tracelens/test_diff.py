@@ -169,13 +169,13 @@ def test_cli_exit_codes_and_outputs(tmp_path):
 
 
 def test_run_dirs_compare_manifest_metrics(tmp_path):
-    for name, tps, loss in (("base", 1000.0, [5.0, 4.0, 3.5]), ("new", 900.0, [5.0, 4.1, 3.6, 3.0])):
+    for name, tps, loss, mfu in (("base", 1000.0, [5.0, 4.0, 3.5], 0.0312), ("new", 900.0, [5.0, 4.1, 3.6, 3.0], 0.0539)):
         run = tmp_path / name
         (run / "traces").mkdir(parents=True)
         for f in ("rank0.json.gz", "rank1.json.gz"):
             (run / "traces" / f).write_bytes((NCCL_2RANK / f).read_bytes())
         (run / "manifest.json").write_text(json.dumps({"schema_version": 1, "metrics": {
-            "tokens_per_s": tps, "mfu": 0.4, "loss": loss, "peak_memory_bytes": [2**30, 3 * 2**30]}}))
+            "tokens_per_s": tps, "mfu": mfu, "loss": loss, "peak_memory_bytes": [2**30, 3 * 2**30]}}))
     p = run_cli("diff", tmp_path / "base", tmp_path / "new", "-o", tmp_path / "d", "--fail-on", "run.tokens_per_s<-5%")
     assert p.returncode == 1, p.stderr  # throughput dropped 10 %
     j = json.loads((tmp_path / "d" / "diff.json").read_text())
@@ -187,6 +187,15 @@ def test_run_dirs_compare_manifest_metrics(tmp_path):
     # each run metric with its unit: 3 * 2**30 bytes is 3.0 GiB; a loss has none
     assert {k: m[k]["unit"] for k in ("run.tokens_per_s", "run.mfu", "run.peak_memory_gb", "run.loss_final")} == \
         {"run.tokens_per_s": "tokens/s", "run.mfu": "fraction", "run.peak_memory_gb": "GiB", "run.loss_final": ""}
+    # diff.md (and the terminal) keep a small value's size: an MFU of 0.0312 -> 0.0539 is not '0.03 -> 0.05',
+    # its change not '+0.02'; a unitless metric has no empty '()' after its name
+    md = (tmp_path / "d" / "diff.md").read_text()
+    assert "| run.mfu (fraction) | 0.0312 | 0.0539 | +0.0227 (+72.8%)  noise unknown |" in md, md
+    assert "| run.loss_final | 3.50 | 3.60 | +0.100 (+2.9%)  noise unknown |" in md, md
+    # a rule in a code span as written: GitHub shows '&lt;' inside backticks literally, so it is not escaped there
+    assert "| `run.tokens_per_s<-5%` | **FAIL** |" in md, md
+    assert "()" not in md and "()" not in p.stdout
+    assert "run.mfu (fraction)" in p.stdout and "0.0539" in p.stdout
 
 
 def _cpu_only_trace(path, step_durs_us):
