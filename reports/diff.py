@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -191,8 +192,16 @@ def to_text(r: DiffResult, rules: list[dict] | None = None, top: int = 10) -> st
     return "\n".join(lines)
 
 
+# a '_' that can open or close an emphasis: at a word's edge (one inside a word, as in step_time, cannot)
+_MD_EDGE_UNDERSCORE = re.compile(r"(?<![0-9A-Za-z])_|_(?![0-9A-Za-z])")
+
+
 def _md_escape(s: str) -> str:
-    return str(s).replace("|", "\\|").replace("<", "&lt;").replace(">", "&gt;").replace("`", "'")
+    """Text for a table cell or a quote, shown as written: '|' would split the cell, '<' open HTML, and '*' or a
+    '_' at a word's edge pair into emphasis (aten::_foreach_mul_ would show 'foreach_mul' in italics)."""
+    s = str(s).replace("\\", "\\\\").replace("*", "\\*")
+    s = _MD_EDGE_UNDERSCORE.sub(lambda m: "\\_", s)
+    return s.replace("|", "\\|").replace("<", "&lt;").replace(">", "&gt;").replace("`", "'")
 
 
 def _md_code(s: str) -> str:

@@ -100,6 +100,21 @@ def test_delta_attributed_to_expert_computation(moe):
     assert top[expert].sum() / step_delta > 0.6
 
 
+def test_markdown_op_names_render_as_written(moe):
+    """diff.md is read rendered (a PR comment): an in-place or private op name such as aten::_foreach_mul_ would
+    render as 'aten::' + italic 'foreach_mul' (its '_' pair is an emphasis), so a '_' that can delimit one (at a
+    word's edge) and every '*' are escaped; an underscore inside a word (step_time) cannot and stays as is."""
+    from reports.diff import to_markdown
+
+    r = moe[2]
+    names = list(r.top_ops()["top_op"])
+    assert "aten::_foreach_mul_" in names
+    md = to_markdown(r, top=len(names))
+    assert "| aten::\\_foreach_mul\\_ |" in md, md
+    assert "aten::_foreach_mul_" not in md
+    assert "| step_time (ms) |" in md
+
+
 def test_self_diff_no_change_any_rule_passes():
     a = _analysis(NCCL_2RANK)
     r = diff(a, a)
