@@ -3,10 +3,12 @@ process; N > 1 spawns ``python -m torch.distributed.run --standalone --nproc-per
 and returns its exit code. Importable without torch (the tracelens CLI runs it as a subprocess); the
 config, including dp*ep == N, is validated here first so a bad config fails in one line, exit 2.
 
-The run dir is prepared here: a previous run's outputs in RUN are removed first (docs/trainer.md, "Run
-dir"). Under torchrun the ranks' output is passed through as it comes, but what the elastic agent says
+A previous run's outputs in RUN are removed by rank 0 once the config has passed the checks that need the
+ranks' device (docs/trainer.md, "Re-running"), not here: a config refused there (``device=cuda`` without
+CUDA, ``compile=dense`` without a compiler) leaves the previous run as it was. Under torchrun the ranks' output is passed through as it comes, but what the elastic agent says
 (its log lines, its banner, its traceback and failure report when a rank dies) and the ranks' own
-failure lines go to ``RUN/logs/torchrun.log`` only: a failed job ends with ONE line naming the root-cause
+failure lines go to ``RUN/logs/torchrun.log`` only (written as ``RUN/logs/.torchrun.<pid>.log`` until the
+new run has started, then renamed; kept under that name when the job ended before it started): a failed job ends with ONE line naming the root-cause
 rank and why it ended (the signal that killed it, or its own one-line error), and its manifest is marked
 ``failed`` with that reason.
 """
@@ -57,21 +59,19 @@ def main(argv: list[str] | None = None) -> int:
         print(str(err), file=sys.stderr)
         return 2
     out = Path(run_dir_of(targs))
-    try:
-        from trainer import runtime
+    from trainer import runtime
 
+    previous = runtime.read_manifest(out)  # the run dir's run before this one (rank 0 replaces it)
+    try:
         out.mkdir(parents=True, exist_ok=True)
-        removed = runtime.clear_previous_run(out)
     except OSError as err:
         print(f"{ERROR_PREFIX}{out}: cannot prepare the run dir ({err.strerror or err})", file=sys.stderr)
         return 2
-    if removed:
-        print(f"[trainer] {out}: replaced the previous run ({', '.join(removed)})", flush=True)
     if args.nproc == 1:
         from trainer.cli import main as run_main
 
         return run_main(rest)
-    return run_torchrun(build_command(args.nproc, rest), out)
+    return run_torchrun(build_command(args.nproc, rest), out, (previous or {}).get("run_id"))
 
 
 class _Output:
@@ -128,11 +128,15 @@ class _Output:
         self.log.close()
 
 
-def run_torchrun(cmd: list[str], out: Path) -> int:
-    """Run torchrun, pass the ranks' output through, and condense a failure into one line (stderr)."""
+def run_torchrun(cmd: list[str], out: Path, previous_run_id: str | None = None) -> int:
+    """Run torchrun, pass the ranks' output through, and condense a failure into one line (stderr).
+    ``previous_run_id``: the ``run_id`` of the manifest in ``out`` before the job (a manifest with another one
+    is this job's: its run has started)."""
     log_path = out / "logs" / "torchrun.log"
+    logs_made = not log_path.parent.exists()
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    output = _Output(log_path)
+    staged = log_path.with_name(f".torchrun.{os.getpid()}.log")  # rank 0 leaves it be when it clears logs/
+    output = _Output(staged)
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
     readers = [threading.Thread(target=output.pump, args=(proc.stdout, sys.stdout), daemon=True),
@@ -159,14 +163,29 @@ def run_torchrun(cmd: list[str], out: Path) -> int:
     for t in readers:
         t.join(timeout=10)
     output.close()
+    from trainer import runtime
+
+    doc = runtime.read_manifest(out)
+    started = doc is not None and doc.get("run_id") is not None and doc.get("run_id") != previous_run_id
+    if started:
+        os.replace(staged, log_path)
     if rc == 0 and interrupted is None:
         return 0
     line, code = failure_line(rc, output.agent, output.rank_errors, interrupted)
     if code == 2 and output.config_error:
+        if not started:  # refused before rank 0 replaced the previous run: nothing of this job is left
+            staged.unlink(missing_ok=True)
+            if logs_made:
+                try:
+                    log_path.parent.rmdir()
+                except OSError:
+                    pass
         print(output.config_error, file=sys.stderr, flush=True)
         return 2
-    from trainer import runtime
-
+    if not started:  # the previous run (if any) is untouched: its manifest is not this job's to mark
+        print(f"{ERROR_PREFIX}{line}; the run did not start (nothing in {out} was replaced); full output: {staged}",
+              file=sys.stderr, flush=True)
+        return code
     marked = runtime.mark_failed(out, line)
     tail = f"; {out} is incomplete (manifest: failed)" if marked else f"; {out} is incomplete"
     print(f"{ERROR_PREFIX}{line}{tail}; full output: {log_path}", file=sys.stderr, flush=True)

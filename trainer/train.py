@@ -238,7 +238,7 @@ def _start(cfg: dict, out: Path, notes: _Notes) -> dict | None:
     _check_device_knobs(cfg, d.device)  # before the run dir is touched, like the config's own checks
     if d.rank == 0:  # a new run replaces the previous one in ``out``; the manifest says "running" until the end
         out.mkdir(parents=True, exist_ok=True)
-        removed = runtime.clear_previous_run(out, keep=("logs",))
+        removed = runtime.clear_previous_run(out)  # the launcher's log is staged apart (trainer.launch)
         if removed:
             print(f"[trainer] {out}: replaced the previous run ({', '.join(removed)})", flush=True)
         # run_id: what ties the run's other files (routing.json) to this manifest

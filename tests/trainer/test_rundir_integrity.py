@@ -363,3 +363,79 @@ def test_a_rank_error_line_is_one_write(monkeypatch):
     got = os.read(r, 4096)
     os.close(r)
     assert writes == [got] and got == f"{cli.ERROR_PREFIX}rank 3: step 2: boom second line\n".encode()
+
+
+def _previous_run(run: Path) -> dict[str, str]:
+    """A previous run in ``run``: its manifest, a trace and its torchrun log; returns path -> text."""
+    files = {"manifest.json": json.dumps({"schema_version": 1, "status": "complete", "run_id": "old"}),
+             "traces/rank0.json.gz": "old trace", "logs/torchrun.log": "old log"}
+    for name, text in files.items():
+        (run / name).parent.mkdir(parents=True, exist_ok=True)
+        (run / name).write_text(text)
+    return files
+
+
+def _tree(run: Path) -> dict[str, str]:
+    return {str(p.relative_to(run)): p.read_text() for p in run.rglob("*") if p.is_file()}
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="needs a machine without CUDA")
+def test_a_config_refused_for_the_device_leaves_the_previous_run(tmp_path, capsys):
+    """``device=cuda`` on a CPU machine passes the config's own checks and is refused by the rank (one line,
+    exit 2): the launcher had already removed the previous run in RUN by then."""
+    run = tmp_path / "run"
+    before = _previous_run(run)
+    rc, stdout, stderr = _launch_here(run, 1, capsys, "device=cuda")
+    assert rc == 2 and stderr == "config error: device: device=cuda but CUDA is not available\n"
+    assert "replaced the previous run" not in stdout
+    assert _tree(run) == before
+
+
+def _fake_torchrun(code: str) -> list[str]:
+    return [sys.executable, "-c", code]
+
+
+def test_torchrun_refusing_the_config_leaves_the_previous_run(tmp_path, capsys):
+    """Under torchrun the ranks refuse the config (one line, exit 2) before rank 0 replaces the previous run:
+    its manifest, traces and log stay as they were and the launcher's log of the refused job goes."""
+    from trainer.launch import run_torchrun
+
+    run = tmp_path / "run"
+    before = _previous_run(run)
+    rc = run_torchrun(_fake_torchrun("import sys; print('config error: device: device=cuda but CUDA is not available',"
+                                     " file=sys.stderr); sys.exit(2)"), run, "old")
+    assert rc == 2
+    assert capsys.readouterr().err == "config error: device: device=cuda but CUDA is not available\n"
+    assert _tree(run) == before
+    fresh = tmp_path / "fresh"  # a new run dir: no logs/ is left behind either
+    fresh.mkdir()
+    assert run_torchrun(_fake_torchrun("import sys; print('config error: x: bad', file=sys.stderr); sys.exit(2)"),
+                        fresh, None) == 2
+    assert list(fresh.iterdir()) == []
+
+
+def test_torchrun_log_of_a_started_run_is_its_torchrun_log(tmp_path, capsys):
+    """A job whose rank 0 wrote its manifest (a new run_id): the launcher's log becomes RUN/logs/torchrun.log,
+    and a failure marks that manifest; a job that ended before it started marks nothing of the previous run."""
+    from trainer.launch import run_torchrun
+
+    run = tmp_path / "run"
+    _previous_run(run)
+    start = ("import json, os, sys; os.remove('{r}/logs/torchrun.log'); open('{r}/manifest.json', 'w').write("
+             "json.dumps({{'status': 'running', 'run_id': 'new'}})); print('[trainer] step 0'); sys.exit({rc})")
+    assert run_torchrun(_fake_torchrun(start.format(r=run, rc=0)), run, "old") == 0
+    assert (run / "logs" / "torchrun.log").read_text() == "[trainer] step 0\n"
+    assert [p.name for p in (run / "logs").iterdir()] == ["torchrun.log"]
+    _previous_run(run)
+    assert run_torchrun(_fake_torchrun(start.format(r=run, rc=1)), run, "old") == 1
+    assert _manifest(run)["status"] == "failed"
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"{run} is incomplete (manifest: failed); full output: {run}/logs/torchrun.log" in err[0]
+    before = _previous_run(run)  # the job fails before rank 0 replaces the previous run
+    assert run_torchrun(_fake_torchrun("import sys; print('[trainer] error: rank 0: boom', file=sys.stderr); sys.exit(1)"), run, "old") == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("[trainer] error: rank 0: boom; the run did not start"), err
+    staged = err[0].rsplit("full output: ", 1)[1]
+    assert Path(staged).read_text() == "[trainer] error: rank 0: boom\n"
+    assert {k: v for k, v in _tree(run).items() if k != str(Path(staged).relative_to(run))} == before
+
