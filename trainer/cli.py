@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
+import threading
 import traceback
 from pathlib import Path
 
@@ -63,6 +65,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     out = run_dir_of(args)
     rank = os.environ.get("RANK", "0")
+    # not under torchrun: SIGTERM (kill, a job scheduler, a sweep's timeout) stops the run like Ctrl-C, so its
+    # manifest says failed; it used to end the process where it stood, the manifest saying "running"
+    alone = not ("WORLD_SIZE" in os.environ and "RANK" in os.environ)
+    old = (signal.signal(signal.SIGTERM, _interrupt)
+           if alone and threading.current_thread() is threading.main_thread() else None)
     try:
         from trainer.train import shutdown, train
 
@@ -73,14 +80,27 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as err:
         print(str(err), file=sys.stderr)
         return 2
-    except KeyboardInterrupt:  # Ctrl-C (or torchrun stopping the job): the launcher says what happened
+    except KeyboardInterrupt as err:  # Ctrl-C (or torchrun stopping the job): under torchrun the launcher says so
+        if alone:
+            from trainer import runtime
+
+            m = runtime.read_manifest(out) or {}
+            marked = m.get("status") == "failed" and m.get("reason") == "rank 0: interrupted"
+            say_error(f"interrupted ({str(err) or 'SIGINT'}); {out} is incomplete" + (" (manifest: failed)" if marked else ""))
         return 130
     except Exception as err:  # noqa: BLE001 - every failure of a rank is one line
         if os.environ.get("TRAINER_DEBUG"):
             raise
         say_error(f"rank {rank}: " + describe_failure(err, out, rank))
         return 1
+    finally:
+        if old is not None:
+            signal.signal(signal.SIGTERM, old)
     return 0
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt(signal.Signals(signum).name)
 
 
 def say_error(text: str) -> None:

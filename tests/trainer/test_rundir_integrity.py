@@ -439,3 +439,27 @@ def test_torchrun_log_of_a_started_run_is_its_torchrun_log(tmp_path, capsys):
     assert Path(staged).read_text() == "[trainer] error: rank 0: boom\n"
     assert {k: v for k, v in _tree(run).items() if k != str(Path(staged).relative_to(run))} == before
 
+
+@pytest.mark.slow
+def test_sigterm_stops_a_one_process_run_and_its_manifest_says_failed(tmp_path):
+    """``--nproc 1`` trains in the launcher's process: SIGTERM (kill, a scheduler) ended it where it stood, with
+    no line and the manifest saying "running" for good."""
+    run = tmp_path / "run"
+    proc = subprocess.Popen(_launch(run, 1, "steps=100000", "profile_step_end=0"), cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 60
+        while runtime.read_manifest(run) is None or runtime.read_manifest(run).get("status") != "running":
+            assert proc.poll() is None, proc.communicate()
+            assert time.time() < deadline, "the run did not start in time"
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 130, err
+    assert err == f"[trainer] error: interrupted (SIGTERM); {run} is incomplete (manifest: failed)\n"
+    m = _manifest(run)
+    assert m["status"] == "failed" and m["reason"] == "rank 0: interrupted"
