@@ -304,10 +304,30 @@ def open_sweep_store(out: str | Path) -> Store:
     """``OUT/sweep.sqlite`` of a sweep, locked, after checking that it accounts for every trial dir in
     ``OUT/trials``. A zero-byte, deleted or older store does not know of some of them, and a trial runs
     in a cleared dir, so going on would delete results: that is refused (StoreError, one line naming
-    the file and what to do), as is a damaged store. Nothing is deleted or changed either way."""
+    the file and what to do), as is a damaged store. Nothing is deleted or changed either way (a missing or
+zero-byte store is refused before it is opened, which would create it or write its schema)."""
     out = Path(out)
     db, tdir = out / "sweep.sqlite", out / "trials"
     what = "is missing" if not db.exists() else ("is empty (0 bytes)" if db.is_file() and db.stat().st_size == 0 else "")
+
+    def unaccounted(unknown: list[str], rows: bool) -> StoreError:
+        names = ", ".join(unknown[:3]) + (f" and {len(unknown) - 3} more" if len(unknown) > 3 else "")
+        if not rows:
+            return StoreError(f"{db}: {what or 'holds no trials'}, but {tdir} holds {len(unknown)} trial dir(s) "
+                              f"it cannot account for ({names}); nothing was deleted: restore the sweep's "
+                              f"sweep.sqlite to resume it, or move {tdir} away (or choose another output "
+                              "directory) to start a new sweep")
+        return StoreError(f"{tdir}: {len(unknown)} dir(s) not in the store {db} ({names}); nothing was deleted: "
+                          "move them away, or choose another output directory")
+
+    def trial_dirs() -> list[str]:
+        try:
+            return sorted(p.name for p in tdir.iterdir()) if tdir.is_dir() else []
+        except OSError as e:
+            raise StoreError(f"{tdir}: cannot list the trial dirs ({e.strerror or e})") from None
+
+    if what and (dirs := trial_dirs()):  # refused before opening: opening would create (or fill) the store
+        raise unaccounted(dirs, rows=False)
     try:
         store = Store(db)
     except StoreLocked:
@@ -316,22 +336,11 @@ def open_sweep_store(out: str | Path) -> Store:
         raise StoreError(f"{e}; nothing was deleted: restore it to resume, or move it (and {tdir}) away to start "
                          "a new sweep") from None
     try:
-        try:
-            dirs = sorted(p.name for p in tdir.iterdir()) if tdir.is_dir() else []
-        except OSError as e:
-            raise StoreError(f"{tdir}: cannot list the trial dirs ({e.strerror or e})") from None
         rows = store.trials()
         known = {Path(t["run_dir"]).name for t in rows}
-        unknown = [d for d in dirs if d not in known]
+        unknown = [d for d in trial_dirs() if d not in known]
         if unknown:
-            names = ", ".join(unknown[:3]) + (f" and {len(unknown) - 3} more" if len(unknown) > 3 else "")
-            if not rows:
-                raise StoreError(f"{db}: {what or 'holds no trials'}, but {tdir} holds {len(unknown)} trial dir(s) "
-                                 f"it cannot account for ({names}); nothing was deleted: restore the sweep's "
-                                 f"sweep.sqlite to resume it, or move {tdir} away (or choose another output "
-                                 "directory) to start a new sweep")
-            raise StoreError(f"{tdir}: {len(unknown)} dir(s) not in the store {db} ({names}); nothing was deleted: "
-                             "move them away, or choose another output directory")
+            raise unaccounted(unknown, rows=bool(rows))
     except BaseException:
         store.close()
         raise

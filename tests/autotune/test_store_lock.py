@@ -184,8 +184,10 @@ def test_a_store_that_cannot_account_for_the_trials_deletes_nothing(tmp_path, da
     assert says in str(e.value)
     assert runner.calls == []
     assert _snapshot(out / "trials") == before  # every trial dir and file is still there, unchanged
-    if store_bytes is not None and store_bytes:  # a damaged store is not rewritten either
+    if store_bytes is not None:  # a damaged store is not rewritten either, nor a 0-byte one given a schema
         assert (out / "sweep.sqlite").read_bytes() == store_bytes
+    else:  # nor a missing one created: a second try said 'holds no trials', the file the user should restore
+        assert not [p.name for p in out.iterdir() if p.name.startswith("sweep.sqlite") and p.suffix != ".lock"]
     # the message's advice works: with the trial dirs moved away, a new sweep starts
     if damage in (_zero, _deleted):
         (out / "trials").rename(tmp_path / "old_trials")
