@@ -333,6 +333,8 @@ zero-byte store is refused before it is opened, which would create it or write i
     except StoreLocked:
         raise
     except StoreError as e:
+        if not db.exists():  # OUT cannot hold a store (a file on its path): there is nothing to restore or move
+            raise
         raise StoreError(f"{e}; nothing was deleted: restore it to resume, or move it (and {tdir}) away to start "
                          "a new sweep") from None
     try:

@@ -207,6 +207,18 @@ def test_a_trial_dir_the_store_does_not_know_is_refused(tmp_path):
     assert (stray / "keep.txt").read_text() == "results"
 
 
+def test_an_out_dir_under_a_file_is_one_line_without_restore_advice(tmp_path):
+    """``-o FILE/sub`` (click's check for a file only sees ``-o FILE``): the store's directory cannot be made;
+    the line used to end 'nothing was deleted: restore it to resume, or move it ... away', of a store that
+    never existed."""
+    (tmp_path / "f").write_text("mine")
+    with pytest.raises(SweepError) as e:
+        run_sweep(_space(), tmp_path / "f" / "sub", strategy="grid", log=quiet, runner=FakeRunner(TABLE))
+    _one_line(str(e.value), tmp_path / "f" / "sub" / "sweep.sqlite", "cannot create its directory")
+    assert "restore" not in str(e.value)
+    assert (tmp_path / "f").read_text() == "mine"
+
+
 def test_a_missing_store_without_trial_dirs_starts_a_new_sweep(tmp_path):
     logs = []
     res = run_sweep(_space(), tmp_path / "new", strategy="grid", resume=True, log=logs.append, runner=FakeRunner(TABLE))
