@@ -302,7 +302,7 @@ def profile(config, nproc, out, overrides, open_browser, trainer_args):
         cmd += ["--set", o]
     cmd += list(trainer_args)
     _echo("$ " + " ".join(cmd), err=True)
-    rc = subprocess.call(cmd)
+    rc = _run_stoppable(subprocess.Popen(cmd))
     if rc != 0:
         _fail(f"{out}: the trainer exited with status {rc} (see its output above)", 2 if rc == 2 else 1)
     from . import analyze as run_analysis, load
@@ -316,6 +316,41 @@ def profile(config, nproc, out, overrides, open_browser, trainer_args):
     _echo(f"wrote {out} ({', '.join(p.name for p in written.values())})")
     if open_browser:
         _open_report(written["report"])
+
+
+def _run_stoppable(proc) -> int:
+    """Wait for the trainer; SIGINT or SIGTERM to us is passed on to it (once) and waited for, so that it stops
+    and says so in its manifest, then raises KeyboardInterrupt ("interrupted", exit 130). ``subprocess.call``
+    killed it (SIGKILL) 0.25 s after a Ctrl-C, often before it had marked its manifest, and on SIGTERM we died
+    alone: the trainer went on training into the run dir."""
+    import signal
+    import threading
+
+    def stop(signum, frame):
+        raise KeyboardInterrupt(signal.Signals(signum).name)
+
+    main_thread = threading.current_thread() is threading.main_thread()
+    old = ({sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)
+            if signal.getsignal(sig) is not signal.SIG_IGN} if main_thread else {})
+    interrupted = None
+    try:
+        while True:
+            try:
+                rc = proc.wait()
+                break
+            except KeyboardInterrupt as err:
+                if interrupted is None and proc.poll() is None:
+                    interrupted = str(err) or "SIGINT"
+                    try:
+                        proc.send_signal(getattr(signal, interrupted, signal.SIGINT))
+                    except OSError:
+                        pass
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
+    if interrupted is not None:
+        raise KeyboardInterrupt(interrupted)
+    return rc
 
 
 def _manifest(path: str) -> dict | None:

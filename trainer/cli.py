@@ -67,9 +67,13 @@ def main(argv: list[str] | None = None) -> int:
     rank = os.environ.get("RANK", "0")
     # not under torchrun: SIGTERM (kill, a job scheduler, a sweep's timeout) stops the run like Ctrl-C, so its
     # manifest says failed; it used to end the process where it stood, the manifest saying "running"
+    # The first SIGINT or SIGTERM stops the run, later ones are ignored until it has stopped (a Ctrl-C reaches
+    # `tracelens profile`, which passes it on, and this process both: a second interrupt would cut short the
+    # manifest's "failed")
     alone = not ("WORLD_SIZE" in os.environ and "RANK" in os.environ)
-    old = (signal.signal(signal.SIGTERM, _interrupt)
-           if alone and threading.current_thread() is threading.main_thread() else None)
+    old = ({sig: signal.signal(sig, _interrupt) for sig in (signal.SIGINT, signal.SIGTERM)
+            if signal.getsignal(sig) is not signal.SIG_IGN}  # an ignored signal (nohup, a background job) stays so
+           if alone and threading.current_thread() is threading.main_thread() else {})
     try:
         from trainer.train import shutdown, train
 
@@ -94,12 +98,14 @@ def main(argv: list[str] | None = None) -> int:
         say_error(f"rank {rank}: " + describe_failure(err, out, rank))
         return 1
     finally:
-        if old is not None:
-            signal.signal(signal.SIGTERM, old)
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
     return 0
 
 
 def _interrupt(signum, frame):
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
     raise KeyboardInterrupt(signal.Signals(signum).name)
 
 

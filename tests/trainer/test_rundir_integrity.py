@@ -463,3 +463,29 @@ def test_sigterm_stops_a_one_process_run_and_its_manifest_says_failed(tmp_path):
     assert err == f"[trainer] error: interrupted (SIGTERM); {run} is incomplete (manifest: failed)\n"
     m = _manifest(run)
     assert m["status"] == "failed" and m["reason"] == "rank 0: interrupted"
+
+
+@pytest.mark.slow
+def test_sigterm_to_tracelens_profile_stops_its_trainer(tmp_path):
+    """``tracelens profile`` ran the trainer with ``subprocess.call``: SIGTERM ended tracelens alone and the
+    trainer trained on into RUN (its manifest "running", then "complete"); a Ctrl-C killed it 0.25 s later."""
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "tracelens", "profile", "--config", "tiny", "-o", str(run),
+           "--set", "steps=100000", "--set", "profile_step_end=0"]
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 60
+        while (runtime.read_manifest(run) or {}).get("status") != "running":
+            assert proc.poll() is None, proc.communicate()
+            assert time.time() < deadline, "the run did not start in time"
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=60)  # returns once the trainer, which holds the pipes too, has ended
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 130, err
+    assert err.splitlines()[1:] == [f"[trainer] error: interrupted (SIGTERM); {run} is incomplete (manifest: failed)",
+                                    "tracelens: error: interrupted"]
+    assert _manifest(run)["status"] == "failed"
