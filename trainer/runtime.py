@@ -8,6 +8,7 @@ import json
 import os
 import platform
 import shutil
+import stat
 import sys
 from importlib import metadata
 from pathlib import Path
@@ -194,9 +195,18 @@ def clear_previous_run(out: str | Path, keep: tuple[str, ...] = ()) -> list[str]
     return removed
 
 
+MAX_MANIFEST_BYTES = 64 << 20  # as tracelens/io/manifest.py reads one
+
+
 def read_manifest(out: str | Path) -> dict | None:
+    """RUN/manifest.json as a dict, or None: missing, unreadable, not JSON, or not a regular file of at most
+    64 MiB (the launcher reads a previous run's manifest before starting: a FIFO there must not hang it)."""
+    path = Path(out) / "manifest.json"
     try:
-        doc = json.loads((Path(out) / "manifest.json").read_text())
+        st = os.stat(path)
+        if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_MANIFEST_BYTES:
+            return None
+        doc = json.loads(path.read_text())
     except (OSError, ValueError):
         return None
     return doc if isinstance(doc, dict) else None

@@ -414,6 +414,19 @@ def test_torchrun_refusing_the_config_leaves_the_previous_run(tmp_path, capsys):
     assert list(fresh.iterdir()) == []
 
 
+def test_a_fifo_manifest_does_not_hang_the_launcher(tmp_path, capsys):
+    """The launcher reads RUN's previous manifest (its run_id) before the job: a FIFO there is no manifest."""
+    from trainer.launch import run_torchrun
+
+    run = tmp_path / "run"
+    run.mkdir()
+    os.mkfifo(run / "manifest.json")
+    assert runtime.read_manifest(run) is None and not runtime.mark_failed(run, "x")
+    assert run_torchrun(_fake_torchrun("import sys; print('config error: x: bad', file=sys.stderr); sys.exit(2)"),
+                        run, None) == 2
+    assert capsys.readouterr().err == "config error: x: bad\n"
+
+
 def test_torchrun_log_of_a_started_run_is_its_torchrun_log(tmp_path, capsys):
     """A job whose rank 0 wrote its manifest (a new run_id): the launcher's log becomes RUN/logs/torchrun.log,
     and a failure marks that manifest; a job that ended before it started marks nothing of the previous run."""
