@@ -198,6 +198,26 @@ def clear_previous_run(out: str | Path, keep: tuple[str, ...] = ()) -> list[str]
 MAX_MANIFEST_BYTES = 64 << 20  # as tracelens/io/manifest.py reads one
 
 
+def lock_run_dir(out: str | Path) -> int | None:
+    """Take the run dir's exclusive lock (a non-blocking ``flock`` on the directory itself: no file is made,
+    and the kernel drops it when the holder ends, however it ends). Returns the descriptor to close to release
+    it (-1: this filesystem has no flock, so no lock), or None when another run holds it."""
+    try:
+        import fcntl
+    except ImportError:  # not POSIX
+        return -1
+    fd = os.open(out, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0))
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    except OSError:  # e.g. ENOLCK on a network filesystem
+        os.close(fd)
+        return -1
+    return fd
+
+
 def read_manifest(out: str | Path) -> dict | None:
     """RUN/manifest.json as a dict, or None: missing, unreadable, not JSON, or not a regular file of at most
     64 MiB (the launcher reads a previous run's manifest before starting: a FIFO there must not hang it)."""

@@ -236,23 +236,38 @@ def _start(cfg: dict, out: Path, notes: _Notes) -> dict | None:
     env_knobs = runtime.apply_env(cfg["env"])
     d = init_distributed(cfg)
     _check_device_knobs(cfg, d.device)  # before the run dir is touched, like the config's own checks
+    lock = None
     if d.rank == 0:  # a new run replaces the previous one in ``out``; the manifest says "running" until the end
         out.mkdir(parents=True, exist_ok=True)
-        removed = runtime.clear_previous_run(out)  # the launcher's log is staged apart (trainer.launch)
-        if removed:
-            print(f"[trainer] {out}: replaced the previous run ({', '.join(removed)})", flush=True)
-        # run_id: what ties the run's other files (routing.json) to this manifest
-        runtime.write_json_atomic(out / "manifest.json", {**_manifest_head(cfg, d, out), "run_id": uuid.uuid4().hex,
-                                                          "status": "running"})
-    if d.world_size > 1:
-        dist.barrier()  # no rank writes into ``out`` before the previous run is gone
+        # one run at a time in ``out``: two at once each wrote a manifest and traces, and the last manifest
+        # could describe the other run's trace (both said "complete")
+        lock = runtime.lock_run_dir(out)
+    free = [lock is not None]
+    if d.world_size > 1:  # every rank learns it, so that all stop with the same line (no peer fails on a lost rank 0)
+        dist.broadcast_object_list(free, src=0)
+    if not free[0]:
+        raise ConfigError("out", f"{out}: another run is writing into this run dir (it holds the dir's lock); "
+                                 "wait for it to end, or choose another -o")
     try:
-        return _train(cfg, out, d, notes, env_knobs)
-    except BaseException as err:
         if d.rank == 0:
-            why = "interrupted" if isinstance(err, KeyboardInterrupt) else one_line(err)
-            runtime.mark_failed(out, f"rank 0: {why}")
-        raise
+            removed = runtime.clear_previous_run(out)  # the launcher's log is staged apart (trainer.launch)
+            if removed:
+                print(f"[trainer] {out}: replaced the previous run ({', '.join(removed)})", flush=True)
+            # run_id: what ties the run's other files (routing.json) to this manifest
+            runtime.write_json_atomic(out / "manifest.json", {**_manifest_head(cfg, d, out), "run_id": uuid.uuid4().hex,
+                                                              "status": "running"})
+        if d.world_size > 1:
+            dist.barrier()  # no rank writes into ``out`` before the previous run is gone
+        try:
+            return _train(cfg, out, d, notes, env_knobs)
+        except BaseException as err:
+            if d.rank == 0:
+                why = "interrupted" if isinstance(err, KeyboardInterrupt) else one_line(err)
+                runtime.mark_failed(out, f"rank 0: {why}")
+            raise
+    finally:
+        if lock is not None and lock >= 0:
+            os.close(lock)  # releases the flock
 
 
 def _check_device_knobs(cfg: dict, device: torch.device) -> None:

@@ -502,3 +502,24 @@ def test_sigterm_to_tracelens_profile_stops_its_trainer(tmp_path):
     assert err.splitlines()[1:] == [f"[trainer] error: interrupted (SIGTERM); {run} is incomplete (manifest: failed)",
                                     "tracelens: error: interrupted"]
     assert _manifest(run)["status"] == "failed"
+
+
+def test_a_second_run_into_a_run_dir_in_use_is_refused(tmp_path, capsys):
+    """Two runs into one RUN at once each wrote its manifest and traces: a long run profiled early and a short
+    one started meanwhile left the long run's "complete" manifest over the short run's trace. Rank 0 now holds
+    the run dir's lock (a flock on the directory) for the run; a second run is one line, exit 2, nothing written."""
+    run = tmp_path / "run"
+    before = _previous_run(run)
+    held = runtime.lock_run_dir(run)  # the first run (a flock conflicts across descriptors, in one process too)
+    assert held is not None and held >= 0
+    try:
+        rc, stdout, stderr = _launch_here(run, 1, capsys, "steps=1")
+    finally:
+        os.close(held)
+    assert rc == 2 and stderr.splitlines() == [
+        f"config error: out: {run}: another run is writing into this run dir (it holds the dir's lock); wait for it "
+        "to end, or choose another -o"]
+    assert _tree(run) == before
+    fd = runtime.lock_run_dir(run)  # released with its holder
+    assert fd is not None and fd >= 0
+    os.close(fd)
