@@ -196,12 +196,15 @@ def to_text(r: DiffResult, rules: list[dict] | None = None, top: int = 10) -> st
 _MD_EDGE_UNDERSCORE = re.compile(r"(?<![0-9A-Za-z])_|_(?![0-9A-Za-z])")
 
 
+# Markdown's characters in a table cell, each as written: a backslash, '*' (emphasis), '|' (a cell's end), '<'
+# and '>' (HTML), a backtick (a code span; shown as a quote)
+_MD_TEXT = str.maketrans({"\\": "\\\\", "*": "\\*", "|": "\\|", "<": "&lt;", ">": "&gt;", "`": "'"})
+
+
 def _md_escape(s: str) -> str:
     """Text for a table cell or a quote, shown as written: '|' would split the cell, '<' open HTML, and '*' or a
     '_' at a word's edge pair into emphasis (aten::_foreach_mul_ would show 'foreach_mul' in italics)."""
-    s = str(s).replace("\\", "\\\\").replace("*", "\\*")
-    s = _MD_EDGE_UNDERSCORE.sub(lambda m: "\\_", s)
-    return s.replace("|", "\\|").replace("<", "&lt;").replace(">", "&gt;").replace("`", "'")
+    return _MD_EDGE_UNDERSCORE.sub(lambda m: "\\_", str(s).translate(_MD_TEXT))
 
 
 def _md_code(s: str) -> str:
