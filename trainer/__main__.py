@@ -15,4 +15,6 @@ if int(os.environ.get("WORLD_SIZE", "1")) > 1:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(rc)
-sys.exit(rc)
+from trainer.launch import exit_with  # noqa: E402  (an interrupted run's status stays 130: see exit_with)
+
+exit_with(rc)

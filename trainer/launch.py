@@ -257,5 +257,16 @@ def _signame(n: int) -> str:
         return f"signal {n}"
 
 
+def exit_with(rc: int) -> None:
+    """End the process with ``rc``. An interrupted run (130) ends with os._exit after flushing: under ``python -m``
+    CPython turns the exit of a program into death by SIGINT when a KeyboardInterrupt was ever raised inside code it
+    ran through PyRun_String (torch runs some), so the status was 130 or -SIGINT by where the signal landed."""
+    if rc == 130:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(130)
+    sys.exit(rc)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_with(main())
